@@ -1,0 +1,164 @@
+// The NVMe tier: a pinned buffer arena and the SwapStore that keeps tensors in preallocated
+// swap files striped over one or more folders.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "zinf/io.h"
+#include "zinf/status.h"
+
+namespace zinf {
+
+// ---- PinnedArena ------------------------------------------------------------------------------
+
+struct PinnedArenaOptions {
+  size_t bytes = 0;           // rounded up to 2 MiB
+  size_t alignment = 4096;    // every allocation's start and size
+  bool lock_memory = true;    // mlock; refused -> one warning naming RLIMIT_MEMLOCK
+  bool huge_pages = true;     // MADV_HUGEPAGE (fewer TLB misses, larger DMA segments)
+};
+
+class PinnedArena;
+
+// A block of the arena; returns itself on destruction. Move-only.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  ~PinnedBuffer() { Reset(); }
+  PinnedBuffer(PinnedBuffer&& other) noexcept { *this = std::move(other); }
+  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+
+  void* data() const { return data_; }
+  size_t capacity() const { return capacity_; }
+  void Reset();
+
+ private:
+  friend class PinnedArena;
+  PinnedBuffer(PinnedArena* arena, void* data, size_t capacity)
+      : arena_(arena), data_(data), capacity_(capacity) {}
+  PinnedArena* arena_ = nullptr;
+  void* data_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+// One allocation made once (and registered with I/O backends and, later, CUDA), handed out in
+// aligned blocks. Thread-safe. Must outlive its buffers.
+class PinnedArena {
+ public:
+  static Result<std::unique_ptr<PinnedArena>> Create(const PinnedArenaOptions& options);
+  ~PinnedArena();
+  PinnedArena(const PinnedArena&) = delete;
+  PinnedArena& operator=(const PinnedArena&) = delete;
+
+  // A block of at least `bytes` (rounded up to the alignment). ResourceExhausted when no free
+  // range is large enough.
+  Result<PinnedBuffer> Allocate(size_t bytes);
+
+  MemoryRegion region() const { return {base_, capacity_}; }
+  bool locked() const { return locked_; }
+  size_t capacity() const { return capacity_; }
+  size_t alignment() const { return alignment_; }
+  size_t used() const;
+  size_t peak_used() const;
+
+ private:
+  friend class PinnedBuffer;
+  PinnedArena() = default;
+  void Free(void* data, size_t capacity);
+
+  struct State;
+  void* base_ = nullptr;
+  size_t capacity_ = 0;
+  size_t alignment_ = 4096;
+  bool locked_ = false;
+  std::unique_ptr<State> state_;
+};
+
+// ---- SwapStore --------------------------------------------------------------------------------
+
+struct SwapStoreOptions {
+  std::vector<std::string> paths;  // existing folders; one swap file each (zinf-swap-<i>.bin)
+  uint64_t capacity_per_path = 0;  // preallocated (fallocate) at open; 0 = grow on demand
+  uint64_t max_capacity_per_path = 0;  // growth limit; 0 = until the filesystem is full
+  uint64_t growth_step = 256ull << 20;
+  uint64_t chunk_size = 1 << 20;       // stripe unit; tensor chunk i lives on path i % N
+  uint32_t block_size = 1 << 20;       // largest I/O request
+  IoBackendKind backend = IoBackendKind::kIoUring;
+  IoBackendOptions backend_options;
+  bool direct_io = true;   // O_DIRECT; refused (tmpfs) -> buffered I/O with one warning
+  bool checksums = false;  // xxh3-64 per chunk, verified on read
+  bool reopen = false;     // load the index a previous Close() wrote, keep the data
+  // Memory to register with the backend once (for example PinnedArena::region()).
+  std::vector<MemoryRegion> registered_regions;
+  // Tests: wrap the backend in a FaultyBackend driven by this plan.
+  std::shared_ptr<FaultPlan> fault_plan;
+};
+
+struct SwapStoreStats {
+  uint64_t bytes_written = 0;
+  uint64_t bytes_read = 0;
+  uint64_t tensors = 0;
+  uint64_t bytes_stored = 0;     // sum of tensor sizes
+  uint64_t bytes_allocated = 0;  // extents in use, padded
+  uint64_t file_bytes = 0;       // sum of swap file sizes
+  double checksum_seconds = 0;   // time spent hashing (write) and verifying (read)
+};
+
+using Ticket = uint64_t;
+
+// Tensors by key in swap files. Thread-safe: any thread may write, read and wait. A key may
+// have one write or any number of reads in flight, not both. Buffers must be aligned to
+// alignment() and hold capacity >= size rounded up to alignment() bytes (the padding is
+// written to / read from the file); they must stay valid until the ticket is waited for.
+class SwapStore {
+ public:
+  static Result<std::unique_ptr<SwapStore>> Open(const SwapStoreOptions& options);
+  // Waits for outstanding requests and writes the index; errors are logged (call Close() to
+  // see them).
+  ~SwapStore();
+  SwapStore(const SwapStore&) = delete;
+  SwapStore& operator=(const SwapStore&) = delete;
+
+  // Starts writing `size` bytes under `key` (created, or overwritten in place when its size is
+  // unchanged). Running out of space fails here, before any byte moves, with other tensors
+  // untouched.
+  Result<Ticket> Write(const std::string& key, const void* buf, uint64_t size, uint64_t capacity);
+  // Starts reading `key` into `buf`.
+  Result<Ticket> Read(const std::string& key, void* buf, uint64_t capacity);
+  // Blocks until the ticket's request has ended; returns its outcome. Once per ticket.
+  Status Wait(Ticket ticket);
+
+  Result<uint64_t> Size(const std::string& key) const;
+  bool Contains(const std::string& key) const;
+  std::vector<std::string> Keys() const;
+  // Frees the key's extents. FailedPrecondition while it has a request in flight.
+  Status Remove(const std::string& key);
+
+  // Waits for all requests, syncs the files and writes the index atomically.
+  Status Flush();
+  // Flush(), then closes; the store is unusable afterwards.
+  Status Close();
+
+  uint64_t alignment() const { return alignment_; }
+  bool direct_io() const { return direct_io_; }
+  std::string backend_features() const;
+  std::vector<std::string> file_paths() const;
+  SwapStoreStats stats() const;
+
+ private:
+  struct Impl;
+  explicit SwapStore(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+  uint64_t alignment_ = 4096;
+  bool direct_io_ = true;
+};
+
+// Rounds `n` up to a multiple of `align` (a power of two).
+constexpr uint64_t RoundUp(uint64_t n, uint64_t align) { return (n + align - 1) & ~(align - 1); }
+
+}  // namespace zinf

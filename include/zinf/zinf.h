@@ -1,0 +1,82 @@
+/* zinf C API: the engine's functions for embedding from C and other languages.
+ *
+ * Conventions: functions return 0 on success and non-zero on failure; after a failure,
+ * zinf_last_error() returns a message (per thread) saying what failed and what to do.
+ * Pointers documented as "out" are written only on success. */
+#ifndef ZINF_ZINF_H_
+#define ZINF_ZINF_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The message of the last failed call on this thread ("" when the last call succeeded). */
+const char* zinf_last_error(void);
+
+/* ---- Aligned memory ---------------------------------------------------------------------- */
+
+/* Memory aligned for O_DIRECT I/O (4096 bytes), size rounded up to 4096. NULL on failure. */
+void* zinf_alloc_aligned(size_t size);
+void zinf_free_aligned(void* ptr);
+
+/* ---- Swap store (NVMe tier) ------------------------------------------------------------- */
+
+typedef struct zinf_swap_store zinf_swap_store;
+
+typedef struct zinf_swap_options {
+  const char* const* paths;   /* folders that hold the swap files (1..N, striped over) */
+  size_t num_paths;
+  uint64_t capacity_per_path; /* bytes to preallocate per path; 0 = grow on demand */
+  uint64_t max_capacity_per_path; /* growth limit per path; 0 = until the disk is full */
+  uint64_t chunk_size;        /* stripe unit across paths; 0 = 1 MiB */
+  uint64_t block_size;        /* largest single I/O request; 0 = 1 MiB */
+  uint32_t queue_depth;       /* requests in flight; 0 = 32 */
+  const char* backend;        /* "io_uring" (NULL = default), "libaio" or "psync" */
+  int checksums;              /* 1: per-chunk xxhash written and verified on read */
+  int reopen;                 /* 1: load the index left by a previous zinf_swap_close */
+} zinf_swap_options;
+
+/* Fills *options with the defaults (no paths). */
+void zinf_swap_options_init(zinf_swap_options* options);
+
+/* Opens a store; *out receives it. */
+int zinf_swap_open(const zinf_swap_options* options, zinf_swap_store** out);
+
+/* Starts writing `size` bytes of `buf` under `key`. `buf` must be aligned to
+ * zinf_swap_alignment() and hold `capacity` >= size rounded up to that alignment bytes;
+ * it must stay valid and unchanged until zinf_swap_wait(*ticket) returns. */
+int zinf_swap_write(zinf_swap_store* store, const char* key, const void* buf, size_t size,
+                    size_t capacity, uint64_t* ticket);
+
+/* Starts reading the tensor `key` into `buf` (same alignment and capacity rules). */
+int zinf_swap_read(zinf_swap_store* store, const char* key, void* buf, size_t capacity,
+                   uint64_t* ticket);
+
+/* Waits for a ticket; returns its outcome. Each ticket is waited for once. */
+int zinf_swap_wait(zinf_swap_store* store, uint64_t ticket);
+
+/* Size in bytes of the tensor `key`, or -1 (and a last error) when it is not stored. */
+int64_t zinf_swap_size(zinf_swap_store* store, const char* key);
+
+/* Frees the extents of `key`. */
+int zinf_swap_remove(zinf_swap_store* store, const char* key);
+
+/* Required alignment of buffers and their capacities, in bytes. */
+size_t zinf_swap_alignment(const zinf_swap_store* store);
+
+/* Waits for every outstanding request, writes the index (so the store can be reopened),
+ * closes the files and frees the store. Returns the first error met; the store is freed
+ * either way. */
+int zinf_swap_close(zinf_swap_store* store);
+
+/* ---- CPU optimizers (cpu_adam) ----------------------------------------------------------- */
+/* (declared by the cpu_adam component below this line) */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ZINF_ZINF_H_ */

@@ -1,0 +1,130 @@
+#include <sys/mman.h>
+#include <sys/resource.h>
+
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "nvme/range_allocator.h"
+#include "zinf/log.h"
+#include "zinf/swap.h"
+
+namespace zinf {
+
+struct PinnedArena::State {
+  std::mutex mu;
+  RangeAllocator free;            // guarded by mu
+  size_t used = 0;                // guarded by mu
+  size_t peak = 0;                // guarded by mu
+};
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    arena_ = other.arena_;
+    data_ = other.data_;
+    capacity_ = other.capacity_;
+    other.arena_ = nullptr;
+    other.data_ = nullptr;
+    other.capacity_ = 0;
+  }
+  return *this;
+}
+
+void PinnedBuffer::Reset() {
+  if (arena_ != nullptr) arena_->Free(data_, capacity_);
+  arena_ = nullptr;
+  data_ = nullptr;
+  capacity_ = 0;
+}
+
+Result<std::unique_ptr<PinnedArena>> PinnedArena::Create(const PinnedArenaOptions& options) {
+  if (options.bytes == 0) return Status::InvalidArgument("pinned arena size is 0");
+  if (options.alignment < 64 || (options.alignment & (options.alignment - 1)) != 0 ||
+      options.alignment > (2u << 20)) {
+    return Status::InvalidArgument("pinned arena alignment " + std::to_string(options.alignment) +
+                                   " must be a power of two in [64, 2 MiB]");
+  }
+  constexpr size_t kHuge = 2u << 20;
+  size_t bytes = RoundUp(options.bytes, kHuge);
+  // Over-map by one huge page so the start can be 2 MiB aligned (transparent huge pages).
+  void* raw = mmap(nullptr, bytes + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                   -1, 0);
+  if (raw == MAP_FAILED) {
+    return ErrnoToStatus(errno, "pinned arena: mmap of " + FormatBytes(bytes));
+  }
+  uintptr_t start = RoundUp(reinterpret_cast<uintptr_t>(raw), kHuge);
+  size_t head = start - reinterpret_cast<uintptr_t>(raw);
+  if (head > 0) munmap(raw, head);
+  size_t tail = kHuge - head;
+  if (tail > 0) munmap(reinterpret_cast<char*>(start) + bytes, tail);
+
+  std::unique_ptr<PinnedArena> arena(new PinnedArena());
+  arena->base_ = reinterpret_cast<void*>(start);
+  arena->capacity_ = bytes;
+  arena->alignment_ = options.alignment;
+  arena->state_ = std::make_unique<State>();
+  arena->state_->free.Add(0, bytes);
+
+  if (options.huge_pages && madvise(arena->base_, bytes, MADV_HUGEPAGE) != 0) {
+    LogWarning("pinned arena: MADV_HUGEPAGE refused (" + std::string(strerror(errno)) +
+               "); using 4 KiB pages");
+  }
+  if (options.lock_memory) {
+    if (mlock(arena->base_, bytes) == 0) {
+      arena->locked_ = true;
+    } else {
+      int err = errno;
+      rlimit lim{};
+      getrlimit(RLIMIT_MEMLOCK, &lim);
+      std::string limit = lim.rlim_cur == RLIM_INFINITY ? "unlimited" : FormatBytes(lim.rlim_cur);
+      LogWarning("pinned arena: could not lock " + FormatBytes(bytes) + " in memory (" +
+                 strerror(err) + "; RLIMIT_MEMLOCK is " + limit +
+                 "). The arena stays pageable: I/O still works but may be slower. Raise the "
+                 "limit with `ulimit -l unlimited`, LimitMEMLOCK=infinity (systemd) or a "
+                 "memlock line in /etc/security/limits.conf");
+    }
+  }
+  if (!arena->locked_) {
+    // Fault every page in now, not in the middle of a training step.
+    for (size_t off = 0; off < bytes; off += 4096) static_cast<char*>(arena->base_)[off] = 0;
+  }
+  return arena;
+}
+
+PinnedArena::~PinnedArena() {
+  if (base_ != nullptr) munmap(base_, capacity_);
+}
+
+Result<PinnedBuffer> PinnedArena::Allocate(size_t bytes) {
+  size_t need = RoundUp(bytes == 0 ? 1 : bytes, alignment_);
+  std::lock_guard<std::mutex> lock(state_->mu);
+  if (std::optional<uint64_t> offset = state_->free.Allocate(need)) {
+    state_->used += need;
+    state_->peak = std::max(state_->peak, state_->used);
+    return PinnedBuffer(this, static_cast<char*>(base_) + *offset, need);
+  }
+  return Status::ResourceExhausted("pinned arena: no free block of " + FormatBytes(need) + " (arena " +
+                                   FormatBytes(capacity_) + ", in use " + FormatBytes(state_->used) +
+                                   "); raise the pinned host budget or lower buffer sizes");
+}
+
+void PinnedArena::Free(void* data, size_t capacity) {
+  size_t offset = static_cast<char*>(data) - static_cast<char*>(base_);
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->free.Free(offset, capacity);
+  state_->used -= capacity;
+}
+
+size_t PinnedArena::used() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->used;
+}
+
+size_t PinnedArena::peak_used() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->peak;
+}
+
+}  // namespace zinf

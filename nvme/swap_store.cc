@@ -1,0 +1,700 @@
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <unordered_map>
+
+#include "nvme/io_queue.h"
+#include "nvme/range_allocator.h"
+#include "zinf/log.h"
+#include "zinf/swap.h"
+
+namespace zinf {
+namespace {
+
+constexpr const char* kIndexName = "zinf-swap.index.json";
+constexpr int kIndexVersion = 1;
+
+std::string SwapFileName(const std::string& dir, size_t i) {
+  return dir + "/zinf-swap-" + std::to_string(i) + ".bin";
+}
+
+// A tensor's home on one file: a contiguous run holding its chunks f, f+N, f+2N, ...
+struct Extent {
+  uint32_t file = 0;
+  uint64_t offset = 0;
+  uint64_t len = 0;
+};
+
+struct Entry {
+  uint64_t size = 0;
+  std::vector<Extent> extents;     // one per file used, indexed by chunk % N
+  std::vector<uint64_t> checksums; // per chunk, when checksums are on
+  bool valid = false;              // the last write completed
+  std::string last_error;          // why it is not valid
+  bool writing = false;
+  int readers = 0;
+};
+
+struct TicketState {
+  int remaining = 0;
+  Status status;
+};
+
+double SecondsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+struct SwapStore::Impl {
+  SwapStoreOptions options;
+  uint64_t alignment = 4096;
+  bool direct_io = true;
+  std::vector<IoFile> files;
+  std::unique_ptr<IoQueue> queue;
+
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  std::vector<RangeAllocator> space;       // guarded by mu: free extents per file
+  std::vector<uint64_t> file_size;         // guarded by mu
+  std::unordered_map<std::string, Entry> entries;  // guarded by mu
+  std::unordered_map<Ticket, TicketState> tickets; // guarded by mu
+  Ticket next_ticket = 1;                  // guarded by mu
+  int in_flight = 0;                       // guarded by mu: tickets not yet ended
+  SwapStoreStats stats;                    // guarded by mu
+  bool closed = false;                     // guarded by mu
+
+  ~Impl() {
+    queue.reset();  // drains
+    for (const IoFile& f : files) close(f.fd);
+  }
+
+  uint64_t NumChunks(uint64_t padded) const {
+    return (padded + options.chunk_size - 1) / options.chunk_size;
+  }
+
+  // File, offset and length of chunk `i` of an entry.
+  Transfer ChunkTransfer(const Entry& e, uint64_t i, IoOp op, char* buf) const {
+    uint64_t padded = RoundUp(e.size, alignment);
+    size_t n = files.size();
+    const Extent& x = e.extents[i % n];
+    Transfer t;
+    t.op = op;
+    t.file = x.file;
+    t.offset = x.offset + (i / n) * options.chunk_size;
+    t.buf = buf + i * options.chunk_size;
+    t.len = std::min<uint64_t>(options.chunk_size, padded - i * options.chunk_size);
+    return t;
+  }
+
+  uint64_t ChunkLogicalBytes(const Entry& e, uint64_t i) const {
+    uint64_t start = i * options.chunk_size;
+    return std::min<uint64_t>(options.chunk_size, e.size - start);
+  }
+
+  // Bytes the extent on file slot f needs for a tensor of `padded` bytes.
+  uint64_t ExtentBytes(uint64_t padded, size_t f) const {
+    uint64_t chunks = NumChunks(padded);
+    size_t n = files.size();
+    if (f >= chunks) return 0;
+    uint64_t count = (chunks - f + n - 1) / n;  // chunks f, f+n, ...
+    uint64_t last = f + (count - 1) * n;
+    return (count - 1) * options.chunk_size +
+           std::min<uint64_t>(options.chunk_size, padded - last * options.chunk_size);
+  }
+
+  // REQUIRES: mu held. Grows file f so that `len` more bytes fit at its end.
+  Status Grow(size_t f, uint64_t len, const std::string& key) {
+    uint64_t tail = space[f].FreeTailLength(file_size[f]);
+    uint64_t need = len - std::min(len, tail);
+    uint64_t grow = RoundUp(std::max(need, options.growth_step), alignment);
+    uint64_t limit = options.max_capacity_per_path;
+    if (limit != 0 && file_size[f] + grow > limit) {
+      grow = limit > file_size[f] ? RoundUp(need, alignment) : 0;
+      if (grow == 0 || file_size[f] + grow > limit) {
+        return Status::ResourceExhausted(
+            "swap store full: tensor '" + key + "' needs " + FormatBytes(len) + " more on " +
+            files[f].path + ", which reached its capacity limit of " + FormatBytes(limit) +
+            "; raise the per-path capacity, add another nvme path or offload less");
+      }
+    }
+    int rc = fallocate(files[f].fd, 0, static_cast<off_t>(file_size[f]),
+                       static_cast<off_t>(grow));
+    if (rc != 0) {
+      int err = errno;
+      struct statvfs vfs {};
+      std::string free_space = fstatvfs(files[f].fd, &vfs) == 0
+                                   ? FormatBytes(uint64_t(vfs.f_bavail) * vfs.f_frsize)
+                                   : "unknown";
+      if (err == ENOSPC || err == EDQUOT) {
+        return Status(StatusCode::kResourceExhausted,
+                      "no space left for tensor '" + key + "': growing " + files[f].path +
+                          " by " + FormatBytes(grow) + " failed (" + free_space +
+                          " free on that filesystem); free space there, add another nvme path "
+                          "or offload less",
+                      err);
+      }
+      return ErrnoToStatus(err, "fallocate " + files[f].path + " for tensor '" + key + "'");
+    }
+    space[f].Add(file_size[f], grow);
+    file_size[f] += grow;
+    stats.file_bytes += grow;
+    return Status::OK();
+  }
+
+  // REQUIRES: mu held. Allocates extents for `size` bytes; on failure frees what it took.
+  Result<std::vector<Extent>> AllocateExtents(uint64_t size, const std::string& key) {
+    uint64_t padded = RoundUp(size, alignment);
+    std::vector<Extent> extents;
+    for (size_t f = 0; f < files.size(); ++f) {
+      uint64_t len = ExtentBytes(padded, f);
+      if (len == 0) break;
+      std::optional<uint64_t> off = space[f].Allocate(len);
+      if (!off) {
+        Status s = Grow(f, len, key);
+        if (s.ok()) off = space[f].Allocate(len);
+        if (!off) {
+          for (const Extent& x : extents) space[x.file].Free(x.offset, x.len);
+          return s.ok() ? Status::Internal("extent allocation failed after growth") : s;
+        }
+      }
+      extents.push_back({static_cast<uint32_t>(f), *off, len});
+    }
+    return extents;
+  }
+
+  // REQUIRES: mu held.
+  void FreeExtents(Entry& e) {
+    for (const Extent& x : e.extents) space[x.file].Free(x.offset, x.len);
+    for (const Extent& x : e.extents) stats.bytes_allocated -= x.len;
+    e.extents.clear();
+  }
+
+  Ticket NewTicket(int parts) {  // REQUIRES: mu held
+    Ticket t = next_ticket++;
+    tickets[t].remaining = parts;
+    ++in_flight;
+    return t;
+  }
+
+  // Called once per finished part (chunk). Runs on the I/O thread or the caller.
+  void PartDone(Ticket t, const Status& s, const std::string& key, bool is_write) {
+    std::lock_guard<std::mutex> lock(mu);
+    TicketState& ts = tickets[t];
+    if (!s.ok() && ts.status.ok()) {
+      ts.status = s.WithContext(std::string("swap ") + (is_write ? "write" : "read") +
+                                " of tensor '" + key + "'");
+    }
+    if (--ts.remaining > 0) return;
+    auto it = entries.find(key);
+    if (it != entries.end()) {
+      Entry& e = it->second;
+      if (is_write) {
+        e.writing = false;
+        e.valid = ts.status.ok();
+        e.last_error = ts.status.ok() ? "" : ts.status.message();
+        if (ts.status.ok()) stats.bytes_written += RoundUp(e.size, alignment);
+      } else {
+        --e.readers;
+        if (ts.status.ok()) stats.bytes_read += RoundUp(e.size, alignment);
+      }
+    }
+    --in_flight;
+    cv.notify_all();
+  }
+
+  Status CheckBuffer(const std::string& key, const void* buf, uint64_t size,
+                     uint64_t capacity) const {
+    if (key.empty()) return Status::InvalidArgument("swap store: empty tensor key");
+    if (reinterpret_cast<uintptr_t>(buf) % alignment != 0) {
+      char addr[32];
+      std::snprintf(addr, sizeof(addr), "%p", buf);
+      return Status::InvalidArgument(
+          "buffer for tensor '" + key + "' at " + addr + " is not aligned to " +
+          std::to_string(alignment) +
+          " bytes (needed for direct I/O); allocate it from a PinnedArena or with "
+          "zinf_alloc_aligned");
+    }
+    if (capacity < RoundUp(size, alignment)) {
+      return Status::InvalidArgument("buffer for tensor '" + key + "' holds " +
+                                     std::to_string(capacity) + " bytes but " +
+                                     std::to_string(RoundUp(size, alignment)) +
+                                     " are needed (size " + std::to_string(size) +
+                                     " rounded up to " + std::to_string(alignment) + ")");
+    }
+    if (size > 0 && buf == nullptr) {
+      return Status::InvalidArgument("null buffer for tensor '" + key + "'");
+    }
+    return Status::OK();
+  }
+
+  Status WriteIndex();
+  Status LoadIndex();
+};
+
+SwapStore::SwapStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
+  alignment_ = impl_->alignment;
+  direct_io_ = impl_->direct_io;
+}
+
+SwapStore::~SwapStore() {
+  if (!impl_) return;
+  bool closed;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    closed = impl_->closed;
+  }
+  if (!closed) {
+    Status s = Close();
+    if (!s.ok()) LogWarning("closing the swap store: " + s.ToString());
+  }
+}
+
+Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& options) {
+  if (options.paths.empty()) {
+    return Status::InvalidArgument("swap store: no nvme path given; pass at least one folder");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  const uint64_t align = impl->alignment;
+  if (options.chunk_size == 0 || options.chunk_size % align != 0) {
+    return Status::InvalidArgument("swap store: chunk size " + std::to_string(options.chunk_size) +
+                                   " must be a positive multiple of " + std::to_string(align));
+  }
+  if (options.capacity_per_path % align != 0 || options.max_capacity_per_path % align != 0) {
+    return Status::InvalidArgument("swap store: capacities must be multiples of " +
+                                   std::to_string(align) + " bytes");
+  }
+  if (options.max_capacity_per_path != 0 &&
+      options.capacity_per_path > options.max_capacity_per_path) {
+    return Status::InvalidArgument("swap store: capacity per path exceeds its maximum");
+  }
+  bool warned_buffered = false;
+  for (size_t i = 0; i < options.paths.size(); ++i) {
+    const std::string& dir = options.paths[i];
+    struct stat st {};
+    if (stat(dir.c_str(), &st) != 0) {
+      int err = errno;
+      if (err == ENOENT) {
+        return Status::NotFound("nvme path '" + dir +
+                                "' does not exist: create the folder or pass another path");
+      }
+      return ErrnoToStatus(err, "nvme path '" + dir + "'");
+    }
+    if (!S_ISDIR(st.st_mode)) {
+      return Status::InvalidArgument("nvme path '" + dir +
+                                     "' is not a folder: pass the folder to hold swap files");
+    }
+    std::string path = SwapFileName(dir, i);
+    int flags = O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | (options.reopen ? 0 : O_TRUNC);
+    int fd = -1;
+    bool direct = options.direct_io;
+    if (direct) {
+      fd = open(path.c_str(), flags | O_DIRECT, 0600);
+      if (fd < 0 && errno == EINVAL) {
+        direct = false;
+        if (!warned_buffered) {
+          LogWarning("O_DIRECT refused on " + path +
+                     " (tmpfs or a filesystem without direct I/O): using buffered I/O, which "
+                     "goes through the page cache");
+          warned_buffered = true;
+        }
+      } else if (fd < 0) {
+        return ErrnoToStatus(errno, "opening swap file " + path);
+      }
+    }
+    if (fd < 0) {
+      fd = open(path.c_str(), flags, 0600);
+      if (fd < 0) return ErrnoToStatus(errno, "opening swap file " + path);
+    }
+    if (!direct) impl->direct_io = false;
+    impl->files.push_back({fd, path});
+    if (fchmod(fd, 0600) != 0) return ErrnoToStatus(errno, "fchmod 0600 " + path);
+    if (fstat(fd, &st) != 0) return ErrnoToStatus(errno, "fstat " + path);
+    if (!S_ISREG(st.st_mode)) return Status::InvalidArgument(path + " is not a regular file");
+    impl->file_size.push_back(options.reopen ? static_cast<uint64_t>(st.st_size) : 0);
+    impl->space.emplace_back();
+  }
+
+  if (options.reopen) {
+    ZINF_RETURN_IF_ERROR(impl->LoadIndex());
+  }
+  for (size_t f = 0; f < impl->files.size(); ++f) {
+    impl->stats.file_bytes += impl->file_size[f];
+    if (impl->file_size[f] < options.capacity_per_path) {
+      uint64_t grow = options.capacity_per_path - impl->file_size[f];
+      SwapStoreOptions& o = impl->options;
+      uint64_t step = o.growth_step;
+      o.growth_step = grow;  // preallocate exactly the requested capacity
+      Status s = impl->Grow(f, grow, "(preallocation)");
+      o.growth_step = step;
+      ZINF_RETURN_IF_ERROR(s);
+    }
+  }
+
+  Result<std::unique_ptr<IoBackend>> backend =
+      NewIoBackend(options.backend, options.backend_options);
+  if (!backend.ok()) return backend.status();
+  std::unique_ptr<IoBackend> b = std::move(backend).value();
+  if (options.fault_plan) b = NewFaultyBackend(std::move(b), options.fault_plan);
+  IoQueueOptions qopt;
+  qopt.block_size = options.block_size;
+  ZINF_ASSIGN_OR_RETURN(impl->queue, IoQueue::Start(std::move(b), impl->files,
+                                                     options.registered_regions, qopt));
+  return std::unique_ptr<SwapStore>(new SwapStore(std::move(impl)));
+}
+
+Result<Ticket> SwapStore::Write(const std::string& key, const void* buf, uint64_t size,
+                                uint64_t capacity) {
+  Impl& m = *impl_;
+  ZINF_RETURN_IF_ERROR(m.CheckBuffer(key, buf, size, capacity));
+  const uint64_t padded = RoundUp(size, m.alignment);
+  const uint64_t chunks = m.NumChunks(padded);
+
+  // Hash before taking the lock: the buffer is the caller's and stays unchanged.
+  std::vector<uint64_t> sums;
+  if (m.options.checksums) {
+    auto t0 = std::chrono::steady_clock::now();
+    sums.resize(chunks);
+    for (uint64_t i = 0; i < chunks; ++i) {
+      uint64_t start = i * m.options.chunk_size;
+      sums[i] = XXH3_64bits(static_cast<const char*>(buf) + start,
+                            std::min<uint64_t>(m.options.chunk_size, size - start));
+    }
+    std::lock_guard<std::mutex> lock(m.mu);
+    m.stats.checksum_seconds += SecondsSince(t0);
+  }
+
+  std::vector<Transfer> transfers;
+  Ticket ticket;
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    if (m.closed) return Status::FailedPrecondition("swap store is closed");
+    auto it = m.entries.find(key);
+    if (it != m.entries.end() && (it->second.writing || it->second.readers > 0)) {
+      return Status::FailedPrecondition("tensor '" + key +
+                                        "' has a swap request in flight; wait for its ticket "
+                                        "before writing it again");
+    }
+    bool reuse = it != m.entries.end() && RoundUp(it->second.size, m.alignment) == padded &&
+                 !it->second.extents.empty();
+    if (!reuse && padded > 0) {
+      // Allocate before freeing the old extents: a full disk leaves the old tensor intact.
+      ZINF_ASSIGN_OR_RETURN(std::vector<Extent> extents, m.AllocateExtents(size, key));
+      if (it != m.entries.end()) m.FreeExtents(it->second);
+      for (const Extent& x : extents) m.stats.bytes_allocated += x.len;
+      Entry& e = m.entries[key];
+      e.extents = std::move(extents);
+    }
+    Entry& e = m.entries[key];
+    if (it == m.entries.end()) ++m.stats.tensors;
+    m.stats.bytes_stored = m.stats.bytes_stored - (it != m.entries.end() ? e.size : 0) + size;
+    e.size = size;
+    e.checksums = std::move(sums);
+    e.writing = true;
+    e.valid = false;
+    for (uint64_t i = 0; i < chunks; ++i) {
+      transfers.push_back(
+          m.ChunkTransfer(e, i, IoOp::kWrite, static_cast<char*>(const_cast<void*>(buf))));
+    }
+    ticket = m.NewTicket(static_cast<int>(std::max<uint64_t>(chunks, 1)));
+  }
+  if (chunks == 0) {
+    m.PartDone(ticket, Status::OK(), key, /*is_write=*/true);
+    return ticket;
+  }
+  for (const Transfer& t : transfers) {
+    m.queue->Submit(t, [&m, ticket, key](const Status& s) {
+      m.PartDone(ticket, s, key, /*is_write=*/true);
+    });
+  }
+  return ticket;
+}
+
+Result<Ticket> SwapStore::Read(const std::string& key, void* buf, uint64_t capacity) {
+  Impl& m = *impl_;
+  std::vector<Transfer> transfers;
+  std::vector<uint64_t> sums;
+  uint64_t size;
+  Ticket ticket;
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    if (m.closed) return Status::FailedPrecondition("swap store is closed");
+    auto it = m.entries.find(key);
+    if (it == m.entries.end()) {
+      return Status::NotFound("tensor '" + key + "' is not in the swap store");
+    }
+    Entry& e = it->second;
+    size = e.size;
+    ZINF_RETURN_IF_ERROR(m.CheckBuffer(key, buf, e.size, capacity));
+    if (e.writing) {
+      return Status::FailedPrecondition("tensor '" + key +
+                                        "' is being written; wait for the write's ticket first");
+    }
+    if (!e.valid) {
+      return Status::FailedPrecondition("tensor '" + key + "' has no valid copy on disk: its " +
+                                        "last write failed (" + e.last_error +
+                                        "); write it again before reading");
+    }
+    uint64_t chunks = m.NumChunks(RoundUp(e.size, m.alignment));
+    for (uint64_t i = 0; i < chunks; ++i) {
+      transfers.push_back(m.ChunkTransfer(e, i, IoOp::kRead, static_cast<char*>(buf)));
+    }
+    sums = e.checksums;
+    ++e.readers;
+    ticket = m.NewTicket(static_cast<int>(std::max<uint64_t>(chunks, 1)));
+  }
+  if (transfers.empty()) {
+    m.PartDone(ticket, Status::OK(), key, /*is_write=*/false);
+    return ticket;
+  }
+  for (uint64_t i = 0; i < transfers.size(); ++i) {
+    const Transfer& t = transfers[i];
+    uint64_t expected = sums.empty() ? 0 : sums[i];
+    bool verify = !sums.empty();
+    uint64_t logical = std::min<uint64_t>(m.options.chunk_size, size - i * m.options.chunk_size);
+    m.queue->Submit(t, [&m, ticket, key, t, i, expected, verify, logical](const Status& s) {
+      Status result = s;
+      if (s.ok() && verify) {
+        auto t0 = std::chrono::steady_clock::now();
+        uint64_t got = XXH3_64bits(t.buf, logical);
+        {
+          std::lock_guard<std::mutex> lock(m.mu);
+          m.stats.checksum_seconds += SecondsSince(t0);
+        }
+        if (got != expected) {
+          result = Status::Corruption("checksum mismatch in chunk " + std::to_string(i) + " (" +
+                                      m.files[t.file].path + " offset " +
+                                      std::to_string(t.offset) + "): stored " +
+                                      std::to_string(expected) + ", read " + std::to_string(got) +
+                                      "; the data on disk is damaged");
+        }
+      }
+      m.PartDone(ticket, result, key, /*is_write=*/false);
+    });
+  }
+  return ticket;
+}
+
+Status SwapStore::Wait(Ticket ticket) {
+  Impl& m = *impl_;
+  std::unique_lock<std::mutex> lock(m.mu);
+  auto it = m.tickets.find(ticket);
+  if (it == m.tickets.end()) {
+    return Status::InvalidArgument("unknown swap ticket " + std::to_string(ticket) +
+                                   " (never issued, or already waited for)");
+  }
+  m.cv.wait(lock, [&] { return m.tickets[ticket].remaining == 0; });
+  Status s = std::move(m.tickets[ticket].status);
+  m.tickets.erase(ticket);
+  return s;
+}
+
+Result<uint64_t> SwapStore::Size(const std::string& key) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->entries.find(key);
+  if (it == impl_->entries.end()) {
+    return Status::NotFound("tensor '" + key + "' is not in the swap store");
+  }
+  return it->second.size;
+}
+
+bool SwapStore::Contains(const std::string& key) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->entries.count(key) != 0;
+}
+
+std::vector<std::string> SwapStore::Keys() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::vector<std::string> keys;
+  for (const auto& [k, e] : impl_->entries) keys.push_back(k);
+  std::sort(keys.begin(), keys.end());
+  return keys;
+}
+
+Status SwapStore::Remove(const std::string& key) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  auto it = m.entries.find(key);
+  if (it == m.entries.end()) return Status::NotFound("tensor '" + key + "' is not in the swap store");
+  if (it->second.writing || it->second.readers > 0) {
+    return Status::FailedPrecondition("tensor '" + key + "' has a swap request in flight");
+  }
+  m.FreeExtents(it->second);
+  m.stats.bytes_stored -= it->second.size;
+  --m.stats.tensors;
+  m.entries.erase(it);
+  return Status::OK();
+}
+
+Status SwapStore::Flush() {
+  Impl& m = *impl_;
+  {
+    std::unique_lock<std::mutex> lock(m.mu);
+    m.cv.wait(lock, [&] { return m.in_flight == 0; });
+  }
+  for (const IoFile& f : m.files) {
+    if (fdatasync(f.fd) != 0) return ErrnoToStatus(errno, "fdatasync " + f.path);
+  }
+  return m.WriteIndex();
+}
+
+Status SwapStore::Close() {
+  Status s = Flush();
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->closed = true;
+  return s;
+}
+
+std::string SwapStore::backend_features() const {
+  return std::string(impl_->queue->BackendName()) + " " + impl_->queue->Features();
+}
+
+std::vector<std::string> SwapStore::file_paths() const {
+  std::vector<std::string> paths;
+  for (const IoFile& f : impl_->files) paths.push_back(f.path);
+  return paths;
+}
+
+SwapStoreStats SwapStore::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->stats;
+}
+
+// ---- Index -----------------------------------------------------------------------------------
+
+Status SwapStore::Impl::WriteIndex() {
+  nlohmann::json j;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    j["version"] = kIndexVersion;
+    j["alignment"] = alignment;
+    j["chunk_size"] = options.chunk_size;
+    j["checksums"] = options.checksums;
+    nlohmann::json jf = nlohmann::json::array();
+    for (size_t f = 0; f < files.size(); ++f) {
+      jf.push_back({{"path", files[f].path}, {"size", file_size[f]}});
+    }
+    j["files"] = jf;
+    nlohmann::json jt = nlohmann::json::object();
+    for (const auto& [key, e] : entries) {
+      if (!e.valid) continue;  // nothing trustworthy to reopen
+      nlohmann::json ext = nlohmann::json::array();
+      for (const Extent& x : e.extents) ext.push_back({x.file, x.offset, x.len});
+      jt[key] = {{"size", e.size}, {"extents", ext}, {"checksums", e.checksums}};
+    }
+    j["tensors"] = jt;
+  }
+  const std::string dir = options.paths[0];
+  const std::string final_path = dir + "/" + kIndexName;
+  const std::string tmp_path = final_path + ".tmp";
+  std::string text = j.dump();
+  int fd = open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) return ErrnoToStatus(errno, "creating " + tmp_path);
+  size_t done = 0;
+  while (done < text.size()) {
+    ssize_t n = write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      Status s = ErrnoToStatus(errno, "writing " + tmp_path);
+      close(fd);
+      return s;
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (fsync(fd) != 0) {
+    Status s = ErrnoToStatus(errno, "fsync " + tmp_path);
+    close(fd);
+    return s;
+  }
+  if (close(fd) != 0) return ErrnoToStatus(errno, "closing " + tmp_path);
+  if (rename(tmp_path.c_str(), final_path.c_str()) != 0) {
+    return ErrnoToStatus(errno, "renaming " + tmp_path + " to " + final_path);
+  }
+  int dfd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0) return ErrnoToStatus(errno, "opening folder " + dir);
+  int rc = fsync(dfd);
+  int err = errno;
+  close(dfd);
+  if (rc != 0) return ErrnoToStatus(err, "fsync folder " + dir);
+  return Status::OK();
+}
+
+Status SwapStore::Impl::LoadIndex() {
+  const std::string path = options.paths[0] + "/" + kIndexName;
+  std::ifstream in(path);
+  if (!in) {
+    return Status::NotFound("cannot reopen the swap store: no index at " + path +
+                            " (it is written by Close/Flush)");
+  }
+  auto bad = [&](const std::string& why) {
+    return Status::Corruption("swap index " + path + ": " + why +
+                              "; the store cannot be reopened (start a fresh one)");
+  };
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return bad("not valid JSON");
+  try {
+    if (j.at("version").get<int>() != kIndexVersion) return bad("unknown version");
+    if (j.at("alignment").get<uint64_t>() != alignment) return bad("alignment differs");
+    if (j.at("chunk_size").get<uint64_t>() != options.chunk_size) {
+      return bad("it was written with chunk size " +
+                 std::to_string(j.at("chunk_size").get<uint64_t>()) + ", not " +
+                 std::to_string(options.chunk_size));
+    }
+    const auto& jf = j.at("files");
+    if (jf.size() != files.size()) {
+      return bad("it lists " + std::to_string(jf.size()) + " swap files but " +
+                 std::to_string(files.size()) + " paths were given");
+    }
+    for (size_t f = 0; f < files.size(); ++f) {
+      uint64_t size = jf[f].at("size").get<uint64_t>();
+      if (size > file_size[f]) {
+        return bad(files[f].path + " is shorter (" + std::to_string(file_size[f]) +
+                   " bytes) than recorded (" + std::to_string(size) + ")");
+      }
+      space[f].Add(0, file_size[f]);
+    }
+    bool had_checksums = j.at("checksums").get<bool>();
+    for (const auto& [key, jt] : j.at("tensors").items()) {
+      Entry e;
+      e.size = jt.at("size").get<uint64_t>();
+      e.valid = true;
+      for (const auto& x : jt.at("extents")) {
+        Extent ext{x.at(0).get<uint32_t>(), x.at(1).get<uint64_t>(), x.at(2).get<uint64_t>()};
+        if (ext.file >= files.size() || !space[ext.file].Reserve(ext.offset, ext.len)) {
+          return bad("tensor '" + key + "' has an extent outside its file or overlapping another");
+        }
+        stats.bytes_allocated += ext.len;
+        e.extents.push_back(ext);
+      }
+      uint64_t padded = RoundUp(e.size, alignment);
+      size_t expect = std::min<uint64_t>(NumChunks(padded), files.size());
+      if (e.extents.size() != expect) return bad("tensor '" + key + "' has the wrong extent count");
+      if (had_checksums) {
+        e.checksums = jt.at("checksums").get<std::vector<uint64_t>>();
+        if (e.checksums.size() != NumChunks(padded)) {
+          return bad("tensor '" + key + "' has the wrong checksum count");
+        }
+      }
+      ++stats.tensors;
+      stats.bytes_stored += e.size;
+      entries.emplace(key, std::move(e));
+    }
+  } catch (const nlohmann::json::exception& ex) {
+    return bad(std::string("missing or mistyped field (") + ex.what() + ")");
+  }
+  return Status::OK();
+}
+
+}  // namespace zinf
