@@ -1,0 +1,459 @@
+// zinf-nvme-bench: sequential O_DIRECT throughput of zinf's I/O path (IoQueue over a backend,
+// buffers from the PinnedArena), optionally side by side with fio on the same files, and a
+// sweep that prints the best block size / queue depth as a zinf config snippet.
+//
+// One JSON line per measured case on stdout; progress and notes on stderr.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <future>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "nvme/io_queue.h"
+#include "zinf/log.h"
+#include "zinf/swap.h"
+
+namespace zinf {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+Result<uint64_t> ParseSize(const std::string& text) {
+  if (text.empty()) return Status::InvalidArgument("empty size");
+  size_t pos = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &pos);
+  } catch (...) {
+    return Status::InvalidArgument("bad size '" + text + "': use a number with K, M or G");
+  }
+  std::string unit = text.substr(pos);
+  uint64_t mult = 1;
+  if (unit == "" || unit == "B") mult = 1;
+  else if (unit == "K" || unit == "k" || unit == "KiB") mult = 1ull << 10;
+  else if (unit == "M" || unit == "m" || unit == "MiB") mult = 1ull << 20;
+  else if (unit == "G" || unit == "g" || unit == "GiB") mult = 1ull << 30;
+  else return Status::InvalidArgument("bad size unit in '" + text + "': use K, M or G");
+  if (value <= 0) return Status::InvalidArgument("size '" + text + "' must be positive");
+  return static_cast<uint64_t>(value * static_cast<double>(mult));
+}
+
+std::string SizeLabel(uint64_t n) {
+  if (n % (1ull << 30) == 0) return std::to_string(n >> 30) + "G";
+  if (n % (1ull << 20) == 0) return std::to_string(n >> 20) + "M";
+  if (n % (1ull << 10) == 0) return std::to_string(n >> 10) + "K";
+  return std::to_string(n);
+}
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+struct Flags {
+  std::string backend = "io_uring";
+  std::string op = "both";
+  std::string block_size = "1M";
+  uint32_t queue_depth = 32;
+  std::string size = "4G";
+  std::vector<std::string> dirs;
+  std::string registered = "on";
+  std::string huge_pages = "on";
+  double seconds = 10;
+  int repeats = 1;
+  bool sweep = false;
+  bool compare_fio = false;
+  std::string fio = "fio";
+};
+
+// The bench files: one per folder, preallocated, filled once with data.
+class BenchFiles {
+ public:
+  ~BenchFiles() {
+    for (const IoFile& f : files_) close(f.fd);
+  }
+  Status Open(const std::vector<std::string>& dirs, uint64_t per_file) {
+    per_file_ = per_file;
+    for (size_t i = 0; i < dirs.size(); ++i) {
+      std::string path = dirs[i] + "/zinf-bench-" + std::to_string(i) + ".dat";
+      int fd = open(path.c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0600);
+      if (fd < 0 && errno == EINVAL) {
+        return Status::NotSupported(path + ": O_DIRECT refused (tmpfs?); benchmark a folder on "
+                                           "a disk");
+      }
+      if (fd < 0) return ErrnoToStatus(errno, "opening " + path);
+      files_.push_back({fd, path});
+      struct stat st {};
+      if (fstat(fd, &st) != 0) return ErrnoToStatus(errno, "fstat " + path);
+      if (static_cast<uint64_t>(st.st_size) < per_file &&
+          fallocate(fd, 0, 0, static_cast<off_t>(per_file)) != 0) {
+        return ErrnoToStatus(errno, "fallocate " + FormatBytes(per_file) + " for " + path +
+                                        " (not enough space? lower --size)");
+      }
+    }
+    return Status::OK();
+  }
+  const std::vector<IoFile>& files() const { return files_; }
+  uint64_t per_file() const { return per_file_; }
+  bool filled = false;
+
+ private:
+  std::vector<IoFile> files_;
+  uint64_t per_file_ = 0;
+};
+
+struct CaseResult {
+  uint64_t bytes = 0;
+  double seconds = 0;
+  std::string features;
+  double gbps() const { return seconds > 0 ? bytes / seconds / 1e9 : 0; }
+};
+
+// Streams `total` bytes through the IoQueue at `qd` transfers of `block` bytes each, striped
+// round-robin over the files; stops early after `seconds`.
+Result<CaseResult> RunZinf(BenchFiles& files, IoBackendKind kind, IoOp op, uint64_t block,
+                           uint32_t qd, uint64_t total, bool registered, bool huge_pages,
+                           double seconds) {
+  PinnedArenaOptions ao;
+  ao.bytes = block * qd;
+  ao.huge_pages = huge_pages;
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<PinnedArena> arena, PinnedArena::Create(ao));
+  std::vector<PinnedBuffer> bufs;
+  for (uint32_t i = 0; i < qd; ++i) {
+    ZINF_ASSIGN_OR_RETURN(PinnedBuffer b, arena->Allocate(block));
+    std::mt19937_64 rng(i);
+    auto* p = static_cast<uint64_t*>(b.data());
+    for (size_t k = 0; k < block / 8; ++k) p[k] = rng();
+    bufs.push_back(std::move(b));
+  }
+  IoBackendOptions bo;
+  bo.queue_depth = qd;
+  bo.register_buffers = registered;
+  bo.register_files = registered;
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> backend, NewIoBackend(kind, bo));
+  IoQueueOptions qo;
+  qo.block_size = static_cast<uint32_t>(std::min<uint64_t>(block, 1ull << 30));
+  std::vector<MemoryRegion> regions;
+  if (registered) regions.push_back(arena->region());
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<IoQueue> queue,
+                        IoQueue::Start(std::move(backend), files.files(), regions, qo));
+
+  const uint64_t nfiles = files.files().size();
+  const uint64_t blocks_per_file = files.per_file() / block;
+  const uint64_t total_blocks = std::min(total / block, blocks_per_file * nfiles);
+  std::atomic<uint64_t> next{0};
+  std::atomic<uint64_t> done_bytes{0};
+  std::atomic<bool> stop{false};
+  std::mutex mu;
+  std::condition_variable cv;
+  uint32_t live = 0;  // guarded by mu
+  Status first_error;  // guarded by mu
+  const auto deadline = Clock::now() + std::chrono::duration<double>(seconds);
+
+  // Each slot refills itself from its completion callback (on the I/O thread): no thread hop
+  // between a completion and the next submission.
+  std::function<void(uint32_t)> issue = [&](uint32_t slot) {
+    uint64_t k = next.fetch_add(1);
+    if (k >= total_blocks || stop.load()) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (--live == 0) cv.notify_all();
+      return;
+    }
+    Transfer t{op, static_cast<uint32_t>(k % nfiles), (k / nfiles) * block, bufs[slot].data(),
+               block};
+    queue->Submit(t, [&, slot](const Status& s) {
+      if (!s.ok()) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (first_error.ok()) first_error = s;
+        stop = true;
+      } else {
+        done_bytes += block;
+      }
+      if (Clock::now() >= deadline) stop = true;
+      issue(slot);
+    });
+  };
+  auto t0 = Clock::now();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    live = qd;
+  }
+  for (uint32_t s = 0; s < qd; ++s) issue(s);
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return live == 0; });
+  }
+  double elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (!first_error.ok()) return first_error;
+  CaseResult r;
+  r.bytes = done_bytes.load();
+  r.seconds = elapsed;
+  r.features = std::string(queue->BackendName()) + " " + queue->Features() +
+               (arena->locked() ? " locked" : "") + (huge_pages ? " huge-pages" : "");
+  return r;
+}
+
+// Runs fio with the same pattern on the same files; returns its bandwidth.
+Result<CaseResult> RunFio(const Flags& flags, const BenchFiles& files, const std::string& engine,
+                          const std::string& extra, IoOp op, uint64_t block, uint32_t qd,
+                          uint64_t total, double seconds) {
+  std::string names;
+  for (const IoFile& f : files.files()) names += (names.empty() ? "" : ":") + f.path;
+  uint64_t size = std::min<uint64_t>(total, files.per_file() * files.files().size());
+  char cmd[2048];
+  std::snprintf(cmd, sizeof(cmd),
+                "%s --name=zinf-compare --filename=%s --rw=%s --bs=%llu --iodepth=%u "
+                "--ioengine=%s --direct=1 --size=%llu --runtime=%d --numjobs=1 "
+                "--thread --output-format=json %s 2>&1",
+                flags.fio.c_str(), names.c_str(), op == IoOp::kRead ? "read" : "write",
+                static_cast<unsigned long long>(block), qd, engine.c_str(),
+                static_cast<unsigned long long>(size), std::max(1, static_cast<int>(seconds + 0.999)),
+                extra.c_str());
+  FILE* p = popen(cmd, "r");
+  if (p == nullptr) return ErrnoToStatus(errno, "starting fio");
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  int rc = pclose(p);
+  if (rc != 0) {
+    return Status::NotFound("fio failed (exit " + std::to_string(rc) + "): " +
+                            out.substr(0, 300) + " — install it with `apt-get install fio`");
+  }
+  size_t brace = out.find('{');
+  json j = json::parse(brace == std::string::npos ? "" : out.substr(brace), nullptr, false);
+  if (j.is_discarded()) return Status::Internal("could not parse fio's JSON output");
+  const json& job = j["jobs"][0][op == IoOp::kRead ? "read" : "write"];
+  CaseResult r;
+  r.bytes = job.value("io_bytes", uint64_t{0});
+  r.seconds = job.value("runtime", 0.0) / 1000.0;
+  if (r.seconds <= 0 || r.bytes == 0) return Status::Internal("fio reported no I/O");
+  r.features = engine + " " + extra;
+  return r;
+}
+
+json CaseJson(const std::string& backend, IoOp op, uint64_t block, uint32_t qd,
+              const CaseResult& r) {
+  json j;
+  j["backend"] = backend;
+  j["op"] = IoOpName(op);
+  j["block_size"] = block;
+  j["queue_depth"] = qd;
+  j["bytes"] = r.bytes;
+  j["seconds"] = std::round(r.seconds * 1e4) / 1e4;
+  j["gbps"] = std::round(r.gbps() * 1e3) / 1e3;
+  return j;
+}
+
+void Emit(const json& j) {
+  std::printf("%s\n", j.dump().c_str());
+  std::fflush(stdout);
+}
+
+Status Fill(BenchFiles& files, uint64_t total) {
+  if (files.filled) return Status::OK();
+  std::fprintf(stderr, "zinf-nvme-bench: writing %s of data to read back...\n",
+               FormatBytes(total).c_str());
+  Result<CaseResult> r = RunZinf(files, IoBackendKind::kIoUring, IoOp::kWrite, 1 << 20, 32,
+                                 total, true, true, 1e9);
+  if (!r.ok()) return r.status();
+  files.filled = true;
+  return Status::OK();
+}
+
+int Main(int argc, char** argv) {
+  Flags f;
+  CLI::App app{"zinf-nvme-bench: sequential direct-I/O throughput of the zinf swapper"};
+  app.add_option("--backend", f.backend, "io_uring, libaio or psync")
+      ->check(CLI::IsMember({"io_uring", "libaio", "psync"}));
+  app.add_option("--op", f.op, "read, write or both")->check(CLI::IsMember({"read", "write", "both"}));
+  app.add_option("--block-size", f.block_size, "bytes per request (K/M/G suffixes)");
+  app.add_option("--queue-depth", f.queue_depth, "requests in flight")->check(CLI::Range(1, 1024));
+  app.add_option("--size", f.size, "bytes per case, over all folders (K/M/G)");
+  app.add_option("--dir", f.dirs, "folder for a bench file; repeat to stripe over several")
+      ->check(CLI::ExistingDirectory);
+  app.add_option("--registered", f.registered, "io_uring fixed buffers and files: on|off")
+      ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--huge-pages", f.huge_pages, "MADV_HUGEPAGE on the buffers: on|off")
+      ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--seconds", f.seconds, "time limit per case")->check(CLI::PositiveNumber);
+  app.add_option("--repeats", f.repeats, "runs per case (interleaved; medians reported)")
+      ->check(CLI::Range(1, 100));
+  app.add_flag("--sweep", f.sweep, "try block sizes x queue depths; print the best as config");
+  app.add_flag("--compare-fio", f.compare_fio, "run fio on the same pattern, interleaved");
+  app.add_option("--fio", f.fio, "fio binary");
+  CLI11_PARSE(app, argc, argv);
+
+  if (f.dirs.empty()) f.dirs.push_back(".");
+  Result<uint64_t> block = ParseSize(f.block_size);
+  Result<uint64_t> size = ParseSize(f.size);
+  Result<IoBackendKind> kind = ParseIoBackendKind(f.backend);
+  for (const Status& s : {block.status(), size.status(), kind.status()}) {
+    if (!s.ok() && s.code() != StatusCode::kInternal) {
+      std::fprintf(stderr, "zinf-nvme-bench: %s\n", s.message().c_str());
+      return 2;
+    }
+  }
+  if (!block.ok() || !size.ok() || !kind.ok() || *block % 4096 != 0 || *block > (1ull << 30)) {
+    std::fprintf(stderr, "zinf-nvme-bench: --block-size must be a multiple of 4K up to 1G\n");
+    return 2;
+  }
+  std::vector<IoOp> ops;
+  if (f.op != "write") ops.push_back(IoOp::kRead);
+  if (f.op != "read") ops.push_back(IoOp::kWrite);
+  std::vector<uint64_t> blocks = {*block};
+  std::vector<uint32_t> depths = {f.queue_depth};
+  if (f.sweep) {
+    blocks = {256 << 10, 1016 << 10, 1 << 20, 4 << 20, 8 << 20};
+    depths = {4, 8, 16, 32, 64};
+  }
+  uint64_t max_block = *std::max_element(blocks.begin(), blocks.end());
+  uint64_t nfiles = f.dirs.size();
+  uint64_t per_file = RoundUp((*size + nfiles - 1) / nfiles, max_block * 4);
+  BenchFiles files;
+  Status s = files.Open(f.dirs, per_file);
+  if (!s.ok()) {
+    std::fprintf(stderr, "zinf-nvme-bench: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  s = Fill(files, per_file * nfiles);
+  if (!s.ok()) {
+    std::fprintf(stderr, "zinf-nvme-bench: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  const bool registered = f.registered == "on";
+  const bool huge = f.huge_pages == "on";
+  struct FioVariant {
+    std::string name, engine, extra;
+  };
+  std::vector<FioVariant> fio_variants;
+  if (f.compare_fio) {
+    fio_variants = {{"fio-io_uring", "io_uring", ""},
+                    {"fio-io_uring-fixedbufs", "io_uring", "--fixedbufs"},
+                    {"fio-io_uring-fixedbufs-registerfiles", "io_uring",
+                     "--fixedbufs --registerfiles"},
+                    {"fio-libaio", "libaio", ""}};
+  }
+
+  // case key -> backend name -> gbps samples
+  std::map<std::string, std::map<std::string, std::vector<double>>> samples;
+  std::vector<std::string> case_order;
+  for (int rep = 0; rep < f.repeats; ++rep) {
+    for (IoOp op : ops) {
+      for (uint64_t b : blocks) {
+        for (uint32_t qd : depths) {
+          std::string key = std::string(IoOpName(op)) + " bs=" + SizeLabel(b) +
+                            " qd=" + std::to_string(qd);
+          if (rep == 0) case_order.push_back(key);
+          Result<CaseResult> r =
+              RunZinf(files, *kind, op, b, qd, *size, registered, huge, f.seconds);
+          if (!r.ok()) {
+            std::fprintf(stderr, "zinf-nvme-bench: %s: %s\n", key.c_str(),
+                         r.status().ToString().c_str());
+            return 1;
+          }
+          json j = CaseJson(f.backend, op, b, qd, *r);
+          j["registered"] = registered;
+          j["huge_pages"] = huge;
+          j["features"] = r->features;
+          j["repeat"] = rep;
+          Emit(j);
+          samples[key]["zinf"].push_back(r->gbps());
+          for (const FioVariant& v : fio_variants) {
+            Result<CaseResult> fr = RunFio(f, files, v.engine, v.extra, op, b, qd, *size, f.seconds);
+            if (!fr.ok()) {
+              std::fprintf(stderr, "zinf-nvme-bench: %s: %s\n", v.name.c_str(),
+                           fr.status().ToString().c_str());
+              return 1;
+            }
+            json fj = CaseJson(v.name, op, b, qd, *fr);
+            fj["repeat"] = rep;
+            Emit(fj);
+            samples[key][v.name].push_back(fr->gbps());
+          }
+        }
+      }
+    }
+  }
+
+  if (f.compare_fio) {
+    for (const std::string& key : case_order) {
+      auto& by = samples[key];
+      double zinf = Median(by["zinf"]);
+      double best = 0;
+      std::string best_name;
+      double fio_libaio = Median(by["fio-libaio"]);
+      for (const FioVariant& v : fio_variants) {
+        if (v.engine != "io_uring") continue;
+        double m = Median(by[v.name]);
+        if (m > best) {
+          best = m;
+          best_name = v.name;
+        }
+      }
+      json j;
+      j["case"] = key;
+      j["repeats"] = f.repeats;
+      j["zinf_gbps"] = std::round(zinf * 1e3) / 1e3;
+      j["fio_best_gbps"] = std::round(best * 1e3) / 1e3;
+      j["fio_best"] = best_name;
+      j["fio_libaio_gbps"] = std::round(fio_libaio * 1e3) / 1e3;
+      j["ratio"] = best > 0 ? std::round(zinf / best * 1e3) / 1e3 : 0;
+      Emit(j);
+    }
+  } else if (f.repeats > 1 || f.sweep) {
+    for (const std::string& key : case_order) {
+      json j;
+      j["case"] = key;
+      j["zinf_gbps_median"] = std::round(Median(samples[key]["zinf"]) * 1e3) / 1e3;
+      Emit(j);
+    }
+  }
+
+  if (f.sweep) {
+    for (IoOp op : ops) {
+      double best = 0;
+      uint64_t best_b = 0;
+      uint32_t best_qd = 0;
+      for (uint64_t b : blocks) {
+        for (uint32_t qd : depths) {
+          std::string key = std::string(IoOpName(op)) + " bs=" + SizeLabel(b) +
+                            " qd=" + std::to_string(qd);
+          double m = Median(samples[key]["zinf"]);
+          if (m > best) {
+            best = m;
+            best_b = b;
+            best_qd = qd;
+          }
+        }
+      }
+      json snippet;
+      snippet["aio"] = {{"block_size", best_b}, {"queue_depth", best_qd}};
+      snippet["zinf"] = {{"io_backend", f.backend}};
+      json j;
+      j["best_for"] = IoOpName(op);
+      j["gbps"] = std::round(best * 1e3) / 1e3;
+      j["config"] = snippet;
+      Emit(j);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace zinf
+
+int main(int argc, char** argv) { return zinf::Main(argc, argv); }
