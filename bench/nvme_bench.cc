@@ -76,6 +76,7 @@ struct Flags {
   int repeats = 1;
   bool sweep = false;
   bool compare_fio = false;
+  bool checksum_cost = false;
   std::string fio = "fio";
 };
 
@@ -245,6 +246,80 @@ Result<CaseResult> RunFio(const Flags& flags, const BenchFiles& files, const std
   return r;
 }
 
+// Writes and reads `total` bytes as 64 MiB tensors through a SwapStore, with per-chunk
+// checksums off and on, interleaved; prints the throughput of each and their ratio.
+Status RunChecksumCost(const Flags& f, IoBackendKind kind, uint64_t block, uint32_t qd,
+                       uint64_t total) {
+  constexpr uint64_t kTensor = 64ull << 20;
+  uint64_t tensors = std::max<uint64_t>(1, total / kTensor);
+  PinnedArenaOptions ao;
+  ao.bytes = kTensor * tensors;
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<PinnedArena> arena, PinnedArena::Create(ao));
+  std::vector<PinnedBuffer> bufs;
+  for (uint64_t i = 0; i < tensors; ++i) {
+    ZINF_ASSIGN_OR_RETURN(PinnedBuffer b, arena->Allocate(kTensor));
+    std::mt19937_64 rng(i);
+    auto* p = static_cast<uint64_t*>(b.data());
+    for (size_t k = 0; k < kTensor / 8; ++k) p[k] = rng();
+    bufs.push_back(std::move(b));
+  }
+  std::map<std::string, std::vector<double>> gbps;
+  for (int rep = 0; rep < f.repeats; ++rep) {
+    for (bool sums : {false, true}) {
+      SwapStoreOptions o;
+      o.paths = f.dirs;
+      o.backend = kind;
+      o.backend_options.queue_depth = qd;
+      o.block_size = static_cast<uint32_t>(block);
+      o.checksums = sums;
+      o.registered_regions = {arena->region()};
+      o.capacity_per_path = RoundUp(total / f.dirs.size() + (64ull << 20), 1 << 20);
+      ZINF_ASSIGN_OR_RETURN(std::unique_ptr<SwapStore> store, SwapStore::Open(o));
+      for (IoOp op : {IoOp::kWrite, IoOp::kRead}) {
+        auto t0 = Clock::now();
+        std::vector<Ticket> tickets;
+        for (uint64_t i = 0; i < tensors; ++i) {
+          std::string key = "t" + std::to_string(i);
+          Result<Ticket> t = op == IoOp::kWrite
+                                 ? store->Write(key, bufs[i].data(), kTensor, kTensor)
+                                 : store->Read(key, bufs[i].data(), kTensor);
+          if (!t.ok()) return t.status();
+          tickets.push_back(*t);
+        }
+        for (Ticket t : tickets) ZINF_RETURN_IF_ERROR(store->Wait(t));
+        double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+        double g = tensors * kTensor / secs / 1e9;
+        std::string name = std::string(IoOpName(op)) + (sums ? "_checksums" : "_plain");
+        gbps[name].push_back(g);
+        json j;
+        j["backend"] = std::string("swapstore-") + IoBackendKindName(kind);
+        j["op"] = IoOpName(op);
+        j["checksums"] = sums;
+        j["block_size"] = block;
+        j["queue_depth"] = qd;
+        j["bytes"] = tensors * kTensor;
+        j["seconds"] = std::round(secs * 1e4) / 1e4;
+        j["gbps"] = std::round(g * 1e3) / 1e3;
+        j["checksum_seconds"] = store->stats().checksum_seconds;
+        j["repeat"] = rep;
+        std::printf("%s\n", j.dump().c_str());
+      }
+      ZINF_RETURN_IF_ERROR(store->Close());
+    }
+  }
+  for (const char* op : {"write", "read"}) {
+    json j;
+    j["case"] = std::string(op) + " checksum cost";
+    double plain = Median(gbps[std::string(op) + "_plain"]);
+    double sums = Median(gbps[std::string(op) + "_checksums"]);
+    j["plain_gbps"] = std::round(plain * 1e3) / 1e3;
+    j["checksums_gbps"] = std::round(sums * 1e3) / 1e3;
+    j["ratio"] = plain > 0 ? std::round(sums / plain * 1e3) / 1e3 : 0;
+    std::printf("%s\n", j.dump().c_str());
+  }
+  return Status::OK();
+}
+
 json CaseJson(const std::string& backend, IoOp op, uint64_t block, uint32_t qd,
               const CaseResult& r) {
   json j;
@@ -295,6 +370,8 @@ int Main(int argc, char** argv) {
   app.add_flag("--sweep", f.sweep, "try block sizes x queue depths; print the best as config");
   app.add_flag("--compare-fio", f.compare_fio, "run fio on the same pattern, interleaved");
   app.add_option("--fio", f.fio, "fio binary");
+  app.add_flag("--checksum-cost", f.checksum_cost,
+               "time SwapStore writes/reads with per-chunk xxh3 checksums off and on");
   CLI11_PARSE(app, argc, argv);
 
   if (f.dirs.empty()) f.dirs.push_back(".");
@@ -319,6 +396,14 @@ int Main(int argc, char** argv) {
   if (f.sweep) {
     blocks = {256 << 10, 1016 << 10, 1 << 20, 4 << 20, 8 << 20};
     depths = {4, 8, 16, 32, 64};
+  }
+  if (f.checksum_cost) {
+    Status s = RunChecksumCost(f, *kind, *block, f.queue_depth, *size);
+    if (!s.ok()) {
+      std::fprintf(stderr, "zinf-nvme-bench: %s\n", s.ToString().c_str());
+      return 1;
+    }
+    return 0;
   }
   uint64_t max_block = *std::max_element(blocks.begin(), blocks.end());
   uint64_t nfiles = f.dirs.size();

@@ -46,9 +46,22 @@ struct Entry {
   int readers = 0;
 };
 
+// A chunk to verify against its stored checksum once its read has completed.
+struct ChunkCheck {
+  const char* data;
+  uint64_t len;
+  uint64_t expected;
+  uint64_t chunk;
+  uint32_t file;
+  uint64_t offset;
+};
+
 struct TicketState {
   int remaining = 0;
   Status status;
+  std::string key;
+  // Checked by Wait() on the caller's thread, so hashing never stalls the I/O thread.
+  std::vector<ChunkCheck> checks;
 };
 
 double SecondsSince(std::chrono::steady_clock::time_point t0) {
@@ -425,8 +438,6 @@ Result<Ticket> SwapStore::Write(const std::string& key, const void* buf, uint64_
 Result<Ticket> SwapStore::Read(const std::string& key, void* buf, uint64_t capacity) {
   Impl& m = *impl_;
   std::vector<Transfer> transfers;
-  std::vector<uint64_t> sums;
-  uint64_t size;
   Ticket ticket;
   {
     std::lock_guard<std::mutex> lock(m.mu);
@@ -436,7 +447,6 @@ Result<Ticket> SwapStore::Read(const std::string& key, void* buf, uint64_t capac
       return Status::NotFound("tensor '" + key + "' is not in the swap store");
     }
     Entry& e = it->second;
-    size = e.size;
     ZINF_RETURN_IF_ERROR(m.CheckBuffer(key, buf, e.size, capacity));
     if (e.writing) {
       return Status::FailedPrecondition("tensor '" + key +
@@ -451,37 +461,23 @@ Result<Ticket> SwapStore::Read(const std::string& key, void* buf, uint64_t capac
     for (uint64_t i = 0; i < chunks; ++i) {
       transfers.push_back(m.ChunkTransfer(e, i, IoOp::kRead, static_cast<char*>(buf)));
     }
-    sums = e.checksums;
     ++e.readers;
     ticket = m.NewTicket(static_cast<int>(std::max<uint64_t>(chunks, 1)));
+    TicketState& ts = m.tickets[ticket];
+    ts.key = key;
+    for (uint64_t i = 0; i < e.checksums.size(); ++i) {
+      const Transfer& t = transfers[i];
+      ts.checks.push_back({static_cast<const char*>(t.buf), m.ChunkLogicalBytes(e, i),
+                           e.checksums[i], i, t.file, t.offset});
+    }
   }
   if (transfers.empty()) {
     m.PartDone(ticket, Status::OK(), key, /*is_write=*/false);
     return ticket;
   }
-  for (uint64_t i = 0; i < transfers.size(); ++i) {
-    const Transfer& t = transfers[i];
-    uint64_t expected = sums.empty() ? 0 : sums[i];
-    bool verify = !sums.empty();
-    uint64_t logical = std::min<uint64_t>(m.options.chunk_size, size - i * m.options.chunk_size);
-    m.queue->Submit(t, [&m, ticket, key, t, i, expected, verify, logical](const Status& s) {
-      Status result = s;
-      if (s.ok() && verify) {
-        auto t0 = std::chrono::steady_clock::now();
-        uint64_t got = XXH3_64bits(t.buf, logical);
-        {
-          std::lock_guard<std::mutex> lock(m.mu);
-          m.stats.checksum_seconds += SecondsSince(t0);
-        }
-        if (got != expected) {
-          result = Status::Corruption("checksum mismatch in chunk " + std::to_string(i) + " (" +
-                                      m.files[t.file].path + " offset " +
-                                      std::to_string(t.offset) + "): stored " +
-                                      std::to_string(expected) + ", read " + std::to_string(got) +
-                                      "; the data on disk is damaged");
-        }
-      }
-      m.PartDone(ticket, result, key, /*is_write=*/false);
+  for (const Transfer& t : transfers) {
+    m.queue->Submit(t, [&m, ticket, key](const Status& s) {
+      m.PartDone(ticket, s, key, /*is_write=*/false);
     });
   }
   return ticket;
@@ -496,9 +492,26 @@ Status SwapStore::Wait(Ticket ticket) {
                                    " (never issued, or already waited for)");
   }
   m.cv.wait(lock, [&] { return m.tickets[ticket].remaining == 0; });
-  Status s = std::move(m.tickets[ticket].status);
+  TicketState ts = std::move(m.tickets[ticket]);
   m.tickets.erase(ticket);
-  return s;
+  if (!ts.status.ok() || ts.checks.empty()) return ts.status;
+  lock.unlock();
+  auto t0 = std::chrono::steady_clock::now();
+  Status result;
+  for (const ChunkCheck& c : ts.checks) {
+    uint64_t got = XXH3_64bits(c.data, c.len);
+    if (got != c.expected) {
+      result = Status::Corruption(
+          "swap read of tensor '" + ts.key + "': checksum mismatch in chunk " +
+          std::to_string(c.chunk) + " (" + m.files[c.file].path + " offset " +
+          std::to_string(c.offset) + "): stored " + std::to_string(c.expected) + ", read " +
+          std::to_string(got) + "; the data on disk is damaged");
+      break;
+    }
+  }
+  lock.lock();
+  m.stats.checksum_seconds += SecondsSince(t0);
+  return result;
 }
 
 Result<uint64_t> SwapStore::Size(const std::string& key) const {
