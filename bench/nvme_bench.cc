@@ -77,6 +77,7 @@ struct Flags {
   bool sweep = false;
   bool compare_fio = false;
   bool checksum_cost = false;
+  bool sqpoll = false;
   std::string fio = "fio";
 };
 
@@ -127,7 +128,7 @@ struct CaseResult {
 // round-robin over the files; stops early after `seconds`.
 Result<CaseResult> RunZinf(BenchFiles& files, IoBackendKind kind, IoOp op, uint64_t block,
                            uint32_t qd, uint64_t total, bool registered, bool huge_pages,
-                           double seconds) {
+                           double seconds, bool sqpoll = false) {
   PinnedArenaOptions ao;
   ao.bytes = block * qd;
   ao.huge_pages = huge_pages;
@@ -144,6 +145,7 @@ Result<CaseResult> RunZinf(BenchFiles& files, IoBackendKind kind, IoOp op, uint6
   bo.queue_depth = qd;
   bo.register_buffers = registered;
   bo.register_files = registered;
+  bo.sqpoll = sqpoll;
   ZINF_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> backend, NewIoBackend(kind, bo));
   IoQueueOptions qo;
   qo.block_size = static_cast<uint32_t>(std::min<uint64_t>(block, 1ull << 30));
@@ -370,6 +372,7 @@ int Main(int argc, char** argv) {
   app.add_flag("--sweep", f.sweep, "try block sizes x queue depths; print the best as config");
   app.add_flag("--compare-fio", f.compare_fio, "run fio on the same pattern, interleaved");
   app.add_option("--fio", f.fio, "fio binary");
+  app.add_flag("--sqpoll", f.sqpoll, "io_uring kernel submission thread (costs a core)");
   app.add_flag("--checksum-cost", f.checksum_cost,
                "time SwapStore writes/reads with per-chunk xxh3 checksums off and on");
   CLI11_PARSE(app, argc, argv);
@@ -444,7 +447,7 @@ int Main(int argc, char** argv) {
                             " qd=" + std::to_string(qd);
           if (rep == 0) case_order.push_back(key);
           Result<CaseResult> r =
-              RunZinf(files, *kind, op, b, qd, *size, registered, huge, f.seconds);
+              RunZinf(files, *kind, op, b, qd, *size, registered, huge, f.seconds, f.sqpoll);
           if (!r.ok()) {
             std::fprintf(stderr, "zinf-nvme-bench: %s: %s\n", key.c_str(),
                          r.status().ToString().c_str());

@@ -160,6 +160,32 @@ INSTANTIATE_TEST_SUITE_P(Backends, IoQueueTest,
                                            IoBackendKind::kPsync),
                          [](const auto& info) { return std::string(IoBackendKindName(info.param)); });
 
+// SQPOLL (a kernel thread polls the submission ring) round-trips data, or falls back to a
+// plain ring with a warning where the kernel refuses it.
+TEST(IoBackendTest, SqpollRoundTripOrFallback) {
+  TempDir dir;
+  std::string path = dir.path() + "/sq.bin";
+  int fd = open(path.c_str(), O_RDWR | O_CREAT | O_DIRECT, 0600);
+  ASSERT_GE(fd, 0);
+  IoBackendOptions bo;
+  bo.queue_depth = 4;
+  bo.sqpoll = true;
+  IoQueueOptions qo;
+  qo.block_size = 8192;
+  auto q = IoQueue::Start(NewIoUringBackend(bo), {{fd, path}}, {}, qo);
+  ASSERT_TRUE(q.ok()) << q.status().ToString();
+  AlignedBuffer w(65536), r(65536);
+  FillRandom(w.data(), w.size(), 9);
+  for (auto [op, buf] : {std::pair{IoOp::kWrite, &w}, std::pair{IoOp::kRead, &r}}) {
+    std::promise<Status> p;
+    (*q)->Submit({op, 0, 0, buf->data(), buf->size()}, [&p](const Status& s) { p.set_value(s); });
+    ASSERT_TRUE(p.get_future().get().ok());
+  }
+  EXPECT_EQ(0, std::memcmp(w.data(), r.data(), w.size()));
+  q->reset();
+  close(fd);
+}
+
 TEST(IoBackendTest, ParseAndValidate) {
   EXPECT_EQ(IoBackendKind::kLibaio, ParseIoBackendKind("libaio").value());
   auto bad = ParseIoBackendKind("spdk");
