@@ -1,0 +1,93 @@
+// The device seam: memory under a budget, ordered streams, asynchronous copies and events.
+//
+// Implementations: HostDevice (host memory stands in for device memory; every stream is a
+// worker thread; an optional bandwidth cap simulates PCIe) and, when built with CUDA,
+// CudaDevice. The engine sees only this interface.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "zinf/status.h"
+
+namespace zinf {
+
+// An ordered queue of device work. Owned by its Device.
+class Stream {
+ public:
+  virtual ~Stream() = default;
+  virtual const std::string& name() const = 0;
+};
+
+// A point in a stream's work. Created by Device::CreateEvent; reusable (re-record).
+class Event {
+ public:
+  virtual ~Event() = default;
+};
+
+struct DeviceMemoryInfo {
+  size_t budget = 0;  // bytes the device may allocate in all
+  size_t used = 0;
+  size_t peak = 0;
+};
+
+// Thread-safe.
+class Device {
+ public:
+  virtual ~Device() = default;
+
+  virtual std::string Name() const = 0;
+  // True when device memory is ordinary host memory (HostDevice): host code may read it
+  // directly once the producing work has completed.
+  virtual bool IsHost() const = 0;
+
+  // Device memory. ResourceExhausted (naming budget and use) when the budget is exceeded.
+  virtual Result<void*> Alloc(size_t bytes) = 0;
+  virtual void Free(void* ptr) = 0;
+  virtual DeviceMemoryInfo MemoryInfo() const = 0;
+
+  // The stream the trainer computes on. For HostDevice this is the calling thread itself:
+  // work "on" it runs immediately and waiting on it blocks the caller.
+  virtual Stream* ComputeStream() = 0;
+  // A new stream (copy, communication...). Owned by the device; valid until it is destroyed.
+  virtual Result<Stream*> CreateStream(const std::string& name) = 0;
+
+  // Asynchronous copies, ordered on `stream`. Host pointers should be pinned (registered).
+  virtual Status CopyHostToDevice(void* dst, const void* src, size_t bytes, Stream* stream) = 0;
+  virtual Status CopyDeviceToHost(void* dst, const void* src, size_t bytes, Stream* stream) = 0;
+  virtual Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes,
+                                    Stream* stream) = 0;
+  // Runs `fn` on a host thread once the work before it on `stream` has completed; the work
+  // after it waits for `fn` to return (like cudaLaunchHostFunc).
+  virtual Status LaunchHostFunc(Stream* stream, std::function<void()> fn) = 0;
+
+  virtual Result<std::unique_ptr<Event>> CreateEvent() = 0;
+  // Marks the event at the current end of `stream`.
+  virtual Status RecordEvent(Event* event, Stream* stream) = 0;
+  // Work queued on `stream` after this call waits until `event` has completed. A never
+  // recorded event counts as completed.
+  virtual Status StreamWaitEvent(Stream* stream, Event* event) = 0;
+  // Blocks the caller until `event` has completed.
+  virtual Status SynchronizeEvent(Event* event) = 0;
+  virtual bool EventDone(Event* event) = 0;
+  virtual Status SynchronizeStream(Stream* stream) = 0;
+
+  // Registers host memory for fast asynchronous copies (cudaHostRegister); a no-op on
+  // HostDevice.
+  virtual Status RegisterHostMemory(void* ptr, size_t bytes) = 0;
+  virtual Status UnregisterHostMemory(void* ptr) = 0;
+};
+
+struct HostDeviceOptions {
+  size_t memory_budget = size_t{1} << 30;
+  // Copies between "host" and "device" are throttled to this many GB/s (0 = memcpy speed),
+  // to simulate a PCIe link when measuring overlap.
+  double copy_gbps = 0;
+};
+
+std::unique_ptr<Device> NewHostDevice(const HostDeviceOptions& options);
+
+}  // namespace zinf
