@@ -1,0 +1,86 @@
+// Engine configuration: a DeepSpeed-style JSON file (the zero_optimization / aio / optimizer /
+// bf16 keys that apply) plus zinf-only keys under "zinf".
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "zinf/status.h"
+
+namespace zinf {
+
+// Where a tensor class lives. DeepSpeed's offload "device": none -> kDevice, cpu, nvme.
+enum class Tier { kDevice, kCpu, kNvme };
+const char* TierName(Tier tier);
+
+struct OffloadConfig {
+  Tier tier = Tier::kDevice;
+  std::vector<std::string> nvme_paths;  // "nvme_path" (string) plus zinf.nvme_paths
+  uint32_t buffer_count = 4;
+  uint64_t buffer_size = 100'000'000;   // offload_param.buffer_size (elements)
+  uint64_t max_in_cpu = 1'000'000'000;  // offload_param.max_in_cpu (elements)
+  bool pin_memory = true;
+  bool pipeline_read = false;   // offload_optimizer.pipeline_read
+  bool pipeline_write = false;  // offload_optimizer.pipeline_write
+  double ratio = 1.0;           // offload_optimizer.ratio: fraction of sub-groups offloaded
+};
+
+struct AioConfig {
+  uint32_t block_size = 1 << 20;
+  uint32_t queue_depth = 32;
+  uint32_t thread_count = 1;
+  bool single_submit = false;
+  bool overlap_events = true;
+  std::string backend = "io_uring";  // zinf.io_backend: io_uring | libaio | psync
+};
+
+enum class OptimizerType { kAdam, kAdamW, kAdagrad, kLion };
+
+struct OptimizerConfig {
+  OptimizerType type = OptimizerType::kAdamW;
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+};
+
+struct EngineConfig {
+  int zero_stage = 3;
+  OffloadConfig offload_param;
+  OffloadConfig offload_optimizer;
+  uint64_t sub_group_size = 1'000'000'000;             // elements per optimizer sub-group
+  uint64_t prefetch_bucket_size = 50'000'000;          // elements in flight ahead of use
+  uint64_t max_live_parameters = 1'000'000'000;        // elements resident on the device
+  uint64_t max_reuse_distance = 1'000'000'000;         // elements: keep if reused sooner
+  uint64_t param_persistence_threshold = 100'000;      // elements: smaller params persist
+  AioConfig aio;
+  OptimizerConfig optimizer;
+  bool bf16 = false;
+  double gradient_clipping = 0.0;  // max global L2 norm; 0 = off
+  int gradient_accumulation_steps = 1;
+  uint64_t train_micro_batch_size_per_gpu = 0;  // informational, for the trainer
+  uint64_t train_batch_size = 0;                // informational, for the trainer
+
+  // zinf-only ("zinf": {...}).
+  uint64_t device_budget_bytes = 0;   // 0 = whatever the device reports
+  uint64_t pinned_budget_bytes = 1ull << 30;
+  uint64_t nvme_capacity_bytes = 0;   // per path; 0 = grow until the disk is full
+  bool delayed_update = false;        // one-step delayed parameter update
+  bool checksums = false;             // per-chunk checksums in the swap store
+  int optimizer_threads = 0;          // CPU Adam threads; 0 = all cores
+  double host_copy_gbps = 0;          // HostDevice PCIe simulation; 0 = memcpy speed
+};
+
+// Parses a JSON config. Unknown keys add one warning each to *warnings (key path named);
+// wrong types or values fail with a Status naming the key path ("zero_optimization.
+// offload_optimizer.device: expected one of none, cpu, nvme, got \"disk\""). The result is
+// validated: nvme tiers need at least one nvme path, sizes are positive, betas in [0, 1).
+Result<EngineConfig> ParseEngineConfig(const std::string& json_text,
+                                       std::vector<std::string>* warnings);
+// Reads `path` and parses it; a missing or unreadable file is a clear error.
+Result<EngineConfig> LoadEngineConfig(const std::string& path,
+                                      std::vector<std::string>* warnings);
+
+}  // namespace zinf

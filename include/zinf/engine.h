@@ -1,0 +1,129 @@
+// The zinf engine: ZeRO-3 parameter partitioning with tiered placement (device, pinned host,
+// NVMe), trace-driven prefetch, the gradient path and the CPU optimizer pipeline.
+//
+// One Engine per rank. The engine sees the device and the other ranks only through the
+// Device and Communicator seams, so every path runs on a CPU-only machine (HostDevice +
+// LocalComm).
+//
+// A training step, as the trainer drives it:
+//   for each layer (forward):  ptrs = Acquire(layer params); compute; Release(layer params)
+//   for each layer (backward): ptrs = Acquire(...); compute grads; ReduceGradient(id, grad)
+//                              for each param; Release(...)
+//   Step()   // every micro-step; the optimizer runs after gradient_accumulation_steps
+// All ranks must make the same calls in the same order (the collectives are matched by
+// order). The first step's Acquire sequence is recorded and drives prefetch from then on,
+// unless SetAcquireOrder gave the order up front.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "zinf/comm.h"
+#include "zinf/config.h"
+#include "zinf/device.h"
+#include "zinf/status.h"
+
+namespace zinf {
+
+using ParamId = uint32_t;
+
+struct ParamSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  // Fills the full fp32 tensor (numel elements) with its initial values. Called once per rank
+  // at registration; every rank must produce the same values.
+  std::function<void(float* data, size_t numel)> init;
+};
+
+// What the engine knows of a registered parameter.
+struct ParamInfo {
+  std::string name;
+  std::vector<int64_t> shape;
+  size_t numel = 0;
+  size_t partition_numel = 0;  // elements each rank owns (numel padded to world_size parts)
+  size_t sub_group = 0;        // optimizer sub-group
+  bool persistent = false;     // small enough to stay on the device once fetched
+};
+
+// Figures for one Step() call (one micro-step; optimizer figures when it ran).
+struct StepStats {
+  int64_t step = 0;            // global optimizer steps taken so far
+  bool optimizer_ran = false;  // this micro-step ended an accumulation boundary
+  double step_seconds = 0;     // since the previous Step() returned
+  // Bytes per link.
+  uint64_t nvme_read_bytes = 0;
+  uint64_t nvme_write_bytes = 0;
+  uint64_t h2d_bytes = 0;
+  uint64_t d2h_bytes = 0;
+  // Busy time per resource (seconds within this step).
+  double nvme_busy_seconds = 0;  // time with at least one swap request in flight
+  double copy_busy_seconds = 0;  // host<->device copies
+  double optimizer_busy_seconds = 0;  // CPU optimizer kernels
+  double acquire_wait_seconds = 0;    // the trainer blocked in Acquire
+  double optimizer_wait_seconds = 0;  // Step() blocked waiting for the optimizer
+  // Peaks over the step.
+  uint64_t peak_device_bytes = 0;
+  uint64_t peak_pinned_bytes = 0;
+  uint64_t nvme_bytes = 0;  // swap store size
+  double overlap_efficiency = 0;  // max(busy) / step_seconds
+  double grad_norm = 0;           // global L2 norm before clipping (when clipping is on)
+  uint64_t prefetch_hits = 0;     // acquires whose data was already fetched or in flight
+  uint64_t prefetch_misses = 0;
+  bool trace_valid = false;
+};
+
+class Engine {
+ public:
+  // `device` and `comm` must outlive the engine. One engine per rank, each on its own thread.
+  static Result<std::unique_ptr<Engine>> Create(const EngineConfig& config, Device* device,
+                                                Communicator* comm);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Registers a parameter; the registration order is the layer order. A parameter that can
+  // never fit its tiers (device budget, pinned budget) fails here, naming the budget to raise.
+  Result<ParamId> RegisterParameter(const ParamSpec& spec);
+  // Places every registered parameter in its tier and builds the optimizer sub-groups. Called
+  // by the first Acquire when not called before; registration ends with it.
+  Status FinishRegistration();
+  // Optional: the Acquire sequence of one micro-step (forward then backward), as a hint that
+  // replaces recording it from the first step.
+  Status SetAcquireOrder(const std::vector<ParamId>& order);
+
+  // Full parameters on the device, in the order given. Compute on the device's compute stream
+  // after this call sees their data (for HostDevice: the data is there when it returns).
+  // Pointers stay valid until the matching Release. Element type: fp32, or bf16 (uint16_t)
+  // when config.bf16.
+  Result<std::vector<void*>> Acquire(const std::vector<ParamId>& params);
+  Status Release(const std::vector<ParamId>& params);
+
+  // Hands the engine the full fp32 gradient (numel elements, device memory, produced on the
+  // compute stream) of a parameter acquired in this micro-step's backward. The buffer may be
+  // reused as soon as this returns.
+  Status ReduceGradient(ParamId id, const float* grad);
+
+  // Ends a micro-step. At an accumulation boundary it runs (or finishes) the optimizer over
+  // every sub-group, clipping by global norm when configured, and returns when the updated
+  // parameters are in their stores.
+  Result<StepStats> Step();
+
+  // Collective (every rank calls it): the full fp32 master values of a parameter, gathered from
+  // all ranks into `out` (numel floats, host memory).
+  Status GatherMasterParameter(ParamId id, float* out);
+
+  int64_t global_step() const;
+  size_t num_params() const;
+  const ParamInfo& param(ParamId id) const;
+  const EngineConfig& config() const;
+
+ private:
+  struct Impl;
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace zinf
