@@ -75,11 +75,20 @@ struct StepStats {
   bool trace_valid = false;
 };
 
+class FaultPlan;  // zinf/io.h
+
+// Seams for tests and embedders, beyond the JSON config.
+struct EngineHooks {
+  // Wraps the swap store's I/O backend in a FaultyBackend driven by this plan.
+  std::shared_ptr<FaultPlan> fault_plan;
+};
+
 class Engine {
  public:
   // `device` and `comm` must outlive the engine. One engine per rank, each on its own thread.
   static Result<std::unique_ptr<Engine>> Create(const EngineConfig& config, Device* device,
-                                                Communicator* comm);
+                                                Communicator* comm,
+                                                const EngineHooks& hooks = {});
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;

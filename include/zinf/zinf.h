@@ -75,6 +75,29 @@ int zinf_swap_close(zinf_swap_store* store);
 /* ---- CPU optimizers (cpu_adam) ----------------------------------------------------------- */
 /* (declared by the cpu_adam component below this line) */
 
+/* One torch.optim.Adam (adamw = 0) or torch.optim.AdamW (adamw = 1) step, amsgrad=False, over
+ * n elements, updating param, exp_avg and exp_avg_sq in place. `step` counts steps from 1
+ * (torch's state["step"] after its increment). Runs on every CPU the process may use
+ * (oneTBB), with the widest SIMD kernel this CPU supports (ZINF_CPU_ISA=scalar|avx2|avx512
+ * forces one). The buffers must not overlap. Fails, changing nothing, on: a NULL buffer when
+ * n > 0, step < 1, a NaN or infinite hyper-parameter, lr < 0, eps < 0, weight_decay < 0,
+ * beta1 or beta2 outside [0, 1), adamw other than 0 or 1. */
+int zinf_adam_step_f32(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
+                       size_t n, int64_t step, float lr, float beta1, float beta2, float eps,
+                       float weight_decay, int adamw);
+
+/* The mixed-precision step: bf16 gradients in, and (when param_bf16_out is not NULL) the
+ * updated parameters written as bf16 (round to nearest even) in the same pass. Same rules as
+ * zinf_adam_step_f32. */
+int zinf_adam_step_bf16(float* param, const uint16_t* grad_bf16, float* exp_avg,
+                        float* exp_avg_sq, uint16_t* param_bf16_out, size_t n, int64_t step,
+                        float lr, float beta1, float beta2, float eps, float weight_decay,
+                        int adamw);
+
+/* The kernel the two calls above use: "scalar", "avx2", "avx512" or "avx512_bf16".
+ * NULL (and a last error) when ZINF_CPU_ISA names an unknown or unsupported set. */
+const char* zinf_cpu_adam_kernel(void);
+
 #ifdef __cplusplus
 }
 #endif
