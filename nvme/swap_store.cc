@@ -85,6 +85,7 @@ struct SwapStore::Impl {
   std::unordered_map<Ticket, TicketState> tickets; // guarded by mu
   Ticket next_ticket = 1;                  // guarded by mu
   int in_flight = 0;                       // guarded by mu: tickets not yet ended
+  std::chrono::steady_clock::time_point busy_since;  // guarded by mu
   SwapStoreStats stats;                    // guarded by mu
   bool closed = false;                     // guarded by mu
 
@@ -197,7 +198,7 @@ struct SwapStore::Impl {
   Ticket NewTicket(int parts) {  // REQUIRES: mu held
     Ticket t = next_ticket++;
     tickets[t].remaining = parts;
-    ++in_flight;
+    if (in_flight++ == 0) busy_since = std::chrono::steady_clock::now();
     return t;
   }
 
@@ -223,7 +224,7 @@ struct SwapStore::Impl {
         if (ts.status.ok()) stats.bytes_read += RoundUp(e.size, alignment);
       }
     }
-    --in_flight;
+    if (--in_flight == 0) stats.busy_seconds += SecondsSince(busy_since);
     cv.notify_all();
   }
 

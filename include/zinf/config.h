@@ -77,9 +77,23 @@ struct EngineConfig {
 // wrong types or values fail with a Status naming the key path ("zero_optimization.
 // offload_optimizer.device: expected one of none, cpu, nvme, got \"disk\""). The result is
 // validated: nvme tiers need at least one nvme path, sizes are positive, betas in [0, 1).
+//
+// Details a user may meet:
+// - Integer fields accept integral floats (DeepSpeed's "sub_group_size": 1e9); 1.5 or -1 fail.
+// - "nvme_path" is a string (DeepSpeed) or an array of strings; zinf.nvme_paths adds paths to
+//   every offload whose device is nvme.
+// - Optimizer type "Adam" means AdamW (decoupled weight decay) unless params.adam_w_mode is
+//   false, as in DeepSpeed.
+// - zinf.*_bytes accept "4G", "512M", "1.5GiB": units are powers of 1024, case-insensitive.
+// - The Hugging Face Trainer placeholder "auto" keeps the zinf default (one warning lists them).
+// - DeepSpeed keys with no zinf meaning (steps_per_print, overlap_comm, ...) are accepted
+//   silently; "fp16" or "amp" enabled and ZeRO stages 0-2 fail with kNotSupported.
+// - A key repeated within one object fails (as in DeepSpeed). Comments are allowed.
+// Warnings are appended to *warnings; with warnings == nullptr they go to the zinf log.
 Result<EngineConfig> ParseEngineConfig(const std::string& json_text,
                                        std::vector<std::string>* warnings);
-// Reads `path` and parses it; a missing or unreadable file is a clear error.
+// Reads `path` and parses it; a missing or unreadable file is a clear error (kNotFound when it
+// does not exist). Errors and warnings from parsing start with "<path>: ".
 Result<EngineConfig> LoadEngineConfig(const std::string& path,
                                       std::vector<std::string>* warnings);
 

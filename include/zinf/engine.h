@@ -112,7 +112,9 @@ class Engine {
 
   // Hands the engine the full fp32 gradient (numel elements, device memory, produced on the
   // compute stream) of a parameter acquired in this micro-step's backward. The buffer may be
-  // reused as soon as this returns.
+  // reused as soon as this returns. Gradients are summed over ranks and over the micro-steps
+  // of an accumulation window, never averaged: scale the loss (1 / (ranks * micro-steps)) in
+  // the trainer for a mean.
   Status ReduceGradient(ParamId id, const float* grad);
 
   // Ends a micro-step. At an accumulation boundary it runs (or finishes) the optimizer over

@@ -107,6 +107,7 @@ struct SwapStoreStats {
   uint64_t bytes_allocated = 0;  // extents in use, padded
   uint64_t file_bytes = 0;       // sum of swap file sizes
   double checksum_seconds = 0;   // time spent hashing (write) and verifying (read)
+  double busy_seconds = 0;       // time with at least one request in flight
 };
 
 using Ticket = uint64_t;

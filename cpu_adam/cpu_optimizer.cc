@@ -1,0 +1,469 @@
+// Argument checks, per-step coefficients, and the oneTBB driver with optional hwloc binding.
+#include <hwloc.h>
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/info.h>
+#include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/parallel_reduce.h>
+#include <oneapi/tbb/partitioner.h>
+#include <oneapi/tbb/task_arena.h>
+#include <oneapi/tbb/task_scheduler_observer.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "cpu_adam/kernels.h"
+#include "zinf/cpu_adam.h"
+#include "zinf/log.h"
+
+namespace zinf {
+
+using cpu_adam_internal::BestVariantOf;
+using cpu_adam_internal::KernelsFor;
+using cpu_adam_internal::KernelTable;
+using cpu_adam_internal::KernelVariant;
+using cpu_adam_internal::KernelVariantName;
+using cpu_adam_internal::StepBuffers;
+using cpu_adam_internal::StepCoefficients;
+
+const char* OptimizerKindName(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::kAdam:
+      return "adam";
+    case OptimizerKind::kAdamW:
+      return "adamw";
+    case OptimizerKind::kAdagrad:
+      return "adagrad";
+    case OptimizerKind::kLion:
+      return "lion";
+  }
+  return "unknown";
+}
+
+const char* GradTypeName(GradType type) {
+  switch (type) {
+    case GradType::kF32:
+      return "f32";
+    case GradType::kBf16:
+      return "bf16";
+    case GradType::kF16:
+      return "f16";
+  }
+  return "unknown";
+}
+
+const char* ParamCopyTypeName(ParamCopyType type) {
+  switch (type) {
+    case ParamCopyType::kNone:
+      return "none";
+    case ParamCopyType::kBf16:
+      return "bf16";
+    case ParamCopyType::kF16:
+      return "f16";
+  }
+  return "unknown";
+}
+
+size_t GradTypeSize(GradType type) { return type == GradType::kF32 ? 4 : 2; }
+size_t ParamCopyTypeSize(ParamCopyType type) { return type == ParamCopyType::kNone ? 0 : 2; }
+
+namespace {
+
+std::string Num(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.9g", v);
+  return buf;
+}
+
+bool IsValidKind(OptimizerKind k) {
+  return k == OptimizerKind::kAdam || k == OptimizerKind::kAdamW || k == OptimizerKind::kAdagrad ||
+         k == OptimizerKind::kLion;
+}
+
+struct NamedBuffer {
+  const char* name;
+  const void* ptr;
+  size_t bytes;
+};
+
+Status CheckBuffers(const std::string& what, const NamedBuffer* buffers, int count) {
+  for (int i = 0; i < count; ++i) {
+    if (buffers[i].ptr == nullptr) {
+      return Status::InvalidArgument(what + ": " + buffers[i].name + " is NULL but n > 0");
+    }
+  }
+  for (int i = 0; i < count; ++i) {
+    const auto a = reinterpret_cast<uintptr_t>(buffers[i].ptr);
+    for (int j = i + 1; j < count; ++j) {
+      const auto b = reinterpret_cast<uintptr_t>(buffers[j].ptr);
+      if (a < b + buffers[j].bytes && b < a + buffers[i].bytes) {
+        return Status::InvalidArgument(what + ": " + buffers[i].name + " and " + buffers[j].name +
+                                       " overlap; each needs a buffer of its own");
+      }
+    }
+  }
+  return Status::OK();
+}
+
+Status CheckStreamLength(const std::string& what, size_t n) {
+  // Keeps every byte count (n * 4) and pointer end from overflowing.
+  if (n > std::numeric_limits<size_t>::max() / 16) {
+    return Status::InvalidArgument(what + ": n = " + std::to_string(n) + " is too large");
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Status ValidateOptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t) {
+  if (!IsValidKind(hp.kind))
+    return Status::InvalidArgument("optimizer step: unknown optimizer kind");
+  const std::string what = std::string(OptimizerKindName(hp.kind)) + " step";
+  const bool adam_like = hp.kind == OptimizerKind::kAdam || hp.kind == OptimizerKind::kAdamW;
+  if (hp.step < 1) {
+    return Status::InvalidArgument(what + ": step must be >= 1 (got " + std::to_string(hp.step) +
+                                   "); steps are counted from 1, as torch's state['step'] after "
+                                   "its increment");
+  }
+  auto finite_at_least = [&](const char* name, float v, float lo) -> Status {
+    if (!std::isfinite(v) || v < lo) {
+      return Status::InvalidArgument(what + ": " + name + " must be finite and >= " + Num(lo) +
+                                     " (got " + Num(v) + ")");
+    }
+    return Status::OK();
+  };
+  ZINF_RETURN_IF_ERROR(finite_at_least("lr", hp.lr, 0.0f));
+  ZINF_RETURN_IF_ERROR(finite_at_least("weight_decay", hp.weight_decay, 0.0f));
+  if (!std::isfinite(hp.grad_scale) || !(hp.grad_scale > 0.0f)) {
+    return Status::InvalidArgument(what + ": grad_scale must be finite and > 0 (got " +
+                                   Num(hp.grad_scale) + ")");
+  }
+  if (hp.kind != OptimizerKind::kLion) ZINF_RETURN_IF_ERROR(finite_at_least("eps", hp.eps, 0.0f));
+  if (hp.kind == OptimizerKind::kAdagrad) {
+    ZINF_RETURN_IF_ERROR(finite_at_least("lr_decay", hp.lr_decay, 0.0f));
+  } else {
+    // Adam's bias corrections divide by 1 - beta^step, so a beta of 1 is rejected; Lion has
+    // none and accepts beta = 1 (a frozen momentum).
+    const bool closed = hp.kind == OptimizerKind::kLion;
+    for (auto [name, beta] : {std::pair{"beta1", hp.beta1}, std::pair{"beta2", hp.beta2}}) {
+      const bool ok = beta >= 0.0f && (closed ? beta <= 1.0f : beta < 1.0f);  // false for NaN
+      if (!ok) {
+        return Status::InvalidArgument(what + ": " + name + " must be in [0, 1" +
+                                       (closed ? "]" : ")") + " (got " + Num(beta) + ")");
+      }
+    }
+  }
+  if (t.grad_type != GradType::kF32 && t.grad_type != GradType::kBf16 &&
+      t.grad_type != GradType::kF16) {
+    return Status::InvalidArgument(what + ": unknown gradient type");
+  }
+  if (t.param_copy_type != ParamCopyType::kNone && t.param_copy_type != ParamCopyType::kBf16 &&
+      t.param_copy_type != ParamCopyType::kF16) {
+    return Status::InvalidArgument(what + ": unknown parameter copy type");
+  }
+  ZINF_RETURN_IF_ERROR(CheckStreamLength(what, t.n));
+  if (t.n == 0) return Status::OK();
+  NamedBuffer buffers[5];
+  int count = 0;
+  buffers[count++] = {"param", t.param, t.n * 4};
+  buffers[count++] = {"grad", t.grad, t.n * GradTypeSize(t.grad_type)};
+  if (hp.kind == OptimizerKind::kAdagrad) {
+    buffers[count++] = {"sum", t.sum, t.n * 4};
+  } else {
+    buffers[count++] = {"exp_avg", t.exp_avg, t.n * 4};
+  }
+  if (adam_like) buffers[count++] = {"exp_avg_sq", t.exp_avg_sq, t.n * 4};
+  if (t.param_copy_type != ParamCopyType::kNone) {
+    buffers[count++] = {"param_copy", t.param_copy, t.n * ParamCopyTypeSize(t.param_copy_type)};
+  }
+  return CheckBuffers(what, buffers, count);
+}
+
+namespace cpu_adam_internal {
+
+StepCoefficients ComputeCoefficients(const OptimizerHyperParams& hp) {
+  StepCoefficients c;
+  const double lr = hp.lr;
+  const double wd = hp.weight_decay;
+  const double beta1 = hp.beta1;
+  const double beta2 = hp.beta2;
+  const double step = static_cast<double>(hp.step);
+  c.grad_scale = hp.grad_scale;
+  c.has_weight_decay = hp.weight_decay != 0.0f;
+  c.l2_decay = hp.weight_decay;
+  c.param_decay = static_cast<float>(1.0 - lr * wd);
+  c.beta1 = hp.beta1;
+  c.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  c.beta2 = hp.beta2;
+  c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  c.eps = hp.eps;
+  switch (hp.kind) {
+    case OptimizerKind::kAdam:
+    case OptimizerKind::kAdamW: {
+      const double bias_correction1 = 1.0 - std::pow(beta1, step);
+      const double bias_correction2 = 1.0 - std::pow(beta2, step);
+      c.neg_step_size = static_cast<float>(-lr / bias_correction1);
+      c.inv_bias_correction2_sqrt = static_cast<float>(1.0 / std::sqrt(bias_correction2));
+      break;
+    }
+    case OptimizerKind::kAdagrad:
+      c.neg_step_size = static_cast<float>(-lr / (1.0 + (step - 1.0) * hp.lr_decay));
+      break;
+    case OptimizerKind::kLion:
+      c.neg_step_size = static_cast<float>(-lr);
+      break;
+  }
+  return c;
+}
+
+StepBuffers BuffersOf(const OptimizerHyperParams& hp, const OptimizerTensors& t) {
+  StepBuffers b;
+  b.param = t.param;
+  b.grad = t.grad;
+  b.state1 = hp.kind == OptimizerKind::kAdagrad ? t.sum : t.exp_avg;
+  b.state2 = t.exp_avg_sq;
+  b.param_copy = t.param_copy;
+  return b;
+}
+
+}  // namespace cpu_adam_internal
+
+Status OptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t, CpuIsa isa) {
+  ZINF_ASSIGN_OR_RETURN(CpuIsa chosen, SelectCpuIsa(isa));
+  ZINF_RETURN_IF_ERROR(ValidateOptimizerStep(hp, t));
+  if (t.n == 0) return Status::OK();
+  const KernelTable& table = KernelsFor(BestVariantOf(chosen, DetectCpuFeatures()));
+  const StepCoefficients c = cpu_adam_internal::ComputeCoefficients(hp);
+  cpu_adam_internal::SelectStepKernel(table, hp, t)(c, cpu_adam_internal::BuffersOf(hp, t), 0, t.n);
+  return Status::OK();
+}
+
+namespace {
+
+// Binds each arena slot to one PU while a thread occupies it, and restores the thread's
+// previous binding when it leaves. Slot s goes to core s % cores (cores first, so two threads
+// never share a core while another core is idle), then to that core's next SMT sibling.
+class CoreBinder final : public tbb::task_scheduler_observer {
+ public:
+  CoreBinder(tbb::task_arena& arena, hwloc_topology_t topology, int slots)
+      : tbb::task_scheduler_observer(arena), topology_(topology) {
+    std::vector<std::vector<hwloc_obj_t>> pus_by_core;
+    const int cores = hwloc_get_nbobjs_by_type(topology, HWLOC_OBJ_CORE);
+    if (cores > 0) {
+      for (int c = 0; c < cores; ++c) {
+        hwloc_obj_t core = hwloc_get_obj_by_type(topology, HWLOC_OBJ_CORE, c);
+        std::vector<hwloc_obj_t> pus;
+        for (hwloc_obj_t pu = nullptr;
+             (pu = hwloc_get_next_obj_inside_cpuset_by_type(topology, core->cpuset, HWLOC_OBJ_PU,
+                                                            pu)) != nullptr;) {
+          pus.push_back(pu);
+        }
+        if (!pus.empty()) pus_by_core.push_back(std::move(pus));
+      }
+    }
+    if (pus_by_core.empty()) {  // no core level (some VMs): every PU is its own core
+      const int n = hwloc_get_nbobjs_by_type(topology, HWLOC_OBJ_PU);
+      for (int i = 0; i < n; ++i)
+        pus_by_core.push_back({hwloc_get_obj_by_type(topology, HWLOC_OBJ_PU, i)});
+    }
+    for (int s = 0; s < slots && !pus_by_core.empty(); ++s) {
+      const auto& core = pus_by_core[s % pus_by_core.size()];
+      const size_t sibling = (s / pus_by_core.size()) % core.size();
+      targets_.push_back(hwloc_bitmap_dup(core[sibling]->cpuset));
+      saved_.push_back(hwloc_bitmap_alloc());
+    }
+    observe(true);
+  }
+
+  ~CoreBinder() override {
+    observe(false);
+    for (hwloc_bitmap_t b : targets_) hwloc_bitmap_free(b);
+    for (hwloc_bitmap_t b : saved_) hwloc_bitmap_free(b);
+  }
+
+  void on_scheduler_entry(bool /*is_worker*/) override {
+    const int slot = tbb::this_task_arena::current_thread_index();
+    if (slot < 0 || slot >= static_cast<int>(targets_.size())) return;
+    if (hwloc_get_cpubind(topology_, saved_[slot], HWLOC_CPUBIND_THREAD) != 0) {
+      hwloc_bitmap_zero(saved_[slot]);
+    }
+    if (hwloc_set_cpubind(topology_, targets_[slot], HWLOC_CPUBIND_THREAD) != 0 &&
+        !warned_.exchange(true)) {
+      LogWarning(
+          "cpu optimizer: binding a thread to a core with hwloc failed; threads run "
+          "unbound");
+    }
+  }
+
+  void on_scheduler_exit(bool /*is_worker*/) override {
+    const int slot = tbb::this_task_arena::current_thread_index();
+    if (slot < 0 || slot >= static_cast<int>(targets_.size())) return;
+    if (!hwloc_bitmap_iszero(saved_[slot])) {
+      hwloc_set_cpubind(topology_, saved_[slot], HWLOC_CPUBIND_THREAD);
+    }
+  }
+
+ private:
+  hwloc_topology_t topology_;
+  std::vector<hwloc_bitmap_t> targets_;  // per slot; fixed after construction
+  std::vector<hwloc_bitmap_t> saved_;    // per slot; touched only by the slot's occupant
+  std::atomic<bool> warned_{false};
+};
+
+constexpr size_t kTileAlignment = 64;  // elements: one cache line of fp32, two of bf16
+
+}  // namespace
+
+struct CpuOptimizer::Impl {
+  CpuIsa isa = CpuIsa::kScalar;
+  KernelVariant variant = KernelVariant::kScalar;
+  const KernelTable* kernels = nullptr;
+  int num_threads = 1;
+  size_t tile = 0;
+  bool bind = false;
+  hwloc_topology_t topology = nullptr;
+  std::unique_ptr<tbb::task_arena> arena;
+  std::unique_ptr<CoreBinder> binder;  // destroyed before the arena and the topology
+
+  ~Impl() {
+    binder.reset();
+    arena.reset();
+    if (topology != nullptr) hwloc_topology_destroy(topology);
+  }
+
+  // Thread t of p gets tiles [tiles * t / p, tiles * (t + 1) / p).
+  size_t ChunkBegin(size_t n, size_t tiles, size_t t, size_t p) const {
+    return std::min(n, tiles * t / p * tile);
+  }
+};
+
+CpuOptimizer::CpuOptimizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CpuOptimizer::~CpuOptimizer() = default;
+
+Result<std::unique_ptr<CpuOptimizer>> CpuOptimizer::Create(const Options& options) {
+  auto impl = std::make_unique<Impl>();
+  ZINF_ASSIGN_OR_RETURN(impl->isa, SelectCpuIsa(options.isa));
+  impl->variant = BestVariantOf(impl->isa, DetectCpuFeatures());
+  impl->kernels = &KernelsFor(impl->variant);
+  if (options.num_threads < 0 || options.num_threads > 4096) {
+    return Status::InvalidArgument("cpu optimizer: num_threads must be in [0, 4096] (got " +
+                                   std::to_string(options.num_threads) + "); 0 means all CPUs");
+  }
+  // More threads than CPUs cannot speed up a memory-bound pass; oneTBB would not start them
+  // anyway (it caps its workers at the CPU count), so the count is clamped to what runs.
+  const int available = std::max(1, tbb::info::default_concurrency());
+  impl->num_threads =
+      options.num_threads == 0 ? available : std::min(options.num_threads, available);
+  const size_t tile = std::max<size_t>(options.tile_elements, 1);
+  impl->tile = (tile + kTileAlignment - 1) / kTileAlignment * kTileAlignment;
+  impl->bind = options.bind_to_cores;
+  impl->arena = std::make_unique<tbb::task_arena>(impl->num_threads, 1);
+  impl->arena->initialize();
+  if (impl->bind) {
+    if (hwloc_topology_init(&impl->topology) != 0 || hwloc_topology_load(impl->topology) != 0) {
+      return Status::FailedPrecondition(
+          "cpu optimizer: hwloc could not read the CPU topology, so threads cannot be bound to "
+          "cores; create the optimizer with bind_to_cores = false");
+    }
+    impl->binder = std::make_unique<CoreBinder>(*impl->arena, impl->topology, impl->num_threads);
+  }
+  return std::unique_ptr<CpuOptimizer>(new CpuOptimizer(std::move(impl)));
+}
+
+void CpuOptimizer::ParallelForImpl(size_t n, void (*fn)(void*, size_t, size_t), void* ctx) {
+  if (n == 0) return;
+  const Impl& im = *impl_;
+  const size_t tiles = (n + im.tile - 1) / im.tile;
+  const size_t p = std::min<size_t>(static_cast<size_t>(im.num_threads), tiles);
+  if (p <= 1 && !im.bind) {
+    fn(ctx, 0, n);  // one tile or one thread: no hand-off to the arena
+    return;
+  }
+  im.arena->execute([&] {
+    tbb::parallel_for(
+        tbb::blocked_range<size_t>(0, p, 1),
+        [&](const tbb::blocked_range<size_t>& r) {
+          for (size_t t = r.begin(); t != r.end(); ++t) {
+            const size_t begin = im.ChunkBegin(n, tiles, t, p);
+            const size_t end = im.ChunkBegin(n, tiles, t + 1, p);
+            if (begin < end) fn(ctx, begin, end);
+          }
+        },
+        tbb::static_partitioner());
+  });
+}
+
+Status CpuOptimizer::Step(const OptimizerHyperParams& hp, const OptimizerTensors& t) {
+  ZINF_RETURN_IF_ERROR(ValidateOptimizerStep(hp, t));
+  if (t.n == 0) return Status::OK();
+  const StepCoefficients c = cpu_adam_internal::ComputeCoefficients(hp);
+  const StepBuffers b = cpu_adam_internal::BuffersOf(hp, t);
+  const cpu_adam_internal::StepKernelFn kernel =
+      cpu_adam_internal::SelectStepKernel(*impl_->kernels, hp, t);
+  ParallelFor(t.n, [&](size_t begin, size_t end) { kernel(c, b, begin, end); });
+  return Status::OK();
+}
+
+Result<GradStats> CpuOptimizer::GradSumSquares(const void* grad, GradType type, size_t n) {
+  if (type != GradType::kF32 && type != GradType::kBf16 && type != GradType::kF16) {
+    return Status::InvalidArgument("gradient sum of squares: unknown gradient type");
+  }
+  ZINF_RETURN_IF_ERROR(CheckStreamLength("gradient sum of squares", n));
+  if (n == 0) return GradStats{};
+  if (grad == nullptr) {
+    return Status::InvalidArgument("gradient sum of squares: grad is NULL but n > 0");
+  }
+  const Impl& im = *impl_;
+  const cpu_adam_internal::SumSquaresFn kernel = im.kernels->sum_squares[static_cast<int>(type)];
+  const size_t tile = im.tile;
+  const size_t tiles = (n + tile - 1) / tile;
+  // One leaf per tile and a split tree fixed by the tile count: the same additions in the same
+  // order whatever the number of threads (parallel_deterministic_reduce's guarantee).
+  GradStats result;
+  im.arena->execute([&] {
+    result = tbb::parallel_deterministic_reduce(
+        tbb::blocked_range<size_t>(0, tiles, 1), GradStats{},
+        [&](const tbb::blocked_range<size_t>& r, GradStats acc) {
+          for (size_t k = r.begin(); k != r.end(); ++k) {
+            double sum = 0.0;
+            bool inf_or_nan = false;
+            kernel(grad, k * tile, std::min(n, (k + 1) * tile), &sum, &inf_or_nan);
+            acc.sum_squares += sum;
+            acc.has_inf_or_nan = acc.has_inf_or_nan || inf_or_nan;
+          }
+          return acc;
+        },
+        [](GradStats a, const GradStats& b) {
+          a.sum_squares += b.sum_squares;
+          a.has_inf_or_nan = a.has_inf_or_nan || b.has_inf_or_nan;
+          return a;
+        },
+        tbb::simple_partitioner());
+  });
+  return result;
+}
+
+Status CpuOptimizer::ConvertParams(const float* src, void* dst, ParamCopyType type, size_t n) {
+  if (type != ParamCopyType::kBf16 && type != ParamCopyType::kF16) {
+    return Status::InvalidArgument("parameter conversion: the target type must be bf16 or f16");
+  }
+  ZINF_RETURN_IF_ERROR(CheckStreamLength("parameter conversion", n));
+  if (n == 0) return Status::OK();
+  const NamedBuffer buffers[2] = {{"src", src, n * 4}, {"dst", dst, n * 2}};
+  ZINF_RETURN_IF_ERROR(CheckBuffers("parameter conversion", buffers, 2));
+  const cpu_adam_internal::ConvertFn kernel = impl_->kernels->convert[static_cast<int>(type)];
+  ParallelFor(n, [&](size_t begin, size_t end) { kernel(src, dst, begin, end); });
+  return Status::OK();
+}
+
+CpuIsa CpuOptimizer::isa() const { return impl_->isa; }
+const char* CpuOptimizer::kernel_name() const { return KernelVariantName(impl_->variant); }
+int CpuOptimizer::num_threads() const { return impl_->num_threads; }
+size_t CpuOptimizer::tile_elements() const { return impl_->tile; }
+bool CpuOptimizer::bound_to_cores() const { return impl_->bind; }
+
+}  // namespace zinf

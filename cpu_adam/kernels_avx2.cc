@@ -1,0 +1,118 @@
+// AVX2 + FMA + F16C variant (8 lanes). bf16 conversion is emulated with integer ops that
+// reproduce VCVTNEPS2BF16 (and the scalar reference) exactly.
+// Compiled with -mavx2 -mfma -mf16c; must not include anything that instantiates inline code
+// shared with other translation units (see kernel_body.h).
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "cpu_adam/kernels.h"
+
+namespace zinf::cpu_adam_internal::avx2 {
+
+struct V {
+  using F = __m256;
+  static constexpr size_t kWidth = 8;
+  static F Set1(float x) { return _mm256_set1_ps(x); }
+  static F Load(const float* p) { return _mm256_loadu_ps(p); }
+  static void Store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static F LoadBf16(const uint16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static F LoadF16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  // fp32 -> 8 bf16 values, rounded to nearest even (see Fp32ToBf16).
+  static __m128i ToBf16(F x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+    const __m256i is_nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000));
+    const __m256i is_zero_or_subnormal = _mm256_cmpeq_epi32(
+        _mm256_and_si256(bits, _mm256_set1_epi32(0x7f800000)), _mm256_setzero_si256());
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb);
+    r = _mm256_blendv_epi8(r, _mm256_and_si256(bits, _mm256_set1_epi32(int(0x80000000u))),
+                           is_zero_or_subnormal);
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000)), is_nan);
+    r = _mm256_srli_epi32(r, 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  }
+  static __m128i ToF16(F x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT); }
+  static void StoreBf16(uint16_t* p, F x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), ToBf16(x));
+  }
+  static void StoreF16(uint16_t* p, F x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), ToF16(x));
+  }
+  // Non-temporal stores; REQUIRE p aligned to 16 bytes.
+  // How far ahead the loop prefetches (elements; 1 KiB of each fp32 stream).
+  static constexpr size_t kPrefetchElements = 256;
+  static constexpr bool kCanStream = true;
+  static void StreamBf16(uint16_t* p, F x) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), ToBf16(x));
+  }
+  static void StreamF16(uint16_t* p, F x) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), ToF16(x));
+  }
+  static void StreamFence() { _mm_sfence(); }
+  static F Add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F Sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F Mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F Div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F Fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F Sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static F Sign(F a) {
+    const F zero = _mm256_setzero_ps();
+    const F pos = _mm256_and_ps(_mm256_cmp_ps(a, zero, _CMP_GT_OQ), _mm256_set1_ps(1.0f));
+    const F neg = _mm256_and_ps(_mm256_cmp_ps(a, zero, _CMP_LT_OQ), _mm256_set1_ps(-1.0f));
+    return _mm256_blendv_ps(_mm256_or_ps(pos, neg), a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  }
+
+  // Four double accumulators (two per vector half); the result depends only on the element
+  // order, which is fixed by the caller's range.
+  class SumState {
+   public:
+    void Add(F x) { Accumulate(x, acc_[0], acc_[1]); }
+    void AddPair(F x0, F x1) {
+      Accumulate(x0, acc_[0], acc_[1]);
+      Accumulate(x1, acc_[2], acc_[3]);
+    }
+    double Sum() const {
+      alignas(32) double d[4];
+      _mm256_store_pd(
+          d, _mm256_add_pd(_mm256_add_pd(acc_[0], acc_[1]), _mm256_add_pd(acc_[2], acc_[3])));
+      return (d[0] + d[1]) + (d[2] + d[3]);
+    }
+    bool HasInfOrNan() const { return !_mm256_testz_si256(inf_or_nan_, inf_or_nan_); }
+
+   private:
+    void Accumulate(F x, __m256d& lo_acc, __m256d& hi_acc) {
+      const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+      const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+      lo_acc = _mm256_fmadd_pd(lo, lo, lo_acc);
+      hi_acc = _mm256_fmadd_pd(hi, hi, hi_acc);
+      const __m256i exponent_mask = _mm256_set1_epi32(0x7f800000);
+      const __m256i exponent = _mm256_and_si256(_mm256_castps_si256(x), exponent_mask);
+      inf_or_nan_ = _mm256_or_si256(inf_or_nan_, _mm256_cmpeq_epi32(exponent, exponent_mask));
+    }
+    __m256d acc_[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
+                       _mm256_setzero_pd()};
+    __m256i inf_or_nan_ = _mm256_setzero_si256();
+  };
+};
+
+}  // namespace zinf::cpu_adam_internal::avx2
+
+#define ZINF_KERNEL_NS avx2
+#include "cpu_adam/kernel_body.h"
+#undef ZINF_KERNEL_NS
+
+namespace zinf::cpu_adam_internal {
+
+const KernelTable& Avx2Kernels() {
+  static constexpr KernelTable kTable = avx2::MakeKernelTable(KernelVariant::kAvx2);
+  return kTable;
+}
+
+}  // namespace zinf::cpu_adam_internal

@@ -1,0 +1,1295 @@
+// The engine: placement, fetch and prefetch, the gradient path and the optimizer pipeline.
+//
+// Threads and what they own:
+// - the trainer's thread calls every public method; it alone decides which fetches and
+//   collectives are issued, in program order, so all ranks issue them in the same order;
+// - the device's streams (copy, comm, update) run copies, collectives and host callbacks;
+// - the optimizer thread steps sub-groups as their gradients complete and writes results back;
+// - the swap store's I/O thread.
+// `mu_` guards the state shared with callbacks and the optimizer thread (marked below).
+#include "zinf/engine.h"
+
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "zinf/cpu_adam.h"
+#include "zinf/io.h"
+#include "zinf/log.h"
+#include "zinf/swap.h"
+
+namespace zinf {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Partition slices start at multiples of this many elements inside optimizer buffers, so that
+// both their fp32 and bf16 images are 4 KiB aligned for direct I/O.
+constexpr size_t kSliceAlign = 2048;
+// Partitions are padded to a multiple of this many elements per rank.
+constexpr size_t kPartitionAlign = 16;
+
+size_t RoundUpSize(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+// Host memory for optimizer states on the CPU tier: page aligned, huge pages when possible.
+struct HostArray {
+  float* data = nullptr;
+  size_t bytes = 0;
+  HostArray() = default;
+  HostArray(HostArray&& o) noexcept : data(o.data), bytes(o.bytes) { o.data = nullptr; }
+  HostArray& operator=(HostArray&&) = delete;
+  HostArray(const HostArray&) = delete;
+  HostArray& operator=(const HostArray&) = delete;
+  ~HostArray() {
+    if (data != nullptr) munmap(data, bytes);
+  }
+  Status Allocate(size_t count, const std::string& what) {
+    bytes = RoundUpSize(std::max<size_t>(count, 1) * sizeof(float), 4096);
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      data = nullptr;
+      return ErrnoToStatus(errno, "allocating " + FormatBytes(bytes) + " of host memory for " +
+                                      what);
+    }
+    madvise(p, bytes, MADV_HUGEPAGE);
+    data = static_cast<float*>(p);
+    return Status::OK();
+  }
+};
+
+}  // namespace
+
+struct Engine::Impl {
+  enum class FetchState { kAbsent, kFetching, kResident };
+
+  struct Param {
+    ParamInfo info;
+    std::function<void(float*, size_t)> init;
+    size_t padded_numel = 0;  // partition_numel * world
+    // This rank's partition in the parameter store (storage dtype).
+    void* device_part = nullptr;  // Tier::kDevice
+    PinnedBuffer host_part;       // Tier::kCpu
+    std::string swap_key;         // Tier::kNvme
+    // Device cache of the full parameter.
+    void* device_full = nullptr;
+    bool aliased = false;  // device_full is device_part (one rank, device tier)
+    FetchState state = FetchState::kAbsent;
+    std::unique_ptr<Event> ready;
+    uint64_t fetched_version = 0;
+    int acquired = 0;
+    Status fetch_status;  // guarded by mu_: set by the fetch's stream callback
+    // Gradient accumulator: this rank's fp32 partition (pinned host).
+    PinnedBuffer grad_acc;
+    bool grad_reduced_this_micro = false;
+    bool grad_seen_this_window = false;
+    size_t slice_offset = 0;  // element offset inside its sub-group's state arrays
+  };
+
+  struct SubGroup {
+    std::vector<ParamId> params;
+    size_t numel = 0;  // state elements (slices aligned)
+    // Tier::kCpu / kDevice states: three arrays of `numel` floats.
+    HostArray master;  // [master | exp_avg | exp_avg_sq], one mapping
+    float* device_states = nullptr;  // Tier::kDevice on a host device: [master|m|v]
+    std::string swap_key;            // Tier::kNvme: [master|m|v] in one tensor
+    int pending = 0;                 // guarded by mu_: params whose grad has not landed
+  };
+
+  // Work queued for the optimizer thread.
+  struct Epoch {
+    int64_t step = 0;
+    bool clip = false;
+  };
+
+  EngineConfig config;
+  Device* device = nullptr;
+  Communicator* comm = nullptr;
+  EngineHooks hooks;
+  int rank = 0;
+  int world = 1;
+  size_t elem_size = 4;
+  ParamCopyType copy_type = ParamCopyType::kNone;
+
+  std::vector<Param> params;
+  std::vector<SubGroup> groups;
+  bool registered = false;
+
+  std::unique_ptr<PinnedArena> arena;
+  std::unique_ptr<SwapStore> swap;
+  std::unique_ptr<CpuOptimizer> optimizer;
+  Stream* copy_stream = nullptr;
+  Stream* comm_stream = nullptr;
+  Stream* update_stream = nullptr;
+  std::unique_ptr<Event> compute_done;
+  std::unique_ptr<Event> copy_done;
+  std::unique_ptr<Event> comm_done;
+  std::vector<float> zeros;  // padding source for gradient scratch
+
+  // Trace: the acquire sequence of one micro-step.
+  std::vector<ParamId> trace;
+  bool trace_recording = true;
+  bool trace_valid = false;
+  size_t trace_pos = 0;  // next expected position this micro-step
+  bool trace_hinted = false;
+
+  // Device accounting (engine-side budget), guarded by mu_.
+  uint64_t device_bytes = 0;
+  uint64_t device_peak = 0;
+  uint64_t live_elems = 0;       // trainer thread only: full params resident or fetching
+  // Trainer thread only: device bytes as the trainer's program order sees them. Decisions
+  // that issue collectives (fetch, prefetch, evict) look only at this, never at device_bytes,
+  // which frees on stream threads change at times that differ between ranks.
+  uint64_t plan_bytes = 0;
+  std::vector<uint64_t> pending_scratch;  // trainer thread only: gradient scratch in flight
+
+  int64_t step = 0;
+  int64_t micro = 0;  // micro-steps taken
+
+  // Shared with the optimizer thread and callbacks.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Epoch> epochs;   // guarded by mu
+  bool epoch_done = true;     // guarded by mu
+  Status optimizer_status;    // guarded by mu: first failure of the last epoch
+  Status async_status;        // guarded by mu: first failure in a stream callback
+  float clip_coef = 1.0f;     // guarded by mu
+  bool clip_known = false;    // guarded by mu
+  bool stopping = false;      // guarded by mu
+  std::thread optimizer_thread;
+  Status broken;  // trainer thread: once set, every call fails with it
+
+  // Statistics of the current micro-step.
+  struct Counters {
+    uint64_t h2d = 0, d2h = 0;
+    double copy_busy = 0, optimizer_busy = 0, acquire_wait = 0, optimizer_wait = 0;
+    uint64_t hits = 0, misses = 0;
+  } counters;  // guarded by mu
+  SwapStoreStats swap_base;
+  Clock::time_point step_start = Clock::now();
+  uint64_t pinned_peak_base = 0;
+
+  ~Impl() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stopping = true;
+    }
+    cv.notify_all();
+    if (optimizer_thread.joinable()) optimizer_thread.join();
+    if (copy_stream) (void)device->SynchronizeStream(copy_stream);
+    if (comm_stream) (void)device->SynchronizeStream(comm_stream);
+    if (update_stream) (void)device->SynchronizeStream(update_stream);
+    for (Param& p : params) {
+      if (p.device_full != nullptr && !p.aliased) device->Free(p.device_full);
+      if (p.device_part != nullptr) device->Free(p.device_part);
+    }
+    for (SubGroup& g : groups) {
+      if (g.device_states != nullptr) device->Free(g.device_states);
+    }
+    if (arena) (void)device->UnregisterHostMemory(arena->region().base);
+    // Their pinned buffers go back to the arena, which must still exist.
+    params.clear();
+    groups.clear();
+  }
+
+  // ---- Device memory under the engine's budget ----
+
+  Result<void*> DevAlloc(size_t bytes, const std::string& what) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (config.device_budget_bytes != 0 && device_bytes + bytes > config.device_budget_bytes) {
+        return Status::ResourceExhausted(
+            "device budget exhausted allocating " + FormatBytes(bytes) + " for " + what +
+            " (budget " + FormatBytes(config.device_budget_bytes) + ", in use " +
+            FormatBytes(device_bytes) + "); raise zinf.device_budget_bytes");
+      }
+      device_bytes += bytes;
+      device_peak = std::max(device_peak, device_bytes);
+    }
+    Result<void*> p = device->Alloc(bytes);
+    if (!p.ok()) {
+      std::lock_guard<std::mutex> lock(mu);
+      device_bytes -= bytes;
+      return p.status().WithContext("allocating device memory for " + what);
+    }
+    return p;
+  }
+
+  void DevFree(void* ptr, size_t bytes) {
+    device->Free(ptr);
+    std::lock_guard<std::mutex> lock(mu);
+    device_bytes -= bytes;
+  }
+
+  size_t FullBytes(const Param& p) const { return p.padded_numel * elem_size; }
+  size_t PartBytes(const Param& p) const { return p.info.partition_numel * elem_size; }
+
+  void SetAsyncError(const Status& s) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (async_status.ok()) async_status = s;
+  }
+
+  Status TakeAsyncError() {
+    std::lock_guard<std::mutex> lock(mu);
+    return async_status;
+  }
+
+  // Host callback on `stream` that adds the time between two points to a busy counter.
+  void TimeCopy(Stream* stream, std::function<Status()> issue) {
+    auto t0 = std::make_shared<Clock::time_point>();
+    (void)device->LaunchHostFunc(stream, [t0] { *t0 = Clock::now(); });
+    Status s = issue();
+    if (!s.ok()) SetAsyncError(s);
+    (void)device->LaunchHostFunc(stream, [this, t0] {
+      double d = Since(*t0);
+      std::lock_guard<std::mutex> lock(mu);
+      counters.copy_busy += d;
+    });
+  }
+
+  // ---- Registration ----
+
+  Status Place();
+  Status InitStores();
+
+  // ---- Fetch / evict ----
+
+  Status Fetch(ParamId id);
+  Status MakeRoom(uint64_t elems, uint64_t bytes, ParamId for_id);
+  // Waits for the gradient reductions in flight; their scratch memory is free afterwards.
+  Status ReclaimScratch() {
+    ZINF_RETURN_IF_ERROR(device->SynchronizeStream(comm_stream));
+    ZINF_RETURN_IF_ERROR(device->SynchronizeStream(copy_stream));
+    for (uint64_t b : pending_scratch) plan_bytes -= b;
+    pending_scratch.clear();
+    return Status::OK();
+  }
+  void Evict(ParamId id);
+  // Elements of trace between the cursor and the next use of `id` (SIZE_MAX: none).
+  uint64_t ReuseDistance(ParamId id) const;
+  void Prefetch();
+  void TraceCheck(ParamId id);
+
+  // ---- Optimizer ----
+
+  void OptimizerLoop();
+  Status RunEpoch(const Epoch& e);
+  Status StepGroup(size_t g, float* master, float* m, float* v, uint16_t* copy_out,
+                   const Epoch& e, float coef, std::vector<Ticket>* writes);
+  Status WriteParamStore(size_t g, const float* master, const uint16_t* copy_out,
+                         std::vector<Ticket>* writes);
+  size_t GroupStateBytes(const SubGroup& g) const { return g.numel * 3 * sizeof(float); }
+  std::vector<size_t> GroupOrder() const {  // backward order: last registered first
+    std::vector<size_t> order(groups.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = order.size() - 1 - i;
+    return order;
+  }
+  void GradLanded(ParamId id);
+  // At the start of a micro-step: resets the gradient counts and, when the micro-step ends an
+  // accumulation window, hands the optimizer thread its epoch so sub-groups are stepped as
+  // soon as their gradients land (during backward).
+  void BeginMicroStep();
+};
+
+void Engine::Impl::BeginMicroStep() {
+  const bool boundary = (micro + 1) % std::max(1, config.gradient_accumulation_steps) == 0;
+  for (Param& p : params) p.grad_reduced_this_micro = false;
+  std::lock_guard<std::mutex> lock(mu);
+  for (SubGroup& g : groups) g.pending = static_cast<int>(g.params.size());
+  if (boundary) {
+    clip_known = false;
+    clip_coef = 1.0f;
+    epoch_done = false;
+    optimizer_status = Status::OK();
+    epochs.push_back({step + 1, config.gradient_clipping > 0});
+    cv.notify_all();
+  }
+}
+
+// ---- Creation and registration ---------------------------------------------------------------
+
+Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Device* device,
+                                               Communicator* comm, const EngineHooks& hooks) {
+  if (device == nullptr || comm == nullptr) {
+    return Status::InvalidArgument("Engine::Create: device and communicator are required");
+  }
+  if (config.zero_stage != 3) {
+    return Status::InvalidArgument("zero_optimization.stage: zinf implements stage 3 only");
+  }
+  for (const OffloadConfig* o : {&config.offload_param, &config.offload_optimizer}) {
+    if (o->tier == Tier::kNvme && o->nvme_paths.empty()) {
+      return Status::InvalidArgument(
+          std::string(o == &config.offload_param ? "offload_param" : "offload_optimizer") +
+          ": device is nvme but no nvme_path is set; add \"nvme_path\" or zinf.nvme_paths");
+    }
+  }
+  if (config.offload_optimizer.tier == Tier::kDevice && !device->IsHost()) {
+    return Status::NotSupported(
+        "offload_optimizer.device none (optimizer on the GPU) is not supported yet; use cpu "
+        "or nvme");
+  }
+  if (config.delayed_update) {
+    return Status::NotSupported("zinf.delayed_update is not implemented yet; set it to false");
+  }
+  auto impl = std::make_unique<Impl>();
+  Impl& m = *impl;
+  m.config = config;
+  m.device = device;
+  m.comm = comm;
+  m.hooks = hooks;
+  m.rank = comm->rank();
+  m.world = comm->world_size();
+  if (config.bf16) {
+    m.elem_size = 2;
+    m.copy_type = ParamCopyType::kBf16;
+  }
+  CpuOptimizer::Options oo;
+  oo.num_threads = config.optimizer_threads;
+  ZINF_ASSIGN_OR_RETURN(m.optimizer, CpuOptimizer::Create(oo));
+  ZINF_ASSIGN_OR_RETURN(m.copy_stream, device->CreateStream("zinf-copy"));
+  ZINF_ASSIGN_OR_RETURN(m.comm_stream, device->CreateStream("zinf-comm"));
+  ZINF_ASSIGN_OR_RETURN(m.update_stream, device->CreateStream("zinf-update"));
+  ZINF_ASSIGN_OR_RETURN(m.compute_done, device->CreateEvent());
+  ZINF_ASSIGN_OR_RETURN(m.copy_done, device->CreateEvent());
+  ZINF_ASSIGN_OR_RETURN(m.comm_done, device->CreateEvent());
+  m.zeros.assign(kPartitionAlign * static_cast<size_t>(m.world), 0.0f);
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() = default;
+
+Result<ParamId> Engine::RegisterParameter(const ParamSpec& spec) {
+  Impl& m = *impl_;
+  if (m.registered) {
+    return Status::FailedPrecondition("RegisterParameter('" + spec.name +
+                                      "') after registration ended (first Acquire)");
+  }
+  size_t numel = 1;
+  for (int64_t d : spec.shape) {
+    if (d <= 0) {
+      return Status::InvalidArgument("parameter '" + spec.name +
+                                     "': every dimension must be positive");
+    }
+    numel *= static_cast<size_t>(d);
+  }
+  if (spec.shape.empty() || !spec.init) {
+    return Status::InvalidArgument("parameter '" + spec.name + "': needs a shape and an init");
+  }
+  Impl::Param p;
+  p.info.name = spec.name;
+  p.info.shape = spec.shape;
+  p.info.numel = numel;
+  p.info.partition_numel =
+      RoundUpSize((numel + m.world - 1) / m.world, kPartitionAlign);
+  p.padded_numel = p.info.partition_numel * m.world;
+  p.info.persistent = numel <= m.config.param_persistence_threshold;
+  p.init = spec.init;
+  // The largest layer must fit the device budget together with its gradient scratch.
+  uint64_t need = m.FullBytes(p) + p.padded_numel * sizeof(float) +
+                  p.info.partition_numel * sizeof(float);
+  if (m.config.device_budget_bytes != 0 && need > m.config.device_budget_bytes) {
+    return Status::ResourceExhausted(
+        "parameter '" + spec.name + "' (" + FormatBytes(m.FullBytes(p)) +
+        " gathered, plus its gradient) does not fit the device budget of " +
+        FormatBytes(m.config.device_budget_bytes) + "; raise zinf.device_budget_bytes to at "
+        "least " + FormatBytes(need));
+  }
+  if (need > m.device->MemoryInfo().budget) {
+    return Status::ResourceExhausted("parameter '" + spec.name + "' needs " + FormatBytes(need) +
+                                     " of device memory but the device budget is " +
+                                     FormatBytes(m.device->MemoryInfo().budget));
+  }
+  m.params.push_back(std::move(p));
+  return static_cast<ParamId>(m.params.size() - 1);
+}
+
+Status Engine::FinishRegistration() {
+  Impl& m = *impl_;
+  if (m.registered) return Status::OK();
+  if (m.params.empty()) return Status::FailedPrecondition("no parameters registered");
+  ZINF_RETURN_IF_ERROR(m.Place());
+  ZINF_RETURN_IF_ERROR(m.InitStores());
+  m.registered = true;
+  m.optimizer_thread = std::thread([&m] { m.OptimizerLoop(); });
+  m.BeginMicroStep();
+  m.swap_base = m.swap ? m.swap->stats() : SwapStoreStats{};
+  m.step_start = Clock::now();
+  return Status::OK();
+}
+
+Status Engine::Impl::Place() {
+  // Sub-groups: consecutive parameters up to sub_group_size partition elements.
+  for (ParamId id = 0; id < params.size(); ++id) {
+    Param& p = params[id];
+    size_t slice = RoundUpSize(p.info.partition_numel, kSliceAlign);
+    if (groups.empty() || (groups.back().numel + slice > config.sub_group_size &&
+                           !groups.back().params.empty())) {
+      groups.emplace_back();
+    }
+    SubGroup& g = groups.back();
+    p.info.sub_group = groups.size() - 1;
+    p.slice_offset = g.numel;
+    g.params.push_back(id);
+    g.numel += slice;
+  }
+
+  // Pinned memory: cpu-tier partitions, gradient accumulators, staging for nvme reads and
+  // optimizer buffers. All of it must fit the pinned budget.
+  uint64_t pinned = 0;
+  uint64_t max_part = 0, max_group = 0;
+  for (const Param& p : params) {
+    uint64_t part = RoundUp(PartBytes(p), 4096);
+    if (config.offload_param.tier == Tier::kCpu) pinned += part;
+    pinned += RoundUp(p.info.partition_numel * sizeof(float), 4096);  // grad accumulator
+    max_part = std::max<uint64_t>(max_part, RoundUp(p.info.partition_numel * sizeof(float), 4096));
+  }
+  for (const SubGroup& g : groups) max_group = std::max<uint64_t>(max_group, g.numel);
+  uint64_t buffers = std::max<uint32_t>(config.offload_optimizer.buffer_count, 3);
+  if (config.offload_optimizer.tier == Tier::kNvme) {
+    pinned += buffers * RoundUp(max_group * 3 * sizeof(float), 4096);
+  }
+  pinned += buffers * RoundUp(max_group * (copy_type == ParamCopyType::kNone ? 0 : 2), 4096);
+  // Staging for nvme parameter reads and gradient landing: a few partitions at a time.
+  uint64_t total_part = 0;
+  for (const Param& p : params) total_part += p.info.partition_numel;
+  uint64_t staging =
+      4 * max_part +
+      RoundUp(std::min<uint64_t>(config.prefetch_bucket_size / std::max(world, 1), total_part) *
+                  elem_size,
+              4096);
+  pinned += staging;
+  if (pinned > config.pinned_budget_bytes) {
+    return Status::ResourceExhausted(
+        "the pinned host budget of " + FormatBytes(config.pinned_budget_bytes) +
+        " is too small: this model needs about " + FormatBytes(pinned) +
+        " (gradient partitions, cpu-tier parameters, optimizer swap buffers and staging); "
+        "raise zinf.pinned_budget_bytes or lower sub_group_size");
+  }
+  PinnedArenaOptions ao;
+  ao.bytes = config.pinned_budget_bytes;
+  ao.lock_memory = config.offload_param.pin_memory || config.offload_optimizer.pin_memory;
+  ZINF_ASSIGN_OR_RETURN(arena, PinnedArena::Create(ao));
+  ZINF_RETURN_IF_ERROR(device->RegisterHostMemory(arena->region().base, arena->capacity()));
+
+  bool need_swap = config.offload_param.tier == Tier::kNvme ||
+                   config.offload_optimizer.tier == Tier::kNvme;
+  if (need_swap) {
+    SwapStoreOptions so;
+    so.paths = config.offload_optimizer.tier == Tier::kNvme ? config.offload_optimizer.nvme_paths
+                                                            : config.offload_param.nvme_paths;
+    for (const std::string& extra : config.offload_param.nvme_paths) {
+      if (config.offload_param.tier == Tier::kNvme &&
+          std::find(so.paths.begin(), so.paths.end(), extra) == so.paths.end()) {
+        so.paths.push_back(extra);
+      }
+    }
+    if (world > 1) {
+      // Each rank keeps its own swap files: a subfolder per rank.
+      for (std::string& path : so.paths) {
+        path += "/rank" + std::to_string(rank);
+        if (mkdir(path.c_str(), 0700) != 0 && errno != EEXIST) {
+          return ErrnoToStatus(errno, "creating swap folder " + path);
+        }
+      }
+    }
+    Result<IoBackendKind> kind = ParseIoBackendKind(config.aio.backend);
+    if (!kind.ok()) return kind.status().WithContext("aio.backend");
+    so.backend = kind.value();
+    so.backend_options.queue_depth = config.aio.queue_depth;
+    so.block_size = config.aio.block_size;
+    so.checksums = config.checksums;
+    so.max_capacity_per_path = config.nvme_capacity_bytes;
+    so.registered_regions = {arena->region()};
+    so.fault_plan = hooks.fault_plan;
+    ZINF_ASSIGN_OR_RETURN(swap, SwapStore::Open(so));
+  }
+  return Status::OK();
+}
+
+Status Engine::Impl::InitStores() {
+  std::vector<float> full;
+  std::vector<Ticket> tickets;
+  // Optimizer states per sub-group, parameters per store.
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    SubGroup& g = groups[gi];
+    float* master;
+    PinnedBuffer staging;
+    if (config.offload_optimizer.tier == Tier::kNvme) {
+      ZINF_ASSIGN_OR_RETURN(staging, arena->Allocate(GroupStateBytes(g)));
+      master = static_cast<float*>(staging.data());
+      g.swap_key = "opt/" + std::to_string(gi);
+    } else if (config.offload_optimizer.tier == Tier::kDevice) {
+      ZINF_ASSIGN_OR_RETURN(void* d, DevAlloc(GroupStateBytes(g), "optimizer states"));
+      plan_bytes += GroupStateBytes(g);
+      g.device_states = static_cast<float*>(d);
+      master = g.device_states;
+    } else {
+      ZINF_RETURN_IF_ERROR(g.master.Allocate(g.numel * 3, "optimizer states"));
+      master = g.master.data;
+    }
+    std::memset(master, 0, GroupStateBytes(g));  // exp_avg and exp_avg_sq start at zero
+    for (ParamId id : g.params) {
+      Param& p = params[id];
+      full.assign(p.padded_numel, 0.0f);
+      p.init(full.data(), p.info.numel);
+      const float* part = full.data() + static_cast<size_t>(rank) * p.info.partition_numel;
+      std::memcpy(master + p.slice_offset, part, p.info.partition_numel * sizeof(float));
+      // The parameter store, in storage dtype.
+      PinnedBuffer image;
+      ZINF_ASSIGN_OR_RETURN(image, arena->Allocate(PartBytes(p)));
+      if (copy_type == ParamCopyType::kBf16) {
+        auto* out = static_cast<uint16_t*>(image.data());
+        for (size_t i = 0; i < p.info.partition_numel; ++i) out[i] = Fp32ToBf16(part[i]);
+      } else {
+        std::memcpy(image.data(), part, PartBytes(p));
+      }
+      ZINF_ASSIGN_OR_RETURN(p.grad_acc, arena->Allocate(p.info.partition_numel * sizeof(float)));
+      std::memset(p.grad_acc.data(), 0, p.grad_acc.capacity());
+      switch (config.offload_param.tier) {
+        case Tier::kDevice: {
+          ZINF_ASSIGN_OR_RETURN(p.device_part,
+                                DevAlloc(PartBytes(p), "parameter '" + p.info.name + "'"));
+          plan_bytes += PartBytes(p);
+          ZINF_RETURN_IF_ERROR(
+              device->CopyHostToDevice(p.device_part, image.data(), PartBytes(p), copy_stream));
+          ZINF_RETURN_IF_ERROR(device->SynchronizeStream(copy_stream));
+          break;
+        }
+        case Tier::kCpu:
+          p.host_part = std::move(image);
+          break;
+        case Tier::kNvme: {
+          p.swap_key = "param/" + p.info.name;
+          ZINF_ASSIGN_OR_RETURN(Ticket t, swap->Write(p.swap_key, image.data(), PartBytes(p),
+                                                      image.capacity()));
+          ZINF_RETURN_IF_ERROR(swap->Wait(t));
+          break;
+        }
+      }
+      // Persistent with one rank on the device tier: the partition is the full parameter.
+      if (world == 1 && config.offload_param.tier == Tier::kDevice) {
+        p.device_full = p.device_part;
+        p.aliased = true;
+      }
+    }
+    if (config.offload_optimizer.tier == Tier::kNvme) {
+      ZINF_ASSIGN_OR_RETURN(Ticket t, swap->Write(g.swap_key, staging.data(), GroupStateBytes(g),
+                                                  staging.capacity()));
+      ZINF_RETURN_IF_ERROR(swap->Wait(t));
+    }
+  }
+  return Status::OK();
+}
+
+Status Engine::SetAcquireOrder(const std::vector<ParamId>& order) {
+  Impl& m = *impl_;
+  for (ParamId id : order) {
+    if (id >= m.params.size()) {
+      return Status::InvalidArgument("SetAcquireOrder: unknown parameter id " + std::to_string(id));
+    }
+  }
+  m.trace = order;
+  m.trace_recording = false;
+  m.trace_valid = !order.empty();
+  m.trace_hinted = true;
+  return Status::OK();
+}
+
+// ---- Fetch, prefetch, eviction ---------------------------------------------------------------
+
+uint64_t Engine::Impl::ReuseDistance(ParamId id) const {
+  if (!trace_valid) return UINT64_MAX;
+  uint64_t dist = 0;
+  for (size_t i = trace_pos; i < trace.size(); ++i) {
+    if (trace[i] == id) return dist;
+    dist += params[trace[i]].info.numel;
+  }
+  return UINT64_MAX;
+}
+
+void Engine::Impl::Evict(ParamId id) {
+  Param& p = params[id];
+  if (p.aliased || p.device_full == nullptr) return;
+  // The compute that used it has finished (host compute is synchronous; for a real device
+  // the buffer is freed after the compute stream's event).
+  (void)device->RecordEvent(compute_done.get(), device->ComputeStream());
+  (void)device->SynchronizeEvent(compute_done.get());
+  if (p.state == FetchState::kFetching) (void)device->SynchronizeEvent(p.ready.get());
+  DevFree(p.device_full, FullBytes(p));
+  p.device_full = nullptr;
+  p.state = FetchState::kAbsent;
+  live_elems -= p.padded_numel;
+  plan_bytes -= FullBytes(p);
+}
+
+Status Engine::Impl::MakeRoom(uint64_t elems, uint64_t bytes, ParamId for_id) {
+  const uint64_t grad_room =
+      (params[for_id].padded_numel + params[for_id].info.partition_numel) * sizeof(float);
+  auto fits = [&] {
+    bool bytes_ok = config.device_budget_bytes == 0 ||
+                    plan_bytes + bytes + grad_room <= config.device_budget_bytes;
+    return bytes_ok && live_elems + elems <= config.max_live_parameters;
+  };
+  while (!fits()) {
+    if (!pending_scratch.empty()) {
+      ZINF_RETURN_IF_ERROR(ReclaimScratch());
+      continue;
+    }
+    // Evict the released parameter whose next use is farthest away.
+    ParamId victim = UINT32_MAX;
+    uint64_t best = 0;
+    for (ParamId id = 0; id < params.size(); ++id) {
+      const Param& p = params[id];
+      if (p.acquired > 0 || p.aliased || p.device_full == nullptr || id == for_id) continue;
+      uint64_t d = ReuseDistance(id);
+      if (victim == UINT32_MAX || d > best) {
+        victim = id;
+        best = d;
+      }
+    }
+    if (victim == UINT32_MAX) {
+      return Status::ResourceExhausted(
+          "device budget too small to fetch parameter '" + params[for_id].info.name +
+          "' while the acquired ones stay resident (budget " +
+          FormatBytes(config.device_budget_bytes) + ", max_live_parameters " +
+          std::to_string(config.max_live_parameters) +
+          "); raise zinf.device_budget_bytes / stage3_max_live_parameters or acquire fewer "
+          "parameters at once");
+    }
+    Evict(victim);
+  }
+  return Status::OK();
+}
+
+Status Engine::Impl::Fetch(ParamId id) {
+  Param& p = params[id];
+  if (p.aliased) {
+    p.state = FetchState::kResident;
+    p.fetched_version = static_cast<uint64_t>(step);
+    return Status::OK();
+  }
+  if (p.device_full != nullptr) Evict(id);  // stale copy
+  ZINF_RETURN_IF_ERROR(MakeRoom(p.padded_numel, FullBytes(p), id));
+  ZINF_ASSIGN_OR_RETURN(p.device_full, DevAlloc(FullBytes(p), "parameter '" + p.info.name + "'"));
+  live_elems += p.padded_numel;
+  plan_bytes += FullBytes(p);
+  if (!p.ready) {
+    ZINF_ASSIGN_OR_RETURN(p.ready, device->CreateEvent());
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    p.fetch_status = Status::OK();
+  }
+  char* slot = static_cast<char*>(p.device_full) + static_cast<size_t>(rank) * PartBytes(p);
+  const size_t part = PartBytes(p);
+  switch (config.offload_param.tier) {
+    case Tier::kNvme: {
+      Result<PinnedBuffer> buf = arena->Allocate(part);
+      if (!buf.ok()) return buf.status().WithContext("staging parameter '" + p.info.name + "'");
+      auto staging = std::make_shared<PinnedBuffer>(std::move(buf).value());
+      ZINF_ASSIGN_OR_RETURN(Ticket t, swap->Read(p.swap_key, staging->data(), staging->capacity()));
+      // The copy stream waits for the read, then copies; the staging block returns after.
+      (void)device->LaunchHostFunc(copy_stream, [this, t, id] {
+        Status s = swap->Wait(t);
+        if (!s.ok()) {
+          std::lock_guard<std::mutex> lock(mu);
+          params[id].fetch_status = s;
+        }
+      });
+      TimeCopy(copy_stream, [&] {
+        return device->CopyHostToDevice(slot, staging->data(), part, copy_stream);
+      });
+      (void)device->LaunchHostFunc(copy_stream, [staging] { staging->Reset(); });
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        counters.h2d += part;
+      }
+      break;
+    }
+    case Tier::kCpu:
+      TimeCopy(copy_stream, [&] {
+        return device->CopyHostToDevice(slot, p.host_part.data(), part, copy_stream);
+      });
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        counters.h2d += part;
+      }
+      break;
+    case Tier::kDevice:
+      ZINF_RETURN_IF_ERROR(device->CopyDeviceToDevice(slot, p.device_part, part, copy_stream));
+      break;
+  }
+  ZINF_RETURN_IF_ERROR(device->RecordEvent(copy_done.get(), copy_stream));
+  ZINF_RETURN_IF_ERROR(device->StreamWaitEvent(comm_stream, copy_done.get()));
+  ZINF_RETURN_IF_ERROR(comm->AllGather(slot, p.device_full, part, comm_stream));
+  ZINF_RETURN_IF_ERROR(device->RecordEvent(p.ready.get(), comm_stream));
+  p.state = FetchState::kFetching;
+  p.fetched_version = static_cast<uint64_t>(step);
+  return Status::OK();
+}
+
+void Engine::Impl::TraceCheck(ParamId id) {
+  if (trace_recording) {
+    trace.push_back(id);
+    return;
+  }
+  if (!trace_valid) return;
+  if (trace_pos < trace.size() && trace[trace_pos] == id) {
+    ++trace_pos;
+    return;
+  }
+  std::string expected =
+      trace_pos < trace.size() ? "'" + params[trace[trace_pos]].info.name + "'" : "the end of the step";
+  LogWarning("prefetch trace invalidated: acquire #" + std::to_string(trace_pos) + " was '" +
+             params[id].info.name + "', the recorded trace expected " + expected +
+             "; prefetching stops and parameters are fetched on demand");
+  trace_valid = false;
+}
+
+void Engine::Impl::Prefetch() {
+  if (!trace_valid) return;
+  uint64_t inflight = 0;
+  for (size_t i = trace_pos; i < trace.size(); ++i) {
+    ParamId id = trace[i];
+    Param& p = params[id];
+    bool fresh = p.device_full != nullptr && p.fetched_version == static_cast<uint64_t>(step);
+    if (fresh) continue;
+    if (inflight + p.padded_numel > config.prefetch_bucket_size && inflight > 0) return;
+    // Only prefetch into free budget: never evict for a prefetch.
+    uint64_t grad_room = (p.padded_numel + p.info.partition_numel) * sizeof(float);
+    if (config.device_budget_bytes != 0 &&
+        plan_bytes + FullBytes(p) + grad_room > config.device_budget_bytes) {
+      return;
+    }
+    if (live_elems + p.padded_numel > config.max_live_parameters) return;
+    if (p.aliased) continue;
+    Status s = Fetch(id);
+    if (!s.ok()) return;  // a prefetch failure resurfaces on demand
+    inflight += p.padded_numel;
+  }
+}
+
+Result<std::vector<void*>> Engine::Acquire(const std::vector<ParamId>& ids) {
+  Impl& m = *impl_;
+  if (!m.broken.ok()) return m.broken;
+  if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  std::vector<void*> out;
+  out.reserve(ids.size());
+  for (ParamId id : ids) {
+    if (id >= m.params.size()) {
+      return Status::InvalidArgument("Acquire: unknown parameter id " + std::to_string(id));
+    }
+    m.TraceCheck(id);
+    Impl::Param& p = m.params[id];
+    bool fresh = p.device_full != nullptr && p.fetched_version == static_cast<uint64_t>(m.step);
+    {
+      std::lock_guard<std::mutex> lock(m.mu);
+      (fresh ? m.counters.hits : m.counters.misses) += 1;
+    }
+    if (!fresh) ZINF_RETURN_IF_ERROR(m.Fetch(id));
+    ++p.acquired;
+  }
+  m.Prefetch();
+  auto t0 = Clock::now();
+  for (ParamId id : ids) {
+    Impl::Param& p = m.params[id];
+    if (p.state == Impl::FetchState::kFetching) {
+      ZINF_RETURN_IF_ERROR(m.device->StreamWaitEvent(m.device->ComputeStream(), p.ready.get()));
+      if (m.device->IsHost()) p.state = Impl::FetchState::kResident;
+    }
+    Status s;
+    {
+      std::lock_guard<std::mutex> lock(m.mu);
+      s = p.fetch_status;
+    }
+    if (!s.ok()) {
+      for (ParamId a : ids) --m.params[a].acquired;
+      // A failed fetch is no cached copy: drop it so a later Acquire fetches again.
+      m.Evict(id);
+      {
+        std::lock_guard<std::mutex> lock(m.mu);
+        p.fetch_status = Status::OK();
+      }
+      return s.WithContext("fetching parameter '" + p.info.name + "'");
+    }
+    out.push_back(p.device_full);
+  }
+  std::lock_guard<std::mutex> lock(m.mu);
+  m.counters.acquire_wait += Since(t0);
+  return out;
+}
+
+Status Engine::Release(const std::vector<ParamId>& ids) {
+  Impl& m = *impl_;
+  for (ParamId id : ids) {
+    if (id >= m.params.size() || m.params[id].acquired == 0) {
+      return Status::FailedPrecondition("Release of parameter " + std::to_string(id) +
+                                        " that is not acquired");
+    }
+    Impl::Param& p = m.params[id];
+    if (--p.acquired > 0) continue;
+    if (p.info.persistent || p.aliased) continue;
+    if (m.ReuseDistance(id) <= m.config.max_reuse_distance) continue;
+    m.Evict(id);
+  }
+  m.Prefetch();
+  return Status::OK();
+}
+
+// ---- Gradients -------------------------------------------------------------------------------
+
+Status Engine::ReduceGradient(ParamId id, const float* grad) {
+  Impl& m = *impl_;
+  if (!m.broken.ok()) return m.broken;
+  if (id >= m.params.size()) {
+    return Status::InvalidArgument("ReduceGradient: unknown parameter id " + std::to_string(id));
+  }
+  Impl::Param& p = m.params[id];
+  if (p.grad_reduced_this_micro) {
+    return Status::FailedPrecondition("ReduceGradient('" + p.info.name +
+                                      "') twice in one micro-step");
+  }
+  const size_t full_bytes = p.padded_numel * sizeof(float);
+  const size_t part = p.info.partition_numel;
+  ZINF_RETURN_IF_ERROR(m.MakeRoom(0, 0, id));
+  ZINF_ASSIGN_OR_RETURN(void* scratch, m.DevAlloc(full_bytes + part * sizeof(float),
+                                                  "gradient of '" + p.info.name + "'"));
+  m.plan_bytes += full_bytes + part * sizeof(float);
+  m.pending_scratch.push_back(full_bytes + part * sizeof(float));
+  float* full = static_cast<float*>(scratch);
+  float* mine = full + p.padded_numel;
+  Stream* compute = m.device->ComputeStream();
+  ZINF_RETURN_IF_ERROR(m.device->CopyDeviceToDevice(full, grad, p.info.numel * sizeof(float), compute));
+  if (p.padded_numel > p.info.numel) {
+    ZINF_RETURN_IF_ERROR(m.device->CopyHostToDevice(full + p.info.numel, m.zeros.data(),
+                                                    (p.padded_numel - p.info.numel) * sizeof(float),
+                                                    compute));
+  }
+  ZINF_RETURN_IF_ERROR(m.device->RecordEvent(m.compute_done.get(), compute));
+  ZINF_RETURN_IF_ERROR(m.device->StreamWaitEvent(m.comm_stream, m.compute_done.get()));
+  ZINF_RETURN_IF_ERROR(m.comm->ReduceScatterSum(full, mine, part, m.comm_stream));
+  ZINF_RETURN_IF_ERROR(m.device->RecordEvent(m.comm_done.get(), m.comm_stream));
+  ZINF_RETURN_IF_ERROR(m.device->StreamWaitEvent(m.copy_stream, m.comm_done.get()));
+  const bool first = !p.grad_seen_this_window;
+  p.grad_seen_this_window = true;
+  p.grad_reduced_this_micro = true;
+  if (first) {
+    m.TimeCopy(m.copy_stream, [&] {
+      return m.device->CopyDeviceToHost(p.grad_acc.data(), mine, part * sizeof(float),
+                                        m.copy_stream);
+    });
+    (void)m.device->LaunchHostFunc(m.copy_stream, [&m, scratch, full_bytes, part, id] {
+      m.DevFree(scratch, full_bytes + part * sizeof(float));
+      m.GradLanded(id);
+    });
+  } else {
+    Result<PinnedBuffer> buf = m.arena->Allocate(part * sizeof(float));
+    if (!buf.ok()) return buf.status().WithContext("staging gradient of '" + p.info.name + "'");
+    auto staging = std::make_shared<PinnedBuffer>(std::move(buf).value());
+    m.TimeCopy(m.copy_stream, [&] {
+      return m.device->CopyDeviceToHost(staging->data(), mine, part * sizeof(float),
+                                        m.copy_stream);
+    });
+    (void)m.device->LaunchHostFunc(m.copy_stream, [&m, scratch, full_bytes, part, id, staging] {
+      float* acc = static_cast<float*>(m.params[id].grad_acc.data());
+      const float* add = static_cast<const float*>(staging->data());
+      for (size_t i = 0; i < part; ++i) acc[i] += add[i];
+      staging->Reset();
+      m.DevFree(scratch, full_bytes + part * sizeof(float));
+      m.GradLanded(id);
+    });
+  }
+  std::lock_guard<std::mutex> lock(m.mu);
+  m.counters.d2h += part * sizeof(float);
+  return Status::OK();
+}
+
+// Runs on the copy stream: a parameter's gradient is in its accumulator.
+void Engine::Impl::GradLanded(ParamId id) {
+  std::lock_guard<std::mutex> lock(mu);
+  SubGroup& g = groups[params[id].info.sub_group];
+  if (--g.pending == 0) cv.notify_all();
+}
+
+// ---- Optimizer -------------------------------------------------------------------------------
+
+void Engine::Impl::OptimizerLoop() {
+  for (;;) {
+    Epoch e;
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return stopping || !epochs.empty(); });
+      if (epochs.empty()) return;
+      e = epochs.front();
+    }
+    Status s = RunEpoch(e);
+    std::lock_guard<std::mutex> lock(mu);
+    epochs.pop_front();
+    optimizer_status = s;
+    epoch_done = true;
+    cv.notify_all();
+  }
+}
+
+Status Engine::Impl::RunEpoch(const Epoch& e) {
+  const std::vector<size_t> order = GroupOrder();
+  const bool nvme = config.offload_optimizer.tier == Tier::kNvme;
+  const size_t buffers = std::max<uint32_t>(config.offload_optimizer.buffer_count, 3);
+  // Pipeline (NVMe states): reads run ahead up to `buffers - 1` sub-groups; each sub-group's
+  // write-back is waited for only when its buffer is needed again.
+  struct Slot {
+    PinnedBuffer states;
+    Ticket read = 0;
+    bool reading = false;
+    std::vector<Ticket> writes;
+  };
+  std::deque<Slot> window;
+  size_t next_read = 0;
+  Status first;
+  // Buffers whose write-back is in flight, oldest first.
+  struct Retiring {
+    PinnedBuffer states, copy;
+    std::vector<Ticket> writes;
+  };
+  std::deque<Retiring> retiring;
+
+  auto issue_reads = [&]() -> Status {
+    while (nvme && next_read < order.size() && window.size() + retiring.size() < buffers) {
+      const SubGroup& g = groups[order[next_read]];
+      Slot slot;
+      ZINF_ASSIGN_OR_RETURN(slot.states, arena->Allocate(GroupStateBytes(g)));
+      ZINF_ASSIGN_OR_RETURN(slot.read, swap->Read(g.swap_key, slot.states.data(),
+                                                  slot.states.capacity()));
+      slot.reading = true;
+      window.push_back(std::move(slot));
+      ++next_read;
+    }
+    return Status::OK();
+  };
+  auto retire_oldest = [&] {
+    for (Ticket t : retiring.front().writes) {
+      Status s = swap->Wait(t);
+      if (!s.ok() && first.ok()) first = s;
+    }
+    retiring.pop_front();
+  };
+  for (size_t k = 0; k < order.size(); ++k) {
+    const size_t gi = order[k];
+    SubGroup& g = groups[gi];
+    if (nvme) {
+      while (!retiring.empty() && window.size() + retiring.size() >= buffers) retire_oldest();
+      Status s = issue_reads();
+      if (!s.ok()) return s;
+    }
+    // Wait for this sub-group's gradients (and, with clipping, the global norm).
+    float coef;
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return stopping || (g.pending == 0 && (!e.clip || clip_known)); });
+      if (stopping) return Status::FailedPrecondition("engine shutting down");
+      coef = clip_coef;
+    }
+    Retiring done;
+    float* master;
+    if (nvme) {
+      Slot slot = std::move(window.front());
+      window.pop_front();
+      Status s = swap->Wait(slot.read);
+      if (!s.ok()) {
+        if (first.ok()) {
+          first = s.WithContext("reading optimizer states of sub-group " + std::to_string(gi));
+        }
+        continue;  // this sub-group keeps its old values; the step reports the failure
+      }
+      done.states = std::move(slot.states);
+      master = static_cast<float*>(done.states.data());
+    } else if (g.device_states != nullptr) {
+      master = g.device_states;
+    } else {
+      master = g.master.data;
+    }
+    if (copy_type != ParamCopyType::kNone) {
+      Result<PinnedBuffer> b = arena->Allocate(g.numel * 2);
+      if (!b.ok()) return b.status().WithContext("bf16 parameter buffer");
+      done.copy = std::move(b).value();
+    }
+    Status s = StepGroup(gi, master, master + g.numel, master + 2 * g.numel,
+                         static_cast<uint16_t*>(done.copy.data()), e, coef, &done.writes);
+    if (!s.ok() && first.ok()) first = s;
+    if (nvme && s.ok()) {
+      Result<Ticket> w = swap->Write(g.swap_key, done.states.data(), GroupStateBytes(g),
+                                     done.states.capacity());
+      if (w.ok()) {
+        done.writes.push_back(*w);
+      } else if (first.ok()) {
+        first = w.status();
+      }
+    }
+    retiring.push_back(std::move(done));
+    if (!nvme) retire_oldest();  // nothing to pipeline: wait for parameter writes now
+  }
+  while (!retiring.empty()) retire_oldest();
+  // Reads issued ahead for sub-groups never reached (after a failure): drain them.
+  for (Slot& slot : window) {
+    if (slot.reading) (void)swap->Wait(slot.read);
+  }
+  return first;
+}
+
+Status Engine::Impl::StepGroup(size_t gi, float* master, float* m, float* v, uint16_t* copy_out,
+                               const Epoch& e, float coef, std::vector<Ticket>* writes) {
+  SubGroup& g = groups[gi];
+  OptimizerHyperParams hp;
+  switch (config.optimizer.type) {
+    case OptimizerType::kAdam: hp.kind = OptimizerKind::kAdam; break;
+    case OptimizerType::kAdamW: hp.kind = OptimizerKind::kAdamW; break;
+    case OptimizerType::kAdagrad: hp.kind = OptimizerKind::kAdagrad; break;
+    case OptimizerType::kLion: hp.kind = OptimizerKind::kLion; break;
+  }
+  hp.step = e.step;
+  hp.lr = config.optimizer.lr;
+  hp.beta1 = config.optimizer.beta1;
+  hp.beta2 = config.optimizer.beta2;
+  hp.eps = config.optimizer.eps;
+  hp.weight_decay = config.optimizer.weight_decay;
+  hp.grad_scale = coef;
+  auto t0 = Clock::now();
+  for (ParamId id : g.params) {
+    Param& p = params[id];
+    OptimizerTensors t;
+    t.param = master + p.slice_offset;
+    t.grad = p.grad_acc.data();
+    t.grad_type = GradType::kF32;
+    t.n = p.info.partition_numel;
+    if (hp.kind == OptimizerKind::kAdagrad) {
+      t.sum = v + p.slice_offset;
+    } else {
+      t.exp_avg = m + p.slice_offset;
+      if (hp.kind != OptimizerKind::kLion) t.exp_avg_sq = v + p.slice_offset;
+    }
+    if (copy_out != nullptr) {
+      t.param_copy = copy_out + p.slice_offset;
+      t.param_copy_type = copy_type;
+    }
+    Status s = optimizer->Step(hp, t);
+    if (!s.ok()) return s.WithContext("optimizer step of '" + p.info.name + "'");
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    counters.optimizer_busy += Since(t0);
+  }
+  return WriteParamStore(gi, master, copy_out, writes);
+}
+
+Status Engine::Impl::WriteParamStore(size_t gi, const float* master, const uint16_t* copy_out,
+                                     std::vector<Ticket>* writes) {
+  SubGroup& g = groups[gi];
+  for (ParamId id : g.params) {
+    Param& p = params[id];
+    const void* src = copy_out != nullptr ? static_cast<const void*>(copy_out + p.slice_offset)
+                                          : static_cast<const void*>(master + p.slice_offset);
+    const size_t bytes = PartBytes(p);
+    switch (config.offload_param.tier) {
+      case Tier::kDevice:
+        TimeCopy(update_stream, [&] {
+          return device->CopyHostToDevice(p.device_part, src, bytes, update_stream);
+        });
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          counters.h2d += bytes;
+        }
+        break;
+      case Tier::kCpu:
+        std::memcpy(p.host_part.data(), src, bytes);
+        break;
+      case Tier::kNvme: {
+        // Slices are 4 KiB aligned and padded inside the sub-group buffer.
+        ZINF_ASSIGN_OR_RETURN(Ticket t, swap->Write(p.swap_key, src, bytes, RoundUp(bytes, 4096)));
+        writes->push_back(t);
+        break;
+      }
+    }
+  }
+  if (config.offload_param.tier == Tier::kDevice) {
+    ZINF_RETURN_IF_ERROR(device->SynchronizeStream(update_stream));
+  }
+  return Status::OK();
+}
+
+Result<StepStats> Engine::Step() {
+  Impl& m = *impl_;
+  if (!m.broken.ok()) return m.broken;
+  if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  const bool boundary = (m.micro + 1) % std::max(1, m.config.gradient_accumulation_steps) == 0;
+  // Gradients of this micro-step must have landed before the next one starts.
+  Status s = m.ReclaimScratch();
+  if (s.ok()) s = m.TakeAsyncError();
+  if (!s.ok()) {
+    m.broken = Status::FailedPrecondition("the engine stopped after an error in a previous "
+                                          "step (" + s.message() + "); recreate it (from a "
+                                          "checkpoint) to continue");
+    return s;
+  }
+  StepStats st;
+  auto wait0 = Clock::now();
+  if (boundary) {
+    // Parameters that got no gradient in the whole window: zero gradient.
+    for (Impl::Param& p : m.params) {
+      if (!p.grad_seen_this_window) {
+        std::memset(p.grad_acc.data(), 0, p.info.partition_numel * sizeof(float));
+      }
+    }
+    const bool clip = m.config.gradient_clipping > 0;
+    // The optimizer thread has this epoch since the micro-step began and may have stepped the
+    // sub-groups whose gradients are complete. Parameters not reduced in this last micro-step
+    // have final accumulators already: count them as landed.
+    {
+      std::lock_guard<std::mutex> lock(m.mu);
+      for (Impl::Param& p : m.params) {
+        if (!p.grad_reduced_this_micro) {
+          if (--m.groups[p.info.sub_group].pending == 0) m.cv.notify_all();
+        }
+      }
+    }
+    if (clip) {
+      // Wait-for-norm: every sub-group waits for the global norm, computed here once all
+      // gradients have landed (they have: the copy stream was synchronized above).
+      double local = 0;
+      for (Impl::Param& p : m.params) {
+        Result<GradStats> gs = m.optimizer->GradSumSquares(p.grad_acc.data(), GradType::kF32,
+                                                           p.info.partition_numel);
+        if (!gs.ok()) return gs.status();
+        local += gs->sum_squares;
+      }
+      float total = static_cast<float>(local);
+      s = m.comm->AllReduceSum(&total, 1, m.device->ComputeStream());
+      if (s.ok()) s = m.device->SynchronizeStream(m.device->ComputeStream());
+      if (!s.ok()) return s;
+      double norm = std::sqrt(static_cast<double>(total));
+      st.grad_norm = norm;
+      float coef = 1.0f;
+      if (norm > m.config.gradient_clipping) {
+        coef = static_cast<float>(m.config.gradient_clipping / (norm + 1e-6));
+      }
+      std::lock_guard<std::mutex> lock(m.mu);
+      m.clip_coef = coef;
+      m.clip_known = true;
+      m.cv.notify_all();
+    }
+    Status opt;
+    {
+      std::unique_lock<std::mutex> lock(m.mu);
+      m.cv.wait(lock, [&] { return m.epoch_done; });
+      opt = m.optimizer_status;
+    }
+    if (!opt.ok()) {
+      m.broken = Status::FailedPrecondition(
+          "the optimizer failed in step " + std::to_string(m.step + 1) + " (" + opt.message() +
+          "); parameters may be partly updated: recreate the engine from a checkpoint");
+      return opt;
+    }
+    ++m.step;
+    for (Impl::Param& p : m.params) p.grad_seen_this_window = false;
+    st.optimizer_ran = true;
+  }
+  double opt_wait = Since(wait0);
+  ++m.micro;
+  m.BeginMicroStep();
+  if (m.trace_recording && !m.trace.empty()) {
+    m.trace_recording = false;
+    m.trace_valid = true;
+  }
+  m.trace_pos = 0;
+
+  // Statistics.
+  st.step = m.step;
+  st.step_seconds = Since(m.step_start);
+  st.trace_valid = m.trace_valid;
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    Impl::Counters& c = m.counters;
+    st.h2d_bytes = c.h2d;
+    st.d2h_bytes = c.d2h;
+    st.copy_busy_seconds = c.copy_busy;
+    st.optimizer_busy_seconds = c.optimizer_busy;
+    st.acquire_wait_seconds = c.acquire_wait;
+    st.optimizer_wait_seconds = opt_wait;
+    st.prefetch_hits = c.hits;
+    st.prefetch_misses = c.misses;
+    st.peak_device_bytes = m.device_peak;
+    c = Impl::Counters();
+    m.device_peak = m.device_bytes;
+  }
+  if (m.swap) {
+    SwapStoreStats now = m.swap->stats();
+    st.nvme_read_bytes = now.bytes_read - m.swap_base.bytes_read;
+    st.nvme_write_bytes = now.bytes_written - m.swap_base.bytes_written;
+    st.nvme_busy_seconds = now.busy_seconds - m.swap_base.busy_seconds;
+    st.nvme_bytes = now.file_bytes;
+    m.swap_base = now;
+  }
+  st.peak_pinned_bytes = m.arena ? m.arena->peak_used() : 0;
+  double compute = st.step_seconds - st.acquire_wait_seconds - st.optimizer_wait_seconds;
+  double busiest = std::max({st.nvme_busy_seconds, st.copy_busy_seconds,
+                             st.optimizer_busy_seconds, std::max(compute, 0.0)});
+  st.overlap_efficiency = st.step_seconds > 0 ? std::min(1.0, busiest / st.step_seconds) : 0;
+  m.step_start = Clock::now();
+  return st;
+}
+
+// ---- Inspection ------------------------------------------------------------------------------
+
+Status Engine::GatherMasterParameter(ParamId id, float* out) {
+  Impl& m = *impl_;
+  if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  if (id >= m.params.size() || out == nullptr) {
+    return Status::InvalidArgument("GatherMasterParameter: bad id or null output");
+  }
+  Impl::Param& p = m.params[id];
+  Impl::SubGroup& g = m.groups[p.info.sub_group];
+  const size_t part = p.info.partition_numel;
+  std::vector<float> mine(part);
+  if (m.config.offload_optimizer.tier == Tier::kNvme) {
+    ZINF_ASSIGN_OR_RETURN(PinnedBuffer buf, m.arena->Allocate(m.GroupStateBytes(g)));
+    ZINF_ASSIGN_OR_RETURN(Ticket t, m.swap->Read(g.swap_key, buf.data(), buf.capacity()));
+    ZINF_RETURN_IF_ERROR(m.swap->Wait(t));
+    std::memcpy(mine.data(), static_cast<float*>(buf.data()) + p.slice_offset, part * 4);
+  } else {
+    const float* master = g.device_states != nullptr ? g.device_states : g.master.data;
+    std::memcpy(mine.data(), master + p.slice_offset, part * 4);
+  }
+  const size_t bytes = p.padded_numel * sizeof(float);
+  ZINF_ASSIGN_OR_RETURN(void* dev, m.DevAlloc(bytes + part * 4, "gathering '" + p.info.name + "'"));
+  float* full = static_cast<float*>(dev);
+  float* slot = full + p.padded_numel;
+  Stream* s = m.comm_stream;
+  Status st = m.device->CopyHostToDevice(slot, mine.data(), part * 4, s);
+  if (st.ok()) st = m.comm->AllGather(slot, full, part * 4, s);
+  std::vector<float> host(p.padded_numel);
+  if (st.ok()) st = m.device->CopyDeviceToHost(host.data(), full, bytes, s);
+  if (st.ok()) st = m.device->SynchronizeStream(s);
+  m.DevFree(dev, bytes + part * 4);
+  ZINF_RETURN_IF_ERROR(st);
+  std::memcpy(out, host.data(), p.info.numel * sizeof(float));
+  return Status::OK();
+}
+
+int64_t Engine::global_step() const { return impl_->step; }
+size_t Engine::num_params() const { return impl_->params.size(); }
+const ParamInfo& Engine::param(ParamId id) const { return impl_->params.at(id).info; }
+const EngineConfig& Engine::config() const { return impl_->config; }
+
+}  // namespace zinf

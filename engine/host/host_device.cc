@@ -1,0 +1,438 @@
+#include "engine/host/host_device.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <set>
+#include <system_error>
+#include <utility>
+
+#include "zinf/log.h"
+
+namespace zinf {
+namespace {
+
+std::string BytesText(size_t n) { return FormatBytes(n) + " (" + std::to_string(n) + " bytes)"; }
+
+// The state behind an Event, shared with the markers and waits queued on streams so that the
+// Event object itself may be destroyed while they are pending (as cudaEventDestroy allows).
+//
+// Every record gets the next generation number. A record is pending from RecordEvent until
+// its marker runs. Generations, not a done flag, make re-recording safe: a wait captures the
+// generation recorded at the time it is issued and is not confused by a later record (still
+// pending) or by an earlier one (completing late).
+struct EventState {
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t last_recorded = 0;  // guarded by mu; 0 = never recorded
+  std::set<uint64_t> pending;  // guarded by mu: recorded, marker not yet run
+  Status status;               // guarded by mu: of the most recently completed record
+
+  uint64_t Record() {
+    std::lock_guard<std::mutex> lock(mu);
+    pending.insert(++last_recorded);
+    return last_recorded;
+  }
+  void Complete(uint64_t generation, Status record_status) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      pending.erase(generation);
+      status = std::move(record_status);
+    }
+    cv.notify_all();
+  }
+  uint64_t Latest() {
+    std::lock_guard<std::mutex> lock(mu);
+    return last_recorded;
+  }
+  bool Done(uint64_t generation) {
+    std::lock_guard<std::mutex> lock(mu);
+    return pending.count(generation) == 0;
+  }
+  Status Wait(uint64_t generation) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return pending.count(generation) == 0; });
+    return status;
+  }
+};
+
+}  // namespace
+
+class HostEvent final : public Event {
+ public:
+  HostEvent() : state_(std::make_shared<EventState>()) {}
+  const std::shared_ptr<EventState>& state() const { return state_; }
+
+ private:
+  std::shared_ptr<EventState> state_;
+};
+
+// A FIFO of tasks run by one worker thread, or (the compute stream) the calling thread.
+class HostStream final : public Stream {
+ public:
+  using Task = std::function<Status()>;
+
+  HostStream(const HostDevice* owner, std::string name, bool is_compute)
+      : owner_(owner), name_(std::move(name)), is_compute_(is_compute) {}
+  // Drains the queue, then joins the worker.
+  ~HostStream() override { Stop(); }
+
+  // Starts the worker thread (not for the compute stream). May throw std::system_error.
+  void Start() {
+    thread_ = std::thread([this] { WorkerMain(); });
+  }
+  // Asks the worker to exit once its queue is empty; does not wait.
+  void RequestStop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    work_cv_.notify_one();
+  }
+  void Stop() {
+    RequestStop();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  const std::string& name() const override { return name_; }
+  const HostDevice* owner() const { return owner_; }
+  bool is_compute() const { return is_compute_; }
+
+  // Compute stream: runs `task` now and returns its Status. Worker stream: queues it and
+  // returns OK; a failure becomes the sticky error.
+  Status Submit(Task task) {
+    if (is_compute_) return RunTask(task);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ZINF_CHECK_MSG(!stopping_, "work submitted to a HostDevice stream being destroyed");
+      queue_.push_back(std::move(task));
+      ++submitted_;
+    }
+    work_cv_.notify_one();
+    return Status::OK();
+  }
+
+  Status Synchronize() {
+    if (is_compute_) return Status::OK();
+    // A task that waits for its own stream would wait forever.
+    ZINF_CHECK_MSG(std::this_thread::get_id() != thread_.get_id(),
+                   "SynchronizeStream called from a task of the same stream");
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t target = submitted_;
+    done_cv_.wait(lock, [&] { return completed_ >= target; });
+    return error_;
+  }
+
+  Status error() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return error_;
+  }
+
+ private:
+  Status RunTask(const Task& task) const {
+    try {
+      return task();
+    } catch (const std::exception& e) {
+      return Status::Internal("a host task on stream '" + name_ + "' threw: " + e.what());
+    } catch (...) {
+      return Status::Internal("a host task on stream '" + name_ + "' threw a non-std exception");
+    }
+  }
+
+  void WorkerMain() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and drained
+      Task task = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      Status s = RunTask(task);
+      task = nullptr;  // release what the task captured before reporting completion
+      lock.lock();
+      if (!s.ok() && error_.ok()) error_ = s.WithContext("stream '" + name_ + "'");
+      ++completed_;
+      done_cv_.notify_all();
+    }
+  }
+
+  const HostDevice* const owner_;
+  const std::string name_;
+  const bool is_compute_;
+  std::thread thread_;  // owned; joined by Stop
+
+  mutable std::mutex mu_;
+  std::condition_variable work_cv_;  // the worker waits for tasks or stopping_
+  std::condition_variable done_cv_;  // Synchronize waits for completed_
+  std::deque<Task> queue_;           // guarded by mu_
+  uint64_t submitted_ = 0;           // guarded by mu_
+  uint64_t completed_ = 0;           // guarded by mu_
+  bool stopping_ = false;            // guarded by mu_
+  Status error_;                     // guarded by mu_: the first failure, sticky
+};
+
+// ---------------------------------------------------------------------------------------------
+// CopyLink
+
+CopyLink::CopyLink(double gbps)
+    : bytes_per_second_(gbps * 1e9),
+      chunk_bytes_(std::max<size_t>(size_t{1} << 20, static_cast<size_t>(gbps * 1e9 * 2e-3))) {
+  ZINF_CHECK(gbps > 0);
+}
+
+CopyLink::Clock::time_point CopyLink::Reserve(size_t bytes, Clock::time_point now) {
+  const auto duration = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(static_cast<double>(bytes) / bytes_per_second_));
+  std::lock_guard<std::mutex> lock(mu_);
+  free_at_ = std::max(now, free_at_) + duration;
+  return free_at_;
+}
+
+namespace {
+
+// memcpy, then (with a link) hold the copy until the link would have carried the bytes.
+// Chunked so that copies of several streams sharing the link interleave.
+void LinkCopy(CopyLink* link, void* dst, const void* src, size_t bytes) {
+  if (link == nullptr) {
+    std::memmove(dst, src, bytes);
+    return;
+  }
+  auto* d = static_cast<unsigned char*>(dst);
+  const auto* s = static_cast<const unsigned char*>(src);
+  for (size_t offset = 0; offset < bytes;) {
+    const size_t len = std::min(link->chunk_bytes(), bytes - offset);
+    const auto deadline = link->Reserve(len, CopyLink::Clock::now());
+    std::memmove(d + offset, s + offset, len);
+    std::this_thread::sleep_until(deadline);  // simulated transfer time, not a poll
+    offset += len;
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// HostDevice
+
+HostDevice::HostDevice(const HostDeviceOptions& options)
+    : options_(options),
+      compute_stream_(std::make_unique<HostStream>(this, "compute", /*is_compute=*/true)) {
+  if (options_.copy_gbps > 0) {
+    h2d_link_ = std::make_unique<CopyLink>(options_.copy_gbps);
+    d2h_link_ = std::make_unique<CopyLink>(options_.copy_gbps);
+  }
+}
+
+HostDevice::~HostDevice() {
+  {
+    std::lock_guard<std::mutex> lock(streams_mu_);
+    // Let all streams drain concurrently (one may wait on another's event), then join.
+    for (auto& s : streams_) s->RequestStop();
+    for (auto& s : streams_) s->Stop();
+    streams_.clear();
+  }
+  std::lock_guard<std::mutex> lock(mem_mu_);
+  for (auto& [ptr, bytes] : allocations_) std::free(ptr);
+  allocations_.clear();
+}
+
+std::string HostDevice::Name() const {
+  std::string name = "host (budget " + FormatBytes(options_.memory_budget);
+  if (options_.copy_gbps > 0) {
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), ", link %.3g GB/s per direction)", options_.copy_gbps);
+    name += buf;
+  } else {
+    name += ", copies at memcpy speed)";
+  }
+  return name;
+}
+
+Result<void*> HostDevice::Alloc(size_t bytes) {
+  // Under the lock from check to insertion so that concurrent Allocs never overshoot the
+  // budget and the peak is exact.
+  std::lock_guard<std::mutex> lock(mem_mu_);
+  if (bytes > options_.memory_budget - used_) {
+    return Status::ResourceExhausted(
+        "HostDevice: cannot allocate " + BytesText(bytes) + ": the device memory budget is " +
+        BytesText(options_.memory_budget) + " and " + BytesText(used_) +
+        " are in use; raise HostDeviceOptions::memory_budget or free device buffers first");
+  }
+  if (bytes > std::numeric_limits<size_t>::max() - kHostDeviceAlignment) {
+    return Status::ResourceExhausted("HostDevice: cannot allocate " + BytesText(bytes) +
+                                     ": larger than any host allocation");
+  }
+  const size_t rounded =
+      bytes == 0 ? kHostDeviceAlignment
+                 : (bytes + kHostDeviceAlignment - 1) / kHostDeviceAlignment * kHostDeviceAlignment;
+  void* ptr = std::aligned_alloc(kHostDeviceAlignment, rounded);
+  if (ptr == nullptr) {
+    return Status::ResourceExhausted("HostDevice: host memory exhausted allocating " +
+                                     BytesText(bytes) + " (" + BytesText(used_) +
+                                     " already allocated on this device)");
+  }
+  allocations_.emplace(ptr, bytes);
+  used_ += bytes;
+  peak_ = std::max(peak_, used_);
+  return ptr;
+}
+
+void HostDevice::Free(void* ptr) {
+  if (ptr == nullptr) return;
+  std::lock_guard<std::mutex> lock(mem_mu_);
+  auto it = allocations_.find(ptr);
+  ZINF_CHECK_MSG(it != allocations_.end(),
+                 "HostDevice::Free of a pointer this device did not allocate (or freed twice)");
+  used_ -= it->second;
+  allocations_.erase(it);
+  std::free(ptr);
+}
+
+DeviceMemoryInfo HostDevice::MemoryInfo() const {
+  std::lock_guard<std::mutex> lock(mem_mu_);
+  DeviceMemoryInfo info;
+  info.budget = options_.memory_budget;
+  info.used = used_;
+  info.peak = peak_;
+  return info;
+}
+
+Stream* HostDevice::ComputeStream() { return compute_stream_.get(); }
+
+Result<Stream*> HostDevice::CreateStream(const std::string& name) {
+  auto stream = std::make_unique<HostStream>(this, name, /*is_compute=*/false);
+  try {
+    stream->Start();
+  } catch (const std::system_error& e) {
+    return Status::ResourceExhausted("HostDevice: cannot start a thread for stream '" + name +
+                                     "': " + e.what());
+  }
+  std::lock_guard<std::mutex> lock(streams_mu_);
+  streams_.push_back(std::move(stream));
+  return static_cast<Stream*>(streams_.back().get());
+}
+
+Result<HostStream*> HostDevice::OwnStream(Stream* stream, const char* what) {
+  if (stream == nullptr) return Status::InvalidArgument(std::string(what) + ": stream is null");
+  auto* hs = dynamic_cast<HostStream*>(stream);
+  if (hs == nullptr || hs->owner() != this) {
+    return Status::InvalidArgument(std::string(what) + ": stream '" + stream->name() +
+                                   "' does not belong to this HostDevice");
+  }
+  return hs;
+}
+
+Status HostDevice::Copy(const char* what, CopyLink* link, void* dst, const void* src, size_t bytes,
+                        Stream* stream) {
+  ZINF_ASSIGN_OR_RETURN(HostStream * hs, OwnStream(stream, what));
+  if (bytes == 0) return Status::OK();
+  if (dst == nullptr || src == nullptr) {
+    return Status::InvalidArgument(std::string(what) + " of " + std::to_string(bytes) +
+                                   " bytes on stream '" + hs->name() +
+                                   "': " + (dst == nullptr ? "dst" : "src") + " is null");
+  }
+  return hs->Submit([link, dst, src, bytes] {
+    LinkCopy(link, dst, src, bytes);
+    return Status::OK();
+  });
+}
+
+Status HostDevice::CopyHostToDevice(void* dst, const void* src, size_t bytes, Stream* stream) {
+  return Copy("CopyHostToDevice", h2d_link_.get(), dst, src, bytes, stream);
+}
+
+Status HostDevice::CopyDeviceToHost(void* dst, const void* src, size_t bytes, Stream* stream) {
+  return Copy("CopyDeviceToHost", d2h_link_.get(), dst, src, bytes, stream);
+}
+
+Status HostDevice::CopyDeviceToDevice(void* dst, const void* src, size_t bytes, Stream* stream) {
+  return Copy("CopyDeviceToDevice", nullptr, dst, src, bytes, stream);
+}
+
+Status HostDevice::LaunchHostFunc(Stream* stream, std::function<void()> fn) {
+  ZINF_ASSIGN_OR_RETURN(HostStream * hs, OwnStream(stream, "LaunchHostFunc"));
+  if (!fn) return Status::InvalidArgument("LaunchHostFunc: the function is empty");
+  return hs->Submit([fn = std::move(fn)] {
+    fn();
+    return Status::OK();
+  });
+}
+
+Status HostDevice::LaunchHostTask(Stream* stream, std::function<Status()> task) {
+  ZINF_ASSIGN_OR_RETURN(HostStream * hs, OwnStream(stream, "LaunchHostTask"));
+  if (!task) return Status::InvalidArgument("LaunchHostTask: the task is empty");
+  return hs->Submit(std::move(task));
+}
+
+Result<std::unique_ptr<Event>> HostDevice::CreateEvent() {
+  return std::unique_ptr<Event>(std::make_unique<HostEvent>());
+}
+
+namespace {
+
+Result<HostEvent*> AsHostEvent(Event* event, const char* what) {
+  if (event == nullptr) return Status::InvalidArgument(std::string(what) + ": event is null");
+  auto* he = dynamic_cast<HostEvent*>(event);
+  if (he == nullptr) {
+    return Status::InvalidArgument(std::string(what) +
+                                   ": the event was not created by a HostDevice");
+  }
+  return he;
+}
+
+}  // namespace
+
+Status HostDevice::RecordEvent(Event* event, Stream* stream) {
+  ZINF_ASSIGN_OR_RETURN(HostEvent * he, AsHostEvent(event, "RecordEvent"));
+  ZINF_ASSIGN_OR_RETURN(HostStream * hs, OwnStream(stream, "RecordEvent"));
+  std::shared_ptr<EventState> state = he->state();
+  const uint64_t generation = state->Record();
+  if (hs->is_compute()) {
+    // Everything issued on the compute stream has already run.
+    state->Complete(generation, Status::OK());
+    return Status::OK();
+  }
+  return hs->Submit([hs, state, generation] {
+    // Runs on hs's worker: error() is the sticky error of the work before this marker.
+    state->Complete(generation, hs->error());
+    return Status::OK();
+  });
+}
+
+Status HostDevice::StreamWaitEvent(Stream* stream, Event* event) {
+  ZINF_ASSIGN_OR_RETURN(HostEvent * he, AsHostEvent(event, "StreamWaitEvent"));
+  ZINF_ASSIGN_OR_RETURN(HostStream * hs, OwnStream(stream, "StreamWaitEvent"));
+  std::shared_ptr<EventState> state = he->state();
+  // The record to wait for is fixed now, at issue time, as cudaStreamWaitEvent does.
+  const uint64_t generation = state->Latest();
+  if (generation == 0) return Status::OK();  // never recorded: complete
+  return hs->Submit([state, generation] { return state->Wait(generation); });
+}
+
+Status HostDevice::SynchronizeEvent(Event* event) {
+  ZINF_ASSIGN_OR_RETURN(HostEvent * he, AsHostEvent(event, "SynchronizeEvent"));
+  const uint64_t generation = he->state()->Latest();
+  if (generation == 0) return Status::OK();
+  return he->state()->Wait(generation);
+}
+
+bool HostDevice::EventDone(Event* event) {
+  auto he = AsHostEvent(event, "EventDone");
+  ZINF_CHECK_MSG(he.ok(), "EventDone: null event or not a HostDevice event");
+  const auto& state = (*he)->state();
+  return state->Done(state->Latest());
+}
+
+Status HostDevice::SynchronizeStream(Stream* stream) {
+  ZINF_ASSIGN_OR_RETURN(HostStream * hs, OwnStream(stream, "SynchronizeStream"));
+  return hs->Synchronize();
+}
+
+std::unique_ptr<Device> NewHostDevice(const HostDeviceOptions& options) {
+  return std::make_unique<HostDevice>(options);
+}
+
+}  // namespace zinf

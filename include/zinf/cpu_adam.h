@@ -1,0 +1,223 @@
+// CPU optimizers: Adam (L2), AdamW (decoupled decay), Adagrad and Lion over fp32 master
+// parameters and states, one fused pass over memory per step.
+//
+// The kernels take pointers and lengths only (no torch or engine types). Each step reads the
+// gradient (fp32, bf16 or fp16), updates the fp32 parameters and states in place, and can
+// write a bf16 or fp16 copy of the updated parameters (the copy the GPU needs) in the same
+// pass, so the mixed-precision path moves fewer bytes than an fp32 step plus a conversion.
+//
+// Every SIMD variant (AVX2+FMA+F16C, AVX-512, AVX-512 with avx512_bf16) performs the same
+// sequence of correctly rounded IEEE operations as the scalar reference, so their results are
+// bit-identical to it (NaN payloads aside: a NaN stays a NaN, its payload may differ).
+// The variant is chosen at run time from CPUID and XGETBV, never from the build machine; the
+// environment variable ZINF_CPU_ISA=scalar|avx2|avx512 forces one.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string_view>
+#include <type_traits>
+
+#include "zinf/status.h"
+
+namespace zinf {
+
+// ---- Instruction sets ----------------------------------------------------------------------
+
+enum class CpuIsa {
+  kScalar,  // any x86-64: the reference implementation
+  kAvx2,    // AVX2 + FMA + F16C
+  kAvx512,  // AVX-512F (+ avx512_bf16 conversions where the CPU has them)
+};
+
+// What this CPU and OS support. "os_*" say whether the OS saves the register state (XGETBV):
+// a CPU flag without OS support cannot be used.
+struct CpuFeatures {
+  bool avx = false;
+  bool avx2 = false;
+  bool fma = false;
+  bool f16c = false;
+  bool avx512f = false;
+  bool avx512bw = false;
+  bool avx512vl = false;
+  bool avx512dq = false;
+  bool avx512_bf16 = false;
+  bool os_avx = false;     // XCR0 has SSE and AVX state
+  bool os_avx512 = false;  // XCR0 has opmask and ZMM state
+};
+
+// Reads CPUID and XGETBV once per process (thread-safe).
+const CpuFeatures& DetectCpuFeatures();
+
+// Whether `isa` can run on a machine with `features`.
+bool CpuIsaSupported(CpuIsa isa, const CpuFeatures& features);
+bool CpuIsaSupported(CpuIsa isa);
+
+// The widest supported instruction set.
+CpuIsa BestCpuIsa();
+
+// "scalar", "avx2" or "avx512".
+const char* CpuIsaName(CpuIsa isa);
+
+// Parses "scalar", "avx2", "avx512" (case-sensitive). InvalidArgument otherwise.
+Result<CpuIsa> ParseCpuIsa(std::string_view name);
+
+// The instruction set to use: `requested` when given, else ZINF_CPU_ISA when set and not
+// "auto", else BestCpuIsa(). NotSupported when the requested or forced set cannot run here
+// (the message names the missing CPU feature); InvalidArgument for an unknown ZINF_CPU_ISA.
+Result<CpuIsa> SelectCpuIsa(std::optional<CpuIsa> requested = std::nullopt);
+
+// ---- One optimizer step --------------------------------------------------------------------
+
+enum class OptimizerKind {
+  kAdam,     // torch.optim.Adam (amsgrad=False): weight decay added to the gradient (L2)
+  kAdamW,    // torch.optim.AdamW (amsgrad=False): param *= 1 - lr * weight_decay first
+  kAdagrad,  // torch.optim.Adagrad: L2 weight decay, lr / (1 + (step - 1) * lr_decay)
+  kLion,     // Lion (Chen et al. 2023): sign update, decoupled weight decay
+};
+
+enum class GradType { kF32, kBf16, kF16 };
+enum class ParamCopyType { kNone, kBf16, kF16 };
+
+const char* OptimizerKindName(OptimizerKind kind);  // "adam", "adamw", "adagrad", "lion"
+const char* GradTypeName(GradType type);            // "f32", "bf16", "f16"
+const char* ParamCopyTypeName(ParamCopyType type);  // "none", "bf16", "f16"
+
+// Bytes per element of each type (kNone: 0).
+size_t GradTypeSize(GradType type);
+size_t ParamCopyTypeSize(ParamCopyType type);
+
+// Hyper-parameters of one step. The defaults are torch's for Adam/AdamW; Adagrad uses lr,
+// lr_decay, eps (torch's default 1e-10), weight_decay; Lion uses lr, beta1, beta2
+// (0.9 / 0.99 in the paper) and weight_decay.
+struct OptimizerHyperParams {
+  OptimizerKind kind = OptimizerKind::kAdamW;
+  // 1-based count of steps taken including this one (torch's state["step"] after += 1).
+  int64_t step = 1;
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  float lr_decay = 0.0f;  // Adagrad only
+  // Every gradient element is multiplied by this before use (1 / loss_scale, or a clipping
+  // coefficient), in the same pass.
+  float grad_scale = 1.0f;
+};
+
+// The buffers of one step, each of n elements. The fp32 buffers are updated in place.
+// REQUIRES: the buffers do not overlap one another (checked). No alignment is required;
+// 64-byte alignment is fastest.
+struct OptimizerTensors {
+  float* param = nullptr;      // fp32 master parameters (read, written)
+  const void* grad = nullptr;  // gradients, of grad_type (read)
+  GradType grad_type = GradType::kF32;
+  float* exp_avg = nullptr;     // Adam, AdamW, Lion: first moment (read, written)
+  float* exp_avg_sq = nullptr;  // Adam, AdamW: second moment (read, written)
+  float* sum = nullptr;         // Adagrad: sum of squared gradients (torch's state_sum;
+                                // initialise it with initial_accumulator_value)
+  void* param_copy = nullptr;   // when param_copy_type != kNone: the updated parameters
+                                // rounded to nearest-even bf16 or fp16 (written only)
+  ParamCopyType param_copy_type = ParamCopyType::kNone;
+  size_t n = 0;
+};
+
+// Checks every argument of a step: pointers (non-null when n > 0, non-overlapping), step >= 1,
+// finite hyper-parameters, lr >= 0, eps >= 0, weight_decay >= 0, grad_scale > 0,
+// betas in [0, 1) (Lion: [0, 1]), lr_decay >= 0. InvalidArgument naming the bad one.
+Status ValidateOptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t);
+
+// One step over all n elements on the calling thread with the given instruction set.
+// NotSupported when `isa` cannot run here.
+Status OptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t, CpuIsa isa);
+
+// Bit conversions used by the kernels, exposed for callers and tests.
+// fp32 -> bf16 is round-to-nearest-even with fp32 subnormals flushed to signed zero (what
+// VCVTNEPS2BF16 does); a NaN stays a quiet NaN. fp32 -> fp16 is IEEE round-to-nearest-even
+// (what VCVTPS2PH does), with fp16 subnormals.
+uint16_t Fp32ToBf16(float value);
+float Bf16ToFp32(uint16_t value);
+uint16_t Fp32ToFp16(float value);
+float Fp16ToFp32(uint16_t value);
+
+// Sum of squares of a gradient buffer (accumulated in double) and whether it holds an inf or
+// a NaN: the inputs of gradient-norm clipping and of the fp16 overflow check, in one pass.
+struct GradStats {
+  double sum_squares = 0.0;
+  bool has_inf_or_nan = false;
+};
+
+// ---- The parallel driver -------------------------------------------------------------------
+
+// Runs optimizer steps and gradient reductions on a oneTBB arena of its own.
+//
+// Work is split statically: [0, n) is cut into tiles of tile_elements (a multiple of 64
+// elements, so no two threads write the same cache line), and each thread takes one
+// contiguous run of tiles. The step allocates nothing (oneTBB's task objects come from its
+// per-thread pools). Element-wise results do not depend on the thread count; GradSumSquares
+// adds per-tile sums in a fixed tree, so it is also identical for any thread count.
+//
+// Thread-safe: several threads may call Step concurrently (they share the arena's threads).
+class CpuOptimizer {
+ public:
+  struct Options {
+    // Threads in the arena, the calling thread included, at most the CPUs this process may
+    // run on (a larger count is clamped to that). 0: all of those CPUs.
+    int num_threads = 0;
+    // Bind each arena thread to its own core with hwloc while it works for this optimizer
+    // (cores first, then their SMT siblings); the previous binding is restored when a thread
+    // leaves the arena.
+    bool bind_to_cores = false;
+    // Elements per tile; rounded up to a multiple of 64.
+    size_t tile_elements = size_t{1} << 16;
+    // Instruction set; nullopt: SelectCpuIsa() (ZINF_CPU_ISA or the best one).
+    std::optional<CpuIsa> isa;
+  };
+
+  // Fails on an unsupported or unknown ISA (see SelectCpuIsa), num_threads < 0, or when
+  // bind_to_cores is asked and hwloc cannot read the topology.
+  static Result<std::unique_ptr<CpuOptimizer>> Create(const Options& options);
+  static Result<std::unique_ptr<CpuOptimizer>> Create() { return Create(Options()); }
+  ~CpuOptimizer();
+
+  CpuOptimizer(const CpuOptimizer&) = delete;
+  CpuOptimizer& operator=(const CpuOptimizer&) = delete;
+
+  // One step over all n elements (see ValidateOptimizerStep for the contract).
+  Status Step(const OptimizerHyperParams& hp, const OptimizerTensors& t);
+
+  // The sum of squares and the inf/NaN flag of n gradient elements.
+  Result<GradStats> GradSumSquares(const void* grad, GradType type, size_t n);
+
+  // Writes n fp32 values as bf16 or fp16 (same rounding as the step's param_copy): the
+  // separate conversion pass a non-fused pipeline needs.
+  Status ConvertParams(const float* src, void* dst, ParamCopyType type, size_t n);
+
+  // Calls fn(begin, end) over the same static tile partition that Step uses, on the arena's
+  // threads; returns when all calls have returned. fn must not throw.
+  template <typename Fn>
+  void ParallelFor(size_t n, Fn&& fn) {
+    using F = std::remove_reference_t<Fn>;
+    ParallelForImpl(
+        n, [](void* ctx, size_t b, size_t e) { (*static_cast<F*>(ctx))(b, e); },
+        const_cast<void*>(static_cast<const void*>(&fn)));
+  }
+
+  CpuIsa isa() const;
+  // The kernel variant in use: "scalar", "avx2", "avx512" or "avx512_bf16".
+  const char* kernel_name() const;
+  int num_threads() const;
+  size_t tile_elements() const;
+  bool bound_to_cores() const;
+
+ private:
+  struct Impl;
+  explicit CpuOptimizer(std::unique_ptr<Impl> impl);
+  void ParallelForImpl(size_t n, void (*fn)(void*, size_t, size_t), void* ctx);
+
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace zinf
