@@ -74,6 +74,8 @@ int Main(int argc, char** argv) {
       p.compute_ms = 1;
       p.param_tier = "nvme";
       p.optimizer_tier = "cpu";
+      // One core for Adam, one for I/O completions and copies (2-core machine).
+      p.optimizer_threads = 1;
     } else {
       p.layers = 8;
       p.layer_elems = 16u << 20;

@@ -133,6 +133,7 @@ struct Engine::Impl {
   Stream* copy_stream = nullptr;
   Stream* comm_stream = nullptr;
   Stream* update_stream = nullptr;
+  Stream* grad_stream = nullptr;  // gradient partitions device -> host, then accumulation
   std::unique_ptr<Event> compute_done;
   std::unique_ptr<Event> copy_done;
   std::unique_ptr<Event> comm_done;
@@ -191,6 +192,7 @@ struct Engine::Impl {
     if (copy_stream) (void)device->SynchronizeStream(copy_stream);
     if (comm_stream) (void)device->SynchronizeStream(comm_stream);
     if (update_stream) (void)device->SynchronizeStream(update_stream);
+    if (grad_stream) (void)device->SynchronizeStream(grad_stream);
     for (Param& p : params) {
       if (p.device_full != nullptr && !p.aliased) device->Free(p.device_full);
       if (p.device_part != nullptr) device->Free(p.device_part);
@@ -272,6 +274,7 @@ struct Engine::Impl {
   Status ReclaimScratch() {
     ZINF_RETURN_IF_ERROR(device->SynchronizeStream(comm_stream));
     ZINF_RETURN_IF_ERROR(device->SynchronizeStream(copy_stream));
+    ZINF_RETURN_IF_ERROR(device->SynchronizeStream(grad_stream));
     for (uint64_t b : pending_scratch) plan_bytes -= b;
     pending_scratch.clear();
     return Status::OK();
@@ -361,6 +364,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
   ZINF_ASSIGN_OR_RETURN(m.copy_stream, device->CreateStream("zinf-copy"));
   ZINF_ASSIGN_OR_RETURN(m.comm_stream, device->CreateStream("zinf-comm"));
   ZINF_ASSIGN_OR_RETURN(m.update_stream, device->CreateStream("zinf-update"));
+  ZINF_ASSIGN_OR_RETURN(m.grad_stream, device->CreateStream("zinf-grad"));
   ZINF_ASSIGN_OR_RETURN(m.compute_done, device->CreateEvent());
   ZINF_ASSIGN_OR_RETURN(m.copy_done, device->CreateEvent());
   ZINF_ASSIGN_OR_RETURN(m.comm_done, device->CreateEvent());
@@ -882,16 +886,16 @@ Status Engine::ReduceGradient(ParamId id, const float* grad) {
   ZINF_RETURN_IF_ERROR(m.device->StreamWaitEvent(m.comm_stream, m.compute_done.get()));
   ZINF_RETURN_IF_ERROR(m.comm->ReduceScatterSum(full, mine, part, m.comm_stream));
   ZINF_RETURN_IF_ERROR(m.device->RecordEvent(m.comm_done.get(), m.comm_stream));
-  ZINF_RETURN_IF_ERROR(m.device->StreamWaitEvent(m.copy_stream, m.comm_done.get()));
+  ZINF_RETURN_IF_ERROR(m.device->StreamWaitEvent(m.grad_stream, m.comm_done.get()));
   const bool first = !p.grad_seen_this_window;
   p.grad_seen_this_window = true;
   p.grad_reduced_this_micro = true;
   if (first) {
-    m.TimeCopy(m.copy_stream, [&] {
+    m.TimeCopy(m.grad_stream, [&] {
       return m.device->CopyDeviceToHost(p.grad_acc.data(), mine, part * sizeof(float),
-                                        m.copy_stream);
+                                        m.grad_stream);
     });
-    (void)m.device->LaunchHostFunc(m.copy_stream, [&m, scratch, full_bytes, part, id] {
+    (void)m.device->LaunchHostFunc(m.grad_stream, [&m, scratch, full_bytes, part, id] {
       m.DevFree(scratch, full_bytes + part * sizeof(float));
       m.GradLanded(id);
     });
@@ -899,11 +903,11 @@ Status Engine::ReduceGradient(ParamId id, const float* grad) {
     Result<PinnedBuffer> buf = m.arena->Allocate(part * sizeof(float));
     if (!buf.ok()) return buf.status().WithContext("staging gradient of '" + p.info.name + "'");
     auto staging = std::make_shared<PinnedBuffer>(std::move(buf).value());
-    m.TimeCopy(m.copy_stream, [&] {
+    m.TimeCopy(m.grad_stream, [&] {
       return m.device->CopyDeviceToHost(staging->data(), mine, part * sizeof(float),
-                                        m.copy_stream);
+                                        m.grad_stream);
     });
-    (void)m.device->LaunchHostFunc(m.copy_stream, [&m, scratch, full_bytes, part, id, staging] {
+    (void)m.device->LaunchHostFunc(m.grad_stream, [&m, scratch, full_bytes, part, id, staging] {
       float* acc = static_cast<float*>(m.params[id].grad_acc.data());
       const float* add = static_cast<const float*>(staging->data());
       for (size_t i = 0; i < part; ++i) acc[i] += add[i];
@@ -989,8 +993,8 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
   for (size_t k = 0; k < order.size(); ++k) {
     const size_t gi = order[k];
     SubGroup& g = groups[gi];
+    while (!retiring.empty() && window.size() + retiring.size() >= buffers) retire_oldest();
     if (nvme) {
-      while (!retiring.empty() && window.size() + retiring.size() >= buffers) retire_oldest();
       Status s = issue_reads();
       if (!s.ok()) return s;
     }
@@ -1039,7 +1043,6 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
       }
     }
     retiring.push_back(std::move(done));
-    if (!nvme) retire_oldest();  // nothing to pipeline: wait for parameter writes now
   }
   while (!retiring.empty()) retire_oldest();
   // Reads issued ahead for sub-groups never reached (after a failure): drain them.
@@ -1213,6 +1216,9 @@ Result<StepStats> Engine::Step() {
     m.trace_valid = true;
   }
   m.trace_pos = 0;
+  // The updated parameters are in their stores: start fetching the next micro-step's first
+  // ones now, while the trainer prepares its next batch.
+  m.Prefetch();
 
   // Statistics.
   st.step = m.step;

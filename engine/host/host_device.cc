@@ -1,5 +1,7 @@
 #include "engine/host/host_device.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -224,6 +226,20 @@ HostDevice::HostDevice(const HostDeviceOptions& options)
     h2d_link_ = std::make_unique<CopyLink>(options_.copy_gbps);
     d2h_link_ = std::make_unique<CopyLink>(options_.copy_gbps);
   }
+  // Twice the budget of address space, so fragmentation never refuses what the budget allows.
+  const size_t huge = size_t{2} << 20;
+  pool_bytes_ = (options_.memory_budget / huge + 1) * huge * 2;
+  void* p = mmap(nullptr, pool_bytes_, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) {
+    LogWarning("HostDevice: reserving " + FormatBytes(pool_bytes_) +
+               " of address space failed; every allocation will fail");
+    pool_bytes_ = 0;
+  } else {
+    madvise(p, pool_bytes_, MADV_HUGEPAGE);
+    pool_base_ = static_cast<char*>(p);
+    pool_.Add(0, pool_bytes_);
+  }
 }
 
 HostDevice::~HostDevice() {
@@ -235,8 +251,8 @@ HostDevice::~HostDevice() {
     streams_.clear();
   }
   std::lock_guard<std::mutex> lock(mem_mu_);
-  for (auto& [ptr, bytes] : allocations_) std::free(ptr);
   allocations_.clear();
+  if (pool_base_ != nullptr) munmap(pool_base_, pool_bytes_);
 }
 
 std::string HostDevice::Name() const {
@@ -268,13 +284,14 @@ Result<void*> HostDevice::Alloc(size_t bytes) {
   const size_t rounded =
       bytes == 0 ? kHostDeviceAlignment
                  : (bytes + kHostDeviceAlignment - 1) / kHostDeviceAlignment * kHostDeviceAlignment;
-  void* ptr = std::aligned_alloc(kHostDeviceAlignment, rounded);
-  if (ptr == nullptr) {
-    return Status::ResourceExhausted("HostDevice: host memory exhausted allocating " +
-                                     BytesText(bytes) + " (" + BytesText(used_) +
-                                     " already allocated on this device)");
+  std::optional<uint64_t> offset = pool_.Allocate(rounded);
+  if (!offset) {
+    return Status::ResourceExhausted("HostDevice: no contiguous range of " + BytesText(bytes) +
+                                     " left in the device pool (" + BytesText(used_) +
+                                     " in use; fragmentation)");
   }
-  allocations_.emplace(ptr, bytes);
+  void* ptr = pool_base_ + *offset;
+  allocations_.emplace(ptr, Allocation{bytes, rounded});
   used_ += bytes;
   peak_ = std::max(peak_, used_);
   return ptr;
@@ -286,9 +303,9 @@ void HostDevice::Free(void* ptr) {
   auto it = allocations_.find(ptr);
   ZINF_CHECK_MSG(it != allocations_.end(),
                  "HostDevice::Free of a pointer this device did not allocate (or freed twice)");
-  used_ -= it->second;
+  used_ -= it->second.bytes;
+  pool_.Free(static_cast<char*>(ptr) - pool_base_, it->second.rounded);
   allocations_.erase(it);
-  std::free(ptr);
 }
 
 DeviceMemoryInfo HostDevice::MemoryInfo() const {
