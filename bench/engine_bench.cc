@@ -48,8 +48,8 @@ int Main(int argc, char** argv) {
   Flags f;
   CLI::App app{"zinf-engine-bench: overlap of compute, NVMe and the CPU optimizer"};
   app.add_option("--preset", f.preset,
-                 "io-bound (parameters on NVMe, light compute) or adam-bound (large "
-                 "parameters, optimizer on the CPU); other flags override")
+                 "io-bound (parameters on NVMe, light compute) or adam-bound (parameters on "
+                 "the device, optimizer on the CPU); other flags override")
       ->check(CLI::IsMember({"none", "io-bound", "adam-bound"}));
   app.add_option("--layers", f.layers)->check(CLI::Range(1, 100000));
   app.add_option("--layer-elems", f.layer_elems, "parameter elements per layer");
@@ -77,10 +77,12 @@ int Main(int argc, char** argv) {
       // One core for Adam, one for I/O completions and copies (2-core machine).
       p.optimizer_threads = 1;
     } else {
+      // Parameters stay on the device (one rank: no fetch copies), states on the CPU: the
+      // optimizer and the gradient/parameter copies around it carry the step.
       p.layers = 8;
       p.layer_elems = 16u << 20;
       p.compute_ms = 1;
-      p.param_tier = "cpu";
+      p.param_tier = "device";
       p.optimizer_tier = "cpu";
     }
     p.nvme = f.nvme;
@@ -138,9 +140,9 @@ int Main(int argc, char** argv) {
     }
     ids.push_back(*id);
   }
-  std::fprintf(stderr, "zinf-engine-bench: %d layers x %s elements, params on %s, optimizer on "
+  std::fprintf(stderr, "zinf-engine-bench: %d layers x %llu elements, params on %s, optimizer on "
                        "%s; initialising stores...\n",
-               f.layers, FormatBytes(f.layer_elems).c_str(), f.param_tier.c_str(),
+               f.layers, static_cast<unsigned long long>(f.layer_elems), f.param_tier.c_str(),
                f.optimizer_tier.c_str());
   Status s = e.FinishRegistration();
   if (!s.ok()) {
