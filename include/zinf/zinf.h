@@ -98,6 +98,46 @@ int zinf_adam_step_bf16(float* param, const uint16_t* grad_bf16, float* exp_avg,
  * NULL (and a last error) when ZINF_CPU_ISA names an unknown or unsupported set. */
 const char* zinf_cpu_adam_kernel(void);
 
+/* ---- Engine (one rank on the host device) ---------------------------------------------- */
+
+typedef struct zinf_engine zinf_engine;
+
+typedef struct zinf_step_stats {
+  int64_t step;            /* optimizer steps taken */
+  int optimizer_ran;       /* this call ended an accumulation window */
+  double step_seconds;
+  double overlap_efficiency;
+  uint64_t nvme_read_bytes;
+  uint64_t nvme_write_bytes;
+  double grad_norm;        /* when gradient_clipping is on */
+} zinf_step_stats;
+
+/* Creates an engine from a DeepSpeed-style JSON config text (NULL or "" = defaults: everything
+ * in memory) on a host device (host memory stands in for the GPU; zinf.device_budget_bytes
+ * sets its size, default 4 GiB) with one rank. Unknown config keys print a warning each. */
+int zinf_engine_create(const char* config_json, zinf_engine** out);
+
+/* Registers a parameter (layer order); `init` holds its numel initial fp32 values (copied).
+ * *id receives its id. */
+int zinf_engine_register(zinf_engine* engine, const char* name, const int64_t* shape,
+                         size_t ndim, const float* init, uint32_t* id);
+
+/* Gathers parameters; ptrs[i] receives parameter ids[i] (fp32, or bf16 with "bf16"), valid
+ * until released. */
+int zinf_engine_acquire(zinf_engine* engine, const uint32_t* ids, size_t n, void** ptrs);
+int zinf_engine_release(zinf_engine* engine, const uint32_t* ids, size_t n);
+
+/* Hands over the full fp32 gradient of a parameter (numel values; copied before return). */
+int zinf_engine_reduce_gradient(zinf_engine* engine, uint32_t id, const float* grad);
+
+/* Ends a micro-step (the optimizer runs at accumulation boundaries). `stats` may be NULL. */
+int zinf_engine_step(zinf_engine* engine, zinf_step_stats* stats);
+
+/* The parameter's fp32 master values (numel floats). */
+int zinf_engine_gather_master(zinf_engine* engine, uint32_t id, float* out);
+
+void zinf_engine_destroy(zinf_engine* engine);
+
 #ifdef __cplusplus
 }
 #endif

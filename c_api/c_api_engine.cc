@@ -1,0 +1,126 @@
+// The engine's C API: one rank on the host device (include/zinf/zinf.h).
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "c_api/c_api_internal.h"
+#include "zinf/comm.h"
+#include "zinf/device.h"
+#include "zinf/engine.h"
+#include "zinf/log.h"
+#include "zinf/zinf.h"
+
+using zinf::capi::Fail;
+using zinf::capi::FromStatus;
+using zinf::capi::Succeed;
+
+struct zinf_engine {
+  std::unique_ptr<zinf::Device> device;
+  std::vector<std::unique_ptr<zinf::Communicator>> comms;
+  std::unique_ptr<zinf::Engine> engine;  // destroyed first (declared last)
+};
+
+extern "C" {
+
+int zinf_engine_create(const char* config_json, zinf_engine** out) {
+  if (out == nullptr) return Fail("zinf_engine_create: out must not be NULL");
+  std::vector<std::string> warnings;
+  zinf::Result<zinf::EngineConfig> config = zinf::ParseEngineConfig(
+      config_json != nullptr && config_json[0] != '\0' ? config_json : "{}", &warnings);
+  if (!config.ok()) return FromStatus(config.status());
+  for (const std::string& w : warnings) zinf::LogWarning(w);
+  auto handle = std::unique_ptr<zinf_engine>(new (std::nothrow) zinf_engine);
+  if (!handle) return Fail("zinf_engine_create: out of memory");
+  zinf::HostDeviceOptions ho;
+  ho.memory_budget = config->device_budget_bytes != 0 ? config->device_budget_bytes
+                                                       : (size_t{4} << 30);
+  ho.copy_gbps = config->host_copy_gbps;
+  handle->device = zinf::NewHostDevice(ho);
+  auto comms = zinf::NewLocalComms({handle->device.get()});
+  if (!comms.ok()) return FromStatus(comms.status());
+  handle->comms = std::move(comms).value();
+  auto engine = zinf::Engine::Create(*config, handle->device.get(), handle->comms[0].get());
+  if (!engine.ok()) return FromStatus(engine.status());
+  handle->engine = std::move(engine).value();
+  *out = handle.release();
+  return Succeed();
+}
+
+int zinf_engine_register(zinf_engine* engine, const char* name, const int64_t* shape,
+                         size_t ndim, const float* init, uint32_t* id) {
+  if (engine == nullptr || name == nullptr || shape == nullptr || init == nullptr ||
+      id == nullptr || ndim == 0) {
+    return Fail("zinf_engine_register: engine, name, shape (ndim > 0), init and id are required");
+  }
+  zinf::ParamSpec spec;
+  spec.name = name;
+  spec.shape.assign(shape, shape + ndim);
+  size_t numel = 1;
+  for (size_t i = 0; i < ndim; ++i) {
+    if (shape[i] <= 0) return Fail("zinf_engine_register('" + spec.name + "'): shape must be positive");
+    numel *= static_cast<size_t>(shape[i]);
+  }
+  auto values = std::make_shared<std::vector<float>>(init, init + numel);
+  spec.init = [values](float* data, size_t n) {
+    std::copy(values->begin(), values->begin() + static_cast<std::ptrdiff_t>(n), data);
+  };
+  zinf::Result<zinf::ParamId> r = engine->engine->RegisterParameter(spec);
+  if (!r.ok()) return FromStatus(r.status());
+  *id = r.value();
+  return Succeed();
+}
+
+int zinf_engine_acquire(zinf_engine* engine, const uint32_t* ids, size_t n, void** ptrs) {
+  if (engine == nullptr || (n > 0 && (ids == nullptr || ptrs == nullptr))) {
+    return Fail("zinf_engine_acquire: engine, ids and ptrs must not be NULL");
+  }
+  auto r = engine->engine->Acquire(std::vector<zinf::ParamId>(ids, ids + n));
+  if (!r.ok()) return FromStatus(r.status());
+  for (size_t i = 0; i < n; ++i) ptrs[i] = r.value()[i];
+  return Succeed();
+}
+
+int zinf_engine_release(zinf_engine* engine, const uint32_t* ids, size_t n) {
+  if (engine == nullptr || (n > 0 && ids == nullptr)) {
+    return Fail("zinf_engine_release: engine and ids must not be NULL");
+  }
+  return FromStatus(engine->engine->Release(std::vector<zinf::ParamId>(ids, ids + n)));
+}
+
+int zinf_engine_reduce_gradient(zinf_engine* engine, uint32_t id, const float* grad) {
+  if (engine == nullptr || grad == nullptr) {
+    return Fail("zinf_engine_reduce_gradient: engine and grad must not be NULL");
+  }
+  return FromStatus(engine->engine->ReduceGradient(id, grad));
+}
+
+int zinf_engine_step(zinf_engine* engine, zinf_step_stats* stats) {
+  if (engine == nullptr) return Fail("zinf_engine_step: engine must not be NULL");
+  zinf::Result<zinf::StepStats> r = engine->engine->Step();
+  if (!r.ok()) return FromStatus(r.status());
+  if (stats != nullptr) {
+    stats->step = r->step;
+    stats->optimizer_ran = r->optimizer_ran ? 1 : 0;
+    stats->step_seconds = r->step_seconds;
+    stats->overlap_efficiency = r->overlap_efficiency;
+    stats->nvme_read_bytes = r->nvme_read_bytes;
+    stats->nvme_write_bytes = r->nvme_write_bytes;
+    stats->grad_norm = r->grad_norm;
+  }
+  return Succeed();
+}
+
+int zinf_engine_gather_master(zinf_engine* engine, uint32_t id, float* out) {
+  if (engine == nullptr || out == nullptr) {
+    return Fail("zinf_engine_gather_master: engine and out must not be NULL");
+  }
+  if (id >= engine->engine->num_params()) {
+    return Fail("zinf_engine_gather_master: unknown parameter id " + std::to_string(id));
+  }
+  return FromStatus(engine->engine->GatherMasterParameter(id, out));
+}
+
+void zinf_engine_destroy(zinf_engine* engine) { delete engine; }
+
+}  // extern "C"
