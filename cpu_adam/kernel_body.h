@@ -10,8 +10,9 @@
 // V provides: F (the vector), kWidth, Set1, Load/Store (fp32), LoadBf16/LoadF16,
 // StoreBf16/StoreF16, Add, Sub, Mul, Div, Fma(a, b, c) = a * b + c rounded once, Sqrt,
 // Sign (1, -1, +0 for +-0, NaN for NaN), SumState (sum of squares in double + inf/NaN flag),
-// and the memory hints: kCanStream with StreamBf16/StreamF16/StreamFence (non-temporal stores
-// of the parameter copy) and kPrefetchElements (software prefetch distance, 0 for none).
+// and the memory hints: kCanStream with StreamBf16Line/StreamF16Line (one 64-byte line of
+// copy from 32 / kWidth vectors, non-temporal) and StreamFence, and kPrefetchElements
+// (software prefetch distance, 0 for none).
 //
 // Not a normal header: no include guard on purpose, everything lands in the per-variant
 // namespace so no symbol is shared between translation units built with different flags.
@@ -46,37 +47,39 @@ ZINF_KERNEL_INLINE typename V::F LoadGrad(const typename GradElem<G>::T* g) {
   }
 }
 
-// kStream: a non-temporal store (REQUIRES out aligned to the vector's 16-bit width); the copy
-// is read next by a DMA engine or another core, never by this loop, and a streaming store
-// skips the read that a normal store to an uncached line costs (2 of the ~30 bytes that
-// move per element).
-template <ParamCopyType O, bool kStream>
+template <ParamCopyType O>
 ZINF_KERNEL_INLINE void StoreCopy(uint16_t* out, typename V::F p) {
   if constexpr (O == ParamCopyType::kBf16) {
-    if constexpr (kStream) {
-      V::StreamBf16(out, p);
-    } else {
-      V::StoreBf16(out, p);
-    }
+    V::StoreBf16(out, p);
   } else if constexpr (O == ParamCopyType::kF16) {
-    if constexpr (kStream) {
-      V::StreamF16(out, p);
-    } else {
-      V::StoreF16(out, p);
-    }
+    V::StoreF16(out, p);
   }
 }
 
-// Whether the copy stream of [begin, ...) can use non-temporal stores: the variant has them,
-// and every vector's destination is aligned (tiles start on multiples of 64 elements, so this
-// holds whenever the buffer itself is aligned).
+// The copy of one block (kBlock elements: one 64-byte line of 16-bit values) written with
+// non-temporal stores of whole lines. REQUIRES out 64-byte aligned. The copy is read next by
+// a DMA engine or another core, never by this loop: a streaming store skips the read that an
+// ordinary store to an uncached line costs (2 of the 30 bytes that would move per element),
+// and whole-line streaming stores measured faster than half-line ones.
+template <ParamCopyType O>
+ZINF_KERNEL_INLINE void StreamCopyBlock(uint16_t* out, const typename V::F* params) {
+  if constexpr (O == ParamCopyType::kBf16) {
+    V::StreamBf16Line(out, params);
+  } else if constexpr (O == ParamCopyType::kF16) {
+    V::StreamF16Line(out, params);
+  }
+}
+
+// Whether the copy of [begin, ...) can be streamed: the variant can, and the block starts
+// are 64-byte aligned (tiles start on multiples of 64 elements, so this holds whenever the
+// buffer itself is).
 template <ParamCopyType O>
 ZINF_KERNEL_INLINE bool CanStreamCopy(const void* out, size_t begin) {
   if constexpr (O == ParamCopyType::kNone || !V::kCanStream) {
     return false;
   } else {
     const auto addr = reinterpret_cast<uintptr_t>(static_cast<const uint16_t*>(out) + begin);
-    return addr % (V::kWidth * sizeof(uint16_t)) == 0;
+    return addr % 64 == 0;
   }
 }
 
@@ -107,9 +110,11 @@ struct Consts {
 //            m = beta2 * m + (1 - beta2) * g
 // with the rounding points written out below (torch's own vectorized kernels round at about
 // the same points; the 1 / sqrt(bc2) multiply replaces torch's division by sqrt(bc2)).
-template <OptimizerKind K, GradType G, ParamCopyType O, bool kWeightDecay, bool kStream>
-ZINF_KERNEL_INLINE void UpdateVector(const Consts& k, float* p, const typename GradElem<G>::T* g,
-                                     float* s1, float* s2, uint16_t* out) {
+// Returns the updated parameters (already stored to p) for the caller to copy.
+template <OptimizerKind K, GradType G, bool kWeightDecay>
+ZINF_KERNEL_INLINE typename V::F UpdateVector(const Consts& k, float* p,
+                                              const typename GradElem<G>::T* g, float* s1,
+                                              float* s2) {
   using F = typename V::F;
   F grad = V::Mul(LoadGrad<G>(g), k.grad_scale);
   F param = V::Load(p);
@@ -143,26 +148,29 @@ ZINF_KERNEL_INLINE void UpdateVector(const Consts& k, float* p, const typename G
     V::Store(s1, m);
   }
   V::Store(p, param);
-  StoreCopy<O, kStream>(out, param);
+  return param;
 }
 
 template <OptimizerKind K>
 inline constexpr bool kHasState2 = K == OptimizerKind::kAdam || K == OptimizerKind::kAdamW;
 
 inline constexpr size_t kFloatsPerLine = 64 / sizeof(float);
+// The main loop's step: one 64-byte line of each 16-bit stream, two of each fp32 stream.
+inline constexpr size_t kBlock = 2 * kFloatsPerLine;
 
-// Software prefetch, one per 64-byte line of each stream, kPrefetchElements ahead: with 4 to
-// 8 streams in flight a single core's hardware prefetchers fall short of the memory
-// bandwidth; the read-write streams are fetched with write intent. A hint only: no effect on
-// results. `offset` counts elements from the start of the range (a multiple of 16 here).
+// Software prefetch of the block at `at`, issued kPrefetchElements ahead: with 4 to 8 streams
+// in flight a single core's hardware prefetchers fall short of the memory bandwidth (measured:
+// 2-5 % on Zen 5). Read-write streams are fetched with write intent. A hint only.
 template <OptimizerKind K, GradType G>
-ZINF_KERNEL_INLINE void Prefetch(const float* p, const typename GradElem<G>::T* g, const float* s1,
-                                 const float* s2, size_t at, size_t offset) {
-  __builtin_prefetch(p + at, 1, 3);
-  __builtin_prefetch(s1 + at, 1, 3);
-  if constexpr (kHasState2<K>) __builtin_prefetch(s2 + at, 1, 3);
-  // A 16-bit gradient line holds 32 elements: every other time.
-  if (G == GradType::kF32 || offset % (2 * kFloatsPerLine) == 0) __builtin_prefetch(g + at, 0, 3);
+ZINF_KERNEL_INLINE void PrefetchBlock(const float* p, const typename GradElem<G>::T* g,
+                                      const float* s1, const float* s2, size_t at) {
+  for (size_t line = at; line < at + kBlock; line += kFloatsPerLine) {
+    __builtin_prefetch(p + line, 1, 3);
+    __builtin_prefetch(s1 + line, 1, 3);
+    if constexpr (kHasState2<K>) __builtin_prefetch(s2 + line, 1, 3);
+    if constexpr (G == GradType::kF32) __builtin_prefetch(g + line, 0, 3);
+  }
+  if constexpr (G != GradType::kF32) __builtin_prefetch(g + at, 0, 3);
 }
 
 template <OptimizerKind K, GradType G, ParamCopyType O, bool kWeightDecay, bool kStream>
@@ -176,15 +184,26 @@ void StepLoop(const StepCoefficients& c, const StepBuffers& b, size_t begin, siz
   float* const s2 = b.state2;
   uint16_t* const out = static_cast<uint16_t*>(b.param_copy);
   size_t i = begin;
-  for (; i + W <= end; i += W) {
+  // Whole blocks first: one line of each 16-bit stream per iteration.
+  for (; i + kBlock <= end; i += kBlock) {
     if constexpr (V::kPrefetchElements > 0) {
-      if ((i - begin) % kFloatsPerLine == 0 && i + V::kPrefetchElements < end) {
-        Prefetch<K, G>(p, g, s1, s2, i + V::kPrefetchElements, i - begin);
+      if (i + V::kPrefetchElements + kBlock <= end) {
+        PrefetchBlock<K, G>(p, g, s1, s2, i + V::kPrefetchElements);
       }
     }
-    UpdateVector<K, G, O, kWeightDecay, kStream>(k, p + i, g + i, s1 + i,
-                                                 kHasState2<K> ? s2 + i : nullptr,
-                                                 O != ParamCopyType::kNone ? out + i : nullptr);
+    typename V::F params[kBlock / W];
+    for (size_t v = 0; v < kBlock / W; ++v) {
+      const size_t j = i + v * W;
+      params[v] = UpdateVector<K, G, kWeightDecay>(k, p + j, g + j, s1 + j,
+                                                   kHasState2<K> ? s2 + j : nullptr);
+      if constexpr (O != ParamCopyType::kNone && !kStream) StoreCopy<O>(out + j, params[v]);
+    }
+    if constexpr (O != ParamCopyType::kNone && kStream) StreamCopyBlock<O>(out + i, params);
+  }
+  for (; i + W <= end; i += W) {
+    const typename V::F param =
+        UpdateVector<K, G, kWeightDecay>(k, p + i, g + i, s1 + i, kHasState2<K> ? s2 + i : nullptr);
+    if constexpr (O != ParamCopyType::kNone) StoreCopy<O>(out + i, param);
   }
   if constexpr (W > 1) {
     if (i < end) {
@@ -200,7 +219,7 @@ void StepLoop(const StepCoefficients& c, const StepBuffers& b, size_t begin, siz
       std::memcpy(tg, g + i, rem * sizeof(GT));
       std::memcpy(ts1, s1 + i, rem * sizeof(float));
       if constexpr (kHasState2<K>) std::memcpy(ts2, s2 + i, rem * sizeof(float));
-      UpdateVector<K, G, O, kWeightDecay, false>(k, tp, tg, ts1, ts2, tout);
+      StoreCopy<O>(tout, UpdateVector<K, G, kWeightDecay>(k, tp, tg, ts1, ts2));
       std::memcpy(p + i, tp, rem * sizeof(float));
       std::memcpy(s1 + i, ts1, rem * sizeof(float));
       if constexpr (kHasState2<K>) std::memcpy(s2 + i, ts2, rem * sizeof(float));
@@ -253,13 +272,19 @@ void SumSquaresKernel(const void* grad, size_t begin, size_t end, double* sum_sq
 template <ParamCopyType O, bool kStream>
 void ConvertLoop(const float* src, uint16_t* out, size_t begin, size_t end) {
   constexpr size_t W = V::kWidth;
-  for (size_t i = begin; i + W <= end; i += W) {
+  for (size_t i = begin; i + kBlock <= end; i += kBlock) {
     if constexpr (V::kPrefetchElements > 0) {
-      if ((i - begin) % kFloatsPerLine == 0 && i + V::kPrefetchElements < end) {
+      if (i + V::kPrefetchElements + kBlock <= end) {
         __builtin_prefetch(src + i + V::kPrefetchElements, 0, 3);
+        __builtin_prefetch(src + i + V::kPrefetchElements + kFloatsPerLine, 0, 3);
       }
     }
-    StoreCopy<O, kStream>(out + i, V::Load(src + i));
+    typename V::F values[kBlock / W];
+    for (size_t v = 0; v < kBlock / W; ++v) {
+      values[v] = V::Load(src + i + v * W);
+      if constexpr (!kStream) StoreCopy<O>(out + i + v * W, values[v]);
+    }
+    if constexpr (kStream) StreamCopyBlock<O>(out + i, values);
   }
 }
 
@@ -268,21 +293,22 @@ template <ParamCopyType O>
 void ConvertKernel(const float* src, void* dst, size_t begin, size_t end) {
   constexpr size_t W = V::kWidth;
   uint16_t* out = static_cast<uint16_t*>(dst);
-  const size_t vector_end = begin + (end - begin) / W * W;
+  const size_t block_end = begin + (end - begin) / kBlock * kBlock;
   if (CanStreamCopy<O>(dst, begin)) {
-    ConvertLoop<O, true>(src, out, begin, vector_end);
+    ConvertLoop<O, true>(src, out, begin, block_end);
     V::StreamFence();
   } else {
-    ConvertLoop<O, false>(src, out, begin, vector_end);
+    ConvertLoop<O, false>(src, out, begin, block_end);
   }
-  size_t i = vector_end;
+  size_t i = block_end;
+  for (; i + W <= end; i += W) StoreCopy<O>(out + i, V::Load(src + i));
   if constexpr (W > 1) {
     if (i < end) {
       const size_t rem = end - i;
       alignas(64) float ts[W] = {};
       alignas(64) uint16_t tout[W] = {};
       std::memcpy(ts, src + i, rem * sizeof(float));
-      StoreCopy<O, false>(tout, V::Load(ts));
+      StoreCopy<O>(tout, V::Load(ts));
       std::memcpy(out + i, tout, rem * sizeof(uint16_t));
     }
   }

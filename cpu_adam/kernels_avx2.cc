@@ -45,17 +45,23 @@ struct V {
   static void StoreF16(uint16_t* p, F x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), ToF16(x));
   }
-  // Non-temporal stores; REQUIRE p aligned to 16 bytes.
-  // How far ahead the loop prefetches (elements; 1 KiB of each fp32 stream).
-  static constexpr size_t kPrefetchElements = 256;
+  // One 64-byte line of copy from four vectors, as two 32-byte non-temporal stores;
+  // REQUIRES p 64-byte aligned.
   static constexpr bool kCanStream = true;
-  static void StreamBf16(uint16_t* p, F x) {
-    _mm_stream_si128(reinterpret_cast<__m128i*>(p), ToBf16(x));
+  static void StreamBf16Line(uint16_t* p, const F* x) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p),
+                        _mm256_set_m128i(ToBf16(x[1]), ToBf16(x[0])));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p + 16),
+                        _mm256_set_m128i(ToBf16(x[3]), ToBf16(x[2])));
   }
-  static void StreamF16(uint16_t* p, F x) {
-    _mm_stream_si128(reinterpret_cast<__m128i*>(p), ToF16(x));
+  static void StreamF16Line(uint16_t* p, const F* x) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm256_set_m128i(ToF16(x[1]), ToF16(x[0])));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p + 16),
+                        _mm256_set_m128i(ToF16(x[3]), ToF16(x[2])));
   }
   static void StreamFence() { _mm_sfence(); }
+  // How far ahead the loop prefetches (elements; 1 KiB of each fp32 stream).
+  static constexpr size_t kPrefetchElements = 256;
   static F Add(F a, F b) { return _mm256_add_ps(a, b); }
   static F Sub(F a, F b) { return _mm256_sub_ps(a, b); }
   static F Mul(F a, F b) { return _mm256_mul_ps(a, b); }

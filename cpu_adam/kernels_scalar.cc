@@ -92,8 +92,12 @@ struct V {
   // false; they exist so that it compiles).
   static constexpr size_t kPrefetchElements = 0;  // none in the reference
   static constexpr bool kCanStream = false;
-  static void StreamBf16(uint16_t* p, F x) { StoreBf16(p, x); }
-  static void StreamF16(uint16_t* p, F x) { StoreF16(p, x); }
+  static void StreamBf16Line(uint16_t* p, const F* x) {
+    for (int i = 0; i < 32; ++i) StoreBf16(p + i, x[i]);
+  }
+  static void StreamF16Line(uint16_t* p, const F* x) {
+    for (int i = 0; i < 32; ++i) StoreF16(p + i, x[i]);
+  }
   static void StreamFence() {}
   static F Add(F a, F b) { return a + b; }
   static F Sub(F a, F b) { return a - b; }

@@ -48,17 +48,19 @@ struct V {
   static void StoreF16(uint16_t* p, F x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), ToF16(x));
   }
-  // Non-temporal stores; REQUIRE p aligned to 32 bytes.
-  // How far ahead the loop prefetches (elements; 1 KiB of each fp32 stream).
-  static constexpr size_t kPrefetchElements = 256;
+  // One 64-byte line of copy from two vectors, non-temporal; REQUIRES p 64-byte aligned.
   static constexpr bool kCanStream = true;
-  static void StreamBf16(uint16_t* p, F x) {
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), ToBf16(x));
+  static void StreamBf16Line(uint16_t* p, const F* x) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p),
+                        _mm512_inserti64x4(_mm512_castsi256_si512(ToBf16(x[0])), ToBf16(x[1]), 1));
   }
-  static void StreamF16(uint16_t* p, F x) {
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), ToF16(x));
+  static void StreamF16Line(uint16_t* p, const F* x) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p),
+                        _mm512_inserti64x4(_mm512_castsi256_si512(ToF16(x[0])), ToF16(x[1]), 1));
   }
   static void StreamFence() { _mm_sfence(); }
+  // How far ahead the loop prefetches (elements; 1 KiB of each fp32 stream).
+  static constexpr size_t kPrefetchElements = 256;
   static F Add(F a, F b) { return _mm512_add_ps(a, b); }
   static F Sub(F a, F b) { return _mm512_sub_ps(a, b); }
   static F Mul(F a, F b) { return _mm512_mul_ps(a, b); }

@@ -555,8 +555,8 @@ Status Engine::Impl::InitStores() {
       PinnedBuffer image;
       ZINF_ASSIGN_OR_RETURN(image, arena->Allocate(PartBytes(p)));
       if (copy_type == ParamCopyType::kBf16) {
-        auto* out = static_cast<uint16_t*>(image.data());
-        for (size_t i = 0; i < p.info.partition_numel; ++i) out[i] = Fp32ToBf16(part[i]);
+        ZINF_RETURN_IF_ERROR(
+            optimizer->ConvertParams(part, image.data(), copy_type, p.info.partition_numel));
       } else {
         std::memcpy(image.data(), part, PartBytes(p));
       }

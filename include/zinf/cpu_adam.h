@@ -6,6 +6,10 @@
 // write a bf16 or fp16 copy of the updated parameters (the copy the GPU needs) in the same
 // pass, so the mixed-precision path moves fewer bytes than an fp32 step plus a conversion.
 //
+// Cost, per element and step, is the bytes moved: fp32 AdamW reads and writes 28 bytes and
+// runs at the memory bandwidth (bench/RESULTS.md). The scalar reference is ~20x slower; it is
+// the fallback only for CPUs without AVX2.
+//
 // Every SIMD variant (AVX2+FMA+F16C, AVX-512, AVX-512 with avx512_bf16) performs the same
 // sequence of correctly rounded IEEE operations as the scalar reference, so their results are
 // bit-identical to it (NaN payloads aside: a NaN stays a NaN, its payload may differ).
@@ -119,7 +123,9 @@ struct OptimizerTensors {
   float* sum = nullptr;         // Adagrad: sum of squared gradients (torch's state_sum;
                                 // initialise it with initial_accumulator_value)
   void* param_copy = nullptr;   // when param_copy_type != kNone: the updated parameters
-                                // rounded to nearest-even bf16 or fp16 (written only)
+                                // rounded to nearest-even bf16 or fp16 (written only; with
+                                // non-temporal stores when 64-byte aligned, so the copy is
+                                // not left in the CPU caches: it is meant for a DMA engine)
   ParamCopyType param_copy_type = ParamCopyType::kNone;
   size_t n = 0;
 };
