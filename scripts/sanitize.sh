@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The test suite under sanitizers: every test under AddressSanitizer + UndefinedBehaviorSanitizer,
+# and the concurrent components (labels engine, nvme) under ThreadSanitizer. Builds into
+# build-asan/ and build-tsan/. Run after scripts/test.sh (it installs the packages).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/deps.sh
+common=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DZINF_CUDA=OFF -DZINF_BUILD_BENCH=OFF)
+
+ZINF_BUILD_DIR=build-asan scripts/build.sh "${common[@]}" -DZINF_SANITIZE=address
+(cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  ctest --output-on-failure --timeout 600 -j 2 -LE install)
+
+ZINF_BUILD_DIR=build-tsan scripts/build.sh "${common[@]}" -DZINF_SANITIZE=thread
+(cd build-tsan && TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
+  ctest --output-on-failure --timeout 600 -j 2 -L 'engine|nvme')
