@@ -140,8 +140,9 @@ int Main(int argc, char** argv) {
     }
     ids.push_back(*id);
   }
-  std::fprintf(stderr, "zinf-engine-bench: %d layers x %llu elements, params on %s, optimizer on "
-                       "%s; initialising stores...\n",
+  std::fprintf(stderr,
+               "zinf-engine-bench: %d layers x %llu elements, params on %s, optimizer on "
+               "%s; initialising stores...\n",
                f.layers, static_cast<unsigned long long>(f.layer_elems), f.param_tier.c_str(),
                f.optimizer_tier.c_str());
   Status s = e.FinishRegistration();

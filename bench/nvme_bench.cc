@@ -40,11 +40,16 @@ Result<uint64_t> ParseSize(const std::string& text) {
   }
   std::string unit = text.substr(pos);
   uint64_t mult = 1;
-  if (unit == "" || unit == "B") mult = 1;
-  else if (unit == "K" || unit == "k" || unit == "KiB") mult = 1ull << 10;
-  else if (unit == "M" || unit == "m" || unit == "MiB") mult = 1ull << 20;
-  else if (unit == "G" || unit == "g" || unit == "GiB") mult = 1ull << 30;
-  else return Status::InvalidArgument("bad size unit in '" + text + "': use K, M or G");
+  if (unit == "" || unit == "B")
+    mult = 1;
+  else if (unit == "K" || unit == "k" || unit == "KiB")
+    mult = 1ull << 10;
+  else if (unit == "M" || unit == "m" || unit == "MiB")
+    mult = 1ull << 20;
+  else if (unit == "G" || unit == "g" || unit == "GiB")
+    mult = 1ull << 30;
+  else
+    return Status::InvalidArgument("bad size unit in '" + text + "': use K, M or G");
   if (value <= 0) return Status::InvalidArgument("size '" + text + "' must be positive");
   return static_cast<uint64_t>(value * static_cast<double>(mult));
 }
@@ -93,8 +98,9 @@ class BenchFiles {
       std::string path = dirs[i] + "/zinf-bench-" + std::to_string(i) + ".dat";
       int fd = open(path.c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0600);
       if (fd < 0 && errno == EINVAL) {
-        return Status::NotSupported(path + ": O_DIRECT refused (tmpfs?); benchmark a folder on "
-                                           "a disk");
+        return Status::NotSupported(path +
+                                    ": O_DIRECT refused (tmpfs?); benchmark a folder on "
+                                    "a disk");
       }
       if (fd < 0) return ErrnoToStatus(errno, "opening " + path);
       files_.push_back({fd, path});
@@ -162,7 +168,7 @@ Result<CaseResult> RunZinf(BenchFiles& files, IoBackendKind kind, IoOp op, uint6
   std::atomic<bool> stop{false};
   std::mutex mu;
   std::condition_variable cv;
-  uint32_t live = 0;  // guarded by mu
+  uint32_t live = 0;   // guarded by mu
   Status first_error;  // guarded by mu
   const auto deadline = Clock::now() + std::chrono::duration<double>(seconds);
 
@@ -223,8 +229,8 @@ Result<CaseResult> RunFio(const Flags& flags, const BenchFiles& files, const std
                 "--thread --output-format=json %s 2>&1",
                 flags.fio.c_str(), names.c_str(), op == IoOp::kRead ? "read" : "write",
                 static_cast<unsigned long long>(block), qd, engine.c_str(),
-                static_cast<unsigned long long>(size), std::max(1, static_cast<int>(seconds + 0.999)),
-                extra.c_str());
+                static_cast<unsigned long long>(size),
+                std::max(1, static_cast<int>(seconds + 0.999)), extra.c_str());
   FILE* p = popen(cmd, "r");
   if (p == nullptr) return ErrnoToStatus(errno, "starting fio");
   std::string out;
@@ -233,8 +239,8 @@ Result<CaseResult> RunFio(const Flags& flags, const BenchFiles& files, const std
   while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
   int rc = pclose(p);
   if (rc != 0) {
-    return Status::NotFound("fio failed (exit " + std::to_string(rc) + "): " +
-                            out.substr(0, 300) + " — install it with `apt-get install fio`");
+    return Status::NotFound("fio failed (exit " + std::to_string(rc) + "): " + out.substr(0, 300) +
+                            " — install it with `apt-get install fio`");
   }
   size_t brace = out.find('{');
   json j = json::parse(brace == std::string::npos ? "" : out.substr(brace), nullptr, false);
@@ -344,8 +350,8 @@ Status Fill(BenchFiles& files, uint64_t total) {
   if (files.filled) return Status::OK();
   std::fprintf(stderr, "zinf-nvme-bench: writing %s of data to read back...\n",
                FormatBytes(total).c_str());
-  Result<CaseResult> r = RunZinf(files, IoBackendKind::kIoUring, IoOp::kWrite, 1 << 20, 32,
-                                 total, true, true, 1e9);
+  Result<CaseResult> r =
+      RunZinf(files, IoBackendKind::kIoUring, IoOp::kWrite, 1 << 20, 32, total, true, true, 1e9);
   if (!r.ok()) return r.status();
   files.filled = true;
   return Status::OK();
@@ -356,7 +362,8 @@ int Main(int argc, char** argv) {
   CLI::App app{"zinf-nvme-bench: sequential direct-I/O throughput of the zinf swapper"};
   app.add_option("--backend", f.backend, "io_uring, libaio or psync")
       ->check(CLI::IsMember({"io_uring", "libaio", "psync"}));
-  app.add_option("--op", f.op, "read, write or both")->check(CLI::IsMember({"read", "write", "both"}));
+  app.add_option("--op", f.op, "read, write or both")
+      ->check(CLI::IsMember({"read", "write", "both"}));
   app.add_option("--block-size", f.block_size, "bytes per request (K/M/G suffixes)");
   app.add_option("--queue-depth", f.queue_depth, "requests in flight")->check(CLI::Range(1, 1024));
   app.add_option("--size", f.size, "bytes per case, over all folders (K/M/G)");
@@ -429,11 +436,11 @@ int Main(int argc, char** argv) {
   };
   std::vector<FioVariant> fio_variants;
   if (f.compare_fio) {
-    fio_variants = {{"fio-io_uring", "io_uring", ""},
-                    {"fio-io_uring-fixedbufs", "io_uring", "--fixedbufs"},
-                    {"fio-io_uring-fixedbufs-registerfiles", "io_uring",
-                     "--fixedbufs --registerfiles"},
-                    {"fio-libaio", "libaio", ""}};
+    fio_variants = {
+        {"fio-io_uring", "io_uring", ""},
+        {"fio-io_uring-fixedbufs", "io_uring", "--fixedbufs"},
+        {"fio-io_uring-fixedbufs-registerfiles", "io_uring", "--fixedbufs --registerfiles"},
+        {"fio-libaio", "libaio", ""}};
   }
 
   // case key -> backend name -> gbps samples
@@ -443,8 +450,8 @@ int Main(int argc, char** argv) {
     for (IoOp op : ops) {
       for (uint64_t b : blocks) {
         for (uint32_t qd : depths) {
-          std::string key = std::string(IoOpName(op)) + " bs=" + SizeLabel(b) +
-                            " qd=" + std::to_string(qd);
+          std::string key =
+              std::string(IoOpName(op)) + " bs=" + SizeLabel(b) + " qd=" + std::to_string(qd);
           if (rep == 0) case_order.push_back(key);
           Result<CaseResult> r =
               RunZinf(files, *kind, op, b, qd, *size, registered, huge, f.seconds, f.sqpoll);
@@ -461,7 +468,8 @@ int Main(int argc, char** argv) {
           Emit(j);
           samples[key]["zinf"].push_back(r->gbps());
           for (const FioVariant& v : fio_variants) {
-            Result<CaseResult> fr = RunFio(f, files, v.engine, v.extra, op, b, qd, *size, f.seconds);
+            Result<CaseResult> fr =
+                RunFio(f, files, v.engine, v.extra, op, b, qd, *size, f.seconds);
             if (!fr.ok()) {
               std::fprintf(stderr, "zinf-nvme-bench: %s: %s\n", v.name.c_str(),
                            fr.status().ToString().c_str());
@@ -518,8 +526,8 @@ int Main(int argc, char** argv) {
       uint32_t best_qd = 0;
       for (uint64_t b : blocks) {
         for (uint32_t qd : depths) {
-          std::string key = std::string(IoOpName(op)) + " bs=" + SizeLabel(b) +
-                            " qd=" + std::to_string(qd);
+          std::string key =
+              std::string(IoOpName(op)) + " bs=" + SizeLabel(b) + " qd=" + std::to_string(qd);
           double m = Median(samples[key]["zinf"]);
           if (m > best) {
             best = m;

@@ -1,6 +1,4 @@
 // The C API over the C++ components (include/zinf/zinf.h).
-#include "zinf/zinf.h"
-
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -8,6 +6,7 @@
 
 #include "c_api/c_api_internal.h"
 #include "zinf/swap.h"
+#include "zinf/zinf.h"
 
 namespace zinf::capi {
 namespace {
@@ -60,13 +59,15 @@ void zinf_swap_options_init(zinf_swap_options* options) {
 }
 
 int zinf_swap_open(const zinf_swap_options* options, zinf_swap_store** out) {
-  if (options == nullptr || out == nullptr) return Fail("zinf_swap_open: options and out must not be NULL");
+  if (options == nullptr || out == nullptr)
+    return Fail("zinf_swap_open: options and out must not be NULL");
   if (options->paths == nullptr || options->num_paths == 0) {
     return Fail("zinf_swap_open: no paths given (options->paths, options->num_paths)");
   }
   zinf::SwapStoreOptions o;
   for (size_t i = 0; i < options->num_paths; ++i) {
-    if (options->paths[i] == nullptr) return Fail("zinf_swap_open: paths[" + std::to_string(i) + "] is NULL");
+    if (options->paths[i] == nullptr)
+      return Fail("zinf_swap_open: paths[" + std::to_string(i) + "] is NULL");
     o.paths.emplace_back(options->paths[i]);
   }
   o.capacity_per_path = options->capacity_per_path;
@@ -135,7 +136,8 @@ int64_t zinf_swap_size(zinf_swap_store* store, const char* key) {
 }
 
 int zinf_swap_remove(zinf_swap_store* store, const char* key) {
-  if (store == nullptr || key == nullptr) return Fail("zinf_swap_remove: store and key must not be NULL");
+  if (store == nullptr || key == nullptr)
+    return Fail("zinf_swap_remove: store and key must not be NULL");
   return FromStatus(store->store->Remove(key));
 }
 

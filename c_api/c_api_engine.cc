@@ -33,8 +33,8 @@ int zinf_engine_create(const char* config_json, zinf_engine** out) {
   auto handle = std::unique_ptr<zinf_engine>(new (std::nothrow) zinf_engine);
   if (!handle) return Fail("zinf_engine_create: out of memory");
   zinf::HostDeviceOptions ho;
-  ho.memory_budget = config->device_budget_bytes != 0 ? config->device_budget_bytes
-                                                       : (size_t{4} << 30);
+  ho.memory_budget =
+      config->device_budget_bytes != 0 ? config->device_budget_bytes : (size_t{4} << 30);
   ho.copy_gbps = config->host_copy_gbps;
   handle->device = zinf::NewHostDevice(ho);
   auto comms = zinf::NewLocalComms({handle->device.get()});
@@ -47,8 +47,8 @@ int zinf_engine_create(const char* config_json, zinf_engine** out) {
   return Succeed();
 }
 
-int zinf_engine_register(zinf_engine* engine, const char* name, const int64_t* shape,
-                         size_t ndim, const float* init, uint32_t* id) {
+int zinf_engine_register(zinf_engine* engine, const char* name, const int64_t* shape, size_t ndim,
+                         const float* init, uint32_t* id) {
   if (engine == nullptr || name == nullptr || shape == nullptr || init == nullptr ||
       id == nullptr || ndim == 0) {
     return Fail("zinf_engine_register: engine, name, shape (ndim > 0), init and id are required");
@@ -58,7 +58,8 @@ int zinf_engine_register(zinf_engine* engine, const char* name, const int64_t* s
   spec.shape.assign(shape, shape + ndim);
   size_t numel = 1;
   for (size_t i = 0; i < ndim; ++i) {
-    if (shape[i] <= 0) return Fail("zinf_engine_register('" + spec.name + "'): shape must be positive");
+    if (shape[i] <= 0)
+      return Fail("zinf_engine_register('" + spec.name + "'): shape must be positive");
     numel *= static_cast<size_t>(shape[i]);
   }
   auto values = std::make_shared<std::vector<float>>(init, init + numel);

@@ -11,9 +11,12 @@ LogSink g_sink;  // guarded by g_log_mu; empty means stderr
 
 const char* LevelPrefix(LogLevel level) {
   switch (level) {
-    case LogLevel::kInfo: return "zinf: ";
-    case LogLevel::kWarning: return "zinf: warning: ";
-    case LogLevel::kError: return "zinf: error: ";
+    case LogLevel::kInfo:
+      return "zinf: ";
+    case LogLevel::kWarning:
+      return "zinf: warning: ";
+    case LogLevel::kError:
+      return "zinf: error: ";
   }
   return "zinf: ";
 }

@@ -61,8 +61,8 @@ struct HostArray {
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) {
       data = nullptr;
-      return ErrnoToStatus(errno, "allocating " + FormatBytes(bytes) + " of host memory for " +
-                                      what);
+      return ErrnoToStatus(errno,
+                           "allocating " + FormatBytes(bytes) + " of host memory for " + what);
     }
     madvise(p, bytes, MADV_HUGEPAGE);
     data = static_cast<float*>(p);
@@ -102,7 +102,7 @@ struct Engine::Impl {
     std::vector<ParamId> params;
     size_t numel = 0;  // state elements (slices aligned)
     // Tier::kCpu / kDevice states: three arrays of `numel` floats.
-    HostArray master;  // [master | exp_avg | exp_avg_sq], one mapping
+    HostArray master;                // [master | exp_avg | exp_avg_sq], one mapping
     float* device_states = nullptr;  // Tier::kDevice on a host device: [master|m|v]
     std::string swap_key;            // Tier::kNvme: [master|m|v] in one tensor
     int pending = 0;                 // guarded by mu_: params whose grad has not landed
@@ -149,7 +149,7 @@ struct Engine::Impl {
   // Device accounting (engine-side budget), guarded by mu_.
   uint64_t device_bytes = 0;
   uint64_t device_peak = 0;
-  uint64_t live_elems = 0;       // trainer thread only: full params resident or fetching
+  uint64_t live_elems = 0;  // trainer thread only: full params resident or fetching
   // Trainer thread only: device bytes as the trainer's program order sees them. Decisions
   // that issue collectives (fetch, prefetch, evict) look only at this, never at device_bytes,
   // which frees on stream threads change at times that differ between ranks.
@@ -162,13 +162,13 @@ struct Engine::Impl {
   // Shared with the optimizer thread and callbacks.
   std::mutex mu;
   std::condition_variable cv;
-  std::deque<Epoch> epochs;   // guarded by mu
-  bool epoch_done = true;     // guarded by mu
-  Status optimizer_status;    // guarded by mu: first failure of the last epoch
-  Status async_status;        // guarded by mu: first failure in a stream callback
-  float clip_coef = 1.0f;     // guarded by mu
-  bool clip_known = false;    // guarded by mu
-  bool stopping = false;      // guarded by mu
+  std::deque<Epoch> epochs;  // guarded by mu
+  bool epoch_done = true;    // guarded by mu
+  Status optimizer_status;   // guarded by mu: first failure of the last epoch
+  Status async_status;       // guarded by mu: first failure in a stream callback
+  float clip_coef = 1.0f;    // guarded by mu
+  bool clip_known = false;   // guarded by mu
+  bool stopping = false;     // guarded by mu
   std::thread optimizer_thread;
   Status broken;  // trainer thread: once set, every call fails with it
 
@@ -289,8 +289,8 @@ struct Engine::Impl {
 
   void OptimizerLoop();
   Status RunEpoch(const Epoch& e);
-  Status StepGroup(size_t g, float* master, float* m, float* v, uint16_t* copy_out,
-                   const Epoch& e, float coef, std::vector<Ticket>* writes);
+  Status StepGroup(size_t g, float* master, float* m, float* v, uint16_t* copy_out, const Epoch& e,
+                   float coef, std::vector<Ticket>* writes);
   Status WriteParamStore(size_t g, const float* master, const uint16_t* copy_out,
                          std::vector<Ticket>* writes);
   size_t GroupStateBytes(const SubGroup& g) const { return g.numel * 3 * sizeof(float); }
@@ -396,20 +396,21 @@ Result<ParamId> Engine::RegisterParameter(const ParamSpec& spec) {
   p.info.name = spec.name;
   p.info.shape = spec.shape;
   p.info.numel = numel;
-  p.info.partition_numel =
-      RoundUpSize((numel + m.world - 1) / m.world, kPartitionAlign);
+  p.info.partition_numel = RoundUpSize((numel + m.world - 1) / m.world, kPartitionAlign);
   p.padded_numel = p.info.partition_numel * m.world;
   p.info.persistent = numel <= m.config.param_persistence_threshold;
   p.init = spec.init;
   // The largest layer must fit the device budget together with its gradient scratch.
-  uint64_t need = m.FullBytes(p) + p.padded_numel * sizeof(float) +
-                  p.info.partition_numel * sizeof(float);
+  uint64_t need =
+      m.FullBytes(p) + p.padded_numel * sizeof(float) + p.info.partition_numel * sizeof(float);
   if (m.config.device_budget_bytes != 0 && need > m.config.device_budget_bytes) {
     return Status::ResourceExhausted(
         "parameter '" + spec.name + "' (" + FormatBytes(m.FullBytes(p)) +
         " gathered, plus its gradient) does not fit the device budget of " +
-        FormatBytes(m.config.device_budget_bytes) + "; raise zinf.device_budget_bytes to at "
-        "least " + FormatBytes(need));
+        FormatBytes(m.config.device_budget_bytes) +
+        "; raise zinf.device_budget_bytes to at "
+        "least " +
+        FormatBytes(need));
   }
   if (need > m.device->MemoryInfo().budget) {
     return Status::ResourceExhausted("parameter '" + spec.name + "' needs " + FormatBytes(need) +
@@ -439,8 +440,8 @@ Status Engine::Impl::Place() {
   for (ParamId id = 0; id < params.size(); ++id) {
     Param& p = params[id];
     size_t slice = RoundUpSize(p.info.partition_numel, kSliceAlign);
-    if (groups.empty() || (groups.back().numel + slice > config.sub_group_size &&
-                           !groups.back().params.empty())) {
+    if (groups.empty() ||
+        (groups.back().numel + slice > config.sub_group_size && !groups.back().params.empty())) {
       groups.emplace_back();
     }
     SubGroup& g = groups.back();
@@ -488,8 +489,8 @@ Status Engine::Impl::Place() {
   ZINF_ASSIGN_OR_RETURN(arena, PinnedArena::Create(ao));
   ZINF_RETURN_IF_ERROR(device->RegisterHostMemory(arena->region().base, arena->capacity()));
 
-  bool need_swap = config.offload_param.tier == Tier::kNvme ||
-                   config.offload_optimizer.tier == Tier::kNvme;
+  bool need_swap =
+      config.offload_param.tier == Tier::kNvme || config.offload_optimizer.tier == Tier::kNvme;
   if (need_swap) {
     SwapStoreOptions so;
     so.paths = config.offload_optimizer.tier == Tier::kNvme ? config.offload_optimizer.nvme_paths
@@ -577,8 +578,8 @@ Status Engine::Impl::InitStores() {
           break;
         case Tier::kNvme: {
           p.swap_key = "param/" + p.info.name;
-          ZINF_ASSIGN_OR_RETURN(Ticket t, swap->Write(p.swap_key, image.data(), PartBytes(p),
-                                                      image.capacity()));
+          ZINF_ASSIGN_OR_RETURN(
+              Ticket t, swap->Write(p.swap_key, image.data(), PartBytes(p), image.capacity()));
           ZINF_RETURN_IF_ERROR(swap->Wait(t));
           break;
         }
@@ -713,9 +714,8 @@ Status Engine::Impl::Fetch(ParamId id) {
           params[id].fetch_status = s;
         }
       });
-      TimeCopy(copy_stream, [&] {
-        return device->CopyHostToDevice(slot, staging->data(), part, copy_stream);
-      });
+      TimeCopy(copy_stream,
+               [&] { return device->CopyHostToDevice(slot, staging->data(), part, copy_stream); });
       (void)device->LaunchHostFunc(copy_stream, [staging] { staging->Reset(); });
       {
         std::lock_guard<std::mutex> lock(mu);
@@ -755,8 +755,8 @@ void Engine::Impl::TraceCheck(ParamId id) {
     ++trace_pos;
     return;
   }
-  std::string expected =
-      trace_pos < trace.size() ? "'" + params[trace[trace_pos]].info.name + "'" : "the end of the step";
+  std::string expected = trace_pos < trace.size() ? "'" + params[trace[trace_pos]].info.name + "'"
+                                                  : "the end of the step";
   LogWarning("prefetch trace invalidated: acquire #" + std::to_string(trace_pos) + " was '" +
              params[id].info.name + "', the recorded trace expected " + expected +
              "; prefetching stops and parameters are fetched on demand");
@@ -876,7 +876,8 @@ Status Engine::ReduceGradient(ParamId id, const float* grad) {
   float* full = static_cast<float*>(scratch);
   float* mine = full + p.padded_numel;
   Stream* compute = m.device->ComputeStream();
-  ZINF_RETURN_IF_ERROR(m.device->CopyDeviceToDevice(full, grad, p.info.numel * sizeof(float), compute));
+  ZINF_RETURN_IF_ERROR(
+      m.device->CopyDeviceToDevice(full, grad, p.info.numel * sizeof(float), compute));
   if (p.padded_numel > p.info.numel) {
     ZINF_RETURN_IF_ERROR(m.device->CopyHostToDevice(full + p.info.numel, m.zeros.data(),
                                                     (p.padded_numel - p.info.numel) * sizeof(float),
@@ -904,8 +905,7 @@ Status Engine::ReduceGradient(ParamId id, const float* grad) {
     if (!buf.ok()) return buf.status().WithContext("staging gradient of '" + p.info.name + "'");
     auto staging = std::make_shared<PinnedBuffer>(std::move(buf).value());
     m.TimeCopy(m.grad_stream, [&] {
-      return m.device->CopyDeviceToHost(staging->data(), mine, part * sizeof(float),
-                                        m.grad_stream);
+      return m.device->CopyDeviceToHost(staging->data(), mine, part * sizeof(float), m.grad_stream);
     });
     (void)m.device->LaunchHostFunc(m.grad_stream, [&m, scratch, full_bytes, part, id, staging] {
       float* acc = static_cast<float*>(m.params[id].grad_acc.data());
@@ -975,8 +975,8 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
       const SubGroup& g = groups[order[next_read]];
       Slot slot;
       ZINF_ASSIGN_OR_RETURN(slot.states, arena->Allocate(GroupStateBytes(g)));
-      ZINF_ASSIGN_OR_RETURN(slot.read, swap->Read(g.swap_key, slot.states.data(),
-                                                  slot.states.capacity()));
+      ZINF_ASSIGN_OR_RETURN(slot.read,
+                            swap->Read(g.swap_key, slot.states.data(), slot.states.capacity()));
       slot.reading = true;
       window.push_back(std::move(slot));
       ++next_read;
@@ -1034,8 +1034,8 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
                          static_cast<uint16_t*>(done.copy.data()), e, coef, &done.writes);
     if (!s.ok() && first.ok()) first = s;
     if (nvme && s.ok()) {
-      Result<Ticket> w = swap->Write(g.swap_key, done.states.data(), GroupStateBytes(g),
-                                     done.states.capacity());
+      Result<Ticket> w =
+          swap->Write(g.swap_key, done.states.data(), GroupStateBytes(g), done.states.capacity());
       if (w.ok()) {
         done.writes.push_back(*w);
       } else if (first.ok()) {
@@ -1057,10 +1057,18 @@ Status Engine::Impl::StepGroup(size_t gi, float* master, float* m, float* v, uin
   SubGroup& g = groups[gi];
   OptimizerHyperParams hp;
   switch (config.optimizer.type) {
-    case OptimizerType::kAdam: hp.kind = OptimizerKind::kAdam; break;
-    case OptimizerType::kAdamW: hp.kind = OptimizerKind::kAdamW; break;
-    case OptimizerType::kAdagrad: hp.kind = OptimizerKind::kAdagrad; break;
-    case OptimizerType::kLion: hp.kind = OptimizerKind::kLion; break;
+    case OptimizerType::kAdam:
+      hp.kind = OptimizerKind::kAdam;
+      break;
+    case OptimizerType::kAdamW:
+      hp.kind = OptimizerKind::kAdamW;
+      break;
+    case OptimizerType::kAdagrad:
+      hp.kind = OptimizerKind::kAdagrad;
+      break;
+    case OptimizerType::kLion:
+      hp.kind = OptimizerKind::kLion;
+      break;
   }
   hp.step = e.step;
   hp.lr = config.optimizer.lr;
@@ -1141,9 +1149,12 @@ Result<StepStats> Engine::Step() {
   Status s = m.ReclaimScratch();
   if (s.ok()) s = m.TakeAsyncError();
   if (!s.ok()) {
-    m.broken = Status::FailedPrecondition("the engine stopped after an error in a previous "
-                                          "step (" + s.message() + "); recreate it (from a "
-                                          "checkpoint) to continue");
+    m.broken = Status::FailedPrecondition(
+        "the engine stopped after an error in a previous "
+        "step (" +
+        s.message() +
+        "); recreate it (from a "
+        "checkpoint) to continue");
     return s;
   }
   StepStats st;
@@ -1172,8 +1183,8 @@ Result<StepStats> Engine::Step() {
       // gradients have landed (they have: the copy stream was synchronized above).
       double local = 0;
       for (Impl::Param& p : m.params) {
-        Result<GradStats> gs = m.optimizer->GradSumSquares(p.grad_acc.data(), GradType::kF32,
-                                                           p.info.partition_numel);
+        Result<GradStats> gs =
+            m.optimizer->GradSumSquares(p.grad_acc.data(), GradType::kF32, p.info.partition_numel);
         if (!gs.ok()) return gs.status();
         local += gs->sum_squares;
       }
@@ -1249,8 +1260,8 @@ Result<StepStats> Engine::Step() {
   }
   st.peak_pinned_bytes = m.arena ? m.arena->peak_used() : 0;
   double compute = st.step_seconds - st.acquire_wait_seconds - st.optimizer_wait_seconds;
-  double busiest = std::max({st.nvme_busy_seconds, st.copy_busy_seconds,
-                             st.optimizer_busy_seconds, std::max(compute, 0.0)});
+  double busiest = std::max({st.nvme_busy_seconds, st.copy_busy_seconds, st.optimizer_busy_seconds,
+                             std::max(compute, 0.0)});
   st.overlap_efficiency = st.step_seconds > 0 ? std::min(1.0, busiest / st.step_seconds) : 0;
   m.step_start = Clock::now();
   return st;

@@ -13,9 +13,12 @@ const char* IoOpName(IoOp op) { return op == IoOp::kRead ? "read" : "write"; }
 
 const char* IoBackendKindName(IoBackendKind kind) {
   switch (kind) {
-    case IoBackendKind::kIoUring: return "io_uring";
-    case IoBackendKind::kLibaio: return "libaio";
-    case IoBackendKind::kPsync: return "psync";
+    case IoBackendKind::kIoUring:
+      return "io_uring";
+    case IoBackendKind::kLibaio:
+      return "libaio";
+    case IoBackendKind::kPsync:
+      return "psync";
   }
   return "unknown";
 }
@@ -35,9 +38,12 @@ Result<std::unique_ptr<IoBackend>> NewIoBackend(IoBackendKind kind,
                                    " is out of range: use 1..4096");
   }
   switch (kind) {
-    case IoBackendKind::kIoUring: return NewIoUringBackend(options);
-    case IoBackendKind::kLibaio: return NewLibaioBackend(options);
-    case IoBackendKind::kPsync: return NewPsyncBackend(options);
+    case IoBackendKind::kIoUring:
+      return NewIoUringBackend(options);
+    case IoBackendKind::kLibaio:
+      return NewLibaioBackend(options);
+    case IoBackendKind::kPsync:
+      return NewPsyncBackend(options);
   }
   return Status::InvalidArgument("unknown I/O backend kind");
 }
@@ -124,8 +130,8 @@ class FaultyBackend final : public IoBackend {
           ZINF_RETURN_IF_ERROR(Pass(r));
           break;
         case IoFault::Kind::kDelay:
-          delayed_[r.tag] = std::chrono::steady_clock::now() +
-                            std::chrono::microseconds(fault.delay_us);
+          delayed_[r.tag] =
+              std::chrono::steady_clock::now() + std::chrono::microseconds(fault.delay_us);
           ZINF_RETURN_IF_ERROR(Pass(r));
           break;
       }

@@ -8,9 +8,9 @@ namespace zinf {
 struct IoQueue::Job {
   Transfer t;
   TransferDone done;
-  uint64_t issued = 0;    // bytes handed to pieces
-  uint64_t completed = 0; // bytes confirmed by completions
-  int outstanding = 0;    // pieces in flight or waiting to be resubmitted
+  uint64_t issued = 0;     // bytes handed to pieces
+  uint64_t completed = 0;  // bytes confirmed by completions
+  int outstanding = 0;     // pieces in flight or waiting to be resubmitted
   Status status;
 };
 
@@ -259,10 +259,10 @@ void IoQueue::OnCompletion(const IoCompletion& c) {
   }
   uint64_t res = static_cast<uint64_t>(c.res);
   if (res == 0) {
-    FailJob(job, Status::IoError(Describe(*job, p->offset, p->len) +
-                                 ": the device transferred 0 bytes" +
-                                 (job->t.op == IoOp::kRead ? " (read past the end of the file?)"
-                                                           : " (device full?)")));
+    FailJob(job,
+            Status::IoError(Describe(*job, p->offset, p->len) + ": the device transferred 0 bytes" +
+                            (job->t.op == IoOp::kRead ? " (read past the end of the file?)"
+                                                      : " (device full?)")));
     FinishPiece(p);
     return;
   }

@@ -94,15 +94,15 @@ class IoQueue {
   std::deque<std::unique_ptr<Job>> active_;  // jobs with bytes left to issue or in flight
   std::vector<Piece> pieces_;                // slab, one per queue slot; tag = index
   std::vector<uint32_t> free_pieces_;
-  std::deque<uint32_t> resubmit_;            // pieces to issue again (short or EAGAIN)
-  Status fatal_;                             // a backend failure: everything after fails
+  std::deque<uint32_t> resubmit_;  // pieces to issue again (short or EAGAIN)
+  Status fatal_;                   // a backend failure: everything after fails
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Job>> incoming_;  // guarded by mu_
-  bool stopping_ = false;                       // guarded by mu_
-  bool in_reap_ = false;                        // guarded by mu_: the thread may block in Reap
-  IoQueueStats stats_;                          // guarded by mu_
+  bool stopping_ = false;                      // guarded by mu_
+  bool in_reap_ = false;                       // guarded by mu_: the thread may block in Reap
+  IoQueueStats stats_;                         // guarded by mu_
 };
 
 }  // namespace zinf

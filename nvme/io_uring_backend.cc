@@ -45,8 +45,8 @@ class IoUringBackend final : public IoBackend {
         files_registered_ = true;
         AddFeature("registered-files");
       } else {
-        LogWarning("io_uring: the kernel refused to register files (" +
-                   std::string(strerror(-rc)) + "); using plain file descriptors");
+        LogWarning("io_uring: the kernel refused to register files (" + std::string(strerror(-rc)) +
+                   "); using plain file descriptors");
       }
     }
     if (options_.register_buffers && !regions.empty()) RegisterBuffers(regions);
@@ -122,8 +122,8 @@ class IoUringBackend final : public IoBackend {
     std::vector<Attempt> attempts;
     unsigned base = options_.sqpoll ? IORING_SETUP_SQPOLL : 0;
     if (options_.defer_taskrun && !options_.sqpoll) {
-      attempts.push_back({IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN,
-                          "single-issuer defer-taskrun"});
+      attempts.push_back(
+          {IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN, "single-issuer defer-taskrun"});
     }
     if (!options_.sqpoll) attempts.push_back({IORING_SETUP_COOP_TASKRUN, "coop-taskrun"});
     attempts.push_back({base, options_.sqpoll ? "sqpoll" : ""});

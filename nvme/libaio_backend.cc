@@ -46,7 +46,8 @@ class LibaioBackend final : public IoBackend {
     if (options_.queue_depth == 0) return Status::InvalidArgument("libaio: queue depth is 0");
     int rc = io_setup(static_cast<int>(options_.queue_depth) + 1, &ctx_);
     if (rc < 0) {
-      return ErrnoToStatus(-rc, "io_setup (raise /proc/sys/fs/aio-max-nr or lower the queue depth)");
+      return ErrnoToStatus(-rc,
+                           "io_setup (raise /proc/sys/fs/aio-max-nr or lower the queue depth)");
     }
     ctx_ready_ = true;
     for (const IoFile& f : files) fds_.push_back(f.fd);

@@ -14,9 +14,9 @@ namespace zinf {
 
 struct PinnedArena::State {
   std::mutex mu;
-  RangeAllocator free;            // guarded by mu
-  size_t used = 0;                // guarded by mu
-  size_t peak = 0;                // guarded by mu
+  RangeAllocator free;  // guarded by mu
+  size_t used = 0;      // guarded by mu
+  size_t peak = 0;      // guarded by mu
 };
 
 PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& other) noexcept {
@@ -49,8 +49,8 @@ Result<std::unique_ptr<PinnedArena>> PinnedArena::Create(const PinnedArenaOption
   constexpr size_t kHuge = 2u << 20;
   size_t bytes = RoundUp(options.bytes, kHuge);
   // Over-map by one huge page so the start can be 2 MiB aligned (transparent huge pages).
-  void* raw = mmap(nullptr, bytes + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                   -1, 0);
+  void* raw =
+      mmap(nullptr, bytes + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (raw == MAP_FAILED) {
     return ErrnoToStatus(errno, "pinned arena: mmap of " + FormatBytes(bytes));
   }
@@ -105,8 +105,9 @@ Result<PinnedBuffer> PinnedArena::Allocate(size_t bytes) {
     state_->peak = std::max(state_->peak, state_->used);
     return PinnedBuffer(this, static_cast<char*>(base_) + *offset, need);
   }
-  return Status::ResourceExhausted("pinned arena: no free block of " + FormatBytes(need) + " (arena " +
-                                   FormatBytes(capacity_) + ", in use " + FormatBytes(state_->used) +
+  return Status::ResourceExhausted("pinned arena: no free block of " + FormatBytes(need) +
+                                   " (arena " + FormatBytes(capacity_) + ", in use " +
+                                   FormatBytes(state_->used) +
                                    "); raise the pinned host budget or lower buffer sizes");
 }
 

@@ -29,9 +29,7 @@ class PsyncBackend final : public IoBackend {
   }
 
   const char* Name() const override { return "psync"; }
-  std::string Features() const override {
-    return std::to_string(workers_.size()) + "-threads";
-  }
+  std::string Features() const override { return std::to_string(workers_.size()) + "-threads"; }
   int InFlight() const override { return in_flight_; }
   int QueueDepth() const override { return static_cast<int>(options_.queue_depth); }
 
@@ -109,10 +107,10 @@ class PsyncBackend final : public IoBackend {
   std::mutex mu_;
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
-  std::deque<IoRequest> queue_;     // guarded by mu_
-  std::deque<IoCompletion> done_;   // guarded by mu_
-  bool woken_ = false;              // guarded by mu_
-  bool stop_ = false;               // guarded by mu_
+  std::deque<IoRequest> queue_;    // guarded by mu_
+  std::deque<IoCompletion> done_;  // guarded by mu_
+  bool woken_ = false;             // guarded by mu_
+  bool stop_ = false;              // guarded by mu_
 };
 
 }  // namespace

@@ -38,10 +38,10 @@ struct Extent {
 
 struct Entry {
   uint64_t size = 0;
-  std::vector<Extent> extents;     // one per file used, indexed by chunk % N
-  std::vector<uint64_t> checksums; // per chunk, when checksums are on
-  bool valid = false;              // the last write completed
-  std::string last_error;          // why it is not valid
+  std::vector<Extent> extents;      // one per file used, indexed by chunk % N
+  std::vector<uint64_t> checksums;  // per chunk, when checksums are on
+  bool valid = false;               // the last write completed
+  std::string last_error;           // why it is not valid
   bool writing = false;
   int readers = 0;
 };
@@ -79,15 +79,15 @@ struct SwapStore::Impl {
 
   mutable std::mutex mu;
   std::condition_variable cv;
-  std::vector<RangeAllocator> space;       // guarded by mu: free extents per file
-  std::vector<uint64_t> file_size;         // guarded by mu
-  std::unordered_map<std::string, Entry> entries;  // guarded by mu
-  std::unordered_map<Ticket, TicketState> tickets; // guarded by mu
-  Ticket next_ticket = 1;                  // guarded by mu
-  int in_flight = 0;                       // guarded by mu: tickets not yet ended
+  std::vector<RangeAllocator> space;                 // guarded by mu: free extents per file
+  std::vector<uint64_t> file_size;                   // guarded by mu
+  std::unordered_map<std::string, Entry> entries;    // guarded by mu
+  std::unordered_map<Ticket, TicketState> tickets;   // guarded by mu
+  Ticket next_ticket = 1;                            // guarded by mu
+  int in_flight = 0;                                 // guarded by mu: tickets not yet ended
   std::chrono::steady_clock::time_point busy_since;  // guarded by mu
-  SwapStoreStats stats;                    // guarded by mu
-  bool closed = false;                     // guarded by mu
+  SwapStoreStats stats;                              // guarded by mu
+  bool closed = false;                               // guarded by mu
 
   ~Impl() {
     queue.reset();  // drains
@@ -143,8 +143,7 @@ struct SwapStore::Impl {
             "; raise the per-path capacity, add another nvme path or offload less");
       }
     }
-    int rc = fallocate(files[f].fd, 0, static_cast<off_t>(file_size[f]),
-                       static_cast<off_t>(grow));
+    int rc = fallocate(files[f].fd, 0, static_cast<off_t>(file_size[f]), static_cast<off_t>(grow));
     if (rc != 0) {
       int err = errno;
       struct statvfs vfs {};
@@ -153,8 +152,8 @@ struct SwapStore::Impl {
                                    : "unknown";
       if (err == ENOSPC || err == EDQUOT) {
         return Status(StatusCode::kResourceExhausted,
-                      "no space left for tensor '" + key + "': growing " + files[f].path +
-                          " by " + FormatBytes(grow) + " failed (" + free_space +
+                      "no space left for tensor '" + key + "': growing " + files[f].path + " by " +
+                          FormatBytes(grow) + " failed (" + free_space +
                           " free on that filesystem); free space there, add another nvme path "
                           "or offload less",
                       err);
@@ -241,11 +240,10 @@ struct SwapStore::Impl {
           "zinf_alloc_aligned");
     }
     if (capacity < RoundUp(size, alignment)) {
-      return Status::InvalidArgument("buffer for tensor '" + key + "' holds " +
-                                     std::to_string(capacity) + " bytes but " +
-                                     std::to_string(RoundUp(size, alignment)) +
-                                     " are needed (size " + std::to_string(size) +
-                                     " rounded up to " + std::to_string(alignment) + ")");
+      return Status::InvalidArgument(
+          "buffer for tensor '" + key + "' holds " + std::to_string(capacity) + " bytes but " +
+          std::to_string(RoundUp(size, alignment)) + " are needed (size " + std::to_string(size) +
+          " rounded up to " + std::to_string(alignment) + ")");
     }
     if (size > 0 && buf == nullptr) {
       return Status::InvalidArgument("null buffer for tensor '" + key + "'");
@@ -364,8 +362,8 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
   if (options.fault_plan) b = NewFaultyBackend(std::move(b), options.fault_plan);
   IoQueueOptions qopt;
   qopt.block_size = options.block_size;
-  ZINF_ASSIGN_OR_RETURN(impl->queue, IoQueue::Start(std::move(b), impl->files,
-                                                     options.registered_regions, qopt));
+  ZINF_ASSIGN_OR_RETURN(
+      impl->queue, IoQueue::Start(std::move(b), impl->files, options.registered_regions, qopt));
   return std::unique_ptr<SwapStore>(new SwapStore(std::move(impl)));
 }
 
@@ -429,9 +427,8 @@ Result<Ticket> SwapStore::Write(const std::string& key, const void* buf, uint64_
     return ticket;
   }
   for (const Transfer& t : transfers) {
-    m.queue->Submit(t, [&m, ticket, key](const Status& s) {
-      m.PartDone(ticket, s, key, /*is_write=*/true);
-    });
+    m.queue->Submit(
+        t, [&m, ticket, key](const Status& s) { m.PartDone(ticket, s, key, /*is_write=*/true); });
   }
   return ticket;
 }
@@ -477,9 +474,8 @@ Result<Ticket> SwapStore::Read(const std::string& key, void* buf, uint64_t capac
     return ticket;
   }
   for (const Transfer& t : transfers) {
-    m.queue->Submit(t, [&m, ticket, key](const Status& s) {
-      m.PartDone(ticket, s, key, /*is_write=*/false);
-    });
+    m.queue->Submit(
+        t, [&m, ticket, key](const Status& s) { m.PartDone(ticket, s, key, /*is_write=*/false); });
   }
   return ticket;
 }
@@ -502,11 +498,11 @@ Status SwapStore::Wait(Ticket ticket) {
   for (const ChunkCheck& c : ts.checks) {
     uint64_t got = XXH3_64bits(c.data, c.len);
     if (got != c.expected) {
-      result = Status::Corruption(
-          "swap read of tensor '" + ts.key + "': checksum mismatch in chunk " +
-          std::to_string(c.chunk) + " (" + m.files[c.file].path + " offset " +
-          std::to_string(c.offset) + "): stored " + std::to_string(c.expected) + ", read " +
-          std::to_string(got) + "; the data on disk is damaged");
+      result =
+          Status::Corruption("swap read of tensor '" + ts.key + "': checksum mismatch in chunk " +
+                             std::to_string(c.chunk) + " (" + m.files[c.file].path + " offset " +
+                             std::to_string(c.offset) + "): stored " + std::to_string(c.expected) +
+                             ", read " + std::to_string(got) + "; the data on disk is damaged");
       break;
     }
   }
@@ -541,7 +537,8 @@ Status SwapStore::Remove(const std::string& key) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
   auto it = m.entries.find(key);
-  if (it == m.entries.end()) return Status::NotFound("tensor '" + key + "' is not in the swap store");
+  if (it == m.entries.end())
+    return Status::NotFound("tensor '" + key + "' is not in the swap store");
   if (it->second.writing || it->second.readers > 0) {
     return Status::FailedPrecondition("tensor '" + key + "' has a swap request in flight");
   }

@@ -52,8 +52,10 @@ TEST(CApiEngine, TrainsWithEverythingOnNvme) {
   ASSERT_TRUE(dir.ok());
   TrainToTarget(R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
     "zero_optimization": {"stage": 3,
-      "offload_param": {"device": "nvme", "nvme_path": ")" + dir.path() + R"("},
-      "offload_optimizer": {"device": "nvme", "nvme_path": ")" + dir.path() + R"("}},
+      "offload_param": {"device": "nvme", "nvme_path": ")" +
+                dir.path() + R"("},
+      "offload_optimizer": {"device": "nvme", "nvme_path": ")" +
+                dir.path() + R"("}},
     "zinf": {"pinned_budget_bytes": "64M"}})");
 }
 

@@ -38,7 +38,8 @@ TEST(CApiSwap, OpenWriteReadWaitClose) {
 
   // Errors: a message in zinf_last_error.
   EXPECT_NE(0, zinf_swap_read(store, "nope", r, cap, &t));
-  EXPECT_NE(std::string::npos, std::string(zinf_last_error()).find("'nope' is not in the swap store"));
+  EXPECT_NE(std::string::npos,
+            std::string(zinf_last_error()).find("'nope' is not in the swap store"));
   EXPECT_NE(0, zinf_swap_write(store, "x", w + 1, 10, 4096, &t));
   EXPECT_NE(std::string::npos, std::string(zinf_last_error()).find("not aligned"));
   EXPECT_EQ(-1, zinf_swap_size(store, "nope"));

@@ -100,9 +100,12 @@ std::string ParamName(int p) {
 
 const char* TierLabel(Tier t) {
   switch (t) {
-    case Tier::kDevice: return "Device";
-    case Tier::kCpu: return "Cpu";
-    case Tier::kNvme: return "Nvme";
+    case Tier::kDevice:
+      return "Device";
+    case Tier::kCpu:
+      return "Cpu";
+    case Tier::kNvme:
+      return "Nvme";
   }
   return "?";
 }
@@ -144,9 +147,7 @@ class RankTrainer {
       ParamSpec spec;
       spec.name = ParamName(p);
       spec.shape = shape.param_shape(p);
-      spec.init = [p](float* data, size_t numel) {
-        testing::InitParam(Shape(), p, data, numel);
-      };
+      spec.init = [p](float* data, size_t numel) { testing::InitParam(Shape(), p, data, numel); };
       Result<ParamId> id = engine_->RegisterParameter(spec);
       if (!id.ok()) return id.status().WithContext("RegisterParameter " + spec.name);
       ids_.push_back(*id);
@@ -163,8 +164,7 @@ class RankTrainer {
   // With `swap_first_two`, the forward acquires layer 1 before layer 0 (a different Acquire
   // sequence, the same arithmetic). On failure, releases what it holds and returns the first
   // error, naming the call.
-  Status MicroStep(int row_begin, int rows, bool swap_first_two, double* loss,
-                   StepStats* stats) {
+  Status MicroStep(int row_begin, int rows, bool swap_first_two, double* loss, StepStats* stats) {
     gradients_reduced_ = 0;
     Status s = ForwardBackward(row_begin, rows, swap_first_two, loss);
     if (!s.ok()) {
@@ -206,8 +206,7 @@ class RankTrainer {
     if (ptrs->size() != 2 || (*ptrs)[0] == nullptr || (*ptrs)[1] == nullptr) {
       return Status::Internal(what + ": expected two non-null pointers");
     }
-    return LayerPtrs{static_cast<const float*>((*ptrs)[0]),
-                     static_cast<const float*>((*ptrs)[1])};
+    return LayerPtrs{static_cast<const float*>((*ptrs)[0]), static_cast<const float*>((*ptrs)[1])};
   }
 
   Status ReleaseLayer(int l, const char* phase) {
@@ -280,8 +279,8 @@ struct RunOptions {
   std::string Describe() const {
     std::ostringstream os;
     os << ranks << " rank(s), params " << TierLabel(param_tier) << ", optimizer "
-       << TierLabel(optimizer_tier) << ", accumulation " << grad_accum << ", clipping "
-       << clipping << ", device budget " << device_budget_bytes;
+       << TierLabel(optimizer_tier) << ", accumulation " << grad_accum << ", clipping " << clipping
+       << ", device budget " << device_budget_bytes;
     if (swapped_micro_step >= 0) os << ", swapped acquire order at " << swapped_micro_step;
     return os.str();
   }
@@ -317,7 +316,7 @@ EngineConfig MakeConfig(const RunOptions& o, const std::string& nvme_dir) {
 
 struct RankOutput {
   Status status;
-  std::vector<double> losses;   // per micro-step, this rank's rows
+  std::vector<double> losses;    // per micro-step, this rank's rows
   std::vector<StepStats> stats;  // per micro-step
   std::vector<ParamInfo> infos;
   std::vector<std::vector<float>> params;  // gathered masters
@@ -328,13 +327,13 @@ struct RankOutput {
 };
 
 struct RunResult {
-  Status status;  // the first failing rank's error ("rank r: ...")
-  std::vector<std::vector<float>> params;  // rank 0's gathered masters, per parameter
-  bool ranks_agree = true;  // every rank gathered the same bits
-  std::vector<double> losses;  // per micro-step, summed over ranks in rank order
+  Status status;                              // the first failing rank's error ("rank r: ...")
+  std::vector<std::vector<float>> params;     // rank 0's gathered masters, per parameter
+  bool ranks_agree = true;                    // every rank gathered the same bits
+  std::vector<double> losses;                 // per micro-step, summed over ranks in rank order
   std::vector<std::vector<StepStats>> stats;  // [rank][micro-step]
-  std::vector<ParamInfo> infos;  // rank 0's
-  std::vector<size_t> device_peaks;  // per rank: the HostDevice's own peak allocation
+  std::vector<ParamInfo> infos;               // rank 0's
+  std::vector<size_t> device_peaks;           // per rank: the HostDevice's own peak allocation
 };
 
 // The micro-step's rows for `rank`: the global batch is split over the micro-steps of an
@@ -400,8 +399,8 @@ RunResult RunTraining(const RunOptions& o) {
     std::string s;
     for (size_t r = 0; r < outs.size(); ++r) {
       static const char* const kPhases[] = {"creating the engine or registering", "training",
-                                            "in GatherMasterParameter",
-                                            "destroying the engine", "finished"};
+                                            "in GatherMasterParameter", "destroying the engine",
+                                            "finished"};
       s += "rank " + std::to_string(r) + ": " + kPhases[outs[r].phase.load()] + " (" +
            std::to_string(outs[r].micro_steps_done.load()) + " micro-steps done); ";
     }
@@ -567,8 +566,8 @@ std::string FirstBitDifference(const std::vector<std::vector<float>>& a,
       if (std::memcmp(&a[p][i], &b[p][i], sizeof(float)) == 0) continue;
       if (differing++ == 0) {
         char buf[160];
-        std::snprintf(buf, sizeof buf, "%s[%zu]: %.9g vs %.9g", ParamName(p).c_str(), i,
-                      a[p][i], b[p][i]);
+        std::snprintf(buf, sizeof buf, "%s[%zu]: %.9g vs %.9g", ParamName(p).c_str(), i, a[p][i],
+                      b[p][i]);
         first = buf;
       }
     }
@@ -686,8 +685,7 @@ TEST(EngineTestModel, GradientsMatchFiniteDifferences) {
     params[p][i] = x + h;
     double up = testing::MlpGradients(shape, TheBatch(), 0, kGlobalBatch, scale, params, &unused);
     params[p][i] = x - h;
-    double down =
-        testing::MlpGradients(shape, TheBatch(), 0, kGlobalBatch, scale, params, &unused);
+    double down = testing::MlpGradients(shape, TheBatch(), 0, kGlobalBatch, scale, params, &unused);
     params[p][i] = x;
     double numeric = (up - down) / (2.0 * h);
     EXPECT_NEAR(numeric, grads[p][i], 0.05 * std::fabs(grads[p][i]) + 1e-6)
@@ -881,8 +879,8 @@ TEST(EngineTest, DeviceAndPinnedBudgetsAreNeverExceeded) {
   // About four layers of full parameters plus slack (209.5 KiB): room for the acquired layer,
   // its gradient scratch and some prefetch, not for every layer with its gradient.
   const uint64_t budget = 4 * Shape().largest_layer_bytes() + (64 << 10);
-  for (auto [ranks, param_tier] : {std::pair{1, Tier::kCpu}, std::pair{2, Tier::kCpu},
-                                   std::pair{2, Tier::kNvme}}) {
+  for (auto [ranks, param_tier] :
+       {std::pair{1, Tier::kCpu}, std::pair{2, Tier::kCpu}, std::pair{2, Tier::kNvme}}) {
     RunOptions o;
     o.ranks = ranks;
     o.param_tier = param_tier;
@@ -1012,14 +1010,14 @@ TEST(EngineTest, TraceMismatchMidRunCompletesWithAWarning) {
 // ---- An injected I/O error ------------------------------------------------------------------
 
 struct FaultOutcome {
-  Status setup;        // creation, registration and two clean micro-steps
+  Status setup;                             // creation, registration and two clean micro-steps
   std::vector<uint64_t> requests_per_step;  // I/O requests of the clean micro-steps
   uint64_t fault_at = 0;
-  uint64_t requests_after = 0;  // requests seen when the faulty steps ended
-  Status fault_error;  // the first failing call's status once the fault is armed
+  uint64_t requests_after = 0;           // requests seen when the faulty steps ended
+  Status fault_error;                    // the first failing call's status once the fault is armed
   bool failed_before_gradients = false;  // fault_error came before any ReduceGradient
-  int clean_micro_steps = 0;  // micro-steps that succeeded, before and after the failure
-  Status recovery;     // the first failure after the plan is cleared (OK: none)
+  int clean_micro_steps = 0;             // micro-steps that succeeded, before and after the failure
+  Status recovery;                       // the first failure after the plan is cleared (OK: none)
   int recovered_steps = 0;
   Status gather;
   std::vector<std::vector<float>> params;
@@ -1163,8 +1161,7 @@ TEST(EngineTest, NvmeTierWithoutPathFailsAtCreate) {
     Result<std::unique_ptr<Engine>> engine = Engine::Create(c, device.get(), (*comms)[0].get());
     ASSERT_FALSE(engine.ok()) << (which == 0 ? "offload_param" : "offload_optimizer")
                               << " on nvme without a path was accepted";
-    EXPECT_EQ(engine.status().code(), StatusCode::kInvalidArgument)
-        << engine.status().ToString();
+    EXPECT_EQ(engine.status().code(), StatusCode::kInvalidArgument) << engine.status().ToString();
     EXPECT_NE(engine.status().message().find("nvme"), std::string::npos)
         << engine.status().ToString();
   }

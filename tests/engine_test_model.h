@@ -94,8 +94,8 @@ inline Batch MakeBatch(const MlpShape& shape, int rows, uint64_t seed) {
 }
 
 // z[n][o] = b[o] + sum_i x[n][i] * W[o][i], summed in i order.
-inline void LinearForward(const float* x, int rows, int in, const float* w, const float* b,
-                          int out, float* z) {
+inline void LinearForward(const float* x, int rows, int in, const float* w, const float* b, int out,
+                          float* z) {
   for (int n = 0; n < rows; ++n) {
     for (int o = 0; o < out; ++o) {
       float acc = b[o];

@@ -27,7 +27,8 @@ class IoQueueTest : public ::testing::TestWithParam<IoBackendKind> {
   }
   void TearDown() override { close(fd_); }
 
-  std::unique_ptr<IoQueue> Start(uint32_t qd, uint32_t block, std::shared_ptr<FaultPlan> plan = {}) {
+  std::unique_ptr<IoQueue> Start(uint32_t qd, uint32_t block,
+                                 std::shared_ptr<FaultPlan> plan = {}) {
     IoBackendOptions bo;
     bo.queue_depth = qd;
     auto b = NewIoBackend(GetParam(), bo);
@@ -123,7 +124,8 @@ TEST_P(IoQueueTest, FaultFailsOnlyItsTransfer) {
   q->Submit({IoOp::kWrite, 0, 0, a.data(), a.size()}, [&](const Status& s) { pa.set_value(s); });
   Status sa = pa.get_future().get();
   EXPECT_EQ(EIO, sa.sys_errno()) << sa.ToString();
-  q->Submit({IoOp::kWrite, 0, 65536, a.data(), a.size()}, [&](const Status& s) { pb.set_value(s); });
+  q->Submit({IoOp::kWrite, 0, 65536, a.data(), a.size()},
+            [&](const Status& s) { pb.set_value(s); });
   EXPECT_TRUE(pb.get_future().get().ok());
   // EAGAIN beyond the retry budget becomes an error rather than a livelock.
   IoFault again;
@@ -158,7 +160,9 @@ TEST_P(IoQueueTest, WakeEndsBlockedReap) {
 INSTANTIATE_TEST_SUITE_P(Backends, IoQueueTest,
                          ::testing::Values(IoBackendKind::kIoUring, IoBackendKind::kLibaio,
                                            IoBackendKind::kPsync),
-                         [](const auto& info) { return std::string(IoBackendKindName(info.param)); });
+                         [](const auto& info) {
+                           return std::string(IoBackendKindName(info.param));
+                         });
 
 // SQPOLL (a kernel thread polls the submission ring) round-trips data, or falls back to a
 // plain ring with a warning where the kernel refuses it.

@@ -82,9 +82,8 @@ class SwapStoreTest : public ::testing::TestWithParam<Case> {
 TEST_P(SwapStoreTest, RoundTripBitExactAllSizes) {
   auto store = SwapStore::Open(Options());
   ASSERT_TRUE(store.ok()) << store.status().ToString();
-  const std::vector<uint64_t> sizes = {0,         1,         4095,      4096,      4097,
-                                       32 << 10,  (64 << 10) - 1, 64 << 10, (64 << 10) + 1,
-                                       1000003,   3 << 20};
+  const std::vector<uint64_t> sizes = {
+      0, 1, 4095, 4096, 4097, 32 << 10, (64 << 10) - 1, 64 << 10, (64 << 10) + 1, 1000003, 3 << 20};
   std::map<std::string, std::unique_ptr<AlignedBuffer>> written;
   for (uint64_t size : sizes) {
     auto buf = std::make_unique<AlignedBuffer>(size);
@@ -126,17 +125,24 @@ TEST_P(SwapStoreTest, ManyConcurrentTickets) {
         FillRandom(bufs.back()->data(), size, t * 1000 + i);
         auto tk = (*store)->Write("k" + std::to_string(t) + "_" + std::to_string(i),
                                   bufs.back()->data(), size, bufs.back()->size());
-        if (!tk.ok()) { ++failures; return; }
+        if (!tk.ok()) {
+          ++failures;
+          return;
+        }
         tickets.push_back(*tk);
       }
-      for (Ticket tk : tickets) if (!(*store)->Wait(tk).ok()) ++failures;
+      for (Ticket tk : tickets)
+        if (!(*store)->Wait(tk).ok()) ++failures;
       tickets.clear();
       std::vector<std::unique_ptr<AlignedBuffer>> back;
       for (int i = 0; i < kPerThread; ++i) {
         back.push_back(std::make_unique<AlignedBuffer>(bufs[i]->size()));
         auto tk = (*store)->Read("k" + std::to_string(t) + "_" + std::to_string(i),
                                  back.back()->data(), back.back()->size());
-        if (!tk.ok()) { ++failures; return; }
+        if (!tk.ok()) {
+          ++failures;
+          return;
+        }
         tickets.push_back(*tk);
       }
       for (int i = 0; i < kPerThread; ++i) {
@@ -212,14 +218,12 @@ TEST_P(SwapStoreTest, ReopenReadsWhatWasWritten) {
   EXPECT_EQ(0, std::memcmp(back.data(), a.data(), size));
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, SwapStoreTest,
-                         ::testing::Values(Case{IoBackendKind::kIoUring, true},
-                                           Case{IoBackendKind::kIoUring, false},
-                                           Case{IoBackendKind::kLibaio, true},
-                                           Case{IoBackendKind::kLibaio, false},
-                                           Case{IoBackendKind::kPsync, true},
-                                           Case{IoBackendKind::kPsync, false}),
-                         CaseName);
+INSTANTIATE_TEST_SUITE_P(
+    Backends, SwapStoreTest,
+    ::testing::Values(Case{IoBackendKind::kIoUring, true}, Case{IoBackendKind::kIoUring, false},
+                      Case{IoBackendKind::kLibaio, true}, Case{IoBackendKind::kLibaio, false},
+                      Case{IoBackendKind::kPsync, true}, Case{IoBackendKind::kPsync, false}),
+    CaseName);
 
 // ---- Faults ----------------------------------------------------------------------------------
 
@@ -372,7 +376,9 @@ TEST_P(SwapFaultTest, SlowRequestsStillComplete) {
 INSTANTIATE_TEST_SUITE_P(Backends, SwapFaultTest,
                          ::testing::Values(IoBackendKind::kIoUring, IoBackendKind::kLibaio,
                                            IoBackendKind::kPsync),
-                         [](const auto& info) { return std::string(IoBackendKindName(info.param)); });
+                         [](const auto& info) {
+                           return std::string(IoBackendKindName(info.param));
+                         });
 
 // ---- Errors at the call ------------------------------------------------------------------------
 
@@ -395,8 +401,8 @@ TEST(SwapStoreErrors, MisalignedBufferRejectedClearly) {
 
 TEST(SwapStoreErrors, BadPaths) {
   TempDir dir;
-  auto missing = SwapStore::Open(
-      BaseOptions({dir.path() + "/nope"}, IoBackendKind::kIoUring, true));
+  auto missing =
+      SwapStore::Open(BaseOptions({dir.path() + "/nope"}, IoBackendKind::kIoUring, true));
   EXPECT_EQ(StatusCode::kNotFound, missing.status().code());
   EXPECT_NE(std::string::npos, missing.status().message().find("does not exist"));
   std::string file = dir.path() + "/file";
@@ -493,11 +499,13 @@ TEST(SwapStoreErrors, DirectIoRefusedFallsBackWithOneWarning) {
   TempDir dir("/dev/shm");
   if (!dir.ok()) GTEST_SKIP() << "no /dev/shm on this machine";
   LogCapture log;
-  auto store = SwapStore::Open(BaseOptions({dir.path(), dir.path()}, IoBackendKind::kIoUring, true));
+  auto store =
+      SwapStore::Open(BaseOptions({dir.path(), dir.path()}, IoBackendKind::kIoUring, true));
   ASSERT_TRUE(store.ok()) << store.status().ToString();
   if ((*store)->direct_io()) GTEST_SKIP() << "this /dev/shm accepts O_DIRECT";
   int warnings = 0;
-  for (const std::string& l : log.lines()) warnings += l.find("O_DIRECT refused") != std::string::npos;
+  for (const std::string& l : log.lines())
+    warnings += l.find("O_DIRECT refused") != std::string::npos;
   EXPECT_EQ(1, warnings);
   AlignedBuffer a(10000), back(10000);
   FillRandom(a.data(), 10000, 3);

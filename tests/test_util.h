@@ -19,7 +19,8 @@ namespace zinf::testing {
 class TempDir {
  public:
   explicit TempDir(const char* base = nullptr) {
-    std::string root = base ? base : (getenv("ZINF_TEST_DIR") ? getenv("ZINF_TEST_DIR") : "/var/tmp");
+    std::string root =
+        base ? base : (getenv("ZINF_TEST_DIR") ? getenv("ZINF_TEST_DIR") : "/var/tmp");
     std::string templ = root + "/zinf-test-XXXXXX";
     std::vector<char> buf(templ.begin(), templ.end());
     buf.push_back('\0');
@@ -69,8 +70,7 @@ inline void FillRandom(void* buf, size_t n, uint64_t seed) {
 // Aligned heap memory for direct I/O.
 class AlignedBuffer {
  public:
-  explicit AlignedBuffer(size_t n, size_t align = 4096)
-      : size_((n + align - 1) / align * align) {
+  explicit AlignedBuffer(size_t n, size_t align = 4096) : size_((n + align - 1) / align * align) {
     data_ = static_cast<unsigned char*>(aligned_alloc(align, size_ == 0 ? align : size_));
     std::memset(data_, 0, size_ == 0 ? align : size_);
   }

@@ -142,12 +142,12 @@ class HostDevice final : public Device {
   // Device memory is one reservation made at construction (virtual until touched) and
   // sub-allocated: freed ranges keep their pages, so a buffer reused every step is not
   // faulted in again (a fresh 4 KiB page costs ~12 us here).
-  char* pool_base_ = nullptr;                         // set once in the constructor
+  char* pool_base_ = nullptr;  // set once in the constructor
   size_t pool_bytes_ = 0;
-  RangeAllocator pool_;                               // guarded by mem_mu_
+  RangeAllocator pool_;                                // guarded by mem_mu_
   std::unordered_map<void*, Allocation> allocations_;  // guarded by mem_mu_
-  size_t used_ = 0;                                // guarded by mem_mu_
-  size_t peak_ = 0;                                // guarded by mem_mu_
+  size_t used_ = 0;                                    // guarded by mem_mu_
+  size_t peak_ = 0;                                    // guarded by mem_mu_
 
   std::unique_ptr<HostStream> compute_stream_;
   std::mutex streams_mu_;

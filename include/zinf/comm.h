@@ -23,8 +23,7 @@ class Communicator {
   virtual int world_size() const = 0;
 
   // recv[r * bytes_per_rank ...] = send of rank r. recv holds world_size * bytes_per_rank.
-  virtual Status AllGather(const void* send, void* recv, size_t bytes_per_rank,
-                           Stream* stream) = 0;
+  virtual Status AllGather(const void* send, void* recv, size_t bytes_per_rank, Stream* stream) = 0;
   // recv[i] = sum over ranks r of send_r[rank * count_per_rank + i], summed in rank order
   // (0, 1, ..., N-1) so results are deterministic. send holds world_size * count_per_rank.
   virtual Status ReduceScatterSum(const float* send, float* recv, size_t count_per_rank,

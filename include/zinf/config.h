@@ -50,11 +50,11 @@ struct EngineConfig {
   int zero_stage = 3;
   OffloadConfig offload_param;
   OffloadConfig offload_optimizer;
-  uint64_t sub_group_size = 1'000'000'000;             // elements per optimizer sub-group
-  uint64_t prefetch_bucket_size = 50'000'000;          // elements in flight ahead of use
-  uint64_t max_live_parameters = 1'000'000'000;        // elements resident on the device
-  uint64_t max_reuse_distance = 1'000'000'000;         // elements: keep if reused sooner
-  uint64_t param_persistence_threshold = 100'000;      // elements: smaller params persist
+  uint64_t sub_group_size = 1'000'000'000;         // elements per optimizer sub-group
+  uint64_t prefetch_bucket_size = 50'000'000;      // elements in flight ahead of use
+  uint64_t max_live_parameters = 1'000'000'000;    // elements resident on the device
+  uint64_t max_reuse_distance = 1'000'000'000;     // elements: keep if reused sooner
+  uint64_t param_persistence_threshold = 100'000;  // elements: smaller params persist
   AioConfig aio;
   OptimizerConfig optimizer;
   bool bf16 = false;
@@ -64,13 +64,13 @@ struct EngineConfig {
   uint64_t train_batch_size = 0;                // informational, for the trainer
 
   // zinf-only ("zinf": {...}).
-  uint64_t device_budget_bytes = 0;   // 0 = whatever the device reports
+  uint64_t device_budget_bytes = 0;  // 0 = whatever the device reports
   uint64_t pinned_budget_bytes = 1ull << 30;
-  uint64_t nvme_capacity_bytes = 0;   // per path; 0 = grow until the disk is full
-  bool delayed_update = false;        // one-step delayed parameter update
-  bool checksums = false;             // per-chunk checksums in the swap store
-  int optimizer_threads = 0;          // CPU Adam threads; 0 = all cores
-  double host_copy_gbps = 0;          // HostDevice PCIe simulation; 0 = memcpy speed
+  uint64_t nvme_capacity_bytes = 0;  // per path; 0 = grow until the disk is full
+  bool delayed_update = false;       // one-step delayed parameter update
+  bool checksums = false;            // per-chunk checksums in the swap store
+  int optimizer_threads = 0;         // CPU Adam threads; 0 = all cores
+  double host_copy_gbps = 0;         // HostDevice PCIe simulation; 0 = memcpy speed
 };
 
 // Parses a JSON config. Unknown keys add one warning each to *warnings (key path named);
@@ -94,7 +94,6 @@ Result<EngineConfig> ParseEngineConfig(const std::string& json_text,
                                        std::vector<std::string>* warnings);
 // Reads `path` and parses it; a missing or unreadable file is a clear error (kNotFound when it
 // does not exist). Errors and warnings from parsing start with "<path>: ".
-Result<EngineConfig> LoadEngineConfig(const std::string& path,
-                                      std::vector<std::string>* warnings);
+Result<EngineConfig> LoadEngineConfig(const std::string& path, std::vector<std::string>* warnings);
 
 }  // namespace zinf

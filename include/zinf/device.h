@@ -58,8 +58,7 @@ class Device {
   // Asynchronous copies, ordered on `stream`. Host pointers should be pinned (registered).
   virtual Status CopyHostToDevice(void* dst, const void* src, size_t bytes, Stream* stream) = 0;
   virtual Status CopyDeviceToHost(void* dst, const void* src, size_t bytes, Stream* stream) = 0;
-  virtual Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes,
-                                    Stream* stream) = 0;
+  virtual Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes, Stream* stream) = 0;
   // Runs `fn` on a host thread once the work before it on `stream` has completed; the work
   // after it waits for `fn` to return (like cudaLaunchHostFunc).
   virtual Status LaunchHostFunc(Stream* stream, std::function<void()> fn) = 0;

@@ -59,15 +59,15 @@ struct StepStats {
   uint64_t h2d_bytes = 0;
   uint64_t d2h_bytes = 0;
   // Busy time per resource (seconds within this step).
-  double nvme_busy_seconds = 0;  // time with at least one swap request in flight
-  double copy_busy_seconds = 0;  // host<->device copies
+  double nvme_busy_seconds = 0;       // time with at least one swap request in flight
+  double copy_busy_seconds = 0;       // host<->device copies
   double optimizer_busy_seconds = 0;  // CPU optimizer kernels
   double acquire_wait_seconds = 0;    // the trainer blocked in Acquire
   double optimizer_wait_seconds = 0;  // Step() blocked waiting for the optimizer
   // Peaks over the step.
   uint64_t peak_device_bytes = 0;
   uint64_t peak_pinned_bytes = 0;
-  uint64_t nvme_bytes = 0;  // swap store size
+  uint64_t nvme_bytes = 0;        // swap store size
   double overlap_efficiency = 0;  // max(busy) / step_seconds
   double grad_norm = 0;           // global L2 norm before clipping (when clipping is on)
   uint64_t prefetch_hits = 0;     // acquires whose data was already fetched or in flight
@@ -87,8 +87,7 @@ class Engine {
  public:
   // `device` and `comm` must outlive the engine. One engine per rank, each on its own thread.
   static Result<std::unique_ptr<Engine>> Create(const EngineConfig& config, Device* device,
-                                                Communicator* comm,
-                                                const EngineHooks& hooks = {});
+                                                Communicator* comm, const EngineHooks& hooks = {});
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;

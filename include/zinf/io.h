@@ -54,12 +54,12 @@ struct MemoryRegion {
 };
 
 struct IoBackendOptions {
-  uint32_t queue_depth = 32;       // most requests in flight
-  bool register_buffers = true;    // io_uring: READ_FIXED/WRITE_FIXED for registered regions
-  bool register_files = true;      // io_uring: IOSQE_FIXED_FILE
-  bool sqpoll = false;             // io_uring: kernel submission thread (costs a core)
-  bool defer_taskrun = true;       // io_uring: SINGLE_ISSUER|DEFER_TASKRUN when the kernel has it
-  uint32_t psync_threads = 0;      // psync: worker threads; 0 = queue_depth capped at 16
+  uint32_t queue_depth = 32;     // most requests in flight
+  bool register_buffers = true;  // io_uring: READ_FIXED/WRITE_FIXED for registered regions
+  bool register_files = true;    // io_uring: IOSQE_FIXED_FILE
+  bool sqpoll = false;           // io_uring: kernel submission thread (costs a core)
+  bool defer_taskrun = true;     // io_uring: SINGLE_ISSUER|DEFER_TASKRUN when the kernel has it
+  uint32_t psync_threads = 0;    // psync: worker threads; 0 = queue_depth capped at 16
 };
 
 // Thread-compatible, single owner: Start, Submit and Reap are called from one thread (the I/O
@@ -103,10 +103,10 @@ std::unique_ptr<IoBackend> NewPsyncBackend(const IoBackendOptions& options);
 // op matches (or any op when `any_op`).
 struct IoFault {
   enum class Kind {
-    kError,   // completes with -errno_value (EIO, ENOSPC, EAGAIN...) without touching the file
-    kShort,   // transfers only `short_bytes` bytes (the rest must be resubmitted)
-    kTorn,    // write: only `short_bytes` reach the file, yet the request reports full success
-    kDelay,   // completes after `delay_us` microseconds
+    kError,  // completes with -errno_value (EIO, ENOSPC, EAGAIN...) without touching the file
+    kShort,  // transfers only `short_bytes` bytes (the rest must be resubmitted)
+    kTorn,   // write: only `short_bytes` reach the file, yet the request reports full success
+    kDelay,  // completes after `delay_us` microseconds
   };
   Kind kind = Kind::kError;
   uint64_t first = 0;

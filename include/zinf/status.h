@@ -35,7 +35,9 @@ class [[nodiscard]] Status {
       : code_(code), sys_errno_(sys_errno), message_(std::move(message)) {}
 
   static Status OK() { return Status(); }
-  static Status InvalidArgument(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }
+  static Status InvalidArgument(std::string m) {
+    return {StatusCode::kInvalidArgument, std::move(m)};
+  }
   static Status NotFound(std::string m) { return {StatusCode::kNotFound, std::move(m)}; }
   static Status AlreadyExists(std::string m) { return {StatusCode::kAlreadyExists, std::move(m)}; }
   static Status FailedPrecondition(std::string m) {
@@ -77,7 +79,7 @@ Status ErrnoToStatus(int err, std::string_view what);
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : value_(std::move(value)) {}  // NOLINT: implicit on purpose
+  Result(T value) : value_(std::move(value)) {}         // NOLINT: implicit on purpose
   Result(Status status) : status_(std::move(status)) {  // NOLINT
     if (status_.ok()) status_ = Status::Internal("Result constructed from an OK Status");
   }
@@ -101,21 +103,21 @@ class [[nodiscard]] Result {
 }  // namespace zinf
 
 // For programmer errors only (on in release builds). Never for I/O or user input.
-#define ZINF_CHECK(cond)                                                     \
-  do {                                                                       \
-    if (!(cond)) ::zinf::CheckFailed(__FILE__, __LINE__, #cond, nullptr);    \
+#define ZINF_CHECK(cond)                                                  \
+  do {                                                                    \
+    if (!(cond)) ::zinf::CheckFailed(__FILE__, __LINE__, #cond, nullptr); \
   } while (0)
-#define ZINF_CHECK_MSG(cond, msg)                                            \
-  do {                                                                       \
-    if (!(cond)) ::zinf::CheckFailed(__FILE__, __LINE__, #cond, (msg));      \
+#define ZINF_CHECK_MSG(cond, msg)                                       \
+  do {                                                                  \
+    if (!(cond)) ::zinf::CheckFailed(__FILE__, __LINE__, #cond, (msg)); \
   } while (0)
 
 #define ZINF_CONCAT_INNER_(a, b) a##b
 #define ZINF_CONCAT_(a, b) ZINF_CONCAT_INNER_(a, b)
 
-#define ZINF_RETURN_IF_ERROR(expr)              \
-  do {                                          \
-    ::zinf::Status zinf_status_ = (expr);       \
+#define ZINF_RETURN_IF_ERROR(expr)               \
+  do {                                           \
+    ::zinf::Status zinf_status_ = (expr);        \
     if (!zinf_status_.ok()) return zinf_status_; \
   } while (0)
 

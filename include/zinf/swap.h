@@ -15,10 +15,10 @@ namespace zinf {
 // ---- PinnedArena ------------------------------------------------------------------------------
 
 struct PinnedArenaOptions {
-  size_t bytes = 0;           // rounded up to 2 MiB
-  size_t alignment = 4096;    // every allocation's start and size
-  bool lock_memory = true;    // mlock; refused -> one warning naming RLIMIT_MEMLOCK
-  bool huge_pages = true;     // MADV_HUGEPAGE (fewer TLB misses, larger DMA segments)
+  size_t bytes = 0;         // rounded up to 2 MiB
+  size_t alignment = 4096;  // every allocation's start and size
+  bool lock_memory = true;  // mlock; refused -> one warning naming RLIMIT_MEMLOCK
+  bool huge_pages = true;   // MADV_HUGEPAGE (fewer TLB misses, larger DMA segments)
 };
 
 class PinnedArena;
@@ -82,12 +82,12 @@ class PinnedArena {
 // ---- SwapStore --------------------------------------------------------------------------------
 
 struct SwapStoreOptions {
-  std::vector<std::string> paths;  // existing folders; one swap file each (zinf-swap-<i>.bin)
-  uint64_t capacity_per_path = 0;  // preallocated (fallocate) at open; 0 = grow on demand
+  std::vector<std::string> paths;      // existing folders; one swap file each (zinf-swap-<i>.bin)
+  uint64_t capacity_per_path = 0;      // preallocated (fallocate) at open; 0 = grow on demand
   uint64_t max_capacity_per_path = 0;  // growth limit; 0 = until the filesystem is full
   uint64_t growth_step = 256ull << 20;
-  uint64_t chunk_size = 1 << 20;       // stripe unit; tensor chunk i lives on path i % N
-  uint32_t block_size = 1 << 20;       // largest I/O request
+  uint64_t chunk_size = 1 << 20;  // stripe unit; tensor chunk i lives on path i % N
+  uint32_t block_size = 1 << 20;  // largest I/O request
   IoBackendKind backend = IoBackendKind::kIoUring;
   IoBackendOptions backend_options;
   bool direct_io = true;   // O_DIRECT; refused (tmpfs) -> buffered I/O with one warning

@@ -27,16 +27,16 @@ void zinf_free_aligned(void* ptr);
 typedef struct zinf_swap_store zinf_swap_store;
 
 typedef struct zinf_swap_options {
-  const char* const* paths;   /* folders that hold the swap files (1..N, striped over) */
+  const char* const* paths; /* folders that hold the swap files (1..N, striped over) */
   size_t num_paths;
-  uint64_t capacity_per_path; /* bytes to preallocate per path; 0 = grow on demand */
+  uint64_t capacity_per_path;     /* bytes to preallocate per path; 0 = grow on demand */
   uint64_t max_capacity_per_path; /* growth limit per path; 0 = until the disk is full */
-  uint64_t chunk_size;        /* stripe unit across paths; 0 = 1 MiB */
-  uint64_t block_size;        /* largest single I/O request; 0 = 1 MiB */
-  uint32_t queue_depth;       /* requests in flight; 0 = 32 */
-  const char* backend;        /* "io_uring" (NULL = default), "libaio" or "psync" */
-  int checksums;              /* 1: per-chunk xxhash written and verified on read */
-  int reopen;                 /* 1: load the index left by a previous zinf_swap_close */
+  uint64_t chunk_size;            /* stripe unit across paths; 0 = 1 MiB */
+  uint64_t block_size;            /* largest single I/O request; 0 = 1 MiB */
+  uint32_t queue_depth;           /* requests in flight; 0 = 32 */
+  const char* backend;            /* "io_uring" (NULL = default), "libaio" or "psync" */
+  int checksums;                  /* 1: per-chunk xxhash written and verified on read */
+  int reopen;                     /* 1: load the index left by a previous zinf_swap_close */
 } zinf_swap_options;
 
 /* Fills *options with the defaults (no paths). */
@@ -82,17 +82,16 @@ int zinf_swap_close(zinf_swap_store* store);
  * forces one). The buffers must not overlap. Fails, changing nothing, on: a NULL buffer when
  * n > 0, step < 1, a NaN or infinite hyper-parameter, lr < 0, eps < 0, weight_decay < 0,
  * beta1 or beta2 outside [0, 1), adamw other than 0 or 1. */
-int zinf_adam_step_f32(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
-                       size_t n, int64_t step, float lr, float beta1, float beta2, float eps,
+int zinf_adam_step_f32(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, size_t n,
+                       int64_t step, float lr, float beta1, float beta2, float eps,
                        float weight_decay, int adamw);
 
 /* The mixed-precision step: bf16 gradients in, and (when param_bf16_out is not NULL) the
  * updated parameters written as bf16 (round to nearest even) in the same pass. Same rules as
  * zinf_adam_step_f32. */
-int zinf_adam_step_bf16(float* param, const uint16_t* grad_bf16, float* exp_avg,
-                        float* exp_avg_sq, uint16_t* param_bf16_out, size_t n, int64_t step,
-                        float lr, float beta1, float beta2, float eps, float weight_decay,
-                        int adamw);
+int zinf_adam_step_bf16(float* param, const uint16_t* grad_bf16, float* exp_avg, float* exp_avg_sq,
+                        uint16_t* param_bf16_out, size_t n, int64_t step, float lr, float beta1,
+                        float beta2, float eps, float weight_decay, int adamw);
 
 /* The kernel the two calls above use: "scalar", "avx2", "avx512" or "avx512_bf16".
  * NULL (and a last error) when ZINF_CPU_ISA names an unknown or unsupported set. */
@@ -103,13 +102,13 @@ const char* zinf_cpu_adam_kernel(void);
 typedef struct zinf_engine zinf_engine;
 
 typedef struct zinf_step_stats {
-  int64_t step;            /* optimizer steps taken */
-  int optimizer_ran;       /* this call ended an accumulation window */
+  int64_t step;      /* optimizer steps taken */
+  int optimizer_ran; /* this call ended an accumulation window */
   double step_seconds;
   double overlap_efficiency;
   uint64_t nvme_read_bytes;
   uint64_t nvme_write_bytes;
-  double grad_norm;        /* when gradient_clipping is on */
+  double grad_norm; /* when gradient_clipping is on */
 } zinf_step_stats;
 
 /* Creates an engine from a DeepSpeed-style JSON config text (NULL or "" = defaults: everything
@@ -119,8 +118,8 @@ int zinf_engine_create(const char* config_json, zinf_engine** out);
 
 /* Registers a parameter (layer order); `init` holds its numel initial fp32 values (copied).
  * *id receives its id. */
-int zinf_engine_register(zinf_engine* engine, const char* name, const int64_t* shape,
-                         size_t ndim, const float* init, uint32_t* id);
+int zinf_engine_register(zinf_engine* engine, const char* name, const int64_t* shape, size_t ndim,
+                         const float* init, uint32_t* id);
 
 /* Gathers parameters; ptrs[i] receives parameter ids[i] (fp32, or bf16 with "bf16"), valid
  * until released. */
