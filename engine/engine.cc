@@ -144,7 +144,6 @@ struct Engine::Impl {
   bool trace_recording = true;
   bool trace_valid = false;
   size_t trace_pos = 0;  // next expected position this micro-step
-  bool trace_hinted = false;
 
   // Device accounting (engine-side budget), guarded by mu_.
   uint64_t device_bytes = 0;
@@ -609,7 +608,6 @@ Status Engine::SetAcquireOrder(const std::vector<ParamId>& order) {
   m.trace = order;
   m.trace_recording = false;
   m.trace_valid = !order.empty();
-  m.trace_hinted = true;
   return Status::OK();
 }
 
