@@ -91,8 +91,6 @@ struct Engine::Impl {
     uint64_t fetched_version = 0;
     int acquired = 0;
     Status fetch_status;  // guarded by mu_: set by the fetch's stream callback
-    // Gradient accumulator: this rank's fp32 partition (pinned host).
-    PinnedBuffer grad_acc;
     bool grad_reduced_this_micro = false;
     bool grad_seen_this_window = false;
     size_t slice_offset = 0;  // element offset inside its sub-group's state arrays
@@ -106,6 +104,10 @@ struct Engine::Impl {
     float* device_states = nullptr;  // Tier::kDevice on a host device: [master|m|v]
     std::string swap_key;            // Tier::kNvme: [master|m|v] in one tensor
     int pending = 0;                 // guarded by mu_: params whose grad has not landed
+    // Gradient accumulators of the group's partitions (pinned fp32, sliced like the states).
+    // Streaming mode allocates them at the group's first gradient of a window and frees them
+    // once the group is stepped; otherwise they live as long as the engine.
+    PinnedBuffer grads;
   };
 
   // Work queued for the optimizer thread.
@@ -126,6 +128,13 @@ struct Engine::Impl {
   std::vector<Param> params;
   std::vector<SubGroup> groups;
   bool registered = false;
+  // Streaming gradient accumulators (no accumulation, no clipping): only the sub-groups between
+  // the trainer's backward and the optimizer hold pinned gradient memory, at most
+  // grad_budget bytes of it.
+  bool stream_grads = false;
+  uint64_t grad_budget = 0;
+  uint64_t grad_bytes = 0;      // guarded by mu
+  uint64_t grad_releases = 0;   // guarded by mu: accumulators freed so far (progress)
 
   std::unique_ptr<PinnedArena> arena;
   std::unique_ptr<SwapStore> swap;
@@ -293,6 +302,15 @@ struct Engine::Impl {
   Status WriteParamStore(size_t g, const float* master, const uint16_t* copy_out,
                          std::vector<Ticket>* writes);
   size_t GroupStateBytes(const SubGroup& g) const { return g.numel * 3 * sizeof(float); }
+  size_t GroupGradBytes(const SubGroup& g) const { return g.numel * sizeof(float); }
+  float* GradAcc(const Param& p) {
+    return static_cast<float*>(groups[p.info.sub_group].grads.data()) + p.slice_offset;
+  }
+  // Streaming mode: gives sub-group `g` its accumulators, waiting (bounded) for the optimizer
+  // to free others when grad_budget is reached. No-op when it has them.
+  Status EnsureGradBuffer(SubGroup& g);
+  // Streaming mode: returns the accumulators of a stepped sub-group.
+  void ReleaseGradBuffer(SubGroup& g);
   std::vector<size_t> GroupOrder() const {  // backward order: last registered first
     std::vector<size_t> order(groups.size());
     for (size_t i = 0; i < order.size(); ++i) order[i] = order.size() - 1 - i;
@@ -457,10 +475,14 @@ Status Engine::Impl::Place() {
   for (const Param& p : params) {
     uint64_t part = RoundUp(PartBytes(p), 4096);
     if (config.offload_param.tier == Tier::kCpu) pinned += part;
-    pinned += RoundUp(p.info.partition_numel * sizeof(float), 4096);  // grad accumulator
     max_part = std::max<uint64_t>(max_part, RoundUp(p.info.partition_numel * sizeof(float), 4096));
   }
-  for (const SubGroup& g : groups) max_group = std::max<uint64_t>(max_group, g.numel);
+  uint64_t grads_all = 0, max_group_grads = 0;
+  for (const SubGroup& g : groups) {
+    max_group = std::max<uint64_t>(max_group, g.numel);
+    grads_all += RoundUp(GroupGradBytes(g), 4096);
+    max_group_grads = std::max<uint64_t>(max_group_grads, RoundUp(GroupGradBytes(g), 4096));
+  }
   uint64_t buffers = std::max<uint32_t>(config.offload_optimizer.buffer_count, 3);
   if (config.offload_optimizer.tier == Tier::kNvme) {
     pinned += buffers * RoundUp(max_group * 3 * sizeof(float), 4096);
@@ -475,13 +497,20 @@ Status Engine::Impl::Place() {
                   elem_size,
               4096);
   pinned += staging;
-  if (pinned > config.pinned_budget_bytes) {
+  // Gradient accumulators. Without accumulation and clipping they stream: a sub-group holds
+  // them from its first gradient until the optimizer has stepped it, so two sub-groups' worth
+  // is enough (the one the backward fills and the one being stepped); whatever the budget has
+  // left goes to them, so backward can run ahead of the optimizer.
+  stream_grads = config.gradient_accumulation_steps <= 1 && config.gradient_clipping <= 0;
+  const uint64_t grads_min = stream_grads ? std::min(grads_all, 2 * max_group_grads) : grads_all;
+  if (pinned + grads_min > config.pinned_budget_bytes) {
     return Status::ResourceExhausted(
         "the pinned host budget of " + FormatBytes(config.pinned_budget_bytes) +
-        " is too small: this model needs about " + FormatBytes(pinned) +
+        " is too small: this model needs about " + FormatBytes(pinned + grads_min) +
         " (gradient partitions, cpu-tier parameters, optimizer swap buffers and staging); "
         "raise zinf.pinned_budget_bytes or lower sub_group_size");
   }
+  grad_budget = std::min(grads_all, config.pinned_budget_bytes - pinned);
   PinnedArenaOptions ao;
   ao.bytes = config.pinned_budget_bytes;
   ao.lock_memory = config.offload_param.pin_memory || config.offload_optimizer.pin_memory;
@@ -560,8 +589,6 @@ Status Engine::Impl::InitStores() {
       } else {
         std::memcpy(image.data(), part, PartBytes(p));
       }
-      ZINF_ASSIGN_OR_RETURN(p.grad_acc, arena->Allocate(p.info.partition_numel * sizeof(float)));
-      std::memset(p.grad_acc.data(), 0, p.grad_acc.capacity());
       switch (config.offload_param.tier) {
         case Tier::kDevice: {
           ZINF_ASSIGN_OR_RETURN(p.device_part,
@@ -593,6 +620,10 @@ Status Engine::Impl::InitStores() {
       ZINF_ASSIGN_OR_RETURN(Ticket t, swap->Write(g.swap_key, staging.data(), GroupStateBytes(g),
                                                   staging.capacity()));
       ZINF_RETURN_IF_ERROR(swap->Wait(t));
+    }
+    if (!stream_grads) {
+      ZINF_ASSIGN_OR_RETURN(g.grads, arena->Allocate(GroupGradBytes(g)));
+      std::memset(g.grads.data(), 0, g.grads.capacity());
     }
   }
   return Status::OK();
@@ -887,12 +918,13 @@ Status Engine::ReduceGradient(ParamId id, const float* grad) {
   ZINF_RETURN_IF_ERROR(m.device->RecordEvent(m.comm_done.get(), m.comm_stream));
   ZINF_RETURN_IF_ERROR(m.device->StreamWaitEvent(m.grad_stream, m.comm_done.get()));
   const bool first = !p.grad_seen_this_window;
+  ZINF_RETURN_IF_ERROR(m.EnsureGradBuffer(m.groups[p.info.sub_group])
+                           .WithContext("gradient of '" + p.info.name + "'"));
   p.grad_seen_this_window = true;
   p.grad_reduced_this_micro = true;
   if (first) {
     m.TimeCopy(m.grad_stream, [&] {
-      return m.device->CopyDeviceToHost(p.grad_acc.data(), mine, part * sizeof(float),
-                                        m.grad_stream);
+      return m.device->CopyDeviceToHost(m.GradAcc(p), mine, part * sizeof(float), m.grad_stream);
     });
     (void)m.device->LaunchHostFunc(m.grad_stream, [&m, scratch, full_bytes, part, id] {
       m.DevFree(scratch, full_bytes + part * sizeof(float));
@@ -906,7 +938,7 @@ Status Engine::ReduceGradient(ParamId id, const float* grad) {
       return m.device->CopyDeviceToHost(staging->data(), mine, part * sizeof(float), m.grad_stream);
     });
     (void)m.device->LaunchHostFunc(m.grad_stream, [&m, scratch, full_bytes, part, id, staging] {
-      float* acc = static_cast<float*>(m.params[id].grad_acc.data());
+      float* acc = m.GradAcc(m.params[id]);
       const float* add = static_cast<const float*>(staging->data());
       for (size_t i = 0; i < part; ++i) acc[i] += add[i];
       staging->Reset();
@@ -917,6 +949,56 @@ Status Engine::ReduceGradient(ParamId id, const float* grad) {
   std::lock_guard<std::mutex> lock(m.mu);
   m.counters.d2h += part * sizeof(float);
   return Status::OK();
+}
+
+Status Engine::Impl::EnsureGradBuffer(SubGroup& g) {
+  if (g.grads.data() != nullptr) return Status::OK();
+  if (!stream_grads) return Status::Internal("gradient accumulators missing");
+  const uint64_t need = RoundUp(GroupGradBytes(g), 4096);
+  // Wait for room; give up only when the optimizer makes no progress for a long time (it
+  // frees a sub-group's accumulators after each step, so a stall means it is stuck).
+  constexpr auto kNoProgress = std::chrono::seconds(300);
+  std::unique_lock<std::mutex> lock(mu);
+  uint64_t seen = grad_releases;
+  auto deadline = Clock::now() + kNoProgress;
+  for (;;) {
+    if (grad_bytes + need <= grad_budget) {
+      Result<PinnedBuffer> buf = arena->Allocate(GroupGradBytes(g));
+      if (buf.ok()) {
+        g.grads = std::move(buf).value();
+        grad_bytes += need;
+        return Status::OK();
+      }
+      // Fragmented: wait for a free like a full budget.
+    }
+    if (stopping) return Status::FailedPrecondition("engine shutting down");
+    if (epoch_done && grad_bytes == 0) {
+      return Status::ResourceExhausted(
+          "no pinned memory for gradient accumulators of " + FormatBytes(need) +
+          "; raise zinf.pinned_budget_bytes or lower sub_group_size");
+    }
+    if (cv.wait_until(lock, deadline) == std::cv_status::timeout) {
+      if (grad_releases == seen) {
+        return Status::ResourceExhausted(
+            "waited " + std::to_string(kNoProgress.count()) +
+            " s for the optimizer to free gradient accumulators (" + FormatBytes(grad_bytes) +
+            " of " + FormatBytes(grad_budget) +
+            " in use); is the backward order far from the registration order? raise "
+            "zinf.pinned_budget_bytes or lower sub_group_size");
+      }
+      seen = grad_releases;
+      deadline = Clock::now() + kNoProgress;
+    }
+  }
+}
+
+void Engine::Impl::ReleaseGradBuffer(SubGroup& g) {
+  if (g.grads.data() == nullptr) return;
+  g.grads.Reset();
+  std::lock_guard<std::mutex> lock(mu);
+  grad_bytes -= RoundUp(GroupGradBytes(g), 4096);
+  ++grad_releases;
+  cv.notify_all();
 }
 
 // Runs on the copy stream: a parameter's gradient is in its accumulator.
@@ -1031,6 +1113,8 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
     Status s = StepGroup(gi, master, master + g.numel, master + 2 * g.numel,
                          static_cast<uint16_t*>(done.copy.data()), e, coef, &done.writes);
     if (!s.ok() && first.ok()) first = s;
+    // Every gradient of the sub-group has landed and been used: its accumulators can go.
+    if (s.ok() && stream_grads) ReleaseGradBuffer(g);
     if (nvme && s.ok()) {
       Result<Ticket> w =
           swap->Write(g.swap_key, done.states.data(), GroupStateBytes(g), done.states.capacity());
@@ -1080,7 +1164,7 @@ Status Engine::Impl::StepGroup(size_t gi, float* master, float* m, float* v, uin
     Param& p = params[id];
     OptimizerTensors t;
     t.param = master + p.slice_offset;
-    t.grad = p.grad_acc.data();
+    t.grad = GradAcc(p);
     t.grad_type = GradType::kF32;
     t.n = p.info.partition_numel;
     if (hp.kind == OptimizerKind::kAdagrad) {
@@ -1159,30 +1243,27 @@ Result<StepStats> Engine::Step() {
   auto wait0 = Clock::now();
   if (boundary) {
     // Parameters that got no gradient in the whole window: zero gradient.
-    for (Impl::Param& p : m.params) {
-      if (!p.grad_seen_this_window) {
-        std::memset(p.grad_acc.data(), 0, p.info.partition_numel * sizeof(float));
-      }
-    }
-    const bool clip = m.config.gradient_clipping > 0;
     // The optimizer thread has this epoch since the micro-step began and may have stepped the
     // sub-groups whose gradients are complete. Parameters not reduced in this last micro-step
     // have final accumulators already: count them as landed.
-    {
-      std::lock_guard<std::mutex> lock(m.mu);
-      for (Impl::Param& p : m.params) {
-        if (!p.grad_reduced_this_micro) {
-          if (--m.groups[p.info.sub_group].pending == 0) m.cv.notify_all();
-        }
+    for (Impl::Param& p : m.params) {
+      if (p.grad_reduced_this_micro) continue;
+      if (!p.grad_seen_this_window) {
+        s = m.EnsureGradBuffer(m.groups[p.info.sub_group]);
+        if (!s.ok()) return s.WithContext("zero gradient of '" + p.info.name + "'");
+        std::memset(m.GradAcc(p), 0, p.info.partition_numel * sizeof(float));
       }
+      std::lock_guard<std::mutex> lock(m.mu);
+      if (--m.groups[p.info.sub_group].pending == 0) m.cv.notify_all();
     }
+    const bool clip = m.config.gradient_clipping > 0;
     if (clip) {
       // Wait-for-norm: every sub-group waits for the global norm, computed here once all
       // gradients have landed (they have: the copy stream was synchronized above).
       double local = 0;
       for (Impl::Param& p : m.params) {
         Result<GradStats> gs =
-            m.optimizer->GradSumSquares(p.grad_acc.data(), GradType::kF32, p.info.partition_numel);
+            m.optimizer->GradSumSquares(m.GradAcc(p), GradType::kF32, p.info.partition_numel);
         if (!gs.ok()) return gs.status();
         local += gs->sum_squares;
       }
@@ -1206,6 +1287,10 @@ Result<StepStats> Engine::Step() {
       std::unique_lock<std::mutex> lock(m.mu);
       m.cv.wait(lock, [&] { return m.epoch_done; });
       opt = m.optimizer_status;
+    }
+    // Streaming accumulators the optimizer did not return (a sub-group it could not step).
+    if (m.stream_grads) {
+      for (Impl::SubGroup& g : m.groups) m.ReleaseGradBuffer(g);
     }
     if (!opt.ok()) {
       m.broken = Status::FailedPrecondition(

@@ -273,6 +273,8 @@ struct RunOptions {
   int grad_accum = 1;  // micro-steps per optimizer step
   double clipping = 0.0;
   uint64_t device_budget_bytes = 0;
+  uint64_t pinned_budget_bytes = kPinnedBudget;
+  uint64_t sub_group_size = kSubGroupSize;
   int swapped_micro_step = -1;  // this micro-step's forward acquires layer 1 before layer 0
   std::chrono::seconds timeout{120};
 
@@ -296,7 +298,7 @@ EngineConfig MakeConfig(const RunOptions& o, const std::string& nvme_dir) {
   // Swap buffers sized for this model (elements; the largest tensor is 9,216), not 100M.
   c.offload_param.buffer_size = 1 << 16;
   c.offload_optimizer.buffer_size = 1 << 16;
-  c.sub_group_size = kSubGroupSize;
+  c.sub_group_size = o.sub_group_size;
   // Prefetch up to ~4 layers ahead (elements), sized for this model like the buffers above.
   c.prefetch_bucket_size = 40000;
   c.param_persistence_threshold = kPersistenceThreshold;
@@ -309,7 +311,7 @@ EngineConfig MakeConfig(const RunOptions& o, const std::string& nvme_dir) {
   c.gradient_clipping = o.clipping;
   c.gradient_accumulation_steps = o.grad_accum;
   c.device_budget_bytes = o.device_budget_bytes;
-  c.pinned_budget_bytes = kPinnedBudget;
+  c.pinned_budget_bytes = o.pinned_budget_bytes;
   c.optimizer_threads = 1;  // 2-core machines run up to 4 ranks
   return c;
 }
@@ -640,7 +642,7 @@ void ExpectHealthyRun(const RunOptions& o, const RunResult& r) {
       EXPECT_EQ(stats[m].optimizer_ran, boundary);
       EXPECT_EQ(stats[m].step, static_cast<int64_t>((m + 1) / o.grad_accum));
       EXPECT_LE(stats[m].peak_device_bytes, device_budget);
-      EXPECT_LE(stats[m].peak_pinned_bytes, kPinnedBudget);
+      EXPECT_LE(stats[m].peak_pinned_bytes, o.pinned_budget_bytes);
       nvme_traffic += stats[m].nvme_read_bytes + stats[m].nvme_write_bytes;
       if (!uses_nvme) {
         EXPECT_EQ(stats[m].nvme_bytes, 0u);
@@ -938,6 +940,70 @@ TEST(EngineTest, BudgetTooSmallForTheLargestLayerFailsAtRegistration) {
               failure.code() == StatusCode::kInvalidArgument)
       << failure.ToString();
   EXPECT_NE(failure.message().find("budget"), std::string::npos) << failure.ToString();
+}
+
+// Whether the model registers (FinishRegistration succeeds) under the options' budgets.
+Status RegisterOnly(const RunOptions& o, const std::string& nvme_dir) {
+  std::unique_ptr<Device> device = NewHostDevice(HostDeviceOptions{});
+  auto comms = NewLocalComms({device.get()});
+  if (!comms.ok()) return comms.status();
+  Result<std::unique_ptr<Engine>> engine =
+      Engine::Create(MakeConfig(o, nvme_dir), device.get(), (*comms)[0].get());
+  if (!engine.ok()) return engine.status();
+  RankTrainer trainer(engine->get());
+  ZINF_RETURN_IF_ERROR(trainer.Register());
+  return (*engine)->FinishRegistration();
+}
+
+// The smallest pinned budget (to 4 KiB) under which the model registers.
+uint64_t SmallestPinnedBudget(RunOptions o, const std::string& nvme_dir) {
+  uint64_t lo = 4096, hi = kPinnedBudget;  // registers at hi, not at lo
+  EXPECT_TRUE(RegisterOnly(o, nvme_dir).ok());
+  while (hi - lo > 4096) {
+    o.pinned_budget_bytes = (lo + hi) / 2 / 4096 * 4096;
+    (RegisterOnly(o, nvme_dir).ok() ? hi : lo) = o.pinned_budget_bytes;
+  }
+  return hi;
+}
+
+TEST(EngineTest, StreamingGradientAccumulatorsNeedTwoSubGroupsNotAllGradients) {
+  // Without accumulation and clipping, a sub-group holds pinned gradient memory only from its
+  // first gradient until it is stepped. Small sub-groups make the difference visible: the
+  // model's 180 KB of gradients in ~10 sub-groups of at most 37 KB.
+  TempDir nvme_dir;
+  ASSERT_TRUE(nvme_dir.ok());
+  RunOptions o;
+  o.param_tier = Tier::kCpu;
+  o.optimizer_tier = Tier::kNvme;
+  o.sub_group_size = 5000;
+  RunOptions clipped = o;
+  clipped.clipping = 1e30;  // never clips, but the norm needs every gradient at once
+  const uint64_t streaming = SmallestPinnedBudget(o, nvme_dir.path());
+  const uint64_t resident = SmallestPinnedBudget(clipped, nvme_dir.path());
+  size_t grad_bytes = 0;
+  for (int p = 0; p < Shape().num_params(); ++p) grad_bytes += Shape().numel(p) * sizeof(float);
+  std::printf("  smallest pinned budget: streaming %llu, resident %llu; gradients %zu bytes\n",
+              static_cast<unsigned long long>(streaming),
+              static_cast<unsigned long long>(resident), grad_bytes);
+  // Resident accumulators need all gradients; streaming ones at most two 9,216-element
+  // sub-groups (plus 4 KiB rounding each), so at least grad_bytes - 2 * 40 KiB less.
+  EXPECT_GE(resident, streaming + grad_bytes - 2 * (40 << 10));
+
+  // At the smallest budget the backward must wait for the optimizer to free accumulators;
+  // the training is still bit-identical to the all-in-memory run.
+  o.pinned_budget_bytes = streaming;
+  RunResult run = RunTraining(o);
+  ASSERT_TRUE(run.status.ok()) << run.status.ToString();
+  ExpectHealthyRun(o, run);  // peak pinned <= the budget
+  const RunResult& ref = Reference(1);
+  ASSERT_TRUE(ref.status.ok()) << ref.status.ToString();
+  EXPECT_EQ(FirstBitDifference(run.params, ref.params), "");
+
+  // The same budget with clipping fails at registration, naming the key to raise.
+  clipped.pinned_budget_bytes = streaming;
+  Status s = RegisterOnly(clipped, nvme_dir.path());
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.ToString();
+  EXPECT_NE(s.message().find("zinf.pinned_budget_bytes"), std::string::npos) << s.ToString();
 }
 
 // ---- A step that deviates from the recorded trace -------------------------------------------
