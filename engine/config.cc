@@ -187,8 +187,8 @@ Result<uint64_t> ToUnsigned(const Json& v, const std::string& path, uint64_t max
   return value;
 }
 
-// "4G", "512M", "1.5GiB", "4096": a byte count. Units are case-insensitive powers of 1024
-// (K, KB and KiB all mean 1024), as memory sizes usually are.
+}  // namespace
+
 Result<uint64_t> ParseByteSize(const std::string& text, const std::string& path) {
   auto bad = [&] {
     return Status::InvalidArgument(path + ": expected a byte count such as 4294967296 or \"4G\" " +
@@ -224,6 +224,8 @@ Result<uint64_t> ParseByteSize(const std::string& text, const std::string& path)
   }
   return static_cast<uint64_t>(value);
 }
+
+namespace {
 
 // Reads one JSON object at a key path. Each Read/Find call names a key this object may hold;
 // Finish() then warns once for every key no call named.

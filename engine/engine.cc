@@ -9,8 +9,11 @@
 // `mu_` guards the state shared with callbacks and the optimizer thread (marked below).
 #include "zinf/engine.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <chrono>
@@ -18,10 +21,12 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
 
+#include "engine/checkpoint_format.h"
 #include "zinf/cpu_adam.h"
 #include "zinf/io.h"
 #include "zinf/log.h"
@@ -43,6 +48,108 @@ constexpr size_t kSliceAlign = 2048;
 constexpr size_t kPartitionAlign = 16;
 
 size_t RoundUpSize(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+// ---- Checkpoint file helpers ----
+
+// A 4 KiB-aligned heap buffer (direct I/O through the swap store needs the alignment).
+struct AlignedBuffer {
+  void* data = nullptr;
+  size_t bytes = 0;
+  explicit AlignedBuffer(size_t n) : bytes(RoundUpSize(std::max<size_t>(n, 1), 4096)) {
+    data = std::aligned_alloc(4096, bytes);
+  }
+  ~AlignedBuffer() { std::free(data); }
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+};
+
+Status PwriteAll(int fd, const void* buf, size_t n, uint64_t off, const std::string& path) {
+  const char* p = static_cast<const char*>(buf);
+  while (n > 0) {
+    ssize_t w = pwrite(fd, p, std::min<size_t>(n, 1 << 30), static_cast<off_t>(off));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoToStatus(errno, "writing " + path + " at offset " + std::to_string(off));
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+    off += static_cast<uint64_t>(w);
+  }
+  return Status::OK();
+}
+
+Status PreadAll(int fd, void* buf, size_t n, uint64_t off, const std::string& path) {
+  char* p = static_cast<char*>(buf);
+  while (n > 0) {
+    ssize_t r = pread(fd, p, std::min<size_t>(n, 1 << 30), static_cast<off_t>(off));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoToStatus(errno, "reading " + path + " at offset " + std::to_string(off));
+    }
+    if (r == 0) {
+      return Status::Corruption(path + " ends at offset " + std::to_string(off) +
+                                ", before the data its manifest lists (a torn checkpoint)");
+    }
+    p += r;
+    n -= static_cast<size_t>(r);
+    off += static_cast<uint64_t>(r);
+  }
+  return Status::OK();
+}
+
+Status FsyncPath(const std::string& path, bool directory) {
+  int fd = open(path.c_str(), (directory ? O_DIRECTORY : 0) | O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoToStatus(errno, "opening " + path + " to fsync it");
+  int rc = fsync(fd);
+  int err = errno;
+  close(fd);
+  if (rc != 0) return ErrnoToStatus(err, "fsync of " + path);
+  return Status::OK();
+}
+
+// Writes `text` to `path` (0600), fsync'ed.
+Status WriteSmallFile(const std::string& path, const std::string& text) {
+  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return ErrnoToStatus(errno, "creating " + path);
+  Status s = PwriteAll(fd, text.data(), text.size(), 0, path);
+  if (s.ok() && fsync(fd) != 0) s = ErrnoToStatus(errno, "fsync of " + path);
+  close(fd);
+  return s;
+}
+
+Result<std::string> ReadSmallFile(const std::string& path, size_t limit) {
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoToStatus(errno, "opening " + path);
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    int err = errno;
+    close(fd);
+    return ErrnoToStatus(err, "stat of " + path);
+  }
+  if (!S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) > limit) {
+    close(fd);
+    return Status::Corruption(path + " is not a regular file of at most " + FormatBytes(limit));
+  }
+  std::string text(static_cast<size_t>(st.st_size), '\0');
+  Status s = PreadAll(fd, text.data(), text.size(), 0, path);
+  close(fd);
+  ZINF_RETURN_IF_ERROR(s);
+  return text;
+}
+
+const char* OptimizerTypeName(OptimizerType t) {
+  switch (t) {
+    case OptimizerType::kAdam:
+      return "adam";
+    case OptimizerType::kAdamW:
+      return "adamw";
+    case OptimizerType::kAdagrad:
+      return "adagrad";
+    case OptimizerType::kLion:
+      return "lion";
+  }
+  return "?";
+}
 
 // Host memory for optimizer states on the CPU tier: page aligned, huge pages when possible.
 struct HostArray {
@@ -133,8 +240,8 @@ struct Engine::Impl {
   // grad_budget bytes of it.
   bool stream_grads = false;
   uint64_t grad_budget = 0;
-  uint64_t grad_bytes = 0;      // guarded by mu
-  uint64_t grad_releases = 0;   // guarded by mu: accumulators freed so far (progress)
+  uint64_t grad_bytes = 0;     // guarded by mu
+  uint64_t grad_releases = 0;  // guarded by mu: accumulators freed so far (progress)
 
   std::unique_ptr<PinnedArena> arena;
   std::unique_ptr<SwapStore> swap;
@@ -302,6 +409,13 @@ struct Engine::Impl {
   Status WriteParamStore(size_t g, const float* master, const uint16_t* copy_out,
                          std::vector<Ticket>* writes);
   size_t GroupStateBytes(const SubGroup& g) const { return g.numel * 3 * sizeof(float); }
+  // ---- Checkpoints ----
+  // Every rank learns whether every rank succeeded (a collective: all ranks call it).
+  Status Agree(const Status& local, const std::string& what);
+  // Copies sub-group `gi`'s [master | exp_avg | exp_avg_sq] into / out of `buf` (host).
+  Status ReadGroupStates(size_t gi, void* buf);
+  Status WriteGroupStates(size_t gi, const void* buf);
+  Status CheckBetweenSteps(const char* what) const;
   size_t GroupGradBytes(const SubGroup& g) const { return g.numel * sizeof(float); }
   float* GradAcc(const Param& p) {
     return static_cast<float*>(groups[p.info.sub_group].grads.data()) + p.slice_offset;
@@ -321,6 +435,12 @@ struct Engine::Impl {
   // accumulation window, hands the optimizer thread its epoch so sub-groups are stepped as
   // soon as their gradients land (during backward).
   void BeginMicroStep();
+  // Hands the optimizer thread the epoch of a boundary micro-step, at the micro-step's first
+  // Acquire, ReduceGradient or Step (so that between steps the optimizer is idle and a
+  // checkpoint can be saved or loaded). Its read-ahead of NVMe states overlaps the forward.
+  void KickEpoch();
+  bool epoch_due = false;  // trainer thread only
+  bool in_micro = false;   // trainer thread only: the micro-step has started (KickEpoch)
 };
 
 void Engine::Impl::BeginMicroStep() {
@@ -328,14 +448,20 @@ void Engine::Impl::BeginMicroStep() {
   for (Param& p : params) p.grad_reduced_this_micro = false;
   std::lock_guard<std::mutex> lock(mu);
   for (SubGroup& g : groups) g.pending = static_cast<int>(g.params.size());
-  if (boundary) {
-    clip_known = false;
-    clip_coef = 1.0f;
-    epoch_done = false;
-    optimizer_status = Status::OK();
-    epochs.push_back({step + 1, config.gradient_clipping > 0});
-    cv.notify_all();
-  }
+  epoch_due = boundary;
+}
+
+void Engine::Impl::KickEpoch() {
+  in_micro = true;
+  if (!epoch_due) return;
+  epoch_due = false;
+  std::lock_guard<std::mutex> lock(mu);
+  clip_known = false;
+  clip_coef = 1.0f;
+  epoch_done = false;
+  optimizer_status = Status::OK();
+  epochs.push_back({step + 1, config.gradient_clipping > 0});
+  cv.notify_all();
 }
 
 // ---- Creation and registration ---------------------------------------------------------------
@@ -819,6 +945,7 @@ Result<std::vector<void*>> Engine::Acquire(const std::vector<ParamId>& ids) {
   Impl& m = *impl_;
   if (!m.broken.ok()) return m.broken;
   if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  m.KickEpoch();
   std::vector<void*> out;
   out.reserve(ids.size());
   for (ParamId id : ids) {
@@ -890,6 +1017,8 @@ Status Engine::ReduceGradient(ParamId id, const float* grad) {
   if (id >= m.params.size()) {
     return Status::InvalidArgument("ReduceGradient: unknown parameter id " + std::to_string(id));
   }
+  if (!m.registered) return Status::FailedPrecondition("ReduceGradient before any Acquire");
+  m.KickEpoch();
   Impl::Param& p = m.params[id];
   if (p.grad_reduced_this_micro) {
     return Status::FailedPrecondition("ReduceGradient('" + p.info.name +
@@ -973,9 +1102,9 @@ Status Engine::Impl::EnsureGradBuffer(SubGroup& g) {
     }
     if (stopping) return Status::FailedPrecondition("engine shutting down");
     if (epoch_done && grad_bytes == 0) {
-      return Status::ResourceExhausted(
-          "no pinned memory for gradient accumulators of " + FormatBytes(need) +
-          "; raise zinf.pinned_budget_bytes or lower sub_group_size");
+      return Status::ResourceExhausted("no pinned memory for gradient accumulators of " +
+                                       FormatBytes(need) +
+                                       "; raise zinf.pinned_budget_bytes or lower sub_group_size");
     }
     if (cv.wait_until(lock, deadline) == std::cv_status::timeout) {
       if (grad_releases == seen) {
@@ -1226,6 +1355,7 @@ Result<StepStats> Engine::Step() {
   Impl& m = *impl_;
   if (!m.broken.ok()) return m.broken;
   if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  m.KickEpoch();
   const bool boundary = (m.micro + 1) % std::max(1, m.config.gradient_accumulation_steps) == 0;
   // Gradients of this micro-step must have landed before the next one starts.
   Status s = m.ReclaimScratch();
@@ -1305,6 +1435,7 @@ Result<StepStats> Engine::Step() {
   double opt_wait = Since(wait0);
   ++m.micro;
   m.BeginMicroStep();
+  m.in_micro = false;
   if (m.trace_recording && !m.trace.empty()) {
     m.trace_recording = false;
     m.trace_valid = true;
@@ -1348,6 +1479,328 @@ Result<StepStats> Engine::Step() {
   st.overlap_efficiency = st.step_seconds > 0 ? std::min(1.0, busiest / st.step_seconds) : 0;
   m.step_start = Clock::now();
   return st;
+}
+
+// ---- Checkpoints -----------------------------------------------------------------------------
+
+Status Engine::Impl::Agree(const Status& local, const std::string& what) {
+  float failed = local.ok() ? 0.0f : 1.0f;
+  Stream* s = device->ComputeStream();
+  Status st = comm->AllReduceSum(&failed, 1, s);
+  if (st.ok()) st = device->SynchronizeStream(s);
+  if (!st.ok()) return st.WithContext(what);
+  if (!local.ok()) return local;
+  if (failed > 0) {
+    return Status::FailedPrecondition(what + ": another rank failed (its error names the cause)");
+  }
+  return Status::OK();
+}
+
+Status Engine::Impl::CheckBetweenSteps(const char* what) const {
+  if (!broken.ok()) return broken;
+  if (in_micro || micro % std::max(1, config.gradient_accumulation_steps) != 0) {
+    return Status::FailedPrecondition(std::string(what) +
+                                      " must be called between optimizer steps (after Step() at "
+                                      "an accumulation boundary, before the next Acquire)");
+  }
+  for (const Param& p : params) {
+    if (p.acquired > 0) {
+      return Status::FailedPrecondition(std::string(what) + ": parameter '" + p.info.name +
+                                        "' is still acquired");
+    }
+  }
+  return Status::OK();
+}
+
+Status Engine::Impl::ReadGroupStates(size_t gi, void* buf) {
+  SubGroup& g = groups[gi];
+  const size_t bytes = GroupStateBytes(g);
+  if (config.offload_optimizer.tier == Tier::kNvme) {
+    ZINF_ASSIGN_OR_RETURN(Ticket t, swap->Read(g.swap_key, buf, RoundUp(bytes, 4096)));
+    return swap->Wait(t);
+  }
+  if (g.device_states != nullptr) {
+    ZINF_RETURN_IF_ERROR(device->CopyDeviceToHost(buf, g.device_states, bytes, update_stream));
+    return device->SynchronizeStream(update_stream);
+  }
+  std::memcpy(buf, g.master.data, bytes);
+  return Status::OK();
+}
+
+Status Engine::Impl::WriteGroupStates(size_t gi, const void* buf) {
+  SubGroup& g = groups[gi];
+  const size_t bytes = GroupStateBytes(g);
+  if (config.offload_optimizer.tier == Tier::kNvme) {
+    ZINF_ASSIGN_OR_RETURN(Ticket t, swap->Write(g.swap_key, buf, bytes, RoundUp(bytes, 4096)));
+    ZINF_RETURN_IF_ERROR(swap->Wait(t));
+  } else if (g.device_states != nullptr) {
+    ZINF_RETURN_IF_ERROR(device->CopyHostToDevice(g.device_states, buf, bytes, update_stream));
+    ZINF_RETURN_IF_ERROR(device->SynchronizeStream(update_stream));
+  } else {
+    std::memcpy(g.master.data, buf, bytes);
+  }
+  // The parameter store: the masters in the storage dtype.
+  const float* master = static_cast<const float*>(buf);
+  std::unique_ptr<AlignedBuffer> copy;
+  if (copy_type != ParamCopyType::kNone) {
+    copy = std::make_unique<AlignedBuffer>(g.numel * 2);
+    for (ParamId id : g.params) {
+      const Param& p = params[id];
+      ZINF_RETURN_IF_ERROR(optimizer->ConvertParams(
+          master + p.slice_offset, static_cast<uint16_t*>(copy->data) + p.slice_offset, copy_type,
+          p.info.partition_numel));
+    }
+  }
+  std::vector<Ticket> writes;
+  Status s = WriteParamStore(gi, master, copy ? static_cast<const uint16_t*>(copy->data) : nullptr,
+                             &writes);
+  for (Ticket t : writes) {
+    Status w = swap->Wait(t);
+    if (s.ok()) s = w;
+  }
+  return s;
+}
+
+Status Engine::SaveCheckpoint(const std::string& dir, const std::string& user_data) {
+  Impl& m = *impl_;
+  if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  ZINF_RETURN_IF_ERROR(m.CheckBetweenSteps("SaveCheckpoint"));
+  ZINF_RETURN_IF_ERROR(m.ReclaimScratch());
+  namespace fs = std::filesystem;
+  const std::string incoming = dir + "/.incoming";
+  // Rank 0 prepares an empty staging folder.
+  Status local;
+  if (m.rank == 0) {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (!ec) fs::remove_all(incoming, ec);
+    if (!ec) fs::create_directory(incoming, ec);
+    if (!ec) fs::permissions(incoming, fs::perms::owner_all, ec);
+    if (ec)
+      local = Status::IoError("preparing checkpoint folder " + incoming + ": " + ec.message());
+  }
+  ZINF_RETURN_IF_ERROR(m.Agree(local, "SaveCheckpoint"));
+
+  // Every rank writes its states file and manifest.
+  RankManifest man;
+  man.rank = m.rank;
+  man.world = m.world;
+  man.step = m.step;
+  man.optimizer = OptimizerTypeName(m.config.optimizer.type);
+  man.states_file = "rank" + std::to_string(m.rank) + ".states";
+  man.user_data = user_data;
+  const std::string states_path = incoming + "/" + man.states_file;
+  local = [&]() -> Status {
+    size_t max_bytes = 0;
+    for (const Impl::SubGroup& g : m.groups) max_bytes = std::max(max_bytes, m.GroupStateBytes(g));
+    AlignedBuffer buf(max_bytes);
+    if (buf.data == nullptr) return Status::ResourceExhausted("checkpoint staging buffer");
+    int fd = open(states_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0) return ErrnoToStatus(errno, "creating " + states_path);
+    uint64_t offset = 0;
+    Status s;
+    man.tensors.resize(m.params.size());
+    for (size_t gi = 0; gi < m.groups.size() && s.ok(); ++gi) {
+      const Impl::SubGroup& g = m.groups[gi];
+      s = m.ReadGroupStates(gi, buf.data);
+      if (!s.ok()) {
+        s = s.WithContext("reading optimizer states of sub-group " + std::to_string(gi));
+        break;
+      }
+      const float* f = static_cast<const float*>(buf.data);
+      for (ParamId id : g.params) {
+        const Impl::Param& p = m.params[id];
+        CheckpointTensor& t = man.tensors[id];
+        t.name = p.info.name;
+        t.numel = p.info.numel;
+        t.partition_numel = p.info.partition_numel;
+        t.sub_group = gi;
+        t.slice_offset = p.slice_offset;
+        for (int k = 0; k < 3; ++k) {
+          t.hash[k] =
+              XXH3_64bits(f + k * g.numel + p.slice_offset, p.info.partition_numel * sizeof(float));
+        }
+      }
+      s = PwriteAll(fd, buf.data, m.GroupStateBytes(g), offset, states_path);
+      man.groups.push_back({g.numel, offset});
+      offset += m.GroupStateBytes(g);
+    }
+    if (s.ok() && fsync(fd) != 0) s = ErrnoToStatus(errno, "fsync of " + states_path);
+    close(fd);
+    ZINF_RETURN_IF_ERROR(s);
+    man.file_bytes = offset;
+    return WriteSmallFile(incoming + "/rank" + std::to_string(m.rank) + ".json",
+                          SerializeRankManifest(man));
+  }();
+  ZINF_RETURN_IF_ERROR(m.Agree(local, "SaveCheckpoint"));
+
+  // Rank 0 commits: the staging folder gets its final name, then `latest` names it.
+  if (m.rank == 0) {
+    local = [&]() -> Status {
+      ZINF_RETURN_IF_ERROR(FsyncPath(incoming, true));
+      char base[32];
+      std::snprintf(base, sizeof(base), "step-%09lld", static_cast<long long>(m.step));
+      std::string name = base;
+      for (int k = 1; fs::exists(dir + "/" + name); ++k)
+        name = std::string(base) + "." + std::to_string(k);
+      std::string previous;
+      if (fs::exists(dir + "/latest")) {
+        Result<std::string> prev = ReadSmallFile(dir + "/latest", 4096);
+        if (prev.ok()) previous = *prev;
+        while (!previous.empty() && (previous.back() == '\n' || previous.back() == ' ')) {
+          previous.pop_back();
+        }
+      }
+      if (rename(incoming.c_str(), (dir + "/" + name).c_str()) != 0) {
+        return ErrnoToStatus(errno, "renaming " + incoming + " to " + dir + "/" + name);
+      }
+      ZINF_RETURN_IF_ERROR(WriteSmallFile(dir + "/latest.tmp", name + "\n"));
+      if (rename((dir + "/latest.tmp").c_str(), (dir + "/latest").c_str()) != 0) {
+        return ErrnoToStatus(errno, "renaming " + dir + "/latest.tmp to latest");
+      }
+      ZINF_RETURN_IF_ERROR(FsyncPath(dir, true));
+      // Committed. Older checkpoints other than the previous one go.
+      std::error_code ec;
+      for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+        const std::string n = e.path().filename().string();
+        if (n.rfind("step-", 0) == 0 && n != name && n != previous) {
+          std::error_code ec2;
+          fs::remove_all(e.path(), ec2);
+          if (ec2)
+            LogWarning("could not remove old checkpoint " + e.path().string() + ": " +
+                       ec2.message());
+        }
+      }
+      return Status::OK();
+    }();
+  }
+  return m.Agree(local, "SaveCheckpoint");
+}
+
+Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data) {
+  Impl& m = *impl_;
+  if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  ZINF_RETURN_IF_ERROR(m.CheckBetweenSteps("LoadCheckpoint"));
+  ZINF_RETURN_IF_ERROR(m.ReclaimScratch());
+  namespace fs = std::filesystem;
+  RankManifest man;
+  std::string folder;
+  int fd = -1;
+  std::string states_path;
+  // Pass 1: find, parse, match the layout and verify every checksum; nothing changes yet.
+  Status local = [&]() -> Status {
+    if (fs::exists(dir + "/latest")) {
+      ZINF_ASSIGN_OR_RETURN(std::string name, ReadSmallFile(dir + "/latest", 4096));
+      while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+      if (name.empty() || name.find('/') != std::string::npos || name[0] == '.') {
+        return Status::Corruption(dir + "/latest does not name a checkpoint folder");
+      }
+      folder = dir + "/" + name;
+    } else if (fs::exists(dir + "/rank0.json")) {
+      folder = dir;
+    } else {
+      return Status::NotFound("no checkpoint in " + dir +
+                              " (neither a 'latest' file nor rank0.json)");
+    }
+    const std::string man_path = folder + "/rank" + std::to_string(m.rank) + ".json";
+    ZINF_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(man_path, 1 << 30));
+    ZINF_ASSIGN_OR_RETURN(man, ParseRankManifest(text, man_path));
+    auto mismatch = [&](const std::string& what) {
+      return Status::FailedPrecondition(man_path +
+                                        ": the checkpoint does not match this model: " + what);
+    };
+    if (man.world != m.world || man.rank != m.rank) {
+      return mismatch("saved by rank " + std::to_string(man.rank) + " of " +
+                      std::to_string(man.world) + ", loading as rank " + std::to_string(m.rank) +
+                      " of " + std::to_string(m.world));
+    }
+    if (man.optimizer != OptimizerTypeName(m.config.optimizer.type)) {
+      return mismatch("optimizer " + man.optimizer + ", this engine runs " +
+                      OptimizerTypeName(m.config.optimizer.type));
+    }
+    if (man.tensors.size() != m.params.size() || man.groups.size() != m.groups.size()) {
+      return mismatch(std::to_string(man.tensors.size()) + " tensors in " +
+                      std::to_string(man.groups.size()) + " sub-groups, this engine has " +
+                      std::to_string(m.params.size()) + " in " + std::to_string(m.groups.size()) +
+                      " (same sub_group_size?)");
+    }
+    for (size_t i = 0; i < m.params.size(); ++i) {
+      const Impl::Param& p = m.params[i];
+      const CheckpointTensor& t = man.tensors[i];
+      if (t.name != p.info.name || t.numel != p.info.numel ||
+          t.partition_numel != p.info.partition_numel || t.sub_group != p.info.sub_group ||
+          t.slice_offset != p.slice_offset) {
+        return mismatch("tensor " + std::to_string(i) + " is '" + t.name + "' with " +
+                        std::to_string(t.numel) + " elements, this engine has '" + p.info.name +
+                        "' with " + std::to_string(p.info.numel));
+      }
+    }
+    for (size_t gi = 0; gi < m.groups.size(); ++gi) {
+      if (man.groups[gi].numel != m.groups[gi].numel) {
+        return mismatch("sub-group " + std::to_string(gi) + " size differs");
+      }
+    }
+    states_path = folder + "/" + man.states_file;
+    fd = open(states_path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return ErrnoToStatus(errno, "opening " + states_path);
+    struct stat st {};
+    if (fstat(fd, &st) != 0) return ErrnoToStatus(errno, "stat of " + states_path);
+    if (static_cast<uint64_t>(st.st_size) != man.file_bytes) {
+      return Status::Corruption(states_path + " has " + std::to_string(st.st_size) +
+                                " bytes, its manifest says " + std::to_string(man.file_bytes) +
+                                " (a torn checkpoint)");
+    }
+    return Status::OK();
+  }();
+  struct FdCloser {
+    int* fd;
+    ~FdCloser() {
+      if (*fd >= 0) close(*fd);
+    }
+  } closer{&fd};
+  size_t max_bytes = 0;
+  for (const Impl::SubGroup& g : m.groups) max_bytes = std::max(max_bytes, m.GroupStateBytes(g));
+  AlignedBuffer buf(max_bytes);
+  if (local.ok() && buf.data == nullptr) local = Status::ResourceExhausted("checkpoint buffer");
+  for (size_t gi = 0; gi < m.groups.size() && local.ok(); ++gi) {
+    const Impl::SubGroup& g = m.groups[gi];
+    local = PreadAll(fd, buf.data, m.GroupStateBytes(g), man.groups[gi].offset, states_path);
+    const float* f = static_cast<const float*>(buf.data);
+    static const char* const kState[] = {"master weights", "exp_avg", "exp_avg_sq"};
+    for (size_t j = 0; j < g.params.size() && local.ok(); ++j) {
+      const Impl::Param& p = m.params[g.params[j]];
+      const CheckpointTensor& t = man.tensors[g.params[j]];
+      for (int k = 0; k < 3; ++k) {
+        if (XXH3_64bits(f + k * g.numel + p.slice_offset, p.info.partition_numel * 4) !=
+            t.hash[k]) {
+          local = Status::Corruption("checkpoint tensor '" + p.info.name + "' (" + kState[k] +
+                                     ") in " + states_path +
+                                     " does not match its checksum: the checkpoint is "
+                                     "corrupt; use an older one");
+          break;
+        }
+      }
+    }
+  }
+  ZINF_RETURN_IF_ERROR(m.Agree(local, "LoadCheckpoint"));
+
+  // Pass 2: install. Fetched parameter copies are stale from here on.
+  for (Impl::Param& p : m.params) m.Evict(static_cast<ParamId>(&p - m.params.data()));
+  for (size_t gi = 0; gi < m.groups.size() && local.ok(); ++gi) {
+    local =
+        PreadAll(fd, buf.data, m.GroupStateBytes(m.groups[gi]), man.groups[gi].offset, states_path);
+    if (local.ok()) local = m.WriteGroupStates(gi, buf.data);
+  }
+  if (!local.ok()) {
+    m.broken = Status::FailedPrecondition("LoadCheckpoint failed while installing states (" +
+                                          local.message() + "); recreate the engine");
+  }
+  ZINF_RETURN_IF_ERROR(m.Agree(local, "LoadCheckpoint"));
+  m.step = man.step;
+  m.micro = man.step * std::max(1, m.config.gradient_accumulation_steps);
+  m.BeginMicroStep();
+  if (user_data != nullptr) *user_data = man.user_data;
+  return Status::OK();
 }
 
 // ---- Inspection ------------------------------------------------------------------------------

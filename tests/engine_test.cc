@@ -983,8 +983,8 @@ TEST(EngineTest, StreamingGradientAccumulatorsNeedTwoSubGroupsNotAllGradients) {
   size_t grad_bytes = 0;
   for (int p = 0; p < Shape().num_params(); ++p) grad_bytes += Shape().numel(p) * sizeof(float);
   std::printf("  smallest pinned budget: streaming %llu, resident %llu; gradients %zu bytes\n",
-              static_cast<unsigned long long>(streaming),
-              static_cast<unsigned long long>(resident), grad_bytes);
+              static_cast<unsigned long long>(streaming), static_cast<unsigned long long>(resident),
+              grad_bytes);
   // Resident accumulators need all gradients; streaming ones at most two 9,216-element
   // sub-groups (plus 4 KiB rounding each), so at least grad_bytes - 2 * 40 KiB less.
   EXPECT_GE(resident, streaming + grad_bytes - 2 * (40 << 10));

@@ -96,4 +96,8 @@ Result<EngineConfig> ParseEngineConfig(const std::string& json_text,
 // does not exist). Errors and warnings from parsing start with "<path>: ".
 Result<EngineConfig> LoadEngineConfig(const std::string& path, std::vector<std::string>* warnings);
 
+// "4G", "512M", "1.5GiB", "4096": a byte count. Units are case-insensitive powers of 1024
+// (K, KB and KiB all mean 1024), as memory sizes usually are. Errors start with `what`.
+Result<uint64_t> ParseByteSize(const std::string& text, const std::string& what);
+
 }  // namespace zinf

@@ -121,6 +121,23 @@ class Engine {
   // parameters are in their stores.
   Result<StepStats> Step();
 
+  // Checkpoints. Collective (every rank calls them, with the same arguments) and only between
+  // optimizer steps (after Step() at an accumulation boundary, before the next Acquire).
+  //
+  // SaveCheckpoint writes each rank's optimizer states (fp32 master, exp_avg, exp_avg_sq of
+  // every partition), the step counter, the layout and `user_data` (the trainer's own text,
+  // e.g. its model shape and data position) under `dir`, with an xxh3 checksum per tensor.
+  // The commit is atomic: files go to a new folder, are fsync'ed, and renaming `dir/latest`
+  // publishes them; until then the previous checkpoint stays the valid one (it is removed
+  // after). Parameter stores are not saved: they are the masters converted to the storage
+  // dtype, and LoadCheckpoint rebuilds them. Files are created 0600.
+  Status SaveCheckpoint(const std::string& dir, const std::string& user_data = "");
+  // Restores the newest committed checkpoint of `dir` (or `dir` itself when it is one
+  // checkpoint folder): optimizer states, parameter stores, step counter. The layout (ranks,
+  // parameter names, sizes, sub-groups, optimizer type) must match this engine; every
+  // checksum is verified before anything changes, and a mismatch names the tensor.
+  Status LoadCheckpoint(const std::string& dir, std::string* user_data = nullptr);
+
   // Collective (every rank calls it): the full fp32 master values of a parameter, gathered from
   // all ranks into `out` (numel floats, host memory).
   Status GatherMasterParameter(ParamId id, float* out);

@@ -1,0 +1,47 @@
+// The checkpoint manifest of one rank (rank<r>.json beside rank<r>.states): what the states
+// file holds and a checksum per tensor. Parsing treats the text as hostile: any malformed,
+// missing or out-of-range field is an error naming it, never a crash.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "zinf/status.h"
+
+namespace zinf {
+
+inline constexpr int kCheckpointFormatVersion = 1;
+
+struct CheckpointTensor {
+  std::string name;
+  uint64_t numel = 0;            // full tensor
+  uint64_t partition_numel = 0;  // this rank's part
+  uint64_t sub_group = 0;
+  uint64_t slice_offset = 0;     // elements, inside the sub-group's state arrays
+  uint64_t hash[3] = {0, 0, 0};  // xxh3-64 of master, exp_avg, exp_avg_sq slices
+};
+
+struct CheckpointGroup {
+  uint64_t numel = 0;   // elements per state array
+  uint64_t offset = 0;  // bytes into the states file of [master | exp_avg | exp_avg_sq]
+};
+
+struct RankManifest {
+  int rank = 0;
+  int world = 1;
+  int64_t step = 0;
+  std::string optimizer;    // type name
+  std::string states_file;  // file name inside the checkpoint folder
+  uint64_t file_bytes = 0;
+  std::vector<CheckpointGroup> groups;
+  std::vector<CheckpointTensor> tensors;
+  std::string user_data;  // the trainer's own JSON (model shape, seed, ...)
+};
+
+std::string SerializeRankManifest(const RankManifest& m);
+// `where` prefixes errors (the file name). Checks internal consistency too: groups inside the
+// file, tensors inside their group, sizes that do not overflow.
+Result<RankManifest> ParseRankManifest(const std::string& text, const std::string& where);
+
+}  // namespace zinf

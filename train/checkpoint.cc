@@ -1,0 +1,55 @@
+#include "train/checkpoint.h"
+
+#include <nlohmann/json.hpp>
+
+#include "zinf/log.h"
+
+namespace zinf::train {
+namespace {
+
+nlohmann::json Record(const GptConfig& m, uint64_t seed) {
+  return {{"trainer", "zinf-train"},
+          {"vocab", m.vocab},
+          {"max_seq", m.max_seq},
+          {"layers", m.layers},
+          {"heads", m.heads},
+          {"d_model", m.d_model},
+          {"seed", seed}};
+}
+
+}  // namespace
+
+Status SaveCheckpoint(const std::string& dir, const GptConfig& model, uint64_t seed,
+                      Engine* engine) {
+  return engine->SaveCheckpoint(dir, Record(model, seed).dump());
+}
+
+Result<int64_t> LoadCheckpoint(const std::string& dir, const GptConfig& model, uint64_t seed,
+                               Engine* engine) {
+  // The engine verifies its layout (names and sizes of every tensor) before changing anything,
+  // which already refuses another shape; the record gives the clearer message.
+  std::string user;
+  ZINF_RETURN_IF_ERROR(engine->LoadCheckpoint(dir, &user));
+  nlohmann::json saved = nlohmann::json::parse(user, nullptr, /*allow_exceptions=*/false);
+  nlohmann::json mine = Record(model, seed);
+  if (saved.is_discarded() || !saved.is_object() || saved.value("trainer", "") != "zinf-train") {
+    LogWarning(dir + ": the checkpoint has no zinf-train record; its tensors match this model");
+  } else {
+    for (const char* key : {"vocab", "max_seq", "layers", "heads", "d_model"}) {
+      if (saved.value(key, -1) != mine.value(key, -1)) {
+        return Status::FailedPrecondition(dir + ": the checkpoint is of another model (" + key +
+                                          " " + std::to_string(saved.value(key, -1)) +
+                                          ", this run " + std::to_string(mine.value(key, -1)) +
+                                          "); use its flags or another --checkpoint-dir");
+      }
+    }
+    if (saved.value("seed", uint64_t{0}) != seed) {
+      LogWarning(dir + ": the checkpoint was saved with --seed " +
+                 std::to_string(saved.value("seed", uint64_t{0})) + ", this run uses " +
+                 std::to_string(seed) + "; batches will differ from the original run");
+    }
+  }
+  return engine->global_step();
+}
+
+}  // namespace zinf::train

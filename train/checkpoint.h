@@ -1,0 +1,22 @@
+// zinf-train's checkpoints: the engine's (optimizer states, step, layout; atomic commit)
+// plus the trainer's own record (model shape and seed), so that a resume with another model
+// is refused and the data position follows from the step.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "train/gpt.h"
+#include "zinf/engine.h"
+
+namespace zinf::train {
+
+Status SaveCheckpoint(const std::string& dir, const GptConfig& model, uint64_t seed,
+                      Engine* engine);
+// Returns the step to continue from. A checkpoint of another model shape is refused with a
+// message naming both; another seed gets a warning (the batches then differ from the run that
+// saved it).
+Result<int64_t> LoadCheckpoint(const std::string& dir, const GptConfig& model, uint64_t seed,
+                               Engine* engine);
+
+}  // namespace zinf::train

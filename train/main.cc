@@ -1,0 +1,469 @@
+// zinf-train: trains a GPT-2-style byte-level model through the zinf engine.
+//
+//   zinf-train                       # the demo: small model, optimizer states on NVMe under
+//                                    # ./zinf-swap, the repository's corpus
+//   zinf-train --preset 1.3B --param-tier nvme --optimizer-tier nvme --nvme /mnt/nvme0
+//   zinf-train --config ds_config.json --steps 100
+//
+// Progress goes to stdout (stderr with --json): a line per step with the loss, tokens/s,
+// model TFLOPS, NVMe GB/s, overlap efficiency and stall time; at the end a summary table and
+// one JSON line.
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "train/checkpoint.h"
+#include "train/gpt.h"
+#include "train/trainer.h"
+#include "zinf/comm.h"
+#include "zinf/config.h"
+#include "zinf/device.h"
+#include "zinf/engine.h"
+#include "zinf/log.h"
+
+#ifndef ZINF_DEFAULT_DATA
+#define ZINF_DEFAULT_DATA "train/data/corpus.txt"
+#endif
+
+namespace zinf::train {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Flags {
+  std::string preset = "small";
+  int layers = 0, d_model = 0, heads = 0, max_seq = 0;
+  int steps = 200;
+  int batch = 8;
+  int seq = 128;
+  int grad_accum = 0;  // 0: config's gradient_accumulation_steps
+  double lr = 0;       // 0: config's (or 1e-3)
+  std::string config;
+  std::vector<std::string> nvme;
+  std::string param_tier, optimizer_tier;
+  std::string device_budget, pinned_budget;
+  std::string data;
+  std::string checkpoint_dir;
+  int save_every = 0;
+  bool resume = false;
+  uint64_t seed = 1;
+  bool json = false;
+  int log_every = 0;  // 0: about 40 lines per run
+  bool fp32 = false;
+};
+
+FILE* out = stdout;  // progress stream (stderr with --json)
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+uint64_t PeakRssBytes() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<uint64_t>(ru.ru_maxrss) * 1024;
+}
+
+Result<Tier> ParseTier(const std::string& s, const std::string& flag) {
+  if (s == "device" || s == "none") return Tier::kDevice;
+  if (s == "cpu") return Tier::kCpu;
+  if (s == "nvme") return Tier::kNvme;
+  return Status::InvalidArgument(flag + ": expected device, cpu or nvme, got '" + s + "'");
+}
+
+// The default data file: next to the working directory's checkout, or the source tree's.
+std::string DefaultData() {
+  if (std::filesystem::exists(ZINF_DEFAULT_DATA)) return ZINF_DEFAULT_DATA;
+#ifdef ZINF_SOURCE_DATA
+  return ZINF_SOURCE_DATA;
+#else
+  return ZINF_DEFAULT_DATA;
+#endif
+}
+
+// The engine configuration: --config (DeepSpeed-style JSON) or the embedded defaults, then
+// the placement flags on top.
+Result<EngineConfig> BuildConfig(const Flags& f) {
+  EngineConfig c;
+  if (!f.config.empty()) {
+    std::vector<std::string> warnings;
+    ZINF_ASSIGN_OR_RETURN(c, LoadEngineConfig(f.config, &warnings));
+    for (const std::string& w : warnings) LogWarning(w);
+  } else {
+    // Embedded defaults: bf16 parameters in pinned host memory, fp32 master weights and Adam
+    // states on NVMe under ./zinf-swap.
+    c.bf16 = true;
+    c.offload_param.tier = Tier::kCpu;
+    c.offload_optimizer.tier = Tier::kNvme;
+    c.optimizer.type = OptimizerType::kAdamW;
+    c.optimizer.lr = 1e-3f;
+    c.optimizer.weight_decay = 0.0f;
+    c.gradient_clipping = 0;
+    c.sub_group_size = 4'000'000;
+    c.pinned_budget_bytes = 1ull << 30;
+  }
+  if (f.fp32) c.bf16 = false;
+  if (!f.param_tier.empty()) {
+    ZINF_ASSIGN_OR_RETURN(c.offload_param.tier, ParseTier(f.param_tier, "--param-tier"));
+  }
+  if (!f.optimizer_tier.empty()) {
+    ZINF_ASSIGN_OR_RETURN(c.offload_optimizer.tier,
+                          ParseTier(f.optimizer_tier, "--optimizer-tier"));
+  }
+  std::vector<std::string> nvme = f.nvme;
+  if (nvme.empty()) {
+    for (const OffloadConfig* o : {&c.offload_param, &c.offload_optimizer}) {
+      for (const std::string& p : o->nvme_paths) {
+        if (std::find(nvme.begin(), nvme.end(), p) == nvme.end()) nvme.push_back(p);
+      }
+    }
+  }
+  if (nvme.empty()) nvme.push_back("zinf-swap");
+  c.offload_param.nvme_paths = nvme;
+  c.offload_optimizer.nvme_paths = nvme;
+  if (f.lr > 0) c.optimizer.lr = static_cast<float>(f.lr);
+  if (f.grad_accum > 0) c.gradient_accumulation_steps = f.grad_accum;
+  if (!f.device_budget.empty()) {
+    ZINF_ASSIGN_OR_RETURN(c.device_budget_bytes, ParseByteSize(f.device_budget, "--device-budget"));
+  }
+  if (!f.pinned_budget.empty()) {
+    ZINF_ASSIGN_OR_RETURN(c.pinned_budget_bytes, ParseByteSize(f.pinned_budget, "--pinned-budget"));
+  }
+  return c;
+}
+
+bool UsesNvme(const EngineConfig& c) {
+  return c.offload_param.tier == Tier::kNvme || c.offload_optimizer.tier == Tier::kNvme;
+}
+
+// Creates the swap folders and checks that the model fits on them: one sentence with the fix
+// when it does not.
+Status CheckNvme(const EngineConfig& c, uint64_t params) {
+  if (!UsesNvme(c)) return Status::OK();
+  const std::vector<std::string>& paths = c.offload_optimizer.nvme_paths;
+  uint64_t need = 0;
+  if (c.offload_param.tier == Tier::kNvme) need += params * (c.bf16 ? 2 : 4);
+  if (c.offload_optimizer.tier == Tier::kNvme) need += params * 12;  // master, m, v in fp32
+  need = need + need / 50;                                           // alignment and padding
+  uint64_t free_bytes = 0;
+  for (const std::string& p : paths) {
+    std::error_code ec;
+    std::filesystem::create_directories(p, ec);
+    if (ec) {
+      return Status::IoError("cannot create the NVMe swap folder " + p + ": " + ec.message() +
+                             "; give --nvme a writable folder");
+    }
+    struct statvfs vfs {};
+    if (statvfs(p.c_str(), &vfs) != 0) {
+      return ErrnoToStatus(errno, "statvfs on the NVMe swap folder " + p);
+    }
+    free_bytes += static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+  }
+  if (need > free_bytes) {
+    return Status::ResourceExhausted(
+        "not enough space on the NVMe path" + std::string(paths.size() > 1 ? "s" : "") + " (" +
+        paths.front() + (paths.size() > 1 ? ", ..." : "") + "): this model's " +
+        (c.offload_param.tier == Tier::kNvme ? "parameters and " : "") +
+        "optimizer states need about " + FormatBytes(need) + " but " + FormatBytes(free_bytes) +
+        " is free; free space, add --nvme paths on other disks, or pick a smaller model");
+  }
+  return Status::OK();
+}
+
+// Rewrites engine errors about budgets as the zinf-train flag that fixes them.
+Status Explain(const Status& s) {
+  const std::string& m = s.message();
+  if (m.find("zinf.device_budget_bytes") != std::string::npos) {
+    return Status(s.code(), m + " (zinf-train: --device-budget)");
+  }
+  if (m.find("zinf.pinned_budget_bytes") != std::string::npos) {
+    return Status(s.code(), m + " (zinf-train: --pinned-budget)");
+  }
+  return s;
+}
+
+struct StepRow {
+  int64_t step = 0;
+  double loss = 0, seconds = 0, tokens_per_s = 0, tflops = 0;
+  double read_gbps = 0, write_gbps = 0, overlap = 0, stall = 0;
+};
+
+int Run(const Flags& f) {
+  if (f.json) out = stderr;
+  // Model.
+  GptConfig model;
+  if (f.layers > 0 || f.d_model > 0 || f.heads > 0) {
+    if (f.layers <= 0 || f.d_model <= 0 || f.heads <= 0) {
+      std::fprintf(stderr,
+                   "zinf-train: explicit sizes need all of --layers, --d-model and --heads\n");
+      return 2;
+    }
+    model.layers = f.layers;
+    model.d_model = f.d_model;
+    model.heads = f.heads;
+    model.max_seq = std::max(f.seq, 1024);
+    model.name = "custom";
+  } else {
+    Result<GptConfig> p = Preset(f.preset);
+    if (!p.ok()) {
+      std::fprintf(stderr, "zinf-train: %s\n", p.status().message().c_str());
+      return 2;
+    }
+    model = *p;
+  }
+  if (f.max_seq > 0) model.max_seq = f.max_seq;
+  if (Status s = Validate(model); !s.ok()) {
+    std::fprintf(stderr, "zinf-train: %s\n", s.message().c_str());
+    return 2;
+  }
+  Result<EngineConfig> config = BuildConfig(f);
+  if (!config.ok()) {
+    std::fprintf(stderr, "zinf-train: %s\n", config.status().ToString().c_str());
+    return 2;
+  }
+  const uint64_t params = ParamCount(model);
+  if (Status s = CheckNvme(*config, params); !s.ok()) {
+    std::fprintf(stderr, "zinf-train: %s\n", s.message().c_str());
+    return 1;
+  }
+  const std::string data_path = f.data.empty() ? DefaultData() : f.data;
+  Result<TextData> data = TextData::Load(data_path, f.seq);
+  if (!data.ok()) {
+    std::fprintf(stderr, "zinf-train: %s\n", data.status().message().c_str());
+    return 2;
+  }
+
+  // Device and communicator: the host device (no CUDA backend yet), one rank.
+  HostDeviceOptions dopt;
+  dopt.memory_budget = config->device_budget_bytes != 0
+                           ? config->device_budget_bytes
+                           : std::max<uint64_t>(params * 8, 1ull << 30);
+  std::unique_ptr<Device> device = NewHostDevice(dopt);
+  Result<std::vector<std::unique_ptr<Communicator>>> comms = NewLocalComms({device.get()});
+  if (!comms.ok()) {
+    std::fprintf(stderr, "zinf-train: %s\n", comms.status().ToString().c_str());
+    return 1;
+  }
+  auto fail = [&](const std::string& what, const Status& s) {
+    std::fprintf(stderr, "zinf-train: %s: %s\n", what.c_str(), Explain(s).message().c_str());
+    return 1;
+  };
+
+  std::fprintf(out,
+               "zinf-train: model %s, %d layers, d_model %d, %d heads: %s parameters (%.3g B)\n"
+               "  parameters on %s (%s), optimizer states on %s, %s; batch %d x seq %d, %d steps\n",
+               model.name.c_str(), model.layers, model.d_model, model.heads,
+               std::to_string(params).c_str(), params / 1e9, TierName(config->offload_param.tier),
+               config->bf16 ? "bf16" : "fp32", TierName(config->offload_optimizer.tier),
+               UsesNvme(*config)
+                   ? ("swap folder " + config->offload_optimizer.nvme_paths.front()).c_str()
+                   : "no NVMe",
+               f.batch, f.seq, f.steps);
+  std::fflush(out);
+
+  Result<std::unique_ptr<Engine>> engine = Engine::Create(*config, device.get(), (*comms)[0].get());
+  if (!engine.ok()) return fail("creating the engine", engine.status());
+  Result<std::unique_ptr<GptTrainer>> trainer =
+      GptTrainer::Create(model, f.batch, f.seq, f.seed, engine->get());
+  if (!trainer.ok()) return fail("building the model", trainer.status());
+  auto t_init = Clock::now();
+  if (Status s = (*engine)->FinishRegistration(); !s.ok()) {
+    return fail("placing the parameters", s);
+  }
+  std::fprintf(out, "  initialised and placed in %.1f s\n", Seconds(Clock::now() - t_init));
+
+  // Resume.
+  int64_t first_step = 0;
+  const bool checkpointing = !f.checkpoint_dir.empty();
+  if (f.resume) {
+    if (!checkpointing) {
+      std::fprintf(stderr, "zinf-train: --resume needs --checkpoint-dir\n");
+      return 2;
+    }
+    Result<int64_t> step = LoadCheckpoint(f.checkpoint_dir, model, f.seed, engine->get());
+    if (!step.ok()) return fail("resuming from " + f.checkpoint_dir, step.status());
+    first_step = *step;
+    std::fprintf(out, "  resumed from %s at step %" PRId64 "\n", f.checkpoint_dir.c_str(),
+                 first_step);
+  }
+
+  const int accum = std::max(1, config->gradient_accumulation_steps);
+  const int tokens_per_micro = f.batch * f.seq;
+  const double flops_per_token = FlopsPerToken(model, f.seq);
+  const int log_every = f.log_every > 0 ? f.log_every : std::max(1, f.steps / 40);
+  const bool tty = isatty(fileno(out));
+  std::vector<int32_t> tokens(tokens_per_micro), targets(tokens_per_micro);
+  std::vector<StepRow> rows;
+  double loss_first = 0, loss_last = 0;
+  uint64_t read_bytes = 0, write_bytes = 0;
+  double total_seconds = 0;
+  for (int64_t step = first_step; step < f.steps; ++step) {
+    auto t0 = Clock::now();
+    double loss = 0;
+    StepStats agg;
+    for (int micro = 0; micro < accum; ++micro) {
+      data->Batch(f.seed, step * accum + micro, f.batch, f.seq, tokens.data(), targets.data());
+      StepStats st;
+      Result<double> l = (*trainer)->MicroStep(tokens.data(), targets.data(), 1.0f / accum, &st);
+      if (!l.ok()) return fail("step " + std::to_string(step + 1), l.status());
+      loss += *l / accum;
+      agg.nvme_read_bytes += st.nvme_read_bytes;
+      agg.nvme_write_bytes += st.nvme_write_bytes;
+      agg.acquire_wait_seconds += st.acquire_wait_seconds;
+      agg.optimizer_wait_seconds += st.optimizer_wait_seconds;
+      agg.overlap_efficiency = st.overlap_efficiency;  // of the optimizer micro-step
+    }
+    const double secs = Seconds(Clock::now() - t0);
+    StepRow r;
+    r.step = step + 1;
+    r.loss = loss;
+    r.seconds = secs;
+    r.tokens_per_s = tokens_per_micro * accum / secs;
+    r.tflops = r.tokens_per_s * flops_per_token / 1e12;
+    r.read_gbps = agg.nvme_read_bytes / secs / 1e9;
+    r.write_gbps = agg.nvme_write_bytes / secs / 1e9;
+    r.overlap = agg.overlap_efficiency;
+    r.stall = agg.acquire_wait_seconds + agg.optimizer_wait_seconds;
+    rows.push_back(r);
+    if (step == first_step) loss_first = loss;
+    loss_last = loss;
+    read_bytes += agg.nvme_read_bytes;
+    write_bytes += agg.nvme_write_bytes;
+    total_seconds += secs;
+    const bool keep = (step + 1) % log_every == 0 || step == first_step || step + 1 == f.steps;
+    if (keep || tty) {
+      std::fprintf(out,
+                   "%sstep %5" PRId64
+                   "/%d  loss %.4f  %8.0f tok/s  %.3f TFLOPS  nvme r %.2f w %.2f "
+                   "GB/s  overlap %.2f  stall %.2f s%s",
+                   tty ? "\r" : "", r.step, f.steps, r.loss, r.tokens_per_s, r.tflops, r.read_gbps,
+                   r.write_gbps, r.overlap, r.stall, keep ? "\n" : "");
+      std::fflush(out);
+    }
+    if (checkpointing && f.save_every > 0 && (step + 1) % f.save_every == 0) {
+      auto tc = Clock::now();
+      if (Status s = SaveCheckpoint(f.checkpoint_dir, model, f.seed, engine->get()); !s.ok()) {
+        return fail("saving a checkpoint to " + f.checkpoint_dir, s);
+      }
+      std::fprintf(out, "  checkpoint at step %" PRId64 " saved to %s in %.1f s\n", step + 1,
+                   f.checkpoint_dir.c_str(), Seconds(Clock::now() - tc));
+    }
+  }
+  if (checkpointing && (f.save_every == 0 || f.steps % f.save_every != 0) && f.steps > first_step) {
+    if (Status s = SaveCheckpoint(f.checkpoint_dir, model, f.seed, engine->get()); !s.ok()) {
+      return fail("saving the final checkpoint to " + f.checkpoint_dir, s);
+    }
+  }
+  Result<uint64_t> checksum = (*trainer)->ParamChecksum();
+  if (!checksum.ok()) return fail("checksumming the parameters", checksum.status());
+
+  // Summary: medians over the steps after the first (which pays for warm-up).
+  auto median = [&](auto field) {
+    std::vector<double> v;
+    for (size_t i = rows.size() > 1 ? 1 : 0; i < rows.size(); ++i) v.push_back(field(rows[i]));
+    if (v.empty()) return 0.0;
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const double tok_s = median([](const StepRow& r) { return r.tokens_per_s; });
+  const double tflops = median([](const StepRow& r) { return r.tflops; });
+  const double overlap = median([](const StepRow& r) { return r.overlap; });
+  const double rgbps = median([](const StepRow& r) { return r.read_gbps; });
+  const double wgbps = median([](const StepRow& r) { return r.write_gbps; });
+  const double stall = median([](const StepRow& r) { return r.stall; });
+  const uint64_t rss = PeakRssBytes();
+  char hash[17];
+  std::snprintf(hash, sizeof(hash), "%016" PRIx64, *checksum);
+  std::fprintf(out,
+               "\n  %-22s %s\n  %-22s %.4f -> %.4f\n  %-22s %.0f\n  %-22s %.3f\n"
+               "  %-22s %.2f / %.2f GB/s\n  %-22s %.2f\n  %-22s %.2f s\n  %-22s %s\n"
+               "  %-22s %.1f s\n  %-22s %s\n",
+               "parameters", std::to_string(params).c_str(), "loss (first -> last)", loss_first,
+               loss_last, "tokens/s (median)", tok_s, "model TFLOPS", tflops, "NVMe read / write",
+               rgbps, wgbps, "overlap efficiency", overlap, "stall per step", stall, "peak RSS",
+               FormatBytes(rss).c_str(), "train time", total_seconds, "param checksum", hash);
+  nlohmann::json j = {
+      {"model", model.name},
+      {"params", params},
+      {"layers", model.layers},
+      {"d_model", model.d_model},
+      {"steps", f.steps},
+      {"first_step", first_step},
+      {"batch", f.batch},
+      {"seq", f.seq},
+      {"loss_first", loss_first},
+      {"loss_last", loss_last},
+      {"tokens_per_s", tok_s},
+      {"model_tflops", tflops},
+      {"nvme_read_gbps", rgbps},
+      {"nvme_write_gbps", wgbps},
+      {"nvme_read_bytes", read_bytes},
+      {"nvme_write_bytes", write_bytes},
+      {"overlap_efficiency", overlap},
+      {"stall_seconds", stall},
+      {"train_seconds", total_seconds},
+      {"peak_rss_bytes", rss},
+      {"param_checksum", hash},
+      {"param_tier", TierName(config->offload_param.tier)},
+      {"optimizer_tier", TierName(config->offload_optimizer.tier)},
+  };
+  std::printf("%s\n", j.dump().c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace zinf::train
+
+int main(int argc, char** argv) {
+  zinf::train::Flags f;
+  CLI::App app{"zinf-train: trains a GPT-2-style byte-level model through the zinf engine"};
+  std::string presets;
+  for (const std::string& p : zinf::train::PresetNames())
+    presets += (presets.empty() ? "" : ", ") + p;
+  app.add_option("--preset", f.preset, "model size: " + presets + " (small: the demo)")
+      ->capture_default_str();
+  app.add_option("--layers", f.layers, "explicit size: blocks (with --d-model and --heads)");
+  app.add_option("--d-model", f.d_model, "explicit size: model width");
+  app.add_option("--heads", f.heads, "explicit size: attention heads");
+  app.add_option("--max-seq", f.max_seq, "rows of the position table (default: the preset's)");
+  app.add_option("--steps", f.steps, "optimizer steps")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100000000));
+  app.add_option("--batch", f.batch, "sequences per micro-step")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--seq", f.seq, "tokens per sequence")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--grad-accum", f.grad_accum,
+                 "micro-steps per optimizer step (default: config's)");
+  app.add_option("--lr", f.lr, "learning rate (default: config's, or 1e-3)");
+  app.add_option("--config", f.config, "DeepSpeed-style JSON config (zero_optimization, bf16, ...)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--nvme", f.nvme, "NVMe swap folder (repeatable; default ./zinf-swap)");
+  app.add_option("--param-tier", f.param_tier, "where parameters live: device, cpu, nvme");
+  app.add_option("--optimizer-tier", f.optimizer_tier,
+                 "where optimizer states live: device, cpu, nvme");
+  app.add_option("--device-budget", f.device_budget, "device memory budget, e.g. 4G");
+  app.add_option("--pinned-budget", f.pinned_budget, "pinned host memory budget, e.g. 2G");
+  app.add_flag("--fp32", f.fp32, "store parameters in fp32 (default bf16 with fp32 masters)");
+  app.add_option("--data", f.data, "training text (any file; default the repository's corpus)");
+  app.add_option("--checkpoint-dir", f.checkpoint_dir, "checkpoint folder (save and --resume)");
+  app.add_option("--save-every", f.save_every, "save a checkpoint every N steps (and at the end)");
+  app.add_flag("--resume", f.resume, "continue from the checkpoint in --checkpoint-dir");
+  app.add_option("--seed", f.seed, "seed of the initialisation and the batches")
+      ->capture_default_str();
+  app.add_flag("--json", f.json, "only the final JSON line on stdout (progress on stderr)");
+  app.add_option("--log-every", f.log_every,
+                 "keep a progress line every N steps (default: ~40 lines)");
+  CLI11_PARSE(app, argc, argv);
+  return zinf::train::Run(f);
+}

@@ -1,0 +1,77 @@
+// GptTrainer: the GPT model of gpt.h trained through the engine. Every parameter lives in the
+// engine; the trainer acquires a layer's parameters around its forward and its backward,
+// hands each gradient to the engine, and lets the engine step the optimizer. It holds only
+// activations, gradient scratch for one layer and (with bf16 storage) an fp32 copy of the
+// acquired layer.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "train/gpt.h"
+#include "zinf/engine.h"
+
+namespace zinf::train {
+
+// Byte-level text and the batches drawn from it.
+class TextData {
+ public:
+  // Reads the whole file; it must hold more than seq + 1 bytes.
+  static Result<TextData> Load(const std::string& path, int seq);
+  // Batch `index`: `batch` windows at offsets drawn from (seed, index); tokens[b*seq + t] =
+  // text[off_b + t], targets the next byte.
+  void Batch(uint64_t seed, int64_t index, int batch, int seq, int32_t* tokens,
+             int32_t* targets) const;
+  size_t size() const { return text_.size(); }
+
+ private:
+  std::string text_;
+};
+
+// Optional seams for tests and embedders.
+struct TrainerHooks {
+  // Called after a parameter's initial values are generated (index in ParamList, full fp32
+  // tensor): e.g. to load pre-trained weights, or to perturb one value.
+  std::function<void(size_t index, float* data, size_t numel)> post_init;
+  // Called with every gradient (index in ParamList, full fp32 tensor) just before it is
+  // handed to the engine.
+  std::function<void(size_t index, const float* grad, size_t numel)> grad_observer;
+};
+
+class GptTrainer {
+ public:
+  // Registers every parameter with `engine` (which must outlive the trainer) in layer order,
+  // with the acquire order as the prefetch hint.
+  static Result<std::unique_ptr<GptTrainer>> Create(const GptConfig& model, int batch, int seq,
+                                                    uint64_t seed, Engine* engine,
+                                                    const TrainerHooks& hooks = {});
+  ~GptTrainer();
+
+  // One micro-step: forward, backward and Engine::Step on batch*seq tokens. The loss is
+  // scaled by `loss_scale` for the gradients (1 / accumulation steps for a mean); the
+  // returned loss is the unscaled mean cross-entropy (nats per token).
+  Result<double> MicroStep(const int32_t* tokens, const int32_t* targets, float loss_scale,
+                           StepStats* stats);
+  // xxh3-64 over the fp32 master values of every parameter in registration order (gathered
+  // from the engine), so two runs can be compared.
+  Result<uint64_t> ParamChecksum();
+  // The fp32 master values of one parameter (by its index in ParamList).
+  Status MasterValues(size_t index, std::vector<float>* out);
+
+  const GptConfig& model() const { return model_; }
+  int batch() const { return batch_; }
+  int seq() const { return seq_; }
+  uint64_t param_count() const { return ParamCount(model_); }
+
+ private:
+  struct Impl;
+  explicit GptTrainer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+  GptConfig model_;
+  int batch_ = 0, seq_ = 0;
+};
+
+}  // namespace zinf::train
