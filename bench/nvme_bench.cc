@@ -131,10 +131,13 @@ struct CaseResult {
 };
 
 // Streams `total` bytes through the IoQueue at `qd` transfers of `block` bytes each, striped
-// round-robin over the files; stops early after `seconds`.
+// round-robin over the files; stops early after `seconds`. `mixed`: half the slots read the
+// first half of the files while the other half write the second half, at the same time (the
+// engine's pattern during backward: optimizer states in and out, parameters in).
 Result<CaseResult> RunZinf(BenchFiles& files, IoBackendKind kind, IoOp op, uint64_t block,
                            uint32_t qd, uint64_t total, bool registered, bool huge_pages,
-                           double seconds, bool sqpoll = false) {
+                           double seconds, bool sqpoll = false, bool mixed = false,
+                           uint64_t* read_bytes = nullptr) {
   PinnedArenaOptions ao;
   ao.bytes = block * qd;
   ao.huge_pages = huge_pages;
@@ -164,7 +167,10 @@ Result<CaseResult> RunZinf(BenchFiles& files, IoBackendKind kind, IoOp op, uint6
   const uint64_t blocks_per_file = files.per_file() / block;
   const uint64_t total_blocks = std::min(total / block, blocks_per_file * nfiles);
   std::atomic<uint64_t> next{0};
+  std::atomic<uint64_t> next_write{0};  // mixed: writes, in the second half
   std::atomic<uint64_t> done_bytes{0};
+  std::atomic<uint64_t> done_read{0};
+  const uint64_t half = total_blocks / 2;
   std::atomic<bool> stop{false};
   std::mutex mu;
   std::condition_variable cv;
@@ -175,21 +181,34 @@ Result<CaseResult> RunZinf(BenchFiles& files, IoBackendKind kind, IoOp op, uint6
   // Each slot refills itself from its completion callback (on the I/O thread): no thread hop
   // between a completion and the next submission.
   std::function<void(uint32_t)> issue = [&](uint32_t slot) {
-    uint64_t k = next.fetch_add(1);
-    if (k >= total_blocks || stop.load()) {
+    const IoOp slot_op = mixed ? (slot % 2 == 0 ? IoOp::kRead : IoOp::kWrite) : op;
+    uint64_t k;
+    bool more;
+    if (!mixed) {
+      k = next.fetch_add(1);
+      more = k < total_blocks;
+    } else if (slot_op == IoOp::kRead) {
+      k = next.fetch_add(1);
+      more = k < half;
+    } else {
+      k = half + next_write.fetch_add(1);
+      more = k < 2 * half;
+    }
+    if (!more || stop.load()) {
       std::lock_guard<std::mutex> lock(mu);
       if (--live == 0) cv.notify_all();
       return;
     }
-    Transfer t{op, static_cast<uint32_t>(k % nfiles), (k / nfiles) * block, bufs[slot].data(),
+    Transfer t{slot_op, static_cast<uint32_t>(k % nfiles), (k / nfiles) * block, bufs[slot].data(),
                block};
-    queue->Submit(t, [&, slot](const Status& s) {
+    queue->Submit(t, [&, slot, slot_op](const Status& s) {
       if (!s.ok()) {
         std::lock_guard<std::mutex> lock(mu);
         if (first_error.ok()) first_error = s;
         stop = true;
       } else {
         done_bytes += block;
+        if (slot_op == IoOp::kRead) done_read += block;
       }
       if (Clock::now() >= deadline) stop = true;
       issue(slot);
@@ -209,6 +228,7 @@ Result<CaseResult> RunZinf(BenchFiles& files, IoBackendKind kind, IoOp op, uint6
   if (!first_error.ok()) return first_error;
   CaseResult r;
   r.bytes = done_bytes.load();
+  if (read_bytes != nullptr) *read_bytes = done_read.load();
   r.seconds = elapsed;
   r.features = std::string(queue->BackendName()) + " " + queue->Features() +
                (arena->locked() ? " locked" : "") + (huge_pages ? " huge-pages" : "");
@@ -362,8 +382,9 @@ int Main(int argc, char** argv) {
   CLI::App app{"zinf-nvme-bench: sequential direct-I/O throughput of the zinf swapper"};
   app.add_option("--backend", f.backend, "io_uring, libaio or psync")
       ->check(CLI::IsMember({"io_uring", "libaio", "psync"}));
-  app.add_option("--op", f.op, "read, write or both")
-      ->check(CLI::IsMember({"read", "write", "both"}));
+  app.add_option("--op", f.op,
+                 "read, write, both (one after the other) or mixed (reads and writes at once)")
+      ->check(CLI::IsMember({"read", "write", "both", "mixed"}));
   app.add_option("--block-size", f.block_size, "bytes per request (K/M/G suffixes)");
   app.add_option("--queue-depth", f.queue_depth, "requests in flight")->check(CLI::Range(1, 1024));
   app.add_option("--size", f.size, "bytes per case, over all folders (K/M/G)");
@@ -431,6 +452,41 @@ int Main(int argc, char** argv) {
   }
   const bool registered = f.registered == "on";
   const bool huge = f.huge_pages == "on";
+  if (f.op == "mixed") {
+    // Reads and writes at once, as the engine issues them during backward: one figure per
+    // repeat with both directions, then the medians.
+    std::vector<double> total, reads, writes;
+    for (int rep = 0; rep < f.repeats; ++rep) {
+      uint64_t read_bytes = 0;
+      Result<CaseResult> r = RunZinf(files, *kind, IoOp::kRead, *block, f.queue_depth, *size,
+                                     registered, huge, f.seconds, f.sqpoll, true, &read_bytes);
+      if (!r.ok()) {
+        std::fprintf(stderr, "zinf-nvme-bench: %s\n", r.status().ToString().c_str());
+        return 1;
+      }
+      const double rg = read_bytes / r->seconds / 1e9;
+      const double wg = (r->bytes - read_bytes) / r->seconds / 1e9;
+      json j = {{"backend", f.backend},
+                {"op", "mixed"},
+                {"block_size", *block},
+                {"queue_depth", f.queue_depth},
+                {"bytes", r->bytes},
+                {"seconds", r->seconds},
+                {"read_gbps", std::round(rg * 1e3) / 1e3},
+                {"write_gbps", std::round(wg * 1e3) / 1e3},
+                {"gbps", std::round(r->gbps() * 1e3) / 1e3},
+                {"repeat", rep}};
+      Emit(j);
+      total.push_back(r->gbps());
+      reads.push_back(rg);
+      writes.push_back(wg);
+    }
+    Emit({{"case", "mixed bs=" + SizeLabel(*block) + " qd=" + std::to_string(f.queue_depth)},
+          {"zinf_gbps_median", std::round(Median(total) * 1e3) / 1e3},
+          {"read_gbps_median", std::round(Median(reads) * 1e3) / 1e3},
+          {"write_gbps_median", std::round(Median(writes) * 1e3) / 1e3}});
+    return 0;
+  }
   struct FioVariant {
     std::string name, engine, extra;
   };

@@ -28,6 +28,7 @@
 
 #include "engine/checkpoint_format.h"
 #include "zinf/cpu_adam.h"
+#include "zinf/crash_point.h"
 #include "zinf/io.h"
 #include "zinf/log.h"
 #include "zinf/swap.h"
@@ -221,6 +222,7 @@ struct Engine::Impl {
   struct Epoch {
     int64_t step = 0;
     bool clip = false;
+    float lr = 0;
   };
 
   EngineConfig config;
@@ -440,7 +442,11 @@ struct Engine::Impl {
   // checkpoint can be saved or loaded). Its read-ahead of NVMe states overlaps the forward.
   void KickEpoch();
   bool epoch_due = false;  // trainer thread only
+  float lr = 0;            // trainer thread only: the learning rate of the next epoch
   bool in_micro = false;   // trainer thread only: the micro-step has started (KickEpoch)
+  // GatherMasterParameter's copy of one sub-group's states (trainer thread only).
+  std::unique_ptr<AlignedBuffer> gather_states;
+  size_t gather_group = 0;
 };
 
 void Engine::Impl::BeginMicroStep() {
@@ -453,6 +459,7 @@ void Engine::Impl::BeginMicroStep() {
 
 void Engine::Impl::KickEpoch() {
   in_micro = true;
+  gather_states.reset();
   if (!epoch_due) return;
   epoch_due = false;
   std::lock_guard<std::mutex> lock(mu);
@@ -460,7 +467,7 @@ void Engine::Impl::KickEpoch() {
   clip_coef = 1.0f;
   epoch_done = false;
   optimizer_status = Status::OK();
-  epochs.push_back({step + 1, config.gradient_clipping > 0});
+  epochs.push_back({step + 1, config.gradient_clipping > 0, lr});
   cv.notify_all();
 }
 
@@ -492,6 +499,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
   auto impl = std::make_unique<Impl>();
   Impl& m = *impl;
   m.config = config;
+  m.lr = config.optimizer.lr;
   m.device = device;
   m.comm = comm;
   m.hooks = hooks;
@@ -1244,6 +1252,7 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
     if (!s.ok() && first.ok()) first = s;
     // Every gradient of the sub-group has landed and been used: its accumulators can go.
     if (s.ok() && stream_grads) ReleaseGradBuffer(g);
+    CrashPoint("optimizer.group");
     if (nvme && s.ok()) {
       Result<Ticket> w =
           swap->Write(g.swap_key, done.states.data(), GroupStateBytes(g), done.states.capacity());
@@ -1282,7 +1291,7 @@ Status Engine::Impl::StepGroup(size_t gi, float* master, float* m, float* v, uin
       break;
   }
   hp.step = e.step;
-  hp.lr = config.optimizer.lr;
+  hp.lr = e.lr;
   hp.beta1 = config.optimizer.beta1;
   hp.beta2 = config.optimizer.beta2;
   hp.eps = config.optimizer.eps;
@@ -1633,6 +1642,7 @@ Status Engine::SaveCheckpoint(const std::string& dir, const std::string& user_da
                           SerializeRankManifest(man));
   }();
   ZINF_RETURN_IF_ERROR(m.Agree(local, "SaveCheckpoint"));
+  CrashPoint("checkpoint.files");
 
   // Rank 0 commits: the staging folder gets its final name, then `latest` names it.
   if (m.rank == 0) {
@@ -1654,11 +1664,13 @@ Status Engine::SaveCheckpoint(const std::string& dir, const std::string& user_da
       if (rename(incoming.c_str(), (dir + "/" + name).c_str()) != 0) {
         return ErrnoToStatus(errno, "renaming " + incoming + " to " + dir + "/" + name);
       }
+      CrashPoint("checkpoint.renamed");
       ZINF_RETURN_IF_ERROR(WriteSmallFile(dir + "/latest.tmp", name + "\n"));
       if (rename((dir + "/latest.tmp").c_str(), (dir + "/latest").c_str()) != 0) {
         return ErrnoToStatus(errno, "renaming " + dir + "/latest.tmp to latest");
       }
       ZINF_RETURN_IF_ERROR(FsyncPath(dir, true));
+      CrashPoint("checkpoint.latest");
       // Committed. Older checkpoints other than the previous one go.
       std::error_code ec;
       for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
@@ -1785,6 +1797,7 @@ Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data) {
   ZINF_RETURN_IF_ERROR(m.Agree(local, "LoadCheckpoint"));
 
   // Pass 2: install. Fetched parameter copies are stale from here on.
+  m.gather_states.reset();
   for (Impl::Param& p : m.params) m.Evict(static_cast<ParamId>(&p - m.params.data()));
   for (size_t gi = 0; gi < m.groups.size() && local.ok(); ++gi) {
     local =
@@ -1815,14 +1828,24 @@ Status Engine::GatherMasterParameter(ParamId id, float* out) {
   Impl::SubGroup& g = m.groups[p.info.sub_group];
   const size_t part = p.info.partition_numel;
   std::vector<float> mine(part);
-  if (m.config.offload_optimizer.tier == Tier::kNvme) {
-    ZINF_ASSIGN_OR_RETURN(PinnedBuffer buf, m.arena->Allocate(m.GroupStateBytes(g)));
-    ZINF_ASSIGN_OR_RETURN(Ticket t, m.swap->Read(g.swap_key, buf.data(), buf.capacity()));
-    ZINF_RETURN_IF_ERROR(m.swap->Wait(t));
-    std::memcpy(mine.data(), static_cast<float*>(buf.data()) + p.slice_offset, part * 4);
+  if (g.master.data != nullptr) {
+    std::memcpy(mine.data(), g.master.data + p.slice_offset, part * 4);
   } else {
-    const float* master = g.device_states != nullptr ? g.device_states : g.master.data;
-    std::memcpy(mine.data(), master + p.slice_offset, part * 4);
+    // NVMe or device states: read the sub-group once for the consecutive parameters of a
+    // full gather (the cache is dropped when the next micro-step starts or a checkpoint loads).
+    if (m.gather_group != p.info.sub_group || m.gather_states == nullptr) {
+      m.gather_states.reset();
+      m.gather_states = std::make_unique<AlignedBuffer>(m.GroupStateBytes(g));
+      if (m.gather_states->data == nullptr) return Status::ResourceExhausted("gather buffer");
+      Status s = m.ReadGroupStates(p.info.sub_group, m.gather_states->data);
+      if (!s.ok()) {
+        m.gather_states.reset();
+        return s;
+      }
+      m.gather_group = p.info.sub_group;
+    }
+    std::memcpy(mine.data(), static_cast<const float*>(m.gather_states->data) + p.slice_offset,
+                part * 4);
   }
   const size_t bytes = p.padded_numel * sizeof(float);
   ZINF_ASSIGN_OR_RETURN(void* dev, m.DevAlloc(bytes + part * 4, "gathering '" + p.info.name + "'"));
@@ -1837,6 +1860,14 @@ Status Engine::GatherMasterParameter(ParamId id, float* out) {
   m.DevFree(dev, bytes + part * 4);
   ZINF_RETURN_IF_ERROR(st);
   std::memcpy(out, host.data(), p.info.numel * sizeof(float));
+  return Status::OK();
+}
+
+Status Engine::SetLearningRate(float lr) {
+  if (!std::isfinite(lr) || lr < 0) {
+    return Status::InvalidArgument("SetLearningRate: the learning rate must be finite and >= 0");
+  }
+  impl_->lr = lr;
   return Status::OK();
 }
 

@@ -4,6 +4,8 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "zinf/crash_point.h"
+
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -430,6 +432,7 @@ Result<Ticket> SwapStore::Write(const std::string& key, const void* buf, uint64_
     m.queue->Submit(
         t, [&m, ticket, key](const Status& s) { m.PartDone(ticket, s, key, /*is_write=*/true); });
   }
+  CrashPoint("swap.write");
   return ticket;
 }
 

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The main job with embedded defaults: installs missing packages, builds, and runs the NVMe
-# swapper benchmark on a swap folder under the working directory (./zinf-swap).
-# Extra arguments go to zinf-nvme-bench (see zinf-nvme-bench --help).
+# The main job with embedded defaults: installs missing packages, builds, and trains the
+# "small" GPT (3.3M parameters, byte-level) on the repository's Shakespeare corpus through
+# the engine: bf16 parameters in pinned host memory, fp32 master weights and Adam states on
+# NVMe in ./zinf-swap (under the working directory), the host device when there is no GPU.
+# About two minutes on two cores; the loss falls from 5.5 (uniform bytes) to about 2.5.
+# Extra arguments go to zinf-train (see zinf-train --help), e.g. --steps 50 or --preset tiny.
 set -euo pipefail
 here=$(pwd)
 cd "$(dirname "$0")/.."
@@ -9,5 +12,4 @@ root=$(pwd)
 scripts/deps.sh
 scripts/build.sh >/dev/null
 cd "$here"
-mkdir -p zinf-swap
-exec "$root/${ZINF_BUILD_DIR:-build}/bench/zinf-nvme-bench" --dir zinf-swap --size 1G --seconds 3 "$@"
+exec "$root/${ZINF_BUILD_DIR:-build}/train/zinf-train" "$@"

@@ -45,9 +45,10 @@ struct Flags {
   int layers = 0, d_model = 0, heads = 0, max_seq = 0;
   int steps = 200;
   int batch = 8;
-  int seq = 128;
+  int seq = 0;         // 0: 128, or the model's position table when shorter
   int grad_accum = 0;  // 0: config's gradient_accumulation_steps
   double lr = 0;       // 0: config's (or 1e-3)
+  int warmup = -1;     // -1: steps / 10, at most 100
   std::string config;
   std::vector<std::string> nvme;
   std::string param_tier, optimizer_tier;
@@ -181,7 +182,8 @@ Status CheckNvme(const EngineConfig& c, uint64_t params) {
 // Rewrites engine errors about budgets as the zinf-train flag that fixes them.
 Status Explain(const Status& s) {
   const std::string& m = s.message();
-  if (m.find("zinf.device_budget_bytes") != std::string::npos) {
+  if (m.find("zinf.device_budget_bytes") != std::string::npos ||
+      m.find("HostDeviceOptions::memory_budget") != std::string::npos) {
     return Status(s.code(), m + " (zinf-train: --device-budget)");
   }
   if (m.find("zinf.pinned_budget_bytes") != std::string::npos) {
@@ -196,7 +198,7 @@ struct StepRow {
   double read_gbps = 0, write_gbps = 0, overlap = 0, stall = 0;
 };
 
-int Run(const Flags& f) {
+int Run(Flags f) {
   if (f.json) out = stderr;
   // Model.
   GptConfig model;
@@ -209,7 +211,7 @@ int Run(const Flags& f) {
     model.layers = f.layers;
     model.d_model = f.d_model;
     model.heads = f.heads;
-    model.max_seq = std::max(f.seq, 1024);
+    model.max_seq = std::max(f.seq, 1024);  // --seq given or not: 1024 rows
     model.name = "custom";
   } else {
     Result<GptConfig> p = Preset(f.preset);
@@ -220,6 +222,7 @@ int Run(const Flags& f) {
     model = *p;
   }
   if (f.max_seq > 0) model.max_seq = f.max_seq;
+  if (f.seq == 0) f.seq = std::min(128, model.max_seq);
   if (Status s = Validate(model); !s.ok()) {
     std::fprintf(stderr, "zinf-train: %s\n", s.message().c_str());
     return 2;
@@ -243,9 +246,10 @@ int Run(const Flags& f) {
 
   // Device and communicator: the host device (no CUDA backend yet), one rank.
   HostDeviceOptions dopt;
+  // Without a budget the host device may use the machine's memory (it is host memory).
   dopt.memory_budget = config->device_budget_bytes != 0
                            ? config->device_budget_bytes
-                           : std::max<uint64_t>(params * 8, 1ull << 30);
+                           : static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
   std::unique_ptr<Device> device = NewHostDevice(dopt);
   Result<std::vector<std::unique_ptr<Communicator>>> comms = NewLocalComms({device.get()});
   if (!comms.ok()) {
@@ -289,10 +293,17 @@ int Run(const Flags& f) {
       return 2;
     }
     Result<int64_t> step = LoadCheckpoint(f.checkpoint_dir, model, f.seed, engine->get());
-    if (!step.ok()) return fail("resuming from " + f.checkpoint_dir, step.status());
-    first_step = *step;
-    std::fprintf(out, "  resumed from %s at step %" PRId64 "\n", f.checkpoint_dir.c_str(),
-                 first_step);
+    if (!step.ok() && step.status().code() == StatusCode::kNotFound) {
+      // Nothing committed yet (e.g. the first run died before its first save): start over.
+      std::fprintf(out, "  no checkpoint in %s yet: starting from step 0\n",
+                   f.checkpoint_dir.c_str());
+    } else if (!step.ok()) {
+      return fail("resuming from " + f.checkpoint_dir, step.status());
+    } else {
+      first_step = *step;
+      std::fprintf(out, "  resumed from %s at step %" PRId64 "\n", f.checkpoint_dir.c_str(),
+                   first_step);
+    }
   }
 
   const int accum = std::max(1, config->gradient_accumulation_steps);
@@ -305,8 +316,15 @@ int Run(const Flags& f) {
   double loss_first = 0, loss_last = 0;
   uint64_t read_bytes = 0, write_bytes = 0;
   double total_seconds = 0;
+  const int warmup = f.warmup >= 0 ? f.warmup : std::min(100, f.steps / 10);
   for (int64_t step = first_step; step < f.steps; ++step) {
     auto t0 = Clock::now();
+    // Linear warmup, then the base rate (Adam's first steps on a fresh model are large).
+    const double lr_scale = warmup > 0 ? std::min(1.0, (step + 1.0) / warmup) : 1.0;
+    if (Status s = (*engine)->SetLearningRate(static_cast<float>(config->optimizer.lr * lr_scale));
+        !s.ok()) {
+      return fail("setting the learning rate", s);
+    }
     double loss = 0;
     StepStats agg;
     for (int micro = 0; micro < accum; ++micro) {
@@ -440,12 +458,14 @@ int main(int argc, char** argv) {
   app.add_option("--batch", f.batch, "sequences per micro-step")
       ->capture_default_str()
       ->check(CLI::Range(1, 1 << 20));
-  app.add_option("--seq", f.seq, "tokens per sequence")
-      ->capture_default_str()
+  app.add_option("--seq", f.seq, "tokens per sequence (default 128, or the model's maximum)")
+
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("--grad-accum", f.grad_accum,
                  "micro-steps per optimizer step (default: config's)");
   app.add_option("--lr", f.lr, "learning rate (default: config's, or 1e-3)");
+  app.add_option("--warmup", f.warmup,
+                 "linear learning-rate warmup steps (default steps/10, <= 100)");
   app.add_option("--config", f.config, "DeepSpeed-style JSON config (zero_optimization, bf16, ...)")
       ->check(CLI::ExistingFile);
   app.add_option("--nvme", f.nvme, "NVMe swap folder (repeatable; default ./zinf-swap)");

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "train/kernels.h"
+#include "zinf/crash_point.h"
 
 namespace zinf::train {
 
@@ -233,6 +234,7 @@ Result<double> GptTrainer::Impl::Forward(const int32_t* targets, float loss_scal
       ZINF_RETURN_IF_ERROR(Reduce(BlockIndex(l, k), g[k]));
     }
     ZINF_RETURN_IF_ERROR(engine->Release(group));
+    CrashPoint("train.backward");
   }
   // Embeddings: their backward needs no parameter values.
   std::fill(dwpe.begin(), dwpe.end(), 0.0f);

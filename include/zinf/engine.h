@@ -142,6 +142,10 @@ class Engine {
   // all ranks into `out` (numel floats, host memory).
   Status GatherMasterParameter(ParamId id, float* out);
 
+  // The learning rate of the optimizer steps from the next micro-step on (a schedule: warmup,
+  // decay); starts at the config's optimizer.params.lr.
+  Status SetLearningRate(float lr);
+
   int64_t global_step() const;
   size_t num_params() const;
   const ParamInfo& param(ParamId id) const;
