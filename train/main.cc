@@ -43,7 +43,7 @@ using Clock = std::chrono::steady_clock;
 struct Flags {
   std::string preset = "small";
   int layers = 0, d_model = 0, heads = 0, max_seq = 0;
-  int steps = 200;
+  int steps = 400;
   int batch = 8;
   int seq = 0;         // 0: 128, or the model's position table when shorter
   int grad_accum = 0;  // 0: config's gradient_accumulation_steps
