@@ -7,9 +7,11 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -38,31 +40,10 @@ std::string ReadFile(const std::string& path) {
   return ss.str();
 }
 
-// Runs zinf-train on the tiny model with checkpoints every step; `crash` arms ZINF_CRASH_AT.
-Outcome RunTrain(const std::string& work, bool resume, const std::string& crash) {
-  std::vector<std::string> args = {ZINF_TRAIN_BIN,
-                                   "--preset",
-                                   "tiny",
-                                   "--steps",
-                                   std::to_string(kSteps),
-                                   "--batch",
-                                   "4",
-                                   "--seq",
-                                   "32",
-                                   "--warmup",
-                                   "2",
-                                   "--save-every",
-                                   "1",
-                                   "--checkpoint-dir",
-                                   work + "/ckpt",
-                                   "--nvme",
-                                   work + "/swap",
-                                   "--param-tier",
-                                   "nvme",
-                                   "--data",
-                                   ZINF_SOURCE_DATA,
-                                   "--json"};
-  if (resume) args.push_back("--resume");
+// Runs zinf-train with `args` (after the binary), stdout and stderr into files under `work`;
+// `crash` arms ZINF_CRASH_AT.
+Outcome Spawn(const std::string& work, std::vector<std::string> args, const std::string& crash) {
+  args.insert(args.begin(), ZINF_TRAIN_BIN);
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -98,6 +79,18 @@ Outcome RunTrain(const std::string& work, bool resume, const std::string& crash)
   o.stdout_text = ReadFile(out_path);
   o.stderr_text = ReadFile(err_path);
   return o;
+}
+
+// The tiny model with checkpoints every step, parameters and states on NVMe.
+Outcome RunTrain(const std::string& work, bool resume, const std::string& crash) {
+  // clang-format off
+  std::vector<std::string> args = {
+      "--preset", "tiny", "--steps", std::to_string(kSteps), "--batch", "4", "--seq", "32",
+      "--warmup", "2", "--save-every", "1", "--checkpoint-dir", work + "/ckpt",
+      "--nvme", work + "/swap", "--param-tier", "nvme", "--data", ZINF_SOURCE_DATA, "--json"};
+  // clang-format on
+  if (resume) args.push_back("--resume");
+  return Spawn(work, args, crash);
 }
 
 // The "param_checksum" of the final JSON line.
@@ -156,5 +149,81 @@ INSTANTIATE_TEST_SUITE_P(
       }
       return n;
     });
+
+}  // namespace
+
+namespace {
+
+// ---- Errors a user meets: one sentence with the fix, exit code 1 or 2, no crash ----
+
+TEST(TrainCli, ModelTooLargeForTheNvmeDiskIsRefusedBeforeWriting) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  // 13B parameters with states on NVMe need ~190 GB.
+  struct statvfs vfs {};
+  ASSERT_EQ(statvfs(dir.path().c_str(), &vfs), 0);
+  if (static_cast<double>(vfs.f_bavail) * vfs.f_frsize > 190e9) {
+    GTEST_SKIP() << "the test folder's disk has room for a 13B model's states";
+  }
+  Outcome o = Spawn(dir.path(),
+                    {"--preset", "13B", "--param-tier", "nvme", "--optimizer-tier", "nvme",
+                     "--nvme", dir.path() + "/swap", "--steps", "1", "--data", ZINF_SOURCE_DATA},
+                    "");
+  EXPECT_EQ(o.exit_code, 1) << o.stderr_text;
+  EXPECT_NE(o.stderr_text.find("not enough space on the NVMe path"), std::string::npos)
+      << o.stderr_text;
+  EXPECT_NE(o.stderr_text.find("free space"), std::string::npos) << o.stderr_text;
+}
+
+TEST(TrainCli, DeviceBudgetTooSmallForALayerNamesTheFlag) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  Outcome o = Spawn(dir.path(),
+                    {"--preset", "small", "--device-budget", "64K", "--nvme", dir.path() + "/swap",
+                     "--steps", "1", "--data", ZINF_SOURCE_DATA},
+                    "");
+  EXPECT_EQ(o.exit_code, 1) << o.stderr_text;
+  EXPECT_NE(o.stderr_text.find("--device-budget"), std::string::npos) << o.stderr_text;
+}
+
+TEST(TrainCli, BadFlagsAndInputsAreOneLineErrors) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  const std::string swap = dir.path() + "/swap";
+  struct Case {
+    std::vector<std::string> args;
+    std::string expect;
+  };
+  std::ofstream(dir.path() + "/file") << "x";
+  const std::vector<Case> cases = {
+      {{"--preset", "7B"}, "unknown model preset"},
+      {{"--layers", "2", "--d-model", "30", "--heads", "4"}, "multiple of --heads"},
+      {{"--layers", "2"}, "need all of --layers, --d-model and --heads"},
+      {{"--param-tier", "disk"}, "expected device, cpu or nvme"},
+      {{"--pinned-budget", "lots"}, "--pinned-budget"},
+      {{"--data", dir.path() + "/none.txt"}, "--data"},
+      {{"--nvme", dir.path() + "/file/swap"}, "NVMe swap folder"},
+      {{"--resume"}, "--resume needs --checkpoint-dir"},
+      {{"--preset", "tiny", "--seq", "65"}, "--seq must be in 1..64"},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> args = c.args;
+    if (std::find(args.begin(), args.end(), "--nvme") == args.end()) {
+      args.insert(args.end(), {"--nvme", swap});
+    }
+    if (std::find(args.begin(), args.end(), "--data") == args.end()) {
+      args.insert(args.end(), {"--data", ZINF_SOURCE_DATA});
+    }
+    args.insert(args.end(), {"--steps", "1"});
+    Outcome o = Spawn(dir.path(), args, "");
+    std::string joined;
+    for (const std::string& a : c.args) joined += a + " ";
+    EXPECT_TRUE(o.exit_code == 1 || o.exit_code == 2) << joined << ": " << o.stderr_text;
+    EXPECT_FALSE(o.killed) << joined;
+    EXPECT_NE(o.stderr_text.find(c.expect), std::string::npos)
+        << joined << ": expected \"" << c.expect << "\" in:\n"
+        << o.stderr_text;
+  }
+}
 
 }  // namespace
