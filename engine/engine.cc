@@ -677,6 +677,9 @@ Status Engine::Impl::Place() {
     so.backend = kind.value();
     so.backend_options.queue_depth = config.aio.queue_depth;
     so.block_size = config.aio.block_size;
+    // One request per stripe chunk: chunks as large as the aio block size, so that
+    // aio.block_size really is the request size (1 MiB chunks would cap it).
+    so.chunk_size = std::max<uint64_t>(RoundUp(config.aio.block_size, 4096), 4096);
     so.checksums = config.checksums;
     so.max_capacity_per_path = config.nvme_capacity_bytes;
     so.registered_regions = {arena->region()};
@@ -868,7 +871,9 @@ Status Engine::Impl::Fetch(ParamId id) {
       Result<PinnedBuffer> buf = arena->Allocate(part);
       if (!buf.ok()) return buf.status().WithContext("staging parameter '" + p.info.name + "'");
       auto staging = std::make_shared<PinnedBuffer>(std::move(buf).value());
-      ZINF_ASSIGN_OR_RETURN(Ticket t, swap->Read(p.swap_key, staging->data(), staging->capacity()));
+      // Urgent: the trainer waits on parameters; optimizer read-ahead and write-backs can wait.
+      ZINF_ASSIGN_OR_RETURN(
+          Ticket t, swap->Read(p.swap_key, staging->data(), staging->capacity(), /*urgent=*/true));
       // The copy stream waits for the read, then copies; the staging block returns after.
       (void)device->LaunchHostFunc(copy_stream, [this, t, id] {
         Status s = swap->Wait(t);
@@ -1851,6 +1856,10 @@ Status Engine::GatherMasterParameter(ParamId id, float* out) {
   Impl::Param& p = m.params[id];
   Impl::SubGroup& g = m.groups[p.info.sub_group];
   const size_t part = p.info.partition_numel;
+  if (m.world == 1 && g.master.data != nullptr) {  // the partition is the tensor
+    std::memcpy(out, g.master.data + p.slice_offset, p.info.numel * sizeof(float));
+    return Status::OK();
+  }
   std::vector<float> mine(part);
   if (g.master.data != nullptr) {
     std::memcpy(mine.data(), g.master.data + p.slice_offset, part * 4);
@@ -1868,8 +1877,12 @@ Status Engine::GatherMasterParameter(ParamId id, float* out) {
       }
       m.gather_group = p.info.sub_group;
     }
-    std::memcpy(mine.data(), static_cast<const float*>(m.gather_states->data) + p.slice_offset,
-                part * 4);
+    const float* src = static_cast<const float*>(m.gather_states->data) + p.slice_offset;
+    if (m.world == 1) {
+      std::memcpy(out, src, p.info.numel * sizeof(float));
+      return Status::OK();
+    }
+    std::memcpy(mine.data(), src, part * 4);
   }
   const size_t bytes = p.padded_numel * sizeof(float);
   ZINF_ASSIGN_OR_RETURN(void* dev, m.DevAlloc(bytes + part * 4, "gathering '" + p.info.name + "'"));

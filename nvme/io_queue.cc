@@ -105,6 +105,11 @@ bool IoQueue::TakeIncoming(bool block) {
       auto& job = incoming_.front();
       if (job->t.len == 0) {
         empty_jobs.push_back(std::move(job));
+      } else if (job->t.urgent) {
+        // After the urgent jobs already queued, before the first normal one.
+        auto at = std::find_if(active_.begin(), active_.end(),
+                               [](const std::unique_ptr<Job>& j) { return !j->t.urgent; });
+        active_.insert(at, std::move(job));
       } else {
         active_.push_back(std::move(job));
       }

@@ -28,6 +28,9 @@ struct Transfer {
   uint64_t offset = 0;
   void* buf = nullptr;
   uint64_t len = 0;
+  // Issued before every normal transfer not yet issued (after earlier urgent ones): for data
+  // someone is waiting on now, e.g. a parameter the trainer needs, ahead of write-backs.
+  bool urgent = false;
 };
 
 // Runs on the I/O thread once the transfer has ended; must be short and must not block.

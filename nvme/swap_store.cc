@@ -436,7 +436,8 @@ Result<Ticket> SwapStore::Write(const std::string& key, const void* buf, uint64_
   return ticket;
 }
 
-Result<Ticket> SwapStore::Read(const std::string& key, void* buf, uint64_t capacity) {
+Result<Ticket> SwapStore::Read(const std::string& key, void* buf, uint64_t capacity,
+                               bool urgent) {
   Impl& m = *impl_;
   std::vector<Transfer> transfers;
   Ticket ticket;
@@ -461,6 +462,7 @@ Result<Ticket> SwapStore::Read(const std::string& key, void* buf, uint64_t capac
     uint64_t chunks = m.NumChunks(RoundUp(e.size, m.alignment));
     for (uint64_t i = 0; i < chunks; ++i) {
       transfers.push_back(m.ChunkTransfer(e, i, IoOp::kRead, static_cast<char*>(buf)));
+      transfers.back().urgent = urgent;
     }
     ++e.readers;
     ticket = m.NewTicket(static_cast<int>(std::max<uint64_t>(chunks, 1)));

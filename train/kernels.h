@@ -71,6 +71,18 @@ template <typename T>
 double CrossEntropyForwardBackward(T* dlogits, const T* logits, const int32_t* targets, int N,
                                    int V, double dloss);
 
+// Linear layers whose weight w[OC, C] is bf16, for small token counts N (a few dozen): the
+// weight is read once and widened in registers instead of converted to an fp32 copy for
+// sgemm (matmul_bf16.cc). fp32 inputs, outputs and gradients; deterministic for any thread
+// count (not bit-identical to the sgemm path: another summation order).
+// out[N, OC] = inp @ widen(w)^T + bias (bias may be null).
+void MatmulForwardBf16(float* out, const float* inp, const uint16_t* w, const float* bias, int N,
+                       int C, int OC);
+// dinp += dout @ widen(w) (dinp may be null); dw = dout^T @ inp, added to dw when
+// accumulate_dw, else overwriting it; dbias += column sums of dout (may be null).
+void MatmulBackwardBf16(float* dinp, float* dw, float* dbias, const float* dout, const float* inp,
+                        const uint16_t* w, int N, int C, int OC, bool accumulate_dw);
+
 // bf16 (the upper 16 bits of an IEEE float) -> fp32, exact.
 void Bf16ToFp32(float* out, const uint16_t* in, size_t n);
 

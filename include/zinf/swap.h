@@ -129,8 +129,9 @@ class SwapStore {
   // unchanged). Running out of space fails here, before any byte moves, with other tensors
   // untouched.
   Result<Ticket> Write(const std::string& key, const void* buf, uint64_t size, uint64_t capacity);
-  // Starts reading `key` into `buf`.
-  Result<Ticket> Read(const std::string& key, void* buf, uint64_t capacity);
+  // Starts reading `key` into `buf`. `urgent`: its requests go ahead of every normal request
+  // not yet issued (a read someone waits on, ahead of write-backs and read-ahead).
+  Result<Ticket> Read(const std::string& key, void* buf, uint64_t capacity, bool urgent = false);
   // Blocks until the ticket's request has ended; returns its outcome. Once per ticket.
   Status Wait(Ticket ticket);
 

@@ -14,7 +14,10 @@
 #include <map>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
+
+#include <tbb/global_control.h>
 
 namespace zinf::train {
 namespace {
@@ -756,6 +759,94 @@ TEST(Bf16Test, EveryPatternWidensExactly) {
     ASSERT_EQ(bits, i << 16) << "pattern " << i;  // NaN payloads and signs kept too
   }
   EXPECT_EQ(out[0x3F80], FloatFromBits(0x3F800000u));
+}
+
+}  // namespace
+}  // namespace zinf::train
+
+namespace zinf::train {
+namespace {
+
+// bf16-weight Linear layers against the double reference on the widened weight. Shapes cover
+// the register blocks (8 rows), the 16-lane vectors and their tails.
+TEST(MatmulBf16, MatchesDoubleReferenceOnTheWidenedWeight) {
+  std::mt19937_64 rng(17);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (auto [N, C, OC] : {std::tuple{1, 16, 3}, std::tuple{7, 37, 65}, std::tuple{16, 256, 130},
+                          std::tuple{21, 300, 67}}) {
+    SCOPED_TRACE(::testing::Message() << "N " << N << " C " << C << " OC " << OC);
+    std::vector<uint16_t> w(static_cast<size_t>(OC) * C);
+    for (uint16_t& h : w) {
+      float f = u(rng);
+      uint32_t bits;
+      std::memcpy(&bits, &f, 4);
+      h = static_cast<uint16_t>(bits >> 16);
+    }
+    std::vector<float> wf(w.size());
+    Bf16ToFp32(wf.data(), w.data(), w.size());
+    std::vector<float> x(static_cast<size_t>(N) * C), b(OC), dy(static_cast<size_t>(N) * OC);
+    for (float& v : x) v = u(rng);
+    for (float& v : b) v = u(rng);
+    for (float& v : dy) v = u(rng);
+    std::vector<double> xd(x.begin(), x.end()), wd(wf.begin(), wf.end()), bd(b.begin(), b.end()),
+        dyd(dy.begin(), dy.end());
+    std::vector<double> yd(static_cast<size_t>(N) * OC), dxd(x.size(), 0.0), dwd(w.size(), 0.0),
+        dbd(OC, 0.0);
+    MatmulForward(yd.data(), xd.data(), wd.data(), bd.data(), N, C, OC);
+    MatmulBackward(dxd.data(), dwd.data(), dbd.data(), dyd.data(), xd.data(), wd.data(), N, C, OC);
+
+    std::vector<float> y(yd.size()), dx(x.size(), 0.5f), dw(w.size(), 7.0f), db(OC, 0.25f);
+    MatmulForwardBf16(y.data(), x.data(), w.data(), b.data(), N, C, OC);
+    MatmulBackwardBf16(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), N, C, OC,
+                       /*accumulate_dw=*/false);
+    // fp32 sums of C (or N) products of values in [-1, 1]: the error is bounded by
+    // ~C * 2^-24 * sum|terms|; 1e-5 * (C + 1) relative to the sum of magnitudes covers it.
+    auto check = [](const std::vector<float>& got, const std::vector<double>& want, double offset,
+                    double tol, const char* what) {
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_NEAR(got[i] - offset, want[i], tol) << what << "[" << i << "]";
+      }
+    };
+    check(y, yd, 0.0, 1e-5 * (C + 1), "out");
+    check(dx, dxd, 0.5, 1e-5 * (OC + 1), "dinp (accumulated onto 0.5)");
+    check(dw, dwd, 0.0, 1e-5 * (N + 1), "dw (overwritten)");
+    check(db, dbd, 0.25, 1e-5 * (N + 1), "dbias (accumulated onto 0.25)");
+    // Accumulating dw adds the same values again, bit for bit.
+    std::vector<float> dw2 = dw;
+    MatmulBackwardBf16(nullptr, dw2.data(), nullptr, dy.data(), x.data(), w.data(), N, C, OC,
+                       /*accumulate_dw=*/true);
+    for (size_t i = 0; i < dw.size(); ++i) {
+      ASSERT_NEAR(dw2[i], 2.0 * dwd[i], 2e-5 * (N + 1)) << "dw accumulated [" << i << "]";
+    }
+  }
+}
+
+TEST(MatmulBf16, SameBitsForAnyThreadCount) {
+  const int N = 16, C = 512, OC = 300;
+  std::mt19937_64 rng(3);
+  std::uniform_int_distribution<int> bits(0x3C00, 0x3F7F);  // bf16 values in [0.0078, 1)
+  std::vector<uint16_t> w(static_cast<size_t>(OC) * C);
+  for (uint16_t& h : w) h = static_cast<uint16_t>(bits(rng));
+  std::vector<float> x(static_cast<size_t>(N) * C), dy(static_cast<size_t>(N) * OC);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (float& v : x) v = u(rng);
+  for (float& v : dy) v = u(rng);
+  auto run = [&](int threads, std::vector<float>* y, std::vector<float>* dx,
+                 std::vector<float>* dw) {
+    tbb::global_control limit(tbb::global_control::max_allowed_parallelism, threads);
+    y->assign(static_cast<size_t>(N) * OC, 0.0f);
+    dx->assign(x.size(), 0.0f);
+    dw->assign(w.size(), 0.0f);
+    MatmulForwardBf16(y->data(), x.data(), w.data(), nullptr, N, C, OC);
+    MatmulBackwardBf16(dx->data(), dw->data(), nullptr, dy.data(), x.data(), w.data(), N, C, OC,
+                       false);
+  };
+  std::vector<float> y1, dx1, dw1, y2, dx2, dw2;
+  run(1, &y1, &dx1, &dw1);
+  run(4, &y2, &dx2, &dw2);
+  EXPECT_EQ(std::memcmp(y1.data(), y2.data(), y1.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(dx1.data(), dx2.data(), dx1.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(dw1.data(), dw2.data(), dw1.size() * 4), 0);
 }
 
 }  // namespace

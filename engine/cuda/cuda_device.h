@@ -1,0 +1,101 @@
+// CudaDevice: the Device seam on a CUDA GPU (see zinf/cuda.h for the contract). Not installed;
+// users create one with NewCudaDevice.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/cuda/cuda_internal.h"
+#include "nvme/range_allocator.h"
+#include "zinf/cuda.h"
+#include "zinf/device.h"
+#include "zinf/status.h"
+
+namespace zinf {
+
+// Every allocation starts on this boundary (cudaMalloc's own alignment).
+inline constexpr size_t kCudaDeviceAlignment = 256;
+
+class CudaDevice final : public Device {
+ public:
+  // Use Create. Reserves the pool; fails like NewCudaDevice.
+  static Result<std::unique_ptr<CudaDevice>> Create(const CudaDeviceOptions& options);
+  // Waits for every stream to drain, destroys them and releases the pool. REQUIRES: no other
+  // thread uses the device; allocations still live are released with it.
+  ~CudaDevice() override;
+  CudaDevice(const CudaDevice&) = delete;
+  CudaDevice& operator=(const CudaDevice&) = delete;
+
+  std::string Name() const override;
+  bool IsHost() const override { return false; }
+  int ordinal() const { return ordinal_; }
+
+  // `bytes` (exactly) count against the budget; Alloc(0) returns a unique pointer counting
+  // nothing. ResourceExhausted naming the budget and use, or fragmentation of the pool.
+  Result<void*> Alloc(size_t bytes) override;
+  // REQUIRES: ptr came from Alloc on this device (checked) and no queued work uses it.
+  void Free(void* ptr) override;
+  DeviceMemoryInfo MemoryInfo() const override;
+
+  Stream* ComputeStream() override;
+  Result<Stream*> CreateStream(const std::string& name) override;
+
+  Status CopyHostToDevice(void* dst, const void* src, size_t bytes, Stream* stream) override;
+  Status CopyDeviceToHost(void* dst, const void* src, size_t bytes, Stream* stream) override;
+  Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes, Stream* stream) override;
+  Status LaunchHostFunc(Stream* stream, std::function<void()> fn) override;
+  // Like LaunchHostFunc for work that can fail: a non-OK result becomes the stream's sticky
+  // error (reported by SynchronizeStream). `task` must not call CUDA (cudaLaunchHostFunc).
+  Status LaunchHostTask(Stream* stream, std::function<Status()> task);
+
+  Result<std::unique_ptr<Event>> CreateEvent() override;
+  Status RecordEvent(Event* event, Stream* stream) override;
+  Status StreamWaitEvent(Stream* stream, Event* event) override;
+  Status SynchronizeEvent(Event* event) override;
+  // A CUDA error while querying counts as done (SynchronizeEvent then reports it).
+  // REQUIRES: `event` is a CudaDevice event (checked).
+  bool EventDone(Event* event) override;
+  // cudaStreamSynchronize, then the stream's sticky host-function error.
+  Status SynchronizeStream(Stream* stream) override;
+
+  Status RegisterHostMemory(void* ptr, size_t bytes) override;
+  Status UnregisterHostMemory(void* ptr) override;
+
+  // A stream of this device, or InvalidArgument naming `what`.
+  Result<cuda_internal::CudaStream*> OwnStream(Stream* stream, const char* what);
+
+ private:
+  CudaDevice(int ordinal, std::string gpu_name, size_t budget);
+  Status Init();
+  Status Copy(const char* what, cudaMemcpyKind kind, void* dst, const void* src, size_t bytes,
+              Stream* stream);
+
+  const int ordinal_;
+  const std::string gpu_name_;
+  const size_t budget_;
+
+  mutable std::mutex mem_mu_;
+  struct Allocation {
+    size_t bytes;    // as requested (what the budget counts)
+    size_t rounded;  // taken from the pool
+  };
+  char* pool_base_ = nullptr;  // one cudaMalloc of pool_bytes_, made in Init
+  size_t pool_bytes_ = 0;
+  RangeAllocator pool_;                                // guarded by mem_mu_
+  std::unordered_map<void*, Allocation> allocations_;  // guarded by mem_mu_
+  size_t used_ = 0;                                    // guarded by mem_mu_
+  size_t peak_ = 0;                                    // guarded by mem_mu_
+
+  std::unique_ptr<cuda_internal::CudaStream> compute_stream_;
+  std::mutex streams_mu_;
+  std::vector<std::unique_ptr<cuda_internal::CudaStream>> streams_;  // guarded by streams_mu_
+};
+
+}  // namespace zinf
