@@ -102,15 +102,29 @@ struct GptTrainer::Impl {
     return order;
   }
 
+  // With bf16 storage and few tokens, a block's four weight matrices are used as bf16 by
+  // the Matmul*Bf16 kernels (read once, widened in registers) instead of an fp32 copy.
+  bool bf16_matmul = false;
+  static bool IsBlockMatrix(int k) {
+    return k == kQkvW || k == kAttnProjW || k == kFcW || k == kMlpProjW;
+  }
+  std::vector<const uint16_t*> raw16;  // the acquired group's bf16 matrices (else null)
+
   // Acquires `group` and returns fp32 pointers to the full parameters (converted from bf16
-  // into wconv when the engine stores bf16).
-  Result<std::vector<const float*>> AcquireFp32(const std::vector<ParamId>& group) {
+  // into wconv when the engine stores bf16; for a block with bf16_matmul, its weight matrices
+  // stay bf16 in raw16 and their fp32 pointer is null).
+  Result<std::vector<const float*>> AcquireFp32(const std::vector<ParamId>& group,
+                                                bool block = false) {
     ZINF_ASSIGN_OR_RETURN(std::vector<void*> raw, engine->Acquire(group));
     std::vector<const float*> out(group.size());
+    raw16.assign(group.size(), nullptr);
     size_t cursor = 0;
     for (size_t i = 0; i < group.size(); ++i) {
       const size_t n = engine->param(group[i]).numel;
-      if (bf16) {
+      if (bf16 && block && bf16_matmul && IsBlockMatrix(static_cast<int>(i))) {
+        raw16[i] = static_cast<const uint16_t*>(raw[i]);
+        out[i] = nullptr;
+      } else if (bf16) {
         Bf16ToFp32(wconv.data() + cursor, static_cast<const uint16_t*>(raw[i]), n);
         out[i] = wconv.data() + cursor;
         cursor += n;
@@ -121,6 +135,24 @@ struct GptTrainer::Impl {
     return out;
   }
 
+  // A block's Linear layer (weight index kw, bias kb): the bf16 kernels or sgemm.
+  void Linear(float* out, const float* inp, const float* const* w, int kw, int kb, int in,
+              int outf) {
+    if (raw16[kw] != nullptr) {
+      MatmulForwardBf16(out, inp, raw16[kw], w[kb], N, in, outf);
+    } else {
+      MatmulForward(out, inp, w[kw], w[kb], N, in, outf);
+    }
+  }
+  void LinearBackward(float* dinp, float* const* g, const float* dout, const float* inp,
+                      const float* const* w, int kw, int kb, int in, int outf) {
+    if (raw16[kw] != nullptr) {
+      MatmulBackwardBf16(dinp, g[kw], g[kb], dout, inp, raw16[kw], N, in, outf,
+                         /*accumulate_dw=*/true);
+    } else {
+      MatmulBackward(dinp, g[kw], g[kb], dout, inp, w[kw], N, in, outf);
+    }
+  }
   void ForwardBlock(int l, const float* const* w, float* x_next);
   // dres: dL/d(output of block l) on entry, dL/d(input) on return. g: gradients of the
   // block's parameters (zeroed here), laid out like BlockParam.
@@ -136,15 +168,15 @@ void GptTrainer::Impl::ForwardBlock(int l, const float* const* w, float* x_next)
   BlockActs& a = acts[l];
   LayerNormForward(a.ln1.data(), a.ln1_mean.data(), a.ln1_rstd.data(), a.x.data(), w[kLn1W],
                    w[kLn1B], N, C);
-  MatmulForward(a.qkv.data(), a.ln1.data(), w[kQkvW], w[kQkvB], N, C, 3 * C);
+  Linear(a.qkv.data(), a.ln1.data(), w, kQkvW, kQkvB, C, 3 * C);
   AttentionForward(a.atty.data(), a.att.data(), a.qkv.data(), B, T, C, NH);
-  MatmulForward(tmp.data(), a.atty.data(), w[kAttnProjW], w[kAttnProjB], N, C, C);
+  Linear(tmp.data(), a.atty.data(), w, kAttnProjW, kAttnProjB, C, C);
   ResidualForward(a.xmid.data(), a.x.data(), tmp.data(), a.x.size());
   LayerNormForward(a.ln2.data(), a.ln2_mean.data(), a.ln2_rstd.data(), a.xmid.data(), w[kLn2W],
                    w[kLn2B], N, C);
-  MatmulForward(a.fch.data(), a.ln2.data(), w[kFcW], w[kFcB], N, C, 4 * C);
+  Linear(a.fch.data(), a.ln2.data(), w, kFcW, kFcB, C, 4 * C);
   GeluForward(a.fcg.data(), a.fch.data(), a.fch.size());
-  MatmulForward(tmp.data(), a.fcg.data(), w[kMlpProjW], w[kMlpProjB], N, 4 * C, C);
+  Linear(tmp.data(), a.fcg.data(), w, kMlpProjW, kMlpProjB, 4 * C, C);
   ResidualForward(x_next, a.xmid.data(), tmp.data(), a.x.size());
 }
 
@@ -154,23 +186,21 @@ void GptTrainer::Impl::BackwardBlock(int l, const float* const* w, float* const*
   auto zero = [](std::vector<float>& v) { std::fill(v.begin(), v.end(), 0.0f); };
   // x_next = xmid + mlp(ln2(xmid)): the residual passes dres through unchanged.
   zero(dfcg);
-  MatmulBackward(dfcg.data(), g[kMlpProjW], g[kMlpProjB], dres.data(), a.fcg.data(), w[kMlpProjW],
-                 N, 4 * C, C);
+  LinearBackward(dfcg.data(), g, dres.data(), a.fcg.data(), w, kMlpProjW, kMlpProjB, 4 * C, C);
   zero(dfch);
   GeluBackward(dfch.data(), a.fch.data(), dfcg.data(), dfch.size());
   zero(dln);
-  MatmulBackward(dln.data(), g[kFcW], g[kFcB], dfch.data(), a.ln2.data(), w[kFcW], N, C, 4 * C);
+  LinearBackward(dln.data(), g, dfch.data(), a.ln2.data(), w, kFcW, kFcB, C, 4 * C);
   std::copy(dres.begin(), dres.begin() + nc, dxmid.begin());
   LayerNormBackward(dxmid.data(), g[kLn2W], g[kLn2B], dln.data(), a.xmid.data(), w[kLn2W],
                     a.ln2_mean.data(), a.ln2_rstd.data(), N, C);
   // xmid = x + proj(attn(ln1(x))).
   zero(datty);
-  MatmulBackward(datty.data(), g[kAttnProjW], g[kAttnProjB], dxmid.data(), a.atty.data(),
-                 w[kAttnProjW], N, C, C);
+  LinearBackward(datty.data(), g, dxmid.data(), a.atty.data(), w, kAttnProjW, kAttnProjB, C, C);
   zero(dqkv);
   AttentionBackward(dqkv.data(), datty.data(), a.qkv.data(), a.att.data(), B, T, C, NH);
   zero(dln);
-  MatmulBackward(dln.data(), g[kQkvW], g[kQkvB], dqkv.data(), a.ln1.data(), w[kQkvW], N, C, 3 * C);
+  LinearBackward(dln.data(), g, dqkv.data(), a.ln1.data(), w, kQkvW, kQkvB, C, 3 * C);
   std::copy(dxmid.begin(), dxmid.begin() + nc, dres.begin());
   LayerNormBackward(dres.data(), g[kLn1W], g[kLn1B], dln.data(), a.x.data(), w[kLn1W],
                     a.ln1_mean.data(), a.ln1_rstd.data(), N, C);
@@ -187,7 +217,7 @@ Result<double> GptTrainer::Impl::Forward(const int32_t* targets, float loss_scal
   // Blocks.
   for (int l = 0; l < L; ++l) {
     std::vector<ParamId> group = BlockIds(l);
-    ZINF_ASSIGN_OR_RETURN(std::vector<const float*> w, AcquireFp32(group));
+    ZINF_ASSIGN_OR_RETURN(std::vector<const float*> w, AcquireFp32(group, /*block=*/true));
     ForwardBlock(l, w.data(), l + 1 < L ? acts[l + 1].x.data() : x_final.data());
     ZINF_RETURN_IF_ERROR(engine->Release(group));
   }
@@ -221,7 +251,7 @@ Result<double> GptTrainer::Impl::Forward(const int32_t* targets, float loss_scal
   // Blocks, last first.
   for (int l = L - 1; l >= 0; --l) {
     std::vector<ParamId> group = BlockIds(l);
-    ZINF_ASSIGN_OR_RETURN(std::vector<const float*> w, AcquireFp32(group));
+    ZINF_ASSIGN_OR_RETURN(std::vector<const float*> w, AcquireFp32(group, /*block=*/true));
     float* g[kBlockParams];
     size_t cursor = 0;
     for (int k = 0; k < kBlockParams; ++k) {
@@ -274,6 +304,9 @@ Result<std::unique_ptr<GptTrainer>> GptTrainer::Create(const GptConfig& model, i
   m.V = model.vocab;
   m.L = model.layers;
   m.bf16 = engine->config().bf16;
+  // Up to 64 tokens the bf16 kernels beat widening + sgemm (they read each weight once);
+  // beyond, sgemm's blocking wins.
+  m.bf16_matmul = m.bf16 && m.N <= 64;
   m.list = ParamList(model);
   for (size_t i = 0; i < m.list.size(); ++i) {
     const GptParam& p = m.list[i];
