@@ -160,7 +160,10 @@ Result<std::unique_ptr<CudaDevice>> CudaDevice::Create(const CudaDeviceOptions& 
 }
 
 CudaDevice::CudaDevice(int ordinal, std::string gpu_name, size_t budget)
-    : ordinal_(ordinal), gpu_name_(std::move(gpu_name)), budget_(budget) {}
+    : ordinal_(ordinal),
+      gpu_name_(std::move(gpu_name)),
+      budget_(budget),
+      pool_("CudaDevice", "CudaDeviceOptions::memory_budget", budget, kCudaDeviceAlignment) {}
 
 Status CudaDevice::Init() {
   ZINF_RETURN_IF_ERROR(MakeCurrent(ordinal_));
@@ -172,7 +175,7 @@ Status CudaDevice::Init() {
   void* base = nullptr;
   ZINF_CUDA_CHECK(cudaMalloc(&base, pool_bytes_));
   pool_base_ = static_cast<char*>(base);
-  pool_.Add(0, pool_bytes_);
+  pool_.SetRange(pool_base_, pool_bytes_);
   compute_stream_ = std::make_unique<CudaStream>(this, ordinal_, "compute");
   return compute_stream_->Init();
 }
@@ -183,8 +186,6 @@ CudaDevice::~CudaDevice() {
     streams_.clear();  // each synchronizes, then is destroyed
   }
   compute_stream_.reset();
-  std::lock_guard<std::mutex> lock(mem_mu_);
-  allocations_.clear();
   if (pool_base_ != nullptr && MakeCurrent(ordinal_).ok()) (void)cudaFree(pool_base_);
 }
 
@@ -193,49 +194,11 @@ std::string CudaDevice::Name() const {
          FormatBytes(budget_) + ")";
 }
 
-Result<void*> CudaDevice::Alloc(size_t bytes) {
-  std::lock_guard<std::mutex> lock(mem_mu_);
-  if (bytes > budget_ - used_) {
-    return Status::ResourceExhausted(
-        "CudaDevice: cannot allocate " + BytesText(bytes) + ": the device memory budget is " +
-        BytesText(budget_) + " and " + BytesText(used_) +
-        " are in use; raise CudaDeviceOptions::memory_budget or free device buffers first");
-  }
-  const size_t rounded =
-      bytes == 0 ? kCudaDeviceAlignment
-                 : (bytes + kCudaDeviceAlignment - 1) / kCudaDeviceAlignment * kCudaDeviceAlignment;
-  std::optional<uint64_t> offset = pool_.Allocate(rounded);
-  if (!offset) {
-    return Status::ResourceExhausted("CudaDevice: no contiguous range of " + BytesText(bytes) +
-                                     " left in the device pool (" + BytesText(used_) +
-                                     " in use; fragmentation)");
-  }
-  void* ptr = pool_base_ + *offset;
-  allocations_.emplace(ptr, Allocation{bytes, rounded});
-  used_ += bytes;
-  peak_ = std::max(peak_, used_);
-  return ptr;
-}
+Result<void*> CudaDevice::Alloc(size_t bytes) { return pool_.Allocate(bytes); }
 
-void CudaDevice::Free(void* ptr) {
-  if (ptr == nullptr) return;
-  std::lock_guard<std::mutex> lock(mem_mu_);
-  auto it = allocations_.find(ptr);
-  ZINF_CHECK_MSG(it != allocations_.end(),
-                 "CudaDevice::Free of a pointer this device did not allocate (or freed twice)");
-  used_ -= it->second.bytes;
-  pool_.Free(static_cast<char*>(ptr) - pool_base_, it->second.rounded);
-  allocations_.erase(it);
-}
+void CudaDevice::Free(void* ptr) { pool_.Free(ptr); }
 
-DeviceMemoryInfo CudaDevice::MemoryInfo() const {
-  std::lock_guard<std::mutex> lock(mem_mu_);
-  DeviceMemoryInfo info;
-  info.budget = budget_;
-  info.used = used_;
-  info.peak = peak_;
-  return info;
-}
+DeviceMemoryInfo CudaDevice::MemoryInfo() const { return pool_.Info(); }
 
 Stream* CudaDevice::ComputeStream() { return compute_stream_.get(); }
 

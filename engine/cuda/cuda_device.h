@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "engine/cuda/cuda_internal.h"
-#include "nvme/range_allocator.h"
+#include "engine/device_pool.h"
 #include "zinf/cuda.h"
 #include "zinf/device.h"
 #include "zinf/status.h"
@@ -81,17 +81,9 @@ class CudaDevice final : public Device {
   const std::string gpu_name_;
   const size_t budget_;
 
-  mutable std::mutex mem_mu_;
-  struct Allocation {
-    size_t bytes;    // as requested (what the budget counts)
-    size_t rounded;  // taken from the pool
-  };
   char* pool_base_ = nullptr;  // one cudaMalloc of pool_bytes_, made in Init
   size_t pool_bytes_ = 0;
-  RangeAllocator pool_;                                // guarded by mem_mu_
-  std::unordered_map<void*, Allocation> allocations_;  // guarded by mem_mu_
-  size_t used_ = 0;                                    // guarded by mem_mu_
-  size_t peak_ = 0;                                    // guarded by mem_mu_
+  DevicePool pool_;
 
   std::unique_ptr<cuda_internal::CudaStream> compute_stream_;
   std::mutex streams_mu_;

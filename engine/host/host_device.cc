@@ -18,7 +18,6 @@
 namespace zinf {
 namespace {
 
-std::string BytesText(size_t n) { return FormatBytes(n) + " (" + std::to_string(n) + " bytes)"; }
 
 // The state behind an Event, shared with the markers and waits queued on streams so that the
 // Event object itself may be destroyed while they are pending (as cudaEventDestroy allows).
@@ -221,6 +220,8 @@ void LinkCopy(CopyLink* link, void* dst, const void* src, size_t bytes) {
 
 HostDevice::HostDevice(const HostDeviceOptions& options)
     : options_(options),
+      pool_("HostDevice", "HostDeviceOptions::memory_budget", options.memory_budget,
+            kHostDeviceAlignment),
       compute_stream_(std::make_unique<HostStream>(this, "compute", /*is_compute=*/true)) {
   if (options_.copy_gbps > 0) {
     h2d_link_ = std::make_unique<CopyLink>(options_.copy_gbps);
@@ -238,7 +239,7 @@ HostDevice::HostDevice(const HostDeviceOptions& options)
   } else {
     madvise(p, pool_bytes_, MADV_HUGEPAGE);
     pool_base_ = static_cast<char*>(p);
-    pool_.Add(0, pool_bytes_);
+    pool_.SetRange(pool_base_, pool_bytes_);
   }
 }
 
@@ -250,8 +251,6 @@ HostDevice::~HostDevice() {
     for (auto& s : streams_) s->Stop();
     streams_.clear();
   }
-  std::lock_guard<std::mutex> lock(mem_mu_);
-  allocations_.clear();
   if (pool_base_ != nullptr) munmap(pool_base_, pool_bytes_);
 }
 
@@ -267,55 +266,11 @@ std::string HostDevice::Name() const {
   return name;
 }
 
-Result<void*> HostDevice::Alloc(size_t bytes) {
-  // Under the lock from check to insertion so that concurrent Allocs never overshoot the
-  // budget and the peak is exact.
-  std::lock_guard<std::mutex> lock(mem_mu_);
-  if (bytes > options_.memory_budget - used_) {
-    return Status::ResourceExhausted(
-        "HostDevice: cannot allocate " + BytesText(bytes) + ": the device memory budget is " +
-        BytesText(options_.memory_budget) + " and " + BytesText(used_) +
-        " are in use; raise HostDeviceOptions::memory_budget or free device buffers first");
-  }
-  if (bytes > std::numeric_limits<size_t>::max() - kHostDeviceAlignment) {
-    return Status::ResourceExhausted("HostDevice: cannot allocate " + BytesText(bytes) +
-                                     ": larger than any host allocation");
-  }
-  const size_t rounded =
-      bytes == 0 ? kHostDeviceAlignment
-                 : (bytes + kHostDeviceAlignment - 1) / kHostDeviceAlignment * kHostDeviceAlignment;
-  std::optional<uint64_t> offset = pool_.Allocate(rounded);
-  if (!offset) {
-    return Status::ResourceExhausted("HostDevice: no contiguous range of " + BytesText(bytes) +
-                                     " left in the device pool (" + BytesText(used_) +
-                                     " in use; fragmentation)");
-  }
-  void* ptr = pool_base_ + *offset;
-  allocations_.emplace(ptr, Allocation{bytes, rounded});
-  used_ += bytes;
-  peak_ = std::max(peak_, used_);
-  return ptr;
-}
+Result<void*> HostDevice::Alloc(size_t bytes) { return pool_.Allocate(bytes); }
 
-void HostDevice::Free(void* ptr) {
-  if (ptr == nullptr) return;
-  std::lock_guard<std::mutex> lock(mem_mu_);
-  auto it = allocations_.find(ptr);
-  ZINF_CHECK_MSG(it != allocations_.end(),
-                 "HostDevice::Free of a pointer this device did not allocate (or freed twice)");
-  used_ -= it->second.bytes;
-  pool_.Free(static_cast<char*>(ptr) - pool_base_, it->second.rounded);
-  allocations_.erase(it);
-}
+void HostDevice::Free(void* ptr) { pool_.Free(ptr); }
 
-DeviceMemoryInfo HostDevice::MemoryInfo() const {
-  std::lock_guard<std::mutex> lock(mem_mu_);
-  DeviceMemoryInfo info;
-  info.budget = options_.memory_budget;
-  info.used = used_;
-  info.peak = peak_;
-  return info;
-}
+DeviceMemoryInfo HostDevice::MemoryInfo() const { return pool_.Info(); }
 
 Stream* HostDevice::ComputeStream() { return compute_stream_.get(); }
 

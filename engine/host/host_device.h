@@ -23,7 +23,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "nvme/range_allocator.h"
+#include "engine/device_pool.h"
 #include "zinf/device.h"
 #include "zinf/status.h"
 
@@ -134,20 +134,12 @@ class HostDevice final : public Device {
   std::unique_ptr<CopyLink> h2d_link_;
   std::unique_ptr<CopyLink> d2h_link_;
 
-  mutable std::mutex mem_mu_;
-  struct Allocation {
-    size_t bytes;    // as requested (what the budget counts)
-    size_t rounded;  // taken from the pool
-  };
   // Device memory is one reservation made at construction (virtual until touched) and
   // sub-allocated: freed ranges keep their pages, so a buffer reused every step is not
   // faulted in again (a fresh 4 KiB page costs ~12 us here).
   char* pool_base_ = nullptr;  // set once in the constructor
   size_t pool_bytes_ = 0;
-  RangeAllocator pool_;                                // guarded by mem_mu_
-  std::unordered_map<void*, Allocation> allocations_;  // guarded by mem_mu_
-  size_t used_ = 0;                                    // guarded by mem_mu_
-  size_t peak_ = 0;                                    // guarded by mem_mu_
+  DevicePool pool_;
 
   std::unique_ptr<HostStream> compute_stream_;
   std::mutex streams_mu_;
