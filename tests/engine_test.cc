@@ -1166,7 +1166,8 @@ struct FaultOutcome {
 // One rank, parameters and optimizer states on NVMe: two clean micro-steps, then an EIO on
 // the request `ahead` requests from now, then up to 3 micro-steps until a call fails, then
 // (the plan cleared) up to 2 more micro-steps, and the masters when those succeeded.
-FaultOutcome RunWithInjectedFault(uint64_t ahead) {
+FaultOutcome RunWithInjectedFault(uint64_t ahead, IoFault fault = IoFault{},
+                                  bool checksums = false) {
   FaultOutcome out;
   RunOptions o;
   o.param_tier = Tier::kNvme;
@@ -1185,8 +1186,10 @@ FaultOutcome RunWithInjectedFault(uint64_t ahead) {
   auto plan = std::make_shared<FaultPlan>();
   EngineHooks hooks;
   hooks.fault_plan = plan;
+  EngineConfig config = MakeConfig(o, dir.path());
+  config.checksums = checksums;
   Result<std::unique_ptr<Engine>> engine =
-      Engine::Create(MakeConfig(o, dir.path()), device.get(), (*comms)[0].get(), hooks);
+      Engine::Create(config, device.get(), (*comms)[0].get(), hooks);
   if (!engine.ok()) {
     out.setup = engine.status();
     return out;
@@ -1204,11 +1207,7 @@ FaultOutcome RunWithInjectedFault(uint64_t ahead) {
   // The error may surface in the call that needs the request or, for a prefetch or a
   // write-back, in a later one.
   out.fault_at = plan->requests() + ahead;
-  IoFault fault;
-  fault.kind = IoFault::Kind::kError;
-  fault.errno_value = EIO;
   fault.first = out.fault_at;
-  fault.count = 1;
   plan->Add(fault);
   out.clean_micro_steps = 2;
   for (int attempt = 0; attempt < 3 && out.fault_error.ok(); ++attempt) {
@@ -1219,7 +1218,10 @@ FaultOutcome RunWithInjectedFault(uint64_t ahead) {
                                 out.fault_error.message().rfind("Step", 0) != 0;
   out.requests_after = plan->requests();
   plan->Clear();
-  if (out.fault_error.ok()) return out;
+  if (out.fault_error.ok()) {  // absorbed: the masters after the faulty steps
+    out.gather = trainer.GatherAll(&out.params);
+    return out;
+  }
   for (int m = 0; m < 2 && out.recovery.ok(); ++m) {
     out.recovery = trainer.MicroStep(0, kGlobalBatch, false, &loss, &stats);
     if (out.recovery.ok()) {
@@ -1285,6 +1287,83 @@ TEST(EngineTest, InjectedIoErrorFailsTheStepAndTheEngineStaysConsistent) {
             << "after recovering from a failed parameter read, vs " << clean.steps
             << " clean steps";
       }
+    }
+  }
+}
+
+// Every kind of fault the FaultyBackend injects, on parameter and optimizer-state traffic (a
+// rule covers the next 1,000 requests of its op, so it meets whatever the step moves):
+// errors (EIO on reads, EIO and ENOSPC on writes) fail a call with a Status naming the file
+// or tensor; a torn write (the device drops data but reports success) is caught by the
+// checksums when the tensor is read back; short transfers and slow requests are absorbed, and
+// the training is then bit-identical to a clean run.
+TEST(EngineTest, EveryFaultKindIsReportedOrAbsorbed) {
+  struct Case {
+    const char* name;
+    IoFault fault;
+    bool checksums;
+    bool absorbed;
+    StatusCode code;
+  };
+  auto make = [](IoFault::Kind kind, bool any_op, IoOp op, int err, uint64_t count) {
+    IoFault f;
+    f.kind = kind;
+    f.any_op = any_op;
+    f.op = op;
+    f.errno_value = err;
+    f.count = count;
+    f.short_bytes = 4096;
+    f.delay_us = 3000;
+    return f;
+  };
+  const std::vector<Case> cases = {
+      {"EIO on a read", make(IoFault::Kind::kError, false, IoOp::kRead, EIO, 1000), false, false,
+       StatusCode::kIoError},
+      {"EIO on a write", make(IoFault::Kind::kError, false, IoOp::kWrite, EIO, 1000), false, false,
+       StatusCode::kIoError},
+      {"ENOSPC on a write", make(IoFault::Kind::kError, false, IoOp::kWrite, ENOSPC, 1000), false,
+       false, StatusCode::kResourceExhausted},
+      {"torn writes", make(IoFault::Kind::kTorn, false, IoOp::kWrite, 0, 1000), true, false,
+       StatusCode::kCorruption},
+      {"short transfers", make(IoFault::Kind::kShort, true, IoOp::kRead, 0, 40), false, true,
+       StatusCode::kOk},
+      {"slow requests", make(IoFault::Kind::kDelay, true, IoOp::kRead, 0, 40), false, true,
+       StatusCode::kOk},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    FaultOutcome f;
+    RunGuarded(std::string("training with ") + c.name, std::chrono::seconds(60),
+               [&] { f = RunWithInjectedFault(3, c.fault, c.checksums); });
+    ASSERT_TRUE(f.setup.ok()) << f.setup.ToString();
+    std::printf("  %s: %s\n", c.name, f.fault_error.ToString().c_str());
+    if (c.absorbed) {
+      ASSERT_TRUE(f.fault_error.ok()) << f.fault_error.ToString();
+      ASSERT_TRUE(f.gather.ok()) << f.gather.ToString();
+      RunOptions clean;
+      clean.steps = f.clean_micro_steps;
+      RunResult ref = RunTraining(clean);
+      ASSERT_TRUE(ref.status.ok()) << ref.status.ToString();
+      EXPECT_EQ(FirstBitDifference(f.params, ref.params), "")
+          << "after " << c.name << ", vs " << clean.steps << " clean steps";
+      continue;
+    }
+    ASSERT_FALSE(f.fault_error.ok()) << c.name << " was not reported by any engine call";
+    EXPECT_EQ(f.fault_error.code(), c.code) << f.fault_error.ToString();
+    EXPECT_TRUE(f.fault_error.message().find("zinf-swap") != std::string::npos ||
+                f.fault_error.message().find('\'') != std::string::npos)
+        << "names neither the swap file nor a tensor: " << f.fault_error.ToString();
+    // With the fault gone: trains on with finite masters, or refuses with a reason. The same
+    // kind of error may come once more: a prefetch issued while the fault was armed reports
+    // at the Acquire that needs it, and after a torn write the data on disk stays damaged.
+    if (!f.recovery.ok()) {
+      std::printf("      then: %s\n", f.recovery.ToString().c_str());
+      EXPECT_TRUE(f.recovery.code() == StatusCode::kFailedPrecondition ||
+                  f.recovery.code() == c.code)
+          << f.recovery.ToString();
+    } else if (f.recovered_steps > 0) {
+      ASSERT_TRUE(f.gather.ok()) << f.gather.ToString();
+      EXPECT_TRUE(AllFinite(f.params));
     }
   }
 }
