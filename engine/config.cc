@@ -63,9 +63,9 @@ constexpr std::string_view kZeroKeys[] = {
     "round_robin_gradients",
 };
 constexpr std::string_view kZinfKeys[] = {
-    "device_budget_bytes", "pinned_budget_bytes", "nvme_capacity_bytes",
-    "delayed_update",      "checksums",           "optimizer_threads",
-    "host_copy_gbps",      "io_backend",          "nvme_paths",
+    "device_budget_bytes", "pinned_budget_bytes", "nvme_capacity_bytes", "delayed_update",
+    "checksums",           "optimizer_threads",   "host_copy_gbps",      "io_backend",
+    "nvme_paths",          "allowed_nvme_roots",
 };
 constexpr std::string_view kAioKeys[] = {
     "block_size", "queue_depth", "thread_count", "single_submit", "overlap_events", "use_gds",
@@ -616,6 +616,13 @@ Status ParseZinf(ObjectReader& r, EngineConfig* config, std::vector<std::string>
       return TypeError(r.PathOf("nvme_paths"), "an array of path strings", *paths);
     }
     ZINF_RETURN_IF_ERROR(r.ReadPaths("nvme_paths", extra_nvme_paths, has_extra_paths));
+  }
+  if (const Json* roots = r.Find("allowed_nvme_roots"); roots != nullptr && !roots->is_null()) {
+    if (!roots->is_array()) {
+      return TypeError(r.PathOf("allowed_nvme_roots"), "an array of folder strings", *roots);
+    }
+    bool present = false;
+    ZINF_RETURN_IF_ERROR(r.ReadPaths("allowed_nvme_roots", &config->allowed_nvme_roots, &present));
   }
   r.Finish();
   return Status::OK();

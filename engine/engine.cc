@@ -382,6 +382,7 @@ struct Engine::Impl {
 
   Status Place();
   Status InitStores();
+  Status CheckNvmePaths(const std::vector<std::string>& paths) const;
 
   // ---- Fetch / evict ----
 
@@ -505,6 +506,11 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
   m.hooks = hooks;
   m.rank = comm->rank();
   m.world = comm->world_size();
+  // NVMe paths: folders, inside zinf.allowed_nvme_roots when set (again at placement, when
+  // the swap store opens).
+  for (const OffloadConfig* o : {&config.offload_param, &config.offload_optimizer}) {
+    if (o->tier == Tier::kNvme) ZINF_RETURN_IF_ERROR(m.CheckNvmePaths(o->nvme_paths));
+  }
   if (config.bf16) {
     m.elem_size = 2;
     m.copy_type = ParamCopyType::kBf16;
@@ -663,6 +669,7 @@ Status Engine::Impl::Place() {
         so.paths.push_back(extra);
       }
     }
+    ZINF_RETURN_IF_ERROR(CheckNvmePaths(so.paths));
     if (world > 1) {
       // Each rank keeps its own swap files: a subfolder per rank.
       for (std::string& path : so.paths) {
@@ -685,6 +692,45 @@ Status Engine::Impl::Place() {
     so.registered_regions = {arena->region()};
     so.fault_plan = hooks.fault_plan;
     ZINF_ASSIGN_OR_RETURN(swap, SwapStore::Open(so));
+  }
+  return Status::OK();
+}
+
+// Every NVMe path must be a folder and, when zinf.allowed_nvme_roots is set, inside one of
+// them after resolving symbolic links.
+Status Engine::Impl::CheckNvmePaths(const std::vector<std::string>& paths) const {
+  std::vector<std::string> roots;
+  for (const std::string& r : config.allowed_nvme_roots) {
+    char* real = realpath(r.c_str(), nullptr);
+    if (real == nullptr) {
+      return ErrnoToStatus(errno, "zinf.allowed_nvme_roots: cannot resolve " + r);
+    }
+    roots.emplace_back(real);
+    std::free(real);
+  }
+  for (const std::string& p : paths) {
+    char* real = realpath(p.c_str(), nullptr);
+    if (real == nullptr) {
+      return ErrnoToStatus(errno, "nvme_path " + p + " (create the folder, or fix the path)");
+    }
+    std::string resolved(real);
+    std::free(real);
+    struct stat st {};
+    if (stat(resolved.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+      return Status::InvalidArgument("nvme_path " + p + " is not a folder");
+    }
+    if (roots.empty()) continue;
+    bool inside = false;
+    for (const std::string& r : roots) {
+      if (resolved == r || resolved.rfind(r == "/" ? r : r + "/", 0) == 0) inside = true;
+    }
+    if (!inside) {
+      std::string list;
+      for (const std::string& r : config.allowed_nvme_roots) list += (list.empty() ? "" : ", ") + r;
+      return Status::InvalidArgument(
+          "nvme_path " + p + " (" + resolved +
+          ") is outside the allowed folders (zinf.allowed_nvme_roots: " + list + ")");
+    }
   }
   return Status::OK();
 }

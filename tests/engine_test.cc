@@ -17,6 +17,8 @@
 
 #include <errno.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -1369,6 +1371,57 @@ TEST(EngineTest, EveryFaultKindIsReportedOrAbsorbed) {
 }
 
 // ---- Configuration errors -------------------------------------------------------------------
+
+TEST(EngineTest, NvmePathsOutsideTheAllowedRootsOrNotFoldersAreRefused) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  const std::string allowed = dir.path() + "/allowed", other = dir.path() + "/other";
+  ASSERT_EQ(mkdir(allowed.c_str(), 0700), 0);
+  ASSERT_EQ(mkdir(other.c_str(), 0700), 0);
+  ASSERT_EQ(symlink(other.c_str(), (allowed + "/escape").c_str()), 0);
+  std::ofstream(dir.path() + "/file") << "x";
+  struct Case {
+    std::string path;
+    std::string expect;  // empty: accepted
+  };
+  const std::vector<Case> cases = {
+      {allowed, ""},
+      {other, "outside the allowed folders"},
+      {allowed + "/escape", "outside the allowed folders"},  // a link out of the root
+      {allowed + "/../other", "outside the allowed folders"},
+      {dir.path() + "/file", "not a folder"},
+      {dir.path() + "/missing", "create the folder"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.path);
+    std::unique_ptr<Device> device = NewHostDevice(HostDeviceOptions{});
+    auto comms = NewLocalComms({device.get()});
+    ASSERT_TRUE(comms.ok());
+    RunOptions o;
+    o.optimizer_tier = Tier::kNvme;
+    EngineConfig config = MakeConfig(o, c.path);
+    config.allowed_nvme_roots = {allowed};
+    Result<std::unique_ptr<Engine>> engine =
+        Engine::Create(config, device.get(), (*comms)[0].get());
+    if (c.expect.empty()) {
+      EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+      continue;
+    }
+    ASSERT_FALSE(engine.ok());
+    EXPECT_NE(engine.status().message().find(c.expect), std::string::npos)
+        << engine.status().ToString();
+  }
+  // The key parses, with a type check.
+  std::vector<std::string> warnings;
+  Result<EngineConfig> parsed =
+      ParseEngineConfig(R"({"zinf": {"allowed_nvme_roots": ["/a", "/b"]}})", &warnings);
+  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+  EXPECT_EQ(parsed->allowed_nvme_roots, (std::vector<std::string>{"/a", "/b"}));
+  EXPECT_TRUE(warnings.empty());
+  parsed = ParseEngineConfig(R"({"zinf": {"allowed_nvme_roots": "/a"}})", &warnings);
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_NE(parsed.status().message().find("zinf.allowed_nvme_roots"), std::string::npos);
+}
 
 TEST(EngineTest, NvmeTierWithoutPathFailsAtCreate) {
   std::unique_ptr<Device> device = NewHostDevice(HostDeviceOptions{});

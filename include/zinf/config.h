@@ -71,6 +71,9 @@ struct EngineConfig {
   bool checksums = false;            // per-chunk checksums in the swap store
   int optimizer_threads = 0;         // CPU Adam threads; 0 = all cores
   double host_copy_gbps = 0;         // HostDevice PCIe simulation; 0 = memcpy speed
+  // When not empty, every NVMe path must lie inside one of these folders once symbolic links
+  // are resolved (checked by Engine::Create), so a config cannot point the swapper elsewhere.
+  std::vector<std::string> allowed_nvme_roots;
 };
 
 // Parses a JSON config. Unknown keys add one warning each to *warnings (key path named);
