@@ -1913,9 +1913,17 @@ Status Engine::GatherMasterParameter(ParamId id, float* out) {
     // NVMe or device states: read the sub-group once for the consecutive parameters of a
     // full gather (the cache is dropped when the next micro-step starts or a checkpoint loads).
     if (m.gather_group != p.info.sub_group || m.gather_states == nullptr) {
-      m.gather_states.reset();
-      m.gather_states = std::make_unique<AlignedBuffer>(m.GroupStateBytes(g));
-      if (m.gather_states->data == nullptr) return Status::ResourceExhausted("gather buffer");
+      // One buffer, as large as the largest sub-group, reused from group to group.
+      if (m.gather_states == nullptr) {
+        size_t largest = 0;
+        for (const Impl::SubGroup& sg : m.groups)
+          largest = std::max(largest, m.GroupStateBytes(sg));
+        m.gather_states = std::make_unique<AlignedBuffer>(largest);
+        if (m.gather_states->data == nullptr) {
+          m.gather_states.reset();
+          return Status::ResourceExhausted("gather buffer of " + FormatBytes(largest));
+        }
+      }
       Status s = m.ReadGroupStates(p.info.sub_group, m.gather_states->data);
       if (!s.ok()) {
         m.gather_states.reset();
