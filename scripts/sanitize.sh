@@ -9,6 +9,7 @@ common=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DZINF_CUDA=OFF -DZINF_BUILD_BENCH=OFF
 
 ZINF_BUILD_DIR=build-asan scripts/build.sh "${common[@]}" -DZINF_SANITIZE=address
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  LSAN_OPTIONS="suppressions=$PWD/../scripts/lsan.supp" \
   ctest --output-on-failure --timeout 600 -j 2 -LE install)
 
 ZINF_BUILD_DIR=build-tsan scripts/build.sh "${common[@]}" -DZINF_SANITIZE=thread
