@@ -547,10 +547,9 @@ TEST_F(HostDeviceLinkTest, TheTwoDirectionsAreIndependent) {
   const double elapsed = Seconds(Clock::now() - start);
   RecordProperty("elapsed_us", static_cast<int>(elapsed * 1e6));
   EXPECT_GE(elapsed, kOneCopySeconds * 0.99);
-  // Full duplex finishes in about one copy's time; a shared link would need two. The bound is
-  // loose (3x) because only the lower bounds are guaranteed on a busy machine; the sharing
-  // rule itself is checked without timing by CopyLinkTest.
-  EXPECT_LT(elapsed, 3 * kOneCopySeconds + 0.2);
+  // Full duplex finishes in about one copy's time, a shared link would need two; but only the
+  // lower bound holds on a busy machine (an upper bound failed under a sanitizer with a
+  // parallel build), so the sharing rule itself is checked without timing by CopyLinkTest.
   EXPECT_EQ(std::memcmp(dev_[0], host_[0]->data(), kBytes), 0);
   EXPECT_EQ(std::memcmp(out_.data(), host_[1]->data(), kBytes), 0);
 }
