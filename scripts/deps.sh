@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs the Debian 12 packages zinf needs to build, test and benchmark, when missing.
+# Installs the Debian 12 packages zinf needs to build, test and benchmark, when missing
+# (with the argument `fuzz`, also what scripts/fuzz.sh needs).
 # Run as root (or with sudo available); a non-root user without sudo gets the list to install.
 set -euo pipefail
 
@@ -10,6 +11,10 @@ PACKAGES=(
   libgtest-dev libgmock-dev
   fio
 )
+# `scripts/deps.sh fuzz`: also clang and its libFuzzer runtime (scripts/fuzz.sh).
+if [ "${1:-}" = "fuzz" ]; then
+  PACKAGES+=(clang libclang-rt-14-dev)
+fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -5,7 +5,7 @@
 # new code are kept in build-fuzz/corpus-* (copy interesting ones into fuzz/corpus/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/deps.sh
+scripts/deps.sh fuzz
 seconds=${ZINF_FUZZ_SECONDS:-30}
 flags="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined -g"
 if [ ! -f build-fuzz/CMakeCache.txt ]; then
