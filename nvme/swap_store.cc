@@ -4,8 +4,6 @@
 #include <unistd.h>
 #include <xxhash.h>
 
-#include "zinf/crash_point.h"
-
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -18,6 +16,7 @@
 
 #include "nvme/io_queue.h"
 #include "nvme/range_allocator.h"
+#include "zinf/crash_point.h"
 #include "zinf/log.h"
 #include "zinf/swap.h"
 
@@ -436,8 +435,7 @@ Result<Ticket> SwapStore::Write(const std::string& key, const void* buf, uint64_
   return ticket;
 }
 
-Result<Ticket> SwapStore::Read(const std::string& key, void* buf, uint64_t capacity,
-                               bool urgent) {
+Result<Ticket> SwapStore::Read(const std::string& key, void* buf, uint64_t capacity, bool urgent) {
   Impl& m = *impl_;
   std::vector<Transfer> transfers;
   Ticket ticket;

@@ -82,8 +82,8 @@ ZINF_CLONES void ForwardBlock(float* out, const float* inp, const uint16_t* w, c
 }
 
 // dinp[m, c] += sum_o dout[m, o] w[o, c] for c in [c0, c1) (multiples of 16 but the last).
-ZINF_CLONES void BackwardInputBlock(float* dinp, const float* dout, const uint16_t* w, int M,
-                                    int C, int OC, int c0, int c1) {
+ZINF_CLONES void BackwardInputBlock(float* dinp, const float* dout, const uint16_t* w, int M, int C,
+                                    int OC, int c0, int c1) {
   for (int m0 = 0; m0 < M; m0 += kRows) {
     const int rows = std::min(kRows, M - m0);
     int c = c0;
@@ -105,7 +105,8 @@ ZINF_CLONES void BackwardInputBlock(float* dinp, const float* dout, const uint16
       for (int r = 0; r < rows; ++r) {
         float s = 0;
         for (int o = 0; o < OC; ++o) {
-          s += dout[static_cast<size_t>(m0 + r) * OC + o] * WidenBf16(w[static_cast<size_t>(o) * C + c]);
+          s += dout[static_cast<size_t>(m0 + r) * OC + o] *
+               WidenBf16(w[static_cast<size_t>(o) * C + c]);
         }
         dinp[static_cast<size_t>(m0 + r) * C + c] += s;
       }
@@ -143,13 +144,12 @@ constexpr int kGrainRows = 64;  // output features per task
 void MatmulForwardBf16(float* out, const float* inp, const uint16_t* w, const float* bias, int N,
                        int C, int OC) {
   if (N <= 0 || OC <= 0) return;
-  tbb::parallel_for(tbb::blocked_range<int>(0, OC, kGrainRows),
-                    [&](const tbb::blocked_range<int>& r) {
-                      for (int m0 = 0; m0 < N; m0 += kRows) {
-                        ForwardBlock(out, inp, w, bias, m0, std::min(kRows, N - m0), C, OC,
-                                     r.begin(), r.end());
-                      }
-                    });
+  tbb::parallel_for(
+      tbb::blocked_range<int>(0, OC, kGrainRows), [&](const tbb::blocked_range<int>& r) {
+        for (int m0 = 0; m0 < N; m0 += kRows) {
+          ForwardBlock(out, inp, w, bias, m0, std::min(kRows, N - m0), C, OC, r.begin(), r.end());
+        }
+      });
 }
 
 void MatmulBackwardBf16(float* dinp, float* dw, float* dbias, const float* dout, const float* inp,
@@ -164,11 +164,10 @@ void MatmulBackwardBf16(float* dinp, float* dw, float* dbias, const float* dout,
       }
     });
   }
-  tbb::parallel_for(tbb::blocked_range<int>(0, OC, kGrainRows),
-                    [&](const tbb::blocked_range<int>& r) {
-                      BackwardWeightBlock(dw, dout, inp, N, C, OC, r.begin(), r.end(),
-                                          accumulate_dw);
-                    });
+  tbb::parallel_for(
+      tbb::blocked_range<int>(0, OC, kGrainRows), [&](const tbb::blocked_range<int>& r) {
+        BackwardWeightBlock(dw, dout, inp, N, C, OC, r.begin(), r.end(), accumulate_dw);
+      });
   if (dbias != nullptr) {
     for (int n = 0; n < N; ++n) {
       const float* d = dout + static_cast<size_t>(n) * OC;

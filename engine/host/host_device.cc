@@ -18,7 +18,6 @@
 namespace zinf {
 namespace {
 
-
 // The state behind an Event, shared with the markers and waits queued on streams so that the
 // Event object itself may be destroyed while they are pending (as cudaEventDestroy allows).
 //

@@ -4,6 +4,7 @@
 #include "train/kernels.h"
 
 #include <gtest/gtest.h>
+#include <tbb/global_control.h>
 
 #include <algorithm>
 #include <cmath>
@@ -16,8 +17,6 @@
 #include <string>
 #include <tuple>
 #include <vector>
-
-#include <tbb/global_control.h>
 
 namespace zinf::train {
 namespace {
