@@ -35,6 +35,7 @@ struct Flags {
   uint64_t prefetch_elems = 16u << 20;
   int optimizer_threads = 0;
   bool bf16 = false;
+  bool delayed_update = false;
 };
 
 Result<Tier> ParseTier(const std::string& s) {
@@ -63,6 +64,9 @@ int Main(int argc, char** argv) {
   app.add_option("--prefetch-elems", f.prefetch_elems);
   app.add_option("--optimizer-threads", f.optimizer_threads);
   app.add_flag("--bf16", f.bf16, "bf16 parameters on the device");
+  app.add_flag("--delayed-update", f.delayed_update,
+               "one-step delayed parameter update (zinf.delayed_update): a step's optimizer "
+               "runs on during the next step's forward and backward");
   // Presets first, then explicit flags win: parse twice.
   CLI11_PARSE(app, argc, argv);
   if (f.preset != "none") {
@@ -106,6 +110,7 @@ int Main(int argc, char** argv) {
   c.max_reuse_distance = 0;
   c.optimizer_threads = f.optimizer_threads;
   c.bf16 = f.bf16;
+  c.delayed_update = f.delayed_update;
   const uint64_t elem = f.bf16 ? 2 : 4;
   c.pinned_budget_bytes = RoundUp(f.layers * f.layer_elems * 4 + 4 * f.sub_group_elems * 14 +
                                       f.prefetch_elems * elem + 64 * f.layer_elems + (256u << 20),
@@ -176,6 +181,7 @@ int Main(int argc, char** argv) {
     nlohmann::json j;
     j["step"] = st->step;
     j["preset"] = f.preset;
+    j["delayed_update"] = f.delayed_update;
     j["step_seconds"] = st->step_seconds;
     j["overlap_efficiency"] = st->overlap_efficiency;
     j["nvme_read_bytes"] = st->nvme_read_bytes;
@@ -205,6 +211,7 @@ int Main(int argc, char** argv) {
   std::sort(effs.begin(), effs.end());
   nlohmann::json j;
   j["preset"] = f.preset;
+  j["delayed_update"] = f.delayed_update;
   j["median_overlap_efficiency"] = effs.empty() ? 0 : effs[effs.size() / 2];
   std::printf("%s\n", j.dump().c_str());
   return 0;

@@ -22,6 +22,7 @@
 #include <cstring>
 #include <deque>
 #include <filesystem>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -187,10 +188,12 @@ struct Engine::Impl {
     ParamInfo info;
     std::function<void(float*, size_t)> init;
     size_t padded_numel = 0;  // partition_numel * world
-    // This rank's partition in the parameter store (storage dtype).
-    void* device_part = nullptr;  // Tier::kDevice
-    PinnedBuffer host_part;       // Tier::kCpu
-    std::string swap_key;         // Tier::kNvme
+    // This rank's partition in the parameter store (storage dtype). With the delayed update
+    // the store has two buffers: version v of the parameters lives in buffer v % 2 (see
+    // Impl::Buf), so the optimizer writes step s's parameters while the trainer reads s - 1's.
+    void* device_part[2] = {nullptr, nullptr};  // Tier::kDevice
+    PinnedBuffer host_part[2];                  // Tier::kCpu
+    std::string swap_key[2];                    // Tier::kNvme
     // Device cache of the full parameter.
     void* device_full = nullptr;
     bool aliased = false;  // device_full is device_part (one rank, device tier)
@@ -211,7 +214,12 @@ struct Engine::Impl {
     HostArray master;                // [master | exp_avg | exp_avg_sq], one mapping
     float* device_states = nullptr;  // Tier::kDevice on a host device: [master|m|v]
     std::string swap_key;            // Tier::kNvme: [master|m|v] in one tensor
-    int pending = 0;                 // guarded by mu_: params whose grad has not landed
+    int pending = 0;                 // guarded by mu: params whose grad has not landed
+    // Guarded by mu: the optimizer step whose gradients are complete in the accumulators, and
+    // the last step the optimizer has finished with this sub-group (its accumulators are free
+    // for the next window's gradients from then on).
+    int64_t ready_step = 0;
+    int64_t stepped_step = 0;
     // Gradient accumulators of the group's partitions (pinned fp32, sliced like the states).
     // Streaming mode allocates them at the group's first gradient of a window and frees them
     // once the group is stepped; otherwise they live as long as the engine.
@@ -275,17 +283,25 @@ struct Engine::Impl {
 
   int64_t step = 0;
   int64_t micro = 0;  // micro-steps taken
+  // One-step delayed update (zinf.delayed_update): the optimizer step for window s runs while
+  // the trainer computes window s + 1, which reads the parameters of step s - 1.
+  bool delayed = false;
+  // Trainer thread: the version (optimizer step) of the parameters Acquire returns. Equal to
+  // `step` without the delayed update; `step - 1` with it (or `step` after a checkpoint).
+  int64_t visible = 0;
+  // The parameter store buffer that holds version v.
+  int Buf(int64_t v) const { return delayed ? static_cast<int>(v & 1) : 0; }
 
   // Shared with the optimizer thread and callbacks.
   std::mutex mu;
   std::condition_variable cv;
-  std::deque<Epoch> epochs;  // guarded by mu
-  bool epoch_done = true;    // guarded by mu
-  Status optimizer_status;   // guarded by mu: first failure of the last epoch
+  std::deque<Epoch> epochs;  // guarded by mu: queued or running, oldest first
+  int64_t done_step = 0;     // guarded by mu: the last epoch the optimizer finished
+  Status optimizer_status;   // guarded by mu: the first failure of any epoch (sticky)
   Status async_status;       // guarded by mu: first failure in a stream callback
-  float clip_coef = 1.0f;    // guarded by mu
-  bool clip_known = false;   // guarded by mu
-  bool stopping = false;     // guarded by mu
+  // Guarded by mu: the clipping coefficient of each epoch whose global norm is known.
+  std::map<int64_t, float> clip_coefs;
+  bool stopping = false;  // guarded by mu
   std::thread optimizer_thread;
   Status broken;  // trainer thread: once set, every call fails with it
 
@@ -312,7 +328,9 @@ struct Engine::Impl {
     if (grad_stream) (void)device->SynchronizeStream(grad_stream);
     for (Param& p : params) {
       if (p.device_full != nullptr && !p.aliased) device->Free(p.device_full);
-      if (p.device_part != nullptr) device->Free(p.device_part);
+      for (void* part : p.device_part) {
+        if (part != nullptr) device->Free(part);
+      }
     }
     for (SubGroup& g : groups) {
       if (g.device_states != nullptr) device->Free(g.device_states);
@@ -409,7 +427,9 @@ struct Engine::Impl {
   Status RunEpoch(const Epoch& e);
   Status StepGroup(size_t g, float* master, float* m, float* v, uint16_t* copy_out, const Epoch& e,
                    float coef, std::vector<Ticket>* writes);
-  Status WriteParamStore(size_t g, const float* master, const uint16_t* copy_out,
+  // Writes sub-group g's parameters (from the masters, or their storage-dtype copy) into
+  // parameter store buffer `buf`.
+  Status WriteParamStore(size_t g, const float* master, const uint16_t* copy_out, int buf,
                          std::vector<Ticket>* writes);
   size_t GroupStateBytes(const SubGroup& g) const { return g.numel * 3 * sizeof(float); }
   // ---- Checkpoints ----
@@ -417,7 +437,8 @@ struct Engine::Impl {
   Status Agree(const Status& local, const std::string& what);
   // Copies sub-group `gi`'s [master | exp_avg | exp_avg_sq] into / out of `buf` (host).
   Status ReadGroupStates(size_t gi, void* buf);
-  Status WriteGroupStates(size_t gi, const void* buf);
+  // ... and rebuilds the group's parameter store buffer `buf_index` from the masters.
+  Status WriteGroupStates(size_t gi, const void* buf, int buf_index);
   Status CheckBetweenSteps(const char* what) const;
   size_t GroupGradBytes(const SubGroup& g) const { return g.numel * sizeof(float); }
   float* GradAcc(const Param& p) {
@@ -433,7 +454,26 @@ struct Engine::Impl {
     for (size_t i = 0; i < order.size(); ++i) order[i] = order.size() - 1 - i;
     return order;
   }
-  void GradLanded(ParamId id);
+  // A parameter's gradient of this micro-step is in its accumulator; `ready` is the
+  // optimizer step this micro-step completes (0: not a boundary).
+  void GradLanded(ParamId id, int64_t ready);
+  void LandLocked(SubGroup& g, int64_t ready);
+  // Delayed update: waits until the previous window's optimizer step is done with sub-group
+  // `g`, whose accumulators the trainer is about to write. No-op otherwise.
+  Status WaitStepped(SubGroup& g);
+  // Waits until the optimizer has finished every epoch up to `target`; returns the first
+  // optimizer failure.
+  Status WaitDone(int64_t target);
+  // Between steps: waits for the optimizer step still running (delayed update) and makes its
+  // parameters the ones the next micro-step reads, as a checkpoint resume would.
+  Status FinishPendingUpdate() {
+    ZINF_RETURN_IF_ERROR(WaitDone(step));
+    if (visible != step) {
+      visible = step;
+      gather_states.reset();
+    }
+    return Status::OK();
+  }
   // At the start of a micro-step: resets the gradient counts and, when the micro-step ends an
   // accumulation window, hands the optimizer thread its epoch so sub-groups are stepped as
   // soon as their gradients land (during backward).
@@ -443,6 +483,7 @@ struct Engine::Impl {
   // checkpoint can be saved or loaded). Its read-ahead of NVMe states overlaps the forward.
   void KickEpoch();
   bool epoch_due = false;  // trainer thread only
+  bool boundary_micro = false;  // trainer thread only: this micro-step ends a window
   float lr = 0;            // trainer thread only: the learning rate of the next epoch
   bool in_micro = false;   // trainer thread only: the micro-step has started (KickEpoch)
   // GatherMasterParameter's copy of one sub-group's states (trainer thread only).
@@ -456,6 +497,7 @@ void Engine::Impl::BeginMicroStep() {
   std::lock_guard<std::mutex> lock(mu);
   for (SubGroup& g : groups) g.pending = static_cast<int>(g.params.size());
   epoch_due = boundary;
+  boundary_micro = boundary;
 }
 
 void Engine::Impl::KickEpoch() {
@@ -464,12 +506,34 @@ void Engine::Impl::KickEpoch() {
   if (!epoch_due) return;
   epoch_due = false;
   std::lock_guard<std::mutex> lock(mu);
-  clip_known = false;
-  clip_coef = 1.0f;
-  epoch_done = false;
-  optimizer_status = Status::OK();
   epochs.push_back({step + 1, config.gradient_clipping > 0, lr});
   cv.notify_all();
+}
+
+void Engine::Impl::LandLocked(SubGroup& g, int64_t ready) {
+  if (--g.pending == 0 && ready > 0) {
+    g.ready_step = ready;
+    cv.notify_all();
+  }
+}
+
+Status Engine::Impl::WaitStepped(SubGroup& g) {
+  if (!delayed) return Status::OK();
+  auto t0 = Clock::now();
+  std::unique_lock<std::mutex> lock(mu);
+  if (g.stepped_step >= step) return Status::OK();
+  cv.wait(lock, [&] { return stopping || g.stepped_step >= step; });
+  counters.optimizer_wait += Since(t0);
+  if (stopping) return Status::FailedPrecondition("engine shutting down");
+  return Status::OK();
+}
+
+Status Engine::Impl::WaitDone(int64_t target) {
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return stopping || done_step >= target; });
+  if (!optimizer_status.ok()) return optimizer_status;
+  if (done_step < target) return Status::FailedPrecondition("engine shutting down");
+  return Status::OK();
 }
 
 // ---- Creation and registration ---------------------------------------------------------------
@@ -494,13 +558,11 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
         "offload_optimizer.device none (optimizer on the GPU) is not supported yet; use cpu "
         "or nvme");
   }
-  if (config.delayed_update) {
-    return Status::NotSupported("zinf.delayed_update is not implemented yet; set it to false");
-  }
   auto impl = std::make_unique<Impl>();
   Impl& m = *impl;
   m.config = config;
   m.lr = config.optimizer.lr;
+  m.delayed = config.delayed_update;
   m.device = device;
   m.comm = comm;
   m.hooks = hooks;
@@ -614,7 +676,7 @@ Status Engine::Impl::Place() {
   uint64_t max_part = 0, max_group = 0;
   for (const Param& p : params) {
     uint64_t part = RoundUp(PartBytes(p), 4096);
-    if (config.offload_param.tier == Tier::kCpu) pinned += part;
+    if (config.offload_param.tier == Tier::kCpu) pinned += delayed ? 2 * part : part;
     max_part = std::max<uint64_t>(max_part, RoundUp(p.info.partition_numel * sizeof(float), 4096));
   }
   uint64_t grads_all = 0, max_group_grads = 0;
@@ -772,30 +834,42 @@ Status Engine::Impl::InitStores() {
       } else {
         std::memcpy(image.data(), part, PartBytes(p));
       }
+      // Version 0 goes to buffer 0. The delayed update's second buffer is written by the
+      // first optimizer step (or a checkpoint load) before anything reads it; the in-memory
+      // tiers get a copy anyway so that it never holds garbage.
+      const int buffers = delayed ? 2 : 1;
       switch (config.offload_param.tier) {
         case Tier::kDevice: {
-          ZINF_ASSIGN_OR_RETURN(p.device_part,
-                                DevAlloc(PartBytes(p), "parameter '" + p.info.name + "'"));
-          plan_bytes += PartBytes(p);
-          ZINF_RETURN_IF_ERROR(
-              device->CopyHostToDevice(p.device_part, image.data(), PartBytes(p), copy_stream));
+          for (int b = 0; b < buffers; ++b) {
+            ZINF_ASSIGN_OR_RETURN(p.device_part[b],
+                                  DevAlloc(PartBytes(p), "parameter '" + p.info.name + "'"));
+            plan_bytes += PartBytes(p);
+            ZINF_RETURN_IF_ERROR(device->CopyHostToDevice(p.device_part[b], image.data(),
+                                                          PartBytes(p), copy_stream));
+          }
           ZINF_RETURN_IF_ERROR(device->SynchronizeStream(copy_stream));
           break;
         }
         case Tier::kCpu:
-          p.host_part = std::move(image);
+          if (delayed) {
+            ZINF_ASSIGN_OR_RETURN(p.host_part[1], arena->Allocate(PartBytes(p)));
+            std::memcpy(p.host_part[1].data(), image.data(), PartBytes(p));
+          }
+          p.host_part[0] = std::move(image);
           break;
         case Tier::kNvme: {
-          p.swap_key = "param/" + p.info.name;
+          p.swap_key[0] = "param/" + p.info.name;
+          if (delayed) p.swap_key[1] = "param/" + p.info.name + "#1";
           ZINF_ASSIGN_OR_RETURN(
-              Ticket t, swap->Write(p.swap_key, image.data(), PartBytes(p), image.capacity()));
+              Ticket t, swap->Write(p.swap_key[0], image.data(), PartBytes(p), image.capacity()));
           ZINF_RETURN_IF_ERROR(swap->Wait(t));
           break;
         }
       }
-      // Persistent with one rank on the device tier: the partition is the full parameter.
+      // Persistent with one rank on the device tier: the partition is the full parameter
+      // (the buffer of the visible version; Fetch points it there).
       if (world == 1 && config.offload_param.tier == Tier::kDevice) {
-        p.device_full = p.device_part;
+        p.device_full = p.device_part[0];
         p.aliased = true;
       }
     }
@@ -894,8 +968,9 @@ Status Engine::Impl::MakeRoom(uint64_t elems, uint64_t bytes, ParamId for_id) {
 Status Engine::Impl::Fetch(ParamId id) {
   Param& p = params[id];
   if (p.aliased) {
+    p.device_full = p.device_part[Buf(visible)];
     p.state = FetchState::kResident;
-    p.fetched_version = static_cast<uint64_t>(step);
+    p.fetched_version = static_cast<uint64_t>(visible);
     return Status::OK();
   }
   if (p.device_full != nullptr) Evict(id);  // stale copy
@@ -919,7 +994,8 @@ Status Engine::Impl::Fetch(ParamId id) {
       auto staging = std::make_shared<PinnedBuffer>(std::move(buf).value());
       // Urgent: the trainer waits on parameters; optimizer read-ahead and write-backs can wait.
       ZINF_ASSIGN_OR_RETURN(
-          Ticket t, swap->Read(p.swap_key, staging->data(), staging->capacity(), /*urgent=*/true));
+          Ticket t, swap->Read(p.swap_key[Buf(visible)], staging->data(), staging->capacity(),
+                               /*urgent=*/true));
       // The copy stream waits for the read, then copies; the staging block returns after.
       (void)device->LaunchHostFunc(copy_stream, [this, t, id] {
         Status s = swap->Wait(t);
@@ -939,7 +1015,8 @@ Status Engine::Impl::Fetch(ParamId id) {
     }
     case Tier::kCpu:
       TimeCopy(copy_stream, [&] {
-        return device->CopyHostToDevice(slot, p.host_part.data(), part, copy_stream);
+        return device->CopyHostToDevice(slot, p.host_part[Buf(visible)].data(), part,
+                                        copy_stream);
       });
       {
         std::lock_guard<std::mutex> lock(mu);
@@ -947,7 +1024,8 @@ Status Engine::Impl::Fetch(ParamId id) {
       }
       break;
     case Tier::kDevice:
-      ZINF_RETURN_IF_ERROR(device->CopyDeviceToDevice(slot, p.device_part, part, copy_stream));
+      ZINF_RETURN_IF_ERROR(
+          device->CopyDeviceToDevice(slot, p.device_part[Buf(visible)], part, copy_stream));
       break;
   }
   ZINF_RETURN_IF_ERROR(device->RecordEvent(copy_done.get(), copy_stream));
@@ -955,7 +1033,7 @@ Status Engine::Impl::Fetch(ParamId id) {
   ZINF_RETURN_IF_ERROR(comm->AllGather(slot, p.device_full, part, comm_stream));
   ZINF_RETURN_IF_ERROR(device->RecordEvent(p.ready.get(), comm_stream));
   p.state = FetchState::kFetching;
-  p.fetched_version = static_cast<uint64_t>(step);
+  p.fetched_version = static_cast<uint64_t>(visible);
   return Status::OK();
 }
 
@@ -983,8 +1061,11 @@ void Engine::Impl::Prefetch() {
   for (size_t i = trace_pos; i < trace.size(); ++i) {
     ParamId id = trace[i];
     Param& p = params[id];
-    bool fresh = p.device_full != nullptr && p.fetched_version == static_cast<uint64_t>(step);
+    bool fresh = p.device_full != nullptr && p.fetched_version == static_cast<uint64_t>(visible);
     if (fresh) continue;
+    // Delayed update: a parameter whose gradient this boundary micro-step has reduced may be
+    // being rewritten by the optimizer (Acquire refuses it too).
+    if (delayed && boundary_micro && p.grad_reduced_this_micro) continue;
     if (inflight + p.padded_numel > config.prefetch_bucket_size && inflight > 0) return;
     // Only prefetch into free budget: never evict for a prefetch.
     uint64_t grad_room = (p.padded_numel + p.info.partition_numel) * sizeof(float);
@@ -1013,7 +1094,15 @@ Result<std::vector<void*>> Engine::Acquire(const std::vector<ParamId>& ids) {
     }
     m.TraceCheck(id);
     Impl::Param& p = m.params[id];
-    bool fresh = p.device_full != nullptr && p.fetched_version == static_cast<uint64_t>(m.step);
+    if (m.delayed && m.boundary_micro && p.grad_reduced_this_micro) {
+      return Status::FailedPrecondition(
+          "Acquire('" + p.info.name +
+          "') after its ReduceGradient in the same micro-step: with zinf.delayed_update the "
+          "optimizer may already be rewriting it; acquire a parameter for the last time before "
+          "reducing its gradient");
+    }
+    bool fresh =
+        p.device_full != nullptr && p.fetched_version == static_cast<uint64_t>(m.visible);
     {
       std::lock_guard<std::mutex> lock(m.mu);
       (fresh ? m.counters.hits : m.counters.misses) += 1;
@@ -1085,6 +1174,10 @@ Status Engine::ReduceGradient(ParamId id, const float* grad) {
   }
   const size_t full_bytes = p.padded_numel * sizeof(float);
   const size_t part = p.info.partition_numel;
+  // The optimizer step this micro-step completes (0: none); the sub-group's accumulators must
+  // be free of the previous window's step (delayed update) before this gradient goes in.
+  const int64_t ready = m.boundary_micro ? m.step + 1 : 0;
+  ZINF_RETURN_IF_ERROR(m.WaitStepped(m.groups[p.info.sub_group]));
   if (m.world == 1 && !p.grad_seen_this_window) {
     // One rank, first gradient of the window: the reduction is the identity, so the
     // gradient goes straight into its accumulator (one copy instead of three, and no device
@@ -1104,7 +1197,8 @@ Status Engine::ReduceGradient(ParamId id, const float* grad) {
     }
     ZINF_RETURN_IF_ERROR(m.device->RecordEvent(m.compute_done.get(), compute));
     ZINF_RETURN_IF_ERROR(m.device->StreamWaitEvent(m.grad_stream, m.compute_done.get()));
-    ZINF_RETURN_IF_ERROR(m.device->LaunchHostFunc(m.grad_stream, [&m, id] { m.GradLanded(id); }));
+    ZINF_RETURN_IF_ERROR(
+        m.device->LaunchHostFunc(m.grad_stream, [&m, id, ready] { m.GradLanded(id, ready); }));
     std::lock_guard<std::mutex> lock(m.mu);
     m.counters.d2h += p.info.numel * sizeof(float);
     return Status::OK();
@@ -1138,9 +1232,9 @@ Status Engine::ReduceGradient(ParamId id, const float* grad) {
     m.TimeCopy(m.grad_stream, [&] {
       return m.device->CopyDeviceToHost(m.GradAcc(p), mine, part * sizeof(float), m.grad_stream);
     });
-    (void)m.device->LaunchHostFunc(m.grad_stream, [&m, scratch, full_bytes, part, id] {
+    (void)m.device->LaunchHostFunc(m.grad_stream, [&m, scratch, full_bytes, part, id, ready] {
       m.DevFree(scratch, full_bytes + part * sizeof(float));
-      m.GradLanded(id);
+      m.GradLanded(id, ready);
     });
   } else {
     Result<PinnedBuffer> buf = m.arena->Allocate(part * sizeof(float));
@@ -1149,13 +1243,14 @@ Status Engine::ReduceGradient(ParamId id, const float* grad) {
     m.TimeCopy(m.grad_stream, [&] {
       return m.device->CopyDeviceToHost(staging->data(), mine, part * sizeof(float), m.grad_stream);
     });
-    (void)m.device->LaunchHostFunc(m.grad_stream, [&m, scratch, full_bytes, part, id, staging] {
+    (void)m.device->LaunchHostFunc(m.grad_stream, [&m, scratch, full_bytes, part, id, staging,
+                                                   ready] {
       float* acc = m.GradAcc(m.params[id]);
       const float* add = static_cast<const float*>(staging->data());
       for (size_t i = 0; i < part; ++i) acc[i] += add[i];
       staging->Reset();
       m.DevFree(scratch, full_bytes + part * sizeof(float));
-      m.GradLanded(id);
+      m.GradLanded(id, ready);
     });
   }
   std::lock_guard<std::mutex> lock(m.mu);
@@ -1184,7 +1279,7 @@ Status Engine::Impl::EnsureGradBuffer(SubGroup& g) {
       // Fragmented: wait for a free like a full budget.
     }
     if (stopping) return Status::FailedPrecondition("engine shutting down");
-    if (epoch_done && grad_bytes == 0) {
+    if (epochs.empty() && grad_bytes == 0) {
       return Status::ResourceExhausted("no pinned memory for gradient accumulators of " +
                                        FormatBytes(need) +
                                        "; raise zinf.pinned_budget_bytes or lower sub_group_size");
@@ -1213,11 +1308,10 @@ void Engine::Impl::ReleaseGradBuffer(SubGroup& g) {
   cv.notify_all();
 }
 
-// Runs on the copy stream: a parameter's gradient is in its accumulator.
-void Engine::Impl::GradLanded(ParamId id) {
+// Runs on the gradient stream: a parameter's gradient is in its accumulator.
+void Engine::Impl::GradLanded(ParamId id, int64_t ready) {
   std::lock_guard<std::mutex> lock(mu);
-  SubGroup& g = groups[params[id].info.sub_group];
-  if (--g.pending == 0) cv.notify_all();
+  LandLocked(groups[params[id].info.sub_group], ready);
 }
 
 // ---- Optimizer -------------------------------------------------------------------------------
@@ -1234,8 +1328,11 @@ void Engine::Impl::OptimizerLoop() {
     Status s = RunEpoch(e);
     std::lock_guard<std::mutex> lock(mu);
     epochs.pop_front();
-    optimizer_status = s;
-    epoch_done = true;
+    if (!s.ok() && optimizer_status.ok()) optimizer_status = s;
+    done_step = e.step;
+    // Sub-groups a failed epoch did not reach: their accumulators are not needed any more.
+    for (SubGroup& g : groups) g.stepped_step = std::max(g.stepped_step, e.step);
+    clip_coefs.erase(clip_coefs.begin(), clip_coefs.upper_bound(e.step));
     cv.notify_all();
   }
 }
@@ -1291,13 +1388,24 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
       if (!s.ok()) return s;
     }
     // Wait for this sub-group's gradients (and, with clipping, the global norm).
-    float coef;
+    float coef = 1.0f;
     {
       std::unique_lock<std::mutex> lock(mu);
-      cv.wait(lock, [&] { return stopping || (g.pending == 0 && (!e.clip || clip_known)); });
+      cv.wait(lock, [&] {
+        return stopping ||
+               (g.ready_step >= e.step && (!e.clip || clip_coefs.count(e.step) != 0));
+      });
       if (stopping) return Status::FailedPrecondition("engine shutting down");
-      coef = clip_coef;
+      if (e.clip) coef = clip_coefs[e.step];
     }
+    // Done with sub-group gi (stepped, or failed and left as it was): the trainer may put
+    // the next window's gradients into its accumulators.
+    auto mark_stepped = [&] {
+      if (stream_grads) ReleaseGradBuffer(g);
+      std::lock_guard<std::mutex> lock(mu);
+      g.stepped_step = e.step;
+      cv.notify_all();
+    };
     Retiring done;
     float* master;
     if (nvme) {
@@ -1308,6 +1416,7 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
         if (first.ok()) {
           first = s.WithContext("reading optimizer states of sub-group " + std::to_string(gi));
         }
+        mark_stepped();
         continue;  // this sub-group keeps its old values; the step reports the failure
       }
       done.states = std::move(slot.states);
@@ -1326,7 +1435,7 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
                          static_cast<uint16_t*>(done.copy.data()), e, coef, &done.writes);
     if (!s.ok() && first.ok()) first = s;
     // Every gradient of the sub-group has landed and been used: its accumulators can go.
-    if (s.ok() && stream_grads) ReleaseGradBuffer(g);
+    mark_stepped();
     CrashPoint("optimizer.group");
     if (nvme && s.ok()) {
       Result<Ticket> w =
@@ -1397,11 +1506,11 @@ Status Engine::Impl::StepGroup(size_t gi, float* master, float* m, float* v, uin
     std::lock_guard<std::mutex> lock(mu);
     counters.optimizer_busy += Since(t0);
   }
-  return WriteParamStore(gi, master, copy_out, writes);
+  return WriteParamStore(gi, master, copy_out, Buf(e.step), writes);
 }
 
 Status Engine::Impl::WriteParamStore(size_t gi, const float* master, const uint16_t* copy_out,
-                                     std::vector<Ticket>* writes) {
+                                     int buf, std::vector<Ticket>* writes) {
   SubGroup& g = groups[gi];
   for (ParamId id : g.params) {
     Param& p = params[id];
@@ -1411,7 +1520,7 @@ Status Engine::Impl::WriteParamStore(size_t gi, const float* master, const uint1
     switch (config.offload_param.tier) {
       case Tier::kDevice:
         TimeCopy(update_stream, [&] {
-          return device->CopyHostToDevice(p.device_part, src, bytes, update_stream);
+          return device->CopyHostToDevice(p.device_part[buf], src, bytes, update_stream);
         });
         {
           std::lock_guard<std::mutex> lock(mu);
@@ -1419,11 +1528,12 @@ Status Engine::Impl::WriteParamStore(size_t gi, const float* master, const uint1
         }
         break;
       case Tier::kCpu:
-        std::memcpy(p.host_part.data(), src, bytes);
+        std::memcpy(p.host_part[buf].data(), src, bytes);
         break;
       case Tier::kNvme: {
         // Slices are 4 KiB aligned and padded inside the sub-group buffer.
-        ZINF_ASSIGN_OR_RETURN(Ticket t, swap->Write(p.swap_key, src, bytes, RoundUp(bytes, 4096)));
+        ZINF_ASSIGN_OR_RETURN(Ticket t,
+                              swap->Write(p.swap_key[buf], src, bytes, RoundUp(bytes, 4096)));
         writes->push_back(t);
         break;
       }
@@ -1462,13 +1572,15 @@ Result<StepStats> Engine::Step() {
     // have final accumulators already: count them as landed.
     for (Impl::Param& p : m.params) {
       if (p.grad_reduced_this_micro) continue;
+      Impl::SubGroup& g = m.groups[p.info.sub_group];
       if (!p.grad_seen_this_window) {
-        s = m.EnsureGradBuffer(m.groups[p.info.sub_group]);
+        s = m.WaitStepped(g);
+        if (s.ok()) s = m.EnsureGradBuffer(g);
         if (!s.ok()) return s.WithContext("zero gradient of '" + p.info.name + "'");
         std::memset(m.GradAcc(p), 0, p.info.partition_numel * sizeof(float));
       }
       std::lock_guard<std::mutex> lock(m.mu);
-      if (--m.groups[p.info.sub_group].pending == 0) m.cv.notify_all();
+      m.LandLocked(g, m.step + 1);
     }
     const bool clip = m.config.gradient_clipping > 0;
     if (clip) {
@@ -1492,27 +1604,21 @@ Result<StepStats> Engine::Step() {
         coef = static_cast<float>(m.config.gradient_clipping / (norm + 1e-6));
       }
       std::lock_guard<std::mutex> lock(m.mu);
-      m.clip_coef = coef;
-      m.clip_known = true;
+      m.clip_coefs[m.step + 1] = coef;
       m.cv.notify_all();
     }
-    Status opt;
-    {
-      std::unique_lock<std::mutex> lock(m.mu);
-      m.cv.wait(lock, [&] { return m.epoch_done; });
-      opt = m.optimizer_status;
-    }
-    // Streaming accumulators the optimizer did not return (a sub-group it could not step).
-    if (m.stream_grads) {
-      for (Impl::SubGroup& g : m.groups) m.ReleaseGradBuffer(g);
-    }
+    // Without the delayed update, this window's optimizer step must be done: the next
+    // micro-step reads its parameters. With it, the next micro-step reads the previous step's
+    // (version m.step), and this one runs on while the trainer goes on.
+    Status opt = m.WaitDone(m.delayed ? m.step : m.step + 1);
     if (!opt.ok()) {
       m.broken = Status::FailedPrecondition(
-          "the optimizer failed in step " + std::to_string(m.step + 1) + " (" + opt.message() +
+          "the optimizer failed (" + opt.message() +
           "); parameters may be partly updated: recreate the engine from a checkpoint");
       return opt;
     }
     ++m.step;
+    m.visible = m.delayed ? std::max(m.visible, m.step - 1) : m.step;
     for (Impl::Param& p : m.params) p.grad_seen_this_window = false;
     st.optimizer_ran = true;
   }
@@ -1541,7 +1647,7 @@ Result<StepStats> Engine::Step() {
     st.copy_busy_seconds = c.copy_busy;
     st.optimizer_busy_seconds = c.optimizer_busy;
     st.acquire_wait_seconds = c.acquire_wait;
-    st.optimizer_wait_seconds = opt_wait;
+    st.optimizer_wait_seconds = opt_wait + c.optimizer_wait;
     st.prefetch_hits = c.hits;
     st.prefetch_misses = c.misses;
     st.peak_device_bytes = m.device_peak;
@@ -1611,7 +1717,7 @@ Status Engine::Impl::ReadGroupStates(size_t gi, void* buf) {
   return Status::OK();
 }
 
-Status Engine::Impl::WriteGroupStates(size_t gi, const void* buf) {
+Status Engine::Impl::WriteGroupStates(size_t gi, const void* buf, int buf_index) {
   SubGroup& g = groups[gi];
   const size_t bytes = GroupStateBytes(g);
   if (config.offload_optimizer.tier == Tier::kNvme) {
@@ -1637,7 +1743,7 @@ Status Engine::Impl::WriteGroupStates(size_t gi, const void* buf) {
   }
   std::vector<Ticket> writes;
   Status s = WriteParamStore(gi, master, copy ? static_cast<const uint16_t*>(copy->data) : nullptr,
-                             &writes);
+                             buf_index, &writes);
   for (Ticket t : writes) {
     Status w = swap->Wait(t);
     if (s.ok()) s = w;
@@ -1650,6 +1756,7 @@ Status Engine::SaveCheckpoint(const std::string& dir, const std::string& user_da
   if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
   ZINF_RETURN_IF_ERROR(m.CheckBetweenSteps("SaveCheckpoint"));
   ZINF_RETURN_IF_ERROR(m.ReclaimScratch());
+  ZINF_RETURN_IF_ERROR(m.FinishPendingUpdate());
   namespace fs = std::filesystem;
   const std::string incoming = dir + "/.incoming";
   // Rank 0 prepares an empty staging folder.
@@ -1769,6 +1876,7 @@ Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data) {
   if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
   ZINF_RETURN_IF_ERROR(m.CheckBetweenSteps("LoadCheckpoint"));
   ZINF_RETURN_IF_ERROR(m.ReclaimScratch());
+  ZINF_RETURN_IF_ERROR(m.FinishPendingUpdate());
   namespace fs = std::filesystem;
   RankManifest man;
   std::string folder;
@@ -1877,7 +1985,7 @@ Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data) {
   for (size_t gi = 0; gi < m.groups.size() && local.ok(); ++gi) {
     local =
         PreadAll(fd, buf.data, m.GroupStateBytes(m.groups[gi]), man.groups[gi].offset, states_path);
-    if (local.ok()) local = m.WriteGroupStates(gi, buf.data);
+    if (local.ok()) local = m.WriteGroupStates(gi, buf.data, m.Buf(man.step));
   }
   if (!local.ok()) {
     m.broken = Status::FailedPrecondition("LoadCheckpoint failed while installing states (" +
@@ -1885,6 +1993,12 @@ Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data) {
   }
   ZINF_RETURN_IF_ERROR(m.Agree(local, "LoadCheckpoint"));
   m.step = man.step;
+  m.visible = man.step;
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    m.done_step = man.step;
+    for (Impl::SubGroup& g : m.groups) g.ready_step = g.stepped_step = man.step;
+  }
   m.micro = man.step * std::max(1, m.config.gradient_accumulation_steps);
   m.BeginMicroStep();
   if (user_data != nullptr) *user_data = man.user_data;
@@ -1899,6 +2013,8 @@ Status Engine::GatherMasterParameter(ParamId id, float* out) {
   if (id >= m.params.size() || out == nullptr) {
     return Status::InvalidArgument("GatherMasterParameter: bad id or null output");
   }
+  // The optimizer steps of finished windows (delayed update: the last one may still run).
+  ZINF_RETURN_IF_ERROR(m.WaitDone(m.step));
   Impl::Param& p = m.params[id];
   Impl::SubGroup& g = m.groups[p.info.sub_group];
   const size_t part = p.info.partition_numel;

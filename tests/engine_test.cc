@@ -276,6 +276,7 @@ struct RunOptions {
   int steps = kSteps;  // optimizer steps
   int grad_accum = 1;  // micro-steps per optimizer step
   double clipping = 0.0;
+  bool delayed = false;  // zinf.delayed_update
   uint64_t device_budget_bytes = 0;
   uint64_t pinned_budget_bytes = kPinnedBudget;
   uint64_t sub_group_size = kSubGroupSize;
@@ -293,6 +294,7 @@ struct RunOptions {
     os << ranks << " rank(s), params " << TierLabel(param_tier) << ", optimizer "
        << TierLabel(optimizer_tier) << ", accumulation " << grad_accum << ", clipping " << clipping
        << ", device budget " << device_budget_bytes;
+    if (delayed) os << ", delayed update";
     if (swapped_micro_step >= 0) os << ", swapped acquire order at " << swapped_micro_step;
     return os.str();
   }
@@ -319,6 +321,7 @@ EngineConfig MakeConfig(const RunOptions& o, const std::string& nvme_dir) {
   c.optimizer.eps = kEps;
   c.optimizer.weight_decay = kWeightDecay;
   c.gradient_clipping = o.clipping;
+  c.delayed_update = o.delayed;
   c.gradient_accumulation_steps = o.grad_accum;
   c.device_budget_bytes = o.device_budget_bytes;
   c.pinned_budget_bytes = o.pinned_budget_bytes;
@@ -482,16 +485,18 @@ std::vector<double> StepLosses(const std::vector<double>& micro_losses, int grad
   return out;
 }
 
-// The all-in-memory run for `ranks`, computed once per process.
-const RunResult& Reference(int ranks) {
+// The all-in-memory run for `ranks` (with or without the delayed update), computed once per
+// process.
+const RunResult& Reference(int ranks, bool delayed = false) {
   static std::mutex mu;
-  static std::map<int, RunResult> cache;
+  static std::map<std::pair<int, bool>, RunResult> cache;
   std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(ranks);
+  auto it = cache.find({ranks, delayed});
   if (it == cache.end()) {
     RunOptions o;
     o.ranks = ranks;
-    it = cache.emplace(ranks, RunTraining(o)).first;
+    o.delayed = delayed;
+    it = cache.emplace(std::make_pair(ranks, delayed), RunTraining(o)).first;
   }
   return it->second;
 }
@@ -507,7 +512,11 @@ struct SimResult {
 // Mirrors what the engine must compute: per micro-step, each rank's gradient of its rows,
 // summed over ranks in rank order (LocalComm's ReduceScatterSum), accumulated over the
 // micro-steps, clipped by the global norm (coefficient clip / (norm + 1e-6), DeepSpeed's),
-// then one AdamW step with the scalar reference kernel.
+// then one AdamW step with the scalar reference kernel. With the delayed update, optimizer
+// step s's gradients are computed on the parameters after step s - 2 (steps 1 and 2 both on
+// the initial values): the update of step s - 1 is still running while step s computes. A
+// checkpoint saved after step D finishes that update first, so steps D + 1 and D + 2 both
+// run on the parameters after step D.
 SimResult Simulate(const RunOptions& o) {
   const MlpShape& shape = Shape();
   const int np = shape.num_params();
@@ -520,7 +529,13 @@ SimResult Simulate(const RunOptions& o) {
     m[p].assign(shape.numel(p), 0.0f);
     v[p].assign(shape.numel(p), 0.0f);
   }
+  std::vector<std::vector<std::vector<float>>> history = {sim.params};  // after 0, 1, ... steps
   for (int step = 0; step < o.steps; ++step) {
+    int version = std::max(step - 1, 0);  // delayed: the parameters after step s - 2
+    if (o.save_after_step >= 0 && step >= o.save_after_step) {
+      version = std::max(version, o.save_after_step);
+    }
+    const std::vector<std::vector<float>>& used = o.delayed ? history[version] : sim.params;
     for (int p = 0; p < np; ++p) acc[p].assign(shape.numel(p), 0.0f);
     for (int micro = step * o.grad_accum; micro < (step + 1) * o.grad_accum; ++micro) {
       std::vector<std::vector<float>> sum;
@@ -528,7 +543,7 @@ SimResult Simulate(const RunOptions& o) {
       for (int r = 0; r < o.ranks; ++r) {
         std::vector<std::vector<float>> g;
         loss += testing::MlpGradients(shape, TheBatch(), RowBegin(o, micro, r), RowsPerRank(o),
-                                      LossScale(), sim.params, &g);
+                                      LossScale(), used, &g);
         if (r == 0) {
           sum = std::move(g);
         } else {
@@ -572,6 +587,7 @@ SimResult Simulate(const RunOptions& o) {
       Status s = OptimizerStep(hp, t, CpuIsa::kScalar);
       ZINF_CHECK_MSG(s.ok(), s.ToString().c_str());
     }
+    history.push_back(sim.params);
   }
   return sim;
 }
@@ -719,14 +735,15 @@ TEST(EngineTestModel, GradientsMatchFiniteDifferences) {
 
 // ---- Every placement is bit-identical to the all-in-memory run ------------------------------
 
-using PlacementParam = std::tuple<int, Tier, Tier>;  // ranks, param tier, optimizer tier
+// ranks, param tier, optimizer tier, delayed update
+using PlacementParam = std::tuple<int, Tier, Tier, bool>;
 
 class PlacementTest : public ::testing::TestWithParam<PlacementParam> {};
 
 TEST_P(PlacementTest, BitIdenticalToAllInMemoryRun) {
   RunOptions o;
-  std::tie(o.ranks, o.param_tier, o.optimizer_tier) = GetParam();
-  const RunResult& ref = Reference(o.ranks);
+  std::tie(o.ranks, o.param_tier, o.optimizer_tier, o.delayed) = GetParam();
+  const RunResult& ref = Reference(o.ranks, o.delayed);
   ASSERT_TRUE(ref.status.ok()) << "all-in-memory run: " << ref.status.ToString();
   RunResult run = RunTraining(o);
   ASSERT_TRUE(run.status.ok()) << o.Describe() << ": " << run.status.ToString();
@@ -742,24 +759,26 @@ TEST_P(PlacementTest, BitIdenticalToAllInMemoryRun) {
 
 std::string PlacementName(const ::testing::TestParamInfo<PlacementParam>& info) {
   return "Ranks" + std::to_string(std::get<0>(info.param)) + "_Param" +
-         TierLabel(std::get<1>(info.param)) + "_Optimizer" + TierLabel(std::get<2>(info.param));
+         TierLabel(std::get<1>(info.param)) + "_Optimizer" + TierLabel(std::get<2>(info.param)) +
+         (std::get<3>(info.param) ? "_Delayed" : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(AllPlacements, PlacementTest,
                          ::testing::Combine(::testing::Values(1, 2, 4),
                                             ::testing::Values(Tier::kDevice, Tier::kCpu,
                                                               Tier::kNvme),
-                                            ::testing::Values(Tier::kCpu, Tier::kNvme)),
+                                            ::testing::Values(Tier::kCpu, Tier::kNvme),
+                                            ::testing::Bool()),
                          PlacementName);
 
 // ---- The all-in-memory run is the right training --------------------------------------------
 
-class ReferenceTest : public ::testing::TestWithParam<int> {};
+class ReferenceTest : public ::testing::TestWithParam<std::tuple<int, bool>> {};
 
 TEST_P(ReferenceTest, MatchesSimulationAndLearns) {
   RunOptions o;
-  o.ranks = GetParam();
-  const RunResult& ref = Reference(o.ranks);
+  std::tie(o.ranks, o.delayed) = GetParam();
+  const RunResult& ref = Reference(o.ranks, o.delayed);
   ASSERT_TRUE(ref.status.ok()) << ref.status.ToString();
   ExpectHealthyRun(o, ref);
 
@@ -795,11 +814,26 @@ TEST_P(ReferenceTest, MatchesSimulationAndLearns) {
     testing::InitParam(shape, p, init[p].data(), shape.numel(p));
   }
   EXPECT_GT(Compare(ref.params, init).rms, 100 * kSimRms);
+  if (o.delayed) {
+    // Every step trains on the same rows: steps 1 and 2 both run on the initial parameters
+    // (bit-identical losses), step 3 on the first update.
+    ASSERT_GE(ref.losses.size(), 3u);
+    EXPECT_EQ(std::memcmp(&ref.losses[0], &ref.losses[1], sizeof(double)), 0)
+        << ref.losses[0] << " vs " << ref.losses[1];
+    EXPECT_LT(ref.losses[2], ref.losses[1]);
+    // A different training from the undelayed one, by far more than the tolerance.
+    const RunResult& undelayed = Reference(o.ranks, false);
+    ASSERT_TRUE(undelayed.status.ok()) << undelayed.status.ToString();
+    EXPECT_GT(Compare(ref.params, undelayed.params).rms, 100 * kSimRms);
+    EXPECT_NE(ref.losses[1], undelayed.losses[1]);
+  }
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, ReferenceTest, ::testing::Values(1, 2, 4),
-                         [](const ::testing::TestParamInfo<int>& info) {
-                           return "Ranks" + std::to_string(info.param);
+INSTANTIATE_TEST_SUITE_P(Ranks, ReferenceTest,
+                         ::testing::Combine(::testing::Values(1, 2, 4), ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<int, bool>>& info) {
+                           return "Ranks" + std::to_string(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_Delayed" : "");
                          });
 
 // ---- Gradient accumulation ------------------------------------------------------------------
@@ -1082,6 +1116,119 @@ TEST(EngineCheckpoint, TwoRanksResumeBitIdenticalWithAccumulationAndNvme) {
       << c.status.ToString();
 }
 
+// The delayed update across a checkpoint: saving finishes the pending update (the next two
+// steps run on the saved parameters, see Simulate), and engines that load the checkpoint go on
+// bit for bit like the run that saved it.
+TEST(EngineCheckpoint, DelayedUpdateResumesBitIdentical) {
+  for (int ranks : {1, 2}) {
+    SCOPED_TRACE(std::to_string(ranks) + " rank(s)");
+    TempDir ckpt;
+    ASSERT_TRUE(ckpt.ok());
+    RunOptions o;
+    o.ranks = ranks;
+    o.delayed = true;
+    o.param_tier = Tier::kNvme;
+    o.optimizer_tier = Tier::kCpu;
+    o.checkpoint_dir = ckpt.path();
+    o.save_after_step = 2;
+    RunResult saving = RunTraining(o);
+    ASSERT_TRUE(saving.status.ok()) << saving.status.ToString();
+    ExpectHealthyRun(o, saving);
+    SimResult sim = Simulate(o);
+    Diff d = Compare(saving.params, sim.params);
+    EXPECT_LE(d.max_abs, kSimMaxAbs) << "vs the simulation, largest at " << d.where;
+    EXPECT_LE(d.rms, kSimRms);
+    // Steps 3 and 4 train on the same rows and the same (saved) parameters.
+    ASSERT_EQ(saving.losses.size(), 4u);
+    EXPECT_EQ(std::memcmp(&saving.losses[2], &saving.losses[3], sizeof(double)), 0);
+
+    RunOptions resumed = o;
+    resumed.save_after_step = -1;
+    resumed.load_first = true;
+    resumed.first_micro = 2;
+    RunResult b = RunTraining(resumed);
+    ASSERT_TRUE(b.status.ok()) << b.status.ToString();
+    EXPECT_EQ(FirstBitDifference(b.params, saving.params), "");
+    ASSERT_EQ(b.losses.size(), 2u);
+    for (size_t m = 0; m < b.losses.size(); ++m) {
+      EXPECT_EQ(std::memcmp(&b.losses[m], &saving.losses[2 + m], sizeof(double)), 0)
+          << "micro-step " << m;
+    }
+  }
+}
+
+// The delayed update with gradient accumulation and clipping (the optimizer waits for the
+// global norm): bit-identical across placements, and the delayed simulation's training.
+TEST(EngineTest, DelayedUpdateWithAccumulationAndClipping) {
+  const std::vector<std::pair<Tier, Tier>> placements = {
+      {Tier::kDevice, Tier::kDevice}, {Tier::kNvme, Tier::kNvme}, {Tier::kCpu, Tier::kNvme}};
+  RunOptions base;
+  base.ranks = 2;
+  base.grad_accum = 2;
+  base.clipping = kClip;
+  base.delayed = true;
+  std::vector<RunResult> runs;
+  for (const auto& [param_tier, optimizer_tier] : placements) {
+    RunOptions o = base;
+    o.param_tier = param_tier;
+    o.optimizer_tier = optimizer_tier;
+    SCOPED_TRACE(o.Describe());
+    runs.push_back(RunTraining(o));
+    ASSERT_TRUE(runs.back().status.ok()) << runs.back().status.ToString();
+    ExpectHealthyRun(o, runs.back());
+    EXPECT_EQ(FirstBitDifference(runs.back().params, runs.front().params), "");
+  }
+  SimResult sim = Simulate(base);
+  Diff d = Compare(runs.front().params, sim.params);
+  std::printf("  delayed, clipped, accumulated vs simulation: max |diff| %.3g, rms %.3g\n",
+              d.max_abs, d.rms);
+  EXPECT_LE(d.max_abs, kSimMaxAbs) << "largest at " << d.where;
+  EXPECT_LE(d.rms, kSimRms);
+  for (int k = 0; k < base.steps; ++k) {
+    EXPECT_NEAR(runs.front().stats[0][2 * k + 1].grad_norm, sim.grad_norms[k],
+                1e-4 * sim.grad_norms[k])
+        << "step " << k;
+  }
+}
+
+// With the delayed update, a parameter acquired again after its gradient was reduced (in a
+// micro-step that ends a window) is refused: the optimizer may be rewriting its store.
+TEST(EngineTest, DelayedUpdateRefusesAcquireAfterReduceGradient) {
+  std::unique_ptr<Device> device = NewHostDevice(HostDeviceOptions{});
+  auto comms = NewLocalComms({device.get()});
+  ASSERT_TRUE(comms.ok()) << comms.status().ToString();
+  RunOptions o;
+  o.delayed = true;
+  o.param_tier = Tier::kCpu;
+  o.optimizer_tier = Tier::kCpu;
+  Result<std::unique_ptr<Engine>> engine =
+      Engine::Create(MakeConfig(o, ""), device.get(), (*comms)[0].get());
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  Engine& e = **engine;
+  ParamSpec spec;
+  spec.name = "w";
+  spec.shape = {64};
+  spec.init = [](float* d, size_t n) { std::fill(d, d + n, 0.5f); };
+  Result<ParamId> w = e.RegisterParameter(spec);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  std::vector<float> grad(64, 1.0f);
+  for (int step = 0; step < 2; ++step) {
+    ASSERT_TRUE(e.Acquire({*w}).ok());
+    ASSERT_TRUE(e.Release({*w}).ok());
+    ASSERT_TRUE(e.ReduceGradient(*w, grad.data()).ok());
+    Result<std::vector<void*>> again = e.Acquire({*w});
+    ASSERT_FALSE(again.ok()) << "step " << step;
+    EXPECT_EQ(again.status().code(), StatusCode::kFailedPrecondition);
+    EXPECT_NE(again.status().message().find("after its ReduceGradient"), std::string::npos)
+        << again.status().ToString();
+    ASSERT_TRUE(e.Step().ok());
+  }
+  // The update of step 1 is visible from step 3 on; step 2's runs on.
+  std::vector<float> master(64);
+  ASSERT_TRUE(e.GatherMasterParameter(*w, master.data()).ok());
+  EXPECT_LT(master[0], 0.5f);
+}
+
 // ---- A step that deviates from the recorded trace -------------------------------------------
 
 // Captures log lines for the duration of a test.
@@ -1169,9 +1316,10 @@ struct FaultOutcome {
 // the request `ahead` requests from now, then up to 3 micro-steps until a call fails, then
 // (the plan cleared) up to 2 more micro-steps, and the masters when those succeeded.
 FaultOutcome RunWithInjectedFault(uint64_t ahead, IoFault fault = IoFault{},
-                                  bool checksums = false) {
+                                  bool checksums = false, bool delayed = false) {
   FaultOutcome out;
   RunOptions o;
+  o.delayed = delayed;
   o.param_tier = Tier::kNvme;
   o.optimizer_tier = Tier::kNvme;
   TempDir dir;
@@ -1240,11 +1388,11 @@ FaultOutcome RunWithInjectedFault(uint64_t ahead, IoFault fault = IoFault{},
 // with an IoError that names the file or the tensor; with the fault gone the engine either
 // trains on, with finite masters, or refuses further steps with kFailedPrecondition and a
 // reason. It never repeats a stale error for data that could now be read.
-TEST(EngineTest, InjectedIoErrorFailsTheStepAndTheEngineStaysConsistent) {
+void InjectedIoErrorFailsTheStepAndTheEngineStaysConsistent(bool delayed) {
   // Requests per clean micro-step, to spread the fault over a whole step.
   FaultOutcome probe;
   RunGuarded("training with an injected I/O error", std::chrono::seconds(60),
-             [&] { probe = RunWithInjectedFault(1'000'000); });
+             [&] { probe = RunWithInjectedFault(1'000'000, IoFault{}, false, delayed); });
   ASSERT_TRUE(probe.setup.ok()) << probe.setup.ToString();
   ASSERT_TRUE(probe.fault_error.ok()) << "no fault should fire: " << probe.fault_error.ToString();
   const uint64_t per_step = probe.requests_per_step.back();
@@ -1256,7 +1404,8 @@ TEST(EngineTest, InjectedIoErrorFailsTheStepAndTheEngineStaysConsistent) {
     SCOPED_TRACE("EIO on request +" + std::to_string(ahead));
     FaultOutcome f;
     RunGuarded("training with an injected I/O error at +" + std::to_string(ahead),
-               std::chrono::seconds(60), [&] { f = RunWithInjectedFault(ahead); });
+               std::chrono::seconds(60),
+               [&] { f = RunWithInjectedFault(ahead, IoFault{}, false, delayed); });
     ASSERT_TRUE(f.setup.ok()) << f.setup.ToString();
     ASSERT_GT(f.requests_after, f.fault_at) << "the fault never fired in 3 micro-steps";
     ASSERT_FALSE(f.fault_error.ok())
@@ -1283,6 +1432,7 @@ TEST(EngineTest, InjectedIoErrorFailsTheStepAndTheEngineStaysConsistent) {
       if (f.failed_before_gradients) {
         RunOptions clean;
         clean.steps = f.clean_micro_steps;
+        clean.delayed = delayed;
         RunResult ref = RunTraining(clean);
         ASSERT_TRUE(ref.status.ok()) << ref.status.ToString();
         EXPECT_EQ(FirstBitDifference(f.params, ref.params), "")
@@ -1291,6 +1441,16 @@ TEST(EngineTest, InjectedIoErrorFailsTheStepAndTheEngineStaysConsistent) {
       }
     }
   }
+}
+
+TEST(EngineTest, InjectedIoErrorFailsTheStepAndTheEngineStaysConsistent) {
+  InjectedIoErrorFailsTheStepAndTheEngineStaysConsistent(false);
+}
+
+// The same with the delayed update: a failure of the optimizer step that runs on during the
+// next micro-step surfaces in that micro-step's Step() (or the next call that waits for it).
+TEST(EngineTest, InjectedIoErrorWithTheDelayedUpdate) {
+  InjectedIoErrorFailsTheStepAndTheEngineStaysConsistent(true);
 }
 
 // Every kind of fault the FaultyBackend injects, on parameter and optimizer-state traffic (a

@@ -61,6 +61,7 @@ struct Flags {
   bool json = false;
   int log_every = 0;  // 0: about 40 lines per run
   bool fp32 = false;
+  bool delayed_update = false;
 };
 
 FILE* out = stdout;  // progress stream (stderr with --json)
@@ -132,6 +133,7 @@ Result<EngineConfig> BuildConfig(const Flags& f) {
   c.offload_optimizer.nvme_paths = nvme;
   if (f.lr > 0) c.optimizer.lr = static_cast<float>(f.lr);
   if (f.grad_accum > 0) c.gradient_accumulation_steps = f.grad_accum;
+  if (f.delayed_update) c.delayed_update = true;
   if (!f.device_budget.empty()) {
     ZINF_ASSIGN_OR_RETURN(c.device_budget_bytes, ParseByteSize(f.device_budget, "--device-budget"));
   }
@@ -475,6 +477,9 @@ int main(int argc, char** argv) {
   app.add_option("--device-budget", f.device_budget, "device memory budget, e.g. 4G");
   app.add_option("--pinned-budget", f.pinned_budget, "pinned host memory budget, e.g. 2G");
   app.add_flag("--fp32", f.fp32, "store parameters in fp32 (default bf16 with fp32 masters)");
+  app.add_flag("--delayed-update", f.delayed_update,
+               "one-step delayed parameter update: a step's optimizer runs on while the next "
+               "step computes (on the parameters one update older)");
   app.add_option("--data", f.data, "training text (any file; default the repository's corpus)");
   app.add_option("--checkpoint-dir", f.checkpoint_dir, "checkpoint folder (save and --resume)");
   app.add_option("--save-every", f.save_every, "save a checkpoint every N steps (and at the end)");
