@@ -157,7 +157,7 @@ int Main(int argc, char** argv) {
   }
   std::vector<float> grad(f.layer_elems, 1e-3f);
   auto compute = std::chrono::duration<double, std::milli>(f.compute_ms);
-  std::vector<double> effs;
+  std::vector<double> effs, step_secs;
   for (int step = 0; step < f.steps; ++step) {
     for (int l = 0; l < f.layers && s.ok(); ++l) {
       auto p = e.Acquire({ids[l]});
@@ -202,14 +202,20 @@ int Main(int argc, char** argv) {
     j["nvme_write_gbps"] = st->nvme_write_bytes / st->step_seconds / 1e9;
     std::printf("%s\n", j.dump().c_str());
     std::fflush(stdout);
-    if (step > 0) effs.push_back(st->overlap_efficiency);  // step 0 records the trace
+    if (step > 0) {  // step 0 records the trace
+      effs.push_back(st->overlap_efficiency);
+      step_secs.push_back(st->step_seconds);
+    }
   }
   if (!s.ok()) {
     std::fprintf(stderr, "zinf-engine-bench: %s\n", s.ToString().c_str());
     return 1;
   }
   std::sort(effs.begin(), effs.end());
+  std::sort(step_secs.begin(), step_secs.end());
   nlohmann::json j;
+  j["median_step_seconds"] = step_secs.empty() ? 0 : step_secs[step_secs.size() / 2];
+  j["simulated_compute_seconds"] = 3 * f.layers * f.compute_ms / 1e3;
   j["preset"] = f.preset;
   j["delayed_update"] = f.delayed_update;
   j["median_overlap_efficiency"] = effs.empty() ? 0 : effs[effs.size() / 2];

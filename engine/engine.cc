@@ -22,6 +22,7 @@
 #include <cstring>
 #include <deque>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -428,7 +429,9 @@ struct Engine::Impl {
   Status StepGroup(size_t g, float* master, float* m, float* v, uint16_t* copy_out, const Epoch& e,
                    float coef, std::vector<Ticket>* writes);
   // Writes sub-group g's parameters (from the masters, or their storage-dtype copy) into
-  // parameter store buffer `buf`.
+  // parameter store buffer `buf`. With `writes` (the optimizer's pipeline) the NVMe writes'
+  // tickets go there and device copies are left in flight on update_stream; without, it
+  // returns when everything is written.
   Status WriteParamStore(size_t g, const float* master, const uint16_t* copy_out, int buf,
                          std::vector<Ticket>* writes);
   size_t GroupStateBytes(const SubGroup& g) const { return g.numel * 3 * sizeof(float); }
@@ -1372,13 +1375,40 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
     }
     return Status::OK();
   };
+  const bool device_params = config.offload_param.tier == Tier::kDevice;
+  // Device copies of the updated parameters read from the retiring buffers (and, for fp32
+  // parameters with CPU states, from the states themselves): wait for them before reuse.
+  auto sync_updates = [&] {
+    if (!device_params) return;
+    Status s = device->SynchronizeStream(update_stream);
+    if (!s.ok() && first.ok()) first = s.WithContext("copying updated parameters to the device");
+  };
   auto retire_oldest = [&] {
+    sync_updates();
     for (Ticket t : retiring.front().writes) {
       Status s = swap->Wait(t);
       if (!s.ok() && first.ok()) first = s;
     }
     retiring.pop_front();
   };
+  // However this returns, no copy or I/O may still use the buffers it frees: write-backs
+  // finish, device copies finish, reads issued ahead for sub-groups never reached (after a
+  // failure) complete.
+  struct Finally {
+    std::function<void()> fn;
+    void Run() {
+      if (fn) fn();
+      fn = nullptr;
+    }
+    ~Finally() { Run(); }
+  } drain{[&] {
+    while (!retiring.empty()) retire_oldest();
+    sync_updates();
+    for (Slot& slot : window) {
+      if (slot.reading) (void)swap->Wait(slot.read);
+    }
+    window.clear();
+  }};
   for (size_t k = 0; k < order.size(); ++k) {
     const size_t gi = order[k];
     SubGroup& g = groups[gi];
@@ -1448,11 +1478,7 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
     }
     retiring.push_back(std::move(done));
   }
-  while (!retiring.empty()) retire_oldest();
-  // Reads issued ahead for sub-groups never reached (after a failure): drain them.
-  for (Slot& slot : window) {
-    if (slot.reading) (void)swap->Wait(slot.read);
-  }
+  drain.Run();
   return first;
 }
 
@@ -1539,7 +1565,9 @@ Status Engine::Impl::WriteParamStore(size_t gi, const float* master, const uint1
       }
     }
   }
-  if (config.offload_param.tier == Tier::kDevice) {
+  // Device tier: the copies run on the update stream while the optimizer steps the next
+  // sub-groups; RunEpoch synchronizes it before a source buffer is reused and at its end.
+  if (config.offload_param.tier == Tier::kDevice && writes == nullptr) {
     ZINF_RETURN_IF_ERROR(device->SynchronizeStream(update_stream));
   }
   return Status::OK();
@@ -1740,6 +1768,10 @@ Status Engine::Impl::WriteGroupStates(size_t gi, const void* buf, int buf_index)
           master + p.slice_offset, static_cast<uint16_t*>(copy->data) + p.slice_offset, copy_type,
           p.info.partition_numel));
     }
+  }
+  if (config.offload_param.tier != Tier::kNvme) {
+    return WriteParamStore(gi, master, copy ? static_cast<const uint16_t*>(copy->data) : nullptr,
+                           buf_index, nullptr);
   }
   std::vector<Ticket> writes;
   Status s = WriteParamStore(gi, master, copy ? static_cast<const uint16_t*>(copy->data) : nullptr,
