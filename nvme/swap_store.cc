@@ -45,6 +45,7 @@ struct Entry {
   std::string last_error;           // why it is not valid
   bool writing = false;
   int readers = 0;
+  bool committed = false;  // durable: `extents` hold the committed version (never overwritten)
 };
 
 // A chunk to verify against its stored checksum once its read has completed.
@@ -89,6 +90,10 @@ struct SwapStore::Impl {
   std::chrono::steady_clock::time_point busy_since;  // guarded by mu
   SwapStoreStats stats;                              // guarded by mu
   bool closed = false;                               // guarded by mu
+  // Durable mode, guarded by mu: committed extents superseded since the last commit (freed
+  // once the next commit is published), and the meta of the commit loaded at reopen.
+  std::vector<Extent> superseded;
+  std::string meta;
 
   ~Impl() {
     queue.reset();  // drains
@@ -252,7 +257,8 @@ struct SwapStore::Impl {
     return Status::OK();
   }
 
-  Status WriteIndex();
+  // `meta`: durable mode's commit description (written as "meta").
+  Status WriteIndex(const std::string* meta = nullptr);
   Status LoadIndex();
 };
 
@@ -400,12 +406,25 @@ Result<Ticket> SwapStore::Write(const std::string& key, const void* buf, uint64_
                                         "' has a swap request in flight; wait for its ticket "
                                         "before writing it again");
     }
+    // Durable: the committed version stays where it is until the next commit.
+    const bool keep_old =
+        m.options.durable && it != m.entries.end() && it->second.committed;
     bool reuse = it != m.entries.end() && RoundUp(it->second.size, m.alignment) == padded &&
-                 !it->second.extents.empty();
-    if (!reuse && padded > 0) {
+                 !it->second.extents.empty() && !keep_old;
+    if (!reuse && (padded > 0 || keep_old)) {
       // Allocate before freeing the old extents: a full disk leaves the old tensor intact.
-      ZINF_ASSIGN_OR_RETURN(std::vector<Extent> extents, m.AllocateExtents(size, key));
-      if (it != m.entries.end()) m.FreeExtents(it->second);
+      std::vector<Extent> extents;
+      if (padded > 0) {
+        ZINF_ASSIGN_OR_RETURN(extents, m.AllocateExtents(size, key));
+      }
+      if (keep_old) {
+        Entry& old = it->second;
+        m.superseded.insert(m.superseded.end(), old.extents.begin(), old.extents.end());
+        old.extents.clear();
+        old.committed = false;
+      } else if (it != m.entries.end()) {
+        m.FreeExtents(it->second);
+      }
       for (const Extent& x : extents) m.stats.bytes_allocated += x.len;
       Entry& e = m.entries[key];
       e.extents = std::move(extents);
@@ -545,7 +564,14 @@ Status SwapStore::Remove(const std::string& key) {
   if (it->second.writing || it->second.readers > 0) {
     return Status::FailedPrecondition("tensor '" + key + "' has a swap request in flight");
   }
-  m.FreeExtents(it->second);
+  if (m.options.durable && it->second.committed) {
+    // Still part of the last commit: freed once the next one is published.
+    m.superseded.insert(m.superseded.end(), it->second.extents.begin(),
+                        it->second.extents.end());
+    it->second.extents.clear();
+  } else {
+    m.FreeExtents(it->second);
+  }
   m.stats.bytes_stored -= it->second.size;
   --m.stats.tensors;
   m.entries.erase(it);
@@ -554,6 +580,10 @@ Status SwapStore::Remove(const std::string& key) {
 
 Status SwapStore::Flush() {
   Impl& m = *impl_;
+  if (m.options.durable) {
+    return Status::FailedPrecondition(
+        "Flush on a durable swap store: its index is written by Commit only");
+  }
   {
     std::unique_lock<std::mutex> lock(m.mu);
     m.cv.wait(lock, [&] { return m.in_flight == 0; });
@@ -564,8 +594,53 @@ Status SwapStore::Flush() {
   return m.WriteIndex();
 }
 
+Status SwapStore::Commit(const std::string& meta) {
+  Impl& m = *impl_;
+  if (!m.options.durable) {
+    return Status::FailedPrecondition("Commit on a swap store not opened in durable mode");
+  }
+  {
+    std::unique_lock<std::mutex> lock(m.mu);
+    m.cv.wait(lock, [&] { return m.in_flight == 0; });
+    if (m.closed) return Status::FailedPrecondition("swap store is closed");
+    for (const auto& [key, e] : m.entries) {
+      if (!e.valid) {
+        return Status::FailedPrecondition("cannot commit the swap store: tensor '" + key +
+                                          "' has no valid copy (" + e.last_error + ")");
+      }
+    }
+  }
+  for (const IoFile& f : m.files) {
+    if (fdatasync(f.fd) != 0) return ErrnoToStatus(errno, "fdatasync " + f.path);
+  }
+  CrashPoint("swap.commit");
+  ZINF_RETURN_IF_ERROR(m.WriteIndex(&meta));
+  CrashPoint("swap.committed");
+  std::lock_guard<std::mutex> lock(m.mu);
+  for (const Extent& x : m.superseded) {
+    m.space[x.file].Free(x.offset, x.len);
+    m.stats.bytes_allocated -= x.len;
+  }
+  m.superseded.clear();
+  for (auto& [key, e] : m.entries) e.committed = true;
+  m.meta = meta;
+  return Status::OK();
+}
+
+std::string SwapStore::committed_meta() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->meta;
+}
+
 Status SwapStore::Close() {
-  Status s = Flush();
+  Status s;
+  if (impl_->options.durable) {
+    // No commit: the last one stays the state a reopen sees.
+    std::unique_lock<std::mutex> lock(impl_->mu);
+    impl_->cv.wait(lock, [&] { return impl_->in_flight == 0; });
+  } else {
+    s = Flush();
+  }
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->closed = true;
   return s;
@@ -588,11 +663,12 @@ SwapStoreStats SwapStore::stats() const {
 
 // ---- Index -----------------------------------------------------------------------------------
 
-Status SwapStore::Impl::WriteIndex() {
+Status SwapStore::Impl::WriteIndex(const std::string* commit_meta) {
   nlohmann::json j;
   {
     std::lock_guard<std::mutex> lock(mu);
     j["version"] = kIndexVersion;
+    if (commit_meta != nullptr) j["meta"] = *commit_meta;
     j["alignment"] = alignment;
     j["chunk_size"] = options.chunk_size;
     j["checksums"] = options.checksums;
@@ -680,10 +756,12 @@ Status SwapStore::Impl::LoadIndex() {
       space[f].Add(0, file_size[f]);
     }
     bool had_checksums = j.at("checksums").get<bool>();
+    if (j.contains("meta")) meta = j.at("meta").get<std::string>();
     for (const auto& [key, jt] : j.at("tensors").items()) {
       Entry e;
       e.size = jt.at("size").get<uint64_t>();
       e.valid = true;
+      e.committed = true;
       for (const auto& x : jt.at("extents")) {
         Extent ext{x.at(0).get<uint32_t>(), x.at(1).get<uint64_t>(), x.at(2).get<uint64_t>()};
         if (ext.file >= files.size() || !space[ext.file].Reserve(ext.offset, ext.len)) {

@@ -93,6 +93,13 @@ struct SwapStoreOptions {
   bool direct_io = true;   // O_DIRECT; refused (tmpfs) -> buffered I/O with one warning
   bool checksums = false;  // xxh3-64 per chunk, verified on read
   bool reopen = false;     // load the index a previous Close() wrote, keep the data
+  // Durable (crash-consistent) mode: a write never overwrites the committed version of a
+  // tensor. The first write of a tensor after a Commit() goes to fresh extents (later ones
+  // overwrite those in place); Commit() publishes every write since the last one atomically
+  // (data synced, then the index renamed into place) and only then frees the superseded
+  // extents. Reopening (reopen = true) sees exactly the last commit, whatever happened after
+  // it. Needs up to twice the space of the tensors. Close() does not commit.
+  bool durable = false;
   // Memory to register with the backend once (for example PinnedArena::region()).
   std::vector<MemoryRegion> registered_regions;
   // Tests: wrap the backend in a FaultyBackend driven by this plan.
@@ -141,8 +148,16 @@ class SwapStore {
   // Frees the key's extents. FailedPrecondition while it has a request in flight.
   Status Remove(const std::string& key);
 
-  // Waits for all requests, syncs the files and writes the index atomically.
+  // Waits for all requests, syncs the files and writes the index atomically. Durable stores:
+  // FailedPrecondition (use Commit).
   Status Flush();
+  // Durable stores: waits for all requests, syncs the files, writes the index with `meta`
+  // (the caller's description of the state, e.g. a step number) and renames it into place;
+  // then frees the extents of the versions it superseded. FailedPrecondition when a tensor's
+  // last write failed (nothing is published then).
+  Status Commit(const std::string& meta);
+  // The `meta` of the commit the store was reopened at ("" when none).
+  std::string committed_meta() const;
   // Flush(), then closes; the store is unusable afterwards.
   Status Close();
 
