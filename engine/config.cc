@@ -65,7 +65,7 @@ constexpr std::string_view kZeroKeys[] = {
 constexpr std::string_view kZinfKeys[] = {
     "device_budget_bytes", "pinned_budget_bytes", "nvme_capacity_bytes", "delayed_update",
     "checksums",           "optimizer_threads",   "host_copy_gbps",      "io_backend",
-    "nvme_paths",          "allowed_nvme_roots",
+    "nvme_paths",          "allowed_nvme_roots",  "durable",
 };
 constexpr std::string_view kAioKeys[] = {
     "block_size", "queue_depth", "thread_count", "single_submit", "overlap_events", "use_gds",
@@ -605,6 +605,7 @@ Status ParseZinf(ObjectReader& r, EngineConfig* config, std::vector<std::string>
   ZINF_RETURN_IF_ERROR(r.ReadByteSize("pinned_budget_bytes", &config->pinned_budget_bytes));
   ZINF_RETURN_IF_ERROR(r.ReadByteSize("nvme_capacity_bytes", &config->nvme_capacity_bytes));
   ZINF_RETURN_IF_ERROR(r.ReadBool("delayed_update", &config->delayed_update));
+  ZINF_RETURN_IF_ERROR(r.ReadBool("durable", &config->durable));
   ZINF_RETURN_IF_ERROR(r.ReadBool("checksums", &config->checksums));
   ZINF_RETURN_IF_ERROR(r.ReadInt("optimizer_threads", &config->optimizer_threads));
   ZINF_RETURN_IF_ERROR(r.ReadDouble("host_copy_gbps", &config->host_copy_gbps));

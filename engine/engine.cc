@@ -15,6 +15,8 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -401,6 +403,14 @@ struct Engine::Impl {
 
   Status Place();
   Status InitStores();
+  // Durable mode: the commit description (step and layout) and its check at resume.
+  std::string StoreMeta() const;
+  Status CheckStoreMeta(const std::string& meta, int64_t* step) const;
+  Status CommitStore() {
+    if (!config.durable) return Status::OK();
+    return swap->Commit(StoreMeta()).WithContext("committing the durable swap store");
+  }
+  bool resume_store = false;  // ResumeFromStore: InitStores reopens instead of initialising
   Status CheckNvmePaths(const std::vector<std::string>& paths) const;
 
   // ---- Fetch / evict ----
@@ -560,6 +570,23 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
     return Status::NotSupported(
         "offload_optimizer.device none (optimizer on the GPU) is not supported yet; use cpu "
         "or nvme");
+  }
+  if (config.durable) {
+    if (config.offload_optimizer.tier != Tier::kNvme) {
+      return Status::InvalidArgument(
+          "zinf.durable needs offload_optimizer.device nvme (the states to resume from live "
+          "in the swap store)");
+    }
+    if (config.delayed_update) {
+      return Status::NotSupported(
+          "zinf.durable with zinf.delayed_update is not supported yet (a commit needs the "
+          "optimizer idle); turn one off");
+    }
+    if (comm->world_size() != 1) {
+      return Status::NotSupported(
+          "zinf.durable with more than one rank is not supported yet (ranks would commit "
+          "separately); use checkpoints");
+    }
   }
   auto impl = std::make_unique<Impl>();
   Impl& m = *impl;
@@ -756,7 +783,14 @@ Status Engine::Impl::Place() {
     so.max_capacity_per_path = config.nvme_capacity_bytes;
     so.registered_regions = {arena->region()};
     so.fault_plan = hooks.fault_plan;
-    ZINF_ASSIGN_OR_RETURN(swap, SwapStore::Open(so));
+    so.durable = config.durable;
+    so.reopen = resume_store;
+    Result<std::unique_ptr<SwapStore>> opened = SwapStore::Open(so);
+    if (!opened.ok() && resume_store) {
+      return opened.status().WithContext("ResumeFromStore: reopening the swap store in " +
+                                         so.paths[0]);
+    }
+    ZINF_ASSIGN_OR_RETURN(swap, std::move(opened));
   }
   return Status::OK();
 }
@@ -803,6 +837,12 @@ Status Engine::Impl::CheckNvmePaths(const std::vector<std::string>& paths) const
 Status Engine::Impl::InitStores() {
   std::vector<float> full;
   std::vector<Ticket> tickets;
+  // Resuming a durable store: the states come from it, and so do NVMe parameter stores
+  // written in the same dtype; everything else is rebuilt from the masters.
+  int64_t resumed_step = 0;
+  if (resume_store) {
+    ZINF_RETURN_IF_ERROR(CheckStoreMeta(swap->committed_meta(), &resumed_step));
+  }
   // Optimizer states per sub-group, parameters per store.
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     SubGroup& g = groups[gi];
@@ -821,13 +861,28 @@ Status Engine::Impl::InitStores() {
       ZINF_RETURN_IF_ERROR(g.master.Allocate(g.numel * 3, "optimizer states"));
       master = g.master.data;
     }
-    std::memset(master, 0, GroupStateBytes(g));  // exp_avg and exp_avg_sq start at zero
+    if (resume_store) {  // durable mode: states on NVMe (checked at Create)
+      Result<uint64_t> size = swap->Size(g.swap_key);
+      if (!size.ok() || *size != GroupStateBytes(g)) {
+        return Status::FailedPrecondition("ResumeFromStore: the store's optimizer states '" +
+                                          g.swap_key + "' do not match this model's sub-group " +
+                                          std::to_string(gi));
+      }
+      ZINF_ASSIGN_OR_RETURN(Ticket t, swap->Read(g.swap_key, master, staging.capacity()));
+      ZINF_RETURN_IF_ERROR(swap->Wait(t).WithContext("ResumeFromStore"));
+    } else {
+      std::memset(master, 0, GroupStateBytes(g));  // exp_avg and exp_avg_sq start at zero
+    }
     for (ParamId id : g.params) {
       Param& p = params[id];
-      full.assign(p.padded_numel, 0.0f);
-      p.init(full.data(), p.info.numel);
-      const float* part = full.data() + static_cast<size_t>(rank) * p.info.partition_numel;
-      std::memcpy(master + p.slice_offset, part, p.info.partition_numel * sizeof(float));
+      const float* part = master + p.slice_offset;
+      if (!resume_store) {
+        full.assign(p.padded_numel, 0.0f);
+        p.init(full.data(), p.info.numel);
+        std::memcpy(master + p.slice_offset,
+                    full.data() + static_cast<size_t>(rank) * p.info.partition_numel,
+                    p.info.partition_numel * sizeof(float));
+      }
       // The parameter store, in storage dtype.
       PinnedBuffer image;
       ZINF_ASSIGN_OR_RETURN(image, arena->Allocate(PartBytes(p)));
@@ -863,6 +918,12 @@ Status Engine::Impl::InitStores() {
         case Tier::kNvme: {
           p.swap_key[0] = "param/" + p.info.name;
           if (delayed) p.swap_key[1] = "param/" + p.info.name + "#1";
+          if (resume_store) {
+            // The committed parameter store was written from these masters in this dtype
+            // (the layout check compared the dtype); a size mismatch means another model.
+            Result<uint64_t> size = swap->Size(p.swap_key[0]);
+            if (size.ok() && *size == PartBytes(p)) break;
+          }
           ZINF_ASSIGN_OR_RETURN(
               Ticket t, swap->Write(p.swap_key[0], image.data(), PartBytes(p), image.capacity()));
           ZINF_RETURN_IF_ERROR(swap->Wait(t));
@@ -876,7 +937,7 @@ Status Engine::Impl::InitStores() {
         p.aliased = true;
       }
     }
-    if (config.offload_optimizer.tier == Tier::kNvme) {
+    if (config.offload_optimizer.tier == Tier::kNvme && !resume_store) {
       ZINF_ASSIGN_OR_RETURN(Ticket t, swap->Write(g.swap_key, staging.data(), GroupStateBytes(g),
                                                   staging.capacity()));
       ZINF_RETURN_IF_ERROR(swap->Wait(t));
@@ -886,7 +947,108 @@ Status Engine::Impl::InitStores() {
       std::memset(g.grads.data(), 0, g.grads.capacity());
     }
   }
+  if (resume_store) {
+    step = visible = resumed_step;
+    micro = resumed_step * std::max(1, config.gradient_accumulation_steps);
+    std::lock_guard<std::mutex> lock(mu);
+    done_step = resumed_step;
+    for (SubGroup& g : groups) g.ready_step = g.stepped_step = resumed_step;
+    return Status::OK();
+  }
+  // Durable: the initial state is the first commit (a crash in step 1 resumes at step 0).
+  return CommitStore();
+}
+
+std::string Engine::Impl::StoreMeta() const {
+  nlohmann::json j;
+  j["format"] = "zinf-durable-1";
+  j["step"] = step;
+  j["world"] = world;
+  j["optimizer"] = OptimizerTypeName(config.optimizer.type);
+  j["storage"] = copy_type == ParamCopyType::kBf16 ? "bf16" : "fp32";
+  j["param_tier"] = config.offload_param.tier == Tier::kNvme ? "nvme" : "memory";
+  nlohmann::json ps = nlohmann::json::array();
+  for (const Param& p : params) {
+    ps.push_back({p.info.name, p.info.numel, p.info.partition_numel, p.info.sub_group,
+                  p.slice_offset});
+  }
+  j["params"] = ps;
+  return j.dump();
+}
+
+Status Engine::Impl::CheckStoreMeta(const std::string& meta, int64_t* out_step) const {
+  if (meta.empty()) {
+    return Status::NotFound("ResumeFromStore: the swap store has no commit to resume from");
+  }
+  auto mismatch = [](const std::string& what) {
+    return Status::FailedPrecondition(
+        "ResumeFromStore: the swap store was written by a different model or configuration: " +
+        what);
+  };
+  nlohmann::json j = nlohmann::json::parse(meta, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return Status::Corruption("ResumeFromStore: the store's commit record is not valid JSON");
+  }
+  try {
+    if (j.at("format").get<std::string>() != "zinf-durable-1") return mismatch("unknown format");
+    if (j.at("world").get<int>() != world) return mismatch("another number of ranks");
+    const std::string opt = j.at("optimizer").get<std::string>();
+    if (opt != OptimizerTypeName(config.optimizer.type)) {
+      return mismatch("optimizer " + opt + ", this engine runs " +
+                      OptimizerTypeName(config.optimizer.type));
+    }
+    const std::string storage = j.at("storage").get<std::string>();
+    if (storage != (copy_type == ParamCopyType::kBf16 ? "bf16" : "fp32")) {
+      return mismatch("parameters stored as " + storage + " (the bf16 setting differs)");
+    }
+    const auto& ps = j.at("params");
+    if (ps.size() != params.size()) {
+      return mismatch(std::to_string(ps.size()) + " parameters, this model registers " +
+                      std::to_string(params.size()));
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      const Param& p = params[i];
+      if (ps[i].at(0).get<std::string>() != p.info.name ||
+          ps[i].at(1).get<size_t>() != p.info.numel ||
+          ps[i].at(2).get<size_t>() != p.info.partition_numel ||
+          ps[i].at(3).get<size_t>() != p.info.sub_group ||
+          ps[i].at(4).get<size_t>() != p.slice_offset) {
+        return mismatch("parameter " + std::to_string(i) + " is '" +
+                        ps[i].at(0).get<std::string>() + "' with " +
+                        std::to_string(ps[i].at(1).get<size_t>()) + " elements, this model has '" +
+                        p.info.name + "' with " + std::to_string(p.info.numel) +
+                        " (same sub_group_size?)");
+      }
+    }
+    *out_step = j.at("step").get<int64_t>();
+    if (*out_step < 0) return mismatch("negative step");
+  } catch (const nlohmann::json::exception& ex) {
+    return Status::Corruption(std::string("ResumeFromStore: the store's commit record is "
+                                          "missing a field (") +
+                              ex.what() + ")");
+  }
   return Status::OK();
+}
+
+Status Engine::ResumeFromStore() {
+  Impl& m = *impl_;
+  if (!m.config.durable) {
+    return Status::FailedPrecondition(
+        "ResumeFromStore needs zinf.durable (a store that commits every step)");
+  }
+  if (m.registered) {
+    return Status::FailedPrecondition(
+        "ResumeFromStore must come after registering the parameters and before the first "
+        "Acquire, Step or FinishRegistration");
+  }
+  m.resume_store = true;
+  Status s = FinishRegistration();
+  m.resume_store = false;
+  if (!s.ok()) {
+    m.broken = Status::FailedPrecondition("ResumeFromStore failed (" + s.message() +
+                                          "); recreate the engine");
+  }
+  return s;
 }
 
 Status Engine::SetAcquireOrder(const std::vector<ParamId>& order) {
@@ -1649,6 +1811,14 @@ Result<StepStats> Engine::Step() {
     m.visible = m.delayed ? std::max(m.visible, m.step - 1) : m.step;
     for (Impl::Param& p : m.params) p.grad_seen_this_window = false;
     st.optimizer_ran = true;
+    // Durable: the step's writes are complete (the optimizer waited for them): publish them.
+    s = m.CommitStore();
+    if (!s.ok()) {
+      m.broken = Status::FailedPrecondition("the durable swap store could not commit step " +
+                                            std::to_string(m.step) + " (" + s.message() +
+                                            "); resume from its last commit");
+      return s;
+    }
   }
   double opt_wait = Since(wait0);
   ++m.micro;

@@ -145,7 +145,8 @@ class RankTrainer {
   explicit RankTrainer(Engine* engine) : engine_(engine) {}
 
   // Registers W0, b0, W1, b1, ... in layer order, then ends registration.
-  Status Register() {
+  // `finish`: end registration (else the caller does, e.g. by Engine::ResumeFromStore).
+  Status Register(bool finish = true) {
     const MlpShape& shape = Shape();
     for (int p = 0; p < shape.num_params(); ++p) {
       ParamSpec spec;
@@ -156,6 +157,7 @@ class RankTrainer {
       if (!id.ok()) return id.status().WithContext("RegisterParameter " + spec.name);
       ids_.push_back(*id);
     }
+    if (!finish) return Status::OK();
     return engine_->FinishRegistration().WithContext("FinishRegistration");
   }
 
@@ -277,6 +279,7 @@ struct RunOptions {
   int grad_accum = 1;  // micro-steps per optimizer step
   double clipping = 0.0;
   bool delayed = false;  // zinf.delayed_update
+  bool durable = false;  // zinf.durable
   uint64_t device_budget_bytes = 0;
   uint64_t pinned_budget_bytes = kPinnedBudget;
   uint64_t sub_group_size = kSubGroupSize;
@@ -322,6 +325,7 @@ EngineConfig MakeConfig(const RunOptions& o, const std::string& nvme_dir) {
   c.optimizer.weight_decay = kWeightDecay;
   c.gradient_clipping = o.clipping;
   c.delayed_update = o.delayed;
+  c.durable = o.durable;
   c.gradient_accumulation_steps = o.grad_accum;
   c.device_budget_bytes = o.device_budget_bytes;
   c.pinned_budget_bytes = o.pinned_budget_bytes;
@@ -1445,6 +1449,153 @@ void InjectedIoErrorFailsTheStepAndTheEngineStaysConsistent(bool delayed) {
 
 TEST(EngineTest, InjectedIoErrorFailsTheStepAndTheEngineStaysConsistent) {
   InjectedIoErrorFailsTheStepAndTheEngineStaysConsistent(false);
+}
+
+// Durable mode: a step that dies part-way (an EIO at a spread of request positions: parameter
+// reads, state reads, write-backs) leaves the store at its last commit; a fresh engine resumes
+// from the store alone and ends bit-identical to a run that never failed.
+TEST(EngineDurable, ResumeFromTheStoreAfterAFailedStepIsBitIdentical) {
+  for (Tier param_tier : {Tier::kNvme, Tier::kCpu}) {
+    RunOptions o;
+    o.durable = true;
+    o.param_tier = param_tier;
+    o.optimizer_tier = Tier::kNvme;
+    SCOPED_TRACE(o.Describe());
+    const RunResult straight = RunTraining(o);
+    ASSERT_TRUE(straight.status.ok()) << straight.status.ToString();
+    ExpectHealthyRun(o, straight);
+    EXPECT_EQ(FirstBitDifference(straight.params, Reference(1).params), "")
+        << "durable mode changed the training";
+    for (int fifth = 0; fifth < 5; ++fifth) {
+      TempDir dir;
+      ASSERT_TRUE(dir.ok());
+      std::unique_ptr<Device> device = NewHostDevice(HostDeviceOptions{});
+      auto comms = NewLocalComms({device.get()});
+      ASSERT_TRUE(comms.ok());
+      double loss;
+      StepStats stats;
+      Status failed;
+      int done = 0;  // micro-steps completed (= optimizer steps)
+      {
+        auto plan = std::make_shared<FaultPlan>();
+        EngineHooks hooks;
+        hooks.fault_plan = plan;
+        auto engine = Engine::Create(MakeConfig(o, dir.path()), device.get(), (*comms)[0].get(),
+                                     hooks);
+        ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+        RankTrainer trainer(engine->get());
+        ASSERT_TRUE(trainer.Register().ok());
+        uint64_t per_step = 0;
+        for (; done < 2; ++done) {
+          const uint64_t before = plan->requests();
+          ASSERT_TRUE(trainer.MicroStep(0, kGlobalBatch, false, &loss, &stats).ok());
+          per_step = plan->requests() - before;
+        }
+        ASSERT_GT(per_step, 0u);
+        // Spread over the step: at 0, 1/5, ... 4/5 of its requests.
+        const uint64_t ahead = per_step * fifth / 5;
+        SCOPED_TRACE("EIO on request +" + std::to_string(ahead) + " of " +
+                     std::to_string(per_step));
+        IoFault fault;
+        fault.first = plan->requests() + ahead;
+        plan->Add(fault);
+        for (int attempt = 0; attempt < 2 && failed.ok(); ++attempt) {
+          failed = trainer.MicroStep(0, kGlobalBatch, false, &loss, &stats);
+          if (failed.ok()) ++done;
+        }
+        ASSERT_FALSE(failed.ok()) << "the fault never fired";
+        // The engine (and its store) go away here, as in a crash: nothing more is committed.
+      }
+      auto engine = Engine::Create(MakeConfig(o, dir.path()), device.get(), (*comms)[0].get());
+      ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+      RankTrainer trainer(engine->get());
+      ASSERT_TRUE(trainer.Register(/*finish=*/false).ok());
+      Status resumed = (*engine)->ResumeFromStore();
+      ASSERT_TRUE(resumed.ok()) << resumed.ToString();
+      // The failed step never committed: the store is at the last completed one.
+      EXPECT_EQ((*engine)->global_step(), done) << "after: " << failed.ToString();
+      for (int m = done; m < o.steps; ++m) {
+        Status st = trainer.MicroStep(0, kGlobalBatch, false, &loss, &stats);
+        ASSERT_TRUE(st.ok()) << "micro-step " << m << ": " << st.ToString();
+      }
+      std::vector<std::vector<float>> params;
+      ASSERT_TRUE(trainer.GatherAll(&params).ok());
+      EXPECT_EQ(FirstBitDifference(params, straight.params), "");
+    }
+  }
+}
+
+// What ResumeFromStore refuses: no commit, another model, durable mode off, a call after
+// registration ended; and the configurations durable mode does not support.
+TEST(EngineDurable, RefusalsNameTheReason) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  std::unique_ptr<Device> device = NewHostDevice(HostDeviceOptions{});
+  auto comms = NewLocalComms({device.get()});
+  ASSERT_TRUE(comms.ok());
+  RunOptions o;
+  o.durable = true;
+  o.param_tier = Tier::kCpu;
+  o.optimizer_tier = Tier::kNvme;
+  auto open = [&](const RunOptions& ro) {
+    auto e = Engine::Create(MakeConfig(ro, dir.path()), device.get(), (*comms)[0].get());
+    EXPECT_TRUE(e.ok()) << e.status().ToString();
+    return e.ok() ? std::move(*e) : nullptr;
+  };
+  {  // An empty folder: nothing to resume.
+    auto e = open(o);
+    ASSERT_NE(e, nullptr);
+    RankTrainer t(e.get());
+    ASSERT_TRUE(t.Register(false).ok());
+    Status s = e->ResumeFromStore();
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("index"), std::string::npos) << s.ToString();
+    // The engine refuses to go on after a failed resume.
+    double loss;
+    StepStats stats;
+    EXPECT_EQ(t.MicroStep(0, kGlobalBatch, false, &loss, &stats).code(),
+              StatusCode::kFailedPrecondition);
+  }
+  {  // One committed step, then a model with another sub-group layout.
+    auto e = open(o);
+    RankTrainer t(e.get());
+    ASSERT_TRUE(t.Register().ok());
+    double loss;
+    StepStats stats;
+    ASSERT_TRUE(t.MicroStep(0, kGlobalBatch, false, &loss, &stats).ok());
+    EXPECT_EQ(e->ResumeFromStore().code(), StatusCode::kFailedPrecondition);  // too late
+  }
+  {
+    RunOptions other = o;
+    other.sub_group_size = kSubGroupSize / 2;
+    auto e = open(other);
+    RankTrainer t(e.get());
+    ASSERT_TRUE(t.Register(false).ok());
+    Status s = e->ResumeFromStore();
+    EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+    EXPECT_NE(s.message().find("different model"), std::string::npos) << s.ToString();
+  }
+  {
+    RunOptions plain = o;
+    plain.durable = false;
+    auto e = open(plain);
+    EXPECT_EQ(e->ResumeFromStore().code(), StatusCode::kFailedPrecondition);
+  }
+  // Unsupported combinations fail at Create, naming the keys.
+  struct Bad {
+    Tier optimizer;
+    bool delayed;
+    const char* expect;
+  };
+  for (const Bad& b : {Bad{Tier::kCpu, false, "offload_optimizer"},
+                       Bad{Tier::kNvme, true, "delayed_update"}}) {
+    RunOptions ro = o;
+    ro.optimizer_tier = b.optimizer;
+    ro.delayed = b.delayed;
+    auto e = Engine::Create(MakeConfig(ro, dir.path()), device.get(), (*comms)[0].get());
+    ASSERT_FALSE(e.ok()) << b.expect;
+    EXPECT_NE(e.status().message().find(b.expect), std::string::npos) << e.status().ToString();
+  }
 }
 
 // The same with the delayed update: a failure of the optimizer step that runs on during the

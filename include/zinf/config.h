@@ -68,6 +68,10 @@ struct EngineConfig {
   uint64_t pinned_budget_bytes = 1ull << 30;
   uint64_t nvme_capacity_bytes = 0;  // per path; 0 = grow until the disk is full
   bool delayed_update = false;       // one-step delayed parameter update
+  // Crash-consistent swap store (zinf.durable): every optimizer step commits the NVMe store,
+  // and Engine::ResumeFromStore continues from the last commit without a checkpoint copy.
+  // Needs offload_optimizer on nvme, one rank, no delayed update; up to twice the NVMe space.
+  bool durable = false;
   bool checksums = false;            // per-chunk checksums in the swap store
   int optimizer_threads = 0;         // CPU Adam threads; 0 = all cores
   double host_copy_gbps = 0;         // HostDevice PCIe simulation; 0 = memcpy speed

@@ -138,6 +138,15 @@ class Engine {
   // checksum is verified before anything changes, and a mismatch names the tensor.
   Status LoadCheckpoint(const std::string& dir, std::string* user_data = nullptr);
 
+  // Durable mode (zinf.durable): every optimizer step ends with a commit of the NVMe swap
+  // store (its writes go to fresh extents until then), so after a crash the store itself
+  // holds the last completed step. ResumeFromStore, called after registering every
+  // parameter and before anything else, reopens the store at that commit instead of
+  // initialising the parameters: it checks that the layout matches (names, sizes,
+  // sub-groups, optimizer, storage dtype), rebuilds the parameter stores that are not on NVMe
+  // from the masters, and sets global_step(). NotFound when the store has no commit.
+  Status ResumeFromStore();
+
   // Collective (every rank calls it): the full fp32 master values of a parameter, gathered from
   // all ranks into `out` (numel floats, host memory).
   Status GatherMasterParameter(ParamId id, float* out);
