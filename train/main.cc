@@ -62,6 +62,7 @@ struct Flags {
   int log_every = 0;  // 0: about 40 lines per run
   bool fp32 = false;
   bool delayed_update = false;
+  bool durable = false;
 };
 
 FILE* out = stdout;  // progress stream (stderr with --json)
@@ -134,6 +135,7 @@ Result<EngineConfig> BuildConfig(const Flags& f) {
   if (f.lr > 0) c.optimizer.lr = static_cast<float>(f.lr);
   if (f.grad_accum > 0) c.gradient_accumulation_steps = f.grad_accum;
   if (f.delayed_update) c.delayed_update = true;
+  if (f.durable) c.durable = true;
   if (!f.device_budget.empty()) {
     ZINF_ASSIGN_OR_RETURN(c.device_budget_bytes, ParseByteSize(f.device_budget, "--device-budget"));
   }
@@ -155,9 +157,20 @@ Status CheckNvme(const EngineConfig& c, uint64_t params) {
   uint64_t need = 0;
   if (c.offload_param.tier == Tier::kNvme) need += params * (c.bf16 ? 2 : 4);
   if (c.offload_optimizer.tier == Tier::kNvme) need += params * 12;  // master, m, v in fp32
-  need = need + need / 50;                                           // alignment and padding
+  // Durable mode keeps the committed copy while a step writes the next one; the delayed
+  // update double-buffers NVMe parameters.
+  if (c.durable) need *= 2;
+  if (c.delayed_update && c.offload_param.tier == Tier::kNvme) need += params * (c.bf16 ? 2 : 4);
+  need = need + need / 50;  // alignment and padding
   uint64_t free_bytes = 0;
-  for (const std::string& p : paths) {
+  for (size_t i = 0; i < paths.size(); ++i) {
+    const std::string& p = paths[i];
+    // A swap file already there is reused (resume) or truncated (fresh run): its space counts.
+    struct stat st {};
+    const std::string swap_file = p + "/zinf-swap-" + std::to_string(i) + ".bin";
+    if (stat(swap_file.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+      free_bytes += static_cast<uint64_t>(st.st_blocks) * 512;
+    }
     std::error_code ec;
     std::filesystem::create_directories(p, ec);
     if (ec) {
@@ -281,17 +294,41 @@ int Run(Flags f) {
       GptTrainer::Create(model, f.batch, f.seq, f.seed, engine->get());
   if (!trainer.ok()) return fail("building the model", trainer.status());
   auto t_init = Clock::now();
-  if (Status s = (*engine)->FinishRegistration(); !s.ok()) {
-    return fail("placing the parameters", s);
+  int64_t first_step = 0;
+  const bool checkpointing = !f.checkpoint_dir.empty();
+  if (f.resume && config->durable) {
+    // Durable: the swap store itself holds the last completed step.
+    Status s = (*engine)->ResumeFromStore();
+    if (s.code() == StatusCode::kNotFound) {
+      // Nothing committed yet (the first run died while initialising): start over.
+      std::fprintf(out, "  no committed step in the swap store yet: starting from step 0\n");
+      trainer->reset();
+      engine->reset();
+      engine = Engine::Create(*config, device.get(), (*comms)[0].get());
+      if (!engine.ok()) return fail("creating the engine", engine.status());
+      trainer = GptTrainer::Create(model, f.batch, f.seq, f.seed, engine->get());
+      if (!trainer.ok()) return fail("building the model", trainer.status());
+    } else if (!s.ok()) {
+      return fail("resuming from the swap store", s);
+    } else {
+      first_step = (*engine)->global_step();
+      std::fprintf(out, "  resumed from the durable swap store at step %" PRId64 "\n",
+                   first_step);
+    }
+  }
+  if (first_step == 0) {
+    if (Status s = (*engine)->FinishRegistration(); !s.ok()) {
+      return fail("placing the parameters", s);
+    }
   }
   std::fprintf(out, "  initialised and placed in %.1f s\n", Seconds(Clock::now() - t_init));
 
-  // Resume.
-  int64_t first_step = 0;
-  const bool checkpointing = !f.checkpoint_dir.empty();
-  if (f.resume) {
+  // Resume from a checkpoint.
+  if (f.resume && !config->durable) {
     if (!checkpointing) {
-      std::fprintf(stderr, "zinf-train: --resume needs --checkpoint-dir\n");
+      std::fprintf(stderr,
+                   "zinf-train: --resume needs --checkpoint-dir (or --durable, to resume from "
+                   "the swap store)\n");
       return 2;
     }
     Result<int64_t> step = LoadCheckpoint(f.checkpoint_dir, model, f.seed, engine->get());
@@ -477,13 +514,19 @@ int main(int argc, char** argv) {
   app.add_option("--device-budget", f.device_budget, "device memory budget, e.g. 4G");
   app.add_option("--pinned-budget", f.pinned_budget, "pinned host memory budget, e.g. 2G");
   app.add_flag("--fp32", f.fp32, "store parameters in fp32 (default bf16 with fp32 masters)");
+  app.add_flag("--durable", f.durable,
+               "commit the NVMe swap store after every step, so that --resume continues from "
+               "it after a crash without a checkpoint copy (needs optimizer states on NVMe; "
+               "up to twice the NVMe space)");
   app.add_flag("--delayed-update", f.delayed_update,
                "one-step delayed parameter update: a step's optimizer runs on while the next "
                "step computes (on the parameters one update older)");
   app.add_option("--data", f.data, "training text (any file; default the repository's corpus)");
   app.add_option("--checkpoint-dir", f.checkpoint_dir, "checkpoint folder (save and --resume)");
   app.add_option("--save-every", f.save_every, "save a checkpoint every N steps (and at the end)");
-  app.add_flag("--resume", f.resume, "continue from the checkpoint in --checkpoint-dir");
+  app.add_flag("--resume", f.resume,
+               "continue from the checkpoint in --checkpoint-dir, or with --durable from the "
+               "swap store's last committed step");
   app.add_option("--seed", f.seed, "seed of the initialisation and the batches")
       ->capture_default_str();
   app.add_flag("--json", f.json, "only the final JSON line on stdout (progress on stderr)");
