@@ -63,9 +63,18 @@ constexpr std::string_view kZeroKeys[] = {
     "round_robin_gradients",
 };
 constexpr std::string_view kZinfKeys[] = {
-    "device_budget_bytes", "pinned_budget_bytes", "nvme_capacity_bytes", "delayed_update",
-    "checksums",           "optimizer_threads",   "host_copy_gbps",      "io_backend",
-    "nvme_paths",          "allowed_nvme_roots",  "durable",
+    "device_budget_bytes",
+    "pinned_budget_bytes",
+    "nvme_capacity_bytes",
+    "delayed_update",
+    "checksums",
+    "optimizer_threads",
+    "host_copy_gbps",
+    "io_backend",
+    "nvme_paths",
+    "allowed_nvme_roots",
+    "durable",
+    "delayed_update_after",
 };
 constexpr std::string_view kAioKeys[] = {
     "block_size", "queue_depth", "thread_count", "single_submit", "overlap_events", "use_gds",
@@ -606,6 +615,7 @@ Status ParseZinf(ObjectReader& r, EngineConfig* config, std::vector<std::string>
   ZINF_RETURN_IF_ERROR(r.ReadByteSize("nvme_capacity_bytes", &config->nvme_capacity_bytes));
   ZINF_RETURN_IF_ERROR(r.ReadBool("delayed_update", &config->delayed_update));
   ZINF_RETURN_IF_ERROR(r.ReadBool("durable", &config->durable));
+  ZINF_RETURN_IF_ERROR(r.ReadUint64("delayed_update_after", &config->delayed_update_after));
   ZINF_RETURN_IF_ERROR(r.ReadBool("checksums", &config->checksums));
   ZINF_RETURN_IF_ERROR(r.ReadInt("optimizer_threads", &config->optimizer_threads));
   ZINF_RETURN_IF_ERROR(r.ReadDouble("host_copy_gbps", &config->host_copy_gbps));

@@ -15,8 +15,6 @@
 #include <unistd.h>
 #include <xxhash.h>
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -27,6 +25,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <thread>
 #include <unordered_map>
 
@@ -294,6 +293,12 @@ struct Engine::Impl {
   int64_t visible = 0;
   // The parameter store buffer that holds version v.
   int Buf(int64_t v) const { return delayed ? static_cast<int>(v & 1) : 0; }
+  // Whether the optimizer step of window s runs delayed (zinf.delayed_update_after: the first
+  // steps do not). Undelayed steps use the two buffers too: step s writes buffer s % 2 while
+  // the trainer reads s - 1's, and Step() waits for it.
+  bool DelayedStep(int64_t s) const {
+    return delayed && s > static_cast<int64_t>(config.delayed_update_after);
+  }
 
   // Shared with the optimizer thread and callbacks.
   std::mutex mu;
@@ -495,10 +500,10 @@ struct Engine::Impl {
   // Acquire, ReduceGradient or Step (so that between steps the optimizer is idle and a
   // checkpoint can be saved or loaded). Its read-ahead of NVMe states overlaps the forward.
   void KickEpoch();
-  bool epoch_due = false;  // trainer thread only
+  bool epoch_due = false;       // trainer thread only
   bool boundary_micro = false;  // trainer thread only: this micro-step ends a window
-  float lr = 0;            // trainer thread only: the learning rate of the next epoch
-  bool in_micro = false;   // trainer thread only: the micro-step has started (KickEpoch)
+  float lr = 0;                 // trainer thread only: the learning rate of the next epoch
+  bool in_micro = false;        // trainer thread only: the micro-step has started (KickEpoch)
   // GatherMasterParameter's copy of one sub-group's states (trainer thread only).
   std::unique_ptr<AlignedBuffer> gather_states;
   size_t gather_group = 0;
@@ -969,8 +974,8 @@ std::string Engine::Impl::StoreMeta() const {
   j["param_tier"] = config.offload_param.tier == Tier::kNvme ? "nvme" : "memory";
   nlohmann::json ps = nlohmann::json::array();
   for (const Param& p : params) {
-    ps.push_back({p.info.name, p.info.numel, p.info.partition_numel, p.info.sub_group,
-                  p.slice_offset});
+    ps.push_back(
+        {p.info.name, p.info.numel, p.info.partition_numel, p.info.sub_group, p.slice_offset});
   }
   j["params"] = ps;
   return j.dump();
@@ -1013,11 +1018,10 @@ Status Engine::Impl::CheckStoreMeta(const std::string& meta, int64_t* out_step) 
           ps[i].at(2).get<size_t>() != p.info.partition_numel ||
           ps[i].at(3).get<size_t>() != p.info.sub_group ||
           ps[i].at(4).get<size_t>() != p.slice_offset) {
-        return mismatch("parameter " + std::to_string(i) + " is '" +
-                        ps[i].at(0).get<std::string>() + "' with " +
-                        std::to_string(ps[i].at(1).get<size_t>()) + " elements, this model has '" +
-                        p.info.name + "' with " + std::to_string(p.info.numel) +
-                        " (same sub_group_size?)");
+        return mismatch(
+            "parameter " + std::to_string(i) + " is '" + ps[i].at(0).get<std::string>() +
+            "' with " + std::to_string(ps[i].at(1).get<size_t>()) + " elements, this model has '" +
+            p.info.name + "' with " + std::to_string(p.info.numel) + " (same sub_group_size?)");
       }
     }
     *out_step = j.at("step").get<int64_t>();
@@ -1180,8 +1184,7 @@ Status Engine::Impl::Fetch(ParamId id) {
     }
     case Tier::kCpu:
       TimeCopy(copy_stream, [&] {
-        return device->CopyHostToDevice(slot, p.host_part[Buf(visible)].data(), part,
-                                        copy_stream);
+        return device->CopyHostToDevice(slot, p.host_part[Buf(visible)].data(), part, copy_stream);
       });
       {
         std::lock_guard<std::mutex> lock(mu);
@@ -1266,8 +1269,7 @@ Result<std::vector<void*>> Engine::Acquire(const std::vector<ParamId>& ids) {
           "optimizer may already be rewriting it; acquire a parameter for the last time before "
           "reducing its gradient");
     }
-    bool fresh =
-        p.device_full != nullptr && p.fetched_version == static_cast<uint64_t>(m.visible);
+    bool fresh = p.device_full != nullptr && p.fetched_version == static_cast<uint64_t>(m.visible);
     {
       std::lock_guard<std::mutex> lock(m.mu);
       (fresh ? m.counters.hits : m.counters.misses) += 1;
@@ -1408,15 +1410,15 @@ Status Engine::ReduceGradient(ParamId id, const float* grad) {
     m.TimeCopy(m.grad_stream, [&] {
       return m.device->CopyDeviceToHost(staging->data(), mine, part * sizeof(float), m.grad_stream);
     });
-    (void)m.device->LaunchHostFunc(m.grad_stream, [&m, scratch, full_bytes, part, id, staging,
-                                                   ready] {
-      float* acc = m.GradAcc(m.params[id]);
-      const float* add = static_cast<const float*>(staging->data());
-      for (size_t i = 0; i < part; ++i) acc[i] += add[i];
-      staging->Reset();
-      m.DevFree(scratch, full_bytes + part * sizeof(float));
-      m.GradLanded(id, ready);
-    });
+    (void)m.device->LaunchHostFunc(m.grad_stream,
+                                   [&m, scratch, full_bytes, part, id, staging, ready] {
+                                     float* acc = m.GradAcc(m.params[id]);
+                                     const float* add = static_cast<const float*>(staging->data());
+                                     for (size_t i = 0; i < part; ++i) acc[i] += add[i];
+                                     staging->Reset();
+                                     m.DevFree(scratch, full_bytes + part * sizeof(float));
+                                     m.GradLanded(id, ready);
+                                   });
   }
   std::lock_guard<std::mutex> lock(m.mu);
   m.counters.d2h += part * sizeof(float);
@@ -1584,8 +1586,7 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
     {
       std::unique_lock<std::mutex> lock(mu);
       cv.wait(lock, [&] {
-        return stopping ||
-               (g.ready_step >= e.step && (!e.clip || clip_coefs.count(e.step) != 0));
+        return stopping || (g.ready_step >= e.step && (!e.clip || clip_coefs.count(e.step) != 0));
       });
       if (stopping) return Status::FailedPrecondition("engine shutting down");
       if (e.clip) coef = clip_coefs[e.step];
@@ -1800,7 +1801,7 @@ Result<StepStats> Engine::Step() {
     // Without the delayed update, this window's optimizer step must be done: the next
     // micro-step reads its parameters. With it, the next micro-step reads the previous step's
     // (version m.step), and this one runs on while the trainer goes on.
-    Status opt = m.WaitDone(m.delayed ? m.step : m.step + 1);
+    Status opt = m.WaitDone(m.DelayedStep(m.step + 1) ? m.step : m.step + 1);
     if (!opt.ok()) {
       m.broken = Status::FailedPrecondition(
           "the optimizer failed (" + opt.message() +
@@ -1808,7 +1809,7 @@ Result<StepStats> Engine::Step() {
       return opt;
     }
     ++m.step;
-    m.visible = m.delayed ? std::max(m.visible, m.step - 1) : m.step;
+    m.visible = m.DelayedStep(m.step) ? std::max(m.visible, m.step - 1) : m.step;
     for (Impl::Param& p : m.params) p.grad_seen_this_window = false;
     st.optimizer_ran = true;
     // Durable: the step's writes are complete (the optimizer waited for them): publish them.

@@ -407,8 +407,7 @@ Result<Ticket> SwapStore::Write(const std::string& key, const void* buf, uint64_
                                         "before writing it again");
     }
     // Durable: the committed version stays where it is until the next commit.
-    const bool keep_old =
-        m.options.durable && it != m.entries.end() && it->second.committed;
+    const bool keep_old = m.options.durable && it != m.entries.end() && it->second.committed;
     bool reuse = it != m.entries.end() && RoundUp(it->second.size, m.alignment) == padded &&
                  !it->second.extents.empty() && !keep_old;
     if (!reuse && (padded > 0 || keep_old)) {
@@ -566,8 +565,7 @@ Status SwapStore::Remove(const std::string& key) {
   }
   if (m.options.durable && it->second.committed) {
     // Still part of the last commit: freed once the next one is published.
-    m.superseded.insert(m.superseded.end(), it->second.extents.begin(),
-                        it->second.extents.end());
+    m.superseded.insert(m.superseded.end(), it->second.extents.begin(), it->second.extents.end());
     it->second.extents.clear();
   } else {
     m.FreeExtents(it->second);

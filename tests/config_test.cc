@@ -79,6 +79,8 @@ constexpr char kZeroInfinityConfig[] = R"json({
     "pinned_budget_bytes": 8589934592,
     "nvme_capacity_bytes": "2T",
     "delayed_update": true,
+    "delayed_update_after": 50,
+    "durable": false,
     "checksums": true,
     "optimizer_threads": 12,
     "host_copy_gbps": 24.5,
@@ -156,6 +158,8 @@ TEST(ConfigTest, ZeroInfinityConfigParsesEveryField) {
   EXPECT_EQ(8ull << 30, c.pinned_budget_bytes);
   EXPECT_EQ(2ull << 40, c.nvme_capacity_bytes);
   EXPECT_TRUE(c.delayed_update);
+  EXPECT_EQ(50u, c.delayed_update_after);
+  EXPECT_FALSE(c.durable);
   EXPECT_TRUE(c.checksums);
   EXPECT_EQ(12, c.optimizer_threads);
   EXPECT_DOUBLE_EQ(24.5, c.host_copy_gbps);

@@ -278,8 +278,9 @@ struct RunOptions {
   int steps = kSteps;  // optimizer steps
   int grad_accum = 1;  // micro-steps per optimizer step
   double clipping = 0.0;
-  bool delayed = false;  // zinf.delayed_update
-  bool durable = false;  // zinf.durable
+  bool delayed = false;   // zinf.delayed_update
+  int delayed_after = 0;  // zinf.delayed_update_after
+  bool durable = false;   // zinf.durable
   uint64_t device_budget_bytes = 0;
   uint64_t pinned_budget_bytes = kPinnedBudget;
   uint64_t sub_group_size = kSubGroupSize;
@@ -325,6 +326,7 @@ EngineConfig MakeConfig(const RunOptions& o, const std::string& nvme_dir) {
   c.optimizer.weight_decay = kWeightDecay;
   c.gradient_clipping = o.clipping;
   c.delayed_update = o.delayed;
+  c.delayed_update_after = o.delayed_after;
   c.durable = o.durable;
   c.gradient_accumulation_steps = o.grad_accum;
   c.device_budget_bytes = o.device_budget_bytes;
@@ -535,7 +537,9 @@ SimResult Simulate(const RunOptions& o) {
   }
   std::vector<std::vector<std::vector<float>>> history = {sim.params};  // after 0, 1, ... steps
   for (int step = 0; step < o.steps; ++step) {
-    int version = std::max(step - 1, 0);  // delayed: the parameters after step s - 2
+    // Delayed: the parameters after step s - 2, or s - 1 while the delay has not started
+    // (the update of window w is delayed when w > delayed_after).
+    int version = step > o.delayed_after ? std::max(step - 1, 0) : step;
     if (o.save_after_step >= 0 && step >= o.save_after_step) {
       version = std::max(version, o.save_after_step);
     }
@@ -767,13 +771,12 @@ std::string PlacementName(const ::testing::TestParamInfo<PlacementParam>& info) 
          (std::get<3>(info.param) ? "_Delayed" : "");
 }
 
-INSTANTIATE_TEST_SUITE_P(AllPlacements, PlacementTest,
-                         ::testing::Combine(::testing::Values(1, 2, 4),
-                                            ::testing::Values(Tier::kDevice, Tier::kCpu,
-                                                              Tier::kNvme),
-                                            ::testing::Values(Tier::kCpu, Tier::kNvme),
-                                            ::testing::Bool()),
-                         PlacementName);
+INSTANTIATE_TEST_SUITE_P(
+    AllPlacements, PlacementTest,
+    ::testing::Combine(::testing::Values(1, 2, 4),
+                       ::testing::Values(Tier::kDevice, Tier::kCpu, Tier::kNvme),
+                       ::testing::Values(Tier::kCpu, Tier::kNvme), ::testing::Bool()),
+    PlacementName);
 
 // ---- The all-in-memory run is the right training --------------------------------------------
 
@@ -1195,6 +1198,47 @@ TEST(EngineTest, DelayedUpdateWithAccumulationAndClipping) {
   }
 }
 
+// zinf.delayed_update_after: the first steps run undelayed (on the same double-buffered
+// stores), then the delay starts. Matches the simulation of that schedule, bit-identical
+// across placements, and differs from both the undelayed and the always-delayed training.
+TEST(EngineTest, DelayedUpdateStartsAfterTheGivenStep) {
+  RunOptions base;
+  base.ranks = 2;
+  base.steps = 5;
+  base.delayed = true;
+  base.delayed_after = 2;
+  std::vector<RunResult> runs;
+  for (const auto& [param_tier, optimizer_tier] : std::vector<std::pair<Tier, Tier>>{
+           {Tier::kDevice, Tier::kDevice}, {Tier::kNvme, Tier::kNvme}}) {
+    RunOptions o = base;
+    o.param_tier = param_tier;
+    o.optimizer_tier = optimizer_tier;
+    SCOPED_TRACE(o.Describe());
+    runs.push_back(RunTraining(o));
+    ASSERT_TRUE(runs.back().status.ok()) << runs.back().status.ToString();
+    ExpectHealthyRun(o, runs.back());
+    EXPECT_EQ(FirstBitDifference(runs.back().params, runs.front().params), "");
+  }
+  Diff d = Compare(runs.front().params, Simulate(base).params);
+  EXPECT_LE(d.max_abs, kSimMaxAbs) << "largest at " << d.where;
+  EXPECT_LE(d.rms, kSimRms);
+  // Steps 1-3 run on W0, W1, W2 (undelayed), steps 4 and 5 on W2 and W3: the losses of the
+  // first three steps are the undelayed run's, bit for bit, and steps 3 and 4 (same rows, same
+  // parameters) have equal losses.
+  RunOptions undelayed = base;
+  undelayed.delayed = false;
+  RunResult u = RunTraining(undelayed);
+  ASSERT_TRUE(u.status.ok()) << u.status.ToString();
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_EQ(std::memcmp(&runs.front().losses[k], &u.losses[k], sizeof(double)), 0) << k;
+  }
+  EXPECT_EQ(std::memcmp(&runs.front().losses[2], &runs.front().losses[3], sizeof(double)), 0);
+  EXPECT_GT(Compare(runs.front().params, u.params).rms, 100 * kSimRms);
+  RunOptions always = base;
+  always.delayed_after = 0;
+  EXPECT_GT(Compare(runs.front().params, Simulate(always).params).rms, 100 * kSimRms);
+}
+
 // With the delayed update, a parameter acquired again after its gradient was reduced (in a
 // micro-step that ends a window) is refused: the optimizer may be rewriting its store.
 TEST(EngineTest, DelayedUpdateRefusesAcquireAfterReduceGradient) {
@@ -1319,8 +1363,8 @@ struct FaultOutcome {
 // One rank, parameters and optimizer states on NVMe: two clean micro-steps, then an EIO on
 // the request `ahead` requests from now, then up to 3 micro-steps until a call fails, then
 // (the plan cleared) up to 2 more micro-steps, and the masters when those succeeded.
-FaultOutcome RunWithInjectedFault(uint64_t ahead, IoFault fault = IoFault{},
-                                  bool checksums = false, bool delayed = false) {
+FaultOutcome RunWithInjectedFault(uint64_t ahead, IoFault fault = IoFault{}, bool checksums = false,
+                                  bool delayed = false) {
   FaultOutcome out;
   RunOptions o;
   o.delayed = delayed;
@@ -1480,8 +1524,8 @@ TEST(EngineDurable, ResumeFromTheStoreAfterAFailedStepIsBitIdentical) {
         auto plan = std::make_shared<FaultPlan>();
         EngineHooks hooks;
         hooks.fault_plan = plan;
-        auto engine = Engine::Create(MakeConfig(o, dir.path()), device.get(), (*comms)[0].get(),
-                                     hooks);
+        auto engine =
+            Engine::Create(MakeConfig(o, dir.path()), device.get(), (*comms)[0].get(), hooks);
         ASSERT_TRUE(engine.ok()) << engine.status().ToString();
         RankTrainer trainer(engine->get());
         ASSERT_TRUE(trainer.Register().ok());
@@ -1587,8 +1631,8 @@ TEST(EngineDurable, RefusalsNameTheReason) {
     bool delayed;
     const char* expect;
   };
-  for (const Bad& b : {Bad{Tier::kCpu, false, "offload_optimizer"},
-                       Bad{Tier::kNvme, true, "delayed_update"}}) {
+  for (const Bad& b :
+       {Bad{Tier::kCpu, false, "offload_optimizer"}, Bad{Tier::kNvme, true, "delayed_update"}}) {
     RunOptions ro = o;
     ro.optimizer_tier = b.optimizer;
     ro.delayed = b.delayed;

@@ -62,6 +62,7 @@ struct Flags {
   int log_every = 0;  // 0: about 40 lines per run
   bool fp32 = false;
   bool delayed_update = false;
+  uint64_t delayed_update_after = 0;
   bool durable = false;
 };
 
@@ -135,6 +136,7 @@ Result<EngineConfig> BuildConfig(const Flags& f) {
   if (f.lr > 0) c.optimizer.lr = static_cast<float>(f.lr);
   if (f.grad_accum > 0) c.gradient_accumulation_steps = f.grad_accum;
   if (f.delayed_update) c.delayed_update = true;
+  if (f.delayed_update_after > 0) c.delayed_update_after = f.delayed_update_after;
   if (f.durable) c.durable = true;
   if (!f.device_budget.empty()) {
     ZINF_ASSIGN_OR_RETURN(c.device_budget_bytes, ParseByteSize(f.device_budget, "--device-budget"));
@@ -312,8 +314,7 @@ int Run(Flags f) {
       return fail("resuming from the swap store", s);
     } else {
       first_step = (*engine)->global_step();
-      std::fprintf(out, "  resumed from the durable swap store at step %" PRId64 "\n",
-                   first_step);
+      std::fprintf(out, "  resumed from the durable swap store at step %" PRId64 "\n", first_step);
     }
   }
   if (first_step == 0) {
@@ -518,6 +519,8 @@ int main(int argc, char** argv) {
                "commit the NVMe swap store after every step, so that --resume continues from "
                "it after a crash without a checkpoint copy (needs optimizer states on NVMe; "
                "up to twice the NVMe space)");
+  app.add_option("--delayed-update-after", f.delayed_update_after,
+                 "with --delayed-update: run the first N steps undelayed");
   app.add_flag("--delayed-update", f.delayed_update,
                "one-step delayed parameter update: a step's optimizer runs on while the next "
                "step computes (on the parameters one update older)");

@@ -68,13 +68,16 @@ struct EngineConfig {
   uint64_t pinned_budget_bytes = 1ull << 30;
   uint64_t nvme_capacity_bytes = 0;  // per path; 0 = grow until the disk is full
   bool delayed_update = false;       // one-step delayed parameter update
+  // With delayed_update: the first this-many optimizer steps run undelayed (early training
+  // moves fast; a stale step costs most there), the delay starts after them.
+  uint64_t delayed_update_after = 0;
   // Crash-consistent swap store (zinf.durable): every optimizer step commits the NVMe store,
   // and Engine::ResumeFromStore continues from the last commit without a checkpoint copy.
   // Needs offload_optimizer on nvme, one rank, no delayed update; up to twice the NVMe space.
   bool durable = false;
-  bool checksums = false;            // per-chunk checksums in the swap store
-  int optimizer_threads = 0;         // CPU Adam threads; 0 = all cores
-  double host_copy_gbps = 0;         // HostDevice PCIe simulation; 0 = memcpy speed
+  bool checksums = false;     // per-chunk checksums in the swap store
+  int optimizer_threads = 0;  // CPU Adam threads; 0 = all cores
+  double host_copy_gbps = 0;  // HostDevice PCIe simulation; 0 = memcpy speed
   // When not empty, every NVMe path must lie inside one of these folders once symbolic links
   // are resolved (checked by Engine::Create), so a config cannot point the swapper elsewhere.
   std::vector<std::string> allowed_nvme_roots;

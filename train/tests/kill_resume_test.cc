@@ -189,18 +189,19 @@ TEST_P(DurableKillResumeTest, ResumedFromTheStoreEqualsUninterruptedRunBitForBit
 }
 
 // 12 kill points (one commit at initialisation, then one per step).
-INSTANTIATE_TEST_SUITE_P(
-    Points, DurableKillResumeTest,
-    ::testing::Values("swap.commit:1", "swap.committed:1", "train.backward:5", "optimizer.group:2",
-                      "optimizer.group:5", "swap.write:31", "swap.write:50", "swap.write:100",
-                      "swap.commit:3", "swap.commit:5", "swap.committed:2", "swap.committed:6"),
-    [](const ::testing::TestParamInfo<std::string>& info) {
-      std::string n = info.param;
-      for (char& c : n) {
-        if (c == '.' || c == ':') c = '_';
-      }
-      return n;
-    });
+INSTANTIATE_TEST_SUITE_P(Points, DurableKillResumeTest,
+                         ::testing::Values("swap.commit:1", "swap.committed:1", "train.backward:5",
+                                           "optimizer.group:2", "optimizer.group:5",
+                                           "swap.write:31", "swap.write:50", "swap.write:100",
+                                           "swap.commit:3", "swap.commit:5", "swap.committed:2",
+                                           "swap.committed:6"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           std::string n = info.param;
+                           for (char& c : n) {
+                             if (c == '.' || c == ':') c = '_';
+                           }
+                           return n;
+                         });
 
 }  // namespace
 
