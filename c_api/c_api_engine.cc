@@ -1,4 +1,6 @@
 // The engine's C API: one rank on the host device (include/zinf/zinf.h).
+#include <algorithm>
+#include <cstring>
 #include <memory>
 #include <new>
 #include <string>
@@ -120,6 +122,48 @@ int zinf_engine_gather_master(zinf_engine* engine, uint32_t id, float* out) {
     return Fail("zinf_engine_gather_master: unknown parameter id " + std::to_string(id));
   }
   return FromStatus(engine->engine->GatherMasterParameter(id, out));
+}
+
+int zinf_engine_set_learning_rate(zinf_engine* engine, float lr) {
+  if (engine == nullptr) return Fail("zinf_engine_set_learning_rate: engine must not be NULL");
+  return FromStatus(engine->engine->SetLearningRate(lr));
+}
+
+int64_t zinf_engine_global_step(const zinf_engine* engine) {
+  return engine == nullptr ? -1 : engine->engine->global_step();
+}
+
+int zinf_engine_save_checkpoint(zinf_engine* engine, const char* dir, const char* user_data) {
+  if (engine == nullptr || dir == nullptr || dir[0] == '\0') {
+    return Fail("zinf_engine_save_checkpoint: engine and a folder name are required");
+  }
+  return FromStatus(
+      engine->engine->SaveCheckpoint(dir, user_data != nullptr ? user_data : std::string()));
+}
+
+int zinf_engine_load_checkpoint(zinf_engine* engine, const char* dir, char* user_data,
+                                size_t capacity, size_t* user_data_len) {
+  if (engine == nullptr || dir == nullptr || dir[0] == '\0') {
+    return Fail("zinf_engine_load_checkpoint: engine and a folder name are required");
+  }
+  if (user_data != nullptr && capacity == 0) {
+    return Fail("zinf_engine_load_checkpoint: a user_data buffer needs capacity >= 1");
+  }
+  std::string text;
+  zinf::Status s = engine->engine->LoadCheckpoint(dir, &text);
+  if (!s.ok()) return FromStatus(s);
+  if (user_data != nullptr) {
+    const size_t n = std::min(text.size(), capacity - 1);
+    std::memcpy(user_data, text.data(), n);
+    user_data[n] = '\0';
+  }
+  if (user_data_len != nullptr) *user_data_len = text.size();
+  return Succeed();
+}
+
+int zinf_engine_resume_from_store(zinf_engine* engine) {
+  if (engine == nullptr) return Fail("zinf_engine_resume_from_store: engine must not be NULL");
+  return FromStatus(engine->engine->ResumeFromStore());
 }
 
 void zinf_engine_destroy(zinf_engine* engine) { delete engine; }

@@ -325,7 +325,16 @@ struct Engine::Impl {
 
   ~Impl() {
     {
-      std::lock_guard<std::mutex> lock(mu);
+      std::unique_lock<std::mutex> lock(mu);
+      // Delayed update: the last step's optimizer may still run; between micro-steps it needs
+      // nothing more from the trainer, so let it finish and report a failure nobody saw.
+      if (delayed && registered && !in_micro && broken.ok() && optimizer_thread.joinable()) {
+        cv.wait(lock, [&] { return done_step >= step; });
+        if (!optimizer_status.ok()) {
+          LogWarning("the last optimizer step failed and was not reported: " +
+                     optimizer_status.ToString());
+        }
+      }
       stopping = true;
     }
     cv.notify_all();
@@ -410,7 +419,8 @@ struct Engine::Impl {
   Status InitStores();
   // Durable mode: the commit description (step and layout) and its check at resume.
   std::string StoreMeta() const;
-  Status CheckStoreMeta(const std::string& meta, int64_t* step) const;
+  // `param_keys`: the commit holds NVMe parameter stores (written from its masters).
+  Status CheckStoreMeta(const std::string& meta, int64_t* step, bool* param_keys) const;
   Status CommitStore() {
     if (!config.durable) return Status::OK();
     return swap->Commit(StoreMeta()).WithContext("committing the durable swap store");
@@ -845,8 +855,16 @@ Status Engine::Impl::InitStores() {
   // Resuming a durable store: the states come from it, and so do NVMe parameter stores
   // written in the same dtype; everything else is rebuilt from the masters.
   int64_t resumed_step = 0;
+  bool stored_params = false;
   if (resume_store) {
-    ZINF_RETURN_IF_ERROR(CheckStoreMeta(swap->committed_meta(), &resumed_step));
+    ZINF_RETURN_IF_ERROR(CheckStoreMeta(swap->committed_meta(), &resumed_step, &stored_params));
+    if (config.offload_param.tier != Tier::kNvme) {
+      // Parameter stores of an earlier run with NVMe parameters: stale from now on (this run
+      // keeps its parameters elsewhere); drop them so no later resume can trust them.
+      for (const std::string& key : swap->Keys()) {
+        if (key.rfind("param/", 0) == 0) ZINF_RETURN_IF_ERROR(swap->Remove(key));
+      }
+    }
   }
   // Optimizer states per sub-group, parameters per store.
   for (size_t gi = 0; gi < groups.size(); ++gi) {
@@ -923,7 +941,7 @@ Status Engine::Impl::InitStores() {
         case Tier::kNvme: {
           p.swap_key[0] = "param/" + p.info.name;
           if (delayed) p.swap_key[1] = "param/" + p.info.name + "#1";
-          if (resume_store) {
+          if (resume_store && stored_params) {
             // The committed parameter store was written from these masters in this dtype
             // (the layout check compared the dtype); a size mismatch means another model.
             Result<uint64_t> size = swap->Size(p.swap_key[0]);
@@ -981,7 +999,8 @@ std::string Engine::Impl::StoreMeta() const {
   return j.dump();
 }
 
-Status Engine::Impl::CheckStoreMeta(const std::string& meta, int64_t* out_step) const {
+Status Engine::Impl::CheckStoreMeta(const std::string& meta, int64_t* out_step,
+                                    bool* param_keys) const {
   if (meta.empty()) {
     return Status::NotFound("ResumeFromStore: the swap store has no commit to resume from");
   }
@@ -1025,6 +1044,7 @@ Status Engine::Impl::CheckStoreMeta(const std::string& meta, int64_t* out_step) 
       }
     }
     *out_step = j.at("step").get<int64_t>();
+    *param_keys = j.at("param_tier").get<std::string>() == "nvme";
     if (*out_step < 0) return mismatch("negative step");
   } catch (const nlohmann::json::exception& ex) {
     return Status::Corruption(std::string("ResumeFromStore: the store's commit record is "
@@ -1756,6 +1776,14 @@ Result<StepStats> Engine::Step() {
   }
   StepStats st;
   auto wait0 = Clock::now();
+  // A boundary Step that fails part-way has landed some gradients and left the optimizer
+  // waiting for the rest: it cannot be retried.
+  auto fail_boundary = [&m](const Status& err) {
+    m.broken = Status::FailedPrecondition(
+        "the engine stopped: a Step at an accumulation boundary failed (" + err.message() +
+        "); recreate it (from a checkpoint) to continue");
+    return err;
+  };
   if (boundary) {
     // Parameters that got no gradient in the whole window: zero gradient.
     // The optimizer thread has this epoch since the micro-step began and may have stepped the
@@ -1767,7 +1795,7 @@ Result<StepStats> Engine::Step() {
       if (!p.grad_seen_this_window) {
         s = m.WaitStepped(g);
         if (s.ok()) s = m.EnsureGradBuffer(g);
-        if (!s.ok()) return s.WithContext("zero gradient of '" + p.info.name + "'");
+        if (!s.ok()) return fail_boundary(s.WithContext("zero gradient of '" + p.info.name + "'"));
         std::memset(m.GradAcc(p), 0, p.info.partition_numel * sizeof(float));
       }
       std::lock_guard<std::mutex> lock(m.mu);
@@ -1781,13 +1809,13 @@ Result<StepStats> Engine::Step() {
       for (Impl::Param& p : m.params) {
         Result<GradStats> gs =
             m.optimizer->GradSumSquares(m.GradAcc(p), GradType::kF32, p.info.partition_numel);
-        if (!gs.ok()) return gs.status();
+        if (!gs.ok()) return fail_boundary(gs.status());
         local += gs->sum_squares;
       }
       float total = static_cast<float>(local);
       s = m.comm->AllReduceSum(&total, 1, m.device->ComputeStream());
       if (s.ok()) s = m.device->SynchronizeStream(m.device->ComputeStream());
-      if (!s.ok()) return s;
+      if (!s.ok()) return fail_boundary(s);
       double norm = std::sqrt(static_cast<double>(total));
       st.grad_norm = norm;
       float coef = 1.0f;

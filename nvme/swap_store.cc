@@ -94,6 +94,7 @@ struct SwapStore::Impl {
   // once the next commit is published), and the meta of the commit loaded at reopen.
   std::vector<Extent> superseded;
   std::string meta;
+  bool committing = false;  // Commit in progress: Write and Remove are refused
 
   ~Impl() {
     queue.reset();  // drains
@@ -258,7 +259,8 @@ struct SwapStore::Impl {
   }
 
   // `meta`: durable mode's commit description (written as "meta").
-  Status WriteIndex(const std::string* meta = nullptr);
+  // `renamed` (optional): set once the new index has replaced the old one.
+  Status WriteIndex(const std::string* meta = nullptr, bool* renamed = nullptr);
   Status LoadIndex();
 };
 
@@ -314,6 +316,20 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
     if (!S_ISDIR(st.st_mode)) {
       return Status::InvalidArgument("nvme path '" + dir +
                                      "' is not a folder: pass the folder to hold swap files");
+    }
+    if (i == 0 && !options.reopen) {
+      // A fresh store: an index left by an earlier store in this folder must not outlive the
+      // files it describes (which are truncated below); a later reopen would trust it.
+      const std::string index = options.paths[0] + "/" + kIndexName;
+      for (const std::string& f : {index, index + ".tmp"}) {
+        if (unlink(f.c_str()) != 0 && errno != ENOENT) return ErrnoToStatus(errno, "removing " + f);
+      }
+      int dfd = open(options.paths[0].c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+      if (dfd < 0) return ErrnoToStatus(errno, "opening folder " + options.paths[0]);
+      int rc = fsync(dfd);
+      int err = errno;
+      close(dfd);
+      if (rc != 0) return ErrnoToStatus(err, "fsync folder " + options.paths[0]);
     }
     std::string path = SwapFileName(dir, i);
     int flags = O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | (options.reopen ? 0 : O_TRUNC);
@@ -400,6 +416,11 @@ Result<Ticket> SwapStore::Write(const std::string& key, const void* buf, uint64_
   {
     std::lock_guard<std::mutex> lock(m.mu);
     if (m.closed) return Status::FailedPrecondition("swap store is closed");
+    if (m.committing) {
+      return Status::FailedPrecondition("write of tensor '" + key +
+                                        "' during a Commit of the swap store; commit between "
+                                        "steps, with no write in flight");
+    }
     auto it = m.entries.find(key);
     if (it != m.entries.end() && (it->second.writing || it->second.readers > 0)) {
       return Status::FailedPrecondition("tensor '" + key +
@@ -557,6 +578,9 @@ std::vector<std::string> SwapStore::Keys() const {
 Status SwapStore::Remove(const std::string& key) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
+  if (m.committing) {
+    return Status::FailedPrecondition("removing tensor '" + key + "' during a Commit");
+  }
   auto it = m.entries.find(key);
   if (it == m.entries.end())
     return Status::NotFound("tensor '" + key + "' is not in the swap store");
@@ -599,6 +623,7 @@ Status SwapStore::Commit(const std::string& meta) {
   }
   {
     std::unique_lock<std::mutex> lock(m.mu);
+    if (m.committing) return Status::FailedPrecondition("Commit while another one runs");
     m.cv.wait(lock, [&] { return m.in_flight == 0; });
     if (m.closed) return Status::FailedPrecondition("swap store is closed");
     for (const auto& [key, e] : m.entries) {
@@ -607,12 +632,25 @@ Status SwapStore::Commit(const std::string& meta) {
                                           "' has no valid copy (" + e.last_error + ")");
       }
     }
+    // From here to the end no write or removal may change what is being published.
+    m.committing = true;
   }
+  struct Unmark {
+    Impl& m;
+    ~Unmark() {
+      std::lock_guard<std::mutex> lock(m.mu);
+      m.committing = false;
+    }
+  } unmark{m};
   for (const IoFile& f : m.files) {
     if (fdatasync(f.fd) != 0) return ErrnoToStatus(errno, "fdatasync " + f.path);
   }
   CrashPoint("swap.commit");
-  ZINF_RETURN_IF_ERROR(m.WriteIndex(&meta));
+  bool renamed = false;
+  Status written = m.WriteIndex(&meta, &renamed);
+  // Once the new index is in place it is the state a reopen sees, whatever failed after the
+  // rename (the folder's fsync): the superseded extents are not referenced any more.
+  if (!renamed) return written;
   CrashPoint("swap.committed");
   std::lock_guard<std::mutex> lock(m.mu);
   for (const Extent& x : m.superseded) {
@@ -622,7 +660,7 @@ Status SwapStore::Commit(const std::string& meta) {
   m.superseded.clear();
   for (auto& [key, e] : m.entries) e.committed = true;
   m.meta = meta;
-  return Status::OK();
+  return written;
 }
 
 std::string SwapStore::committed_meta() const {
@@ -661,7 +699,7 @@ SwapStoreStats SwapStore::stats() const {
 
 // ---- Index -----------------------------------------------------------------------------------
 
-Status SwapStore::Impl::WriteIndex(const std::string* commit_meta) {
+Status SwapStore::Impl::WriteIndex(const std::string* commit_meta, bool* renamed) {
   nlohmann::json j;
   {
     std::lock_guard<std::mutex> lock(mu);
@@ -710,6 +748,7 @@ Status SwapStore::Impl::WriteIndex(const std::string* commit_meta) {
   if (rename(tmp_path.c_str(), final_path.c_str()) != 0) {
     return ErrnoToStatus(errno, "renaming " + tmp_path + " to " + final_path);
   }
+  if (renamed != nullptr) *renamed = true;
   int dfd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd < 0) return ErrnoToStatus(errno, "opening folder " + dir);
   int rc = fsync(dfd);

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,87 @@ TEST(CApiEngine, TrainsWithEverythingOnNvme) {
       "offload_optimizer": {"device": "nvme", "nvme_path": ")" +
                 dir.path() + R"("}},
     "zinf": {"pinned_budget_bytes": "64M"}})");
+}
+
+// One step of the least-squares problem above.
+void OneStep(zinf_engine* e, uint32_t id) {
+  const float target[] = {1, -2, 3, -4};
+  void* ptr = nullptr;
+  ASSERT_EQ(0, zinf_engine_acquire(e, &id, 1, &ptr)) << zinf_last_error();
+  const float* w = static_cast<const float*>(ptr);
+  float grad[4];
+  for (int i = 0; i < 4; ++i) grad[i] = w[i] - target[i];
+  ASSERT_EQ(0, zinf_engine_reduce_gradient(e, id, grad)) << zinf_last_error();
+  ASSERT_EQ(0, zinf_engine_release(e, &id, 1));
+  ASSERT_EQ(0, zinf_engine_step(e, nullptr)) << zinf_last_error();
+}
+
+// Checkpoints with user data, the durable store's resume and the learning rate through the C
+// API: each restores the step counter and the masters bit for bit.
+TEST(CApiEngine, CheckpointDurableResumeAndLearningRate) {
+  zinf::testing::TempDir swap, ckpt;
+  ASSERT_TRUE(swap.ok() && ckpt.ok());
+  const std::string config = R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": ")" +
+                             swap.path() + R"("}},
+    "zinf": {"pinned_budget_bytes": "64M", "durable": true}})";
+  const int64_t shape[] = {4};
+  const float init[] = {0, 0, 0, 0};
+  float saved[4], back[4];
+  uint32_t id = 0;
+  {
+    zinf_engine* e = nullptr;
+    ASSERT_EQ(0, zinf_engine_create(config.c_str(), &e)) << zinf_last_error();
+    ASSERT_EQ(0, zinf_engine_register(e, "w", shape, 1, init, &id)) << zinf_last_error();
+    OneStep(e, id);
+    EXPECT_NE(0, zinf_engine_set_learning_rate(e, -1.0f));
+    ASSERT_EQ(0, zinf_engine_set_learning_rate(e, 0.0f)) << zinf_last_error();
+    float before[4];
+    ASSERT_EQ(0, zinf_engine_gather_master(e, id, before));
+    OneStep(e, id);  // lr 0: AdamW without weight decay leaves the weights where they are
+    ASSERT_EQ(0, zinf_engine_gather_master(e, id, saved));
+    EXPECT_EQ(0, std::memcmp(before, saved, sizeof saved));
+    ASSERT_EQ(0, zinf_engine_set_learning_rate(e, 0.05f));
+    OneStep(e, id);
+    EXPECT_EQ(3, zinf_engine_global_step(e));
+    ASSERT_EQ(0, zinf_engine_gather_master(e, id, saved));
+    EXPECT_NE(0, std::memcmp(before, saved, sizeof saved));
+    ASSERT_EQ(0, zinf_engine_save_checkpoint(e, ckpt.path().c_str(), "position=3"))
+        << zinf_last_error();
+    zinf_engine_destroy(e);  // as a crash would: the store is at its last commit
+  }
+  {  // Resume from the durable store alone.
+    zinf_engine* e = nullptr;
+    ASSERT_EQ(0, zinf_engine_create(config.c_str(), &e)) << zinf_last_error();
+    ASSERT_EQ(0, zinf_engine_register(e, "w", shape, 1, init, &id));
+    ASSERT_EQ(0, zinf_engine_resume_from_store(e)) << zinf_last_error();
+    EXPECT_EQ(3, zinf_engine_global_step(e));
+    ASSERT_EQ(0, zinf_engine_gather_master(e, id, back));
+    EXPECT_EQ(0, std::memcmp(back, saved, sizeof saved));
+    EXPECT_NE(0, zinf_engine_resume_from_store(e));  // only once, before training
+    zinf_engine_destroy(e);
+  }
+  {  // Load the checkpoint into an in-memory engine; a short user-data buffer truncates.
+    zinf_engine* e = nullptr;
+    ASSERT_EQ(0, zinf_engine_create(R"({"optimizer": {"type": "AdamW"}})", &e));
+    ASSERT_EQ(0, zinf_engine_register(e, "w", shape, 1, init, &id));
+    char text[9];
+    size_t len = 0;
+    ASSERT_EQ(0, zinf_engine_load_checkpoint(e, ckpt.path().c_str(), text, sizeof text, &len))
+        << zinf_last_error();
+    EXPECT_STREQ("position", text);
+    EXPECT_EQ(10u, len);
+    EXPECT_EQ(3, zinf_engine_global_step(e));
+    ASSERT_EQ(0, zinf_engine_gather_master(e, id, back));
+    EXPECT_EQ(0, std::memcmp(back, saved, sizeof saved));
+    EXPECT_NE(0,
+              zinf_engine_load_checkpoint(e, (ckpt.path() + "/none").c_str(), nullptr, 0, nullptr));
+    EXPECT_NE(std::string::npos, std::string(zinf_last_error()).find("no checkpoint"))
+        << zinf_last_error();
+    zinf_engine_destroy(e);
+  }
+  EXPECT_EQ(-1, zinf_engine_global_step(nullptr));
+  EXPECT_NE(0, zinf_engine_save_checkpoint(nullptr, "x", nullptr));
 }
 
 TEST(CApiEngine, Errors) {

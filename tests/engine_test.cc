@@ -1569,6 +1569,46 @@ TEST(EngineDurable, ResumeFromTheStoreAfterAFailedStepIsBitIdentical) {
   }
 }
 
+// Resuming a durable store with the parameters on another tier: NVMe -> CPU -> NVMe. The
+// second resume must not trust the NVMe parameter stores the first run left behind (they are
+// two steps old by then): the three legs end bit-identical to one uninterrupted run.
+TEST(EngineDurable, ResumeAcrossParameterTiersRebuildsStaleParameterStores) {
+  RunOptions o;
+  o.durable = true;
+  o.optimizer_tier = Tier::kNvme;
+  o.param_tier = Tier::kNvme;
+  const RunResult straight = RunTraining(o);  // kSteps = 4
+  ASSERT_TRUE(straight.status.ok()) << straight.status.ToString();
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  std::unique_ptr<Device> device = NewHostDevice(HostDeviceOptions{});
+  auto comms = NewLocalComms({device.get()});
+  ASSERT_TRUE(comms.ok());
+  double loss;
+  StepStats stats;
+  std::vector<std::vector<float>> params;
+  const Tier legs[] = {Tier::kNvme, Tier::kCpu, Tier::kNvme};
+  const int steps[] = {2, 1, 1};
+  for (int leg = 0; leg < 3; ++leg) {
+    SCOPED_TRACE("leg " + std::to_string(leg));
+    RunOptions lo = o;
+    lo.param_tier = legs[leg];
+    auto engine = Engine::Create(MakeConfig(lo, dir.path()), device.get(), (*comms)[0].get());
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    RankTrainer trainer(engine->get());
+    ASSERT_TRUE(trainer.Register(/*finish=*/leg == 0).ok());
+    if (leg > 0) {
+      Status s = (*engine)->ResumeFromStore();
+      ASSERT_TRUE(s.ok()) << s.ToString();
+    }
+    for (int m = 0; m < steps[leg]; ++m) {
+      ASSERT_TRUE(trainer.MicroStep(0, kGlobalBatch, false, &loss, &stats).ok());
+    }
+    if (leg == 2) ASSERT_TRUE(trainer.GatherAll(&params).ok());
+  }
+  EXPECT_EQ(FirstBitDifference(params, straight.params), "");
+}
+
 // What ResumeFromStore refuses: no commit, another model, durable mode off, a call after
 // registration ended; and the configurations durable mode does not support.
 TEST(EngineDurable, RefusalsNameTheReason) {

@@ -288,6 +288,20 @@ TEST_P(SwapStoreTest, DurableReopenSeesTheLastCommit) {
   read_equals(store->get(), "a", v2);
   read_equals(store->get(), "b", v1);
   read_equals(store->get(), "c", c);
+  ASSERT_TRUE((*store)->Close().ok());
+  // A fresh (not reopened) store in the same folder removes the old index at once: a crash
+  // before its first commit must not leave an index describing truncated files.
+  o.reopen = false;
+  {
+    auto fresh = SwapStore::Open(o);
+    ASSERT_TRUE(fresh.ok()) << fresh.status().ToString();
+    write(fresh->get(), "a", v1);
+    ASSERT_TRUE((*fresh)->Close().ok());  // durable: no commit
+  }
+  o.reopen = true;
+  auto none = SwapStore::Open(o);
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), StatusCode::kNotFound) << none.status().ToString();
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -154,7 +154,8 @@ class SwapStore {
   // Durable stores: waits for all requests, syncs the files, writes the index with `meta`
   // (the caller's description of the state, e.g. a step number) and renames it into place;
   // then frees the extents of the versions it superseded. FailedPrecondition when a tensor's
-  // last write failed (nothing is published then).
+  // last write failed (nothing is published then). Writes and removals issued while a commit
+  // runs are refused (FailedPrecondition): commit between steps.
   Status Commit(const std::string& meta);
   // The `meta` of the commit the store was reopened at ("" when none).
   std::string committed_meta() const;

@@ -135,6 +135,26 @@ int zinf_engine_step(zinf_engine* engine, zinf_step_stats* stats);
 /* The parameter's fp32 master values (numel floats). */
 int zinf_engine_gather_master(zinf_engine* engine, uint32_t id, float* out);
 
+/* The learning rate of the optimizer steps from the next micro-step on (finite, >= 0). */
+int zinf_engine_set_learning_rate(zinf_engine* engine, float lr);
+
+/* Optimizer steps taken (after a resume: the step resumed at); -1 for a NULL engine. */
+int64_t zinf_engine_global_step(const zinf_engine* engine);
+
+/* Checkpoints (Engine::SaveCheckpoint / LoadCheckpoint), between optimizer steps.
+ * `user_data`: a NUL-terminated text stored with the checkpoint (NULL: none). On load,
+ * `user_data` (may be NULL) receives up to capacity - 1 bytes of it, NUL-terminated, and
+ * `*user_data_len` (may be NULL) its full length, so a short buffer is detectable. */
+int zinf_engine_save_checkpoint(zinf_engine* engine, const char* dir, const char* user_data);
+int zinf_engine_load_checkpoint(zinf_engine* engine, const char* dir, char* user_data,
+                                size_t capacity, size_t* user_data_len);
+
+/* Durable mode ("zinf": {"durable": true}): after registering every parameter and before the
+ * first acquire or step, continues from the swap store's last committed step
+ * (Engine::ResumeFromStore). Fails (and the engine refuses to train) when the store has no
+ * commit or holds another model. */
+int zinf_engine_resume_from_store(zinf_engine* engine);
+
 void zinf_engine_destroy(zinf_engine* engine);
 
 #ifdef __cplusplus
