@@ -833,6 +833,11 @@ Status Engine::Impl::CheckNvmePaths(const std::vector<std::string>& paths) const
     if (stat(resolved.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
       return Status::InvalidArgument("nvme_path " + p + " is not a folder");
     }
+    if (access(resolved.c_str(), W_OK | X_OK) != 0) {
+      return ErrnoToStatus(errno, "nvme_path " + p +
+                                      " is not writable (the swap files go there); pick a "
+                                      "writable folder");
+    }
     if (roots.empty()) continue;
     bool inside = false;
     for (const std::string& r : roots) {

@@ -1818,6 +1818,52 @@ TEST(EngineTest, NvmePathsOutsideTheAllowedRootsOrNotFoldersAreRefused) {
   EXPECT_NE(parsed.status().message().find("zinf.allowed_nvme_roots"), std::string::npos);
 }
 
+// Read-only folders (a read-only filesystem: root ignores permission bits) as the NVMe path
+// and as the checkpoint folder: one clear error naming the path, nothing crashes, and the
+// engine trains on after a refused checkpoint. Needs mount(2) (root); skipped otherwise.
+TEST(EngineTest, ReadOnlyPathsAreRefusedNamingThePath) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  const std::string ro = dir.path() + "/ro";
+  ASSERT_EQ(mkdir(ro.c_str(), 0700), 0);
+  const std::string cmd = "mount -t tmpfs -o ro,size=1m zinf-ro " + ro + " 2>/dev/null";
+  if (std::system(cmd.c_str()) != 0) {
+    GTEST_SKIP() << "cannot mount a read-only tmpfs here (needs root and mount(2))";
+  }
+  struct Unmount {
+    std::string path;
+    ~Unmount() { (void)std::system(("umount " + path).c_str()); }
+  } unmount{ro};
+  std::unique_ptr<Device> device = NewHostDevice(HostDeviceOptions{});
+  auto comms = NewLocalComms({device.get()});
+  ASSERT_TRUE(comms.ok());
+  RunOptions o;
+  o.param_tier = Tier::kNvme;
+  o.optimizer_tier = Tier::kNvme;
+  Result<std::unique_ptr<Engine>> refused =
+      Engine::Create(MakeConfig(o, ro), device.get(), (*comms)[0].get());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find(ro), std::string::npos) << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find("not writable"), std::string::npos)
+      << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find("Read-only file system"), std::string::npos)
+      << refused.status().ToString();
+
+  // A checkpoint into the read-only folder fails; training goes on.
+  o.param_tier = o.optimizer_tier = Tier::kCpu;
+  auto engine = Engine::Create(MakeConfig(o, ""), device.get(), (*comms)[0].get());
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  RankTrainer trainer(engine->get());
+  ASSERT_TRUE(trainer.Register().ok());
+  double loss;
+  StepStats stats;
+  ASSERT_TRUE(trainer.MicroStep(0, kGlobalBatch, false, &loss, &stats).ok());
+  Status saved = (*engine)->SaveCheckpoint(ro + "/ckpt");
+  ASSERT_FALSE(saved.ok());
+  EXPECT_NE(saved.message().find(ro), std::string::npos) << saved.ToString();
+  ASSERT_TRUE(trainer.MicroStep(0, kGlobalBatch, false, &loss, &stats).ok());
+}
+
 TEST(EngineTest, NvmeTierWithoutPathFailsAtCreate) {
   std::unique_ptr<Device> device = NewHostDevice(HostDeviceOptions{});
   auto comms = NewLocalComms({device.get()});
