@@ -118,7 +118,11 @@ class Engine {
 
   // Ends a micro-step. At an accumulation boundary it runs (or finishes) the optimizer over
   // every sub-group, clipping by global norm when configured, and returns when the updated
-  // parameters are in their stores.
+  // parameters are in their stores. With zinf.delayed_update it returns without waiting for
+  // this step's optimizer (it waits for the previous one's): the next micro-step reads the
+  // parameters one update older, and a failure of this step's optimizer is returned by the
+  // next Step() (or GatherMasterParameter, SaveCheckpoint). With zinf.durable, a boundary
+  // Step() ends by committing the swap store.
   Result<StepStats> Step();
 
   // Checkpoints. Collective (every rank calls them, with the same arguments) and only between
@@ -148,7 +152,7 @@ class Engine {
   Status ResumeFromStore();
 
   // Collective (every rank calls it): the full fp32 master values of a parameter, gathered from
-  // all ranks into `out` (numel floats, host memory).
+  // all ranks into `out` (numel floats, host memory). Waits for a delayed update still running.
   Status GatherMasterParameter(ParamId id, float* out);
 
   // The learning rate of the optimizer steps from the next micro-step on (a schedule: warmup,
