@@ -118,10 +118,11 @@ class Engine {
 
   // Ends a micro-step. At an accumulation boundary it runs (or finishes) the optimizer over
   // every sub-group, clipping by global norm when configured, and returns when the updated
-  // parameters are in their stores. With zinf.delayed_update it returns without waiting for
-  // this step's optimizer (it waits for the previous one's): the next micro-step reads the
-  // parameters one update older, and a failure of this step's optimizer is returned by the
-  // next Step() (or GatherMasterParameter, SaveCheckpoint). With zinf.durable, a boundary
+  // parameters are in their stores. With zinf.delayed_update (after the first
+  // zinf.delayed_update_after steps) it returns without waiting for this step's optimizer (it
+  // waits for the previous one's): the next micro-step reads the parameters one update older,
+  // and a failure of this step's optimizer is returned by the next Step() that ends a window
+  // (or GatherMasterParameter, SaveCheckpoint, LoadCheckpoint). With zinf.durable, a boundary
   // Step() ends by committing the swap store.
   Result<StepStats> Step();
 
@@ -132,8 +133,8 @@ class Engine {
   // every partition), the step counter, the layout and `user_data` (the trainer's own text,
   // e.g. its model shape and data position) under `dir`, with an xxh3 checksum per tensor.
   // The commit is atomic: files go to a new folder, are fsync'ed, and renaming `dir/latest`
-  // publishes them; until then the previous checkpoint stays the valid one (it is removed
-  // after). Parameter stores are not saved: they are the masters converted to the storage
+  // publishes them; until then the previous checkpoint stays the valid one (after, it is
+  // kept as the one before; older ones are removed). Parameter stores are not saved: they are the masters converted to the storage
   // dtype, and LoadCheckpoint rebuilds them. Files are created 0600. With
   // zinf.delayed_update it first finishes the update still running and makes it visible (the
   // next two steps then run on the saved parameters), so the saving run and a run resumed
