@@ -134,11 +134,11 @@ class Engine {
   // e.g. its model shape and data position) under `dir`, with an xxh3 checksum per tensor.
   // The commit is atomic: files go to a new folder, are fsync'ed, and renaming `dir/latest`
   // publishes them; until then the previous checkpoint stays the valid one (after, it is
-  // kept as the one before; older ones are removed). Parameter stores are not saved: they are the masters converted to the storage
-  // dtype, and LoadCheckpoint rebuilds them. Files are created 0600. With
-  // zinf.delayed_update it first finishes the update still running and makes it visible (the
-  // next two steps then run on the saved parameters), so the saving run and a run resumed
-  // from the checkpoint continue identically.
+  // kept as the one before; older ones are removed). Parameter stores are not saved: they are the
+  // masters converted to the storage dtype, and LoadCheckpoint rebuilds them. Files are created
+  // 0600. With zinf.delayed_update it first finishes the update still running and makes it visible
+  // (the next two steps then run on the saved parameters), so the saving run and a run resumed from
+  // the checkpoint continue identically.
   Status SaveCheckpoint(const std::string& dir, const std::string& user_data = "");
   // Restores the newest committed checkpoint of `dir` (or `dir` itself when it is one
   // checkpoint folder): optimizer states, parameter stores, step counter. The layout (ranks,
