@@ -45,6 +45,9 @@
 #include "zinf/comm.h"
 #include "zinf/config.h"
 #include "zinf/cpu_adam.h"
+#ifdef ZINF_ENGINE_TEST_CUDA
+#include "zinf/cuda.h"
+#endif
 #include "zinf/device.h"
 #include "zinf/io.h"
 #include "zinf/log.h"
@@ -114,6 +117,30 @@ const char* TierLabel(Tier t) {
   return "?";
 }
 
+#ifdef ZINF_ENGINE_TEST_CUDA
+// The GPU build of this test (engine_cuda_test, label gpu) runs the one-rank placements on a
+// CudaDevice with an NcclComm against the host device's all-in-memory run; without a visible
+// CUDA device every test is skipped, with the reason.
+// Why the CUDA runs cannot happen here ("" when a device is usable), probed once.
+const std::string& CudaSkipReason() {
+  static const std::string reason = [] {
+    CudaDeviceOptions probe;
+    probe.memory_budget = 1 << 20;
+    Result<std::unique_ptr<Device>> d = NewCudaDevice(probe);
+    return d.ok() ? std::string() : "no usable CUDA device: " + d.status().ToString();
+  }();
+  return reason;
+}
+#define ZINF_SKIP_WITHOUT_CUDA()                                     \
+  do {                                                               \
+    if (!CudaSkipReason().empty()) GTEST_SKIP() << CudaSkipReason(); \
+  } while (0)
+#else
+#define ZINF_SKIP_WITHOUT_CUDA() \
+  do {                           \
+  } while (0)
+#endif
+
 // ---- Running with a timeout -----------------------------------------------------------------
 
 // Runs fn on its own thread and waits at most `limit`. An engine that hangs (a collective
@@ -142,7 +169,15 @@ void RunGuarded(const std::string& what, std::chrono::seconds limit, std::functi
 // Drives one rank's Engine through micro-steps of the MLP, layer by layer, as a trainer does.
 class RankTrainer {
  public:
-  explicit RankTrainer(Engine* engine) : engine_(engine) {}
+  // `device`: the engine's device when it is not the host device (CudaDevice): parameters are
+  // then copied to host memory for the test's CPU kernels, and gradients back to the device.
+  explicit RankTrainer(Engine* engine, Device* device = nullptr)
+      : engine_(engine), device_(device != nullptr && !device->IsHost() ? device : nullptr) {}
+  ~RankTrainer() {
+    if (grad_dev_ != nullptr) device_->Free(grad_dev_);
+  }
+  RankTrainer(const RankTrainer&) = delete;
+  RankTrainer& operator=(const RankTrainer&) = delete;
 
   // Registers W0, b0, W1, b1, ... in layer order, then ends registration.
   // `finish`: end registration (else the caller does, e.g. by Engine::ResumeFromStore).
@@ -212,7 +247,52 @@ class RankTrainer {
     if (ptrs->size() != 2 || (*ptrs)[0] == nullptr || (*ptrs)[1] == nullptr) {
       return Status::Internal(what + ": expected two non-null pointers");
     }
-    return LayerPtrs{static_cast<const float*>((*ptrs)[0]), static_cast<const float*>((*ptrs)[1])};
+    if (device_ == nullptr) {
+      return LayerPtrs{static_cast<const float*>((*ptrs)[0]),
+                       static_cast<const float*>((*ptrs)[1])};
+    }
+    // Device memory: host copies for the CPU kernels (after the compute stream, which the
+    // engine made wait for the fetch).
+    std::vector<float>& w = host_w_[l];
+    std::vector<float>& b = host_b_[l];
+    w.resize(Shape().numel(2 * l));
+    b.resize(Shape().numel(2 * l + 1));
+    Stream* compute = device_->ComputeStream();
+    ZINF_RETURN_IF_ERROR(
+        device_->CopyDeviceToHost(w.data(), (*ptrs)[0], w.size() * sizeof(float), compute));
+    ZINF_RETURN_IF_ERROR(
+        device_->CopyDeviceToHost(b.data(), (*ptrs)[1], b.size() * sizeof(float), compute));
+    ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(compute).WithContext(what));
+    return LayerPtrs{w.data(), b.data()};
+  }
+
+  // Hands a host gradient to the engine (through device memory when the device is not the
+  // host: the copy is ordered on the compute stream, which the engine's reduction follows).
+  Status Reduce(int p, const std::vector<float>& grad) {
+    const float* src = grad.data();
+    if (device_ != nullptr) {
+      const size_t bytes = grad.size() * sizeof(float);
+      if (bytes > grad_dev_bytes_) {
+        if (grad_dev_ != nullptr) {
+          ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(device_->ComputeStream()));
+          device_->Free(grad_dev_);
+          grad_dev_ = nullptr;
+        }
+        ZINF_ASSIGN_OR_RETURN(grad_dev_, device_->Alloc(Shape().largest_layer_bytes()));
+        grad_dev_bytes_ = Shape().largest_layer_bytes();
+      }
+      ZINF_RETURN_IF_ERROR(
+          device_->CopyHostToDevice(grad_dev_, src, bytes, device_->ComputeStream()));
+      src = static_cast<const float*>(grad_dev_);
+    }
+    ZINF_RETURN_IF_ERROR(
+        engine_->ReduceGradient(ids_[p], src).WithContext("ReduceGradient " + ParamName(p)));
+    if (device_ != nullptr) {
+      // The host vector is reused for the next layer: the copy out of it must be done.
+      ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(device_->ComputeStream()));
+    }
+    ++gradients_reduced_;
+    return Status::OK();
   }
 
   Status ReleaseLayer(int l, const char* phase) {
@@ -250,18 +330,18 @@ class RankTrainer {
       dw_.assign(shape.numel(2 * l), 0.0f);
       db_.assign(shape.numel(2 * l + 1), 0.0f);
       testing::BackwardLayer(shape, l, rows, p->w, dw_.data(), db_.data(), &ws_);
-      ZINF_RETURN_IF_ERROR(engine_->ReduceGradient(ids_[2 * l], dw_.data())
-                               .WithContext("ReduceGradient " + ParamName(2 * l)));
-      ++gradients_reduced_;
-      ZINF_RETURN_IF_ERROR(engine_->ReduceGradient(ids_[2 * l + 1], db_.data())
-                               .WithContext("ReduceGradient " + ParamName(2 * l + 1)));
-      ++gradients_reduced_;
+      ZINF_RETURN_IF_ERROR(Reduce(2 * l, dw_));
+      ZINF_RETURN_IF_ERROR(Reduce(2 * l + 1, db_));
       ZINF_RETURN_IF_ERROR(ReleaseLayer(l, "backward"));
     }
     return Status::OK();
   }
 
   Engine* engine_;
+  Device* device_ = nullptr;  // set only for a device that is not the host
+  std::map<int, std::vector<float>> host_w_, host_b_;
+  void* grad_dev_ = nullptr;
+  size_t grad_dev_bytes_ = 0;
   std::vector<ParamId> ids_;
   std::vector<int> held_;  // layers acquired and not yet released
   int gradients_reduced_ = 0;
@@ -281,6 +361,7 @@ struct RunOptions {
   bool delayed = false;   // zinf.delayed_update
   int delayed_after = 0;  // zinf.delayed_update_after
   bool durable = false;   // zinf.durable
+  bool host = false;      // the GPU build of this test: run on the host device anyway
   uint64_t device_budget_bytes = 0;
   uint64_t pinned_budget_bytes = kPinnedBudget;
   uint64_t sub_group_size = kSubGroupSize;
@@ -372,7 +453,7 @@ Status RankMain(const RunOptions& o, int rank, Device* device, Communicator* com
   Result<std::unique_ptr<Engine>> created = Engine::Create(MakeConfig(o, nvme_dir), device, comm);
   if (!created.ok()) return created.status().WithContext("Engine::Create");
   std::unique_ptr<Engine> engine = std::move(*created);
-  RankTrainer trainer(engine.get());
+  RankTrainer trainer(engine.get(), device);
   ZINF_RETURN_IF_ERROR(trainer.Register());
   for (int p = 0; p < Shape().num_params(); ++p) {
     out->infos.push_back(engine->param(trainer.id(p)));
@@ -414,17 +495,44 @@ RunResult RunTraining(const RunOptions& o) {
     return res;
   }
   std::vector<std::unique_ptr<Device>> devices;
-  std::vector<Device*> raw_devices;
-  for (int r = 0; r < o.ranks; ++r) {
-    HostDeviceOptions dopt;
-    dopt.memory_budget = kHostDeviceMemory;
-    devices.push_back(NewHostDevice(dopt));
-    raw_devices.push_back(devices.back().get());
+  Result<std::vector<std::unique_ptr<Communicator>>> comms =
+      std::vector<std::unique_ptr<Communicator>>{};
+#ifdef ZINF_ENGINE_TEST_CUDA
+  if (!o.host) {
+    // The GPU build of this test: one rank on CUDA device 0 with an NCCL communicator.
+    if (o.ranks != 1) {
+      res.status = Status::NotSupported("the CUDA engine test runs one rank");
+      return res;
+    }
+    CudaDeviceOptions copt;
+    copt.memory_budget = kHostDeviceMemory;
+    Result<std::unique_ptr<Device>> cuda = NewCudaDevice(copt);
+    if (!cuda.ok()) {
+      res.status = cuda.status().WithContext("NewCudaDevice");
+      return res;
+    }
+    devices.push_back(std::move(cuda).value());
+    Result<std::unique_ptr<Communicator>> nccl = NewNcclComm(devices[0].get(), NcclCommOptions{});
+    if (!nccl.ok()) {
+      res.status = nccl.status().WithContext("NewNcclComm");
+      return res;
+    }
+    comms->push_back(std::move(nccl).value());
   }
-  Result<std::vector<std::unique_ptr<Communicator>>> comms = NewLocalComms(raw_devices);
-  if (!comms.ok()) {
-    res.status = comms.status().WithContext("NewLocalComms");
-    return res;
+#endif
+  if (devices.empty()) {
+    std::vector<Device*> raw_devices;
+    for (int r = 0; r < o.ranks; ++r) {
+      HostDeviceOptions dopt;
+      dopt.memory_budget = kHostDeviceMemory;
+      devices.push_back(NewHostDevice(dopt));
+      raw_devices.push_back(devices.back().get());
+    }
+    comms = NewLocalComms(raw_devices);
+    if (!comms.ok()) {
+      res.status = comms.status().WithContext("NewLocalComms");
+      return res;
+    }
   }
   std::vector<RankOutput> outs(o.ranks);
   auto progress = [&outs] {
@@ -502,6 +610,7 @@ const RunResult& Reference(int ranks, bool delayed = false) {
     RunOptions o;
     o.ranks = ranks;
     o.delayed = delayed;
+    o.host = true;  // the GPU build compares its runs with the host device's
     it = cache.emplace(std::make_pair(ranks, delayed), RunTraining(o)).first;
   }
   return it->second;
@@ -749,6 +858,7 @@ using PlacementParam = std::tuple<int, Tier, Tier, bool>;
 class PlacementTest : public ::testing::TestWithParam<PlacementParam> {};
 
 TEST_P(PlacementTest, BitIdenticalToAllInMemoryRun) {
+  ZINF_SKIP_WITHOUT_CUDA();  // the GPU build only
   RunOptions o;
   std::tie(o.ranks, o.param_tier, o.optimizer_tier, o.delayed) = GetParam();
   const RunResult& ref = Reference(o.ranks, o.delayed);
@@ -1604,7 +1714,9 @@ TEST(EngineDurable, ResumeAcrossParameterTiersRebuildsStaleParameterStores) {
     for (int m = 0; m < steps[leg]; ++m) {
       ASSERT_TRUE(trainer.MicroStep(0, kGlobalBatch, false, &loss, &stats).ok());
     }
-    if (leg == 2) ASSERT_TRUE(trainer.GatherAll(&params).ok());
+    if (leg == 2) {
+      ASSERT_TRUE(trainer.GatherAll(&params).ok());
+    }
   }
   EXPECT_EQ(FirstBitDifference(params, straight.params), "");
 }
