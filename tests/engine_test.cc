@@ -1274,6 +1274,22 @@ TEST(EngineCheckpoint, DelayedUpdateResumesBitIdentical) {
   }
 }
 
+// Runs `base` with each (parameter tier, optimizer tier): every run healthy and
+// bit-identical to the first.
+void RunPlacements(const RunOptions& base, const std::vector<std::pair<Tier, Tier>>& placements,
+                   std::vector<RunResult>* runs) {
+  for (const auto& [param_tier, optimizer_tier] : placements) {
+    RunOptions o = base;
+    o.param_tier = param_tier;
+    o.optimizer_tier = optimizer_tier;
+    SCOPED_TRACE(o.Describe());
+    runs->push_back(RunTraining(o));
+    ASSERT_TRUE(runs->back().status.ok()) << runs->back().status.ToString();
+    ExpectHealthyRun(o, runs->back());
+    EXPECT_EQ(FirstBitDifference(runs->back().params, runs->front().params), "");
+  }
+}
+
 // The delayed update with gradient accumulation and clipping (the optimizer waits for the
 // global norm): bit-identical across placements, and the delayed simulation's training.
 TEST(EngineTest, DelayedUpdateWithAccumulationAndClipping) {
@@ -1285,16 +1301,7 @@ TEST(EngineTest, DelayedUpdateWithAccumulationAndClipping) {
   base.clipping = kClip;
   base.delayed = true;
   std::vector<RunResult> runs;
-  for (const auto& [param_tier, optimizer_tier] : placements) {
-    RunOptions o = base;
-    o.param_tier = param_tier;
-    o.optimizer_tier = optimizer_tier;
-    SCOPED_TRACE(o.Describe());
-    runs.push_back(RunTraining(o));
-    ASSERT_TRUE(runs.back().status.ok()) << runs.back().status.ToString();
-    ExpectHealthyRun(o, runs.back());
-    EXPECT_EQ(FirstBitDifference(runs.back().params, runs.front().params), "");
-  }
+  ASSERT_NO_FATAL_FAILURE(RunPlacements(base, placements, &runs));
   SimResult sim = Simulate(base);
   Diff d = Compare(runs.front().params, sim.params);
   std::printf("  delayed, clipped, accumulated vs simulation: max |diff| %.3g, rms %.3g\n",
@@ -1318,17 +1325,8 @@ TEST(EngineTest, DelayedUpdateStartsAfterTheGivenStep) {
   base.delayed = true;
   base.delayed_after = 2;
   std::vector<RunResult> runs;
-  for (const auto& [param_tier, optimizer_tier] : std::vector<std::pair<Tier, Tier>>{
-           {Tier::kDevice, Tier::kDevice}, {Tier::kNvme, Tier::kNvme}}) {
-    RunOptions o = base;
-    o.param_tier = param_tier;
-    o.optimizer_tier = optimizer_tier;
-    SCOPED_TRACE(o.Describe());
-    runs.push_back(RunTraining(o));
-    ASSERT_TRUE(runs.back().status.ok()) << runs.back().status.ToString();
-    ExpectHealthyRun(o, runs.back());
-    EXPECT_EQ(FirstBitDifference(runs.back().params, runs.front().params), "");
-  }
+  ASSERT_NO_FATAL_FAILURE(
+      RunPlacements(base, {{Tier::kDevice, Tier::kDevice}, {Tier::kNvme, Tier::kNvme}}, &runs));
   Diff d = Compare(runs.front().params, Simulate(base).params);
   EXPECT_LE(d.max_abs, kSimMaxAbs) << "largest at " << d.where;
   EXPECT_LE(d.rms, kSimRms);
