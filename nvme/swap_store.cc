@@ -24,6 +24,8 @@ namespace zinf {
 namespace {
 
 constexpr const char* kIndexName = "zinf-swap.index.json";
+// Durable stores that retain two commits: the one before the last.
+constexpr const char* kPrevIndexName = "zinf-swap.index.prev.json";
 constexpr int kIndexVersion = 1;
 
 std::string SwapFileName(const std::string& dir, size_t i) {
@@ -66,6 +68,22 @@ struct TicketState {
   std::vector<ChunkCheck> checks;
 };
 
+// fsync of a folder, so that renames and removals in it are durable.
+Status SyncFolder(const std::string& dir) {
+  int dfd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0) return ErrnoToStatus(errno, "opening folder " + dir);
+  int rc = fsync(dfd);
+  int err = errno;
+  close(dfd);
+  if (rc != 0) return ErrnoToStatus(err, "fsync folder " + dir);
+  return Status::OK();
+}
+
+Status RemoveFile(const std::string& path) {
+  if (unlink(path.c_str()) != 0 && errno != ENOENT) return ErrnoToStatus(errno, "removing " + path);
+  return Status::OK();
+}
+
 double SecondsSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -91,8 +109,11 @@ struct SwapStore::Impl {
   SwapStoreStats stats;                              // guarded by mu
   bool closed = false;                               // guarded by mu
   // Durable mode, guarded by mu: committed extents superseded since the last commit (freed
-  // once the next commit is published), and the meta of the commit loaded at reopen.
+  // once the next commit is published; with two retained commits, once the one after it is),
+  // the extents only the retained previous commit still refers to, and the meta of the last
+  // commit (loaded at reopen).
   std::vector<Extent> superseded;
+  std::vector<Extent> retired;
   std::string meta;
   bool committing = false;  // Commit in progress: Write and Remove are refused
 
@@ -261,7 +282,11 @@ struct SwapStore::Impl {
   // `meta`: durable mode's commit description (written as "meta").
   // `renamed` (optional): set once the new index has replaced the old one.
   Status WriteIndex(const std::string* meta = nullptr, bool* renamed = nullptr);
-  Status LoadIndex();
+  // Loads the index file `name` in the first path.
+  Status LoadIndex(const char* name);
+  // Reopen: loads the index to continue from (durable stores: the last or the previous
+  // commit, dropping the other one).
+  Status Reopen();
 };
 
 SwapStore::SwapStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
@@ -301,6 +326,13 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
       options.capacity_per_path > options.max_capacity_per_path) {
     return Status::InvalidArgument("swap store: capacity per path exceeds its maximum");
   }
+  if (options.retained_commits != 1 && options.retained_commits != 2) {
+    return Status::InvalidArgument("swap store: retained_commits is " +
+                                   std::to_string(options.retained_commits) + "; use 1 or 2");
+  }
+  if (options.reopen_previous && !(options.durable && options.reopen)) {
+    return Status::InvalidArgument("swap store: reopen_previous needs durable and reopen");
+  }
   bool warned_buffered = false;
   for (size_t i = 0; i < options.paths.size(); ++i) {
     const std::string& dir = options.paths[i];
@@ -321,15 +353,10 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
       // A fresh store: an index left by an earlier store in this folder must not outlive the
       // files it describes (which are truncated below); a later reopen would trust it.
       const std::string index = options.paths[0] + "/" + kIndexName;
-      for (const std::string& f : {index, index + ".tmp"}) {
-        if (unlink(f.c_str()) != 0 && errno != ENOENT) return ErrnoToStatus(errno, "removing " + f);
-      }
-      int dfd = open(options.paths[0].c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-      if (dfd < 0) return ErrnoToStatus(errno, "opening folder " + options.paths[0]);
-      int rc = fsync(dfd);
-      int err = errno;
-      close(dfd);
-      if (rc != 0) return ErrnoToStatus(err, "fsync folder " + options.paths[0]);
+      const std::string prev = options.paths[0] + "/" + kPrevIndexName;
+      for (const std::string& f : {index, index + ".tmp", prev})
+        ZINF_RETURN_IF_ERROR(RemoveFile(f));
+      ZINF_RETURN_IF_ERROR(SyncFolder(options.paths[0]));
     }
     std::string path = SwapFileName(dir, i);
     int flags = O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | (options.reopen ? 0 : O_TRUNC);
@@ -363,7 +390,7 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
   }
 
   if (options.reopen) {
-    ZINF_RETURN_IF_ERROR(impl->LoadIndex());
+    ZINF_RETURN_IF_ERROR(impl->Reopen());
   }
   for (size_t f = 0; f < impl->files.size(); ++f) {
     impl->stats.file_bytes += impl->file_size[f];
@@ -653,11 +680,15 @@ Status SwapStore::Commit(const std::string& meta) {
   if (!renamed) return written;
   CrashPoint("swap.committed");
   std::lock_guard<std::mutex> lock(m.mu);
-  for (const Extent& x : m.superseded) {
+  // Free what no retained commit refers to any more: the extents this commit superseded, or,
+  // when the previous commit stays loadable, those only the commit before it referred to.
+  std::vector<Extent>& unused = m.options.retained_commits == 2 ? m.retired : m.superseded;
+  for (const Extent& x : unused) {
     m.space[x.file].Free(x.offset, x.len);
     m.stats.bytes_allocated -= x.len;
   }
-  m.superseded.clear();
+  unused.clear();
+  if (m.options.retained_commits == 2) std::swap(m.retired, m.superseded);
   for (auto& [key, e] : m.entries) e.committed = true;
   m.meta = meta;
   return written;
@@ -745,21 +776,76 @@ Status SwapStore::Impl::WriteIndex(const std::string* commit_meta, bool* renamed
     return s;
   }
   if (close(fd) != 0) return ErrnoToStatus(errno, "closing " + tmp_path);
+  if (commit_meta != nullptr && options.retained_commits == 2) {
+    // The last commit becomes the previous one. A crash right after this rename leaves it as
+    // the only index, which a reopen then takes as the last commit.
+    const std::string prev_path = dir + "/" + kPrevIndexName;
+    if (rename(final_path.c_str(), prev_path.c_str()) != 0 && errno != ENOENT) {
+      return ErrnoToStatus(errno, "renaming " + final_path + " to " + prev_path);
+    }
+  }
   if (rename(tmp_path.c_str(), final_path.c_str()) != 0) {
     return ErrnoToStatus(errno, "renaming " + tmp_path + " to " + final_path);
   }
   if (renamed != nullptr) *renamed = true;
-  int dfd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0) return ErrnoToStatus(errno, "opening folder " + dir);
-  int rc = fsync(dfd);
-  int err = errno;
-  close(dfd);
-  if (rc != 0) return ErrnoToStatus(err, "fsync folder " + dir);
+  return SyncFolder(dir);
+}
+
+Status SwapStore::Impl::Reopen() {
+  const std::string dir = options.paths[0];
+  const std::string index = dir + "/" + kIndexName;
+  const std::string prev = dir + "/" + kPrevIndexName;
+  if (!options.durable) return LoadIndex(kIndexName);
+  const bool has_index = access(index.c_str(), F_OK) == 0;
+  const bool has_prev = access(prev.c_str(), F_OK) == 0;
+  if (options.reopen_previous && !(has_index && has_prev)) {
+    return Status::NotFound("cannot reopen the swap store in " + dir +
+                            " at its previous commit: it holds " +
+                            (has_index || has_prev ? "only one commit" : "no commit"));
+  }
+  if (options.reopen_previous || !has_index) {
+    // The previous commit (or the only one left by a crash between the renames of a commit)
+    // becomes the last: the later one, whose extents are reused from now on, is dropped.
+    ZINF_RETURN_IF_ERROR(LoadIndex(has_prev ? kPrevIndexName : kIndexName));
+    if (rename(prev.c_str(), index.c_str()) != 0) {
+      return ErrnoToStatus(errno, "renaming " + prev + " to " + index);
+    }
+    return SyncFolder(dir);
+  }
+  ZINF_RETURN_IF_ERROR(LoadIndex(kIndexName));
+  // Only the last commit's extents are kept: the previous one is not loadable any more.
+  if (has_prev) {
+    ZINF_RETURN_IF_ERROR(RemoveFile(prev));
+    return SyncFolder(dir);
+  }
   return Status::OK();
 }
 
-Status SwapStore::Impl::LoadIndex() {
-  const std::string path = options.paths[0] + "/" + kIndexName;
+Result<std::vector<std::string>> SwapStore::ListCommits(const std::string& first_path) {
+  std::vector<std::string> metas;
+  for (const char* name : {kIndexName, kPrevIndexName}) {
+    const std::string path = first_path + "/" + name;
+    if (access(path.c_str(), F_OK) != 0) {
+      if (errno == ENOENT) continue;
+      return ErrnoToStatus(errno, "looking for " + path);
+    }
+    std::ifstream in(path);
+    if (!in) return Status::IoError("cannot read " + path);
+    nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("meta") || !j.at("meta").is_string()) {
+      return Status::Corruption("swap index " + path + " is not a durable store's commit record");
+    }
+    metas.push_back(j.at("meta").get<std::string>());
+  }
+  if (metas.empty()) {
+    return Status::NotFound("no durable swap store commit in " + first_path + " (no " + kIndexName +
+                            ")");
+  }
+  return metas;
+}
+
+Status SwapStore::Impl::LoadIndex(const char* name) {
+  const std::string path = options.paths[0] + "/" + name;
   std::ifstream in(path);
   if (!in) {
     return Status::NotFound("cannot reopen the swap store: no index at " + path +

@@ -100,6 +100,14 @@ struct SwapStoreOptions {
   // extents. Reopening (reopen = true) sees exactly the last commit, whatever happened after
   // it. Needs up to twice the space of the tensors. Close() does not commit.
   bool durable = false;
+  // Durable stores: how many commits stay loadable, 1 or 2. With 2 the commit before the last
+  // one stays on disk too (its index as zinf-swap.index.prev.json, its extents kept until the
+  // next commit is published), so that ranks whose stores are one commit apart can all reopen
+  // at the same one. Needs up to three times the space of the tensors that change.
+  int retained_commits = 1;
+  // Durable stores, with reopen: reopen at the commit before the last instead of the last. The
+  // last one is dropped (its index removed) before Open returns.
+  bool reopen_previous = false;
   // Memory to register with the backend once (for example PinnedArena::region()).
   std::vector<MemoryRegion> registered_regions;
   // Tests: wrap the backend in a FaultyBackend driven by this plan.
@@ -157,8 +165,13 @@ class SwapStore {
   // last write failed (nothing is published then). Writes and removals issued while a commit
   // runs are refused (FailedPrecondition): commit between steps.
   Status Commit(const std::string& meta);
-  // The `meta` of the commit the store was reopened at ("" when none).
+  // The `meta` of the last commit ("" when none): the one the store was reopened at, or the
+  // last Commit() since.
   std::string committed_meta() const;
+  // The `meta` of each commit a durable store in `first_path` (its first path) could reopen
+  // at, the last one first (two when the store retains two commits). NotFound when there is
+  // none; Corruption when an index cannot be read. Reads only the index files.
+  static Result<std::vector<std::string>> ListCommits(const std::string& first_path);
   // Flush(), then closes; the store is unusable afterwards.
   Status Close();
 
