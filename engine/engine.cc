@@ -426,6 +426,10 @@ struct Engine::Impl {
     return swap->Commit(StoreMeta()).WithContext("committing the durable swap store");
   }
   bool resume_store = false;  // ResumeFromStore: InitStores reopens instead of initialising
+  // ResumeFromStore: the commit every rank reopens at. Each rank's store holds its last commit
+  // and, with more than one rank, the one before; ranks commit at most one step apart, so the
+  // earliest last commit is held by all. Returns whether this rank reopens at its previous one.
+  Result<bool> AgreeOnCommit(const std::string& first_path);
   Status CheckNvmePaths(const std::vector<std::string>& paths) const;
 
   // ---- Fetch / evict ----
@@ -463,6 +467,10 @@ struct Engine::Impl {
   // ---- Checkpoints ----
   // Every rank learns whether every rank succeeded (a collective: all ranks call it).
   Status Agree(const Status& local, const std::string& what);
+  // Collectives on host values, staged through device memory (NCCL needs device buffers).
+  Status AllReduceHost(float* values, size_t count, Stream* stream, const std::string& what);
+  Status AllGatherHost(const void* send, void* recv, size_t bytes_per_rank,
+                       const std::string& what);
   // Copies sub-group `gi`'s [master | exp_avg | exp_avg_sq] into / out of `buf` (host).
   Status ReadGroupStates(size_t gi, void* buf);
   // ... and rebuilds the group's parameter store buffer `buf_index` from the masters.
@@ -596,11 +604,6 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
       return Status::NotSupported(
           "zinf.durable with zinf.delayed_update is not supported yet (a commit needs the "
           "optimizer idle); turn one off");
-    }
-    if (comm->world_size() != 1) {
-      return Status::NotSupported(
-          "zinf.durable with more than one rank is not supported yet (ranks would commit "
-          "separately); use checkpoints");
     }
   }
   auto impl = std::make_unique<Impl>();
@@ -799,7 +802,11 @@ Status Engine::Impl::Place() {
     so.registered_regions = {arena->region()};
     so.fault_plan = hooks.fault_plan;
     so.durable = config.durable;
+    so.retained_commits = world > 1 ? 2 : 1;
     so.reopen = resume_store;
+    if (resume_store) {
+      ZINF_ASSIGN_OR_RETURN(so.reopen_previous, AgreeOnCommit(so.paths[0]));
+    }
     Result<std::unique_ptr<SwapStore>> opened = SwapStore::Open(so);
     if (!opened.ok() && resume_store) {
       return opened.status().WithContext("ResumeFromStore: reopening the swap store in " +
@@ -1057,6 +1064,57 @@ Status Engine::Impl::CheckStoreMeta(const std::string& meta, int64_t* out_step,
                               ex.what() + ")");
   }
   return Status::OK();
+}
+
+Result<bool> Engine::Impl::AgreeOnCommit(const std::string& first_path) {
+  // This rank's last and previous committed steps (-1: none; -2: its store is unreadable).
+  int64_t mine[2] = {-1, -1};
+  Status local;
+  Result<std::vector<std::string>> metas = SwapStore::ListCommits(first_path);
+  if (!metas.ok()) local = metas.status();
+  for (size_t i = 0; local.ok() && i < std::min<size_t>(2, metas->size()); ++i) {
+    bool param_keys = false;
+    local = CheckStoreMeta((*metas)[i], &mine[i], &param_keys);
+  }
+  if (!local.ok()) mine[0] = mine[1] = -2;
+  std::vector<int64_t> all(2 * static_cast<size_t>(world));
+  if (world == 1) {
+    std::copy(mine, mine + 2, all.begin());
+  } else {
+    // Every rank takes part, a failed one too, so that none waits for it.
+    ZINF_RETURN_IF_ERROR(AllGatherHost(mine, all.data(), sizeof(mine),
+                                       "ResumeFromStore: agreeing on a commit with the other "
+                                       "ranks"));
+  }
+  ZINF_RETURN_IF_ERROR(local.WithContext("ResumeFromStore: the swap store in " + first_path));
+  int64_t agreed = INT64_MAX;
+  for (int r = 0; r < world; ++r) {
+    if (all[2 * r] == -2) {
+      return Status::FailedPrecondition("ResumeFromStore: rank " + std::to_string(r) +
+                                        " cannot resume from its swap store (its error names "
+                                        "the cause)");
+    }
+    agreed = std::min(agreed, all[2 * r]);
+  }
+  std::string held;
+  bool everyone = true;
+  for (int r = 0; r < world; ++r) {
+    everyone = everyone && (all[2 * r] == agreed || all[2 * r + 1] == agreed);
+    held += (r ? "; rank " : "rank ") + std::to_string(r) + " at step " +
+            std::to_string(all[2 * r]) +
+            (all[2 * r + 1] >= 0 ? " (previous " + std::to_string(all[2 * r + 1]) + ")" : "");
+  }
+  if (!everyone) {
+    return Status::FailedPrecondition(
+        "ResumeFromStore: the ranks' swap stores have no commit in common (" + held +
+        "); they come from different runs: resume from a checkpoint or start afresh");
+  }
+  if (all[2 * rank] != agreed) {
+    LogInfo("rank " + std::to_string(rank) + ": resuming at step " + std::to_string(agreed) +
+            ", the commit before its last (step " + std::to_string(all[2 * rank]) +
+            "), where every rank has one");
+  }
+  return all[2 * rank] != agreed;
 }
 
 Status Engine::ResumeFromStore() {
@@ -1818,8 +1876,7 @@ Result<StepStats> Engine::Step() {
         local += gs->sum_squares;
       }
       float total = static_cast<float>(local);
-      s = m.comm->AllReduceSum(&total, 1, m.device->ComputeStream());
-      if (s.ok()) s = m.device->SynchronizeStream(m.device->ComputeStream());
+      s = m.AllReduceHost(&total, 1, m.device->ComputeStream(), "gradient norm");
       if (!s.ok()) return fail_boundary(s);
       double norm = std::sqrt(static_cast<double>(total));
       st.grad_norm = norm;
@@ -1905,12 +1962,37 @@ Result<StepStats> Engine::Step() {
 
 // ---- Checkpoints -----------------------------------------------------------------------------
 
+Status Engine::Impl::AllReduceHost(float* values, size_t count, Stream* stream,
+                                   const std::string& what) {
+  const size_t bytes = count * sizeof(float);
+  ZINF_ASSIGN_OR_RETURN(void* dev, DevAlloc(bytes, what));
+  Status st = device->CopyHostToDevice(dev, values, bytes, stream);
+  if (st.ok()) st = comm->AllReduceSum(static_cast<float*>(dev), count, stream);
+  if (st.ok()) st = device->CopyDeviceToHost(values, dev, bytes, stream);
+  if (st.ok()) st = device->SynchronizeStream(stream);
+  DevFree(dev, bytes);
+  return st.WithContext(what);
+}
+
+Status Engine::Impl::AllGatherHost(const void* send, void* recv, size_t bytes_per_rank,
+                                   const std::string& what) {
+  const size_t all = bytes_per_rank * static_cast<size_t>(world);
+  ZINF_ASSIGN_OR_RETURN(void* dev, DevAlloc(all + bytes_per_rank, what));
+  char* full = static_cast<char*>(dev);
+  char* slot = full + all;
+  Stream* s = comm_stream;
+  Status st = device->CopyHostToDevice(slot, send, bytes_per_rank, s);
+  if (st.ok()) st = comm->AllGather(slot, full, bytes_per_rank, s);
+  if (st.ok()) st = device->CopyDeviceToHost(recv, full, all, s);
+  if (st.ok()) st = device->SynchronizeStream(s);
+  DevFree(dev, all + bytes_per_rank);
+  return st.WithContext(what);
+}
+
 Status Engine::Impl::Agree(const Status& local, const std::string& what) {
   float failed = local.ok() ? 0.0f : 1.0f;
-  Stream* s = device->ComputeStream();
-  Status st = comm->AllReduceSum(&failed, 1, s);
-  if (st.ok()) st = device->SynchronizeStream(s);
-  if (!st.ok()) return st.WithContext(what);
+  Status st = AllReduceHost(&failed, 1, device->ComputeStream(), what);
+  if (!st.ok()) return st;
   if (!local.ok()) return local;
   if (failed > 0) {
     return Status::FailedPrecondition(what + ": another rank failed (its error names the cause)");
@@ -2290,18 +2372,9 @@ Status Engine::GatherMasterParameter(ParamId id, float* out) {
     }
     std::memcpy(mine.data(), src, part * 4);
   }
-  const size_t bytes = p.padded_numel * sizeof(float);
-  ZINF_ASSIGN_OR_RETURN(void* dev, m.DevAlloc(bytes + part * 4, "gathering '" + p.info.name + "'"));
-  float* full = static_cast<float*>(dev);
-  float* slot = full + p.padded_numel;
-  Stream* s = m.comm_stream;
-  Status st = m.device->CopyHostToDevice(slot, mine.data(), part * 4, s);
-  if (st.ok()) st = m.comm->AllGather(slot, full, part * 4, s);
   std::vector<float> host(p.padded_numel);
-  if (st.ok()) st = m.device->CopyDeviceToHost(host.data(), full, bytes, s);
-  if (st.ok()) st = m.device->SynchronizeStream(s);
-  m.DevFree(dev, bytes + part * 4);
-  ZINF_RETURN_IF_ERROR(st);
+  ZINF_RETURN_IF_ERROR(
+      m.AllGatherHost(mine.data(), host.data(), part * 4, "gathering '" + p.info.name + "'"));
   std::memcpy(out, host.data(), p.info.numel * sizeof(float));
   return Status::OK();
 }

@@ -40,11 +40,13 @@
 #include <tuple>
 #include <vector>
 
+#include "engine/host/local_comm.h"
 #include "tests/engine_test_model.h"
 #include "tests/test_util.h"
 #include "zinf/comm.h"
 #include "zinf/config.h"
 #include "zinf/cpu_adam.h"
+#include "zinf/swap.h"
 #ifdef ZINF_ENGINE_TEST_CUDA
 #include "zinf/cuda.h"
 #endif
@@ -1717,6 +1719,145 @@ TEST(EngineDurable, ResumeAcrossParameterTiersRebuildsStaleParameterStores) {
     }
   }
   EXPECT_EQ(FirstBitDifference(params, straight.params), "");
+}
+
+// Durable mode with several ranks: each rank commits its own store, so a crash can leave one
+// rank a commit ahead of another. The stores keep the commit before the last; ResumeFromStore
+// agrees on the earliest last commit, which every rank holds.
+struct DurableLeg {
+  int from_micro = 0;  // resume from the stores first when > 0
+  int to_micro = 0;    // run micro-steps [from_micro, to_micro)
+  int fail_rank = -1;  // this rank's writes fail with EIO from micro-step fail_micro on
+  int fail_micro = -1;
+  // With a failing rank, the other one's queued collectives (its next prefetch) wait this
+  // long for it before the group fails, when its engine is destroyed.
+  std::chrono::milliseconds comm_timeout{60000};
+  std::vector<Status> status;              // per rank: the first failure
+  std::vector<int64_t> resumed_step;       // per rank: global_step() after the resume
+  std::vector<std::vector<float>> params;  // rank 0's gathered masters (no failing rank)
+};
+
+void RunDurableLeg(const RunOptions& o, const std::string& dir, DurableLeg* leg) {
+  std::vector<std::unique_ptr<Device>> devices;
+  std::vector<Device*> raw;
+  for (int r = 0; r < o.ranks; ++r) {
+    HostDeviceOptions dopt;
+    dopt.memory_budget = kHostDeviceMemory;
+    devices.push_back(NewHostDevice(dopt));
+    raw.push_back(devices.back().get());
+  }
+  LocalCommOptions copt;
+  copt.timeout = leg->comm_timeout;
+  auto comms = NewLocalComms(raw, copt);
+  ASSERT_TRUE(comms.ok()) << comms.status().ToString();
+  leg->status.assign(o.ranks, Status::OK());
+  leg->resumed_step.assign(o.ranks, -1);
+  RunGuarded("durable leg (" + o.Describe() + ")", o.timeout, [&] {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < o.ranks; ++r) {
+      threads.emplace_back([&, r] {
+        auto plan = std::make_shared<FaultPlan>();
+        EngineHooks hooks;
+        hooks.fault_plan = plan;
+        auto run = [&]() -> Status {
+          auto engine = Engine::Create(MakeConfig(o, dir), raw[r], (*comms)[r].get(), hooks);
+          if (!engine.ok()) return engine.status();
+          RankTrainer trainer(engine->get());
+          ZINF_RETURN_IF_ERROR(trainer.Register(/*finish=*/leg->from_micro == 0));
+          if (leg->from_micro > 0) {
+            ZINF_RETURN_IF_ERROR((*engine)->ResumeFromStore());
+            leg->resumed_step[r] = (*engine)->global_step();
+          }
+          for (int m = leg->from_micro; m < leg->to_micro; ++m) {
+            if (r == leg->fail_rank && m == leg->fail_micro) {
+              IoFault fault;  // every write from here on: the optimizer's write-backs
+              fault.first = plan->requests();
+              fault.count = 1u << 30;
+              fault.any_op = false;
+              fault.op = IoOp::kWrite;
+              plan->Add(fault);
+            }
+            double loss;
+            StepStats stats;
+            ZINF_RETURN_IF_ERROR(
+                trainer.MicroStep(RowBegin(o, m, r), RowsPerRank(o), false, &loss, &stats)
+                    .WithContext("micro-step " + std::to_string(m)));
+          }
+          if (leg->fail_rank >= 0) return Status::OK();  // a collective the failed rank skips
+          std::vector<std::vector<float>> params;
+          ZINF_RETURN_IF_ERROR(trainer.GatherAll(&params));
+          if (r == 0) leg->params = std::move(params);
+          return Status::OK();
+        };
+        leg->status[r] = run();
+      });
+    }
+    for (std::thread& t : threads) t.join();
+  });
+}
+
+TEST(EngineDurable, RanksOneCommitApartResumeAtTheCommitTheyShare) {
+  RunOptions o;
+  o.ranks = 2;
+  o.durable = true;
+  o.param_tier = Tier::kCpu;  // the only writes of a step: the optimizer's write-backs
+  o.optimizer_tier = Tier::kNvme;
+  const RunResult straight = RunTraining(o);
+  ASSERT_TRUE(straight.status.ok()) << straight.status.ToString();
+  EXPECT_EQ(FirstBitDifference(straight.params, Reference(2).params), "")
+      << "durable mode changed the training";
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  {
+    // Two steps on both ranks; in the third, rank 1's write-backs fail: rank 0 commits step
+    // 3, rank 1 stays at step 2. Then both "crash".
+    DurableLeg leg;
+    leg.to_micro = 3;
+    leg.fail_rank = 1;
+    leg.fail_micro = 2;
+    leg.comm_timeout = std::chrono::seconds(5);
+    RunDurableLeg(o, dir.path(), &leg);
+    ASSERT_TRUE(leg.status[0].ok()) << leg.status[0].ToString();
+    ASSERT_EQ(leg.status[1].code(), StatusCode::kIoError) << leg.status[1].ToString();
+    auto rank0 = SwapStore::ListCommits(dir.path() + "/rank0");
+    auto rank1 = SwapStore::ListCommits(dir.path() + "/rank1");
+    ASSERT_TRUE(rank0.ok() && rank1.ok());
+    ASSERT_EQ(rank0->size(), 2u);
+    EXPECT_NE((*rank0)[0].find("\"step\":3"), std::string::npos) << (*rank0)[0];
+    EXPECT_NE((*rank1)[0].find("\"step\":2"), std::string::npos) << (*rank1)[0];
+  }
+  {
+    DurableLeg leg;
+    leg.from_micro = 2;
+    leg.to_micro = o.steps;
+    RunDurableLeg(o, dir.path(), &leg);
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_TRUE(leg.status[r].ok()) << "rank " << r << ": " << leg.status[r].ToString();
+      EXPECT_EQ(leg.resumed_step[r], 2) << "rank " << r;
+    }
+    EXPECT_EQ(FirstBitDifference(leg.params, straight.params), "");
+  }
+  // Stores from different runs (rank 1's from a run one step long): no commit in common;
+  // both ranks refuse, neither waits for the other.
+  TempDir other;
+  ASSERT_TRUE(other.ok());
+  {
+    DurableLeg leg;
+    leg.to_micro = 1;
+    RunDurableLeg(o, other.path(), &leg);
+    ASSERT_TRUE(leg.status[0].ok() && leg.status[1].ok());
+  }
+  std::filesystem::remove_all(dir.path() + "/rank1");
+  std::filesystem::rename(other.path() + "/rank1", dir.path() + "/rank1");
+  DurableLeg leg;
+  leg.from_micro = 1;
+  leg.to_micro = 2;
+  RunDurableLeg(o, dir.path(), &leg);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(leg.status[r].code(), StatusCode::kFailedPrecondition) << leg.status[r].ToString();
+    EXPECT_NE(leg.status[r].message().find("no commit in common"), std::string::npos)
+        << leg.status[r].ToString();
+  }
 }
 
 // What ResumeFromStore refuses: no commit, another model, durable mode off, a call after

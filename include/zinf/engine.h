@@ -153,6 +153,10 @@ class Engine {
   // initialising the parameters: it checks that the layout matches (names, sizes,
   // sub-groups, optimizer, storage dtype), rebuilds the parameter stores that are not on NVMe
   // from the masters, and sets global_step(). NotFound when the store has no commit.
+  // Collective with several ranks: each rank's store commits separately, so a crash may leave
+  // one rank a step ahead; the stores then retain the commit before the last too, and the
+  // ranks agree on the earliest last commit (a rank ahead drops its last one).
+  // FailedPrecondition on every rank when the stores have no commit in common.
   Status ResumeFromStore();
 
   // Collective (every rank calls it): the full fp32 master values of a parameter, gathered from
