@@ -418,12 +418,18 @@ struct Engine::Impl {
   Status Place();
   Status InitStores();
   // Durable mode: the commit description (step and layout) and its check at resume.
-  std::string StoreMeta() const;
+  // `at_visible`: the parameter version the micro-step after that step reads (one behind
+  // with the delayed update).
+  std::string StoreMeta(int64_t at_step, int64_t at_visible) const;
   // `param_keys`: the commit holds NVMe parameter stores (written from its masters).
-  Status CheckStoreMeta(const std::string& meta, int64_t* step, bool* param_keys) const;
-  Status CommitStore() {
+  Status CheckStoreMeta(const std::string& meta, int64_t* step, int64_t* visible,
+                        bool* param_keys) const;
+  // Called by the trainer thread at Step() (or between steps), or, for a delayed step, by
+  // the optimizer thread once the step's update is written (the next one has not begun).
+  Status CommitStore(int64_t at_step, int64_t at_visible) {
     if (!config.durable) return Status::OK();
-    return swap->Commit(StoreMeta()).WithContext("committing the durable swap store");
+    return swap->Commit(StoreMeta(at_step, at_visible))
+        .WithContext("committing the durable swap store at step " + std::to_string(at_step));
   }
   bool resume_store = false;  // ResumeFromStore: InitStores reopens instead of initialising
   // ResumeFromStore: the commit every rank reopens at. Each rank's store holds its last commit
@@ -507,6 +513,8 @@ struct Engine::Impl {
     if (visible != step) {
       visible = step;
       gather_states.reset();
+      // Durable: a resume must read what the next micro-step reads (the optimizer is idle).
+      return CommitStore(step, visible);
     }
     return Status::OK();
   }
@@ -600,10 +608,11 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
           "zinf.durable needs offload_optimizer.device nvme (the states to resume from live "
           "in the swap store)");
     }
-    if (config.delayed_update) {
-      return Status::NotSupported(
-          "zinf.durable with zinf.delayed_update is not supported yet (a commit needs the "
-          "optimizer idle); turn one off");
+    if (config.delayed_update && config.offload_param.tier != Tier::kNvme) {
+      return Status::InvalidArgument(
+          "zinf.durable with zinf.delayed_update needs offload_param.device nvme: a resume "
+          "needs the parameters one step behind the states, which only the NVMe parameter "
+          "store keeps");
     }
   }
   auto impl = std::make_unique<Impl>();
@@ -867,9 +876,11 @@ Status Engine::Impl::InitStores() {
   // Resuming a durable store: the states come from it, and so do NVMe parameter stores
   // written in the same dtype; everything else is rebuilt from the masters.
   int64_t resumed_step = 0;
+  int64_t resumed_visible = 0;
   bool stored_params = false;
   if (resume_store) {
-    ZINF_RETURN_IF_ERROR(CheckStoreMeta(swap->committed_meta(), &resumed_step, &stored_params));
+    ZINF_RETURN_IF_ERROR(
+        CheckStoreMeta(swap->committed_meta(), &resumed_step, &resumed_visible, &stored_params));
     if (config.offload_param.tier != Tier::kNvme) {
       // Parameter stores of an earlier run with NVMe parameters: stale from now on (this run
       // keeps its parameters elsewhere); drop them so no later resume can trust them.
@@ -954,13 +965,25 @@ Status Engine::Impl::InitStores() {
           p.swap_key[0] = "param/" + p.info.name;
           if (delayed) p.swap_key[1] = "param/" + p.info.name + "#1";
           if (resume_store && stored_params) {
-            // The committed parameter store was written from these masters in this dtype
+            // The committed parameter stores were written from these masters in this dtype
             // (the layout check compared the dtype); a size mismatch means another model.
-            Result<uint64_t> size = swap->Size(p.swap_key[0]);
-            if (size.ok() && *size == PartBytes(p)) break;
+            // With the delayed update the next micro-step reads the version before them.
+            bool stored = true;
+            for (int64_t v : {resumed_step, resumed_visible}) {
+              Result<uint64_t> size = swap->Size(p.swap_key[Buf(v)]);
+              stored = stored && size.ok() && *size == PartBytes(p);
+            }
+            if (stored) break;
           }
-          ZINF_ASSIGN_OR_RETURN(
-              Ticket t, swap->Write(p.swap_key[0], image.data(), PartBytes(p), image.capacity()));
+          if (resume_store && resumed_visible != resumed_step) {
+            return Status::FailedPrecondition(
+                "ResumeFromStore: the store lacks parameter '" + p.info.name + "' at step " +
+                std::to_string(resumed_visible) + ", which the delayed update reads next");
+          }
+          // Version 0, or at a resume the masters' version.
+          const std::string& key = p.swap_key[Buf(resume_store ? resumed_step : 0)];
+          ZINF_ASSIGN_OR_RETURN(Ticket t,
+                                swap->Write(key, image.data(), PartBytes(p), image.capacity()));
           ZINF_RETURN_IF_ERROR(swap->Wait(t));
           break;
         }
@@ -983,7 +1006,8 @@ Status Engine::Impl::InitStores() {
     }
   }
   if (resume_store) {
-    step = visible = resumed_step;
+    step = resumed_step;
+    visible = resumed_visible;
     micro = resumed_step * std::max(1, config.gradient_accumulation_steps);
     std::lock_guard<std::mutex> lock(mu);
     done_step = resumed_step;
@@ -991,13 +1015,15 @@ Status Engine::Impl::InitStores() {
     return Status::OK();
   }
   // Durable: the initial state is the first commit (a crash in step 1 resumes at step 0).
-  return CommitStore();
+  return CommitStore(0, 0);
 }
 
-std::string Engine::Impl::StoreMeta() const {
+std::string Engine::Impl::StoreMeta(int64_t at_step, int64_t at_visible) const {
   nlohmann::json j;
   j["format"] = "zinf-durable-1";
-  j["step"] = step;
+  j["step"] = at_step;
+  j["visible"] = at_visible;
+  j["delayed"] = delayed;
   j["world"] = world;
   j["optimizer"] = OptimizerTypeName(config.optimizer.type);
   j["storage"] = copy_type == ParamCopyType::kBf16 ? "bf16" : "fp32";
@@ -1012,7 +1038,7 @@ std::string Engine::Impl::StoreMeta() const {
 }
 
 Status Engine::Impl::CheckStoreMeta(const std::string& meta, int64_t* out_step,
-                                    bool* param_keys) const {
+                                    int64_t* out_visible, bool* param_keys) const {
   if (meta.empty()) {
     return Status::NotFound("ResumeFromStore: the swap store has no commit to resume from");
   }
@@ -1028,6 +1054,10 @@ Status Engine::Impl::CheckStoreMeta(const std::string& meta, int64_t* out_step,
   try {
     if (j.at("format").get<std::string>() != "zinf-durable-1") return mismatch("unknown format");
     if (j.at("world").get<int>() != world) return mismatch("another number of ranks");
+    if (j.at("delayed").get<bool>() != delayed) {
+      return mismatch(std::string("zinf.delayed_update was ") + (delayed ? "off" : "on") +
+                      " (the parameter stores are laid out per setting)");
+    }
     const std::string opt = j.at("optimizer").get<std::string>();
     if (opt != OptimizerTypeName(config.optimizer.type)) {
       return mismatch("optimizer " + opt + ", this engine runs " +
@@ -1056,8 +1086,13 @@ Status Engine::Impl::CheckStoreMeta(const std::string& meta, int64_t* out_step,
       }
     }
     *out_step = j.at("step").get<int64_t>();
+    *out_visible = j.at("visible").get<int64_t>();
     *param_keys = j.at("param_tier").get<std::string>() == "nvme";
     if (*out_step < 0) return mismatch("negative step");
+    if (*out_visible > *out_step || *out_visible < *out_step - 1 || *out_visible < 0) {
+      return mismatch("parameter version " + std::to_string(*out_visible) + " at step " +
+                      std::to_string(*out_step));
+    }
   } catch (const nlohmann::json::exception& ex) {
     return Status::Corruption(std::string("ResumeFromStore: the store's commit record is "
                                           "missing a field (") +
@@ -1074,7 +1109,8 @@ Result<bool> Engine::Impl::AgreeOnCommit(const std::string& first_path) {
   if (!metas.ok()) local = metas.status();
   for (size_t i = 0; local.ok() && i < std::min<size_t>(2, metas->size()); ++i) {
     bool param_keys = false;
-    local = CheckStoreMeta((*metas)[i], &mine[i], &param_keys);
+    int64_t visible = 0;
+    local = CheckStoreMeta((*metas)[i], &mine[i], &visible, &param_keys);
   }
   if (!local.ok()) mine[0] = mine[1] = -2;
   std::vector<int64_t> all(2 * static_cast<size_t>(world));
@@ -1576,6 +1612,9 @@ void Engine::Impl::OptimizerLoop() {
       e = epochs.front();
     }
     Status s = RunEpoch(e);
+    // A delayed step's commit: its writes are complete and the next epoch's have not begun.
+    // The micro-step after it reads the version before it.
+    if (s.ok() && DelayedStep(e.step)) s = CommitStore(e.step, e.step - 1);
     std::lock_guard<std::mutex> lock(mu);
     epochs.pop_front();
     if (!s.ok() && optimizer_status.ok()) optimizer_status = s;
@@ -1903,7 +1942,8 @@ Result<StepStats> Engine::Step() {
     for (Impl::Param& p : m.params) p.grad_seen_this_window = false;
     st.optimizer_ran = true;
     // Durable: the step's writes are complete (the optimizer waited for them): publish them.
-    s = m.CommitStore();
+    // A delayed step is committed by the optimizer thread once its update is written.
+    s = m.DelayedStep(m.step) ? Status::OK() : m.CommitStore(m.step, m.visible);
     if (!s.ok()) {
       m.broken = Status::FailedPrecondition("the durable swap store could not commit step " +
                                             std::to_string(m.step) + " (" + s.message() +

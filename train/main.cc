@@ -159,10 +159,10 @@ Status CheckNvme(const EngineConfig& c, uint64_t params) {
   uint64_t need = 0;
   if (c.offload_param.tier == Tier::kNvme) need += params * (c.bf16 ? 2 : 4);
   if (c.offload_optimizer.tier == Tier::kNvme) need += params * 12;  // master, m, v in fp32
-  // Durable mode keeps the committed copy while a step writes the next one; the delayed
-  // update double-buffers NVMe parameters.
-  if (c.durable) need *= 2;
+  // The delayed update double-buffers NVMe parameters; durable mode keeps the committed copy
+  // of everything while a step writes the next one.
   if (c.delayed_update && c.offload_param.tier == Tier::kNvme) need += params * (c.bf16 ? 2 : 4);
+  if (c.durable) need *= 2;
   need = need + need / 50;  // alignment and padding
   uint64_t free_bytes = 0;
   for (size_t i = 0; i < paths.size(); ++i) {
@@ -517,8 +517,8 @@ int main(int argc, char** argv) {
   app.add_flag("--fp32", f.fp32, "store parameters in fp32 (default bf16 with fp32 masters)");
   app.add_flag("--durable", f.durable,
                "commit the NVMe swap store after every step, so that --resume continues from "
-               "it after a crash without a checkpoint copy (needs optimizer states on NVMe; "
-               "up to twice the NVMe space)");
+               "it after a crash without a checkpoint copy (needs optimizer states on NVMe, and "
+               "parameters on NVMe with --delayed-update; up to twice the NVMe space)");
   app.add_option("--delayed-update-after", f.delayed_update_after,
                  "with --delayed-update: run the first N steps undelayed");
   app.add_flag("--delayed-update", f.delayed_update,

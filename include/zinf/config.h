@@ -73,8 +73,9 @@ struct EngineConfig {
   uint64_t delayed_update_after = 0;
   // Crash-consistent swap store (zinf.durable): every optimizer step commits the NVMe store,
   // and Engine::ResumeFromStore continues from the last commit without a checkpoint copy.
-  // Needs offload_optimizer on nvme, no delayed update; up to twice the NVMe space of the
-  // states (three times with several ranks, whose stores retain two commits).
+  // Needs offload_optimizer on nvme (and offload_param on nvme with delayed_update); up to
+  // twice the NVMe space of the states (three times with several ranks, whose stores retain
+  // two commits).
   bool durable = false;
   bool checksums = false;     // per-chunk checksums in the swap store
   int optimizer_threads = 0;  // CPU Adam threads; 0 = all cores

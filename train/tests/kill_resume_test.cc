@@ -154,7 +154,8 @@ INSTANTIATE_TEST_SUITE_P(
 // continues from its last commit. Killed inside swap writes, between optimizer sub-groups, in
 // the backward, before the commit's index is written (the first one, at initialisation,
 // included) and after it, the resumed run still ends on the uninterrupted run's bits.
-Outcome RunDurable(const std::string& work, bool resume, const std::string& crash) {
+Outcome RunDurable(const std::string& work, bool resume, const std::string& crash,
+                   bool delayed = false) {
   // clang-format off
   std::vector<std::string> args = {
       "--preset", "tiny", "--steps", std::to_string(kSteps), "--batch", "4", "--seq", "32",
@@ -162,6 +163,7 @@ Outcome RunDurable(const std::string& work, bool resume, const std::string& cras
       "--data", ZINF_SOURCE_DATA, "--json"};
   // clang-format on
   if (resume) args.push_back("--resume");
+  if (delayed) args.push_back("--delayed-update");
   return Spawn(work, args, crash);
 }
 
@@ -195,6 +197,55 @@ INSTANTIATE_TEST_SUITE_P(Points, DurableKillResumeTest,
                                            "swap.write:31", "swap.write:50", "swap.write:100",
                                            "swap.commit:3", "swap.commit:5", "swap.committed:2",
                                            "swap.committed:6"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           std::string n = info.param;
+                           for (char& c : n) {
+                             if (c == '.' || c == ':') c = '_';
+                           }
+                           return n;
+                         });
+
+// Durable mode with the delayed update: every step's update runs on the optimizer thread
+// while the next step's forward and backward run, and that thread commits it once written;
+// the micro-step after a commit reads the parameters one step older, which the store keeps.
+// Killed anywhere, the resumed run (delayed too) ends on the uninterrupted delayed run's bits.
+const std::string& DelayedReference() {
+  static const std::string sum = [] {
+    TempDir dir;
+    Outcome o = RunDurable(dir.path(), false, "", /*delayed=*/true);
+    EXPECT_EQ(o.exit_code, 0) << o.stderr_text;
+    return Checksum(o.stdout_text);
+  }();
+  return sum;
+}
+
+class DurableDelayedKillResumeTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DurableDelayedKillResumeTest, ResumedFromTheStoreEqualsUninterruptedRunBitForBit) {
+  const std::string& ref = DelayedReference();
+  ASSERT_EQ(ref.size(), 16u) << "the uninterrupted run printed no checksum";
+  EXPECT_NE(ref, Reference()) << "the delayed update changed nothing";
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  Outcome crashed = RunDurable(dir.path(), false, GetParam(), true);
+  ASSERT_TRUE(crashed.killed) << "ZINF_CRASH_AT=" << GetParam() << " never fired (exit code "
+                              << crashed.exit_code << "); stderr:\n"
+                              << crashed.stderr_text;
+  Outcome resumed = RunDurable(dir.path(), true, "", true);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.stderr_text;
+  EXPECT_EQ(Checksum(resumed.stdout_text), ref)
+      << "after a kill at " << GetParam() << "; resume log:\n"
+      << resumed.stderr_text;
+  EXPECT_NE(resumed.stderr_text.find("resumed from the durable swap store"), std::string::npos)
+      << resumed.stderr_text;
+}
+
+// 8 kill points: commits (made by the optimizer thread for delayed steps), their index
+// renames, sub-groups, swap writes, the backward of the step that overlaps an update.
+INSTANTIATE_TEST_SUITE_P(Points, DurableDelayedKillResumeTest,
+                         ::testing::Values("swap.commit:2", "swap.commit:4", "swap.committed:3",
+                                           "swap.committed:5", "optimizer.group:3", "swap.write:45",
+                                           "swap.write:90", "train.backward:7"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            std::string n = info.param;
                            for (char& c : n) {
