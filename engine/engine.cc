@@ -213,10 +213,13 @@ struct Engine::Impl {
     std::vector<ParamId> params;
     size_t numel = 0;  // state elements (slices aligned)
     // Tier::kCpu / kDevice states: three arrays of `numel` floats.
-    HostArray master;                // [master | exp_avg | exp_avg_sq], one mapping
-    float* device_states = nullptr;  // Tier::kDevice on a host device: [master|m|v]
-    std::string swap_key;            // Tier::kNvme: [master|m|v] in one tensor
-    int pending = 0;                 // guarded by mu: params whose grad has not landed
+    HostArray master;  // [master | exp_avg | exp_avg_sq], one mapping
+    // Kept on the device (offload_optimizer.device none, or beyond offload_optimizer.ratio):
+    // device_states holds [master|m|v] in device memory.
+    bool on_device = false;
+    float* device_states = nullptr;
+    std::string swap_key;  // Tier::kNvme: [master|m|v] in one tensor
+    int pending = 0;       // guarded by mu: params whose grad has not landed
     // Guarded by mu: the optimizer step whose gradients are complete in the accumulators, and
     // the last step the optimizer has finished with this sub-group (its accumulators are free
     // for the next window's gradients from then on).
@@ -461,6 +464,11 @@ struct Engine::Impl {
 
   void OptimizerLoop();
   Status RunEpoch(const Epoch& e);
+  OptimizerHyperParams HyperParams(const Epoch& e, float coef) const;
+  // A sub-group kept on the device, with its parameters on the device: stepped by
+  // Device::OptimizerStep on the update stream, the parameters written into their device
+  // stores by the step itself (bf16) or a device copy (fp32).
+  Status StepGroupOnDevice(size_t gi, const Epoch& e, float coef);
   Status StepGroup(size_t g, float* master, float* m, float* v, uint16_t* copy_out, const Epoch& e,
                    float coef, std::vector<Ticket>* writes);
   // Writes sub-group g's parameters (from the masters, or their storage-dtype copy) into
@@ -597,16 +605,32 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
           ": device is nvme but no nvme_path is set; add \"nvme_path\" or zinf.nvme_paths");
     }
   }
-  if (config.offload_optimizer.tier == Tier::kDevice && !device->IsHost()) {
-    return Status::NotSupported(
-        "offload_optimizer.device none (optimizer on the GPU) is not supported yet; use cpu "
-        "or nvme");
+  // Sub-groups stepped on the device: all of them (offload_optimizer.device none) or those
+  // beyond offload_optimizer.ratio.
+  const bool device_optimizer =
+      config.offload_optimizer.tier == Tier::kDevice || config.offload_optimizer.ratio < 1;
+  if (device_optimizer && !device->IsHost()) {
+    const char* what = config.offload_optimizer.tier == Tier::kDevice
+                           ? "offload_optimizer.device none (the optimizer on the GPU)"
+                           : "offload_optimizer.ratio below 1 (part of the optimizer on the GPU)";
+    if (config.offload_param.tier != Tier::kDevice) {
+      return Status::NotSupported(
+          std::string(what) +
+          " needs offload_param.device none: the GPU writes the updated parameters straight "
+          "into their device stores; set offload_optimizer.ratio 1 and device cpu or nvme");
+    }
+    if (config.optimizer.type != OptimizerType::kAdam &&
+        config.optimizer.type != OptimizerType::kAdamW) {
+      return Status::NotSupported(std::string(what) + ": the GPU kernel runs Adam and AdamW, not " +
+                                  OptimizerTypeName(config.optimizer.type) +
+                                  "; step it on the CPU (ratio 1, device cpu or nvme)");
+    }
   }
   if (config.durable) {
-    if (config.offload_optimizer.tier != Tier::kNvme) {
+    if (config.offload_optimizer.tier != Tier::kNvme || config.offload_optimizer.ratio < 1) {
       return Status::InvalidArgument(
-          "zinf.durable needs offload_optimizer.device nvme (the states to resume from live "
-          "in the swap store)");
+          "zinf.durable needs offload_optimizer.device nvme and offload_optimizer.ratio 1 (the "
+          "states to resume from live in the swap store)");
     }
     if (config.delayed_update && config.offload_param.tier != Tier::kNvme) {
       return Status::InvalidArgument(
@@ -727,6 +751,16 @@ Status Engine::Impl::Place() {
     g.numel += slice;
   }
 
+  // offload_optimizer.ratio: the share of sub-groups whose states are offloaded (cpu or nvme)
+  // and stepped by the CPU. The others stay in device memory and are stepped there: the
+  // first registered ones, whose gradients complete last in backward (a CPU step of them
+  // would overlap least with the backward).
+  const size_t offloaded =
+      config.offload_optimizer.tier == Tier::kDevice
+          ? 0
+          : static_cast<size_t>(std::llround(config.offload_optimizer.ratio * groups.size()));
+  for (size_t gi = 0; gi + offloaded < groups.size(); ++gi) groups[gi].on_device = true;
+
   // Pinned memory: cpu-tier partitions, gradient accumulators, staging for nvme reads and
   // optimizer buffers. All of it must fit the pinned budget.
   uint64_t pinned = 0;
@@ -745,6 +779,8 @@ Status Engine::Impl::Place() {
   uint64_t buffers = std::max<uint32_t>(config.offload_optimizer.buffer_count, 3);
   if (config.offload_optimizer.tier == Tier::kNvme) {
     pinned += buffers * RoundUp(max_group * 3 * sizeof(float), 4096);
+  } else if (offloaded < groups.size() && !device->IsHost()) {
+    pinned += RoundUp(max_group * 3 * sizeof(float), 4096);  // initialising device states
   }
   pinned += buffers * RoundUp(max_group * (copy_type == ParamCopyType::kNone ? 0 : 2), 4096);
   // Staging for nvme parameter reads and gradient landing: a few partitions at a time.
@@ -894,15 +930,20 @@ Status Engine::Impl::InitStores() {
     SubGroup& g = groups[gi];
     float* master;
     PinnedBuffer staging;
-    if (config.offload_optimizer.tier == Tier::kNvme) {
-      ZINF_ASSIGN_OR_RETURN(staging, arena->Allocate(GroupStateBytes(g)));
-      master = static_cast<float*>(staging.data());
-      g.swap_key = "opt/" + std::to_string(gi);
-    } else if (config.offload_optimizer.tier == Tier::kDevice) {
+    if (g.on_device) {
       ZINF_ASSIGN_OR_RETURN(void* d, DevAlloc(GroupStateBytes(g), "optimizer states"));
       plan_bytes += GroupStateBytes(g);
       g.device_states = static_cast<float*>(d);
-      master = g.device_states;
+      if (device->IsHost()) {
+        master = g.device_states;
+      } else {  // initialised on the host, then copied
+        ZINF_ASSIGN_OR_RETURN(staging, arena->Allocate(GroupStateBytes(g)));
+        master = static_cast<float*>(staging.data());
+      }
+    } else if (config.offload_optimizer.tier == Tier::kNvme) {
+      ZINF_ASSIGN_OR_RETURN(staging, arena->Allocate(GroupStateBytes(g)));
+      master = static_cast<float*>(staging.data());
+      g.swap_key = "opt/" + std::to_string(gi);
     } else {
       ZINF_RETURN_IF_ERROR(g.master.Allocate(g.numel * 3, "optimizer states"));
       master = g.master.data;
@@ -995,10 +1036,15 @@ Status Engine::Impl::InitStores() {
         p.aliased = true;
       }
     }
-    if (config.offload_optimizer.tier == Tier::kNvme && !resume_store) {
+    if (!g.swap_key.empty() && !resume_store) {
       ZINF_ASSIGN_OR_RETURN(Ticket t, swap->Write(g.swap_key, staging.data(), GroupStateBytes(g),
                                                   staging.capacity()));
       ZINF_RETURN_IF_ERROR(swap->Wait(t));
+    }
+    if (g.on_device && !device->IsHost()) {
+      ZINF_RETURN_IF_ERROR(device->CopyHostToDevice(g.device_states, staging.data(),
+                                                    GroupStateBytes(g), copy_stream));
+      ZINF_RETURN_IF_ERROR(device->SynchronizeStream(copy_stream));
     }
     if (!stream_grads) {
       ZINF_ASSIGN_OR_RETURN(g.grads, arena->Allocate(GroupGradBytes(g)));
@@ -1628,7 +1674,6 @@ void Engine::Impl::OptimizerLoop() {
 
 Status Engine::Impl::RunEpoch(const Epoch& e) {
   const std::vector<size_t> order = GroupOrder();
-  const bool nvme = config.offload_optimizer.tier == Tier::kNvme;
   const size_t buffers = std::max<uint32_t>(config.offload_optimizer.buffer_count, 3);
   // Pipeline (NVMe states): reads run ahead up to `buffers - 1` sub-groups; each sub-group's
   // write-back is waited for only when its buffer is needed again.
@@ -1649,8 +1694,12 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
   std::deque<Retiring> retiring;
 
   auto issue_reads = [&]() -> Status {
-    while (nvme && next_read < order.size() && window.size() + retiring.size() < buffers) {
+    while (next_read < order.size() && window.size() + retiring.size() < buffers) {
       const SubGroup& g = groups[order[next_read]];
+      if (g.swap_key.empty()) {  // states not on NVMe: nothing to read ahead
+        ++next_read;
+        continue;
+      }
       Slot slot;
       ZINF_ASSIGN_OR_RETURN(slot.states, arena->Allocate(GroupStateBytes(g)));
       ZINF_ASSIGN_OR_RETURN(slot.read,
@@ -1699,7 +1748,8 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
     const size_t gi = order[k];
     SubGroup& g = groups[gi];
     while (!retiring.empty() && window.size() + retiring.size() >= buffers) retire_oldest();
-    if (nvme) {
+    const bool nvme = !g.swap_key.empty();
+    {
       Status s = issue_reads();
       if (!s.ok()) return s;
     }
@@ -1721,6 +1771,14 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
       g.stepped_step = e.step;
       cv.notify_all();
     };
+    if (g.on_device && config.offload_param.tier == Tier::kDevice) {
+      // The device steps it and writes the parameters straight into their device stores.
+      Status s = StepGroupOnDevice(gi, e, coef);
+      if (!s.ok() && first.ok()) first = s;
+      mark_stepped();
+      CrashPoint("optimizer.group");
+      continue;
+    }
     Retiring done;
     float* master;
     if (nvme) {
@@ -1767,9 +1825,7 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
   return first;
 }
 
-Status Engine::Impl::StepGroup(size_t gi, float* master, float* m, float* v, uint16_t* copy_out,
-                               const Epoch& e, float coef, std::vector<Ticket>* writes) {
-  SubGroup& g = groups[gi];
+OptimizerHyperParams Engine::Impl::HyperParams(const Epoch& e, float coef) const {
   OptimizerHyperParams hp;
   switch (config.optimizer.type) {
     case OptimizerType::kAdam:
@@ -1792,6 +1848,62 @@ Status Engine::Impl::StepGroup(size_t gi, float* master, float* m, float* v, uin
   hp.eps = config.optimizer.eps;
   hp.weight_decay = config.optimizer.weight_decay;
   hp.grad_scale = coef;
+  return hp;
+}
+
+Status Engine::Impl::StepGroupOnDevice(size_t gi, const Epoch& e, float coef) {
+  SubGroup& g = groups[gi];
+  const OptimizerHyperParams hp = HyperParams(e, coef);
+  const int buf = Buf(e.step);
+  const size_t grad_bytes = GroupGradBytes(g);
+  auto t0 = Clock::now();
+  // The gradients come from the host accumulators (the trainer's partitions land there).
+  ZINF_ASSIGN_OR_RETURN(void* dev_grads,
+                        DevAlloc(grad_bytes, "gradients of sub-group " + std::to_string(gi)));
+  float* master = g.device_states;
+  float* m = master + g.numel;
+  float* v = m + g.numel;
+  Status s = device->CopyHostToDevice(dev_grads, g.grads.data(), grad_bytes, update_stream);
+  for (ParamId id : g.params) {
+    if (!s.ok()) break;
+    Param& p = params[id];
+    OptimizerTensors t;
+    t.param = master + p.slice_offset;
+    t.grad = static_cast<const float*>(dev_grads) + p.slice_offset;
+    t.grad_type = GradType::kF32;
+    t.n = p.info.partition_numel;
+    if (hp.kind == OptimizerKind::kAdagrad) {
+      t.sum = v + p.slice_offset;
+    } else {
+      t.exp_avg = m + p.slice_offset;
+      if (hp.kind != OptimizerKind::kLion) t.exp_avg_sq = v + p.slice_offset;
+    }
+    if (copy_type != ParamCopyType::kNone) {
+      t.param_copy = p.device_part[buf];
+      t.param_copy_type = copy_type;
+    }
+    s = device->OptimizerStep(hp, t, update_stream)
+            .WithContext("device optimizer step of '" + p.info.name + "'");
+    if (s.ok() && copy_type == ParamCopyType::kNone) {
+      s = device->CopyDeviceToDevice(p.device_part[buf], t.param, PartBytes(p), update_stream);
+    }
+  }
+  // Whatever was queued finishes before the gradients' scratch goes.
+  Status synced = device->SynchronizeStream(update_stream);
+  DevFree(dev_grads, grad_bytes);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    counters.optimizer_busy += Since(t0);
+    counters.h2d += grad_bytes;
+  }
+  ZINF_RETURN_IF_ERROR(s);
+  return synced.WithContext("device optimizer step of sub-group " + std::to_string(gi));
+}
+
+Status Engine::Impl::StepGroup(size_t gi, float* master, float* m, float* v, uint16_t* copy_out,
+                               const Epoch& e, float coef, std::vector<Ticket>* writes) {
+  SubGroup& g = groups[gi];
+  const OptimizerHyperParams hp = HyperParams(e, coef);
   auto t0 = Clock::now();
   for (ParamId id : g.params) {
     Param& p = params[id];
@@ -2059,7 +2171,7 @@ Status Engine::Impl::CheckBetweenSteps(const char* what) const {
 Status Engine::Impl::ReadGroupStates(size_t gi, void* buf) {
   SubGroup& g = groups[gi];
   const size_t bytes = GroupStateBytes(g);
-  if (config.offload_optimizer.tier == Tier::kNvme) {
+  if (!g.swap_key.empty()) {
     ZINF_ASSIGN_OR_RETURN(Ticket t, swap->Read(g.swap_key, buf, RoundUp(bytes, 4096)));
     return swap->Wait(t);
   }
@@ -2074,7 +2186,7 @@ Status Engine::Impl::ReadGroupStates(size_t gi, void* buf) {
 Status Engine::Impl::WriteGroupStates(size_t gi, const void* buf, int buf_index) {
   SubGroup& g = groups[gi];
   const size_t bytes = GroupStateBytes(g);
-  if (config.offload_optimizer.tier == Tier::kNvme) {
+  if (!g.swap_key.empty()) {
     ZINF_ASSIGN_OR_RETURN(Ticket t, swap->Write(g.swap_key, buf, bytes, RoundUp(bytes, 4096)));
     ZINF_RETURN_IF_ERROR(swap->Wait(t));
   } else if (g.device_states != nullptr) {

@@ -363,6 +363,7 @@ struct RunOptions {
   bool delayed = false;   // zinf.delayed_update
   int delayed_after = 0;  // zinf.delayed_update_after
   bool durable = false;   // zinf.durable
+  double ratio = 1.0;     // offload_optimizer.ratio
   bool host = false;      // the GPU build of this test: run on the host device anyway
   uint64_t device_budget_bytes = 0;
   uint64_t pinned_budget_bytes = kPinnedBudget;
@@ -382,6 +383,7 @@ struct RunOptions {
        << TierLabel(optimizer_tier) << ", accumulation " << grad_accum << ", clipping " << clipping
        << ", device budget " << device_budget_bytes;
     if (delayed) os << ", delayed update";
+    if (ratio < 1) os << ", optimizer ratio " << ratio;
     if (swapped_micro_step >= 0) os << ", swapped acquire order at " << swapped_micro_step;
     return os.str();
   }
@@ -411,6 +413,7 @@ EngineConfig MakeConfig(const RunOptions& o, const std::string& nvme_dir) {
   c.delayed_update = o.delayed;
   c.delayed_update_after = o.delayed_after;
   c.durable = o.durable;
+  c.offload_optimizer.ratio = o.ratio;
   c.gradient_accumulation_steps = o.grad_accum;
   c.device_budget_bytes = o.device_budget_bytes;
   c.pinned_budget_bytes = o.pinned_budget_bytes;
@@ -787,7 +790,8 @@ constexpr double kSimRms = 1e-6;
 void ExpectHealthyRun(const RunOptions& o, const RunResult& r) {
   EXPECT_TRUE(r.ranks_agree) << "ranks gathered different master parameters";
   EXPECT_TRUE(AllFinite(r.params));
-  const bool uses_nvme = o.param_tier == Tier::kNvme || o.optimizer_tier == Tier::kNvme;
+  const bool uses_nvme =
+      o.param_tier == Tier::kNvme || (o.optimizer_tier == Tier::kNvme && o.ratio > 0);
   const uint64_t device_budget = o.device_budget_bytes ? o.device_budget_bytes : kHostDeviceMemory;
   for (int rank = 0; rank < o.ranks; ++rank) {
     const std::vector<StepStats>& stats = r.stats[rank];
@@ -889,6 +893,56 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(Tier::kDevice, Tier::kCpu, Tier::kNvme),
                        ::testing::Values(Tier::kCpu, Tier::kNvme), ::testing::Bool()),
     PlacementName);
+
+// ---- offload_optimizer.ratio: part of the sub-groups stepped on the device --------------------
+
+// ranks, param tier, optimizer tier, ratio
+using RatioParam = std::tuple<int, Tier, Tier, double>;
+
+class RatioTest : public ::testing::TestWithParam<RatioParam> {};
+
+// The sub-groups beyond the ratio keep their states in device memory and are stepped there
+// (Device::OptimizerStep; with the parameters on the device it writes them straight into
+// their stores): bit-identical to the all-in-memory run, and the device holds their states.
+TEST_P(RatioTest, BitIdenticalToAllInMemoryRunWithTheRestOnTheDevice) {
+  ZINF_SKIP_WITHOUT_CUDA();
+  RunOptions o;
+  std::tie(o.ranks, o.param_tier, o.optimizer_tier, o.ratio) = GetParam();
+  const RunResult& ref = Reference(o.ranks);
+  ASSERT_TRUE(ref.status.ok()) << ref.status.ToString();
+  RunResult run = RunTraining(o);
+  ASSERT_TRUE(run.status.ok()) << o.Describe() << ": " << run.status.ToString();
+  ExpectHealthyRun(o, run);
+  EXPECT_EQ(FirstBitDifference(run.params, ref.params), "") << o.Describe();
+  if (run.device_peaks.empty()) return;  // the CUDA build: no HostDevice to ask
+  // The device holds the states of the sub-groups kept there: compare with ratio 1.
+  RunOptions offloaded = o;
+  offloaded.ratio = 1.0;
+  RunResult all_cpu = RunTraining(offloaded);
+  ASSERT_TRUE(all_cpu.status.ok()) << all_cpu.status.ToString();
+  size_t group_states_min = SIZE_MAX;  // the smallest sub-group's [master|m|v]
+  std::map<size_t, size_t> group_numel;
+  for (const ParamInfo& info : run.infos) group_numel[info.sub_group] += info.partition_numel;
+  ASSERT_GE(group_numel.size(), 2u) << "the test model needs several sub-groups";
+  for (const auto& [g, n] : group_numel) group_states_min = std::min(group_states_min, 12 * n);
+  for (int r = 0; r < o.ranks; ++r) {
+    EXPECT_GE(run.device_peaks[r], all_cpu.device_peaks[r] + group_states_min)
+        << "rank " << r << ": no optimizer states on the device";
+  }
+}
+
+std::string RatioName(const ::testing::TestParamInfo<RatioParam>& info) {
+  return "Ranks" + std::to_string(std::get<0>(info.param)) + "_Param" +
+         TierLabel(std::get<1>(info.param)) + "_Optimizer" + TierLabel(std::get<2>(info.param)) +
+         "_Ratio" + std::to_string(static_cast<int>(std::get<3>(info.param) * 100));
+}
+
+INSTANTIATE_TEST_SUITE_P(AllPlacements, RatioTest,
+                         ::testing::Combine(::testing::Values(1, 2),
+                                            ::testing::Values(Tier::kDevice, Tier::kCpu),
+                                            ::testing::Values(Tier::kCpu, Tier::kNvme),
+                                            ::testing::Values(0.0, 0.5)),
+                         RatioName);
 
 // ---- The all-in-memory run is the right training --------------------------------------------
 

@@ -7,6 +7,7 @@
 #include <optional>
 #include <utility>
 
+#include "zinf/cuda.h"
 #include "zinf/log.h"
 
 namespace zinf {
@@ -321,6 +322,13 @@ Status CudaDevice::UnregisterHostMemory(void* ptr) {
   ZINF_RETURN_IF_ERROR(MakeCurrent(ordinal_));
   ZINF_CUDA_CHECK(cudaHostUnregister(ptr));
   return Status::OK();
+}
+
+Status CudaDevice::OptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t,
+                                 Stream* stream) {
+  ZINF_RETURN_IF_ERROR(OwnStream(stream, "OptimizerStep").status());
+  ZINF_RETURN_IF_ERROR(MakeCurrent(ordinal_));
+  return cuda::AdamStep(hp, t, stream);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -68,6 +68,10 @@ class CudaDevice final : public Device {
   Status RegisterHostMemory(void* ptr, size_t bytes) override;
   Status UnregisterHostMemory(void* ptr) override;
 
+  // cuda::AdamStep on `stream` (a stream of this device).
+  Status OptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t,
+                       Stream* stream) override;
+
   // A stream of this device, or InvalidArgument naming `what`.
   Result<cuda_internal::CudaStream*> OwnStream(Stream* stream, const char* what);
 

@@ -323,6 +323,15 @@ Status HostDevice::CopyDeviceToDevice(void* dst, const void* src, size_t bytes, 
   return Copy("CopyDeviceToDevice", nullptr, dst, src, bytes, stream);
 }
 
+Status HostDevice::OptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t,
+                                 Stream* stream) {
+  ZINF_RETURN_IF_ERROR(ValidateOptimizerStep(hp, t).WithContext("HostDevice::OptimizerStep"));
+  ZINF_ASSIGN_OR_RETURN(CpuIsa isa, SelectCpuIsa());
+  return LaunchHostTask(stream, [hp, t, isa] {
+    return zinf::OptimizerStep(hp, t, isa).WithContext("HostDevice::OptimizerStep");
+  });
+}
+
 Status HostDevice::LaunchHostFunc(Stream* stream, std::function<void()> fn) {
   ZINF_ASSIGN_OR_RETURN(HostStream * hs, OwnStream(stream, "LaunchHostFunc"));
   if (!fn) return Status::InvalidArgument("LaunchHostFunc: the function is empty");

@@ -123,6 +123,11 @@ class HostDevice final : public Device {
   Status RegisterHostMemory(void* ptr, size_t bytes) override { return Status::OK(); }
   Status UnregisterHostMemory(void* ptr) override { return Status::OK(); }
 
+  // The CPU kernel as a task of `stream` (LaunchHostTask), with the instruction set chosen
+  // SelectCpuIsa picks (ZINF_CPU_ISA or the best); arguments are checked before it is queued.
+  Status OptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t,
+                       Stream* stream) override;
+
  private:
   // A stream of this device, or an InvalidArgument naming `what` (the calling operation).
   Result<HostStream*> OwnStream(Stream* stream, const char* what);

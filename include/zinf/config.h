@@ -23,7 +23,9 @@ struct OffloadConfig {
   bool pin_memory = true;
   bool pipeline_read = false;   // offload_optimizer.pipeline_read
   bool pipeline_write = false;  // offload_optimizer.pipeline_write
-  double ratio = 1.0;           // offload_optimizer.ratio: fraction of sub-groups offloaded
+  // offload_optimizer.ratio: the share of sub-groups whose states are offloaded (device cpu or
+  // nvme) and stepped by the CPU; the rest stay in device memory, stepped on the device.
+  double ratio = 1.0;
 };
 
 struct AioConfig {

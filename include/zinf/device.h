@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 
+#include "zinf/cpu_adam.h"
 #include "zinf/status.h"
 
 namespace zinf {
@@ -78,6 +79,15 @@ class Device {
   // HostDevice.
   virtual Status RegisterHostMemory(void* ptr, size_t bytes) = 0;
   virtual Status UnregisterHostMemory(void* ptr) = 0;
+
+  // One optimizer step ordered on `stream`, every pointer of `t` in this device's memory (the
+  // engine steps the sub-groups whose states stay on the device with it). Bit-identical to
+  // the CPU scalar reference (zinf/cpu_adam.h). HostDevice: the CPU kernel (ZINF_CPU_ISA or
+  // the best instruction set) on the stream's thread, any optimizer; CudaDevice: the GPU
+  // kernel (cuda::AdamStep), Adam and AdamW only (others NotSupported). Argument errors are
+  // returned; failures while running become the stream's error.
+  virtual Status OptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t,
+                               Stream* stream) = 0;
 };
 
 struct HostDeviceOptions {
