@@ -52,6 +52,7 @@ struct Flags {
   std::string config;
   std::vector<std::string> nvme;
   std::string param_tier, optimizer_tier;
+  double optimizer_ratio = -1;  // -1: config's (or 1)
   std::string device_budget, pinned_budget;
   std::string data;
   std::string checkpoint_dir;
@@ -122,6 +123,7 @@ Result<EngineConfig> BuildConfig(const Flags& f) {
     ZINF_ASSIGN_OR_RETURN(c.offload_optimizer.tier,
                           ParseTier(f.optimizer_tier, "--optimizer-tier"));
   }
+  if (f.optimizer_ratio >= 0) c.offload_optimizer.ratio = f.optimizer_ratio;
   std::vector<std::string> nvme = f.nvme;
   if (nvme.empty()) {
     for (const OffloadConfig* o : {&c.offload_param, &c.offload_optimizer}) {
@@ -512,6 +514,10 @@ int main(int argc, char** argv) {
   app.add_option("--param-tier", f.param_tier, "where parameters live: device, cpu, nvme");
   app.add_option("--optimizer-tier", f.optimizer_tier,
                  "where optimizer states live: device, cpu, nvme");
+  app.add_option("--optimizer-ratio", f.optimizer_ratio,
+                 "share of optimizer sub-groups offloaded to --optimizer-tier (the rest stay "
+                 "in device memory, stepped on the device); default 1")
+      ->check(CLI::Range(0.0, 1.0));
   app.add_option("--device-budget", f.device_budget, "device memory budget, e.g. 4G");
   app.add_option("--pinned-budget", f.pinned_budget, "pinned host memory budget, e.g. 2G");
   app.add_flag("--fp32", f.fp32, "store parameters in fp32 (default bf16 with fp32 masters)");
@@ -535,6 +541,11 @@ int main(int argc, char** argv) {
   app.add_flag("--json", f.json, "only the final JSON line on stdout (progress on stderr)");
   app.add_option("--log-every", f.log_every,
                  "keep a progress line every N steps (default: ~40 lines)");
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help prints and exits 0; a usage error (unknown flag, a value out of range) exits 2.
+    return app.exit(e) == 0 ? 0 : 2;
+  }
   return zinf::train::Run(f);
 }

@@ -260,6 +260,38 @@ namespace {
 
 // ---- Errors a user meets: one sentence with the fix, exit code 1 or 2, no crash ----
 
+// --optimizer-ratio 0: every optimizer sub-group stays in device memory and is stepped by
+// the device (here the host device's CPU kernel): the same bits as the states on NVMe.
+TEST(TrainCli, OptimizerRatioZeroTrainsTheSameBits) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  Outcome on_device = Spawn(dir.path(),
+                            {"--preset",
+                             "tiny",
+                             "--steps",
+                             std::to_string(kSteps),
+                             "--batch",
+                             "4",
+                             "--seq",
+                             "32",
+                             "--warmup",
+                             "2",
+                             "--nvme",
+                             dir.path() + "/swap",
+                             "--param-tier",
+                             "nvme",
+                             "--optimizer-tier",
+                             "nvme",
+                             "--optimizer-ratio",
+                             "0",
+                             "--data",
+                             ZINF_SOURCE_DATA,
+                             "--json"},
+                            "");
+  ASSERT_EQ(on_device.exit_code, 0) << on_device.stderr_text;
+  EXPECT_EQ(Checksum(on_device.stdout_text), Reference());
+}
+
 TEST(TrainCli, ModelTooLargeForTheNvmeDiskIsRefusedBeforeWriting) {
   TempDir dir;
   ASSERT_TRUE(dir.ok());
@@ -309,6 +341,7 @@ TEST(TrainCli, BadFlagsAndInputsAreOneLineErrors) {
       {{"--nvme", dir.path() + "/file/swap"}, "NVMe swap folder"},
       {{"--resume"}, "--resume needs --checkpoint-dir"},
       {{"--preset", "tiny", "--seq", "65"}, "--seq must be in 1..64"},
+      {{"--optimizer-ratio", "1.5"}, "--optimizer-ratio"},
   };
   for (const Case& c : cases) {
     std::vector<std::string> args = c.args;
