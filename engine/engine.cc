@@ -1659,8 +1659,19 @@ void Engine::Impl::OptimizerLoop() {
     }
     Status s = RunEpoch(e);
     // A delayed step's commit: its writes are complete and the next epoch's have not begun.
-    // The micro-step after it reads the version before it.
-    if (s.ok() && DelayedStep(e.step)) s = CommitStore(e.step, e.step - 1);
+    // The micro-step after it reads the version before it. Never after a failed epoch: the
+    // states it left (sub-groups not stepped) must not be published by a later one.
+    bool earlier_failure;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      earlier_failure = !optimizer_status.ok();
+    }
+    if (s.ok() && config.durable && DelayedStep(e.step)) {
+      s = earlier_failure ? Status::FailedPrecondition(
+                                "not committing step " + std::to_string(e.step) +
+                                " of the durable store: an earlier optimizer step failed")
+                          : CommitStore(e.step, e.step - 1);
+    }
     std::lock_guard<std::mutex> lock(mu);
     epochs.pop_front();
     if (!s.ok() && optimizer_status.ok()) optimizer_status = s;

