@@ -27,6 +27,7 @@
 #include "train/trainer.h"
 #include "zinf/comm.h"
 #include "zinf/config.h"
+#include "zinf/cuda.h"
 #include "zinf/device.h"
 #include "zinf/engine.h"
 #include "zinf/log.h"
@@ -51,6 +52,7 @@ struct Flags {
   int warmup = -1;     // -1: steps / 10, at most 100
   std::string config;
   std::vector<std::string> nvme;
+  std::string device = "host";  // host | cuda
   std::string param_tier, optimizer_tier;
   double optimizer_ratio = -1;  // -1: config's (or 1)
   std::string device_budget, pinned_budget;
@@ -263,17 +265,38 @@ int Run(Flags f) {
     return 2;
   }
 
-  // Device and communicator: the host device (no CUDA backend yet), one rank.
-  HostDeviceOptions dopt;
-  // Without a budget the host device may use the machine's memory (it is host memory).
-  dopt.memory_budget = config->device_budget_bytes != 0
-                           ? config->device_budget_bytes
-                           : static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
-  std::unique_ptr<Device> device = NewHostDevice(dopt);
-  Result<std::vector<std::unique_ptr<Communicator>>> comms = NewLocalComms({device.get()});
-  if (!comms.ok()) {
-    std::fprintf(stderr, "zinf-train: %s\n", comms.status().ToString().c_str());
-    return 1;
+  // Device and communicator, one rank: the host device, or GPU 0 with a one-rank NCCL
+  // communicator (the model's forward and backward still run on the CPU: the trainer copies
+  // each acquired layer to the host and each gradient to the device).
+  std::unique_ptr<Device> device;
+  std::vector<std::unique_ptr<Communicator>> comms;
+  if (f.device == "cuda") {
+    CudaDeviceOptions copt;
+    copt.memory_budget = config->device_budget_bytes;  // 0: 90% of the free memory
+    Result<std::unique_ptr<Device>> cuda = NewCudaDevice(copt);
+    Result<std::unique_ptr<Communicator>> nccl =
+        cuda.ok() ? NewNcclComm(cuda->get(), NcclCommOptions{})
+                  : Result<std::unique_ptr<Communicator>>(cuda.status());
+    if (!nccl.ok()) {
+      std::fprintf(stderr, "zinf-train: --device cuda: %s\n", nccl.status().message().c_str());
+      return 1;
+    }
+    device = std::move(cuda).value();
+    comms.push_back(std::move(nccl).value());
+  } else {
+    HostDeviceOptions dopt;
+    // Without a budget the host device may use the machine's memory (it is host memory).
+    dopt.memory_budget =
+        config->device_budget_bytes != 0
+            ? config->device_budget_bytes
+            : static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+    device = NewHostDevice(dopt);
+    Result<std::vector<std::unique_ptr<Communicator>>> local = NewLocalComms({device.get()});
+    if (!local.ok()) {
+      std::fprintf(stderr, "zinf-train: %s\n", local.status().ToString().c_str());
+      return 1;
+    }
+    comms = std::move(local).value();
   }
   auto fail = [&](const std::string& what, const Status& s) {
     std::fprintf(stderr, "zinf-train: %s: %s\n", what.c_str(), Explain(s).message().c_str());
@@ -292,10 +315,10 @@ int Run(Flags f) {
                f.batch, f.seq, f.steps);
   std::fflush(out);
 
-  Result<std::unique_ptr<Engine>> engine = Engine::Create(*config, device.get(), (*comms)[0].get());
+  Result<std::unique_ptr<Engine>> engine = Engine::Create(*config, device.get(), comms[0].get());
   if (!engine.ok()) return fail("creating the engine", engine.status());
   Result<std::unique_ptr<GptTrainer>> trainer =
-      GptTrainer::Create(model, f.batch, f.seq, f.seed, engine->get());
+      GptTrainer::Create(model, f.batch, f.seq, f.seed, engine->get(), {}, device.get());
   if (!trainer.ok()) return fail("building the model", trainer.status());
   auto t_init = Clock::now();
   int64_t first_step = 0;
@@ -308,9 +331,9 @@ int Run(Flags f) {
       std::fprintf(out, "  no committed step in the swap store yet: starting from step 0\n");
       trainer->reset();
       engine->reset();
-      engine = Engine::Create(*config, device.get(), (*comms)[0].get());
+      engine = Engine::Create(*config, device.get(), comms[0].get());
       if (!engine.ok()) return fail("creating the engine", engine.status());
-      trainer = GptTrainer::Create(model, f.batch, f.seq, f.seed, engine->get());
+      trainer = GptTrainer::Create(model, f.batch, f.seq, f.seed, engine->get(), {}, device.get());
       if (!trainer.ok()) return fail("building the model", trainer.status());
     } else if (!s.ok()) {
       return fail("resuming from the swap store", s);
@@ -511,6 +534,10 @@ int main(int argc, char** argv) {
   app.add_option("--config", f.config, "DeepSpeed-style JSON config (zero_optimization, bf16, ...)")
       ->check(CLI::ExistingFile);
   app.add_option("--nvme", f.nvme, "NVMe swap folder (repeatable; default ./zinf-swap)");
+  app.add_option("--device", f.device,
+                 "host (default) or cuda: the engine on GPU 0 (parameters, copies, NCCL and the "
+                 "device optimizer there; the model's math still runs on the CPU)")
+      ->check(CLI::IsMember({"host", "cuda"}));
   app.add_option("--param-tier", f.param_tier, "where parameters live: device, cpu, nvme");
   app.add_option("--optimizer-tier", f.optimizer_tier,
                  "where optimizer states live: device, cpu, nvme");

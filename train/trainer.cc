@@ -63,6 +63,15 @@ struct BlockActs {
 
 struct GptTrainer::Impl {
   Engine* engine = nullptr;
+  // Staging (a device that is not the host, or hooks.stage_through_device): acquired
+  // parameters are copied into `staged`, gradients into `device_grad` (device memory).
+  Device* device = nullptr;
+  bool staging = false;
+  std::vector<uint8_t> staged;
+  void* device_grad = nullptr;
+  ~Impl() {
+    if (device_grad != nullptr) device->Free(device_grad);
+  }
   TrainerHooks hooks;
   GptConfig m;
   int B = 0, T = 0, N = 0, C = 0, NH = 0, V = 0, L = 0;
@@ -116,6 +125,19 @@ struct GptTrainer::Impl {
   Result<std::vector<const float*>> AcquireFp32(const std::vector<ParamId>& group,
                                                 bool block = false) {
     ZINF_ASSIGN_OR_RETURN(std::vector<void*> raw, engine->Acquire(group));
+    if (staging) {
+      const size_t elem = bf16 ? 2 : 4;
+      size_t offset = 0;
+      Stream* compute = device->ComputeStream();
+      for (size_t i = 0; i < group.size(); ++i) {
+        const size_t bytes = engine->param(group[i]).numel * elem;
+        ZINF_RETURN_IF_ERROR(
+            device->CopyDeviceToHost(staged.data() + offset, raw[i], bytes, compute));
+        raw[i] = staged.data() + offset;
+        offset += (bytes + 63) & ~size_t{63};
+      }
+      ZINF_RETURN_IF_ERROR(device->SynchronizeStream(compute));
+    }
     std::vector<const float*> out(group.size());
     raw16.assign(group.size(), nullptr);
     size_t cursor = 0;
@@ -160,6 +182,15 @@ struct GptTrainer::Impl {
   Result<double> Forward(const int32_t* targets, float loss_scale, bool backward);
   Status Reduce(size_t index, const float* grad) {
     if (hooks.grad_observer) hooks.grad_observer(index, grad, list[index].numel());
+    if (staging) {
+      // The engine's copy out of device_grad is ordered on the compute stream before the
+      // next gradient's copy into it.
+      Stream* compute = device->ComputeStream();
+      ZINF_RETURN_IF_ERROR(device->CopyHostToDevice(device_grad, grad,
+                                                    list[index].numel() * sizeof(float), compute));
+      ZINF_RETURN_IF_ERROR(device->SynchronizeStream(compute));
+      return engine->ReduceGradient(ids[index], static_cast<const float*>(device_grad));
+    }
     return engine->ReduceGradient(ids[index], grad);
   }
 };
@@ -283,7 +314,8 @@ GptTrainer::~GptTrainer() = default;
 
 Result<std::unique_ptr<GptTrainer>> GptTrainer::Create(const GptConfig& model, int batch, int seq,
                                                        uint64_t seed, Engine* engine,
-                                                       const TrainerHooks& hooks) {
+                                                       const TrainerHooks& hooks,
+                                                       Device* device) {
   ZINF_RETURN_IF_ERROR(Validate(model));
   if (batch < 1) return Status::InvalidArgument("--batch must be at least 1");
   if (seq < 1 || seq > model.max_seq) {
@@ -363,6 +395,16 @@ Result<std::unique_ptr<GptTrainer>> GptTrainer::Create(const GptConfig& model, i
   m.dwte.resize(m.list[0].numel());
   m.dwpe.resize(m.list[1].numel());
   m.tokens.resize(N);
+  m.device = device;
+  m.staging = device != nullptr && (!device->IsHost() || hooks.stage_through_device);
+  if (m.staging) {
+    size_t staged = 0, largest_param = 0;
+    for (const GptParam& p : m.list) largest_param = std::max(largest_param, p.numel());
+    // The largest acquired group: a block, the embeddings or the head (64-byte aligned parts).
+    for (size_t n : {block, embed, head}) staged = std::max(staged, n * 4 + kBlockParams * 64);
+    m.staged.resize(staged);
+    ZINF_ASSIGN_OR_RETURN(m.device_grad, device->Alloc(largest_param * sizeof(float)));
+  }
   return std::unique_ptr<GptTrainer>(new GptTrainer(std::move(impl)));
 }
 

@@ -39,15 +39,22 @@ struct TrainerHooks {
   // Called with every gradient (index in ParamList, full fp32 tensor) just before it is
   // handed to the engine.
   std::function<void(size_t index, const float* grad, size_t numel)> grad_observer;
+  // Copy parameters and gradients through the device's copy API even on the host device, as
+  // on a GPU (tests of that path on a machine without one).
+  bool stage_through_device = false;
 };
 
 class GptTrainer {
  public:
   // Registers every parameter with `engine` (which must outlive the trainer) in layer order,
-  // with the acquire order as the prefetch hint.
+  // with the acquire order as the prefetch hint. `device`: the engine's device (null: the
+  // host device). The forward and backward run on the CPU; on a device that is not the host
+  // (a GPU) each acquired layer is copied to host memory and each gradient to device memory
+  // around them.
   static Result<std::unique_ptr<GptTrainer>> Create(const GptConfig& model, int batch, int seq,
                                                     uint64_t seed, Engine* engine,
-                                                    const TrainerHooks& hooks = {});
+                                                    const TrainerHooks& hooks = {},
+                                                    Device* device = nullptr);
   ~GptTrainer();
 
   // One micro-step: forward, backward and Engine::Step on batch*seq tokens. The loss is

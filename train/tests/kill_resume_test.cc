@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "tests/test_util.h"
+#include "zinf/cuda.h"
 
 extern char** environ;
 
@@ -290,6 +291,20 @@ TEST(TrainCli, OptimizerRatioZeroTrainsTheSameBits) {
                             "");
   ASSERT_EQ(on_device.exit_code, 0) << on_device.stderr_text;
   EXPECT_EQ(Checksum(on_device.stdout_text), Reference());
+}
+
+// Without a GPU (or without the CUDA backend) --device cuda is one clear error, not a crash.
+TEST(TrainCli, DeviceCudaWithoutAGpuIsAClearError) {
+  if (zinf::CudaDeviceCount() > 0) GTEST_SKIP() << "a GPU is visible: --device cuda would train";
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  Outcome o = Spawn(dir.path(),
+                    {"--preset", "tiny", "--device", "cuda", "--nvme", dir.path() + "/swap",
+                     "--steps", "1", "--data", ZINF_SOURCE_DATA},
+                    "");
+  EXPECT_EQ(o.exit_code, 1) << o.stderr_text;
+  EXPECT_FALSE(o.killed);
+  EXPECT_NE(o.stderr_text.find("zinf-train: --device cuda: "), std::string::npos) << o.stderr_text;
 }
 
 TEST(TrainCli, ModelTooLargeForTheNvmeDiskIsRefusedBeforeWriting) {
