@@ -1,5 +1,6 @@
-// zinf-engine-bench: a synthetic layered model driven through the engine on the host device,
-// to measure how well fetches, NVMe traffic and the CPU optimizer overlap with compute.
+// zinf-engine-bench: a synthetic layered model driven through the engine on the host device
+// (or a GPU, --device cuda), to measure how well fetches, NVMe traffic and the optimizer
+// overlap with compute.
 //
 // Each layer owns one parameter; "compute" is a sleep of --compute-ms per layer and pass (a GPU
 // computing leaves the host CPU free, and so does a sleep). One JSON line per step.
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "zinf/comm.h"
+#include "zinf/cuda.h"
 #include "zinf/device.h"
 #include "zinf/engine.h"
 #include "zinf/log.h"
@@ -36,6 +38,8 @@ struct Flags {
   int optimizer_threads = 0;
   bool bf16 = false;
   bool delayed_update = false;
+  std::string device = "host";
+  double optimizer_ratio = 1.0;
 };
 
 Result<Tier> ParseTier(const std::string& s) {
@@ -67,6 +71,14 @@ int Main(int argc, char** argv) {
   app.add_flag("--delayed-update", f.delayed_update,
                "one-step delayed parameter update (zinf.delayed_update): a step's optimizer "
                "runs on during the next step's forward and backward");
+  app.add_option("--device", f.device,
+                 "host (HostDevice, simulated link) or cuda (GPU 0 and a one-rank NCCL "
+                 "communicator)")
+      ->check(CLI::IsMember({"host", "cuda"}));
+  app.add_option("--optimizer-ratio", f.optimizer_ratio,
+                 "offload_optimizer.ratio: share of sub-groups stepped by the CPU; the rest "
+                 "stay in device memory and are stepped there")
+      ->check(CLI::Range(0.0, 1.0));
   // Presets first, then explicit flags win: parse twice.
   CLI11_PARSE(app, argc, argv);
   if (f.preset != "none") {
@@ -90,6 +102,7 @@ int Main(int argc, char** argv) {
       p.optimizer_tier = "cpu";
     }
     p.nvme = f.nvme;
+    p.device = f.device;
     f = p;
     CLI11_PARSE(app, argc, argv);
   }
@@ -111,20 +124,38 @@ int Main(int argc, char** argv) {
   c.optimizer_threads = f.optimizer_threads;
   c.bf16 = f.bf16;
   c.delayed_update = f.delayed_update;
+  c.offload_optimizer.ratio = f.optimizer_ratio;
   const uint64_t elem = f.bf16 ? 2 : 4;
   c.pinned_budget_bytes = RoundUp(f.layers * f.layer_elems * 4 + 4 * f.sub_group_elems * 14 +
                                       f.prefetch_elems * elem + 64 * f.layer_elems + (256u << 20),
                                   2u << 20);
-  HostDeviceOptions ho;
-  ho.memory_budget = size_t{64} << 30;
-  ho.copy_gbps = f.copy_gbps;
-  std::unique_ptr<Device> device = NewHostDevice(ho);
-  auto comms = NewLocalComms({device.get()});
-  if (!comms.ok()) {
-    std::fprintf(stderr, "zinf-engine-bench: %s\n", comms.status().ToString().c_str());
-    return 1;
+  std::unique_ptr<Device> device;
+  std::unique_ptr<Communicator> comm;
+  if (f.device == "cuda") {
+    Result<std::unique_ptr<Device>> cuda = NewCudaDevice(CudaDeviceOptions{});
+    Result<std::unique_ptr<Communicator>> nccl =
+        cuda.ok() ? NewNcclComm(cuda->get(), NcclCommOptions{})
+                  : Result<std::unique_ptr<Communicator>>(cuda.status());
+    if (!nccl.ok()) {
+      std::fprintf(stderr, "zinf-engine-bench: --device cuda: %s\n",
+                   nccl.status().ToString().c_str());
+      return 1;
+    }
+    device = std::move(cuda).value();
+    comm = std::move(nccl).value();
+  } else {
+    HostDeviceOptions ho;
+    ho.memory_budget = size_t{64} << 30;
+    ho.copy_gbps = f.copy_gbps;
+    device = NewHostDevice(ho);
+    auto comms = NewLocalComms({device.get()});
+    if (!comms.ok()) {
+      std::fprintf(stderr, "zinf-engine-bench: %s\n", comms.status().ToString().c_str());
+      return 1;
+    }
+    comm = std::move((*comms)[0]);
   }
-  auto engine = Engine::Create(c, device.get(), (*comms)[0].get());
+  auto engine = Engine::Create(c, device.get(), comm.get());
   if (!engine.ok()) {
     std::fprintf(stderr, "zinf-engine-bench: %s\n", engine.status().ToString().c_str());
     return 1;
@@ -155,7 +186,21 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "zinf-engine-bench: %s\n", s.ToString().c_str());
     return 1;
   }
-  std::vector<float> grad(f.layer_elems, 1e-3f);
+  // The gradient the "backward" hands over, in device memory.
+  std::vector<float> grad_host(f.layer_elems, 1e-3f);
+  const size_t grad_bytes = f.layer_elems * sizeof(float);
+  Result<void*> grad_mem = device->Alloc(grad_bytes);
+  if (grad_mem.ok()) {
+    s = device->CopyHostToDevice(*grad_mem, grad_host.data(), grad_bytes, device->ComputeStream());
+    if (s.ok()) s = device->SynchronizeStream(device->ComputeStream());
+  } else {
+    s = grad_mem.status();
+  }
+  if (!s.ok()) {
+    std::fprintf(stderr, "zinf-engine-bench: gradient buffer: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  const float* grad = static_cast<const float*>(*grad_mem);
   auto compute = std::chrono::duration<double, std::milli>(f.compute_ms);
   std::vector<double> effs, step_secs, nvme_busy, copy_busy, opt_busy;
   for (int step = 0; step < f.steps; ++step) {
@@ -169,7 +214,7 @@ int Main(int argc, char** argv) {
       auto p = e.Acquire({ids[l]});
       if (!p.ok()) s = p.status();
       std::this_thread::sleep_for(compute * 2);  // backward costs about twice the forward
-      if (s.ok()) s = e.ReduceGradient(ids[l], grad.data());
+      if (s.ok()) s = e.ReduceGradient(ids[l], grad);
       if (s.ok()) s = e.Release({ids[l]});
     }
     if (!s.ok()) break;
@@ -182,6 +227,8 @@ int Main(int argc, char** argv) {
     j["step"] = st->step;
     j["preset"] = f.preset;
     j["delayed_update"] = f.delayed_update;
+    j["device"] = f.device;
+    j["optimizer_ratio"] = f.optimizer_ratio;
     j["step_seconds"] = st->step_seconds;
     j["overlap_efficiency"] = st->overlap_efficiency;
     j["nvme_read_bytes"] = st->nvme_read_bytes;
@@ -210,6 +257,8 @@ int Main(int argc, char** argv) {
       opt_busy.push_back(st->optimizer_busy_seconds);
     }
   }
+  engine->reset();  // drains the engine's streams before its gradient source goes
+  device->Free(*grad_mem);
   if (!s.ok()) {
     std::fprintf(stderr, "zinf-engine-bench: %s\n", s.ToString().c_str());
     return 1;
@@ -228,6 +277,8 @@ int Main(int argc, char** argv) {
   j["simulated_compute_seconds"] = 3 * f.layers * f.compute_ms / 1e3;
   j["preset"] = f.preset;
   j["delayed_update"] = f.delayed_update;
+  j["device"] = f.device;
+  j["optimizer_ratio"] = f.optimizer_ratio;
   j["median_overlap_efficiency"] = median(effs);
   std::printf("%s\n", j.dump().c_str());
   return 0;
