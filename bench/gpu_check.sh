@@ -6,6 +6,12 @@
 #   bench/gpu_check.sh                     # results under ./gpu-results
 #   OUT=/some/dir NVME_DIR=/mnt/nvme bench/gpu_check.sh
 #
+# A bare CUDA image lacks zinf's Debian dependencies (liburing, libaio, hwloc, oneTBB, xxhash,
+# GoogleTest, CLI11, nlohmann-json) and cannot fetch them. bench/gpu_bundle.sh, run on a
+# machine that has them, puts prebuilt sm_90 binaries and their libraries in ./gpu-bundle;
+# when that folder is here this script runs those instead of building (ZINF_GPU_BUNDLE=off
+# forces the source build), with the machine's own NCCL.
+#
 # Environment: OUT (results folder, default ./gpu-results), BUILD_DIR (default build-gpu),
 # NVME_DIR (folder for the NVMe->GPU measurement; default a folder under OUT, which measures
 # whatever disk OUT is on), BENCH_MIB (bytes per copy, default 1024), JOBS (default: all
@@ -85,21 +91,76 @@ stage_passed() {
   df -h "$OUT" 2>&1 | tail -n 1 || true
 } >"$OUT/environment.log" 2>&1 || true
 
-# ---- Build ------------------------------------------------------------------------------------
-run_stage configure 45 cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DZINF_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" -DZINF_BUILD_TRAIN=OFF
-if stage_passed configure; then
+# ---- Build (or the prebuilt bundle) -----------------------------------------------------------
+BUNDLE="$ROOT/gpu-bundle"
+USE_BUNDLE=0
+if [[ -x "$BUNDLE/bin/cuda_device_test" && "${ZINF_GPU_BUNDLE:-auto}" != "off" ]]; then
+  USE_BUNDLE=1
+fi
+
+# The directory of libnccl.so.2 on this machine: the CUDA toolkit's, the system's, or the
+# nvidia-nccl pip package's.
+find_nccl_dir() {
+  local d
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/lib/x86_64-linux-gnu /usr/lib64; do
+    if [[ -e "$d/libnccl.so.2" ]]; then
+      echo "$d"
+      return 0
+    fi
+  done
+  python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0] + "/lib")' 2>/dev/null && return 0
+  d="$(find /usr /opt /root -name libnccl.so.2 2>/dev/null | head -n 1)"
+  [[ -n "$d" ]] && dirname "$d"
+  return 0
+}
+
+if [[ $USE_BUNDLE -eq 1 ]]; then
+  BIN_DIR="$BUNDLE/bin"
+  NCCL_DIR="$(find_nccl_dir)"
+  export LD_LIBRARY_PATH="$BUNDLE/lib${NCCL_DIR:+:$NCCL_DIR}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  {
+    echo "bundle built at commit $(cat "$BUNDLE/commit" 2>/dev/null), needs $(cat "$BUNDLE/glibc" 2>/dev/null)"
+    echo "this tree: $(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo unknown)"
+    echo "glibc here: $(ldd --version 2>&1 | head -n 1)"
+    echo "NCCL: ${NCCL_DIR:-not found}"
+    echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+    for b in "$BIN_DIR"/*; do
+      echo "== ldd $b"
+      ldd "$b" 2>&1 | grep -E "not found|nccl|cudart|uring|hwloc|tbb" || true
+    done
+  } >>"$OUT/environment.log" 2>&1
+  skip_stage configure "prebuilt gpu-bundle (commit $(cut -c1-12 "$BUNDLE/commit" 2>/dev/null))"
+  skip_stage build "prebuilt gpu-bundle; NCCL from ${NCCL_DIR:-nowhere (not found)}"
+else
+  BIN_DIR=""
+  run_stage configure 40 cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DZINF_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" -DZINF_BUILD_TRAIN=OFF
+fi
+if [[ $USE_BUNDLE -eq 1 ]]; then
+  :
+elif stage_passed configure; then
   # Only what the later stages run (the full suite is CI's job): keeps the build short.
   run_stage build 200 cmake --build "$BUILD_DIR" -j "$JOBS" --target cuda_device_test \
-    zinf-gpu-bench zinf-engine-bench
+    engine_cuda_test zinf-gpu-bench zinf-engine-bench
 else
   skip_stage build "configure failed"
 fi
 
 # ---- GPU tests --------------------------------------------------------------------------------
-if stage_passed build; then
+if [[ $USE_BUNDLE -eq 1 ]]; then
+  # What `ctest -L gpu` runs: cuda_device_test and the engine test's GPU placements.
+  STAGE_NOTE="gpu-bundle: cuda_device_test, engine_cuda_test"
+  run_stage gpu_tests 70 bash -c '
+    rc=0
+    "$0/cuda_device_test" || rc=1
+    "$0/engine_cuda_test" --gtest_filter="$(cat "$1")" || rc=1
+    exit $rc' "$BIN_DIR" "$BUNDLE/engine_cuda_test.filter"
+  if grep -q "SKIPPED" "$OUT/gpu_tests.log" 2>/dev/null; then
+    STAGE_NOTES[${#STAGE_NOTES[@]} - 1]="gpu-bundle tests; SOME TESTS SKIPPED (no GPU visible?)"
+  fi
+elif stage_passed build; then
   STAGE_NOTE="ctest -L gpu"
-  run_stage gpu_tests 80 ctest --test-dir "$BUILD_DIR" -L gpu --output-on-failure
+  run_stage gpu_tests 70 ctest --test-dir "$BUILD_DIR" -L gpu --output-on-failure
   # A skipped GoogleTest case passes ctest: make "all skipped" (no GPU seen) visible.
   if grep -q "SKIPPED\|Skipped" "$OUT/gpu_tests.log" 2>/dev/null; then
     STAGE_NOTES[${#STAGE_NOTES[@]} - 1]="ctest -L gpu; SOME TESTS SKIPPED (no GPU visible?)"
@@ -109,26 +170,31 @@ else
 fi
 
 # ---- Bandwidth ----------------------------------------------------------------------------------
-GPU_BENCH="$BUILD_DIR/bench/zinf-gpu-bench"
+GPU_BENCH="${BIN_DIR:-$BUILD_DIR/bench}/zinf-gpu-bench"
 if [[ -x "$GPU_BENCH" ]]; then
   mkdir -p "$NVME_DIR"
   STAGE_NOTE="$BENCH_MIB MiB per copy; NVMe folder $NVME_DIR"
-  run_stage gpu_bench 75 "$GPU_BENCH" --mib "$BENCH_MIB" --iters 5 --nvme "$NVME_DIR"
+  run_stage gpu_bench 70 "$GPU_BENCH" --mib "$BENCH_MIB" --iters 5 --nvme "$NVME_DIR"
   rm -rf "$NVME_DIR"
 else
   skip_stage gpu_bench "zinf-gpu-bench was not built"
 fi
 
 # ---- Engine bench -------------------------------------------------------------------------------
-ENGINE_BENCH="$BUILD_DIR/bench/zinf-engine-bench"
+ENGINE_BENCH="${BIN_DIR:-$BUILD_DIR/bench}/zinf-engine-bench"
 if [[ ! -x "$ENGINE_BENCH" ]]; then
   skip_stage engine_bench "zinf-engine-bench was not built"
-elif "$ENGINE_BENCH" --help 2>&1 | grep -q -- "--device"; then
-  STAGE_NOTE="zinf-engine-bench --device cuda"
-  run_stage engine_bench 45 "$ENGINE_BENCH" --device cuda
 else
-  skip_stage engine_bench \
-    "zinf-engine-bench has no GPU option yet (--device); the host-only bench is not rerun"
+  # Parameters on the GPU with the optimizer on the CPU, then half of the sub-groups stepped
+  # by the GPU Adam (offload_optimizer.ratio 0.5), then parameters streamed from NVMe.
+  mkdir -p "$NVME_DIR"
+  STAGE_NOTE="zinf-engine-bench --device cuda: adam-bound, adam-bound ratio 0.5, io-bound"
+  run_stage engine_bench 60 bash -c '
+    set -e
+    "$0" --device cuda --preset adam-bound --steps 4 --nvme "$1"
+    "$0" --device cuda --preset adam-bound --optimizer-ratio 0.5 --steps 4 --nvme "$1"
+    "$0" --device cuda --preset io-bound --steps 4 --nvme "$1"' "$ENGINE_BENCH" "$NVME_DIR"
+  rm -rf "$NVME_DIR"
 fi
 
 # ---- Summary ------------------------------------------------------------------------------------
@@ -179,6 +245,21 @@ for line in sys.stdin:
         print("| NVMe -> GPU end to end | pipelined, %d MiB chunks | %.2f | - |"
               % (j["chunk_bytes"] >> 20, j["end_to_end_gbps_best"]))
 ' || echo "(could not parse gpu_bench.log)"
+  fi
+  if [[ -f "$OUT/engine_bench.log" ]] && grep -q '"median_step_seconds"' "$OUT/engine_bench.log"; then
+    echo
+    echo "## Engine bench on the GPU (medians of steps 2-4)"
+    echo
+    echo "| preset | optimizer ratio | step s | overlap | NVMe busy s | copy busy s | optimizer busy s |"
+    echo "|---|---|---|---|---|---|---|"
+    grep '"median_step_seconds"' "$OUT/engine_bench.log" | python3 -c '
+import json, sys
+for line in sys.stdin:
+    j = json.loads(line)
+    print("| %s | %s | %.3f | %.2f | %.3f | %.3f | %.3f |" % (j["preset"], j["optimizer_ratio"],
+          j["median_step_seconds"], j["median_overlap_efficiency"], j["median_nvme_busy_seconds"],
+          j["median_copy_busy_seconds"], j["median_optimizer_busy_seconds"]))
+' || echo "(could not parse engine_bench.log)"
   fi
 } >"$SUMMARY"
 

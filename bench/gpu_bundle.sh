@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Builds, on this (GPU-less) machine, what bench/gpu_check.sh runs on a GPU machine, into
+# ./gpu-bundle (git-ignored): the GPU test and bench binaries for sm_90 and the shared
+# libraries they need that a bare CUDA image lacks (liburing, libaio, hwloc, oneTBB, xxhash,
+# the CUDA runtime). NCCL is not bundled (over 200 MB): gpu_check.sh finds the GPU machine's
+# own libnccl.so.2 (CUDA toolkit or the nvidia-nccl pip package).
+#
+#   bench/gpu_bundle.sh            # then carry gpu-bundle to the GPU machine and run
+#   OUT=... bench/gpu_check.sh     # which uses the bundle when it is there
+#
+# Environment: BUILD_DIR (default build-gpu-bundle), CUDA_ARCH (default 90), JOBS (default 2).
+# Prints the bundle's size (the device tool carries at most 64 MiB in all) and the newest
+# glibc symbol version the binaries need (the GPU machine's glibc must be at least that).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD_DIR="${BUILD_DIR:-$ROOT/build-gpu-bundle}"
+CUDA_ARCH="${CUDA_ARCH:-90}"
+JOBS="${JOBS:-2}"
+BUNDLE="$ROOT/gpu-bundle"
+TARGETS=(cuda_device_test engine_cuda_test zinf-gpu-bench zinf-engine-bench)
+
+cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DZINF_CUDA=ON \
+  -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" -DZINF_BUILD_TRAIN=OFF -DZINF_BUILD_BENCH=ON \
+  -DZINF_BUILD_TESTS=ON >/dev/null
+cmake --build "$BUILD_DIR" -j "$JOBS" --target "${TARGETS[@]}"
+
+rm -rf "$BUNDLE"
+mkdir -p "$BUNDLE/bin" "$BUNDLE/lib"
+for t in "${TARGETS[@]}"; do
+  bin="$(find "$BUILD_DIR" -type f -name "$t" -perm -u+x | head -n 1)"
+  if [[ -z "$bin" ]]; then
+    echo "gpu_bundle: $t was not built" >&2
+    exit 1
+  fi
+  cp "$bin" "$BUNDLE/bin/"
+  strip --strip-debug "$BUNDLE/bin/$t"
+done
+
+# Shared libraries: everything the binaries load except the C/C++ runtime (the GPU machine
+# has its own, see the glibc check below), the driver and NCCL.
+is_system() {
+  case "$1" in
+    linux-vdso* | ld-linux* | libc.so* | libm.so* | libdl.so* | libpthread.so* | librt.so* | \
+      libstdc++.so* | libgcc_s.so* | libcuda.so* | libnccl.so*) return 0 ;;
+  esac
+  return 1
+}
+for b in "$BUNDLE"/bin/*; do
+  ldd "$b" | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}'
+done | sort -u | while read -r name path; do
+  if ! is_system "$name"; then
+    cp -L "$path" "$BUNDLE/lib/$name"
+  fi
+done
+
+# The test filter of engine_cuda_test (tests/CMakeLists.txt), for running it without ctest.
+grep -o 'TEST_FILTER "[^"]*"' "$ROOT/tests/CMakeLists.txt" | head -n 1 |
+  sed 's/TEST_FILTER "\(.*\)"/\1/' >"$BUNDLE/engine_cuda_test.filter"
+git -C "$ROOT" rev-parse HEAD >"$BUNDLE/commit" 2>/dev/null || echo unknown >"$BUNDLE/commit"
+
+glibc="$(for f in "$BUNDLE"/bin/* "$BUNDLE"/lib/*; do objdump -T "$f"; done 2>/dev/null |
+  grep -o 'GLIBC_[0-9.]*' | sort -t. -k1,1 -k2,2n -V | tail -n 1)"
+echo "$glibc" >"$BUNDLE/glibc"
+echo "gpu_bundle: $(du -sh "$BUNDLE" | cut -f1) in $BUNDLE (limit 64 MiB for the device tool);" \
+  "needs $glibc or newer; commit $(cat "$BUNDLE/commit")"
+ls -la "$BUNDLE/bin" "$BUNDLE/lib"
