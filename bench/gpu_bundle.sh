@@ -37,8 +37,8 @@ for t in "${TARGETS[@]}"; do
   strip --strip-debug "$BUNDLE/bin/$t"
 done
 
-# Shared libraries: everything the binaries load except the C/C++ runtime (the GPU machine
-# has its own, see the glibc check below), the driver and NCCL.
+# Shared libraries: everything the binaries load except the C and C++ runtimes (the GPU
+# machine has its own: see the versions checked below), the driver and NCCL.
 is_system() {
   case "$1" in
     linux-vdso* | ld-linux* | libc.so* | libm.so* | libdl.so* | libpthread.so* | librt.so* | \
@@ -60,7 +60,10 @@ grep -o 'TEST_FILTER "[^"]*"' "$ROOT/tests/CMakeLists.txt" | head -n 1 |
 git -C "$ROOT" rev-parse HEAD >"$BUNDLE/commit" 2>/dev/null || echo unknown >"$BUNDLE/commit"
 
 glibc="$(for f in "$BUNDLE"/bin/* "$BUNDLE"/lib/*; do objdump -T "$f"; done 2>/dev/null |
-  grep -o 'GLIBC_[0-9.]*' | sort -t. -k1,1 -k2,2n -V | tail -n 1)"
+  grep -o 'GLIBC_[0-9.]*' | sort -V | tail -n 1)"
+glibcxx="$(for f in "$BUNDLE"/bin/* "$BUNDLE"/lib/*; do objdump -T "$f"; done 2>/dev/null |
+  grep -o 'GLIBCXX_[0-9.]*' | sort -V | tail -n 1)"
+glibc="$glibc and $glibcxx (libstdc++)"
 echo "$glibc" >"$BUNDLE/glibc"
 echo "gpu_bundle: $(du -sh "$BUNDLE" | cut -f1) in $BUNDLE (limit 64 MiB for the device tool);" \
   "needs $glibc or newer; commit $(cat "$BUNDLE/commit")"
