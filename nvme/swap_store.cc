@@ -780,8 +780,12 @@ Status SwapStore::Impl::WriteIndex(const std::string* commit_meta, bool* renamed
     // The last commit becomes the previous one. A crash right after this rename leaves it as
     // the only index, which a reopen then takes as the last commit.
     const std::string prev_path = dir + "/" + kPrevIndexName;
-    if (rename(final_path.c_str(), prev_path.c_str()) != 0 && errno != ENOENT) {
-      return ErrnoToStatus(errno, "renaming " + final_path + " to " + prev_path);
+    if (rename(final_path.c_str(), prev_path.c_str()) != 0) {
+      if (errno != ENOENT)
+        return ErrnoToStatus(errno, "renaming " + final_path + " to " + prev_path);
+    } else {
+      // Durable before the next rename, whatever order the filesystem keeps renames in.
+      ZINF_RETURN_IF_ERROR(SyncFolder(dir));
     }
   }
   if (rename(tmp_path.c_str(), final_path.c_str()) != 0) {
