@@ -272,7 +272,14 @@ int Run(Flags f) {
   std::vector<std::unique_ptr<Communicator>> comms;
   if (f.device == "cuda") {
     CudaDeviceOptions copt;
-    copt.memory_budget = config->device_budget_bytes;  // 0: 90% of the free memory
+    // 0: 90% of the free memory. Else the engine's budget plus the trainer's own gradient
+    // buffer (the largest parameter in fp32), which the engine does not plan for.
+    copt.memory_budget = config->device_budget_bytes;
+    if (copt.memory_budget != 0) {
+      size_t largest = 0;
+      for (const GptParam& p : ParamList(model)) largest = std::max(largest, p.numel());
+      copt.memory_budget += largest * sizeof(float) + (size_t{1} << 20);
+    }
     Result<std::unique_ptr<Device>> cuda = NewCudaDevice(copt);
     Result<std::unique_ptr<Communicator>> nccl =
         cuda.ok() ? NewNcclComm(cuda->get(), NcclCommOptions{})
