@@ -355,6 +355,8 @@ struct Engine::Impl {
     for (SubGroup& g : groups) {
       if (g.device_states != nullptr) device->Free(g.device_states);
     }
+    if (small_scratch != nullptr) device->Free(small_scratch);
+    if (device_grads != nullptr) device->Free(device_grads);
     if (arena) (void)device->UnregisterHostMemory(arena->region().base);
     // Their pinned buffers go back to the arena, which must still exist.
     params.clear();
@@ -425,8 +427,8 @@ struct Engine::Impl {
   // with the delayed update).
   std::string StoreMeta(int64_t at_step, int64_t at_visible) const;
   // `param_keys`: the commit holds NVMe parameter stores (written from its masters).
-  Status CheckStoreMeta(const std::string& meta, int64_t* step, int64_t* visible,
-                        bool* param_keys) const;
+  Status CheckStoreMeta(const std::string& meta, int64_t* step, int64_t* visible, bool* param_keys,
+                        uint64_t* lineage = nullptr) const;
   // Called by the trainer thread at Step() (or between steps), or, for a delayed step, by
   // the optimizer thread once the step's update is written (the next one has not begun).
   Status CommitStore(int64_t at_step, int64_t at_visible) {
@@ -435,6 +437,10 @@ struct Engine::Impl {
         .WithContext("committing the durable swap store at step " + std::to_string(at_step));
   }
   bool resume_store = false;  // ResumeFromStore: InitStores reopens instead of initialising
+  // Durable: which history the commits belong to. 0 for a fresh start; every LoadCheckpoint
+  // derives a new one (the same on every rank), so that a resume never mixes a rank's commit
+  // from before a load with another's from after it at the same step.
+  uint64_t lineage = 0;
   // ResumeFromStore: the commit every rank reopens at. Each rank's store holds its last commit
   // and, with more than one rank, the one before; ranks commit at most one step apart, so the
   // earliest last commit is held by all. Returns whether this rank reopens at its previous one.
@@ -481,7 +487,13 @@ struct Engine::Impl {
   // ---- Checkpoints ----
   // Every rank learns whether every rank succeeded (a collective: all ranks call it).
   Status Agree(const Status& local, const std::string& what);
-  // Collectives on host values, staged through device memory (NCCL needs device buffers).
+  // Collectives on host values, staged through device memory (NCCL needs device buffers):
+  // small_scratch when they fit (trainer thread only), else an allocation.
+  static constexpr size_t kSmallScratchBytes = 16384;
+  void* small_scratch = nullptr;
+  // Gradients of the sub-group StepGroupOnDevice is stepping (optimizer thread only), sized
+  // for the largest sub-group kept on the device.
+  void* device_grads = nullptr;
   Status AllReduceHost(float* values, size_t count, Stream* stream, const std::string& what);
   Status AllGatherHost(const void* send, void* recv, size_t bytes_per_rank,
                        const std::string& what);
@@ -632,6 +644,12 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
           "zinf.durable needs offload_optimizer.device nvme and offload_optimizer.ratio 1 (the "
           "states to resume from live in the swap store)");
     }
+    if (config.delayed_update && comm->world_size() > 1) {
+      return Status::NotSupported(
+          "zinf.durable with zinf.delayed_update and more than one rank is not supported: each "
+          "rank's optimizer commits on its own, so ranks can end up more than the one retained "
+          "commit apart; turn one off");
+    }
     if (config.delayed_update && config.offload_param.tier != Tier::kNvme) {
       return Status::InvalidArgument(
           "zinf.durable with zinf.delayed_update needs offload_param.device nvme: a resume "
@@ -669,6 +687,10 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
   ZINF_ASSIGN_OR_RETURN(m.copy_done, device->CreateEvent());
   ZINF_ASSIGN_OR_RETURN(m.comm_done, device->CreateEvent());
   m.zeros.assign(kPartitionAlign * static_cast<size_t>(m.world), 0.0f);
+  // Device memory for the small host-value collectives, reserved once so that they never
+  // fail to allocate on one rank while the others wait in them.
+  ZINF_ASSIGN_OR_RETURN(m.small_scratch, m.DevAlloc(Impl::kSmallScratchBytes, "small collectives"));
+  m.plan_bytes += Impl::kSmallScratchBytes;
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
 
@@ -760,6 +782,16 @@ Status Engine::Impl::Place() {
           ? 0
           : static_cast<size_t>(std::llround(config.offload_optimizer.ratio * groups.size()));
   for (size_t gi = 0; gi + offloaded < groups.size(); ++gi) groups[gi].on_device = true;
+  if (config.offload_optimizer.tier != Tier::kDevice && config.offload_optimizer.ratio < 1 &&
+      rank == 0) {
+    // The split is by whole sub-groups: say what the ratio became.
+    char ratio[32];
+    std::snprintf(ratio, sizeof(ratio), "%g", config.offload_optimizer.ratio);
+    LogInfo("offload_optimizer.ratio " + std::string(ratio) + ": " + std::to_string(offloaded) +
+            " of " + std::to_string(groups.size()) + " optimizer sub-groups offloaded, " +
+            std::to_string(groups.size() - offloaded) +
+            " kept and stepped on the device (lower sub_group_size for a finer split)");
+  }
 
   // Pinned memory: cpu-tier partitions, gradient accumulators, staging for nvme reads and
   // optimizer buffers. All of it must fit the pinned budget.
@@ -915,14 +947,26 @@ Status Engine::Impl::InitStores() {
   int64_t resumed_visible = 0;
   bool stored_params = false;
   if (resume_store) {
-    ZINF_RETURN_IF_ERROR(
-        CheckStoreMeta(swap->committed_meta(), &resumed_step, &resumed_visible, &stored_params));
+    ZINF_RETURN_IF_ERROR(CheckStoreMeta(swap->committed_meta(), &resumed_step, &resumed_visible,
+                                        &stored_params, &lineage));
     if (config.offload_param.tier != Tier::kNvme) {
       // Parameter stores of an earlier run with NVMe parameters: stale from now on (this run
       // keeps its parameters elsewhere); drop them so no later resume can trust them.
       for (const std::string& key : swap->Keys()) {
         if (key.rfind("param/", 0) == 0) ZINF_RETURN_IF_ERROR(swap->Remove(key));
       }
+    }
+  }
+  // Sub-groups the device steps (StepGroupOnDevice): one gradient buffer for them, planned
+  // with the rest of the device memory.
+  if (config.offload_param.tier == Tier::kDevice) {
+    size_t largest = 0;
+    for (const SubGroup& g : groups) {
+      if (g.on_device) largest = std::max(largest, GroupGradBytes(g));
+    }
+    if (largest > 0) {
+      ZINF_ASSIGN_OR_RETURN(device_grads, DevAlloc(largest, "device optimizer gradients"));
+      plan_bytes += largest;
     }
   }
   // Optimizer states per sub-group, parameters per store.
@@ -1070,6 +1114,7 @@ std::string Engine::Impl::StoreMeta(int64_t at_step, int64_t at_visible) const {
   j["step"] = at_step;
   j["visible"] = at_visible;
   j["delayed"] = delayed;
+  j["lineage"] = lineage;
   j["world"] = world;
   j["optimizer"] = OptimizerTypeName(config.optimizer.type);
   j["storage"] = copy_type == ParamCopyType::kBf16 ? "bf16" : "fp32";
@@ -1084,7 +1129,8 @@ std::string Engine::Impl::StoreMeta(int64_t at_step, int64_t at_visible) const {
 }
 
 Status Engine::Impl::CheckStoreMeta(const std::string& meta, int64_t* out_step,
-                                    int64_t* out_visible, bool* param_keys) const {
+                                    int64_t* out_visible, bool* param_keys,
+                                    uint64_t* out_lineage) const {
   if (meta.empty()) {
     return Status::NotFound("ResumeFromStore: the swap store has no commit to resume from");
   }
@@ -1100,7 +1146,7 @@ Status Engine::Impl::CheckStoreMeta(const std::string& meta, int64_t* out_step,
   try {
     if (j.at("format").get<std::string>() != "zinf-durable-1") return mismatch("unknown format");
     if (j.at("world").get<int>() != world) return mismatch("another number of ranks");
-    if (j.at("delayed").get<bool>() != delayed) {
+    if (j.value("delayed", false) != delayed) {
       return mismatch(std::string("zinf.delayed_update was ") + (delayed ? "off" : "on") +
                       " (the parameter stores are laid out per setting)");
     }
@@ -1132,7 +1178,8 @@ Status Engine::Impl::CheckStoreMeta(const std::string& meta, int64_t* out_step,
       }
     }
     *out_step = j.at("step").get<int64_t>();
-    *out_visible = j.at("visible").get<int64_t>();
+    *out_visible = j.value("visible", *out_step);
+    if (out_lineage != nullptr) *out_lineage = j.value("lineage", uint64_t{0});
     *param_keys = j.at("param_tier").get<std::string>() == "nvme";
     if (*out_step < 0) return mismatch("negative step");
     if (*out_visible > *out_step || *out_visible < *out_step - 1 || *out_visible < 0) {
@@ -1148,20 +1195,23 @@ Status Engine::Impl::CheckStoreMeta(const std::string& meta, int64_t* out_step,
 }
 
 Result<bool> Engine::Impl::AgreeOnCommit(const std::string& first_path) {
-  // This rank's last and previous committed steps (-1: none; -2: its store is unreadable).
-  int64_t mine[2] = {-1, -1};
+  // This rank's last and previous commits as (step, lineage); step -1: none; a step below
+  // -100 encodes the StatusCode of a store this rank cannot read.
+  int64_t mine[4] = {-1, 0, -1, 0};
   Status local;
   Result<std::vector<std::string>> metas = SwapStore::ListCommits(first_path);
   if (!metas.ok()) local = metas.status();
   for (size_t i = 0; local.ok() && i < std::min<size_t>(2, metas->size()); ++i) {
     bool param_keys = false;
     int64_t visible = 0;
-    local = CheckStoreMeta((*metas)[i], &mine[i], &visible, &param_keys);
+    uint64_t commit_lineage = 0;
+    local = CheckStoreMeta((*metas)[i], &mine[2 * i], &visible, &param_keys, &commit_lineage);
+    mine[2 * i + 1] = static_cast<int64_t>(commit_lineage);
   }
-  if (!local.ok()) mine[0] = mine[1] = -2;
-  std::vector<int64_t> all(2 * static_cast<size_t>(world));
+  if (!local.ok()) mine[0] = mine[2] = -100 - static_cast<int64_t>(local.code());
+  std::vector<int64_t> all(4 * static_cast<size_t>(world));
   if (world == 1) {
-    std::copy(mine, mine + 2, all.begin());
+    std::copy(mine, mine + 4, all.begin());
   } else {
     // Every rank takes part, a failed one too, so that none waits for it.
     ZINF_RETURN_IF_ERROR(AllGatherHost(mine, all.data(), sizeof(mine),
@@ -1169,34 +1219,52 @@ Result<bool> Engine::Impl::AgreeOnCommit(const std::string& first_path) {
                                        "ranks"));
   }
   ZINF_RETURN_IF_ERROR(local.WithContext("ResumeFromStore: the swap store in " + first_path));
-  int64_t agreed = INT64_MAX;
   for (int r = 0; r < world; ++r) {
-    if (all[2 * r] == -2) {
-      return Status::FailedPrecondition("ResumeFromStore: rank " + std::to_string(r) +
-                                        " cannot resume from its swap store (its error names "
-                                        "the cause)");
+    if (all[4 * r] <= -100) {  // every rank reports the failed rank's code
+      return Status(static_cast<StatusCode>(-100 - all[4 * r]),
+                    "ResumeFromStore: rank " + std::to_string(r) +
+                        " cannot resume from its swap store (its error names the cause)");
     }
-    agreed = std::min(agreed, all[2 * r]);
   }
-  std::string held;
-  bool everyone = true;
+  // The commit every rank holds (as its last or previous one), the latest such. Ranks commit
+  // at most one step apart, so there is one unless the stores come from different runs (or
+  // different histories: a checkpoint load one rank committed and another did not).
+  auto holds = [&](int r, int64_t step, int64_t lin) {
+    return (all[4 * r] == step && all[4 * r + 1] == lin) ||
+           (all[4 * r + 2] == step && all[4 * r + 3] == lin);
+  };
+  int64_t agreed = -1, agreed_lineage = 0;
   for (int r = 0; r < world; ++r) {
-    everyone = everyone && (all[2 * r] == agreed || all[2 * r + 1] == agreed);
-    held += (r ? "; rank " : "rank ") + std::to_string(r) + " at step " +
-            std::to_string(all[2 * r]) +
-            (all[2 * r + 1] >= 0 ? " (previous " + std::to_string(all[2 * r + 1]) + ")" : "");
+    for (int k = 0; k < 2; ++k) {
+      const int64_t step = all[4 * r + 2 * k], lin = all[4 * r + 2 * k + 1];
+      if (step < 0 || step <= agreed) continue;
+      bool everyone = true;
+      for (int q = 0; q < world && everyone; ++q) everyone = holds(q, step, lin);
+      if (everyone) {
+        agreed = step;
+        agreed_lineage = lin;
+      }
+    }
   }
-  if (!everyone) {
+  if (agreed < 0) {
+    std::string held;
+    for (int r = 0; r < world; ++r) {
+      held += (r ? "; rank " : "rank ") + std::to_string(r) + " at step " +
+              std::to_string(all[4 * r]) +
+              (all[4 * r + 2] >= 0 ? " (previous " + std::to_string(all[4 * r + 2]) + ")" : "");
+    }
     return Status::FailedPrecondition(
         "ResumeFromStore: the ranks' swap stores have no commit in common (" + held +
-        "); they come from different runs: resume from a checkpoint or start afresh");
+        "); they come from different runs or histories: resume from a checkpoint or start "
+        "afresh");
   }
-  if (all[2 * rank] != agreed) {
+  const bool previous = !(all[4 * rank] == agreed && all[4 * rank + 1] == agreed_lineage);
+  if (previous) {
     LogInfo("rank " + std::to_string(rank) + ": resuming at step " + std::to_string(agreed) +
-            ", the commit before its last (step " + std::to_string(all[2 * rank]) +
-            "), where every rank has one");
+            ", the commit before its last (step " + std::to_string(all[4 * rank]) +
+            "), which every rank holds");
   }
-  return all[2 * rank] != agreed;
+  return previous;
 }
 
 Status Engine::ResumeFromStore() {
@@ -1869,8 +1937,7 @@ Status Engine::Impl::StepGroupOnDevice(size_t gi, const Epoch& e, float coef) {
   const size_t grad_bytes = GroupGradBytes(g);
   auto t0 = Clock::now();
   // The gradients come from the host accumulators (the trainer's partitions land there).
-  ZINF_ASSIGN_OR_RETURN(void* dev_grads,
-                        DevAlloc(grad_bytes, "gradients of sub-group " + std::to_string(gi)));
+  void* dev_grads = device_grads;
   float* master = g.device_states;
   float* m = master + g.numel;
   float* v = m + g.numel;
@@ -1899,9 +1966,8 @@ Status Engine::Impl::StepGroupOnDevice(size_t gi, const Epoch& e, float coef) {
       s = device->CopyDeviceToDevice(p.device_part[buf], t.param, PartBytes(p), update_stream);
     }
   }
-  // Whatever was queued finishes before the gradients' scratch goes.
+  // Whatever was queued finishes before the gradients' buffer is reused.
   Status synced = device->SynchronizeStream(update_stream);
-  DevFree(dev_grads, grad_bytes);
   {
     std::lock_guard<std::mutex> lock(mu);
     counters.optimizer_busy += Since(t0);
@@ -2128,19 +2194,27 @@ Result<StepStats> Engine::Step() {
 Status Engine::Impl::AllReduceHost(float* values, size_t count, Stream* stream,
                                    const std::string& what) {
   const size_t bytes = count * sizeof(float);
-  ZINF_ASSIGN_OR_RETURN(void* dev, DevAlloc(bytes, what));
+  const bool small = bytes <= kSmallScratchBytes;
+  void* dev = small_scratch;
+  if (!small) {
+    ZINF_ASSIGN_OR_RETURN(dev, DevAlloc(bytes, what));
+  }
   Status st = device->CopyHostToDevice(dev, values, bytes, stream);
   if (st.ok()) st = comm->AllReduceSum(static_cast<float*>(dev), count, stream);
   if (st.ok()) st = device->CopyDeviceToHost(values, dev, bytes, stream);
   if (st.ok()) st = device->SynchronizeStream(stream);
-  DevFree(dev, bytes);
+  if (!small) DevFree(dev, bytes);
   return st.WithContext(what);
 }
 
 Status Engine::Impl::AllGatherHost(const void* send, void* recv, size_t bytes_per_rank,
                                    const std::string& what) {
   const size_t all = bytes_per_rank * static_cast<size_t>(world);
-  ZINF_ASSIGN_OR_RETURN(void* dev, DevAlloc(all + bytes_per_rank, what));
+  const bool small = all + bytes_per_rank <= kSmallScratchBytes;
+  void* dev = small_scratch;
+  if (!small) {
+    ZINF_ASSIGN_OR_RETURN(dev, DevAlloc(all + bytes_per_rank, what));
+  }
   char* full = static_cast<char*>(dev);
   char* slot = full + all;
   Stream* s = comm_stream;
@@ -2148,7 +2222,7 @@ Status Engine::Impl::AllGatherHost(const void* send, void* recv, size_t bytes_pe
   if (st.ok()) st = comm->AllGather(slot, full, bytes_per_rank, s);
   if (st.ok()) st = device->CopyDeviceToHost(recv, full, all, s);
   if (st.ok()) st = device->SynchronizeStream(s);
-  DevFree(dev, all + bytes_per_rank);
+  if (!small) DevFree(dev, all + bytes_per_rank);
   return st.WithContext(what);
 }
 
@@ -2237,7 +2311,7 @@ Status Engine::SaveCheckpoint(const std::string& dir, const std::string& user_da
   if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
   ZINF_RETURN_IF_ERROR(m.CheckBetweenSteps("SaveCheckpoint"));
   ZINF_RETURN_IF_ERROR(m.ReclaimScratch());
-  ZINF_RETURN_IF_ERROR(m.FinishPendingUpdate());
+  ZINF_RETURN_IF_ERROR(m.Agree(m.FinishPendingUpdate(), "SaveCheckpoint"));
   namespace fs = std::filesystem;
   const std::string incoming = dir + "/.incoming";
   // Rank 0 prepares an empty staging folder.
@@ -2357,7 +2431,7 @@ Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data) {
   if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
   ZINF_RETURN_IF_ERROR(m.CheckBetweenSteps("LoadCheckpoint"));
   ZINF_RETURN_IF_ERROR(m.ReclaimScratch());
-  ZINF_RETURN_IF_ERROR(m.FinishPendingUpdate());
+  ZINF_RETURN_IF_ERROR(m.Agree(m.FinishPendingUpdate(), "LoadCheckpoint"));
   namespace fs = std::filesystem;
   RankManifest man;
   std::string folder;
@@ -2475,6 +2549,11 @@ Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data) {
   ZINF_RETURN_IF_ERROR(m.Agree(local, "LoadCheckpoint"));
   m.step = man.step;
   m.visible = man.step;
+  {
+    // A new history (the same value on every rank: they load the same checkpoint).
+    const uint64_t parts[2] = {m.lineage, static_cast<uint64_t>(man.step)};
+    m.lineage = XXH3_64bits_withSeed(parts, sizeof(parts), 0x7a696e66) | 1;
+  }
   {
     std::lock_guard<std::mutex> lock(m.mu);
     m.done_step = man.step;

@@ -1803,6 +1803,8 @@ struct DurableLeg {
   // With a failing rank, the other one's queued collectives (its next prefetch) wait this
   // long for it before the group fails, when its engine is destroyed.
   std::chrono::milliseconds comm_timeout{60000};
+  // Called on every rank before micro-step m (collective calls such as checkpoints go here).
+  std::function<Status(Engine* engine, int rank, int m)> before_micro;
   std::vector<Status> status;              // per rank: the first failure
   std::vector<int64_t> resumed_step;       // per rank: global_step() after the resume
   std::vector<std::vector<float>> params;  // rank 0's gathered masters (no failing rank)
@@ -1840,6 +1842,7 @@ void RunDurableLeg(const RunOptions& o, const std::string& dir, DurableLeg* leg)
             leg->resumed_step[r] = (*engine)->global_step();
           }
           for (int m = leg->from_micro; m < leg->to_micro; ++m) {
+            if (leg->before_micro) ZINF_RETURN_IF_ERROR(leg->before_micro(engine->get(), r, m));
             if (r == leg->fail_rank && m == leg->fail_micro) {
               IoFault fault;  // every write from here on: the optimizer's write-backs
               fault.first = plan->requests();
@@ -1929,6 +1932,55 @@ TEST(EngineDurable, RanksOneCommitApartResumeAtTheCommitTheyShare) {
     EXPECT_NE(leg.status[r].message().find("no commit in common"), std::string::npos)
         << leg.status[r].ToString();
   }
+}
+
+// A checkpoint load starts a new history. Two ranks at step 3 load a step-2 checkpoint and
+// train step 3 again with another learning rate; rank 0 commits it, rank 1 fails first. Both
+// stores now hold a "step 3", from different histories: the resume must take the step 3 both
+// hold (the one before the load), not mix rank 0's new one with rank 1's old one.
+TEST(EngineDurable, RanksResumeOnTheHistoryTheyShareAfterACheckpointLoad) {
+  RunOptions o;
+  o.ranks = 2;
+  o.durable = true;
+  o.param_tier = Tier::kCpu;
+  o.optimizer_tier = Tier::kNvme;
+  const RunResult straight = RunTraining(o);
+  ASSERT_TRUE(straight.status.ok()) << straight.status.ToString();
+  TempDir dir, ckpt;
+  ASSERT_TRUE(dir.ok() && ckpt.ok());
+  {
+    DurableLeg leg;
+    leg.to_micro = 4;
+    leg.fail_rank = 1;
+    leg.fail_micro = 3;
+    leg.comm_timeout = std::chrono::seconds(5);
+    leg.before_micro = [&](Engine* e, int, int m) -> Status {
+      if (m == 2) return e->SaveCheckpoint(ckpt.path());
+      if (m == 3) {
+        ZINF_RETURN_IF_ERROR(e->LoadCheckpoint(ckpt.path()));
+        return e->SetLearningRate(kLr * 3);
+      }
+      return Status::OK();
+    };
+    RunDurableLeg(o, dir.path(), &leg);
+    ASSERT_TRUE(leg.status[0].ok()) << leg.status[0].ToString();
+    ASSERT_EQ(leg.status[1].code(), StatusCode::kIoError) << leg.status[1].ToString();
+    for (const char* r : {"/rank0", "/rank1"}) {
+      auto commits = SwapStore::ListCommits(dir.path() + r);
+      ASSERT_TRUE(commits.ok());
+      EXPECT_NE((*commits)[0].find("\"step\":3"), std::string::npos) << r << (*commits)[0];
+    }
+  }
+  DurableLeg leg;
+  leg.from_micro = 3;
+  leg.to_micro = o.steps;
+  RunDurableLeg(o, dir.path(), &leg);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(leg.status[r].ok()) << "rank " << r << ": " << leg.status[r].ToString();
+    EXPECT_EQ(leg.resumed_step[r], 3) << "rank " << r;
+  }
+  // Both resumed from the step 3 before the load: the run ends as one that never loaded.
+  EXPECT_EQ(FirstBitDifference(leg.params, straight.params), "");
 }
 
 // What ResumeFromStore refuses: no commit, another model, durable mode off, a call after

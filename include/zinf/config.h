@@ -75,7 +75,8 @@ struct EngineConfig {
   uint64_t delayed_update_after = 0;
   // Crash-consistent swap store (zinf.durable): every optimizer step commits the NVMe store,
   // and Engine::ResumeFromStore continues from the last commit without a checkpoint copy.
-  // Needs offload_optimizer on nvme (and offload_param on nvme with delayed_update); up to
+  // Needs offload_optimizer on nvme (and offload_param on nvme and one rank with
+  // delayed_update); up to
   // twice the NVMe space of the states (three times with several ranks, whose stores retain
   // two commits).
   bool durable = false;

@@ -155,8 +155,9 @@ class Engine {
   // from the masters, and sets global_step(). NotFound when the store has no commit.
   // Collective with several ranks: each rank's store commits separately, so a crash may leave
   // one rank a step ahead; the stores then retain the commit before the last too, and the
-  // ranks agree on the earliest last commit (a rank ahead drops its last one).
-  // FailedPrecondition on every rank when the stores have no commit in common.
+  // ranks agree on the latest commit they all hold, of the same history (a LoadCheckpoint
+  // starts a new one); a rank ahead drops its last one. FailedPrecondition on every rank when
+  // the stores have no commit in common.
   Status ResumeFromStore();
 
   // Collective (every rank calls it): the full fp32 master values of a parameter, gathered from
