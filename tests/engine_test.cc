@@ -1983,6 +1983,28 @@ TEST(EngineDurable, RanksResumeOnTheHistoryTheyShareAfterACheckpointLoad) {
   EXPECT_EQ(FirstBitDifference(leg.params, straight.params), "");
 }
 
+// Durable + delayed update with several ranks: refused at Create, naming both keys (each
+// rank's optimizer thread commits on its own, so ranks could drift two commits apart).
+TEST(EngineDurable, DelayedUpdateWithSeveralRanksIsRefused) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  std::unique_ptr<Device> d0 = NewHostDevice(HostDeviceOptions{});
+  std::unique_ptr<Device> d1 = NewHostDevice(HostDeviceOptions{});
+  auto comms = NewLocalComms({d0.get(), d1.get()});
+  ASSERT_TRUE(comms.ok());
+  RunOptions o;
+  o.ranks = 2;
+  o.durable = true;
+  o.delayed = true;
+  o.param_tier = Tier::kNvme;
+  o.optimizer_tier = Tier::kNvme;
+  auto e = Engine::Create(MakeConfig(o, dir.path()), d0.get(), (*comms)[0].get());
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kNotSupported);
+  EXPECT_NE(e.status().message().find("more than one rank"), std::string::npos)
+      << e.status().ToString();
+}
+
 // What ResumeFromStore refuses: no commit, another model, durable mode off, a call after
 // registration ended; and the configurations durable mode does not support.
 TEST(EngineDurable, RefusalsNameTheReason) {
