@@ -2,8 +2,8 @@
 # Builds, on this (GPU-less) machine, what bench/gpu_check.sh runs on a GPU machine, into
 # ./gpu-bundle (git-ignored): the GPU test and bench binaries for sm_90 and the shared
 # libraries they need that a bare CUDA image lacks (liburing, libaio, hwloc, oneTBB, xxhash,
-# the CUDA runtime). NCCL is not bundled (over 200 MB): gpu_check.sh finds the GPU machine's
-# own libnccl.so.2 (CUDA toolkit or the nvidia-nccl pip package).
+# OpenBLAS, the CUDA runtime). NCCL and cuBLAS are not bundled (hundreds of MB): gpu_check.sh
+# finds the GPU machine's own (CUDA toolkit, or the nvidia-nccl / nvidia-cublas pip packages).
 #
 #   bench/gpu_bundle.sh            # then carry gpu-bundle to the GPU machine and run
 #   OUT=... bench/gpu_check.sh     # which uses the bundle when it is there
@@ -18,10 +18,11 @@ BUILD_DIR="${BUILD_DIR:-$ROOT/build-gpu-bundle}"
 CUDA_ARCH="${CUDA_ARCH:-90}"
 JOBS="${JOBS:-2}"
 BUNDLE="$ROOT/gpu-bundle"
-TARGETS=(cuda_device_test engine_cuda_test zinf-gpu-bench zinf-engine-bench)
+TARGETS=(cuda_device_test engine_cuda_test train_model_ops_cuda_test zinf-gpu-bench
+         zinf-engine-bench zinf-train)
 
 cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DZINF_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" -DZINF_BUILD_TRAIN=OFF -DZINF_BUILD_BENCH=ON \
+  -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" -DZINF_BUILD_TRAIN=ON -DZINF_BUILD_BENCH=ON \
   -DZINF_BUILD_TESTS=ON >/dev/null
 cmake --build "$BUILD_DIR" -j "$JOBS" --target "${TARGETS[@]}"
 
@@ -42,7 +43,8 @@ done
 is_system() {
   case "$1" in
     linux-vdso* | ld-linux* | libc.so* | libm.so* | libdl.so* | libpthread.so* | librt.so* | \
-      libstdc++.so* | libgcc_s.so* | libcuda.so* | libnccl.so*) return 0 ;;
+      libstdc++.so* | libgcc_s.so* | libcuda.so* | libnccl.so* | libcublas.so* | \
+      libcublasLt.so*) return 0 ;;
   esac
   return 1
 }
@@ -51,9 +53,13 @@ for b in "$BUNDLE"/bin/*; do
 done | sort -u | while read -r name path; do
   if ! is_system "$name"; then
     cp -L "$path" "$BUNDLE/lib/$name"
+    chmod u+w "$BUNDLE/lib/$name"
+    strip --strip-unneeded "$BUNDLE/lib/$name" 2>/dev/null || true
   fi
 done
 
+# The trainer's corpus (train_model_ops_cuda_test and zinf-train read it).
+cp "$ROOT/train/data/corpus.txt" "$BUNDLE/corpus.txt"
 # The test filter of engine_cuda_test (tests/CMakeLists.txt), for running it without ctest.
 grep -o 'TEST_FILTER "[^"]*"' "$ROOT/tests/CMakeLists.txt" | head -n 1 |
   sed 's/TEST_FILTER "\(.*\)"/\1/' >"$BUNDLE/engine_cuda_test.filter"

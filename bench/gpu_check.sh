@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-command GPU check for a CUDA machine (written for one H200): builds zinf with the CUDA
 # backends for sm_90, runs the GPU tests, measures host<->GPU and NVMe->GPU bandwidth, runs
-# the engine bench on the GPU when it can, and writes logs plus a markdown summary.
+# the engine bench and zinf-train (the model on the GPU) when it can, and writes logs plus a
+# markdown summary.
 #
 #   bench/gpu_check.sh                     # results under ./gpu-results
 #   OUT=/some/dir NVME_DIR=/mnt/nvme bench/gpu_check.sh
@@ -98,50 +99,66 @@ if [[ -x "$BUNDLE/bin/cuda_device_test" && "${ZINF_GPU_BUNDLE:-auto}" != "off" ]
   USE_BUNDLE=1
 fi
 
-# The directory of libnccl.so.2 on this machine: the CUDA toolkit's, the system's, or the
-# nvidia-nccl pip package's.
-find_nccl_dir() {
-  local d
+# The directory of a library (libnccl.so.2, libcublas.so.13) on this machine: the CUDA
+# toolkit's, the system's, or the nvidia-<pip package>'s.
+find_lib_dir() {
+  local lib="$1" pip="$2" d
   for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/lib/x86_64-linux-gnu /usr/lib64; do
-    if [[ -e "$d/libnccl.so.2" ]]; then
+    if [[ -e "$d/$lib" ]]; then
       echo "$d"
       return 0
     fi
   done
-  python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0] + "/lib")' 2>/dev/null && return 0
-  d="$(find /usr /opt /root -name libnccl.so.2 2>/dev/null | head -n 1)"
+  python3 -c "import nvidia.$pip as n; print(list(n.__path__)[0] + '/lib')" 2>/dev/null && return 0
+  d="$(find /usr /opt /root -name "$lib" 2>/dev/null | head -n 1)"
   [[ -n "$d" ]] && dirname "$d"
   return 0
 }
 
 if [[ $USE_BUNDLE -eq 1 ]]; then
   BIN_DIR="$BUNDLE/bin"
-  NCCL_DIR="$(find_nccl_dir)"
-  export LD_LIBRARY_PATH="$BUNDLE/lib${NCCL_DIR:+:$NCCL_DIR}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  NCCL_DIR="$(find_lib_dir libnccl.so.2 nccl)"
+  CUBLAS_DIR="$(find_lib_dir libcublas.so.13 cublas)"
+  export LD_LIBRARY_PATH="$BUNDLE/lib${NCCL_DIR:+:$NCCL_DIR}${CUBLAS_DIR:+:$CUBLAS_DIR}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export ZINF_TRAIN_DATA="$BUNDLE/corpus.txt"
   {
     echo "bundle built at commit $(cat "$BUNDLE/commit" 2>/dev/null), needs $(cat "$BUNDLE/glibc" 2>/dev/null)"
     echo "this tree: $(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo unknown)"
     echo "glibc here: $(ldd --version 2>&1 | head -n 1)"
-    echo "NCCL: ${NCCL_DIR:-not found}"
+    echo "NCCL: ${NCCL_DIR:-not found}; cuBLAS: ${CUBLAS_DIR:-not found}"
     echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
     for b in "$BIN_DIR"/*; do
       echo "== ldd $b"
-      ldd "$b" 2>&1 | grep -E "not found|nccl|cudart|uring|hwloc|tbb" || true
+      ldd "$b" 2>&1 | grep -E "not found|nccl|cudart|cublas|uring|hwloc|tbb|openblas" || true
     done
   } >>"$OUT/environment.log" 2>&1
   skip_stage configure "prebuilt gpu-bundle (commit $(cut -c1-12 "$BUNDLE/commit" 2>/dev/null))"
   skip_stage build "prebuilt gpu-bundle; NCCL from ${NCCL_DIR:-nowhere (not found)}"
 else
   BIN_DIR=""
-  run_stage configure 40 cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DZINF_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" -DZINF_BUILD_TRAIN=OFF
+  # With the trainer (OpenBLAS, CLI11) when this machine has them, else without it.
+  STAGE_NOTE="with zinf-train"
+  run_stage configure 30 bash -c '
+    cmake -S "$0" -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DZINF_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES="$2" -DZINF_BUILD_TRAIN=ON ||
+      { echo "== without the trainer"; rm -f "$1/CMakeCache.txt";
+        cmake -S "$0" -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DZINF_CUDA=ON \
+          -DCMAKE_CUDA_ARCHITECTURES="$2" -DZINF_BUILD_TRAIN=OFF; }' \
+    "$ROOT" "$BUILD_DIR" "$CUDA_ARCH"
+  grep -q "== without the trainer" "$OUT/configure.log" 2>/dev/null &&
+    STAGE_NOTES[${#STAGE_NOTES[@]} - 1]="WITHOUT zinf-train (OpenBLAS or CLI11 missing)"
+  export ZINF_TRAIN_DATA="$ROOT/train/data/corpus.txt"
 fi
 if [[ $USE_BUNDLE -eq 1 ]]; then
   :
 elif stage_passed configure; then
   # Only what the later stages run (the full suite is CI's job): keeps the build short.
-  run_stage build 200 cmake --build "$BUILD_DIR" -j "$JOBS" --target cuda_device_test \
-    engine_cuda_test zinf-gpu-bench zinf-engine-bench
+  TRAIN_TARGETS=""
+  grep -q "ZINF_BUILD_TRAIN:BOOL=ON" "$BUILD_DIR/CMakeCache.txt" 2>/dev/null &&
+    TRAIN_TARGETS="train_model_ops_cuda_test zinf-train"
+  # shellcheck disable=SC2086
+  run_stage build 170 cmake --build "$BUILD_DIR" -j "$JOBS" --target cuda_device_test \
+    engine_cuda_test zinf-gpu-bench zinf-engine-bench $TRAIN_TARGETS
 else
   skip_stage build "configure failed"
 fi
@@ -149,18 +166,19 @@ fi
 # ---- GPU tests --------------------------------------------------------------------------------
 if [[ $USE_BUNDLE -eq 1 ]]; then
   # What `ctest -L gpu` runs: cuda_device_test and the engine test's GPU placements.
-  STAGE_NOTE="gpu-bundle: cuda_device_test, engine_cuda_test"
-  run_stage gpu_tests 70 bash -c '
+  STAGE_NOTE="gpu-bundle: cuda_device_test, engine_cuda_test, train_model_ops_cuda_test"
+  run_stage gpu_tests 80 bash -c '
     rc=0
     "$0/cuda_device_test" || rc=1
     "$0/engine_cuda_test" --gtest_filter="$(cat "$1")" || rc=1
+    "$0/train_model_ops_cuda_test" || rc=1
     exit $rc' "$BIN_DIR" "$BUNDLE/engine_cuda_test.filter"
   if grep -q "SKIPPED" "$OUT/gpu_tests.log" 2>/dev/null; then
     STAGE_NOTES[${#STAGE_NOTES[@]} - 1]="gpu-bundle tests; SOME TESTS SKIPPED (no GPU visible?)"
   fi
 elif stage_passed build; then
   STAGE_NOTE="ctest -L gpu"
-  run_stage gpu_tests 70 ctest --test-dir "$BUILD_DIR" -L gpu --output-on-failure
+  run_stage gpu_tests 80 ctest --test-dir "$BUILD_DIR" -L gpu --output-on-failure
   # A skipped GoogleTest case passes ctest: make "all skipped" (no GPU seen) visible.
   if grep -q "SKIPPED\|Skipped" "$OUT/gpu_tests.log" 2>/dev/null; then
     STAGE_NOTES[${#STAGE_NOTES[@]} - 1]="ctest -L gpu; SOME TESTS SKIPPED (no GPU visible?)"
@@ -174,7 +192,7 @@ GPU_BENCH="${BIN_DIR:-$BUILD_DIR/bench}/zinf-gpu-bench"
 if [[ -x "$GPU_BENCH" ]]; then
   mkdir -p "$NVME_DIR"
   STAGE_NOTE="$BENCH_MIB MiB per copy; NVMe folder $NVME_DIR"
-  run_stage gpu_bench 70 "$GPU_BENCH" --mib "$BENCH_MIB" --iters 5 --nvme "$NVME_DIR"
+  run_stage gpu_bench 50 "$GPU_BENCH" --mib "$BENCH_MIB" --iters 5 --nvme "$NVME_DIR"
   rm -rf "$NVME_DIR"
 else
   skip_stage gpu_bench "zinf-gpu-bench was not built"
@@ -189,11 +207,31 @@ else
   # by the GPU Adam (offload_optimizer.ratio 0.5), then parameters streamed from NVMe.
   mkdir -p "$NVME_DIR"
   STAGE_NOTE="zinf-engine-bench --device cuda: adam-bound, adam-bound ratio 0.5, io-bound"
-  run_stage engine_bench 60 bash -c '
+  run_stage engine_bench 50 bash -c '
     set -e
     "$0" --device cuda --preset adam-bound --steps 4 --nvme "$1"
     "$0" --device cuda --preset adam-bound --optimizer-ratio 0.5 --steps 4 --nvme "$1"
     "$0" --device cuda --preset io-bound --steps 4 --nvme "$1"' "$ENGINE_BENCH" "$NVME_DIR"
+  rm -rf "$NVME_DIR"
+fi
+
+# ---- zinf-train: the model on the GPU ---------------------------------------------------------
+TRAIN_BIN="${BIN_DIR:-$BUILD_DIR/train}/zinf-train"
+if [[ ! -x "$TRAIN_BIN" ]]; then
+  skip_stage train "zinf-train was not built"
+else
+  # The demo model (small) on the GPU and on the host device, same steps (the GPU's
+  # tokens/s against the CPU's, in one run), then the 125M preset on the GPU with its
+  # optimizer states on NVMe (the beyond-memory path with the model's math on the GPU).
+  mkdir -p "$NVME_DIR"
+  STAGE_NOTE="zinf-train: small on cuda and host (60 steps), 125M on cuda (opt. states on NVMe)"
+  run_stage train 60 bash -c '
+    set -e
+    "$0" --device cuda --preset small --steps 60 --json --nvme "$1" --data "$2"
+    "$0" --device host --preset small --steps 60 --json --nvme "$1" --data "$2"
+    "$0" --device cuda --preset 125M --seq 256 --batch 8 --steps 6 --param-tier device \
+      --optimizer-tier nvme --json --nvme "$1" --data "$2"' \
+    "$TRAIN_BIN" "$NVME_DIR" "$ZINF_TRAIN_DATA"
   rm -rf "$NVME_DIR"
 fi
 
@@ -260,6 +298,21 @@ for line in sys.stdin:
           j["median_step_seconds"], j["median_overlap_efficiency"], j["median_nvme_busy_seconds"],
           j["median_copy_busy_seconds"], j["median_optimizer_busy_seconds"]))
 ' || echo "(could not parse engine_bench.log)"
+  fi
+  if [[ -f "$OUT/train.log" ]] && grep -q '"tokens_per_s"' "$OUT/train.log"; then
+    echo
+    echo "## zinf-train (cuda, host: the small demo model; then 125M on cuda)"
+    echo
+    echo "| params | loss first | loss last | tokens/s | model TFLOPS | overlap | peak RSS GiB |"
+    echo "|---|---|---|---|---|---|---|"
+    grep '"tokens_per_s"' "$OUT/train.log" | python3 -c '
+import json, sys
+for line in sys.stdin:
+    j = json.loads(line)
+    print("| %d | %.3f | %.3f | %.0f | %.3g | %.2f | %.1f |" % (j["params"], j["loss_first"],
+          j["loss_last"], j["tokens_per_s"], j.get("model_tflops", 0),
+          j.get("overlap_efficiency", 0), j["peak_rss_bytes"] / 2**30))
+' || echo "(could not parse train.log)"
   fi
 } >"$SUMMARY"
 

@@ -266,19 +266,17 @@ int Run(Flags f) {
   }
 
   // Device and communicator, one rank: the host device, or GPU 0 with a one-rank NCCL
-  // communicator (the model's forward and backward still run on the CPU: the trainer copies
-  // each acquired layer to the host and each gradient to the device).
+  // communicator (the model's forward and backward then run on the GPU).
   std::unique_ptr<Device> device;
   std::vector<std::unique_ptr<Communicator>> comms;
   if (f.device == "cuda") {
     CudaDeviceOptions copt;
-    // 0: 90% of the free memory. Else the engine's budget plus the trainer's own gradient
-    // buffer (the largest parameter in fp32), which the engine does not plan for.
+    // 0: 90% of the free memory. Else the engine's budget plus the trainer's own device
+    // memory (activations, one layer's gradients, scratch), which the engine does not plan.
     copt.memory_budget = config->device_budget_bytes;
     if (copt.memory_budget != 0) {
-      size_t largest = 0;
-      for (const GptParam& p : ParamList(model)) largest = std::max(largest, p.numel());
-      copt.memory_budget += largest * sizeof(float) + (size_t{1} << 20);
+      copt.memory_budget +=
+          GptTrainer::DeviceBytes(model, f.batch, f.seq, config->bf16) + (size_t{1} << 20);
     }
     Result<std::unique_ptr<Device>> cuda = NewCudaDevice(copt);
     Result<std::unique_ptr<Communicator>> nccl =
@@ -542,8 +540,8 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   app.add_option("--nvme", f.nvme, "NVMe swap folder (repeatable; default ./zinf-swap)");
   app.add_option("--device", f.device,
-                 "host (default) or cuda: the engine on GPU 0 (parameters, copies, NCCL and the "
-                 "device optimizer there; the model's math still runs on the CPU)")
+                 "host (default) or cuda: the engine and the model on GPU 0 (cuBLAS GEMMs, bf16 with "
+                 "bf16 parameters; parameters, copies, NCCL and the device optimizer there)")
       ->check(CLI::IsMember({"host", "cuda"}));
   app.add_option("--param-tier", f.param_tier, "where parameters live: device, cpu, nvme");
   app.add_option("--optimizer-tier", f.optimizer_tier,

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "train/kernels.h"
+#include "train/model_ops.h"
 #include "zinf/crash_point.h"
 
 namespace zinf::train {
@@ -52,24 +53,29 @@ void TextData::Batch(uint64_t seed, int64_t index, int batch, int seq, int32_t* 
 
 namespace {
 
-// What one block saves for its backward.
+// What one block saves for its backward (memory of the trainer's ModelOps).
 struct BlockActs {
-  std::vector<float> x;  // input of the block (residual stream)
-  std::vector<float> ln1, ln1_mean, ln1_rstd, qkv, att, atty, xmid, ln2, ln2_mean, ln2_rstd, fch,
-      fcg;
+  float* x = nullptr;  // input of the block (residual stream)
+  float *ln1 = nullptr, *ln1_mean = nullptr, *ln1_rstd = nullptr, *qkv = nullptr, *att = nullptr,
+        *atty = nullptr, *xmid = nullptr, *ln2 = nullptr, *ln2_mean = nullptr,
+        *ln2_rstd = nullptr, *fch = nullptr, *fcg = nullptr;
 };
 
 }  // namespace
 
 struct GptTrainer::Impl {
   Engine* engine = nullptr;
-  // Staging (a device that is not the host, or hooks.stage_through_device): acquired
-  // parameters are copied into `staged`, gradients into `device_grad` (device memory).
+  // Where the math runs: the CPU (host device) or the GPU (a CUDA device). Every buffer
+  // below is memory of `ops`.
+  std::unique_ptr<ModelOps> ops;
+  // Staging (hooks.stage_through_device on the host device): acquired parameters are copied
+  // into `staged`, gradients into `device_grad` through the device's copy API.
   Device* device = nullptr;
   bool staging = false;
   std::vector<uint8_t> staged;
   void* device_grad = nullptr;
   ~Impl() {
+    ops.reset();  // drains the GPU's work before the engine's buffers go
     if (device_grad != nullptr) device->Free(device_grad);
   }
   TrainerHooks hooks;
@@ -80,12 +86,15 @@ struct GptTrainer::Impl {
   std::vector<ParamId> ids;  // per ParamList entry
 
   std::vector<BlockActs> acts;  // per block
-  std::vector<float> x_final, lnf, lnf_mean, lnf_rstd, logits, dlogits;
-  std::vector<float> wconv;  // fp32 copies of an acquired group (bf16)
-  std::vector<float> grads;  // gradients of one group
-  std::vector<float> dres, dxmid, dln, datty, dqkv, dfch, dfcg, tmp;
-  std::vector<float> dwte, dwpe;
-  std::vector<int32_t> tokens;
+  float *x_final = nullptr, *lnf = nullptr, *lnf_mean = nullptr, *lnf_rstd = nullptr,
+        *logits = nullptr, *dlogits = nullptr;
+  float* wconv = nullptr;  // fp32 copies of an acquired group (bf16)
+  float* grads = nullptr;  // gradients of one group
+  float *dres = nullptr, *dxmid = nullptr, *dln = nullptr, *datty = nullptr, *dqkv = nullptr,
+        *dfch = nullptr, *dfcg = nullptr, *tmp = nullptr;
+  float *dwte = nullptr, *dwpe = nullptr;
+  int32_t *tokens = nullptr, *targets = nullptr;
+  std::vector<float> observed;  // host copy of a device gradient for hooks.grad_observer
 
   ParamId wte() const { return ids[0]; }
   ParamId wpe() const { return ids[1]; }
@@ -97,6 +106,68 @@ struct GptTrainer::Impl {
     return out;
   }
   std::vector<ParamId> HeadIds() const { return {ids[LnfIndex()], ids[LnfIndex() + 1], wte()}; }
+
+  void SetShape(const GptConfig& model, int batch, int seq, bool bf16_storage) {
+    m = model;
+    B = batch;
+    T = seq;
+    N = batch * seq;
+    C = model.d_model;
+    NH = model.heads;
+    V = model.vocab;
+    L = model.layers;
+    bf16 = bf16_storage;
+    list = ParamList(model);
+  }
+  ModelDims Dims() const { return ModelDims{B, T, C, NH, V}; }
+  // Elements of the largest acquired group: a block, the embeddings or the head.
+  size_t LargestGroup() const {
+    size_t block = 0;
+    for (int k = 0; k < kBlockParams; ++k) block += list[BlockIndex(0, k)].numel();
+    const size_t embed = list[0].numel() + list[1].numel();
+    const size_t head = 2 * static_cast<size_t>(C) + list[0].numel();
+    return std::max({block, embed, head});
+  }
+  // Every activation and gradient buffer, from the given allocators (the ops' memory, or a
+  // counter for DeviceBytes).
+  template <typename Floats, typename Ints>
+  Status AllocateBuffers(const Floats& floats, const Ints& ints) {
+    const size_t n = N, nc = n * C;
+    auto get = [&](float** p, size_t count) -> Status {
+      ZINF_ASSIGN_OR_RETURN(*p, floats(count));
+      return Status::OK();
+    };
+    acts.resize(L);
+    for (BlockActs& a : acts) {
+      for (float** p : {&a.x, &a.ln1, &a.atty, &a.xmid, &a.ln2}) ZINF_RETURN_IF_ERROR(get(p, nc));
+      for (float** p : {&a.ln1_mean, &a.ln1_rstd, &a.ln2_mean, &a.ln2_rstd}) {
+        ZINF_RETURN_IF_ERROR(get(p, n));
+      }
+      ZINF_RETURN_IF_ERROR(get(&a.qkv, 3 * nc));
+      ZINF_RETURN_IF_ERROR(get(&a.att, static_cast<size_t>(B) * NH * T * T));
+      ZINF_RETURN_IF_ERROR(get(&a.fch, 4 * nc));
+      ZINF_RETURN_IF_ERROR(get(&a.fcg, 4 * nc));
+    }
+    for (float** p : {&x_final, &lnf, &dres, &dxmid, &dln, &datty, &tmp}) {
+      ZINF_RETURN_IF_ERROR(get(p, nc));
+    }
+    ZINF_RETURN_IF_ERROR(get(&lnf_mean, n));
+    ZINF_RETURN_IF_ERROR(get(&lnf_rstd, n));
+    ZINF_RETURN_IF_ERROR(get(&logits, n * V));
+    ZINF_RETURN_IF_ERROR(get(&dlogits, n * V));
+    if (bf16) ZINF_RETURN_IF_ERROR(get(&wconv, LargestGroup()));
+    size_t block = 0;
+    for (int k = 0; k < kBlockParams; ++k) block += list[BlockIndex(0, k)].numel();
+    ZINF_RETURN_IF_ERROR(get(&grads, block));
+    ZINF_RETURN_IF_ERROR(get(&dqkv, 3 * nc));
+    ZINF_RETURN_IF_ERROR(get(&dfch, 4 * nc));
+    ZINF_RETURN_IF_ERROR(get(&dfcg, 4 * nc));
+    ZINF_RETURN_IF_ERROR(get(&dwte, list[0].numel()));
+    ZINF_RETURN_IF_ERROR(get(&dwpe, list[1].numel()));
+    ZINF_ASSIGN_OR_RETURN(tokens, ints(n));
+    ZINF_ASSIGN_OR_RETURN(targets, ints(n));
+    return Status::OK();
+  }
 
   // The acquire sequence of one micro-step, as the engine's prefetch hint.
   std::vector<ParamId> AcquireOrder() const {
@@ -111,8 +182,9 @@ struct GptTrainer::Impl {
     return order;
   }
 
-  // With bf16 storage and few tokens, a block's four weight matrices are used as bf16 by
-  // the Matmul*Bf16 kernels (read once, widened in registers) instead of an fp32 copy.
+  // With bf16 storage, a block's four weight matrices are used as bf16 (on the CPU by the
+  // Matmul*Bf16 kernels, read once and widened in registers, for few tokens; on the GPU by
+  // cuBLAS bf16 GEMMs) instead of an fp32 copy.
   bool bf16_matmul = false;
   static bool IsBlockMatrix(int k) {
     return k == kQkvW || k == kAttnProjW || k == kFcW || k == kMlpProjW;
@@ -147,8 +219,8 @@ struct GptTrainer::Impl {
         raw16[i] = static_cast<const uint16_t*>(raw[i]);
         out[i] = nullptr;
       } else if (bf16) {
-        Bf16ToFp32(wconv.data() + cursor, static_cast<const uint16_t*>(raw[i]), n);
-        out[i] = wconv.data() + cursor;
+        ops->Bf16ToFp32(wconv + cursor, static_cast<const uint16_t*>(raw[i]), n);
+        out[i] = wconv + cursor;
         cursor += n;
       } else {
         out[i] = static_cast<const float*>(raw[i]);
@@ -157,99 +229,101 @@ struct GptTrainer::Impl {
     return out;
   }
 
-  // A block's Linear layer (weight index kw, bias kb): the bf16 kernels or sgemm.
+  // A block's Linear layer (weight index kw, bias kb).
   void Linear(float* out, const float* inp, const float* const* w, int kw, int kb, int in,
               int outf) {
-    if (raw16[kw] != nullptr) {
-      MatmulForwardBf16(out, inp, raw16[kw], w[kb], N, in, outf);
-    } else {
-      MatmulForward(out, inp, w[kw], w[kb], N, in, outf);
-    }
+    ops->Linear(out, inp, w[kw], raw16[kw], w[kb], N, in, outf);
   }
   void LinearBackward(float* dinp, float* const* g, const float* dout, const float* inp,
                       const float* const* w, int kw, int kb, int in, int outf) {
-    if (raw16[kw] != nullptr) {
-      MatmulBackwardBf16(dinp, g[kw], g[kb], dout, inp, raw16[kw], N, in, outf,
-                         /*accumulate_dw=*/true);
-    } else {
-      MatmulBackward(dinp, g[kw], g[kb], dout, inp, w[kw], N, in, outf);
-    }
+    ops->LinearBackward(dinp, g[kw], g[kb], dout, inp, w[kw], raw16[kw], N, in, outf);
   }
   void ForwardBlock(int l, const float* const* w, float* x_next);
   // dres: dL/d(output of block l) on entry, dL/d(input) on return. g: gradients of the
-  // block's parameters (zeroed here), laid out like BlockParam.
+  // block's parameters (zeroed by the caller), laid out like BlockParam.
   void BackwardBlock(int l, const float* const* w, float* const* g);
-  Result<double> Forward(const int32_t* targets, float loss_scale, bool backward);
+  Result<double> Forward(float loss_scale, bool backward);
   Status Reduce(size_t index, const float* grad) {
-    if (hooks.grad_observer) hooks.grad_observer(index, grad, list[index].numel());
+    const size_t numel = list[index].numel();
+    if (hooks.grad_observer) {
+      if (ops->on_device()) {
+        observed.resize(numel);
+        ZINF_RETURN_IF_ERROR(ops->Download(observed.data(), grad, numel));
+        hooks.grad_observer(index, observed.data(), numel);
+      } else {
+        hooks.grad_observer(index, grad, numel);
+      }
+    }
     if (staging) {
       // The engine's copy out of device_grad is ordered on the compute stream before the
       // next gradient's copy into it.
       Stream* compute = device->ComputeStream();
-      ZINF_RETURN_IF_ERROR(device->CopyHostToDevice(device_grad, grad,
-                                                    list[index].numel() * sizeof(float), compute));
+      ZINF_RETURN_IF_ERROR(
+          device->CopyHostToDevice(device_grad, grad, numel * sizeof(float), compute));
       ZINF_RETURN_IF_ERROR(device->SynchronizeStream(compute));
       return engine->ReduceGradient(ids[index], static_cast<const float*>(device_grad));
     }
+    // On the GPU `grad` was produced on the compute stream, which the engine's copy follows.
     return engine->ReduceGradient(ids[index], grad);
   }
 };
 
 void GptTrainer::Impl::ForwardBlock(int l, const float* const* w, float* x_next) {
   BlockActs& a = acts[l];
-  LayerNormForward(a.ln1.data(), a.ln1_mean.data(), a.ln1_rstd.data(), a.x.data(), w[kLn1W],
-                   w[kLn1B], N, C);
-  Linear(a.qkv.data(), a.ln1.data(), w, kQkvW, kQkvB, C, 3 * C);
-  AttentionForward(a.atty.data(), a.att.data(), a.qkv.data(), B, T, C, NH);
-  Linear(tmp.data(), a.atty.data(), w, kAttnProjW, kAttnProjB, C, C);
-  ResidualForward(a.xmid.data(), a.x.data(), tmp.data(), a.x.size());
-  LayerNormForward(a.ln2.data(), a.ln2_mean.data(), a.ln2_rstd.data(), a.xmid.data(), w[kLn2W],
-                   w[kLn2B], N, C);
-  Linear(a.fch.data(), a.ln2.data(), w, kFcW, kFcB, C, 4 * C);
-  GeluForward(a.fcg.data(), a.fch.data(), a.fch.size());
-  Linear(tmp.data(), a.fcg.data(), w, kMlpProjW, kMlpProjB, 4 * C, C);
-  ResidualForward(x_next, a.xmid.data(), tmp.data(), a.x.size());
+  const size_t nc = static_cast<size_t>(N) * C;
+  ops->LayerNormForward(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, w[kLn1W], w[kLn1B], N, C);
+  Linear(a.qkv, a.ln1, w, kQkvW, kQkvB, C, 3 * C);
+  ops->AttentionForward(a.atty, a.att, a.qkv, B, T, C, NH);
+  Linear(tmp, a.atty, w, kAttnProjW, kAttnProjB, C, C);
+  ops->ResidualForward(a.xmid, a.x, tmp, nc);
+  ops->LayerNormForward(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, w[kLn2W], w[kLn2B], N, C);
+  Linear(a.fch, a.ln2, w, kFcW, kFcB, C, 4 * C);
+  ops->GeluForward(a.fcg, a.fch, 4 * nc);
+  Linear(tmp, a.fcg, w, kMlpProjW, kMlpProjB, 4 * C, C);
+  ops->ResidualForward(x_next, a.xmid, tmp, nc);
 }
 
 void GptTrainer::Impl::BackwardBlock(int l, const float* const* w, float* const* g) {
   BlockActs& a = acts[l];
   const size_t nc = static_cast<size_t>(N) * C;
-  auto zero = [](std::vector<float>& v) { std::fill(v.begin(), v.end(), 0.0f); };
   // x_next = xmid + mlp(ln2(xmid)): the residual passes dres through unchanged.
-  zero(dfcg);
-  LinearBackward(dfcg.data(), g, dres.data(), a.fcg.data(), w, kMlpProjW, kMlpProjB, 4 * C, C);
-  zero(dfch);
-  GeluBackward(dfch.data(), a.fch.data(), dfcg.data(), dfch.size());
-  zero(dln);
-  LinearBackward(dln.data(), g, dfch.data(), a.ln2.data(), w, kFcW, kFcB, C, 4 * C);
-  std::copy(dres.begin(), dres.begin() + nc, dxmid.begin());
-  LayerNormBackward(dxmid.data(), g[kLn2W], g[kLn2B], dln.data(), a.xmid.data(), w[kLn2W],
-                    a.ln2_mean.data(), a.ln2_rstd.data(), N, C);
+  ops->Zero(dfcg, 4 * nc);
+  LinearBackward(dfcg, g, dres, a.fcg, w, kMlpProjW, kMlpProjB, 4 * C, C);
+  ops->Zero(dfch, 4 * nc);
+  ops->GeluBackward(dfch, a.fch, dfcg, 4 * nc);
+  ops->Zero(dln, nc);
+  LinearBackward(dln, g, dfch, a.ln2, w, kFcW, kFcB, C, 4 * C);
+  ops->Copy(dxmid, dres, nc);
+  ops->LayerNormBackward(dxmid, g[kLn2W], g[kLn2B], dln, a.xmid, w[kLn2W], a.ln2_mean,
+                         a.ln2_rstd, N, C);
   // xmid = x + proj(attn(ln1(x))).
-  zero(datty);
-  LinearBackward(datty.data(), g, dxmid.data(), a.atty.data(), w, kAttnProjW, kAttnProjB, C, C);
-  zero(dqkv);
-  AttentionBackward(dqkv.data(), datty.data(), a.qkv.data(), a.att.data(), B, T, C, NH);
-  zero(dln);
-  LinearBackward(dln.data(), g, dqkv.data(), a.ln1.data(), w, kQkvW, kQkvB, C, 3 * C);
-  std::copy(dxmid.begin(), dxmid.begin() + nc, dres.begin());
-  LayerNormBackward(dres.data(), g[kLn1W], g[kLn1B], dln.data(), a.x.data(), w[kLn1W],
-                    a.ln1_mean.data(), a.ln1_rstd.data(), N, C);
+  ops->Zero(datty, nc);
+  LinearBackward(datty, g, dxmid, a.atty, w, kAttnProjW, kAttnProjB, C, C);
+  ops->Zero(dqkv, 3 * nc);
+  ops->AttentionBackward(dqkv, datty, a.qkv, a.att, B, T, C, NH);
+  ops->Zero(dln, nc);
+  LinearBackward(dln, g, dqkv, a.ln1, w, kQkvW, kQkvB, C, 3 * C);
+  ops->Copy(dres, dxmid, nc);
+  ops->LayerNormBackward(dres, g[kLn1W], g[kLn1B], dln, a.x, w[kLn1W], a.ln1_mean, a.ln1_rstd,
+                         N, C);
 }
 
-Result<double> GptTrainer::Impl::Forward(const int32_t* targets, float loss_scale, bool backward) {
+Result<double> GptTrainer::Impl::Forward(float loss_scale, bool backward) {
+  const size_t nc = static_cast<size_t>(N) * C;
   // Embeddings.
   {
     std::vector<ParamId> group = {wte(), wpe()};
     ZINF_ASSIGN_OR_RETURN(std::vector<const float*> w, AcquireFp32(group));
-    EncoderForward(acts[0].x.data(), tokens.data(), w[0], w[1], B, T, C);
+    ops->EncoderForward(acts[0].x, tokens, w[0], w[1], B, T, C);
+    ZINF_RETURN_IF_ERROR(ops->status());
     ZINF_RETURN_IF_ERROR(engine->Release(group));
   }
   // Blocks.
   for (int l = 0; l < L; ++l) {
     std::vector<ParamId> group = BlockIds(l);
     ZINF_ASSIGN_OR_RETURN(std::vector<const float*> w, AcquireFp32(group, /*block=*/true));
-    ForwardBlock(l, w.data(), l + 1 < L ? acts[l + 1].x.data() : x_final.data());
+    ForwardBlock(l, w.data(), l + 1 < L ? acts[l + 1].x : x_final);
+    ZINF_RETURN_IF_ERROR(ops->status());
     ZINF_RETURN_IF_ERROR(engine->Release(group));
   }
   // Final LayerNorm and the tied LM head; its backward right away, while it is acquired.
@@ -257,25 +331,24 @@ Result<double> GptTrainer::Impl::Forward(const int32_t* targets, float loss_scal
   {
     std::vector<ParamId> group = HeadIds();
     ZINF_ASSIGN_OR_RETURN(std::vector<const float*> w, AcquireFp32(group));
-    LayerNormForward(lnf.data(), lnf_mean.data(), lnf_rstd.data(), x_final.data(), w[0], w[1], N,
-                     C);
-    MatmulForward(logits.data(), lnf.data(), w[2], static_cast<const float*>(nullptr), N, C, V);
-    loss = CrossEntropyForwardBackward(backward ? dlogits.data() : nullptr, logits.data(), targets,
-                                       N, V, static_cast<double>(loss_scale));
+    ops->LayerNormForward(lnf, lnf_mean, lnf_rstd, x_final, w[0], w[1], N, C);
+    ops->Linear(logits, lnf, w[2], nullptr, nullptr, N, C, V);
+    ZINF_ASSIGN_OR_RETURN(loss, ops->CrossEntropy(backward ? dlogits : nullptr, logits, targets,
+                                                  N, V, static_cast<double>(loss_scale)));
     if (backward) {
-      std::fill(dln.begin(), dln.end(), 0.0f);
-      std::fill(dwte.begin(), dwte.end(), 0.0f);
-      MatmulBackward(dln.data(), dwte.data(), static_cast<float*>(nullptr), dlogits.data(),
-                     lnf.data(), w[2], N, C, V);
-      std::fill(dres.begin(), dres.end(), 0.0f);
-      float* glnf_w = grads.data();
-      float* glnf_b = grads.data() + C;
-      std::fill(grads.begin(), grads.begin() + 2 * C, 0.0f);
-      LayerNormBackward(dres.data(), glnf_w, glnf_b, dln.data(), x_final.data(), w[0],
-                        lnf_mean.data(), lnf_rstd.data(), N, C);
+      ops->Zero(dln, nc);
+      ops->Zero(dwte, list[0].numel());
+      ops->LinearBackward(dln, dwte, nullptr, dlogits, lnf, w[2], nullptr, N, C, V);
+      ops->Zero(dres, nc);
+      float* glnf_w = grads;
+      float* glnf_b = grads + C;
+      ops->Zero(grads, 2 * static_cast<size_t>(C));
+      ops->LayerNormBackward(dres, glnf_w, glnf_b, dln, x_final, w[0], lnf_mean, lnf_rstd, N, C);
+      ZINF_RETURN_IF_ERROR(ops->status());
       ZINF_RETURN_IF_ERROR(Reduce(LnfIndex(), glnf_w));
       ZINF_RETURN_IF_ERROR(Reduce(LnfIndex() + 1, glnf_b));
     }
+    ZINF_RETURN_IF_ERROR(ops->status());
     ZINF_RETURN_IF_ERROR(engine->Release(group));
   }
   if (!backward) return loss;
@@ -286,11 +359,12 @@ Result<double> GptTrainer::Impl::Forward(const int32_t* targets, float loss_scal
     float* g[kBlockParams];
     size_t cursor = 0;
     for (int k = 0; k < kBlockParams; ++k) {
-      g[k] = grads.data() + cursor;
+      g[k] = grads + cursor;
       cursor += engine->param(group[k]).numel;
     }
-    std::fill(grads.begin(), grads.begin() + cursor, 0.0f);
+    ops->Zero(grads, cursor);
     BackwardBlock(l, w.data(), g);
+    ZINF_RETURN_IF_ERROR(ops->status());
     for (int k = 0; k < kBlockParams; ++k) {
       ZINF_RETURN_IF_ERROR(Reduce(BlockIndex(l, k), g[k]));
     }
@@ -298,10 +372,11 @@ Result<double> GptTrainer::Impl::Forward(const int32_t* targets, float loss_scal
     CrashPoint("train.backward");
   }
   // Embeddings: their backward needs no parameter values.
-  std::fill(dwpe.begin(), dwpe.end(), 0.0f);
-  EncoderBackward(dwte.data(), dwpe.data(), dres.data(), tokens.data(), B, T, C);
-  ZINF_RETURN_IF_ERROR(Reduce(0, dwte.data()));
-  ZINF_RETURN_IF_ERROR(Reduce(1, dwpe.data()));
+  ops->Zero(dwpe, list[1].numel());
+  ops->EncoderBackward(dwte, dwpe, dres, tokens, B, T, C);
+  ZINF_RETURN_IF_ERROR(ops->status());
+  ZINF_RETURN_IF_ERROR(Reduce(0, dwte));
+  ZINF_RETURN_IF_ERROR(Reduce(1, dwpe));
   return loss;
 }
 
@@ -327,19 +402,10 @@ Result<std::unique_ptr<GptTrainer>> GptTrainer::Create(const GptConfig& model, i
   Impl& m = *impl;
   m.engine = engine;
   m.hooks = hooks;
-  m.m = model;
-  m.B = batch;
-  m.T = seq;
-  m.N = batch * seq;
-  m.C = model.d_model;
-  m.NH = model.heads;
-  m.V = model.vocab;
-  m.L = model.layers;
-  m.bf16 = engine->config().bf16;
-  // Up to 64 tokens the bf16 kernels beat widening + sgemm (they read each weight once);
-  // beyond, sgemm's blocking wins.
-  m.bf16_matmul = m.bf16 && m.N <= 64;
-  m.list = ParamList(model);
+  m.SetShape(model, batch, seq, engine->config().bf16);
+  // On the CPU, up to 64 tokens the bf16 kernels beat widening + sgemm (they read each
+  // weight once); beyond, sgemm's blocking wins. On the GPU, cuBLAS bf16 GEMMs always.
+  m.bf16_matmul = m.bf16 && (m.N <= 64 || (device != nullptr && !device->IsHost()));
   for (size_t i = 0; i < m.list.size(); ++i) {
     const GptParam& p = m.list[i];
     ParamSpec spec;
@@ -358,50 +424,22 @@ Result<std::unique_ptr<GptTrainer>> GptTrainer::Create(const GptConfig& model, i
   }
   ZINF_RETURN_IF_ERROR(engine->SetAcquireOrder(m.AcquireOrder()));
 
-  const size_t N = m.N, C = m.C;
-  m.acts.resize(m.L);
-  for (BlockActs& a : m.acts) {
-    a.x.resize(N * C);
-    a.ln1.resize(N * C);
-    a.ln1_mean.resize(N);
-    a.ln1_rstd.resize(N);
-    a.qkv.resize(N * 3 * C);
-    a.att.resize(static_cast<size_t>(batch) * m.NH * seq * seq);
-    a.atty.resize(N * C);
-    a.xmid.resize(N * C);
-    a.ln2.resize(N * C);
-    a.ln2_mean.resize(N);
-    a.ln2_rstd.resize(N);
-    a.fch.resize(N * 4 * C);
-    a.fcg.resize(N * 4 * C);
-  }
-  m.x_final.resize(N * C);
-  m.lnf.resize(N * C);
-  m.lnf_mean.resize(N);
-  m.lnf_rstd.resize(N);
-  m.logits.resize(N * m.V);
-  m.dlogits.resize(N * m.V);
-  size_t block = 0;
-  for (int k = 0; k < kBlockParams; ++k) block += m.list[m.BlockIndex(0, k)].numel();
-  const size_t embed = m.list[0].numel() + m.list[1].numel();
-  const size_t head = 2 * C + m.list[0].numel();
-  const size_t largest = std::max({block, embed, head});
-  if (m.bf16) m.wconv.resize(largest);
-  m.grads.resize(block);
-  for (auto* v : {&m.dres, &m.dxmid, &m.dln, &m.datty, &m.tmp}) v->resize(N * C);
-  m.dqkv.resize(N * 3 * C);
-  m.dfch.resize(N * 4 * C);
-  m.dfcg.resize(N * 4 * C);
-  m.dwte.resize(m.list[0].numel());
-  m.dwpe.resize(m.list[1].numel());
-  m.tokens.resize(N);
   m.device = device;
-  m.staging = device != nullptr && (!device->IsHost() || hooks.stage_through_device);
+  const bool gpu = device != nullptr && !device->IsHost();
+  m.staging = device != nullptr && device->IsHost() && hooks.stage_through_device;
+  if (gpu) {
+    ZINF_ASSIGN_OR_RETURN(m.ops, NewCudaModelOps(device, m.Dims()));
+  } else {
+    m.ops = NewHostModelOps();
+  }
+  ModelOps* ops = m.ops.get();
+  ZINF_RETURN_IF_ERROR(m.AllocateBuffers([ops](size_t n) { return ops->AllocFloats(n); },
+                                         [ops](size_t n) { return ops->AllocInts(n); }));
   if (m.staging) {
     size_t staged = 0, largest_param = 0;
     for (const GptParam& p : m.list) largest_param = std::max(largest_param, p.numel());
-    // The largest acquired group: a block, the embeddings or the head (64-byte aligned parts).
-    for (size_t n : {block, embed, head}) staged = std::max(staged, n * 4 + kBlockParams * 64);
+    // The largest acquired group (64-byte aligned parts).
+    staged = m.LargestGroup() * 4 + kBlockParams * 64;
     m.staged.resize(staged);
     ZINF_ASSIGN_OR_RETURN(m.device_grad, device->Alloc(largest_param * sizeof(float)));
   }
@@ -416,11 +454,34 @@ Result<double> GptTrainer::MicroStep(const int32_t* tokens, const int32_t* targe
       return Status::InvalidArgument("token " + std::to_string(i) + " is outside the vocabulary");
     }
   }
-  std::copy(tokens, tokens + m.N, m.tokens.begin());
-  ZINF_ASSIGN_OR_RETURN(double loss, m.Forward(targets, loss_scale, /*backward=*/true));
+  m.ops->UploadInts(m.tokens, tokens, m.N);
+  m.ops->UploadInts(m.targets, targets, m.N);
+  ZINF_ASSIGN_OR_RETURN(double loss, m.Forward(loss_scale, /*backward=*/true));
   ZINF_ASSIGN_OR_RETURN(StepStats st, m.engine->Step());
   if (stats != nullptr) *stats = st;
   return loss;
+}
+
+size_t GptTrainer::DeviceBytes(const GptConfig& model, int batch, int seq, bool bf16) {
+  Impl m;
+  m.SetShape(model, batch, seq, bf16);
+  // Count what AllocateBuffers asks for (each allocation rounded to the CUDA pool's 256
+  // bytes); the pointers handed back are never used.
+  size_t bytes = 0;
+  static float dummy_float;
+  static int32_t dummy_int;
+  auto round = [](size_t b) { return (b + 255) / 256 * 256; };
+  Status s = m.AllocateBuffers(
+      [&](size_t n) -> Result<float*> {
+        bytes += round(n * sizeof(float));
+        return &dummy_float;
+      },
+      [&](size_t n) -> Result<int32_t*> {
+        bytes += round(n * sizeof(int32_t));
+        return &dummy_int;
+      });
+  (void)s;  // the counters never fail
+  return bytes + CudaModelOpsScratchBytes(m.Dims());
 }
 
 Status GptTrainer::MasterValues(size_t index, std::vector<float>* out) {

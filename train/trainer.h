@@ -39,8 +39,9 @@ struct TrainerHooks {
   // Called with every gradient (index in ParamList, full fp32 tensor) just before it is
   // handed to the engine.
   std::function<void(size_t index, const float* grad, size_t numel)> grad_observer;
-  // Copy parameters and gradients through the device's copy API even on the host device, as
-  // on a GPU (tests of that path on a machine without one).
+  // On the host device: copy parameters and gradients through the device's copy API (acquired
+  // parameters to a host staging buffer, gradients into a device buffer), as an embedder
+  // whose model runs elsewhere would (tests of those copies on a machine without a GPU).
   bool stage_through_device = false;
 };
 
@@ -48,9 +49,10 @@ class GptTrainer {
  public:
   // Registers every parameter with `engine` (which must outlive the trainer) in layer order,
   // with the acquire order as the prefetch hint. `device`: the engine's device (null: the
-  // host device). The forward and backward run on the CPU; on a device that is not the host
-  // (a GPU) each acquired layer is copied to host memory and each gradient to device memory
-  // around them.
+  // host device). On the host device the forward and backward run on the CPU (kernels.h);
+  // on a CUDA device they run on the GPU (model_ops.h: cuBLAS and CUDA kernels, on the
+  // device's compute stream), with activations and gradients in device memory taken from
+  // the device's pool (DeviceBytes says how much).
   static Result<std::unique_ptr<GptTrainer>> Create(const GptConfig& model, int batch, int seq,
                                                     uint64_t seed, Engine* engine,
                                                     const TrainerHooks& hooks = {},
@@ -67,6 +69,10 @@ class GptTrainer {
   Result<uint64_t> ParamChecksum();
   // The fp32 master values of one parameter (by its index in ParamList).
   Status MasterValues(size_t index, std::vector<float>* out);
+
+  // The device memory the trainer takes from a CUDA device's pool for this shape
+  // (activations, gradients of one layer, scratch), beyond the engine's budget.
+  static size_t DeviceBytes(const GptConfig& model, int batch, int seq, bool bf16);
 
   const GptConfig& model() const { return model_; }
   int batch() const { return batch_; }

@@ -12,6 +12,7 @@
 #include "tests/test_util.h"
 #include "train/checkpoint.h"
 #include "train/gpt.h"
+#include "train/tests/tiny_model.h"
 #include "train/trainer.h"
 #include "zinf/comm.h"
 #include "zinf/device.h"
@@ -22,16 +23,6 @@ namespace {
 using zinf::testing::TempDir;
 
 const char* CorpusPath() { return ZINF_SOURCE_DATA; }
-
-GptConfig TinyModel() {
-  GptConfig c;
-  c.layers = 2;
-  c.d_model = 32;
-  c.heads = 4;
-  c.max_seq = 16;
-  c.name = "test";
-  return c;
-}
 
 struct Placement {
   Tier param = Tier::kDevice;
