@@ -7,7 +7,10 @@
 // device memory of its CudaDevice for CudaModelOps (from Alloc*, or a parameter the engine
 // acquired). Activations and gradients are fp32; a Linear weight is fp32 (w) or bf16 (w16,
 // exactly one of the two non-null). The semantics of each op are those of the kernels.h
-// function of the same name (backward ops accumulate into their gradient outputs).
+// function of the same name (backward ops accumulate into their gradient outputs), with one
+// exception: with a bf16 weight the GPU also rounds the Linear's fp32 input (and, in the
+// backward, the output gradient) to bf16 before its GEMM (cuBLAS has no fp32 x bf16
+// product), where the CPU keeps them fp32.
 //
 // Errors: the ops return nothing; the first failure (a launch error, a cuBLAS status) is
 // kept and returned by status(), which the trainer checks at each layer. Work on the device

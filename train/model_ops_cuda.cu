@@ -7,11 +7,13 @@
 //   - LayerNorm, cross-entropy: one block per row, per-thread strided partial sums in double
 //     reduced in a fixed tree in shared memory;
 //   - column sums (LayerNorm dw/db, bias gradients, embedding gradients): one thread per
-//     column walking the rows in order (the CPU's order: these are bit-identical to it);
+//     column walking the rows in order (the CPU's order: the pure sums, db, bias and
+//     embedding gradients, are bit-identical to it; dw may differ by a fused multiply-add);
 //   - attention: one warp per query row (scores, softmax, output), and its backward in two
 //     passes (per query row: dS and dQ; per key row: dK and dV), so no atomics anywhere.
 // Row-major [rows, cols] matrices are column-major [cols, rows] for cuBLAS, so
-// out[N, OC] = inp[N, C] @ W[OC, C]^T is out^T = W^T(op T of the stored [C, OC]) * inp^T.
+// out[N, OC] = inp[N, C] @ W[OC, C]^T is out^T = W * inp^T, W being op T of the stored
+// column-major [C, OC] matrix.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -34,6 +36,12 @@ constexpr int kWarpsPerBlock = 4;    // attention: one warp per row
 constexpr double kLayerNormEps = 1e-5;
 constexpr float kSqrt2OverPi = 0.79788456080286535588f;
 constexpr float kGeluCubic = 0.044715f;
+
+// Elements of each bf16 scratch (a Linear's input or output gradient): N x the widest of
+// 4C (the MLP) and V (an LM head).
+size_t Bf16ScratchElements(const ModelDims& d) {
+  return static_cast<size_t>(d.B) * d.T * (4 * d.C > d.V ? 4 * d.C : d.V);
+}
 
 unsigned GridFor(size_t n) {
   size_t blocks = (n + kThreads - 1) / kThreads;
@@ -345,17 +353,17 @@ __global__ void CrossEntropyKernel(float* dlogits, double* losses, const float* 
 // ---- The ops --------------------------------------------------------------------------------
 
 const char* CublasName(cublasStatus_t s) {
-#if CUDART_VERSION >= 11040
+#if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 110600
   return cublasGetStatusName(s);
 #else
-  return "cuBLAS error";
+  return s == CUBLAS_STATUS_SUCCESS ? "success" : "cuBLAS error";
 #endif
 }
 
 class CudaModelOps final : public ModelOps {
  public:
-  CudaModelOps(Device* device, cudaStream_t stream, const ModelDims& dims)
-      : device_(device), stream_(stream), dims_(dims) {}
+  CudaModelOps(Device* device, cudaStream_t stream, int ordinal, const ModelDims& dims)
+      : device_(device), stream_(stream), ordinal_(ordinal), dims_(dims) {}
   ~CudaModelOps() override {
     if (handle_ != nullptr) cublasDestroy(handle_);
     // The stream may still run kernels reading these: drain it first.
@@ -364,6 +372,7 @@ class CudaModelOps final : public ModelOps {
   }
 
   Status Init() {
+    ZINF_RETURN_IF_ERROR(cuda_internal::MakeCurrent(ordinal_));
     const cublasStatus_t s = cublasCreate(&handle_);
     if (s != CUBLAS_STATUS_SUCCESS) {
       handle_ = nullptr;
@@ -372,7 +381,7 @@ class CudaModelOps final : public ModelOps {
     ZINF_RETURN_IF_ERROR(Cublas(cublasSetStream(handle_, stream_), "cublasSetStream"));
     ZINF_RETURN_IF_ERROR(
         Cublas(cublasSetMathMode(handle_, CUBLAS_DEFAULT_MATH), "cublasSetMathMode"));
-    const size_t wide = static_cast<size_t>(dims_.B) * dims_.T * 4 * dims_.C;
+    const size_t wide = Bf16ScratchElements(dims_);
     ZINF_ASSIGN_OR_RETURN(void* a, Allocate(wide * sizeof(__nv_bfloat16)));
     ZINF_ASSIGN_OR_RETURN(void* b, Allocate(wide * sizeof(__nv_bfloat16)));
     a16_ = static_cast<__nv_bfloat16*>(a);
@@ -401,12 +410,14 @@ class CudaModelOps final : public ModelOps {
     return static_cast<int32_t*>(p);
   }
   void UploadInts(int32_t* dst, const int32_t* host_src, size_t n) override {
+    Enter();
     // Pageable source: cudaMemcpyAsync returns once the data is staged, so the host buffer
     // may be reused.
     Note(cudaMemcpyAsync(dst, host_src, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_),
          "cudaMemcpyAsync(tokens)");
   }
   Status Download(float* host_dst, const float* src, size_t n) override {
+    Enter();
     Note(cudaMemcpyAsync(host_dst, src, n * sizeof(float), cudaMemcpyDeviceToHost, stream_),
          "cudaMemcpyAsync(download)");
     Note(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
@@ -414,23 +425,28 @@ class CudaModelOps final : public ModelOps {
   }
 
   void Zero(float* p, size_t n) override {
+    Enter();
     Note(cudaMemsetAsync(p, 0, n * sizeof(float), stream_), "cudaMemsetAsync");
   }
   void Copy(float* dst, const float* src, size_t n) override {
+    Enter();
     Note(cudaMemcpyAsync(dst, src, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
          "cudaMemcpyAsync(device to device)");
   }
   void Bf16ToFp32(float* dst, const uint16_t* src, size_t n) override {
+    Enter();
     if (n > 0) Bf16ToF32Kernel<<<GridFor(n), kThreads, 0, stream_>>>(dst, src, n);
   }
 
   void EncoderForward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int B,
                       int T, int C) override {
+    Enter();
     const size_t n = static_cast<size_t>(B) * T * C;
     if (n > 0) EncoderForwardKernel<<<GridFor(n), kThreads, 0, stream_>>>(out, tokens, wte, wpe, T, C, n);
   }
   void EncoderBackward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int B,
                        int T, int C) override {
+    Enter();
     if (C > 0) {
       EncoderBackwardKernel<<<(C + kThreads - 1) / kThreads, kThreads, 0, stream_>>>(
           dwte, dwpe, dout, tokens, B * T, T, C);
@@ -438,11 +454,13 @@ class CudaModelOps final : public ModelOps {
   }
   void LayerNormForward(float* out, float* mean, float* rstd, const float* inp, const float* w,
                         const float* b, int N, int C) override {
+    Enter();
     if (N > 0) LayerNormForwardKernel<<<N, kThreads, 0, stream_>>>(out, mean, rstd, inp, w, b, C);
   }
   void LayerNormBackward(float* dinp, float* dw, float* db, const float* dout, const float* inp,
                          const float* w, const float* mean, const float* rstd, int N,
                          int C) override {
+    Enter();
     if (N <= 0 || C <= 0) return;
     LayerNormBackwardInputKernel<<<N, kThreads, 0, stream_>>>(dinp, dout, inp, w, mean, rstd, C);
     LayerNormBackwardParamsKernel<<<(C + kThreads - 1) / kThreads, kThreads, 0, stream_>>>(
@@ -451,10 +469,11 @@ class CudaModelOps final : public ModelOps {
 
   void Linear(float* out, const float* inp, const float* w, const uint16_t* w16,
               const float* bias, int N, int C, int OC) override {
+    Enter();
     if (N <= 0 || OC <= 0) return;
     const float one = 1.0f, zero = 0.0f;
     if (w16 != nullptr) {
-      ToBf16(a16_, inp, static_cast<size_t>(N) * C);
+      if (!ToBf16(a16_, inp, static_cast<size_t>(N) * C)) return;
       Note(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, &one, w16, CUDA_R_16BF, C,
                         a16_, CUDA_R_16BF, C, &zero, out, CUDA_R_32F, OC, CUBLAS_COMPUTE_32F,
                         CUBLAS_GEMM_DEFAULT),
@@ -471,10 +490,11 @@ class CudaModelOps final : public ModelOps {
   }
   void LinearBackward(float* dinp, float* dw, float* dbias, const float* dout, const float* inp,
                       const float* w, const uint16_t* w16, int N, int C, int OC) override {
+    Enter();
     if (N <= 0 || OC <= 0) return;
     const float one = 1.0f;
     if (w16 != nullptr) {
-      ToBf16(b16_, dout, static_cast<size_t>(N) * OC);
+      if (!ToBf16(b16_, dout, static_cast<size_t>(N) * OC)) return;
       if (dinp != nullptr) {
         // dinp^T [C, N] += W^T [C, OC] (the stored W) * dout^T [OC, N].
         Note(cublasGemmEx(handle_, CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, &one, w16, CUDA_R_16BF, C,
@@ -483,7 +503,7 @@ class CudaModelOps final : public ModelOps {
              "cublasGemmEx(input gradient)");
       }
       // dW^T [C, OC] += inp^T [C, N] * dout [N, OC].
-      ToBf16(a16_, inp, static_cast<size_t>(N) * C);
+      if (!ToBf16(a16_, inp, static_cast<size_t>(N) * C)) return;
       Note(cublasGemmEx(handle_, CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, &one, a16_, CUDA_R_16BF, C,
                         b16_, CUDA_R_16BF, OC, &one, dw, CUDA_R_32F, C, CUBLAS_COMPUTE_32F,
                         CUBLAS_GEMM_DEFAULT),
@@ -506,6 +526,7 @@ class CudaModelOps final : public ModelOps {
 
   void AttentionForward(float* out, float* att, const float* qkv, int B, int T, int C,
                         int NH) override {
+    Enter();
     const int rows = B * NH * T;
     if (rows <= 0) return;
     AttentionForwardKernel<<<Warps(rows), 32 * kWarpsPerBlock, 0, stream_>>>(
@@ -513,6 +534,7 @@ class CudaModelOps final : public ModelOps {
   }
   void AttentionBackward(float* dqkv, const float* dout, const float* qkv, const float* att,
                          int B, int T, int C, int NH) override {
+    Enter();
     const int rows = B * NH * T;
     if (rows <= 0) return;
     if (B > dims_.B || T > dims_.T || NH > dims_.NH) {
@@ -525,16 +547,20 @@ class CudaModelOps final : public ModelOps {
         dqkv, ds_, dout, qkv, att, B, T, C, NH, Scale(C, NH));
   }
   void GeluForward(float* out, const float* inp, size_t n) override {
+    Enter();
     if (n > 0) GeluForwardKernel<<<GridFor(n), kThreads, 0, stream_>>>(out, inp, n);
   }
   void GeluBackward(float* dinp, const float* inp, const float* dout, size_t n) override {
+    Enter();
     if (n > 0) GeluBackwardKernel<<<GridFor(n), kThreads, 0, stream_>>>(dinp, inp, dout, n);
   }
   void ResidualForward(float* out, const float* a, const float* b, size_t n) override {
+    Enter();
     if (n > 0) ResidualKernel<<<GridFor(n), kThreads, 0, stream_>>>(out, a, b, n);
   }
   Result<double> CrossEntropy(float* dlogits, const float* logits, const int32_t* targets, int N,
                               int V, double dloss) override {
+    Enter();
     if (N <= 0 || V <= 0) return 0.0;
     if (N > dims_.B * dims_.T) {
       return Status::InvalidArgument("CrossEntropy: more rows than the ops were created for");
@@ -557,12 +583,22 @@ class CudaModelOps final : public ModelOps {
   static float Scale(int C, int NH) {
     return static_cast<float>(1.0 / std::sqrt(static_cast<double>(C / NH)));
   }
-  void ToBf16(__nv_bfloat16* dst, const float* src, size_t n) {
-    if (n > static_cast<size_t>(dims_.B) * dims_.T * 4 * dims_.C) {
-      Fail(Status::InvalidArgument("Linear: more elements than the ops' bf16 scratch"));
-      return;
+  // False (and the error kept) when `n` exceeds the scratch: the caller must skip its GEMM.
+  bool ToBf16(__nv_bfloat16* dst, const float* src, size_t n) {
+    if (n > Bf16ScratchElements(dims_)) {
+      Fail(Status::InvalidArgument("Linear: " + std::to_string(n) +
+                                   " elements exceed the ops' bf16 scratch (created for B=" +
+                                   std::to_string(dims_.B) + ", T=" + std::to_string(dims_.T) +
+                                   ")"));
+      return false;
     }
     if (n > 0) F32ToBf16Kernel<<<GridFor(n), kThreads, 0, stream_>>>(dst, src, n);
+    return true;
+  }
+  // Makes the ops' device current on the calling thread (kernels and cuBLAS use it).
+  void Enter() {
+    Status s = cuda_internal::MakeCurrent(ordinal_);
+    if (!s.ok()) Fail(s);
   }
   Result<void*> Allocate(size_t bytes) {
     ZINF_ASSIGN_OR_RETURN(void* p, device_->Alloc(bytes == 0 ? 1 : bytes));
@@ -589,6 +625,7 @@ class CudaModelOps final : public ModelOps {
 
   Device* const device_;
   const cudaStream_t stream_;
+  const int ordinal_;
   const ModelDims dims_;
   cublasHandle_t handle_ = nullptr;
   std::vector<void*> allocations_;
@@ -603,7 +640,7 @@ class CudaModelOps final : public ModelOps {
 }  // namespace
 
 size_t CudaModelOpsScratchBytes(const ModelDims& d) {
-  const size_t wide = static_cast<size_t>(d.B) * d.T * 4 * d.C;
+  const size_t wide = Bf16ScratchElements(d);
   const size_t ds = static_cast<size_t>(d.B) * d.NH * d.T * d.T * sizeof(float);
   const size_t losses = static_cast<size_t>(d.B) * d.T * sizeof(double);
   // Each allocation rounded to the pool's 256-byte alignment.
@@ -612,12 +649,13 @@ size_t CudaModelOpsScratchBytes(const ModelDims& d) {
 
 Result<std::unique_ptr<ModelOps>> NewCudaModelOps(Device* device, const ModelDims& dims) {
   if (device == nullptr) return Status::InvalidArgument("NewCudaModelOps: no device");
-  void* stream = CudaStreamOf(device->ComputeStream());
-  if (stream == nullptr) {
+  Result<cuda_internal::CudaStream*> stream =
+      cuda_internal::AsCudaStream(device->ComputeStream(), "NewCudaModelOps");
+  if (!stream.ok()) {
     return Status::NotSupported("the GPU model ops need a CUDA device (got '" + device->Name() +
                                 "')");
   }
-  auto ops = std::make_unique<CudaModelOps>(device, static_cast<cudaStream_t>(stream), dims);
+  auto ops = std::make_unique<CudaModelOps>(device, (*stream)->handle(), (*stream)->device(), dims);
   ZINF_RETURN_IF_ERROR(ops->Init());
   return std::unique_ptr<ModelOps>(std::move(ops));
 }
