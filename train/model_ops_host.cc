@@ -1,6 +1,9 @@
 // HostModelOps: the CPU kernels of kernels.h behind the ModelOps interface.
 #include <algorithm>
 #include <cstring>
+#include <new>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "train/kernels.h"
@@ -14,14 +17,8 @@ class HostModelOps final : public ModelOps {
   bool on_device() const override { return false; }
   Status status() override { return Status::OK(); }
 
-  Result<float*> AllocFloats(size_t n) override {
-    floats_.emplace_back(n, 0.0f);
-    return floats_.back().data();
-  }
-  Result<int32_t*> AllocInts(size_t n) override {
-    ints_.emplace_back(n, 0);
-    return ints_.back().data();
-  }
+  Result<float*> AllocFloats(size_t n) override { return Allocate(&floats_, n); }
+  Result<int32_t*> AllocInts(size_t n) override { return Allocate(&ints_, n); }
   void UploadInts(int32_t* dst, const int32_t* host_src, size_t n) override {
     if (n > 0) std::memcpy(dst, host_src, n * sizeof(int32_t));
   }
@@ -92,6 +89,20 @@ class HostModelOps final : public ModelOps {
   }
 
  private:
+  template <typename T>
+  static Result<T*> Allocate(std::vector<std::vector<T>>* pool, size_t n) {
+    try {
+      pool->emplace_back(n, T{});
+    } catch (const std::bad_alloc&) {
+      return Status::ResourceExhausted("out of host memory for " + std::to_string(n * sizeof(T)) +
+                                       " bytes");
+    } catch (const std::length_error&) {
+      return Status::ResourceExhausted("a buffer of " + std::to_string(n) +
+                                       " elements is larger than this machine can allocate");
+    }
+    return pool->back().data();
+  }
+
   std::vector<std::vector<float>> floats_;
   std::vector<std::vector<int32_t>> ints_;
 };

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -397,6 +399,11 @@ Result<std::unique_ptr<GptTrainer>> GptTrainer::Create(const GptConfig& model, i
     return Status::InvalidArgument("--seq must be in 1.." + std::to_string(model.max_seq) +
                                    " (the model's position table)");
   }
+  if (static_cast<int64_t>(batch) * seq > INT32_MAX) {
+    return Status::InvalidArgument("--batch x --seq is " +
+                                   std::to_string(static_cast<int64_t>(batch) * seq) +
+                                   " tokens per step; at most 2^31 - 1 are supported");
+  }
   if (engine == nullptr) return Status::InvalidArgument("GptTrainer: no engine");
   auto impl = std::make_unique<Impl>();
   Impl& m = *impl;
@@ -433,8 +440,18 @@ Result<std::unique_ptr<GptTrainer>> GptTrainer::Create(const GptConfig& model, i
     m.ops = NewHostModelOps();
   }
   ModelOps* ops = m.ops.get();
-  ZINF_RETURN_IF_ERROR(m.AllocateBuffers([ops](size_t n) { return ops->AllocFloats(n); },
-                                         [ops](size_t n) { return ops->AllocInts(n); }));
+  Status allocated = m.AllocateBuffers([ops](size_t n) { return ops->AllocFloats(n); },
+                                       [ops](size_t n) { return ops->AllocInts(n); });
+  if (!allocated.ok()) {
+    const double gib = static_cast<double>(DeviceBytes(model, batch, seq, m.bf16)) / (1 << 30);
+    char need[64];
+    std::snprintf(need, sizeof(need), "%.2f GiB", gib);
+    return allocated.WithContext(
+        std::string("allocating the trainer's activations and gradients (") + need + " for --batch " +
+        std::to_string(batch) + " x --seq " + std::to_string(seq) +
+        (gpu ? " in the GPU's pool; lower --batch or --seq, or raise --device-budget)"
+             : "; lower --batch or --seq)"));
+  }
   if (m.staging) {
     size_t staged = 0, largest_param = 0;
     for (const GptParam& p : m.list) largest_param = std::max(largest_param, p.numel());
@@ -463,6 +480,8 @@ Result<double> GptTrainer::MicroStep(const int32_t* tokens, const int32_t* targe
 }
 
 size_t GptTrainer::DeviceBytes(const GptConfig& model, int batch, int seq, bool bf16) {
+  // Create refuses these shapes.
+  if (batch < 1 || seq < 1 || static_cast<int64_t>(batch) * seq > INT32_MAX) return 0;
   Impl m;
   m.SetShape(model, batch, seq, bf16);
   // Count what AllocateBuffers asks for (each allocation rounded to the CUDA pool's 256

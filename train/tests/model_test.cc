@@ -135,6 +135,30 @@ TEST(Presets, BadNamesAndShapesAreClearErrors) {
   EXPECT_NE(Validate(c).message().find("--layers"), std::string::npos);
 }
 
+// Activations that cannot be allocated: a clear error naming the flags, not a crash.
+TEST(Presets, ActivationsTooLargeForMemoryAreAClearError) {
+  GptConfig c = TinyModel();
+  c.max_seq = 4096;
+  Session s;
+  s.device = NewHostDevice(HostDeviceOptions{});
+  auto comms = NewLocalComms({s.device.get()});
+  ASSERT_TRUE(comms.ok());
+  auto engine = Engine::Create(MakeConfig({}, ""), s.device.get(), (*comms)[0].get());
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  // 2^30 tokens x 32 features x 4 bytes: 128 GiB for the first activation alone.
+  auto t = GptTrainer::Create(c, 1 << 18, 4096, 1, engine->get(), {}, s.device.get());
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(t.status().message().find("lower --batch or --seq"), std::string::npos)
+      << t.status().ToString();
+  // More tokens than a step can index (2^31): refused before anything is allocated.
+  t = GptTrainer::Create(c, 1 << 20, 4096, 1, engine->get(), {}, s.device.get());
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(t.status().message().find("--batch x --seq"), std::string::npos)
+      << t.status().ToString();
+}
+
 // ---- Data ------------------------------------------------------------------------------------
 
 TEST(Data, BatchesAreDeterministicWindowsOfTheText) {
