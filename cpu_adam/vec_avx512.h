@@ -51,8 +51,14 @@ struct V {
   // One 64-byte line of copy from two vectors, non-temporal; REQUIRES p 64-byte aligned.
   static constexpr bool kCanStream = true;
   static void StreamBf16Line(uint16_t* p, const F* x) {
+#if ZINF_AVX512_NATIVE_BF16
+    // One VCVTNE2PS2BF16 converts both vectors (x[1] into the upper half), the same rounding
+    // as VCVTNEPS2BF16.
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));
+#else
     _mm512_stream_si512(reinterpret_cast<__m512i*>(p),
                         _mm512_inserti64x4(_mm512_castsi256_si512(ToBf16(x[0])), ToBf16(x[1]), 1));
+#endif
   }
   static void StreamF16Line(uint16_t* p, const F* x) {
     _mm512_stream_si512(reinterpret_cast<__m512i*>(p),
