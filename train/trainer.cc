@@ -1,5 +1,6 @@
 #include "train/trainer.h"
 
+#include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
@@ -440,6 +441,23 @@ Result<std::unique_ptr<GptTrainer>> GptTrainer::Create(const GptConfig& model, i
     m.ops = NewHostModelOps();
   }
   ModelOps* ops = m.ops.get();
+  if (!gpu) {
+    // Refused up front when the buffers exceed the machine's memory (an allocation that large
+    // would fail anyway, or start swapping).
+    const size_t need = DeviceBytes(model, batch, seq, m.bf16) - CudaModelOpsScratchBytes(m.Dims());
+    const long pages = sysconf(_SC_PHYS_PAGES), page_size = sysconf(_SC_PAGESIZE);
+    if (pages > 0 && page_size > 0 &&
+        need > static_cast<size_t>(pages) * static_cast<size_t>(page_size)) {
+      char msg[160];
+      std::snprintf(msg, sizeof(msg), "%.2f GiB, more than this machine's %.2f GiB of memory",
+                    static_cast<double>(need) / (1 << 30),
+                    static_cast<double>(pages) * page_size / (1 << 30));
+      return Status::ResourceExhausted(
+          std::string("the trainer's activations and gradients for --batch ") +
+          std::to_string(batch) + " x --seq " + std::to_string(seq) + " need " + msg +
+          "; lower --batch or --seq");
+    }
+  }
   Status allocated = m.AllocateBuffers([ops](size_t n) { return ops->AllocFloats(n); },
                                        [ops](size_t n) { return ops->AllocInts(n); });
   if (!allocated.ok()) {
