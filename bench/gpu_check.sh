@@ -259,7 +259,7 @@ fi
     echo "## GPU tests"
     echo
     echo '```'
-    grep -E "tests passed|tests failed|Failed|\*\*\*" "$OUT/gpu_tests.log" | tail -n 20 || true
+    grep -E "tests passed|tests failed|Failed|FAILED|PASSED|SKIPPED \] [0-9]+ test|\*\*\*" "$OUT/gpu_tests.log" | tail -n 40 || true
     echo '```'
   fi
   if [[ -f "$OUT/gpu_bench.log" ]] && grep -q '^{' "$OUT/gpu_bench.log"; then
