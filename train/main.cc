@@ -539,9 +539,10 @@ int main(int argc, char** argv) {
   app.add_option("--config", f.config, "DeepSpeed-style JSON config (zero_optimization, bf16, ...)")
       ->check(CLI::ExistingFile);
   app.add_option("--nvme", f.nvme, "NVMe swap folder (repeatable; default ./zinf-swap)");
-  app.add_option("--device", f.device,
-                 "host (default) or cuda: the engine and the model on GPU 0 (cuBLAS GEMMs, bf16 with "
-                 "bf16 parameters; parameters, copies, NCCL and the device optimizer there)")
+  app.add_option(
+         "--device", f.device,
+         "host (default) or cuda: the engine and the model on GPU 0 (cuBLAS GEMMs, bf16 with "
+         "bf16 parameters; parameters, copies, NCCL and the device optimizer there)")
       ->check(CLI::IsMember({"host", "cuda"}));
   app.add_option("--param-tier", f.param_tier, "where parameters live: device, cpu, nvme");
   app.add_option("--optimizer-tier", f.optimizer_tier,

@@ -55,8 +55,8 @@ class ModelOps {
   virtual void Copy(float* dst, const float* src, size_t n) = 0;
   virtual void Bf16ToFp32(float* dst, const uint16_t* src, size_t n) = 0;
 
-  virtual void EncoderForward(float* out, const int32_t* tokens, const float* wte,
-                              const float* wpe, int B, int T, int C) = 0;
+  virtual void EncoderForward(float* out, const int32_t* tokens, const float* wte, const float* wpe,
+                              int B, int T, int C) = 0;
   virtual void EncoderBackward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
                                int B, int T, int C) = 0;
   virtual void LayerNormForward(float* out, float* mean, float* rstd, const float* inp,
@@ -70,19 +70,19 @@ class ModelOps {
   // dinp += dout @ W (dinp may be null); dw += dout^T @ inp; dbias += column sums (may be
   // null).
   virtual void LinearBackward(float* dinp, float* dw, float* dbias, const float* dout,
-                              const float* inp, const float* w, const uint16_t* w16, int N,
-                              int C, int OC) = 0;
+                              const float* inp, const float* w, const uint16_t* w16, int N, int C,
+                              int OC) = 0;
   virtual void AttentionForward(float* out, float* att, const float* qkv, int B, int T, int C,
                                 int NH) = 0;
-  virtual void AttentionBackward(float* dqkv, const float* dout, const float* qkv,
-                                 const float* att, int B, int T, int C, int NH) = 0;
+  virtual void AttentionBackward(float* dqkv, const float* dout, const float* qkv, const float* att,
+                                 int B, int T, int C, int NH) = 0;
   virtual void GeluForward(float* out, const float* inp, size_t n) = 0;
   virtual void GeluBackward(float* dinp, const float* inp, const float* dout, size_t n) = 0;
   virtual void ResidualForward(float* out, const float* a, const float* b, size_t n) = 0;
   // The mean loss over N rows (summed in row order, in double); writes dlogits (overwrites)
   // when not null. Waits for the ops before it (the loss is read on the host).
-  virtual Result<double> CrossEntropy(float* dlogits, const float* logits,
-                                      const int32_t* targets, int N, int V, double dloss) = 0;
+  virtual Result<double> CrossEntropy(float* dlogits, const float* logits, const int32_t* targets,
+                                      int N, int V, double dloss) = 0;
 };
 
 // The CPU ops (never fail).

@@ -31,8 +31,8 @@ namespace {
 
 using cuda_internal::CudaCallStatus;
 
-constexpr int kThreads = 256;        // element-wise kernels and row reductions (power of two)
-constexpr int kWarpsPerBlock = 4;    // attention: one warp per row
+constexpr int kThreads = 256;      // element-wise kernels and row reductions (power of two)
+constexpr int kWarpsPerBlock = 4;  // attention: one warp per row
 constexpr double kLayerNormEps = 1e-5;
 constexpr float kSqrt2OverPi = 0.79788456080286535588f;
 constexpr float kGeluCubic = 0.044715f;
@@ -49,7 +49,7 @@ unsigned GridFor(size_t n) {
   return static_cast<unsigned>(blocks < 65535 * 8 ? blocks : 65535 * 8);
 }
 
-#define ZINF_GRID_LOOP(i, n)                                                         \
+#define ZINF_GRID_LOOP(i, n)                                                           \
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < (n); \
        i += static_cast<size_t>(gridDim.x) * blockDim.x)
 
@@ -302,8 +302,8 @@ __global__ void AttentionBackwardQueryKernel(float* dqkv, float* ds, const float
 // Pass 2, per key row j: dK[j] += scale * sum_{t >= j} dS[t, j] Q[t], dV[j] += sum_{t >= j}
 // P[t, j] dO[t].
 __global__ void AttentionBackwardKeyKernel(float* dqkv, const float* ds, const float* dout,
-                                           const float* qkv, const float* att, int B, int T,
-                                           int C, int NH, float scale) {
+                                           const float* qkv, const float* att, int B, int T, int C,
+                                           int NH, float scale) {
   AttnRow r;
   if (!RowOfWarp(qkv, B, T, C, NH, &r)) return;
   const int j = r.t;
@@ -442,7 +442,8 @@ class CudaModelOps final : public ModelOps {
                       int T, int C) override {
     Enter();
     const size_t n = static_cast<size_t>(B) * T * C;
-    if (n > 0) EncoderForwardKernel<<<GridFor(n), kThreads, 0, stream_>>>(out, tokens, wte, wpe, T, C, n);
+    if (n > 0)
+      EncoderForwardKernel<<<GridFor(n), kThreads, 0, stream_>>>(out, tokens, wte, wpe, T, C, n);
   }
   void EncoderBackward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int B,
                        int T, int C) override {
@@ -467,8 +468,8 @@ class CudaModelOps final : public ModelOps {
         dw, db, dout, inp, mean, rstd, N, C);
   }
 
-  void Linear(float* out, const float* inp, const float* w, const uint16_t* w16,
-              const float* bias, int N, int C, int OC) override {
+  void Linear(float* out, const float* inp, const float* w, const uint16_t* w16, const float* bias,
+              int N, int C, int OC) override {
     Enter();
     if (N <= 0 || OC <= 0) return;
     const float one = 1.0f, zero = 0.0f;
@@ -479,8 +480,8 @@ class CudaModelOps final : public ModelOps {
                         CUBLAS_GEMM_DEFAULT),
            "cublasGemmEx(forward)");
     } else {
-      Note(cublasSgemm(handle_, CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, &one, w, C, inp, C, &zero,
-                       out, OC),
+      Note(cublasSgemm(handle_, CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, &one, w, C, inp, C, &zero, out,
+                       OC),
            "cublasSgemm(forward)");
     }
     if (bias != nullptr) {
@@ -519,8 +520,7 @@ class CudaModelOps final : public ModelOps {
            "cublasSgemm(weight gradient)");
     }
     if (dbias != nullptr) {
-      ColumnSumKernel<<<(OC + kThreads - 1) / kThreads, kThreads, 0, stream_>>>(dbias, dout, N,
-                                                                                 OC);
+      ColumnSumKernel<<<(OC + kThreads - 1) / kThreads, kThreads, 0, stream_>>>(dbias, dout, N, OC);
     }
   }
 
@@ -529,16 +529,17 @@ class CudaModelOps final : public ModelOps {
     Enter();
     const int rows = B * NH * T;
     if (rows <= 0) return;
-    AttentionForwardKernel<<<Warps(rows), 32 * kWarpsPerBlock, 0, stream_>>>(
-        out, att, qkv, B, T, C, NH, Scale(C, NH));
+    AttentionForwardKernel<<<Warps(rows), 32 * kWarpsPerBlock, 0, stream_>>>(out, att, qkv, B, T, C,
+                                                                             NH, Scale(C, NH));
   }
-  void AttentionBackward(float* dqkv, const float* dout, const float* qkv, const float* att,
-                         int B, int T, int C, int NH) override {
+  void AttentionBackward(float* dqkv, const float* dout, const float* qkv, const float* att, int B,
+                         int T, int C, int NH) override {
     Enter();
     const int rows = B * NH * T;
     if (rows <= 0) return;
     if (B > dims_.B || T > dims_.T || NH > dims_.NH) {
-      Fail(Status::InvalidArgument("AttentionBackward: shape larger than the ops were created for"));
+      Fail(
+          Status::InvalidArgument("AttentionBackward: shape larger than the ops were created for"));
       return;
     }
     AttentionBackwardQueryKernel<<<Warps(rows), 32 * kWarpsPerBlock, 0, stream_>>>(
@@ -586,10 +587,10 @@ class CudaModelOps final : public ModelOps {
   // False (and the error kept) when `n` exceeds the scratch: the caller must skip its GEMM.
   bool ToBf16(__nv_bfloat16* dst, const float* src, size_t n) {
     if (n > Bf16ScratchElements(dims_)) {
-      Fail(Status::InvalidArgument("Linear: " + std::to_string(n) +
-                                   " elements exceed the ops' bf16 scratch (created for B=" +
-                                   std::to_string(dims_.B) + ", T=" + std::to_string(dims_.T) +
-                                   ")"));
+      Fail(Status::InvalidArgument(
+          "Linear: " + std::to_string(n) +
+          " elements exceed the ops' bf16 scratch (created for B=" + std::to_string(dims_.B) +
+          ", T=" + std::to_string(dims_.T) + ")"));
       return false;
     }
     if (n > 0) F32ToBf16Kernel<<<GridFor(n), kThreads, 0, stream_>>>(dst, src, n);
@@ -604,7 +605,8 @@ class CudaModelOps final : public ModelOps {
     ZINF_ASSIGN_OR_RETURN(void* p, device_->Alloc(bytes == 0 ? 1 : bytes));
     allocations_.push_back(p);
     const cudaError_t err = cudaMemsetAsync(p, 0, bytes, stream_);
-    if (err != cudaSuccess) return CudaCallStatus(err, "cudaMemsetAsync(alloc)", __FILE__, __LINE__);
+    if (err != cudaSuccess)
+      return CudaCallStatus(err, "cudaMemsetAsync(alloc)", __FILE__, __LINE__);
     return p;
   }
   void Fail(const Status& s) {

@@ -50,8 +50,8 @@ class HostModelOps final : public ModelOps {
                          int C) override {
     train::LayerNormBackward(dinp, dw, db, dout, inp, w, mean, rstd, N, C);
   }
-  void Linear(float* out, const float* inp, const float* w, const uint16_t* w16,
-              const float* bias, int N, int C, int OC) override {
+  void Linear(float* out, const float* inp, const float* w, const uint16_t* w16, const float* bias,
+              int N, int C, int OC) override {
     if (w16 != nullptr) {
       MatmulForwardBf16(out, inp, w16, bias, N, C, OC);
     } else {

@@ -60,8 +60,8 @@ namespace {
 struct BlockActs {
   float* x = nullptr;  // input of the block (residual stream)
   float *ln1 = nullptr, *ln1_mean = nullptr, *ln1_rstd = nullptr, *qkv = nullptr, *att = nullptr,
-        *atty = nullptr, *xmid = nullptr, *ln2 = nullptr, *ln2_mean = nullptr,
-        *ln2_rstd = nullptr, *fch = nullptr, *fcg = nullptr;
+        *atty = nullptr, *xmid = nullptr, *ln2 = nullptr, *ln2_mean = nullptr, *ln2_rstd = nullptr,
+        *fch = nullptr, *fcg = nullptr;
 };
 
 }  // namespace
@@ -297,8 +297,8 @@ void GptTrainer::Impl::BackwardBlock(int l, const float* const* w, float* const*
   ops->Zero(dln, nc);
   LinearBackward(dln, g, dfch, a.ln2, w, kFcW, kFcB, C, 4 * C);
   ops->Copy(dxmid, dres, nc);
-  ops->LayerNormBackward(dxmid, g[kLn2W], g[kLn2B], dln, a.xmid, w[kLn2W], a.ln2_mean,
-                         a.ln2_rstd, N, C);
+  ops->LayerNormBackward(dxmid, g[kLn2W], g[kLn2B], dln, a.xmid, w[kLn2W], a.ln2_mean, a.ln2_rstd,
+                         N, C);
   // xmid = x + proj(attn(ln1(x))).
   ops->Zero(datty, nc);
   LinearBackward(datty, g, dxmid, a.atty, w, kAttnProjW, kAttnProjB, C, C);
@@ -307,8 +307,8 @@ void GptTrainer::Impl::BackwardBlock(int l, const float* const* w, float* const*
   ops->Zero(dln, nc);
   LinearBackward(dln, g, dqkv, a.ln1, w, kQkvW, kQkvB, C, 3 * C);
   ops->Copy(dres, dxmid, nc);
-  ops->LayerNormBackward(dres, g[kLn1W], g[kLn1B], dln, a.x, w[kLn1W], a.ln1_mean, a.ln1_rstd,
-                         N, C);
+  ops->LayerNormBackward(dres, g[kLn1W], g[kLn1B], dln, a.x, w[kLn1W], a.ln1_mean, a.ln1_rstd, N,
+                         C);
 }
 
 Result<double> GptTrainer::Impl::Forward(float loss_scale, bool backward) {
@@ -336,8 +336,8 @@ Result<double> GptTrainer::Impl::Forward(float loss_scale, bool backward) {
     ZINF_ASSIGN_OR_RETURN(std::vector<const float*> w, AcquireFp32(group));
     ops->LayerNormForward(lnf, lnf_mean, lnf_rstd, x_final, w[0], w[1], N, C);
     ops->Linear(logits, lnf, w[2], nullptr, nullptr, N, C, V);
-    ZINF_ASSIGN_OR_RETURN(loss, ops->CrossEntropy(backward ? dlogits : nullptr, logits, targets,
-                                                  N, V, static_cast<double>(loss_scale)));
+    ZINF_ASSIGN_OR_RETURN(loss, ops->CrossEntropy(backward ? dlogits : nullptr, logits, targets, N,
+                                                  V, static_cast<double>(loss_scale)));
     if (backward) {
       ops->Zero(dln, nc);
       ops->Zero(dwte, list[0].numel());
@@ -392,8 +392,7 @@ GptTrainer::~GptTrainer() = default;
 
 Result<std::unique_ptr<GptTrainer>> GptTrainer::Create(const GptConfig& model, int batch, int seq,
                                                        uint64_t seed, Engine* engine,
-                                                       const TrainerHooks& hooks,
-                                                       Device* device) {
+                                                       const TrainerHooks& hooks, Device* device) {
   ZINF_RETURN_IF_ERROR(Validate(model));
   if (batch < 1) return Status::InvalidArgument("--batch must be at least 1");
   if (seq < 1 || seq > model.max_seq) {
@@ -465,8 +464,8 @@ Result<std::unique_ptr<GptTrainer>> GptTrainer::Create(const GptConfig& model, i
     char need[64];
     std::snprintf(need, sizeof(need), "%.2f GiB", gib);
     return allocated.WithContext(
-        std::string("allocating the trainer's activations and gradients (") + need + " for --batch " +
-        std::to_string(batch) + " x --seq " + std::to_string(seq) +
+        std::string("allocating the trainer's activations and gradients (") + need +
+        " for --batch " + std::to_string(batch) + " x --seq " + std::to_string(seq) +
         (gpu ? " in the GPU's pool; lower --batch or --seq, or raise --device-budget)"
              : "; lower --batch or --seq)"));
   }

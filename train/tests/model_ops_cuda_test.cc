@@ -104,8 +104,8 @@ class CudaModelOpsTest : public ::testing::Test {
     Result<float*> p = gpu_->AllocFloats(host.size());
     EXPECT_TRUE(p.ok()) << p.status().ToString();
     if (!p.ok()) return nullptr;
-    Status s = device_->CopyHostToDevice(*p, host.data(), host.size() * 4,
-                                         device_->ComputeStream());
+    Status s =
+        device_->CopyHostToDevice(*p, host.data(), host.size() * 4, device_->ComputeStream());
     EXPECT_TRUE(s.ok()) << s.ToString();
     return *p;
   }
@@ -113,8 +113,8 @@ class CudaModelOpsTest : public ::testing::Test {
     Result<float*> p = gpu_->AllocFloats((host.size() + 1) / 2);
     EXPECT_TRUE(p.ok()) << p.status().ToString();
     if (!p.ok()) return nullptr;
-    Status s = device_->CopyHostToDevice(*p, host.data(), host.size() * 2,
-                                         device_->ComputeStream());
+    Status s =
+        device_->CopyHostToDevice(*p, host.data(), host.size() * 2, device_->ComputeStream());
     EXPECT_TRUE(s.ok()) << s.ToString();
     return reinterpret_cast<uint16_t*>(*p);
   }
@@ -210,8 +210,8 @@ TEST_F(CudaModelOpsTest, Fp32LinearMatchesTheCpu) {
 
   std::vector<float> dx = Random(x.size(), 24), dw = Random(w.size(), 25), db = Random(OUT, 26);
   float *g_dx = Up(dx), *g_dw = Up(dw), *g_db = Up(db);
-  cpu_->LinearBackward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), w.data(), nullptr,
-                       N, IN, OUT);
+  cpu_->LinearBackward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), w.data(), nullptr, N,
+                       IN, OUT);
   gpu_->LinearBackward(g_dx, g_dw, g_db, Up(dout), g_x, g_w, nullptr, N, IN, OUT);
   EXPECT_TRUE(Close(Down(g_dx, dx.size()), dx, "linear dinp"));
   EXPECT_TRUE(Close(Down(g_dw, dw.size()), dw, "linear dw"));

@@ -338,9 +338,9 @@ TEST(Model, StagingThroughTheDeviceIsBitIdentical) {
   const GptConfig model = TinyModel();
   Result<TextData> data = TextData::Load(CorpusPath(), 16);
   ASSERT_TRUE(data.ok()) << data.status().ToString();
-  for (const Placement& p : {Placement{Tier::kDevice, Tier::kDevice, true},
-                             Placement{Tier::kDevice, Tier::kDevice, false},
-                             Placement{Tier::kNvme, Tier::kCpu, true}}) {
+  for (const Placement& p :
+       {Placement{Tier::kDevice, Tier::kDevice, true},
+        Placement{Tier::kDevice, Tier::kDevice, false}, Placement{Tier::kNvme, Tier::kCpu, true}}) {
     SCOPED_TRACE(std::string("params ") + TierName(p.param) + (p.bf16 ? " bf16" : " fp32"));
     TempDir nvme;
     ASSERT_TRUE(nvme.ok());
