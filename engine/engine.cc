@@ -477,6 +477,24 @@ struct Engine::Impl {
   Status StepGroupOnDevice(size_t gi, const Epoch& e, float coef);
   Status StepGroup(size_t g, float* master, float* m, float* v, uint16_t* copy_out, const Epoch& e,
                    float coef, std::vector<Ticket>* writes);
+  // The optimizer's view of parameter p's partition inside its sub-group's master and state
+  // buffers (m and v: exp_avg / exp_avg_sq, or the Adagrad sum in v), with fp32 gradients at
+  // `grad`; no parameter copy.
+  OptimizerTensors PartTensors(const Param& p, const OptimizerHyperParams& hp, float* master,
+                               float* m, float* v, const float* grad) const {
+    OptimizerTensors t;
+    t.param = master + p.slice_offset;
+    t.grad = grad;
+    t.grad_type = GradType::kF32;
+    t.n = p.info.partition_numel;
+    if (hp.kind == OptimizerKind::kAdagrad) {
+      t.sum = v + p.slice_offset;
+    } else {
+      t.exp_avg = m + p.slice_offset;
+      if (hp.kind != OptimizerKind::kLion) t.exp_avg_sq = v + p.slice_offset;
+    }
+    return t;
+  }
   // Writes sub-group g's parameters (from the masters, or their storage-dtype copy) into
   // parameter store buffer `buf`. With `writes` (the optimizer's pipeline) the NVMe writes'
   // tickets go there and device copies are left in flight on update_stream; without, it
@@ -1945,17 +1963,8 @@ Status Engine::Impl::StepGroupOnDevice(size_t gi, const Epoch& e, float coef) {
   for (ParamId id : g.params) {
     if (!s.ok()) break;
     Param& p = params[id];
-    OptimizerTensors t;
-    t.param = master + p.slice_offset;
-    t.grad = static_cast<const float*>(dev_grads) + p.slice_offset;
-    t.grad_type = GradType::kF32;
-    t.n = p.info.partition_numel;
-    if (hp.kind == OptimizerKind::kAdagrad) {
-      t.sum = v + p.slice_offset;
-    } else {
-      t.exp_avg = m + p.slice_offset;
-      if (hp.kind != OptimizerKind::kLion) t.exp_avg_sq = v + p.slice_offset;
-    }
+    OptimizerTensors t =
+        PartTensors(p, hp, master, m, v, static_cast<const float*>(dev_grads) + p.slice_offset);
     if (copy_type != ParamCopyType::kNone) {
       t.param_copy = p.device_part[buf];
       t.param_copy_type = copy_type;
@@ -1984,17 +1993,7 @@ Status Engine::Impl::StepGroup(size_t gi, float* master, float* m, float* v, uin
   auto t0 = Clock::now();
   for (ParamId id : g.params) {
     Param& p = params[id];
-    OptimizerTensors t;
-    t.param = master + p.slice_offset;
-    t.grad = GradAcc(p);
-    t.grad_type = GradType::kF32;
-    t.n = p.info.partition_numel;
-    if (hp.kind == OptimizerKind::kAdagrad) {
-      t.sum = v + p.slice_offset;
-    } else {
-      t.exp_avg = m + p.slice_offset;
-      if (hp.kind != OptimizerKind::kLion) t.exp_avg_sq = v + p.slice_offset;
-    }
+    OptimizerTensors t = PartTensors(p, hp, master, m, v, GradAcc(p));
     if (copy_out != nullptr) {
       t.param_copy = copy_out + p.slice_offset;
       t.param_copy_type = copy_type;

@@ -74,6 +74,22 @@ class SwapStoreTest : public ::testing::TestWithParam<Case> {
     }
     return BaseOptions(paths, GetParam().backend, GetParam().direct);
   }
+  // Writes the first `size` bytes of buf under key and waits for it.
+  static void WriteWhole(SwapStore* st, const std::string& key, const AlignedBuffer& buf,
+                         uint64_t size) {
+    auto t = st->Write(key, buf.data(), size, buf.size());
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    ASSERT_TRUE(st->Wait(*t).ok());
+  }
+  // Reads key into *back and expects its first `size` bytes to equal want's.
+  static void ExpectReads(SwapStore* st, const std::string& key, AlignedBuffer* back,
+                          const AlignedBuffer& want, uint64_t size) {
+    auto t = st->Read(key, back->data(), back->size());
+    ASSERT_TRUE(t.ok()) << key << ": " << t.status().ToString();
+    Status s = st->Wait(*t);
+    ASSERT_TRUE(s.ok()) << key << ": " << s.ToString();
+    EXPECT_EQ(0, std::memcmp(back->data(), want.data(), size)) << key;
+  }
   TempDir dir_;
 };
 
@@ -231,16 +247,10 @@ TEST_P(SwapStoreTest, DurableReopenSeesTheLastCommit) {
   FillRandom(v2.data(), size, 2);
   FillRandom(c.data(), size, 3);
   auto write = [&](SwapStore* st, const std::string& key, const AlignedBuffer& buf) {
-    auto t = st->Write(key, buf.data(), size, buf.size());
-    ASSERT_TRUE(t.ok()) << t.status().ToString();
-    ASSERT_TRUE(st->Wait(*t).ok());
+    WriteWhole(st, key, buf, size);
   };
   auto read_equals = [&](SwapStore* st, const std::string& key, const AlignedBuffer& want) {
-    auto t = st->Read(key, back.data(), back.size());
-    ASSERT_TRUE(t.ok()) << key << ": " << t.status().ToString();
-    Status s = st->Wait(*t);
-    ASSERT_TRUE(s.ok()) << key << ": " << s.ToString();
-    EXPECT_EQ(0, std::memcmp(back.data(), want.data(), size)) << key;
+    ExpectReads(st, key, &back, want, size);
   };
   uint64_t file_bytes_after_warmup = 0;
   {
@@ -318,16 +328,10 @@ TEST_P(SwapStoreTest, DurableRetainsThePreviousCommit) {
   FillRandom(v2.data(), size, 2);
   FillRandom(v3.data(), size, 3);
   auto write = [&](SwapStore* st, const std::string& key, const AlignedBuffer& buf) {
-    auto t = st->Write(key, buf.data(), size, buf.size());
-    ASSERT_TRUE(t.ok()) << t.status().ToString();
-    ASSERT_TRUE(st->Wait(*t).ok());
+    WriteWhole(st, key, buf, size);
   };
   auto read_equals = [&](SwapStore* st, const std::string& key, const AlignedBuffer& want) {
-    auto t = st->Read(key, back.data(), back.size());
-    ASSERT_TRUE(t.ok()) << key << ": " << t.status().ToString();
-    Status s = st->Wait(*t);
-    ASSERT_TRUE(s.ok()) << key << ": " << s.ToString();
-    EXPECT_EQ(0, std::memcmp(back.data(), want.data(), size)) << key;
+    ExpectReads(st, key, &back, want, size);
   };
   auto commits = [&] {
     auto l = SwapStore::ListCommits(o.paths[0]);
