@@ -78,6 +78,7 @@ std::string SerializeRankManifest(const RankManifest& m) {
                             {"sub_group", t.sub_group},
                             {"slice_offset", t.slice_offset},
                             {"xxh3", {Hex(t.hash[0]), Hex(t.hash[1]), Hex(t.hash[2])}}});
+    if (t.updates >= 0) j["tensors"].back()["updates"] = t.updates;
   }
   j["user_data"] = m.user_data;
   return j.dump(1) + "\n";
@@ -166,6 +167,15 @@ Result<RankManifest> ParseRankManifest(const std::string& text, const std::strin
     }
     for (int k = 0; k < 3; ++k) {
       ZINF_ASSIGN_OR_RETURN(ct.hash[k], ParseHex((*hashes)[k], tw + ": xxh3"));
+    }
+    if (t.contains("updates")) {
+      ZINF_ASSIGN_OR_RETURN(uint64_t updates, U64(t, "updates", tw));
+      if (updates > step) {
+        return Status::Corruption(tw + ": " + std::to_string(updates) +
+                                  " updates, more than the checkpoint's step " +
+                                  std::to_string(step));
+      }
+      ct.updates = static_cast<int64_t>(updates);
     }
     m.tensors.push_back(std::move(ct));
   }

@@ -20,6 +20,9 @@ struct CheckpointTensor {
   uint64_t sub_group = 0;
   uint64_t slice_offset = 0;     // elements, inside the sub-group's state arrays
   uint64_t hash[3] = {0, 0, 0};  // xxh3-64 of master, exp_avg, exp_avg_sq slices
+  // Optimizer updates applied to the tensor (torch's state["step"]); -1 when the manifest
+  // predates per-tensor counts (every tensor then has the checkpoint's step).
+  int64_t updates = -1;
 };
 
 struct CheckpointGroup {

@@ -206,7 +206,11 @@ struct Engine::Impl {
     Status fetch_status;  // guarded by mu_: set by the fetch's stream callback
     bool grad_reduced_this_micro = false;
     bool grad_seen_this_window = false;
-    size_t slice_offset = 0;  // element offset inside its sub-group's state arrays
+    size_t slice_offset = 0;    // element offset inside its sub-group's state arrays
+    size_t index_in_group = 0;  // position in its sub-group's `params`
+    // Optimizer updates applied so far (torch's state["step"]): the optimizer thread changes it
+    // while it steps the sub-group; others read it between optimizer steps.
+    int64_t updates = 0;
   };
 
   struct SubGroup {
@@ -220,6 +224,10 @@ struct Engine::Impl {
     float* device_states = nullptr;
     std::string swap_key;  // Tier::kNvme: [master|m|v] in one tensor
     int pending = 0;       // guarded by mu: params whose grad has not landed
+    // Guarded by mu: per parameter of the group (index_in_group), whether it got a gradient in
+    // the window being accumulated. Set by ReduceGradient; taken (and cleared) by the optimizer
+    // when it steps the group, before the next window's gradients may come in.
+    std::vector<uint8_t> has_grad;
     // Guarded by mu: the optimizer step whose gradients are complete in the accumulators, and
     // the last step the optimizer has finished with this sub-group (its accumulators are free
     // for the next window's gradients from then on).
@@ -427,8 +435,9 @@ struct Engine::Impl {
   // with the delayed update).
   std::string StoreMeta(int64_t at_step, int64_t at_visible) const;
   // `param_keys`: the commit holds NVMe parameter stores (written from its masters).
+  // `updates` (optional): each parameter's update count at that commit.
   Status CheckStoreMeta(const std::string& meta, int64_t* step, int64_t* visible, bool* param_keys,
-                        uint64_t* lineage = nullptr) const;
+                        uint64_t* lineage = nullptr, std::vector<int64_t>* updates = nullptr) const;
   // Called by the trainer thread at Step() (or between steps), or, for a delayed step, by
   // the optimizer thread once the step's update is written (the next one has not begun).
   Status CommitStore(int64_t at_step, int64_t at_visible) {
@@ -474,9 +483,12 @@ struct Engine::Impl {
   // A sub-group kept on the device, with its parameters on the device: stepped by
   // Device::OptimizerStep on the update stream, the parameters written into their device
   // stores by the step itself (bf16) or a device copy (fp32).
-  Status StepGroupOnDevice(size_t gi, const Epoch& e, float coef);
+  // `with_grad[j]`: whether the group's j-th parameter got a gradient in the window; the others
+  // are not updated (their parameter stores are still written, as their buffer may be stale).
+  Status StepGroupOnDevice(size_t gi, const Epoch& e, float coef,
+                           const std::vector<uint8_t>& with_grad);
   Status StepGroup(size_t g, float* master, float* m, float* v, uint16_t* copy_out, const Epoch& e,
-                   float coef, std::vector<Ticket>* writes);
+                   float coef, const std::vector<uint8_t>& with_grad, std::vector<Ticket>* writes);
   // The optimizer's view of parameter p's partition inside its sub-group's master and state
   // buffers (m and v: exp_avg / exp_avg_sq, or the Adagrad sum in v), with fp32 gradients at
   // `grad`; no parameter copy.
@@ -515,6 +527,29 @@ struct Engine::Impl {
   Status AllReduceHost(float* values, size_t count, Stream* stream, const std::string& what);
   Status AllGatherHost(const void* send, void* recv, size_t bytes_per_rank,
                        const std::string& what);
+  // Host memory for one sub-group's states between optimizer steps: from the pinned arena
+  // (whose optimizer buffers are idle then) when it has room, else from the heap.
+  struct HostStates {
+    PinnedBuffer pinned;
+    std::unique_ptr<AlignedBuffer> heap;
+    void* data() const { return heap ? heap->data : pinned.data(); }
+  };
+  Status AllocateHostStates(size_t bytes, HostStates* out) {
+    if (arena) {
+      Result<PinnedBuffer> b = arena->Allocate(bytes);
+      if (b.ok()) {
+        out->pinned = std::move(b).value();
+        return Status::OK();
+      }
+    }
+    out->heap = std::make_unique<AlignedBuffer>(bytes);
+    if (out->heap->data == nullptr) {
+      out->heap.reset();
+      return Status::ResourceExhausted("allocating " + FormatBytes(bytes) +
+                                       " of host memory for a sub-group's optimizer states");
+    }
+    return Status::OK();
+  }
   // Copies sub-group `gi`'s [master | exp_avg | exp_avg_sq] into / out of `buf` (host).
   Status ReadGroupStates(size_t gi, void* buf);
   // ... and rebuilds the group's parameter store buffer `buf_index` from the masters.
@@ -739,6 +774,7 @@ Result<ParamId> Engine::RegisterParameter(const ParamSpec& spec) {
   p.info.partition_numel = RoundUpSize((numel + m.world - 1) / m.world, kPartitionAlign);
   p.padded_numel = p.info.partition_numel * m.world;
   p.info.persistent = numel <= m.config.param_persistence_threshold;
+  p.info.trainable = spec.trainable;
   p.init = spec.init;
   // The largest layer must fit the device budget together with its gradient scratch.
   uint64_t need =
@@ -787,9 +823,11 @@ Status Engine::Impl::Place() {
     SubGroup& g = groups.back();
     p.info.sub_group = groups.size() - 1;
     p.slice_offset = g.numel;
+    p.index_in_group = g.params.size();
     g.params.push_back(id);
     g.numel += slice;
   }
+  for (SubGroup& g : groups) g.has_grad.assign(g.params.size(), 0);
 
   // offload_optimizer.ratio: the share of sub-groups whose states are offloaded (cpu or nvme)
   // and stepped by the CPU. The others stay in device memory and are stepped there: the
@@ -965,8 +1003,10 @@ Status Engine::Impl::InitStores() {
   int64_t resumed_visible = 0;
   bool stored_params = false;
   if (resume_store) {
+    std::vector<int64_t> updates;
     ZINF_RETURN_IF_ERROR(CheckStoreMeta(swap->committed_meta(), &resumed_step, &resumed_visible,
-                                        &stored_params, &lineage));
+                                        &stored_params, &lineage, &updates));
+    for (size_t i = 0; i < params.size(); ++i) params[i].updates = updates[i];
     if (config.offload_param.tier != Tier::kNvme) {
       // Parameter stores of an earlier run with NVMe parameters: stale from now on (this run
       // keeps its parameters elsewhere); drop them so no later resume can trust them.
@@ -1139,16 +1179,16 @@ std::string Engine::Impl::StoreMeta(int64_t at_step, int64_t at_visible) const {
   j["param_tier"] = config.offload_param.tier == Tier::kNvme ? "nvme" : "memory";
   nlohmann::json ps = nlohmann::json::array();
   for (const Param& p : params) {
-    ps.push_back(
-        {p.info.name, p.info.numel, p.info.partition_numel, p.info.sub_group, p.slice_offset});
+    ps.push_back({p.info.name, p.info.numel, p.info.partition_numel, p.info.sub_group,
+                  p.slice_offset, p.updates});
   }
   j["params"] = ps;
   return j.dump();
 }
 
 Status Engine::Impl::CheckStoreMeta(const std::string& meta, int64_t* out_step,
-                                    int64_t* out_visible, bool* param_keys,
-                                    uint64_t* out_lineage) const {
+                                    int64_t* out_visible, bool* param_keys, uint64_t* out_lineage,
+                                    std::vector<int64_t>* out_updates) const {
   if (meta.empty()) {
     return Status::NotFound("ResumeFromStore: the swap store has no commit to resume from");
   }
@@ -1203,6 +1243,18 @@ Status Engine::Impl::CheckStoreMeta(const std::string& meta, int64_t* out_step,
     if (*out_visible > *out_step || *out_visible < *out_step - 1 || *out_visible < 0) {
       return mismatch("parameter version " + std::to_string(*out_visible) + " at step " +
                       std::to_string(*out_step));
+    }
+    if (out_updates != nullptr) {
+      out_updates->assign(params.size(), *out_step);
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (ps[i].size() < 6) continue;  // a commit from before per-parameter counts
+        const int64_t u = ps[i].at(5).get<int64_t>();
+        if (u < 0 || u > *out_step) {
+          return mismatch("parameter '" + params[i].info.name + "' has " + std::to_string(u) +
+                          " updates at step " + std::to_string(*out_step));
+        }
+        (*out_updates)[i] = u;
+      }
     }
   } catch (const nlohmann::json::exception& ex) {
     return Status::Corruption(std::string("ResumeFromStore: the store's commit record is "
@@ -1482,6 +1534,8 @@ void Engine::Impl::Prefetch() {
     Param& p = params[id];
     bool fresh = p.device_full != nullptr && p.fetched_version == static_cast<uint64_t>(visible);
     if (fresh) continue;
+    // Still acquired from an older version (the trainer holds it): its memory must not move.
+    if (p.acquired > 0) continue;
     // Delayed update: a parameter whose gradient this boundary micro-step has reduced may be
     // being rewritten by the optimizer (Acquire refuses it too).
     if (delayed && boundary_micro && p.grad_reduced_this_micro) continue;
@@ -1500,20 +1554,31 @@ void Engine::Impl::Prefetch() {
   }
 }
 
-Result<std::vector<void*>> Engine::Acquire(const std::vector<ParamId>& ids) {
+Result<std::vector<void*>> Engine::Acquire(const std::vector<ParamId>& ids, AcquireMode mode) {
   Impl& m = *impl_;
   if (!m.broken.ok()) return m.broken;
   if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
-  m.KickEpoch();
-  std::vector<void*> out;
-  out.reserve(ids.size());
+  const bool training = mode == AcquireMode::kTraining;
   for (ParamId id : ids) {
     if (id >= m.params.size()) {
       return Status::InvalidArgument("Acquire: unknown parameter id " + std::to_string(id));
     }
-    m.TraceCheck(id);
+    const Impl::Param& p = m.params[id];
+    if (p.acquired > 0 &&
+        !(p.device_full != nullptr && p.fetched_version == static_cast<uint64_t>(m.visible))) {
+      return Status::FailedPrecondition(
+          "Acquire('" + p.info.name +
+          "'): it is still acquired from before the optimizer step "
+          "that changed it (its memory holds the old values); release it first");
+    }
+  }
+  if (training) m.KickEpoch();
+  std::vector<void*> out;
+  out.reserve(ids.size());
+  for (ParamId id : ids) {
+    if (training) m.TraceCheck(id);
     Impl::Param& p = m.params[id];
-    if (m.delayed && m.boundary_micro && p.grad_reduced_this_micro) {
+    if (training && m.delayed && m.boundary_micro && p.grad_reduced_this_micro) {
       return Status::FailedPrecondition(
           "Acquire('" + p.info.name +
           "') after its ReduceGradient in the same micro-step: with zinf.delayed_update the "
@@ -1586,6 +1651,11 @@ Status Engine::ReduceGradient(ParamId id, const float* grad) {
   if (!m.registered) return Status::FailedPrecondition("ReduceGradient before any Acquire");
   m.KickEpoch();
   Impl::Param& p = m.params[id];
+  if (!p.info.trainable) {
+    return Status::FailedPrecondition("ReduceGradient('" + p.info.name +
+                                      "'): the parameter is frozen (registered with trainable "
+                                      "false); it takes no gradient");
+  }
   if (p.grad_reduced_this_micro) {
     return Status::FailedPrecondition("ReduceGradient('" + p.info.name +
                                       "') twice in one micro-step");
@@ -1596,6 +1666,10 @@ Status Engine::ReduceGradient(ParamId id, const float* grad) {
   // be free of the previous window's step (delayed update) before this gradient goes in.
   const int64_t ready = m.boundary_micro ? m.step + 1 : 0;
   ZINF_RETURN_IF_ERROR(m.WaitStepped(m.groups[p.info.sub_group]));
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    m.groups[p.info.sub_group].has_grad[p.index_in_group] = 1;
+  }
   if (m.world == 1 && !p.grad_seen_this_window) {
     // One rank, first gradient of the window: the reduction is the identity, so the
     // gradient goes straight into its accumulator (one copy instead of three, and no device
@@ -1852,6 +1926,7 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
     }
     // Wait for this sub-group's gradients (and, with clipping, the global norm).
     float coef = 1.0f;
+    std::vector<uint8_t> with_grad;  // the parameters this step updates (the others skip it)
     {
       std::unique_lock<std::mutex> lock(mu);
       cv.wait(lock, [&] {
@@ -1859,6 +1934,8 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
       });
       if (stopping) return Status::FailedPrecondition("engine shutting down");
       if (e.clip) coef = clip_coefs[e.step];
+      with_grad.swap(g.has_grad);
+      g.has_grad.assign(g.params.size(), 0);
     }
     // Done with sub-group gi (stepped, or failed and left as it was): the trainer may put
     // the next window's gradients into its accumulators.
@@ -1870,7 +1947,7 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
     };
     if (g.on_device && config.offload_param.tier == Tier::kDevice) {
       // The device steps it and writes the parameters straight into their device stores.
-      Status s = StepGroupOnDevice(gi, e, coef);
+      Status s = StepGroupOnDevice(gi, e, coef, with_grad);
       if (!s.ok() && first.ok()) first = s;
       mark_stepped();
       CrashPoint("optimizer.group");
@@ -1901,8 +1978,9 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
       if (!b.ok()) return b.status().WithContext("bf16 parameter buffer");
       done.copy = std::move(b).value();
     }
-    Status s = StepGroup(gi, master, master + g.numel, master + 2 * g.numel,
-                         static_cast<uint16_t*>(done.copy.data()), e, coef, &done.writes);
+    Status s =
+        StepGroup(gi, master, master + g.numel, master + 2 * g.numel,
+                  static_cast<uint16_t*>(done.copy.data()), e, coef, with_grad, &done.writes);
     if (!s.ok() && first.ok()) first = s;
     // Every gradient of the sub-group has landed and been used: its accumulators can go.
     mark_stepped();
@@ -1948,9 +2026,10 @@ OptimizerHyperParams Engine::Impl::HyperParams(const Epoch& e, float coef) const
   return hp;
 }
 
-Status Engine::Impl::StepGroupOnDevice(size_t gi, const Epoch& e, float coef) {
+Status Engine::Impl::StepGroupOnDevice(size_t gi, const Epoch& e, float coef,
+                                       const std::vector<uint8_t>& with_grad) {
   SubGroup& g = groups[gi];
-  const OptimizerHyperParams hp = HyperParams(e, coef);
+  OptimizerHyperParams hp = HyperParams(e, coef);
   const int buf = Buf(e.step);
   const size_t grad_bytes = GroupGradBytes(g);
   auto t0 = Clock::now();
@@ -1965,12 +2044,27 @@ Status Engine::Impl::StepGroupOnDevice(size_t gi, const Epoch& e, float coef) {
     Param& p = params[id];
     OptimizerTensors t =
         PartTensors(p, hp, master, m, v, static_cast<const float*>(dev_grads) + p.slice_offset);
+    if (!with_grad[p.index_in_group]) {
+      // Not updated. Its store buffer for this version must still hold its values: the
+      // masters' (fp32), or the previous version's buffer (bf16; the same buffer without the
+      // delayed update).
+      if (copy_type == ParamCopyType::kNone) {
+        s = device->CopyDeviceToDevice(p.device_part[buf], t.param, PartBytes(p), update_stream);
+      } else if (p.device_part[1 - buf] != nullptr &&
+                 p.device_part[1 - buf] != p.device_part[buf]) {
+        s = device->CopyDeviceToDevice(p.device_part[buf], p.device_part[1 - buf], PartBytes(p),
+                                       update_stream);
+      }
+      continue;
+    }
+    hp.step = p.updates + 1;
     if (copy_type != ParamCopyType::kNone) {
       t.param_copy = p.device_part[buf];
       t.param_copy_type = copy_type;
     }
     s = device->OptimizerStep(hp, t, update_stream)
             .WithContext("device optimizer step of '" + p.info.name + "'");
+    if (s.ok()) ++p.updates;
     if (s.ok() && copy_type == ParamCopyType::kNone) {
       s = device->CopyDeviceToDevice(p.device_part[buf], t.param, PartBytes(p), update_stream);
     }
@@ -1987,19 +2081,31 @@ Status Engine::Impl::StepGroupOnDevice(size_t gi, const Epoch& e, float coef) {
 }
 
 Status Engine::Impl::StepGroup(size_t gi, float* master, float* m, float* v, uint16_t* copy_out,
-                               const Epoch& e, float coef, std::vector<Ticket>* writes) {
+                               const Epoch& e, float coef, const std::vector<uint8_t>& with_grad,
+                               std::vector<Ticket>* writes) {
   SubGroup& g = groups[gi];
-  const OptimizerHyperParams hp = HyperParams(e, coef);
+  OptimizerHyperParams hp = HyperParams(e, coef);
   auto t0 = Clock::now();
   for (ParamId id : g.params) {
     Param& p = params[id];
+    if (!with_grad[p.index_in_group]) {
+      // Not updated (no gradient in the window); its store is rewritten from the masters.
+      if (copy_out != nullptr) {
+        Status s = optimizer->ConvertParams(master + p.slice_offset, copy_out + p.slice_offset,
+                                            copy_type, p.info.partition_numel);
+        if (!s.ok()) return s.WithContext("converting '" + p.info.name + "'");
+      }
+      continue;
+    }
     OptimizerTensors t = PartTensors(p, hp, master, m, v, GradAcc(p));
     if (copy_out != nullptr) {
       t.param_copy = copy_out + p.slice_offset;
       t.param_copy_type = copy_type;
     }
+    hp.step = p.updates + 1;
     Status s = optimizer->Step(hp, t);
     if (!s.ok()) return s.WithContext("optimizer step of '" + p.info.name + "'");
+    ++p.updates;
   }
   {
     std::lock_guard<std::mutex> lock(mu);
@@ -2075,7 +2181,9 @@ Result<StepStats> Engine::Step() {
     return err;
   };
   if (boundary) {
-    // Parameters that got no gradient in the whole window: zero gradient.
+    // Parameters that got no gradient in the whole window: the optimizer skips them (their
+    // has_grad flag is unset); their accumulators are zeroed so that the clipping norm and a
+    // device step's gradient copy read zeros, not the last window's values.
     // The optimizer thread has this epoch since the micro-step began and may have stepped the
     // sub-groups whose gradients are complete. Parameters not reduced in this last micro-step
     // have final accumulators already: count them as landed.
@@ -2361,6 +2469,7 @@ Status Engine::SaveCheckpoint(const std::string& dir, const std::string& user_da
         t.partition_numel = p.info.partition_numel;
         t.sub_group = gi;
         t.slice_offset = p.slice_offset;
+        t.updates = p.updates;
         for (int k = 0; k < 3; ++k) {
           t.hash[k] =
               XXH3_64bits(f + k * g.numel + p.slice_offset, p.info.partition_numel * sizeof(float));
@@ -2548,6 +2657,9 @@ Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data) {
   ZINF_RETURN_IF_ERROR(m.Agree(local, "LoadCheckpoint"));
   m.step = man.step;
   m.visible = man.step;
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    m.params[i].updates = man.tensors[i].updates >= 0 ? man.tensors[i].updates : man.step;
+  }
   {
     // A new history (the same value on every rank: they load the same checkpoint).
     const uint64_t parts[2] = {m.lineage, static_cast<uint64_t>(man.step)};
@@ -2619,6 +2731,91 @@ Status Engine::GatherMasterParameter(ParamId id, float* out) {
   std::memcpy(out, host.data(), p.info.numel * sizeof(float));
   return Status::OK();
 }
+
+Status Engine::SetParameterValues(const std::vector<ParamId>& ids,
+                                  const std::function<Status(ParamId, float*)>& fill) {
+  Impl& m = *impl_;
+  if (!fill) return Status::InvalidArgument("SetParameterValues: no fill function");
+  std::vector<uint8_t> wanted(m.params.size(), 0);
+  for (ParamId id : ids) {
+    if (id >= m.params.size()) {
+      return Status::InvalidArgument("SetParameterValues: unknown parameter id " +
+                                     std::to_string(id));
+    }
+    if (wanted[id]) {
+      return Status::InvalidArgument("SetParameterValues: parameter '" + m.params[id].info.name +
+                                     "' is listed twice");
+    }
+    wanted[id] = 1;
+  }
+  if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  ZINF_RETURN_IF_ERROR(m.CheckBetweenSteps("SetParameterValues"));
+  ZINF_RETURN_IF_ERROR(m.ReclaimScratch());
+  ZINF_RETURN_IF_ERROR(m.Agree(m.FinishPendingUpdate(), "SetParameterValues"));
+  m.gather_states.reset();
+  size_t group_bytes = 0, full_numel = 0;
+  for (ParamId id = 0; id < m.params.size(); ++id) {
+    if (!wanted[id]) continue;
+    const Impl::Param& p = m.params[id];
+    group_bytes = std::max(group_bytes, m.GroupStateBytes(m.groups[p.info.sub_group]));
+    full_numel = std::max(full_numel, p.padded_numel);
+    m.Evict(id);  // a fetched copy holds the old values
+  }
+  Status local;
+  bool changed = false;  // some sub-group was written
+  if (group_bytes > 0) {
+    Impl::HostStates states;
+    local = m.AllocateHostStates(group_bytes, &states);
+    std::vector<float> full;
+    for (size_t gi = 0; gi < m.groups.size() && local.ok(); ++gi) {
+      const Impl::SubGroup& g = m.groups[gi];
+      if (std::none_of(g.params.begin(), g.params.end(), [&](ParamId id) { return wanted[id]; })) {
+        continue;
+      }
+      float* master = static_cast<float*>(states.data());
+      local = m.ReadGroupStates(gi, master);
+      for (size_t j = 0; j < g.params.size() && local.ok(); ++j) {
+        const Impl::Param& p = m.params[g.params[j]];
+        if (!wanted[g.params[j]]) continue;
+        full.assign(p.padded_numel, 0.0f);
+        local = fill(g.params[j], full.data()).WithContext("values of '" + p.info.name + "'");
+        if (local.ok()) {
+          std::memcpy(master + p.slice_offset,
+                      full.data() + static_cast<size_t>(m.rank) * p.info.partition_numel,
+                      p.info.partition_numel * sizeof(float));
+        }
+      }
+      if (local.ok()) {
+        changed = true;
+        local = m.WriteGroupStates(gi, master, m.Buf(m.visible));
+      }
+    }
+  }
+  Status agreed = m.Agree(local, "SetParameterValues");
+  if (!agreed.ok()) {
+    // Some rank may hold new values in part of its sub-groups: the model is neither the old
+    // one nor the new one.
+    if (changed || !local.ok()) {
+      m.broken =
+          Status::FailedPrecondition("SetParameterValues failed part-way (" + agreed.message() +
+                                     "); recreate the engine and load again");
+    }
+    return agreed;
+  }
+  // Durable: the new values are a new history, committed at once.
+  const uint64_t parts[2] = {m.lineage, static_cast<uint64_t>(m.step)};
+  m.lineage = XXH3_64bits_withSeed(parts, sizeof(parts), 0x7a696e66) | 1;
+  Status committed = m.CommitStore(m.step, m.visible);
+  if (!committed.ok()) {
+    m.broken = Status::FailedPrecondition(
+        "the durable swap store could not commit the loaded "
+        "values (" +
+        committed.message() + "); resume from its last commit");
+  }
+  return committed;
+}
+
+int64_t Engine::param_updates(ParamId id) const { return impl_->params.at(id).updates; }
 
 Status Engine::SetLearningRate(float lr) {
   if (!std::isfinite(lr) || lr < 0) {

@@ -34,8 +34,12 @@ struct ParamSpec {
   std::string name;
   std::vector<int64_t> shape;
   // Fills the full fp32 tensor (numel elements) with its initial values. Called once per rank
-  // at registration; every rank must produce the same values.
+  // when registration ends (FinishRegistration), in registration order; every rank must produce
+  // the same values.
   std::function<void(float* data, size_t numel)> init;
+  // false: a frozen parameter. It is stored and fetched like the others, but never gets a
+  // gradient (ReduceGradient refuses it) and the optimizer never changes it.
+  bool trainable = true;
 };
 
 // What the engine knows of a registered parameter.
@@ -46,7 +50,15 @@ struct ParamInfo {
   size_t partition_numel = 0;  // elements each rank owns (numel padded to world_size parts)
   size_t sub_group = 0;        // optimizer sub-group
   bool persistent = false;     // small enough to stay on the device once fetched
+  bool trainable = true;       // ParamSpec::trainable
 };
+
+// Acquire's purpose. kTraining acquires make up the micro-step: they start it (the optimizer
+// gets its epoch at a boundary), the first step's are recorded as the prefetch trace, and later
+// steps are checked against it. kInference acquires (a forward pass without gradients, e.g. an
+// evaluation between steps) do none of that: they neither start a micro-step nor record or
+// invalidate the trace, and may come between optimizer steps (before SaveCheckpoint, say).
+enum class AcquireMode { kTraining, kInference };
 
 // Figures for one Step() call (one micro-step; optimizer figures when it ran).
 struct StepStats {
@@ -105,8 +117,10 @@ class Engine {
   // Full parameters on the device, in the order given. Compute on the device's compute stream
   // after this call sees their data (for HostDevice: the data is there when it returns).
   // Pointers stay valid until the matching Release. Element type: fp32, or bf16 (uint16_t)
-  // when config.bf16.
-  Result<std::vector<void*>> Acquire(const std::vector<ParamId>& params);
+  // when config.bf16. A parameter still acquired from before an optimizer step that changed it
+  // is refused (FailedPrecondition): release it first, its memory holds the old version.
+  Result<std::vector<void*>> Acquire(const std::vector<ParamId>& params,
+                                     AcquireMode mode = AcquireMode::kTraining);
   Status Release(const std::vector<ParamId>& params);
 
   // Hands the engine the full fp32 gradient (numel elements, device memory, produced on the
@@ -163,6 +177,23 @@ class Engine {
   // Collective (every rank calls it): the full fp32 master values of a parameter, gathered from
   // all ranks into `out` (numel floats, host memory). Waits for a delayed update still running.
   Status GatherMasterParameter(ParamId id, float* out);
+
+  // Collective, between optimizer steps (like LoadCheckpoint): replaces the values of the
+  // parameters `ids` (pretrained weights, say). For each of them `fill(id, data)` writes the
+  // full fp32 tensor (numel elements) into `data`; the engine keeps this rank's partition as
+  // the new master weights and rebuilds the parameter stores. Optimizer states and update
+  // counts stay as they are (zero for an engine that has not stepped yet). The sub-groups
+  // are visited in order, each read and written once, so host memory stays within the
+  // largest tensor plus one sub-group's states (taken from the pinned budget when it has
+  // room). A failing `fill` stops the load: the parameters of the sub-groups already written
+  // have their new values, and the engine refuses to train on (recreate it): check the
+  // sources before calling. With zinf.durable the store commits the new values.
+  Status SetParameterValues(const std::vector<ParamId>& ids,
+                            const std::function<Status(ParamId id, float* data)>& fill);
+
+  // The number of optimizer updates applied to a parameter so far (torch's state["step"]).
+  // Between optimizer steps.
+  int64_t param_updates(ParamId id) const;
 
   // The learning rate of the optimizer steps from the next micro-step on (a schedule: warmup,
   // decay); starts at the config's optimizer.params.lr.

@@ -1,0 +1,569 @@
+// The engine's optimizer semantics as torch defines them, checked against a simulation with
+// the scalar reference kernels: parameters without a gradient in a window are skipped (master,
+// moments and their own update count untouched), frozen parameters never change, a window
+// with no gradient at all changes nothing; inference acquires between steps neither start a
+// micro-step nor touch the prefetch trace; SetParameterValues replaces values; per-parameter
+// update counts survive checkpoints and durable resumes.
+//
+// The gradients are synthetic (a hash of parameter, micro-step and element), independent of
+// the parameter values, so the final masters do not depend on the delayed update either: every
+// placement, delayed or not, must end bit-identical to the simulation. What each micro-step
+// reads (the acquired values) is checked against the simulated version it should see.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "engine/host/local_comm.h"
+#include "tests/engine_test_model.h"
+#include "tests/test_util.h"
+#include "zinf/comm.h"
+#include "zinf/config.h"
+#include "zinf/cpu_adam.h"
+#include "zinf/device.h"
+#include "zinf/engine.h"
+#include "zinf/log.h"
+
+namespace zinf {
+namespace {
+
+using testing::HashUniform;
+using testing::TempDir;
+
+struct TensorDef {
+  const char* name;
+  std::vector<int64_t> shape;
+  bool trainable = true;
+};
+
+// Five tensors over three sub-groups (sub_group_size 12,000 elements, slices 2,048-aligned).
+const std::vector<TensorDef>& Defs() {
+  static const std::vector<TensorDef> defs = {{"a.weight", {60, 70}}, {"a.bias", {70}},
+                                              {"b.weight", {50, 90}}, {"frozen", {33, 3}, false},
+                                              {"c.weight", {80, 40}}, {"never", {21}}};
+  return defs;
+}
+size_t Numel(const TensorDef& d) {
+  size_t n = 1;
+  for (int64_t x : d.shape) n *= static_cast<size_t>(x);
+  return n;
+}
+float InitValue(size_t p, size_t i) { return 0.5f * HashUniform(0xA11CE, p, i); }
+
+constexpr int kAccum = 2;
+constexpr int kSteps = 5;
+constexpr float kLr = 2e-2f;
+
+// Whether tensor p gets a gradient in micro-step `micro` (0-based, kAccum per window):
+// "a.bias" none in window 1 (steps count from 0), "b.weight" only in the first micro-step of
+// each window, "c.weight" none in windows 2 and 3, "never" and "frozen" never; window 3 has no
+// gradient at all.
+bool HasGrad(size_t p, int micro) {
+  const int window = micro / kAccum;
+  const std::string name = Defs()[p].name;
+  if (!Defs()[p].trainable || name == "never" || window == 3) return false;
+  if (name == "a.bias") return window != 1;
+  if (name == "b.weight") return micro % kAccum == 0;
+  if (name == "c.weight") return window != 2;
+  return true;
+}
+float GradValue(size_t p, int micro, size_t i) { return HashUniform(0x6AD, p * 131 + micro, i); }
+
+struct Placement {
+  Tier params = Tier::kCpu;
+  Tier states = Tier::kCpu;
+  double ratio = 1.0;
+  bool delayed = false;
+  bool bf16 = false;
+  double clip = 0.0;
+  std::string Describe() const {
+    std::ostringstream os;
+    os << "params " << TierName(params) << ", states " << TierName(states) << ", ratio " << ratio
+       << (delayed ? ", delayed" : "") << (bf16 ? ", bf16" : "") << ", clip " << clip;
+    return os.str();
+  }
+};
+
+void PrintTo(const Placement& p, std::ostream* os) { *os << p.Describe(); }
+
+EngineConfig MakeConfig(const Placement& pl, const std::string& dir) {
+  EngineConfig c;
+  c.offload_param.tier = pl.params;
+  c.offload_optimizer.tier = pl.states;
+  if (pl.params == Tier::kNvme) c.offload_param.nvme_paths = {dir};
+  if (pl.states == Tier::kNvme) c.offload_optimizer.nvme_paths = {dir};
+  c.offload_optimizer.ratio = pl.ratio;
+  c.sub_group_size = 12000;
+  c.prefetch_bucket_size = 20000;
+  c.param_persistence_threshold = 50;
+  c.optimizer.type = OptimizerType::kAdamW;
+  c.optimizer.lr = kLr;
+  c.optimizer.weight_decay = 0.1f;
+  c.gradient_accumulation_steps = kAccum;
+  c.gradient_clipping = pl.clip;
+  c.delayed_update = pl.delayed;
+  c.bf16 = pl.bf16;
+  c.pinned_budget_bytes = 4ull << 20;
+  c.optimizer_threads = 1;
+  return c;
+}
+
+// ---- The simulation ----------------------------------------------------------------------------
+
+struct SimTensor {
+  std::vector<float> master, m, v;  // partition_numel (padded with zeros)
+  int64_t updates = 0;
+};
+
+class Simulation {
+ public:
+  Simulation() {
+    for (size_t p = 0; p < Defs().size(); ++p) {
+      const size_t n = Numel(Defs()[p]);
+      const size_t padded = (n + 15) / 16 * 16;
+      SimTensor t;
+      t.master.assign(padded, 0.0f);
+      for (size_t i = 0; i < n; ++i) t.master[i] = InitValue(p, i);
+      t.m.assign(padded, 0.0f);
+      t.v.assign(padded, 0.0f);
+      tensors_.push_back(std::move(t));
+    }
+    versions_.push_back(Masters());
+  }
+
+  // One optimizer step over the window ending at micro-step `last_micro`.
+  void Step(int window, double clip) {
+    std::vector<std::vector<float>> grads(tensors_.size());
+    std::vector<bool> any(tensors_.size(), false);
+    for (size_t p = 0; p < tensors_.size(); ++p) {
+      grads[p].assign(tensors_[p].master.size(), 0.0f);
+      bool first = true;
+      for (int k = 0; k < kAccum; ++k) {
+        const int micro = window * kAccum + k;
+        if (!HasGrad(p, micro)) continue;
+        any[p] = true;
+        for (size_t i = 0; i < Numel(Defs()[p]); ++i) {
+          grads[p][i] = first ? GradValue(p, micro, i) : grads[p][i] + GradValue(p, micro, i);
+        }
+        first = false;
+      }
+    }
+    float coef = 1.0f;
+    if (clip > 0) {
+      CpuOptimizer::Options oo;
+      oo.num_threads = 1;
+      std::unique_ptr<CpuOptimizer> opt = CpuOptimizer::Create(oo).value();
+      double local = 0;
+      for (const auto& g : grads) {
+        local += opt->GradSumSquares(g.data(), GradType::kF32, g.size()).value().sum_squares;
+      }
+      const float total = static_cast<float>(local);
+      const double norm = std::sqrt(static_cast<double>(total));
+      if (norm > clip) coef = static_cast<float>(clip / (norm + 1e-6));
+    }
+    for (size_t p = 0; p < tensors_.size(); ++p) {
+      if (!any[p]) continue;
+      SimTensor& t = tensors_[p];
+      OptimizerHyperParams hp;
+      hp.kind = OptimizerKind::kAdamW;
+      hp.step = ++t.updates;
+      hp.lr = kLr;
+      hp.weight_decay = 0.1f;
+      hp.grad_scale = coef;
+      OptimizerTensors ot;
+      ot.param = t.master.data();
+      ot.grad = grads[p].data();
+      ot.exp_avg = t.m.data();
+      ot.exp_avg_sq = t.v.data();
+      ot.n = t.master.size();
+      ASSERT_TRUE(OptimizerStep(hp, ot, CpuIsa::kScalar).ok());
+    }
+    versions_.push_back(Masters());
+  }
+
+  const std::vector<float>& master(size_t p) const { return tensors_[p].master; }
+  int64_t updates(size_t p) const { return tensors_[p].updates; }
+  // The masters after `step` optimizer steps.
+  const std::vector<std::vector<float>>& version(int64_t step) const { return versions_[step]; }
+
+ private:
+  std::vector<std::vector<float>> Masters() const {
+    std::vector<std::vector<float>> out;
+    for (const SimTensor& t : tensors_) out.push_back(t.master);
+    return out;
+  }
+  std::vector<SimTensor> tensors_;
+  std::vector<std::vector<std::vector<float>>> versions_;
+};
+
+// ---- Driving the engine -----------------------------------------------------------------------
+
+struct Rig {
+  TempDir dir;
+  std::unique_ptr<Device> device;
+  std::vector<std::unique_ptr<Communicator>> comms;
+  std::unique_ptr<Engine> engine;
+  std::vector<ParamId> ids;
+
+  Status Create(const EngineConfig& config, bool finish = true) {
+    HostDeviceOptions ho;
+    ho.memory_budget = 64ull << 20;
+    device = NewHostDevice(ho);
+    ZINF_ASSIGN_OR_RETURN(comms, NewLocalComms({device.get()}));
+    ZINF_ASSIGN_OR_RETURN(engine, Engine::Create(config, device.get(), comms[0].get()));
+    for (size_t p = 0; p < Defs().size(); ++p) {
+      ParamSpec spec;
+      spec.name = Defs()[p].name;
+      spec.shape = Defs()[p].shape;
+      spec.trainable = Defs()[p].trainable;
+      spec.init = [p](float* data, size_t n) {
+        for (size_t i = 0; i < n; ++i) data[i] = InitValue(p, i);
+      };
+      ZINF_ASSIGN_OR_RETURN(ParamId id, engine->RegisterParameter(spec));
+      ids.push_back(id);
+    }
+    return finish ? engine->FinishRegistration() : Status::OK();
+  }
+};
+
+std::vector<float> Expected(const std::vector<float>& master, size_t n, bool bf16) {
+  std::vector<float> out(master.begin(), master.begin() + static_cast<std::ptrdiff_t>(n));
+  if (bf16) {
+    for (float& x : out) x = Bf16ToFp32(Fp32ToBf16(x));
+  }
+  return out;
+}
+
+// Acquires every parameter and compares what it reads with `version` (in the storage dtype).
+void CheckAcquired(Rig& rig, const std::vector<std::vector<float>>& version, bool bf16,
+                   AcquireMode mode, const std::string& when) {
+  Result<std::vector<void*>> ptrs = rig.engine->Acquire(rig.ids, mode);
+  ASSERT_TRUE(ptrs.ok()) << when << ": " << ptrs.status().ToString();
+  for (size_t p = 0; p < rig.ids.size(); ++p) {
+    const size_t n = Numel(Defs()[p]);
+    std::vector<float> got(n);
+    for (size_t i = 0; i < n; ++i) {
+      got[i] = bf16 ? Bf16ToFp32(static_cast<const uint16_t*>((*ptrs)[p])[i])
+                    : static_cast<const float*>((*ptrs)[p])[i];
+    }
+    ASSERT_EQ(got, Expected(version[p], n, bf16))
+        << when << ": parameter '" << Defs()[p].name << "' reads the wrong version";
+  }
+  ASSERT_TRUE(rig.engine->Release(rig.ids).ok());
+}
+
+// One micro-step: acquire everything (checking the values), hand over the gradients, Step.
+void MicroStep(Rig& rig, int micro, const Placement& pl, const Simulation& sim) {
+  const int64_t step = rig.engine->global_step();
+  // The version this micro-step reads: one behind with the delayed update.
+  const int64_t visible = pl.delayed ? std::max<int64_t>(step - 1, 0) : step;
+  CheckAcquired(rig, sim.version(visible), pl.bf16, AcquireMode::kTraining,
+                "micro-step " + std::to_string(micro) + " (" + pl.Describe() + ")");
+  for (size_t p = 0; p < Defs().size(); ++p) {
+    if (!HasGrad(p, micro)) continue;
+    std::vector<float> g(Numel(Defs()[p]));
+    for (size_t i = 0; i < g.size(); ++i) g[i] = GradValue(p, micro, i);
+    ASSERT_TRUE(rig.engine->ReduceGradient(rig.ids[p], g.data()).ok());
+  }
+  Result<StepStats> st = rig.engine->Step();
+  ASSERT_TRUE(st.ok()) << st.status().ToString();
+}
+
+void ExpectMasters(Rig& rig, const Simulation& sim, const std::string& what) {
+  for (size_t p = 0; p < Defs().size(); ++p) {
+    const size_t n = Numel(Defs()[p]);
+    std::vector<float> got(n, std::nanf(""));
+    ASSERT_TRUE(rig.engine->GatherMasterParameter(rig.ids[p], got.data()).ok());
+    EXPECT_EQ(got, Expected(sim.master(p), n, false))
+        << what << ": master of '" << Defs()[p].name << "' differs from the simulation";
+    EXPECT_EQ(rig.engine->param_updates(rig.ids[p]), sim.updates(p))
+        << what << ": update count of '" << Defs()[p].name << "'";
+  }
+}
+
+class SkipTest : public ::testing::TestWithParam<Placement> {};
+
+TEST_P(SkipTest, ParametersWithoutGradientsAreSkippedLikeTorch) {
+  const Placement pl = GetParam();
+  Rig rig;
+  ASSERT_TRUE(rig.dir.ok());
+  ASSERT_TRUE(rig.Create(MakeConfig(pl, rig.dir.path())).ok());
+  Simulation sim;
+  for (int micro = 0; micro < kSteps * kAccum; ++micro) {
+    MicroStep(rig, micro, pl, sim);
+    if (::testing::Test::HasFatalFailure()) return;
+    if ((micro + 1) % kAccum == 0) sim.Step(micro / kAccum, pl.clip);
+  }
+  EXPECT_EQ(rig.engine->global_step(), kSteps);
+  ExpectMasters(rig, sim, pl.Describe());
+  // The simulation itself: "never" and "frozen" kept their initial values, the skipped ones
+  // have fewer updates than the steps taken.
+  EXPECT_EQ(sim.updates(3), 0);
+  EXPECT_EQ(sim.updates(5), 0);
+  EXPECT_EQ(sim.updates(1), kSteps - 2);  // a.bias: not in windows 1 and 3
+  EXPECT_EQ(sim.updates(0), kSteps - 1);  // window 3 has no gradient at all
+  EXPECT_EQ(sim.master(3), sim.version(0)[3]);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Placements, SkipTest,
+    ::testing::Values(Placement{Tier::kCpu, Tier::kCpu}, Placement{Tier::kDevice, Tier::kCpu},
+                      Placement{Tier::kNvme, Tier::kNvme},
+                      Placement{Tier::kCpu, Tier::kNvme, 1.0, false, true},
+                      Placement{Tier::kNvme, Tier::kNvme, 1.0, true, true},
+                      Placement{Tier::kCpu, Tier::kCpu, 1.0, true, false, 0.5},
+                      Placement{Tier::kDevice, Tier::kCpu, 0.5, false, true},
+                      Placement{Tier::kDevice, Tier::kCpu, 0.5, true, true},
+                      Placement{Tier::kDevice, Tier::kCpu, 0.5, true, false, 0.5},
+                      Placement{Tier::kDevice, Tier::kDevice, 1.0, true, true}),
+    [](const ::testing::TestParamInfo<Placement>& info) {
+      const Placement& p = info.param;
+      std::string s = std::string("Params") + TierName(p.params) + "States" + TierName(p.states);
+      if (p.ratio < 1) s += "Ratio";
+      if (p.delayed) s += "Delayed";
+      if (p.bf16) s += "Bf16";
+      if (p.clip > 0) s += "Clip";
+      return s;
+    });
+
+TEST(EngineSemanticsTest, FrozenParametersRefuseGradients) {
+  Rig rig;
+  ASSERT_TRUE(rig.Create(MakeConfig(Placement{}, rig.dir.path())).ok());
+  ASSERT_FALSE(rig.engine->param(rig.ids[3]).trainable);
+  ASSERT_TRUE(rig.engine->param(rig.ids[0]).trainable);
+  ASSERT_TRUE(rig.engine->Acquire({rig.ids[3]}).ok());
+  std::vector<float> g(Numel(Defs()[3]), 1.0f);
+  Status s = rig.engine->ReduceGradient(rig.ids[3], g.data());
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("'frozen'"), std::string::npos) << s.ToString();
+  EXPECT_NE(s.message().find("frozen"), std::string::npos) << s.ToString();
+}
+
+TEST(EngineSemanticsTest, AWindowWithoutGradientsChangesNothingButCountsTheStep) {
+  Rig rig;
+  ASSERT_TRUE(rig.Create(MakeConfig(Placement{Tier::kNvme, Tier::kNvme}, rig.dir.path())).ok());
+  for (int micro = 0; micro < kAccum; ++micro) {
+    ASSERT_TRUE(rig.engine->Acquire(rig.ids).ok());
+    ASSERT_TRUE(rig.engine->Release(rig.ids).ok());
+    Result<StepStats> st = rig.engine->Step();
+    ASSERT_TRUE(st.ok()) << st.status().ToString();
+  }
+  EXPECT_EQ(rig.engine->global_step(), 1);
+  Simulation untouched;
+  ExpectMasters(rig, untouched, "a window without gradients");
+}
+
+// Logs collected while alive.
+class LogCapture {
+ public:
+  LogCapture() {
+    previous_ = SetLogSink([this](LogLevel level, const std::string& line) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (level == LogLevel::kWarning) warnings_.push_back(line);
+    });
+  }
+  ~LogCapture() { SetLogSink(previous_); }
+  std::vector<std::string> warnings() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return warnings_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::string> warnings_;
+  LogSink previous_;
+};
+
+TEST(EngineSemanticsTest, InferenceAcquiresBetweenStepsLeaveTheTraceAndTheStepAlone) {
+  for (bool delayed : {false, true}) {
+    SCOPED_TRACE(delayed ? "delayed update" : "no delayed update");
+    Placement pl{Tier::kNvme, Tier::kNvme};
+    pl.delayed = delayed;
+    Rig rig;
+    EngineConfig config = MakeConfig(pl, rig.dir.path());
+    config.gradient_accumulation_steps = 1;
+    ASSERT_TRUE(rig.Create(config).ok());
+    LogCapture logs;
+    auto micro_step = [&](int micro) -> StepStats {
+      // Layer by layer as a trainer does: prefetch has something to run ahead of.
+      for (ParamId id : rig.ids) {
+        EXPECT_TRUE(rig.engine->Acquire({id}).ok());
+        EXPECT_TRUE(rig.engine->Release({id}).ok());
+      }
+      for (size_t p = 0; p < Defs().size(); ++p) {
+        if (!Defs()[p].trainable) continue;
+        std::vector<float> g(Numel(Defs()[p]));
+        for (size_t i = 0; i < g.size(); ++i) g[i] = GradValue(p, micro, i);
+        EXPECT_TRUE(rig.engine->ReduceGradient(rig.ids[p], g.data()).ok());
+      }
+      Result<StepStats> st = rig.engine->Step();
+      EXPECT_TRUE(st.ok()) << st.status().ToString();
+      return st.ok() ? *st : StepStats{};
+    };
+    micro_step(0);  // records the trace
+    // An evaluation pass between steps, in another order, twice.
+    for (int pass = 0; pass < 2; ++pass) {
+      for (size_t k = rig.ids.size(); k-- > 0;) {
+        Result<std::vector<void*>> p = rig.engine->Acquire({rig.ids[k]}, AcquireMode::kInference);
+        ASSERT_TRUE(p.ok()) << p.status().ToString();
+        ASSERT_TRUE(rig.engine->Release({rig.ids[k]}).ok());
+      }
+    }
+    // Still between steps: a checkpoint may be saved.
+    Status saved = rig.engine->SaveCheckpoint(rig.dir.path() + "/ckpt");
+    EXPECT_TRUE(saved.ok()) << saved.ToString();
+    StepStats next = micro_step(1);
+    EXPECT_TRUE(next.trace_valid);
+    EXPECT_GT(next.prefetch_hits, 0u);
+    for (const std::string& w : logs.warnings()) {
+      EXPECT_EQ(w.find("trace"), std::string::npos) << "unexpected warning: " << w;
+    }
+    // A training acquire in another order does invalidate it, with a warning.
+    ASSERT_TRUE(rig.engine->Acquire({rig.ids.back()}).ok());
+    ASSERT_TRUE(rig.engine->Release({rig.ids.back()}).ok());
+    bool warned = false;
+    for (const std::string& w : logs.warnings())
+      warned |= w.find("trace invalidated") != std::string::npos;
+    EXPECT_TRUE(warned);
+  }
+}
+
+TEST(EngineSemanticsTest, AParameterHeldAcrossAnUpdateIsRefusedNotSilentlyRefetched) {
+  Placement pl{Tier::kCpu, Tier::kCpu};
+  Rig rig;
+  EngineConfig config = MakeConfig(pl, rig.dir.path());
+  config.gradient_accumulation_steps = 1;
+  ASSERT_TRUE(rig.Create(config).ok());
+  ASSERT_TRUE(rig.engine->Acquire(rig.ids).ok());
+  for (size_t p = 0; p < Defs().size(); ++p) {
+    if (!Defs()[p].trainable) continue;
+    std::vector<float> g(Numel(Defs()[p]), 0.25f);
+    ASSERT_TRUE(rig.engine->ReduceGradient(rig.ids[p], g.data()).ok());
+  }
+  // a.weight is still acquired (the trainer forgot it); the step changes it.
+  ASSERT_TRUE(rig.engine->Release({rig.ids.begin() + 1, rig.ids.end()}).ok());
+  ASSERT_TRUE(rig.engine->Step().ok());
+  Result<std::vector<void*>> again = rig.engine->Acquire({rig.ids[0]});
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(again.status().message().find("'a.weight'"), std::string::npos);
+  ASSERT_TRUE(rig.engine->Release({rig.ids[0]}).ok());
+  EXPECT_TRUE(rig.engine->Acquire({rig.ids[0]}).ok());
+}
+
+float LoadedValue(ParamId p, size_t i) {
+  return 1.0f + 0.001f * static_cast<float>((p * 7 + i) % 997);
+}
+
+TEST(EngineSemanticsTest, SetParameterValuesReplacesValuesOnEveryTier) {
+  const std::vector<Placement> placements = {{Tier::kCpu, Tier::kCpu},
+                                             {Tier::kNvme, Tier::kNvme, 1.0, true, true},
+                                             {Tier::kDevice, Tier::kCpu, 0.5, false, true}};
+  for (const Placement& pl : placements) {
+    SCOPED_TRACE(pl.Describe());
+    Rig rig;
+    ASSERT_TRUE(rig.Create(MakeConfig(pl, rig.dir.path())).ok());
+    // Tensors 0, 2 and 4 (sub-groups 0, 1 and 2) get new values; the others keep theirs.
+    const std::vector<size_t> chosen = {4, 0, 2};
+    std::vector<ParamId> ids;
+    for (size_t p : chosen) ids.push_back(rig.ids[p]);
+    std::vector<ParamId> filled;
+    Status s = rig.engine->SetParameterValues(ids, [&](ParamId id, float* data) {
+      filled.push_back(id);
+      for (size_t i = 0; i < rig.engine->param(id).numel; ++i) data[i] = LoadedValue(id, i);
+      return Status::OK();
+    });
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(filled, (std::vector<ParamId>{rig.ids[0], rig.ids[2], rig.ids[4]}))
+        << "visited in sub-group order";
+    std::vector<std::vector<float>> expect;
+    for (size_t p = 0; p < Defs().size(); ++p) {
+      std::vector<float> v(Numel(Defs()[p]));
+      const bool loaded = p == 0 || p == 2 || p == 4;
+      for (size_t i = 0; i < v.size(); ++i)
+        v[i] = loaded ? LoadedValue(rig.ids[p], i) : InitValue(p, i);
+      std::vector<float> got(v.size());
+      ASSERT_TRUE(rig.engine->GatherMasterParameter(rig.ids[p], got.data()).ok());
+      EXPECT_EQ(got, v) << "master of " << Defs()[p].name;
+      expect.push_back(v);
+    }
+    CheckAcquired(rig, expect, pl.bf16, AcquireMode::kTraining, "after SetParameterValues");
+  }
+}
+
+TEST(EngineSemanticsTest, SetParameterValuesRefusalsAndAFailingSource) {
+  Rig rig;
+  ASSERT_TRUE(rig.Create(MakeConfig(Placement{Tier::kCpu, Tier::kNvme}, rig.dir.path())).ok());
+  auto ok_fill = [](ParamId, float*) { return Status::OK(); };
+  EXPECT_EQ(rig.engine->SetParameterValues({rig.ids[0], rig.ids[0]}, ok_fill).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(rig.engine->SetParameterValues({999}, ok_fill).code(), StatusCode::kInvalidArgument);
+  // Inside a micro-step: refused like a checkpoint load.
+  ASSERT_TRUE(rig.engine->Acquire({rig.ids[0]}).ok());
+  EXPECT_EQ(rig.engine->SetParameterValues({rig.ids[0]}, ok_fill).code(),
+            StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(rig.engine->Release({rig.ids[0]}).ok());
+  ASSERT_TRUE(rig.engine->Step().ok());
+  ASSERT_TRUE(rig.engine->Step().ok());  // the window's end: between steps again
+  // A source failing in the second sub-group: the error names the tensor, and the engine
+  // refuses to go on (the first sub-group already holds new values).
+  Status s = rig.engine->SetParameterValues({rig.ids[0], rig.ids[2]}, [&](ParamId id, float* d) {
+    if (id == rig.ids[2]) return Status::IoError("disk on fire");
+    d[0] = 42.0f;
+    return Status::OK();
+  });
+  EXPECT_EQ(s.code(), StatusCode::kIoError);
+  EXPECT_NE(s.message().find("'b.weight'"), std::string::npos) << s.ToString();
+  EXPECT_FALSE(rig.engine->Acquire({rig.ids[0]}).ok());
+}
+
+// Per-parameter update counts survive a checkpoint and a durable resume: the resumed run
+// continues bit-identical to the simulation (which differs from a global step count).
+TEST(EngineSemanticsTest, UpdateCountsSurviveCheckpointsAndDurableResumes) {
+  for (bool durable : {false, true}) {
+    SCOPED_TRACE(durable ? "durable resume" : "checkpoint");
+    Placement pl{Tier::kCpu, Tier::kNvme};
+    TempDir dir;
+    EngineConfig config = MakeConfig(pl, dir.path());
+    config.durable = durable;
+    Simulation sim;
+    const int split = 3;  // windows before the restart
+    {
+      Rig rig;
+      ASSERT_TRUE(rig.Create(config).ok());
+      for (int micro = 0; micro < split * kAccum; ++micro) {
+        MicroStep(rig, micro, pl, sim);
+        if (::testing::Test::HasFatalFailure()) return;
+        if ((micro + 1) % kAccum == 0) sim.Step(micro / kAccum, 0.0);
+      }
+      if (!durable) ASSERT_TRUE(rig.engine->SaveCheckpoint(dir.path() + "/ckpt").ok());
+    }
+    Rig rig;
+    ASSERT_TRUE(rig.Create(config, /*finish=*/false).ok());
+    if (durable) {
+      Status s = rig.engine->ResumeFromStore();
+      ASSERT_TRUE(s.ok()) << s.ToString();
+    } else {
+      ASSERT_TRUE(rig.engine->FinishRegistration().ok());
+      Status s = rig.engine->LoadCheckpoint(dir.path() + "/ckpt");
+      ASSERT_TRUE(s.ok()) << s.ToString();
+    }
+    ASSERT_EQ(rig.engine->global_step(), split);
+    EXPECT_EQ(rig.engine->param_updates(rig.ids[1]), sim.updates(1));
+    for (int micro = split * kAccum; micro < kSteps * kAccum; ++micro) {
+      MicroStep(rig, micro, pl, sim);
+      if (::testing::Test::HasFatalFailure()) return;
+      if ((micro + 1) % kAccum == 0) sim.Step(micro / kAccum, 0.0);
+    }
+    ExpectMasters(rig, sim, durable ? "after a durable resume" : "after a checkpoint load");
+  }
+}
+
+}  // namespace
+}  // namespace zinf
