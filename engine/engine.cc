@@ -2826,6 +2826,8 @@ Status Engine::SetLearningRate(float lr) {
 }
 
 int64_t Engine::global_step() const { return impl_->step; }
+int Engine::rank() const { return impl_->rank; }
+int Engine::world_size() const { return impl_->world; }
 size_t Engine::num_params() const { return impl_->params.size(); }
 const ParamInfo& Engine::param(ParamId id) const { return impl_->params.at(id).info; }
 const EngineConfig& Engine::config() const { return impl_->config; }

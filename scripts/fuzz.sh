@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Fuzzes the JSON config loader and the checkpoint manifest loader with libFuzzer (clang),
-# under AddressSanitizer + UndefinedBehaviorSanitizer, starting from the corpora in fuzz/corpus.
+# Fuzzes the JSON config loader, the checkpoint manifest loader and the safetensors header
+# parser with libFuzzer (clang), under AddressSanitizer + UndefinedBehaviorSanitizer, starting
+# from the corpora in fuzz/corpus.
 # Builds into build-fuzz/. ZINF_FUZZ_SECONDS (default 30) per target; new inputs that reach
 # new code are kept in build-fuzz/corpus-* (copy interesting ones into fuzz/corpus/).
 set -euo pipefail
@@ -14,8 +15,8 @@ if [ ! -f build-fuzz/CMakeCache.txt ]; then
     -DZINF_FUZZ=ON -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" \
     -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined"
 fi
-cmake --build build-fuzz -j "${ZINF_JOBS:-$(nproc)}" --target config_fuzzer manifest_fuzzer
-for target in config manifest; do
+cmake --build build-fuzz -j "${ZINF_JOBS:-$(nproc)}" --target config_fuzzer manifest_fuzzer safetensors_fuzzer
+for target in config manifest safetensors; do
   work=build-fuzz/corpus-$target
   mkdir -p "$work"
   echo "fuzzing the $target loader for ${seconds}s"

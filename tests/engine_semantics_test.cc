@@ -542,7 +542,9 @@ TEST(EngineSemanticsTest, UpdateCountsSurviveCheckpointsAndDurableResumes) {
         if (::testing::Test::HasFatalFailure()) return;
         if ((micro + 1) % kAccum == 0) sim.Step(micro / kAccum, 0.0);
       }
-      if (!durable) ASSERT_TRUE(rig.engine->SaveCheckpoint(dir.path() + "/ckpt").ok());
+      if (!durable) {
+        ASSERT_TRUE(rig.engine->SaveCheckpoint(dir.path() + "/ckpt").ok());
+      }
     }
     Rig rig;
     ASSERT_TRUE(rig.Create(config, /*finish=*/false).ok());

@@ -200,6 +200,8 @@ class Engine {
   Status SetLearningRate(float lr);
 
   int64_t global_step() const;
+  int rank() const;        // this rank (the communicator's)
+  int world_size() const;  // ranks in all
   size_t num_params() const;
   const ParamInfo& param(ParamId id) const;
   const EngineConfig& config() const;
