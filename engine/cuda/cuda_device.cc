@@ -44,13 +44,22 @@ Status MakeCurrent(int device) {
 CudaStream::~CudaStream() {
   // Errors cannot be reported from here; a failing context fails every call anyway.
   if (MakeCurrent(device_).ok()) {
-    if (handle_ != nullptr) {
+    if (handle_ != nullptr && owned_) {
       (void)cudaStreamSynchronize(handle_);
       (void)cudaStreamDestroy(handle_);
     }
     if (scratch_ != nullptr) (void)cudaFree(scratch_);
     if (staging_ != nullptr) (void)cudaFreeHost(staging_);
   }
+}
+
+Status CudaStream::InitExternal(cudaStream_t handle) {
+  handle_ = handle;
+  owned_ = false;
+  // Made when the stream is, never in a step: a few KiB outside the device budget.
+  ZINF_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&scratch_), sizeof(ReduceScratch)));
+  ZINF_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&staging_), sizeof(ReduceScratch)));
+  return Status::OK();
 }
 
 Status CudaStream::Init() {
@@ -156,7 +165,7 @@ Result<std::unique_ptr<CudaDevice>> CudaDevice::Create(const CudaDeviceOptions& 
         " in all); lower CudaDeviceOptions::memory_budget or pass 0 for 90% of the free memory");
   }
   std::unique_ptr<CudaDevice> device(new CudaDevice(options.device, prop.name, budget));
-  ZINF_RETURN_IF_ERROR(device->Init().WithContext("NewCudaDevice"));
+  ZINF_RETURN_IF_ERROR(device->Init(options).WithContext("NewCudaDevice"));
   return device;
 }
 
@@ -166,7 +175,7 @@ CudaDevice::CudaDevice(int ordinal, std::string gpu_name, size_t budget)
       budget_(budget),
       pool_("CudaDevice", "CudaDeviceOptions::memory_budget", budget, kCudaDeviceAlignment) {}
 
-Status CudaDevice::Init() {
+Status CudaDevice::Init(const CudaDeviceOptions& options) {
   ZINF_RETURN_IF_ERROR(MakeCurrent(ordinal_));
   // The whole budget at once (rounded up to 2 MiB, the driver's page granularity): the step
   // never calls cudaMalloc. Rounding each allocation to 256 bytes may leave a sum of requests
@@ -178,6 +187,10 @@ Status CudaDevice::Init() {
   pool_base_ = static_cast<char*>(base);
   pool_.SetRange(pool_base_, pool_bytes_);
   compute_stream_ = std::make_unique<CudaStream>(this, ordinal_, "compute");
+  if (options.use_external_compute_stream) {
+    return compute_stream_->InitExternal(
+        static_cast<cudaStream_t>(options.external_compute_stream));
+  }
   return compute_stream_->Init();
 }
 

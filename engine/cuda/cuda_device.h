@@ -77,7 +77,7 @@ class CudaDevice final : public Device {
 
  private:
   CudaDevice(int ordinal, std::string gpu_name, size_t budget);
-  Status Init();
+  Status Init(const CudaDeviceOptions& options);
   Status Copy(const char* what, cudaMemcpyKind kind, void* dst, const void* src, size_t bytes,
               Stream* stream);
 

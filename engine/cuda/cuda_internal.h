@@ -42,6 +42,8 @@ class CudaStream final : public Stream {
 
   // Creates the CUDA stream and the scratch. REQUIRES: `device` is current.
   Status Init();
+  // Uses an existing stream (not owned: never destroyed) and creates the scratch.
+  Status InitExternal(cudaStream_t handle);
 
   const std::string& name() const override { return name_; }
   const void* owner() const { return owner_; }
@@ -66,6 +68,7 @@ class CudaStream final : public Stream {
   const int device_;
   const std::string name_;
   cudaStream_t handle_ = nullptr;
+  bool owned_ = true;
   ReduceScratch* scratch_ = nullptr;
   ReduceScratch* staging_ = nullptr;
   mutable std::mutex mu_;

@@ -41,6 +41,12 @@ namespace zinf {
 struct CudaDeviceOptions {
   int device = 0;            // CUDA device ordinal (usually LOCAL_RANK)
   size_t memory_budget = 0;  // bytes of the pool; 0: 90% of the device's free memory
+  // An existing cudaStream_t (as an opaque pointer) to use as ComputeStream(), for a trainer
+  // whose kernels run on a stream of its own (PyTorch's current stream): the engine then orders
+  // its copies against that stream with events. Not owned: never destroyed. The legacy default
+  // stream is the null handle, so `use_external_compute_stream` says whether to use it.
+  bool use_external_compute_stream = false;
+  void* external_compute_stream = nullptr;
 };
 
 // The CUDA devices visible to this process; 0 when built without CUDA, without a driver, or

@@ -1,0 +1,100 @@
+"""Hugging Face safetensors checkpoints into and out of a ZinfEngine (the format is read and
+written by zinf's C++ code: no Python dependency, one tensor in host memory at a time)."""
+import torch
+
+from . import _zinf
+from ._engine import ZinfError
+
+
+def _mapper(name_map):
+    if name_map is None:
+        return lambda n: n
+    if callable(name_map):
+        return name_map
+    if isinstance(name_map, dict):
+        return lambda n: name_map.get(n, n)
+    raise TypeError("name_map: a dict (model name -> checkpoint name), a callable or None")
+
+
+def load_safetensors(engine, path, name_map=None, strict=True, allow_reshape=False):
+    """Loads the tensors of a .safetensors file, a sharded checkpoint's
+    model.safetensors.index.json, or a folder holding either, into the engine's parameters
+    (the fp32 masters and the parameter stores) and the model's buffers.
+
+    `name_map` turns a model name (a name from model.named_parameters(), any of a tied
+    parameter's names, or a buffer's) into the checkpoint's name: a dict, a callable returning
+    the name, or None (the same names). With `strict`, every parameter must be found and every
+    tensor of the checkpoint used. F32, BF16 and F16 tensors load (converted exactly to fp32).
+    Every name, shape and dtype is checked before anything changes; a missing shard or a
+    damaged header is an error naming the file. Optimizer states are left as they are.
+    Returns {"loaded": [...], "missing": [...], "unexpected": [...]}.
+    """
+    engine._check_open()
+    engine._ensure_registered()
+    ckpt = _zinf.Safetensors(str(path))
+    tensors = ckpt.tensors()
+    to_file = _mapper(name_map)
+    mapping, loaded, missing, used = [], [], [], set()
+    for p in engine._params:
+        found = None
+        for n in p.names:
+            f = to_file(n)
+            if f is not None and f in tensors:
+                found = f
+                break
+        if found is None:
+            missing.append(p.names[0])
+            continue
+        mapping.append((p.id, found))
+        loaded.append(p.names[0])
+        used.add(found)
+    buffers = []
+    for name, buf in engine._persistent_buffers().items():
+        f = to_file(name)
+        if f is None or f not in tensors:
+            continue
+        dtype, shape, _ = tensors[f]
+        if list(shape) != list(buf.shape) or dtype not in ("F32", "BF16", "F16"):
+            raise ZinfError("tensor '%s' (%s %s) does not fit buffer '%s' (%s %s)"
+                            % (f, dtype, list(shape), name, buf.dtype, list(buf.shape)))
+        buffers.append((buf, f))
+        used.add(f)
+    unexpected = sorted(set(tensors) - used)
+    if strict and (missing or unexpected):
+        what = []
+        if missing:
+            what.append("no tensor for parameter(s) %s" % ", ".join(repr(m) for m in missing[:8])
+                        + (" and %d more" % (len(missing) - 8) if len(missing) > 8 else ""))
+        if unexpected:
+            what.append("unused tensor(s) %s" % ", ".join(repr(u) for u in unexpected[:8])
+                        + (" and %d more" % (len(unexpected) - 8) if len(unexpected) > 8 else ""))
+        raise ZinfError("load_safetensors(%s): %s; nothing was loaded (pass name_map, or "
+                        "strict=False)" % (path, "; ".join(what)))
+    engine._core.load_safetensors(ckpt, mapping, allow_reshape)
+    for buf, f in buffers:
+        values = torch.empty(buf.shape, dtype=torch.float32)
+        ckpt.read_f32(f, values.data_ptr())
+        with torch.no_grad():
+            buf.copy_(values)
+    return {"loaded": loaded, "missing": missing, "unexpected": unexpected}
+
+
+def save_safetensors(engine, save_dir, shard_size="5G", dtype=torch.float32, metadata=None):
+    """Exports the parameters' fp32 masters (or bf16, rounded to nearest even) as
+    model.safetensors, or as model-0000i-of-0000K.safetensors shards of at most `shard_size`
+    bytes ("5G", "500M" or a number) with model.safetensors.index.json, under each parameter's
+    first name (tied parameters once). One tensor in host memory at a time; every file is
+    written to a temporary name and renamed, the index last. Buffers are not exported."""
+    engine._check_open()
+    engine._ensure_registered()
+    if isinstance(shard_size, str):
+        shard_bytes = _zinf.parse_byte_size(shard_size, "shard_size")
+    else:
+        shard_bytes = int(shard_size)
+    names = {torch.float32: "F32", torch.bfloat16: "BF16"}
+    if dtype not in names:
+        raise ZinfError("save_safetensors: dtype torch.float32 or torch.bfloat16")
+    meta = {"format": "pt"}
+    meta.update(metadata or {})
+    mapping = [(p.id, p.names[0]) for p in engine._params]
+    engine._core.save_safetensors(str(save_dir), mapping, shard_bytes, names[dtype], meta)
