@@ -1586,7 +1586,7 @@ Result<std::vector<void*>> Engine::Acquire(const std::vector<ParamId>& ids, Acqu
           "reducing its gradient");
     }
     bool fresh = p.device_full != nullptr && p.fetched_version == static_cast<uint64_t>(m.visible);
-    {
+    if (training) {  // prefetch follows the training trace: inference acquires are not its
       std::lock_guard<std::mutex> lock(m.mu);
       (fresh ? m.counters.hits : m.counters.misses) += 1;
     }

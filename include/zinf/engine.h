@@ -82,7 +82,9 @@ struct StepStats {
   uint64_t nvme_bytes = 0;        // swap store size
   double overlap_efficiency = 0;  // max(busy) / step_seconds
   double grad_norm = 0;           // global L2 norm before clipping (when clipping is on)
-  uint64_t prefetch_hits = 0;     // acquires whose data was already fetched or in flight
+  // Training acquires (AcquireMode::kTraining) whose data was already fetched or in flight,
+  // and the others; inference acquires count in neither.
+  uint64_t prefetch_hits = 0;
   uint64_t prefetch_misses = 0;
   bool trace_valid = false;
 };

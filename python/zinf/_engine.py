@@ -111,6 +111,18 @@ class _SavedRef:
             engine._deferred.append(self.p)
 
 
+def _weak_hook(engine, method):
+    ref = weakref.ref(engine)
+
+    def hook(*args):
+        e = ref()
+        if e is not None:
+            return getattr(e, method)(*args)
+        return None
+
+    return hook
+
+
 class _ParameterDict(collections.OrderedDict):
     """A module's `_parameters` that acquires a parameter read during the engine's forward."""
 
@@ -207,8 +219,9 @@ class ZinfEngine:
                      if v is not None and id(v) in self._by_obj]
             self._direct[module] = owned
             module._parameters = _ParameterDict(self, module._parameters.items())
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook))
-            self._handles.append(module.register_forward_hook(self._post_hook))
+            # Hooks hold the engine weakly: the model never keeps a dropped engine alive.
+            self._handles.append(module.register_forward_pre_hook(_weak_hook(self, "_pre_hook")))
+            self._handles.append(module.register_forward_hook(_weak_hook(self, "_post_hook")))
         with torch.enable_grad():
             for p in self._params:
                 if not p.trainable:
@@ -353,11 +366,12 @@ class ZinfEngine:
 
         def hook(grad_inputs, grad_outputs):
             self_ = engine()
+            if self_ is None or self_._closed:  # the node outlives the engine: torch's again
+                return
             grad = p.param.grad
             p.param.grad = None
-            if self_ is None or grad is None:
-                return
-            self_._reduce(p, grad)
+            if grad is not None:
+                self_._reduce(p, grad)
 
         return hook
 
@@ -536,16 +550,37 @@ class ZinfEngine:
         """[(name, shape, numel, trainable)] of the managed parameters, in registration order."""
         return [(p.names[0], tuple(p.shape), p.numel, p.trainable) for p in self._params]
 
-    def close(self):
-        """Detaches the hooks and releases the engine (parameters stay placeholders)."""
+    def close(self, restore=False):
+        """Detaches the hooks and destroys the engine. With `restore`, every parameter first
+        gets its fp32 master values back as ordinary torch memory (the whole model in host
+        memory, in the parameter's dtype, on the engine's device), so the model can go on
+        without zinf; otherwise the parameters stay placeholders."""
         if self._closed:
             return
         self._unwind()
+        self._end_backward()
+        if restore:
+            self._ensure_registered()
+            for p in self._params:
+                p.param.data = self.gather(p.param).to(device=self.device, dtype=p.dtype)
         for h in self._handles:
             h.remove()
         self._handles = []
+        for module in self.module.modules():
+            if isinstance(module._parameters, _ParameterDict):
+                module._parameters = collections.OrderedDict(module._parameters.items())
+        for p in self._params:
+            p.param._zinf_engine = None
         self._closed = True
         self._core = None
+
+    def __del__(self):
+        try:
+            if not self._closed:
+                for h in self._handles:
+                    h.remove()
+        except Exception:  # interpreter shutdown: nothing left to detach
+            pass
 
     def _check_open(self):
         if self._closed:
