@@ -10,6 +10,8 @@ PACKAGES=(
   nlohmann-json3-dev libcli11-dev libopenblas-dev
   libgtest-dev libgmock-dev
   fio
+  # The Python package (python/) and its tests: Debian's interpreter, torch and pytest.
+  pybind11-dev python3-dev python3-torch python3-pytest python3-venv python3-pip
 )
 # `scripts/deps.sh fuzz`: also clang and its libFuzzer runtime (scripts/fuzz.sh).
 if [ "${1:-}" = "fuzz" ]; then

@@ -11,7 +11,7 @@ seconds=${ZINF_FUZZ_SECONDS:-30}
 flags="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined -g"
 if [ ! -f build-fuzz/CMakeCache.txt ]; then
   CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DZINF_CUDA=OFF -DZINF_BUILD_TESTS=OFF -DZINF_BUILD_BENCH=OFF -DZINF_BUILD_TRAIN=OFF \
+    -DZINF_CUDA=OFF -DZINF_BUILD_TESTS=OFF -DZINF_BUILD_BENCH=OFF -DZINF_BUILD_TRAIN=OFF -DZINF_PYTHON=OFF \
     -DZINF_FUZZ=ON -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" \
     -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined"
 fi
