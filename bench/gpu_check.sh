@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One-command GPU check for a CUDA machine (written for one H200): builds zinf with the CUDA
 # backends for sm_90, runs the GPU tests, measures host<->GPU and NVMe->GPU bandwidth, runs
-# the engine bench and zinf-train (the model on the GPU) when it can, and writes logs plus a
-# markdown summary.
+# the engine bench, zinf-train (the model on the GPU) and the Python package's GPU tests (with
+# a CUDA torch) when it can, and writes logs plus a markdown summary.
 #
 #   bench/gpu_check.sh                     # results under ./gpu-results
 #   OUT=/some/dir NVME_DIR=/mnt/nvme bench/gpu_check.sh
@@ -156,8 +156,11 @@ elif stage_passed configure; then
   TRAIN_TARGETS=""
   grep -q "ZINF_BUILD_TRAIN:BOOL=ON" "$BUILD_DIR/CMakeCache.txt" 2>/dev/null &&
     TRAIN_TARGETS="train_model_ops_cuda_test zinf-train"
+  # The Python module when this machine has pybind11 and the Python headers.
+  ninja -C "$BUILD_DIR" -t targets all 2>/dev/null | grep -q '^zinf_python:' &&
+    TRAIN_TARGETS="$TRAIN_TARGETS zinf_python"
   # shellcheck disable=SC2086
-  run_stage build 170 cmake --build "$BUILD_DIR" -j "$JOBS" --target cuda_device_test \
+  run_stage build 155 cmake --build "$BUILD_DIR" -j "$JOBS" --target cuda_device_test \
     engine_cuda_test zinf-gpu-bench zinf-engine-bench $TRAIN_TARGETS
 else
   skip_stage build "configure failed"
@@ -177,8 +180,8 @@ if [[ $USE_BUNDLE -eq 1 ]]; then
     STAGE_NOTES[${#STAGE_NOTES[@]} - 1]="gpu-bundle tests; SOME TESTS SKIPPED (no GPU visible?)"
   fi
 elif stage_passed build; then
-  STAGE_NOTE="ctest -L gpu"
-  run_stage gpu_tests 80 ctest --test-dir "$BUILD_DIR" -L gpu --output-on-failure
+  STAGE_NOTE="ctest -L gpu (the Python ones run in python_gpu)"
+  run_stage gpu_tests 80 ctest --test-dir "$BUILD_DIR" -L gpu -LE python --output-on-failure
   # A skipped GoogleTest case passes ctest: make "all skipped" (no GPU seen) visible.
   if grep -q "SKIPPED\|Skipped" "$OUT/gpu_tests.log" 2>/dev/null; then
     STAGE_NOTES[${#STAGE_NOTES[@]} - 1]="ctest -L gpu; SOME TESTS SKIPPED (no GPU visible?)"
@@ -192,7 +195,7 @@ GPU_BENCH="${BIN_DIR:-$BUILD_DIR/bench}/zinf-gpu-bench"
 if [[ -x "$GPU_BENCH" ]]; then
   mkdir -p "$NVME_DIR"
   STAGE_NOTE="$BENCH_MIB MiB per copy; NVMe folder $NVME_DIR"
-  run_stage gpu_bench 50 "$GPU_BENCH" --mib "$BENCH_MIB" --iters 5 --nvme "$NVME_DIR"
+  run_stage gpu_bench 40 "$GPU_BENCH" --mib "$BENCH_MIB" --iters 5 --nvme "$NVME_DIR"
   rm -rf "$NVME_DIR"
 else
   skip_stage gpu_bench "zinf-gpu-bench was not built"
@@ -233,6 +236,21 @@ else
       --optimizer-tier nvme --json --nvme "$1" --data "$2"' \
     "$TRAIN_BIN" "$NVME_DIR" "$ZINF_TRAIN_DATA"
   rm -rf "$NVME_DIR"
+fi
+
+# ---- zinf from PyTorch on the GPU ---------------------------------------------------------------
+if [[ $USE_BUNDLE -eq 1 ]]; then
+  skip_stage python_gpu "gpu-bundle: the Python module is built for one interpreter (run \
+without the bundle where a CUDA torch is installed)"
+elif ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" \
+    >/dev/null 2>&1; then
+  skip_stage python_gpu "no CUDA torch for python3 on this machine"
+elif [[ ! -d "$BUILD_DIR/python/zinf" ]]; then
+  skip_stage python_gpu "the Python module was not built (pybind11 or Python headers missing)"
+else
+  STAGE_NOTE="pytest python/tests/test_cuda_gpu.py"
+  run_stage python_gpu 25 env PYTHONPATH="$BUILD_DIR/python" python3 -m pytest -q \
+    -p no:cacheprovider "$ROOT/python/tests/test_cuda_gpu.py"
 fi
 
 # ---- Summary ------------------------------------------------------------------------------------

@@ -83,6 +83,8 @@ class Init:
             else:
                 torch.nn.Module.__init_subclass__ = self._prev_init_subclass
             _active.remove(self)
+        # The parameters built inside hold the spill until the engine has read them.
+        self._spill = None
         return False
 
     def _wrap(self, cls):

@@ -1,0 +1,244 @@
+#!/usr/bin/env python3
+"""Trains (or fine-tunes) a Llama-style model of any size on a text file with zinf, from
+PyTorch: the model is built under zinf.Init (its parameters go to zinf's stores as they are
+created, so it may be larger than host memory), optionally loaded from safetensors, and
+trained with zinf's optimizer; parameters and optimizer states live on NVMe by default.
+
+    python3 python/examples/finetune.py --preset 1B --steps 3
+    python3 python/examples/finetune.py --layers 4 --dim 256 --steps 50 --param-tier cpu
+    python3 python/examples/finetune.py --preset 3B --steps 3 --nvme /mnt/nvme --json
+
+Tokens are the file's bytes (vocabulary 256, as zinf-train), so no tokenizer is needed; with
+--load, a checkpoint in Hugging Face Llama names loads by name (the vocabulary then comes from
+the checkpoint's embedding, and the text is still read as bytes: bring your own tokens for a
+real fine-tune). One line per step: loss, tokens/s, NVMe GB/s (read + write), overlap
+efficiency, step time. At the end one JSON line like zinf-train's.
+"""
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+try:
+    import zinf
+    from zinf.models import Llama
+except ImportError as e:
+    raise SystemExit("finetune: cannot import zinf (%s): pip install ./python, or run with "
+                     "PYTHONPATH=build/python after scripts/build.sh" % e)
+
+# Llama shapes (dim, layers, heads, kv heads, MLP hidden); vocabulary 256 unless loaded.
+PRESETS = {
+    "tiny": (128, 2, 4, 2, 384),
+    "small": (512, 8, 8, 4, 1408),
+    "1B": (2048, 18, 16, 8, 5632),
+    "3B": (3200, 26, 32, 32, 8640),  # the open_llama_3b shape: 3.2B parameters
+    "7B": (4096, 32, 32, 32, 11008),
+}
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--dim", type=int)
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--heads", type=int)
+    ap.add_argument("--kv-heads", type=int)
+    ap.add_argument("--hidden", type=int, help="MLP width")
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--data", default=os.path.join(HERE, "..", "..", "train", "data",
+                                                   "corpus.txt"), help="a text file")
+    ap.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per micro-step")
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--warmup", type=int, default=5, help="linear warmup steps")
+    ap.add_argument("--clip", type=float, default=1.0, help="gradient clipping (0: off)")
+    ap.add_argument("--config", help="a DeepSpeed-style JSON config (the flags below override)")
+    ap.add_argument("--nvme", default="zinf-swap", help="folder for the swap files")
+    ap.add_argument("--param-tier", choices=["device", "cpu", "nvme"], default="nvme")
+    ap.add_argument("--optimizer-tier", choices=["device", "cpu", "nvme"], default="nvme")
+    ap.add_argument("--fp32", action="store_true", help="fp32 parameters (default bf16)")
+    ap.add_argument("--pinned-budget", default="2G")
+    ap.add_argument("--device-budget", default=None)
+    ap.add_argument("--sub-group-size", type=float, default=2.5e7)
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    ap.add_argument("--load", help="a .safetensors file, index or folder (HF Llama names)")
+    ap.add_argument("--save", help="export the trained weights as safetensors here")
+    ap.add_argument("--checkpoint-dir")
+    ap.add_argument("--resume", action="store_true", help="from --checkpoint-dir's newest")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--json", action="store_true", help="only the JSON line on stdout")
+    args = ap.parse_args()
+    dim, layers, heads, kv, hidden = PRESETS[args.preset]
+    args.dim = args.dim or dim
+    args.layers = args.layers or layers
+    args.heads = args.heads or heads
+    args.kv_heads = args.kv_heads or (kv if args.heads == heads else args.heads)
+    args.hidden = args.hidden or (hidden if args.dim == dim else 256 * math.ceil(8 * args.dim / 3 / 256))
+    for name in ("seq", "batch", "grad_accum", "steps", "layers", "dim", "heads"):
+        if getattr(args, name) < 1:
+            ap.error("--%s must be at least 1" % name.replace("_", "-"))
+    if args.dim % args.heads or args.heads % args.kv_heads:
+        ap.error("--dim must be a multiple of --heads, and --heads of --kv-heads")
+    if not (args.lr >= 0 and math.isfinite(args.lr)) or args.warmup < 0 or args.clip < 0:
+        ap.error("--lr, --warmup and --clip must be finite and >= 0")
+    if args.resume and not args.checkpoint_dir:
+        ap.error("--resume needs --checkpoint-dir")
+    return args
+
+
+def make_config(args):
+    cfg = {}
+    if args.config:
+        with open(args.config) as f:
+            cfg = json.load(f)
+    zo = cfg.setdefault("zero_optimization", {})
+    zo["stage"] = 3
+    tiers = {"device": "none", "cpu": "cpu", "nvme": "nvme"}
+    zo.setdefault("offload_param", {})["device"] = tiers[args.param_tier]
+    zo.setdefault("offload_optimizer", {})["device"] = tiers[args.optimizer_tier]
+    for key in ("offload_param", "offload_optimizer"):
+        if zo[key]["device"] == "nvme":
+            zo[key]["nvme_path"] = args.nvme
+            zo[key].setdefault("buffer_count", 8)
+    zo.setdefault("sub_group_size", args.sub_group_size)
+    zo.setdefault("stage3_prefetch_bucket_size", 1e8)
+    zo.setdefault("stage3_max_live_parameters", 4e8)
+    cfg.setdefault("aio", {"block_size": 8 << 20, "queue_depth": 32})
+    cfg.setdefault("optimizer", {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}})
+    cfg["gradient_accumulation_steps"] = args.grad_accum
+    cfg["gradient_clipping"] = args.clip
+    cfg["bf16"] = {"enabled": not args.fp32}
+    z = cfg.setdefault("zinf", {})
+    z.setdefault("pinned_budget_bytes", args.pinned_budget)
+    if args.device_budget:
+        z["device_budget_bytes"] = args.device_budget
+    return cfg
+
+
+class Batches:
+    """Random windows of the file's bytes, seeded per step (a resumed run sees the same)."""
+
+    def __init__(self, path, seq, batch, seed):
+        with open(path, "rb") as f:
+            data = f.read()
+        if len(data) < seq + 2:
+            raise SystemExit("finetune: %s has %d bytes, fewer than --seq + 2" % (path, len(data)))
+        self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        self.seq, self.batch, self.seed = seq, batch, seed
+
+    def get(self, step, micro):
+        g = torch.Generator().manual_seed(self.seed * 1000003 + step * 1009 + micro)
+        starts = torch.randint(0, len(self.data) - self.seq - 1, (self.batch,), generator=g)
+        rows = torch.stack([self.data[s:s + self.seq + 1] for s in starts.tolist()])
+        return rows[:, :-1], rows[:, 1:]
+
+
+def peak_rss():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def main():
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = sys.stderr if args.json else sys.stdout
+    cfg = make_config(args)
+    if "nvme" in (args.param_tier, args.optimizer_tier):
+        os.makedirs(args.nvme, exist_ok=True)
+    torch.manual_seed(args.seed)
+    vocab = args.vocab
+    if args.load:
+        tensors = zinf._zinf.Safetensors(args.load).tensors()
+        for name in ("model.embed_tokens.weight", "embed_tokens.weight"):
+            if name in tensors:
+                vocab = tensors[name][1][0]
+    t0 = time.time()
+    with zinf.Init(cfg):
+        model = Llama(vocab=vocab, dim=args.dim, layers=args.layers, n_heads=args.heads,
+                      n_kv_heads=args.kv_heads, hidden=args.hidden, max_seq=args.seq)
+    params = sum(p.numel() for p in model.parameters())
+    print("finetune: Llama %d layers, dim %d, %d/%d heads, MLP %d, vocabulary %d: %d parameters "
+          "(%.3g B); parameters on %s (%s), optimizer states on %s; batch %d x seq %d"
+          % (args.layers, args.dim, args.heads, args.kv_heads, args.hidden, vocab, params,
+             params / 1e9, args.param_tier, "fp32" if args.fp32 else "bf16", args.optimizer_tier,
+             args.batch, args.seq), file=out, flush=True)
+    engine = zinf.initialize(model, cfg, device=args.device)
+    if args.load:
+        report = zinf.load_safetensors(
+            engine, args.load, strict=False,
+            name_map=lambda n: n if n.startswith("lm_head") else "model." + n)
+        print("finetune: loaded %d tensors from %s (%d missing)"
+              % (len(report["loaded"]), args.load, len(report["missing"])), file=out)
+    first = 0
+    if args.resume:
+        try:
+            first = (engine.load_checkpoint(args.checkpoint_dir) or {}).get("step", 0)
+            print("finetune: resumed at step %d" % first, file=out)
+        except zinf.ZinfError as e:
+            if e.code != "NotFound":
+                raise
+    data = Batches(args.data, args.seq, args.batch, args.seed)
+    device = engine.device
+    tokens = args.batch * args.seq * args.grad_accum
+    losses, seconds, gbps, overlap = [], [], [], []
+    init_seconds = None
+    for step in range(first, args.steps):
+        lr = args.lr * min(1.0, (step + 1) / max(1, args.warmup))
+        engine.set_lr(lr)
+        t = time.time()
+        loss_sum, nvme, eff = 0.0, 0, []
+        for micro in range(args.grad_accum):
+            x, y = (z.to(device) for z in data.get(step, micro))
+            loss = engine(x, y)
+            if init_seconds is None:
+                init_seconds = time.time() - t0
+            engine.backward(loss)
+            stats = engine.step()
+            loss_sum += loss.item() / args.grad_accum
+            nvme += stats["nvme_read_bytes"] + stats["nvme_write_bytes"]
+            eff.append(stats["overlap_efficiency"])
+        dt = time.time() - t
+        losses.append(loss_sum)
+        seconds.append(dt)
+        gbps.append(nvme / dt / 1e9)
+        overlap.append(sum(eff) / len(eff))
+        print("step %4d  loss %.4f  %8.0f tokens/s  NVMe %5.2f GB/s  overlap %.2f  %.1f s  "
+              "lr %.2e" % (step + 1, loss_sum, tokens / dt, gbps[-1], overlap[-1], dt, lr),
+              file=out, flush=True)
+        if args.checkpoint_dir:
+            engine.save_checkpoint(args.checkpoint_dir, {"step": step + 1})
+    if args.save:
+        zinf.save_safetensors(engine, args.save,
+                              dtype=torch.float32 if args.fp32 else torch.bfloat16)
+    later = slice(1, None) if len(seconds) > 1 else slice(None)
+    summary = {
+        "params": params,
+        "steps": len(losses),
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+        "tokens_per_s": tokens * len(seconds[later]) / sum(seconds[later]) if seconds else 0,
+        "nvme_gbps": sum(gbps[later]) / len(gbps[later]) if gbps else 0,
+        "overlap_efficiency": sum(overlap[later]) / len(overlap[later]) if overlap else 0,
+        "step_seconds": seconds,
+        "init_seconds": init_seconds,
+        "peak_rss_bytes": peak_rss(),
+    }
+    print(json.dumps(summary), flush=True)
+    if losses and not math.isfinite(losses[-1]):
+        print("finetune: the loss is not finite; lower --lr", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
