@@ -181,6 +181,97 @@ struct HostArray {
   }
 };
 
+class BlockPool;
+
+// A block of a BlockPool; returns itself on destruction. Move-only, like PinnedBuffer.
+class PooledBlock {
+ public:
+  PooledBlock() = default;
+  PooledBlock(BlockPool* pool, void* data, size_t capacity)
+      : pool_(pool), data_(data), capacity_(capacity) {}
+  ~PooledBlock() { Reset(); }
+  PooledBlock(PooledBlock&& o) noexcept { *this = std::move(o); }
+  PooledBlock& operator=(PooledBlock&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      std::swap(pool_, o.pool_);
+      std::swap(data_, o.data_);
+      std::swap(capacity_, o.capacity_);
+    }
+    return *this;
+  }
+  PooledBlock(const PooledBlock&) = delete;
+  PooledBlock& operator=(const PooledBlock&) = delete;
+  void* data() const { return data_; }
+  size_t capacity() const { return capacity_; }
+  inline void Reset();
+
+ private:
+  BlockPool* pool_ = nullptr;
+  void* data_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+// Fixed-size blocks carved from one pinned range taken at placement, for the engine's large
+// buffers of one size (optimizer state buffers, their bf16 copies, streaming gradient
+// accumulators). They never come from the arena's remainder, so the variable-size staging
+// there cannot fragment them: a block is free or taken, never "there but not contiguous".
+// Thread-safe.
+class BlockPool {
+ public:
+  Status Init(PinnedArena* arena, size_t block_bytes, size_t count, const std::string& what) {
+    block_bytes_ = RoundUpSize(std::max<size_t>(block_bytes, 1), 4096);
+    count = std::max<size_t>(count, 1);
+    ZINF_ASSIGN_OR_RETURN(region_, arena->Allocate(block_bytes_ * count));
+    char* base = static_cast<char*>(region_.data());
+    for (size_t i = count; i-- > 0;) free_.push_back(base + i * block_bytes_);
+    what_ = what;
+    return Status::OK();
+  }
+  bool initialized() const { return region_.data() != nullptr; }
+  // A free block, or an empty one when every block is taken.
+  PooledBlock TryTake() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_.empty()) return PooledBlock();
+    void* p = free_.back();
+    free_.pop_back();
+    return PooledBlock(this, p, block_bytes_);
+  }
+  // REQUIRES: the caller never holds more blocks than the pool has (checked: Internal).
+  Result<PooledBlock> Take() {
+    PooledBlock b = TryTake();
+    if (b.data() == nullptr) {
+      return Status::Internal("the pool of " + what_ +
+                              " is exhausted (a bug: more taken than "
+                              "planned)");
+    }
+    return b;
+  }
+  void Give(void* p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(p);
+  }
+  size_t block_bytes() const { return block_bytes_; }
+  size_t free_blocks() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return free_.size();
+  }
+
+ private:
+  PinnedBuffer region_;
+  size_t block_bytes_ = 0;
+  std::string what_;
+  mutable std::mutex mu_;
+  std::vector<void*> free_;  // guarded by mu_
+};
+
+void PooledBlock::Reset() {
+  if (pool_ != nullptr) pool_->Give(data_);
+  pool_ = nullptr;
+  data_ = nullptr;
+  capacity_ = 0;
+}
+
 }  // namespace
 
 struct Engine::Impl {
@@ -223,7 +314,8 @@ struct Engine::Impl {
     bool on_device = false;
     float* device_states = nullptr;
     std::string swap_key;  // Tier::kNvme: [master|m|v] in one tensor
-    int pending = 0;       // guarded by mu: params whose grad has not landed
+    int pending = 0;       // guarded by mu: trainable params whose grad has not landed
+    int trainable = 0;     // its trainable parameters
     // Guarded by mu: per parameter of the group (index_in_group), whether it got a gradient in
     // the window being accumulated. Set by ReduceGradient; taken (and cleared) by the optimizer
     // when it steps the group, before the next window's gradients may come in.
@@ -233,10 +325,13 @@ struct Engine::Impl {
     // for the next window's gradients from then on).
     int64_t ready_step = 0;
     int64_t stepped_step = 0;
-    // Gradient accumulators of the group's partitions (pinned fp32, sliced like the states).
-    // Streaming mode allocates them at the group's first gradient of a window and frees them
-    // once the group is stepped; otherwise they live as long as the engine.
+    // Gradient accumulators of the group's partitions (pinned fp32, sliced like the states):
+    // `grad_data`. Streaming mode takes a block of grad_pool at the group's first gradient of a
+    // window (`grad_block`) and gives it back once the group is stepped; otherwise `grads` is
+    // allocated at placement and lives as long as the engine.
     PinnedBuffer grads;
+    PooledBlock grad_block;
+    float* grad_data = nullptr;
   };
 
   // Work queued for the optimizer thread.
@@ -259,14 +354,20 @@ struct Engine::Impl {
   std::vector<SubGroup> groups;
   bool registered = false;
   // Streaming gradient accumulators (no accumulation, no clipping): only the sub-groups between
-  // the trainer's backward and the optimizer hold pinned gradient memory, at most
-  // grad_budget bytes of it.
+  // the trainer's backward and the optimizer hold pinned gradient memory, a block of grad_pool
+  // each.
   bool stream_grads = false;
-  uint64_t grad_budget = 0;
-  uint64_t grad_bytes = 0;     // guarded by mu
   uint64_t grad_releases = 0;  // guarded by mu: accumulators freed so far (progress)
+  // Guarded by mu: the sub-group whose gradients the optimizer waits for (SIZE_MAX: none),
+  // and for which step.
+  size_t waiting_group = SIZE_MAX;
+  int64_t waiting_step = 0;
 
   std::unique_ptr<PinnedArena> arena;
+  // Blocks of the arena (declared after it: destroyed before it).
+  BlockPool grad_pool;   // streaming accumulators, one block per sub-group
+  BlockPool state_pool;  // [master | m | v] of one sub-group (NVMe states; initialisation)
+  BlockPool copy_pool;   // the bf16 parameter copy of one sub-group
   std::unique_ptr<SwapStore> swap;
   std::unique_ptr<CpuOptimizer> optimizer;
   Stream* copy_stream = nullptr;
@@ -556,11 +657,9 @@ struct Engine::Impl {
   Status WriteGroupStates(size_t gi, const void* buf, int buf_index);
   Status CheckBetweenSteps(const char* what) const;
   size_t GroupGradBytes(const SubGroup& g) const { return g.numel * sizeof(float); }
-  float* GradAcc(const Param& p) {
-    return static_cast<float*>(groups[p.info.sub_group].grads.data()) + p.slice_offset;
-  }
+  float* GradAcc(const Param& p) { return groups[p.info.sub_group].grad_data + p.slice_offset; }
   // Streaming mode: gives sub-group `g` its accumulators, waiting (bounded) for the optimizer
-  // to free others when grad_budget is reached. No-op when it has them.
+  // to free a block when all are taken. No-op when it has them.
   Status EnsureGradBuffer(SubGroup& g);
   // Streaming mode: returns the accumulators of a stepped sub-group.
   void ReleaseGradBuffer(SubGroup& g);
@@ -599,10 +698,11 @@ struct Engine::Impl {
   // Acquire, ReduceGradient or Step (so that between steps the optimizer is idle and a
   // checkpoint can be saved or loaded). Its read-ahead of NVMe states overlaps the forward.
   void KickEpoch();
-  bool epoch_due = false;       // trainer thread only
-  bool boundary_micro = false;  // trainer thread only: this micro-step ends a window
-  float lr = 0;                 // trainer thread only: the learning rate of the next epoch
-  bool in_micro = false;        // trainer thread only: the micro-step has started (KickEpoch)
+  bool epoch_due = false;           // trainer thread only
+  bool reduced_this_micro = false;  // trainer thread only: some ReduceGradient this micro-step
+  bool boundary_micro = false;      // trainer thread only: this micro-step ends a window
+  float lr = 0;                     // trainer thread only: the learning rate of the next epoch
+  bool in_micro = false;            // trainer thread only: the micro-step has started (KickEpoch)
   // GatherMasterParameter's copy of one sub-group's states (trainer thread only).
   std::unique_ptr<AlignedBuffer> gather_states;
   size_t gather_group = 0;
@@ -611,8 +711,13 @@ struct Engine::Impl {
 void Engine::Impl::BeginMicroStep() {
   const bool boundary = (micro + 1) % std::max(1, config.gradient_accumulation_steps) == 0;
   for (Param& p : params) p.grad_reduced_this_micro = false;
+  reduced_this_micro = false;
   std::lock_guard<std::mutex> lock(mu);
-  for (SubGroup& g : groups) g.pending = static_cast<int>(g.params.size());
+  for (SubGroup& g : groups) {
+    // Frozen parameters never hand in a gradient: a sub-group of only those is complete at once.
+    g.pending = g.trainable;
+    if (boundary && g.pending == 0) g.ready_step = step + 1;
+  }
   epoch_due = boundary;
   boundary_micro = boundary;
 }
@@ -802,7 +907,11 @@ Status Engine::FinishRegistration() {
   if (m.registered) return Status::OK();
   if (m.params.empty()) return Status::FailedPrecondition("no parameters registered");
   ZINF_RETURN_IF_ERROR(m.Place());
-  ZINF_RETURN_IF_ERROR(m.InitStores());
+  Status init = m.InitStores();
+  // The initial values are in the stores (or init failed): the callbacks, and whatever they
+  // hold (a spill file of the values, the trainer's buffers), are not needed any more.
+  for (Impl::Param& p : m.params) p.init = nullptr;
+  ZINF_RETURN_IF_ERROR(init);
   m.registered = true;
   m.optimizer_thread = std::thread([&m] { m.OptimizerLoop(); });
   m.BeginMicroStep();
@@ -825,6 +934,7 @@ Status Engine::Impl::Place() {
     p.slice_offset = g.numel;
     p.index_in_group = g.params.size();
     g.params.push_back(id);
+    if (p.info.trainable) ++g.trainable;
     g.numel += slice;
   }
   for (SubGroup& g : groups) g.has_grad.assign(g.params.size(), 0);
@@ -885,7 +995,8 @@ Status Engine::Impl::Place() {
   // is enough (the one the backward fills and the one being stepped); whatever the budget has
   // left goes to them, so backward can run ahead of the optimizer.
   stream_grads = config.gradient_accumulation_steps <= 1 && config.gradient_clipping <= 0;
-  const uint64_t grads_min = stream_grads ? std::min(grads_all, 2 * max_group_grads) : grads_all;
+  const uint64_t grads_min =
+      stream_grads ? std::min<uint64_t>(groups.size(), 2) * max_group_grads : grads_all;
   if (pinned + grads_min > config.pinned_budget_bytes) {
     return Status::ResourceExhausted(
         "the pinned host budget of " + FormatBytes(config.pinned_budget_bytes) +
@@ -893,12 +1004,32 @@ Status Engine::Impl::Place() {
         " (gradient partitions, cpu-tier parameters, optimizer swap buffers and staging); "
         "raise zinf.pinned_budget_bytes or lower sub_group_size");
   }
-  grad_budget = std::min(grads_all, config.pinned_budget_bytes - pinned);
   PinnedArenaOptions ao;
   ao.bytes = config.pinned_budget_bytes;
   ao.lock_memory = config.offload_param.pin_memory || config.offload_optimizer.pin_memory;
   ZINF_ASSIGN_OR_RETURN(arena, PinnedArena::Create(ao));
   ZINF_RETURN_IF_ERROR(device->RegisterHostMemory(arena->region().base, arena->capacity()));
+  // The fixed-size buffers first, as pools (see BlockPool); the rest of the arena is staging.
+  const uint64_t state_bytes = RoundUp(max_group * 3 * sizeof(float), 4096);
+  if (config.offload_optimizer.tier == Tier::kNvme) {
+    ZINF_RETURN_IF_ERROR(state_pool.Init(arena.get(), state_bytes, buffers, "optimizer buffers"));
+  } else if (offloaded < groups.size() && !device->IsHost()) {
+    ZINF_RETURN_IF_ERROR(state_pool.Init(arena.get(), state_bytes, 1, "optimizer buffers"));
+  }
+  if (copy_type != ParamCopyType::kNone) {
+    ZINF_RETURN_IF_ERROR(
+        copy_pool.Init(arena.get(), max_group * 2, buffers, "parameter copy buffers"));
+  }
+  if (stream_grads) {
+    // Whatever the budget has left beyond the plan goes to gradient blocks (at least two),
+    // so that the backward can run ahead of the optimizer.
+    const uint64_t spare = config.pinned_budget_bytes - pinned;
+    const uint64_t blocks = std::min<uint64_t>(
+        groups.size(),
+        std::max<uint64_t>(spare / max_group_grads, std::min<size_t>(groups.size(), 2)));
+    ZINF_RETURN_IF_ERROR(
+        grad_pool.Init(arena.get(), max_group_grads, blocks, "gradient accumulators"));
+  }
 
   bool need_swap =
       config.offload_param.tier == Tier::kNvme || config.offload_optimizer.tier == Tier::kNvme;
@@ -1031,7 +1162,7 @@ Status Engine::Impl::InitStores() {
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     SubGroup& g = groups[gi];
     float* master;
-    PinnedBuffer staging;
+    PooledBlock staging;
     if (g.on_device) {
       ZINF_ASSIGN_OR_RETURN(void* d, DevAlloc(GroupStateBytes(g), "optimizer states"));
       plan_bytes += GroupStateBytes(g);
@@ -1039,11 +1170,11 @@ Status Engine::Impl::InitStores() {
       if (device->IsHost()) {
         master = g.device_states;
       } else {  // initialised on the host, then copied
-        ZINF_ASSIGN_OR_RETURN(staging, arena->Allocate(GroupStateBytes(g)));
+        ZINF_ASSIGN_OR_RETURN(staging, state_pool.Take());
         master = static_cast<float*>(staging.data());
       }
     } else if (config.offload_optimizer.tier == Tier::kNvme) {
-      ZINF_ASSIGN_OR_RETURN(staging, arena->Allocate(GroupStateBytes(g)));
+      ZINF_ASSIGN_OR_RETURN(staging, state_pool.Take());
       master = static_cast<float*>(staging.data());
       g.swap_key = "opt/" + std::to_string(gi);
     } else {
@@ -1151,6 +1282,7 @@ Status Engine::Impl::InitStores() {
     if (!stream_grads) {
       ZINF_ASSIGN_OR_RETURN(g.grads, arena->Allocate(GroupGradBytes(g)));
       std::memset(g.grads.data(), 0, g.grads.capacity());
+      g.grad_data = static_cast<float*>(g.grads.data());
     }
   }
   if (resume_store) {
@@ -1572,13 +1704,26 @@ Result<std::vector<void*>> Engine::Acquire(const std::vector<ParamId>& ids, Acqu
           "that changed it (its memory holds the old values); release it first");
     }
   }
+  if (!training && m.boundary_micro && m.reduced_this_micro) {
+    // The optimizer may be rewriting the parameter stores of sub-groups whose gradients are
+    // complete: an inference fetch now could read a half-written buffer.
+    return Status::FailedPrecondition(
+        "an inference Acquire between ReduceGradient and Step at an accumulation boundary: the "
+        "optimizer may be rewriting the parameters; evaluate between optimizer steps");
+  }
   if (training) m.KickEpoch();
   std::vector<void*> out;
   out.reserve(ids.size());
+  // On failure no acquisition of this call stays counted.
+  size_t counted = 0;
+  auto undo = [&] {
+    for (size_t k = 0; k < counted; ++k) --m.params[ids[k]].acquired;
+  };
   for (ParamId id : ids) {
     if (training) m.TraceCheck(id);
     Impl::Param& p = m.params[id];
     if (training && m.delayed && m.boundary_micro && p.grad_reduced_this_micro) {
+      undo();
       return Status::FailedPrecondition(
           "Acquire('" + p.info.name +
           "') after its ReduceGradient in the same micro-step: with zinf.delayed_update the "
@@ -1590,15 +1735,26 @@ Result<std::vector<void*>> Engine::Acquire(const std::vector<ParamId>& ids, Acqu
       std::lock_guard<std::mutex> lock(m.mu);
       (fresh ? m.counters.hits : m.counters.misses) += 1;
     }
-    if (!fresh) ZINF_RETURN_IF_ERROR(m.Fetch(id));
+    if (!fresh) {
+      Status s = m.Fetch(id);
+      if (!s.ok()) {
+        undo();
+        return s;
+      }
+    }
     ++p.acquired;
+    ++counted;
   }
   m.Prefetch();
   auto t0 = Clock::now();
   for (ParamId id : ids) {
     Impl::Param& p = m.params[id];
     if (p.state == Impl::FetchState::kFetching) {
-      ZINF_RETURN_IF_ERROR(m.device->StreamWaitEvent(m.device->ComputeStream(), p.ready.get()));
+      Status w = m.device->StreamWaitEvent(m.device->ComputeStream(), p.ready.get());
+      if (!w.ok()) {
+        undo();
+        return w;
+      }
       if (m.device->IsHost()) p.state = Impl::FetchState::kResident;
     }
     Status s;
@@ -1607,7 +1763,7 @@ Result<std::vector<void*>> Engine::Acquire(const std::vector<ParamId>& ids, Acqu
       s = p.fetch_status;
     }
     if (!s.ok()) {
-      for (ParamId a : ids) --m.params[a].acquired;
+      undo();
       // A failed fetch is no cached copy: drop it so a later Acquire fetches again.
       m.Evict(id);
       {
@@ -1666,10 +1822,15 @@ Status Engine::ReduceGradient(ParamId id, const float* grad) {
   // be free of the previous window's step (delayed update) before this gradient goes in.
   const int64_t ready = m.boundary_micro ? m.step + 1 : 0;
   ZINF_RETURN_IF_ERROR(m.WaitStepped(m.groups[p.info.sub_group]));
-  {
+  // Once its copy is queued: the parameter has a gradient in this window (the optimizer steps
+  // it), and this micro-step has reduced one (inference acquires must wait for the step).
+  auto mark_reduced = [&m, &p] {
+    p.grad_seen_this_window = true;
+    p.grad_reduced_this_micro = true;
+    m.reduced_this_micro = true;
     std::lock_guard<std::mutex> lock(m.mu);
     m.groups[p.info.sub_group].has_grad[p.index_in_group] = 1;
-  }
+  };
   if (m.world == 1 && !p.grad_seen_this_window) {
     // One rank, first gradient of the window: the reduction is the identity, so the
     // gradient goes straight into its accumulator (one copy instead of three, and no device
@@ -1677,13 +1838,12 @@ Status Engine::ReduceGradient(ParamId id, const float* grad) {
     // as soon as this returns.
     ZINF_RETURN_IF_ERROR(m.EnsureGradBuffer(m.groups[p.info.sub_group])
                              .WithContext("gradient of '" + p.info.name + "'"));
-    p.grad_seen_this_window = true;
-    p.grad_reduced_this_micro = true;
     Stream* compute = m.device->ComputeStream();
     float* acc = m.GradAcc(p);
     m.TimeCopy(compute, [&] {
       return m.device->CopyDeviceToHost(acc, grad, p.info.numel * sizeof(float), compute);
     });
+    mark_reduced();
     if (part > p.info.numel) {
       std::memset(acc + p.info.numel, 0, (part - p.info.numel) * sizeof(float));
     }
@@ -1718,12 +1878,11 @@ Status Engine::ReduceGradient(ParamId id, const float* grad) {
   const bool first = !p.grad_seen_this_window;
   ZINF_RETURN_IF_ERROR(m.EnsureGradBuffer(m.groups[p.info.sub_group])
                            .WithContext("gradient of '" + p.info.name + "'"));
-  p.grad_seen_this_window = true;
-  p.grad_reduced_this_micro = true;
   if (first) {
     m.TimeCopy(m.grad_stream, [&] {
       return m.device->CopyDeviceToHost(m.GradAcc(p), mine, part * sizeof(float), m.grad_stream);
     });
+    mark_reduced();
     (void)m.device->LaunchHostFunc(m.grad_stream, [&m, scratch, full_bytes, part, id, ready] {
       m.DevFree(scratch, full_bytes + part * sizeof(float));
       m.GradLanded(id, ready);
@@ -1735,6 +1894,7 @@ Status Engine::ReduceGradient(ParamId id, const float* grad) {
     m.TimeCopy(m.grad_stream, [&] {
       return m.device->CopyDeviceToHost(staging->data(), mine, part * sizeof(float), m.grad_stream);
     });
+    mark_reduced();
     (void)m.device->LaunchHostFunc(m.grad_stream,
                                    [&m, scratch, full_bytes, part, id, staging, ready] {
                                      float* acc = m.GradAcc(m.params[id]);
@@ -1751,38 +1911,59 @@ Status Engine::ReduceGradient(ParamId id, const float* grad) {
 }
 
 Status Engine::Impl::EnsureGradBuffer(SubGroup& g) {
-  if (g.grads.data() != nullptr) return Status::OK();
+  if (g.grad_data != nullptr) return Status::OK();
   if (!stream_grads) return Status::Internal("gradient accumulators missing");
-  const uint64_t need = RoundUp(GroupGradBytes(g), 4096);
-  // Wait for room; give up only when the optimizer makes no progress for a long time (it
-  // frees a sub-group's accumulators after each step, so a stall means it is stuck).
+  // Wait for a free block; give up when the optimizer failed (it frees no more) or makes no
+  // progress for a long time (it frees a sub-group's block after each step, so a stall means
+  // it is stuck).
   constexpr auto kNoProgress = std::chrono::seconds(300);
   std::unique_lock<std::mutex> lock(mu);
   uint64_t seen = grad_releases;
   auto deadline = Clock::now() + kNoProgress;
   for (;;) {
-    if (grad_bytes + need <= grad_budget) {
-      Result<PinnedBuffer> buf = arena->Allocate(GroupGradBytes(g));
-      if (buf.ok()) {
-        g.grads = std::move(buf).value();
-        grad_bytes += need;
-        return Status::OK();
-      }
-      // Fragmented: wait for a free like a full budget.
+    PooledBlock block = grad_pool.TryTake();
+    if (block.data() != nullptr) {
+      g.grad_block = std::move(block);
+      g.grad_data = static_cast<float*>(g.grad_block.data());
+      return Status::OK();
     }
     if (stopping) return Status::FailedPrecondition("engine shutting down");
-    if (epochs.empty() && grad_bytes == 0) {
-      return Status::ResourceExhausted("no pinned memory for gradient accumulators of " +
-                                       FormatBytes(need) +
-                                       "; raise zinf.pinned_budget_bytes or lower sub_group_size");
+    if (!optimizer_status.ok()) {
+      return optimizer_status.WithContext(
+          "no gradient accumulators are freed after an optimizer failure");
+    }
+    if (epochs.empty()) {
+      return Status::Internal("every gradient block is taken with no optimizer step to free one");
+    }
+    // Blocks are freed only by stepping sub-groups, in order. When the optimizer waits for a
+    // sub-group with a parameter the trainer has not reduced yet in this micro-step (it comes
+    // after this gradient in program order, or lands only at Step), no block will come.
+    // Gradients already reduced but still landing do not count: they complete the sub-group.
+    std::string missing;
+    if (waiting_group != SIZE_MAX && groups[waiting_group].ready_step < waiting_step) {
+      for (ParamId q : groups[waiting_group].params) {
+        if (params[q].info.trainable && !params[q].grad_reduced_this_micro) {
+          missing = params[q].info.name;
+          break;
+        }
+      }
+    }
+    if (!missing.empty()) {
+      return Status::ResourceExhausted(
+          "every streaming gradient block (" + FormatBytes(grad_pool.block_bytes()) +
+          " each) is taken by sub-groups the optimizer reaches only after sub-group " +
+          std::to_string(waiting_group) + ", which still waits for the gradient of '" + missing +
+          "'; the optimizer steps sub-groups in reverse registration order. Raise "
+          "zinf.pinned_budget_bytes (more blocks), lower sub_group_size, or register "
+          "parameters so that their gradients come in reverse registration order");
     }
     if (cv.wait_until(lock, deadline) == std::cv_status::timeout) {
       if (grad_releases == seen) {
         return Status::ResourceExhausted(
             "waited " + std::to_string(kNoProgress.count()) +
-            " s for the optimizer to free gradient accumulators (" + FormatBytes(grad_bytes) +
-            " of " + FormatBytes(grad_budget) +
-            " in use); is the backward order far from the registration order? raise "
+            " s for the optimizer to free gradient accumulators (every block of " +
+            FormatBytes(grad_pool.block_bytes()) +
+            " is taken); is the backward order far from the registration order? raise "
             "zinf.pinned_budget_bytes or lower sub_group_size");
       }
       seen = grad_releases;
@@ -1792,10 +1973,10 @@ Status Engine::Impl::EnsureGradBuffer(SubGroup& g) {
 }
 
 void Engine::Impl::ReleaseGradBuffer(SubGroup& g) {
-  if (g.grads.data() == nullptr) return;
-  g.grads.Reset();
+  if (g.grad_block.data() == nullptr) return;
+  g.grad_data = nullptr;
+  g.grad_block.Reset();
   std::lock_guard<std::mutex> lock(mu);
-  grad_bytes -= RoundUp(GroupGradBytes(g), 4096);
   ++grad_releases;
   cv.notify_all();
 }
@@ -1849,7 +2030,7 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
   // Pipeline (NVMe states): reads run ahead up to `buffers - 1` sub-groups; each sub-group's
   // write-back is waited for only when its buffer is needed again.
   struct Slot {
-    PinnedBuffer states;
+    PooledBlock states;
     Ticket read = 0;
     bool reading = false;
     std::vector<Ticket> writes;
@@ -1859,7 +2040,7 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
   Status first;
   // Buffers whose write-back is in flight, oldest first.
   struct Retiring {
-    PinnedBuffer states, copy;
+    PooledBlock states, copy;
     std::vector<Ticket> writes;
   };
   std::deque<Retiring> retiring;
@@ -1872,7 +2053,7 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
         continue;
       }
       Slot slot;
-      ZINF_ASSIGN_OR_RETURN(slot.states, arena->Allocate(GroupStateBytes(g)));
+      ZINF_ASSIGN_OR_RETURN(slot.states, state_pool.Take());
       ZINF_ASSIGN_OR_RETURN(slot.read,
                             swap->Read(g.swap_key, slot.states.data(), slot.states.capacity()));
       slot.reading = true;
@@ -1929,9 +2110,13 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
     std::vector<uint8_t> with_grad;  // the parameters this step updates (the others skip it)
     {
       std::unique_lock<std::mutex> lock(mu);
+      waiting_group = gi;
+      waiting_step = e.step;
+      cv.notify_all();  // a trainer waiting for a gradient block re-checks for a deadlock
       cv.wait(lock, [&] {
         return stopping || (g.ready_step >= e.step && (!e.clip || clip_coefs.count(e.step) != 0));
       });
+      waiting_group = SIZE_MAX;
       if (stopping) return Status::FailedPrecondition("engine shutting down");
       if (e.clip) coef = clip_coefs[e.step];
       with_grad.swap(g.has_grad);
@@ -1974,7 +2159,7 @@ Status Engine::Impl::RunEpoch(const Epoch& e) {
       master = g.master.data;
     }
     if (copy_type != ParamCopyType::kNone) {
-      Result<PinnedBuffer> b = arena->Allocate(g.numel * 2);
+      Result<PooledBlock> b = copy_pool.Take();
       if (!b.ok()) return b.status().WithContext("bf16 parameter buffer");
       done.copy = std::move(b).value();
     }
@@ -2038,7 +2223,10 @@ Status Engine::Impl::StepGroupOnDevice(size_t gi, const Epoch& e, float coef,
   float* master = g.device_states;
   float* m = master + g.numel;
   float* v = m + g.numel;
-  Status s = device->CopyHostToDevice(dev_grads, g.grads.data(), grad_bytes, update_stream);
+  // No accumulators (streaming, no gradient in the group this window): nothing is stepped.
+  Status s = g.grad_data == nullptr
+                 ? Status::OK()
+                 : device->CopyHostToDevice(dev_grads, g.grad_data, grad_bytes, update_stream);
   for (ParamId id : g.params) {
     if (!s.ok()) break;
     Param& p = params[id];
@@ -2187,14 +2375,17 @@ Result<StepStats> Engine::Step() {
     // The optimizer thread has this epoch since the micro-step began and may have stepped the
     // sub-groups whose gradients are complete. Parameters not reduced in this last micro-step
     // have final accumulators already: count them as landed.
+    // (Streaming accumulators: a sub-group none of whose parameters has a gradient holds no
+    // block, and nothing reads its accumulators, so there is nothing to zero.)
     for (Impl::Param& p : m.params) {
-      if (p.grad_reduced_this_micro) continue;
+      if (p.grad_reduced_this_micro || !p.info.trainable) continue;
       Impl::SubGroup& g = m.groups[p.info.sub_group];
       if (!p.grad_seen_this_window) {
         s = m.WaitStepped(g);
-        if (s.ok()) s = m.EnsureGradBuffer(g);
         if (!s.ok()) return fail_boundary(s.WithContext("zero gradient of '" + p.info.name + "'"));
-        std::memset(m.GradAcc(p), 0, p.info.partition_numel * sizeof(float));
+        if (g.grad_data != nullptr) {
+          std::memset(m.GradAcc(p), 0, p.info.partition_numel * sizeof(float));
+        }
       }
       std::lock_guard<std::mutex> lock(m.mu);
       m.LandLocked(g, m.step + 1);
@@ -2795,7 +2986,7 @@ Status Engine::SetParameterValues(const std::vector<ParamId>& ids,
   if (!agreed.ok()) {
     // Some rank may hold new values in part of its sub-groups: the model is neither the old
     // one nor the new one.
-    if (changed || !local.ok()) {
+    if (changed || m.world > 1) {
       m.broken =
           Status::FailedPrecondition("SetParameterValues failed part-way (" + agreed.message() +
                                      "); recreate the engine and load again");
@@ -2815,7 +3006,13 @@ Status Engine::SetParameterValues(const std::vector<ParamId>& ids,
   return committed;
 }
 
-int64_t Engine::param_updates(ParamId id) const { return impl_->params.at(id).updates; }
+int64_t Engine::param_updates(ParamId id) const {
+  // The optimizer thread counts the updates of a step still running (delayed update): wait
+  // for it. A failed step's count is what it reached; that failure is reported by the calls
+  // that run steps, so it is not repeated here.
+  if (impl_->registered) (void)impl_->WaitDone(impl_->step);
+  return impl_->params.at(id).updates;
+}
 
 Status Engine::SetLearningRate(float lr) {
   if (!std::isfinite(lr) || lr < 0) {

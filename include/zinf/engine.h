@@ -187,14 +187,16 @@ class Engine {
   // counts stay as they are (zero for an engine that has not stepped yet). The sub-groups
   // are visited in order, each read and written once, so host memory stays within the
   // largest tensor plus one sub-group's states (taken from the pinned budget when it has
-  // room). A failing `fill` stops the load: the parameters of the sub-groups already written
-  // have their new values, and the engine refuses to train on (recreate it): check the
-  // sources before calling. With zinf.durable the store commits the new values.
+  // room). A failing `fill` stops the load: when sub-groups were already written (or with
+  // several ranks) the engine refuses to train on (recreate it), else nothing changed: check
+  // the sources before calling. With zinf.durable the store commits the new values.
+  // Inference acquires (AcquireMode::kInference) are refused between a boundary micro-step's
+  // first ReduceGradient and its Step: the optimizer may be rewriting the parameters then.
   Status SetParameterValues(const std::vector<ParamId>& ids,
                             const std::function<Status(ParamId id, float* data)>& fill);
 
-  // The number of optimizer updates applied to a parameter so far (torch's state["step"]).
-  // Between optimizer steps.
+  // The number of optimizer updates applied to a parameter so far (torch's state["step"]),
+  // counting the optimizer step still running with the delayed update (it waits for it).
   int64_t param_updates(ParamId id) const;
 
   // The learning rate of the optimizer steps from the next micro-step on (a schedule: warmup,

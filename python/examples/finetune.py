@@ -60,7 +60,10 @@ def parse_args():
     ap.add_argument("--steps", type=int, default=20, help="optimizer steps")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--warmup", type=int, default=5, help="linear warmup steps")
-    ap.add_argument("--clip", type=float, default=1.0, help="gradient clipping (0: off)")
+    ap.add_argument("--clip", type=float, default=0.0,
+                    help="gradient clipping by global norm (default off: clipping waits for "
+                         "every gradient, so all of them stay in pinned memory, 4 bytes a "
+                         "parameter)")
     ap.add_argument("--config", help="a DeepSpeed-style JSON config (the flags below override)")
     ap.add_argument("--nvme", default="zinf-swap", help="folder for the swap files")
     ap.add_argument("--param-tier", choices=["device", "cpu", "nvme"], default="nvme")
@@ -109,7 +112,6 @@ def make_config(args):
     for key in ("offload_param", "offload_optimizer"):
         if zo[key]["device"] == "nvme":
             zo[key]["nvme_path"] = args.nvme
-            zo[key].setdefault("buffer_count", 8)
     zo.setdefault("sub_group_size", args.sub_group_size)
     zo.setdefault("stage3_prefetch_bucket_size", 1e8)
     zo.setdefault("stage3_max_live_parameters", 4e8)

@@ -124,8 +124,8 @@ class Spill {
       if (fd_ >= 0) unlink(templ.c_str());
     }
     if (fd_ < 0) {
-      Throw(ErrnoToStatus(errno, "zinf.Init: creating a spill file for parameter values in " +
-                                     dir + " (pick a writable folder on disk)"));
+      Throw(ErrnoToStatus(errno, "zinf.Init: creating a spill file for parameter values in " + dir +
+                                     " (pick a writable folder on disk)"));
     }
   }
   ~Spill() {
@@ -553,8 +553,8 @@ class PyEngine {
 py::dict InspectCheckpoint(const safetensors::Checkpoint& ckpt) {
   py::dict out;
   for (const auto& [name, t] : ckpt.tensors) {
-    out[py::str(name)] = py::make_tuple(safetensors::DTypeName(t.dtype), t.shape,
-                                        ckpt.files[t.file].path);
+    out[py::str(name)] =
+        py::make_tuple(safetensors::DTypeName(t.dtype), t.shape, ckpt.files[t.file].path);
   }
   return out;
 }
@@ -584,7 +584,8 @@ PYBIND11_MODULE(_zinf, m) {
         "CUDA devices zinf can use (0 when built without CUDA or without a driver)");
   m.def("cpu_isa", [] { return std::string(CpuIsaName(BestCpuIsa())); });
   m.def("physical_memory", [] {
-    return static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    return static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
+           static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   });
   m.def(
       "parse_config",
@@ -619,9 +620,8 @@ PYBIND11_MODULE(_zinf, m) {
       .def(py::init<const std::string&>(), py::arg("dir"))
       .def("append", &Spill::Append, py::arg("ptr"), py::arg("dtype"), py::arg("numel"),
            "appends numel values at ptr (float32, bfloat16 or float16) as fp32; returns the offset")
-      .def("read", [](const Spill& s, uint64_t offset, uintptr_t out, size_t n) {
-        Check(s.Read(offset, reinterpret_cast<float*>(out), n));
-      })
+      .def("read", [](const Spill& s, uint64_t offset, uintptr_t out,
+                      size_t n) { Check(s.Read(offset, reinterpret_cast<float*>(out), n)); })
       .def_property_readonly("bytes", &Spill::bytes);
 
   py::class_<safetensors::Checkpoint, std::shared_ptr<safetensors::Checkpoint>>(m, "Safetensors")
@@ -645,12 +645,11 @@ PYBIND11_MODULE(_zinf, m) {
   py::class_<PyEngine>(m, "Engine")
       .def(py::init<const std::string&, const std::string&, int, bool, uintptr_t, uint64_t>(),
            py::arg("config_json"), py::arg("device") = "cpu", py::arg("device_index") = 0,
-           py::arg("use_stream") = false, py::arg("cuda_stream") = 0,
-           py::arg("device_memory") = 0)
+           py::arg("use_stream") = false, py::arg("cuda_stream") = 0, py::arg("device_memory") = 0)
       .def_property_readonly("warnings", &PyEngine::warnings)
-      .def("register", &PyEngine::Register, py::arg("name"), py::arg("shape"),
-           py::arg("trainable"), py::arg("ptr") = 0, py::arg("dtype") = "float32",
-           py::arg("spill") = nullptr, py::arg("spill_offset") = 0)
+      .def("register", &PyEngine::Register, py::arg("name"), py::arg("shape"), py::arg("trainable"),
+           py::arg("ptr") = 0, py::arg("dtype") = "float32", py::arg("spill") = nullptr,
+           py::arg("spill_offset") = 0)
       .def("finish_registration", &PyEngine::FinishRegistration, py::arg("resume") = false)
       .def("acquire", &PyEngine::Acquire, py::arg("ids"), py::arg("inference") = false)
       .def("release", &PyEngine::Release, py::arg("ids"))
@@ -668,10 +667,12 @@ PYBIND11_MODULE(_zinf, m) {
            py::arg("shard_bytes"), py::arg("dtype"), py::arg("metadata"))
       .def("set_lr", [](PyEngine& e, float lr) { Check(e.engine().SetLearningRate(lr)); })
       .def_property_readonly("global_step", [](PyEngine& e) { return e.engine().global_step(); })
-      .def("param_updates", [](PyEngine& e, ParamId id) {
-        if (id >= e.engine().num_params()) Throw(Status::InvalidArgument("unknown parameter id"));
-        return e.engine().param_updates(id);
-      })
+      .def("param_updates",
+           [](PyEngine& e, ParamId id) {
+             if (id >= e.engine().num_params())
+               Throw(Status::InvalidArgument("unknown parameter id"));
+             return e.engine().param_updates(id);
+           })
       .def_property_readonly("num_params", [](PyEngine& e) { return e.engine().num_params(); })
       .def("param", &PyEngine::Param)
       .def_property_readonly("bf16", [](PyEngine& e) { return e.engine().config().bf16; })

@@ -485,6 +485,7 @@ class ZinfEngine:
         self._check_open()
         self._ensure_registered()
         raw = self._core.load_checkpoint(str(load_dir))
+        self._micro = self._core.global_step * self._gas
         try:
             user = json.loads(raw.decode("utf-8")) if raw else {}
         except ValueError:
@@ -510,6 +511,7 @@ class ZinfEngine:
                             "forward, step or checkpoint call")
         self._core.finish_registration(resume=True)
         self._registered = True
+        self._micro = self._core.global_step * self._gas
         for p in self._params:
             p.source = None
 
