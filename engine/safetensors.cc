@@ -143,6 +143,50 @@ Status FsyncDir(const std::string& dir) {
   return Status::OK();
 }
 
+// In every exported file's "__metadata__": the file was written by SaveFromEngine.
+constexpr const char* kExportMarker = "zinf_export";
+
+// The names of the folder's files an export consists of: model.safetensors,
+// model-NNNNN-of-NNNNN.safetensors, model.safetensors.index.json.
+std::vector<std::string> ExportFilesIn(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    bool shard = n.size() == 32 && n.compare(0, 6, "model-") == 0 &&
+                 n.compare(11, 4, "-of-") == 0 && n.compare(20, 12, ".safetensors") == 0;
+    for (size_t i : {6, 7, 8, 9, 10, 15, 16, 17, 18, 19}) {
+      shard = shard && n[i] >= '0' && n[i] <= '9';
+    }
+    if (shard || n == "model.safetensors" || n == "model.safetensors.index.json") {
+      out.push_back(n);
+    }
+  }
+  return out;
+}
+
+Status PrepareExportFolder(const std::string& dir) {
+  const std::vector<std::string> present = ExportFilesIn(dir);
+  for (const std::string& n : present) {
+    if (n == "model.safetensors.index.json") continue;
+    Result<FileHeader> h = ReadHeader(dir + "/" + n);
+    if (!h.ok() || h->metadata.count(kExportMarker) == 0) {
+      return Status::FailedPrecondition(
+          dir + " holds " + n + ", a safetensors checkpoint zinf did not write" +
+          (h.ok() ? "" : " (" + h.status().message() + ")") +
+          "; export into an empty folder (or one that holds an earlier zinf export)");
+    }
+  }
+  for (const char* first : {"model.safetensors.index.json", "model.safetensors"}) {
+    const std::string path = dir + "/" + first;
+    if (unlink(path.c_str()) != 0 && errno != ENOENT) {
+      return ErrnoToStatus(errno, "removing the earlier export's " + path);
+    }
+  }
+  return Status::OK();
+}
+
 std::vector<int64_t> WithoutOnes(const std::vector<int64_t>& shape) {
   std::vector<int64_t> out;
   for (int64_t d : shape) {
@@ -373,6 +417,10 @@ Status SaveFromEngine(Engine* engine, const std::vector<std::pair<ParamId, std::
     std::error_code ec;
     fs::create_directories(dir, ec);
     if (ec) local = Status::IoError("creating " + dir + ": " + ec.message());
+    // A checkpoint already there is replaced only when zinf wrote it (its files carry the
+    // marker); its index (or single file) goes first, so that an export that fails part-way
+    // never leaves an index over a mix of old and new shards.
+    if (local.ok()) local = PrepareExportFolder(dir);
   }
   std::vector<float> values(std::max<size_t>(largest, 1));
   std::vector<uint16_t> half(dtype == DType::kBF16 ? values.size() : 0);
@@ -382,7 +430,8 @@ Status SaveFromEngine(Engine* engine, const std::vector<std::pair<ParamId, std::
     uint64_t data_start = 0;
     if (writer && local.ok()) {
       json header = json::object();
-      if (!metadata.empty()) header["__metadata__"] = metadata;
+      header["__metadata__"] = metadata;
+      header["__metadata__"][kExportMarker] = "1";
       uint64_t at = 0;
       for (size_t i : shards[k].entries) {
         const ParamInfo& p = engine->param(mapping[i].first);
@@ -446,23 +495,13 @@ Status SaveFromEngine(Engine* engine, const std::vector<std::pair<ParamId, std::
     ZINF_RETURN_IF_ERROR(PwriteExact(out.fd(), text.data(), text.size(), 0, out.tmp()));
     ZINF_RETURN_IF_ERROR(out.Commit());
   }
-  // Files of an earlier export in this folder that this one does not consist of would be read
-  // with it (a stale index over new shards, a stale shard beside new ones): remove them.
+  // Shards of an earlier zinf export that this one does not consist of: removed.
   std::set<std::string> keep(files.begin(), files.end());
-  if (shards.size() > 1) keep.insert("model.safetensors.index.json");
-  std::error_code ec;
-  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
-    unsigned a = 0, b = 0;
-    char tail[32] = {0};
-    const bool ours = n == "model.safetensors" || n == "model.safetensors.index.json" ||
-                      (std::sscanf(n.c_str(), "model-%5u-of-%5u.%31s", &a, &b, tail) == 3 &&
-                       std::strcmp(tail, "safetensors") == 0);
-    if (ours && keep.count(n) == 0) {
-      std::error_code rm;
-      fs::remove(e.path(), rm);
-      if (rm) LogWarning("could not remove the stale export file " + e.path().string());
-    }
+  for (const std::string& n : ExportFilesIn(dir)) {
+    if (keep.count(n) != 0 || n == "model.safetensors.index.json") continue;
+    std::error_code rm;
+    fs::remove(dir + "/" + n, rm);
+    if (rm) LogWarning("could not remove the stale export file " + dir + "/" + n);
   }
   return FsyncDir(dir);
 }

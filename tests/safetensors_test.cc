@@ -329,3 +329,34 @@ TEST(SafetensorsEngine, TheTemporaryFileNeverFollowsAPlantedLink) {
 
 }  // namespace
 }  // namespace zinf::safetensors
+
+namespace zinf::safetensors {
+namespace {
+
+TEST(SafetensorsEngine, AnExportNeverReplacesACheckpointZinfDidNotWrite) {
+  TempDir dir;
+  Rig src(dir.path());
+  const std::string out = dir.path() + "/hf";
+  ASSERT_EQ(mkdir(out.c_str(), 0700), 0);
+  std::vector<float> a = {1, 2};
+  WriteRaw(out + "/model-00001-of-00002.safetensors",
+           R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", Bytes(a));
+  Status s = SaveFromEngine(src.engine.get(), src.Mapping(), out, 2500, DType::kF32);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  EXPECT_NE(s.message().find("model-00001-of-00002.safetensors"), std::string::npos);
+  EXPECT_TRUE(std::filesystem::exists(out + "/model-00001-of-00002.safetensors"));
+  // A file of another name is not ours to touch either way.
+  const std::string mine = dir.path() + "/mine";
+  ASSERT_EQ(mkdir(mine.c_str(), 0700), 0);
+  std::ofstream(mine + "/model-notes.safetensors") << "x";
+  ASSERT_TRUE(SaveFromEngine(src.engine.get(), src.Mapping(), mine, 2500, DType::kF32).ok());
+  ASSERT_TRUE(SaveFromEngine(src.engine.get(), src.Mapping(), mine, 1 << 20, DType::kF32).ok());
+  EXPECT_TRUE(std::filesystem::exists(mine + "/model-notes.safetensors"));
+  Result<Checkpoint> ck = OpenCheckpoint(mine);
+  ASSERT_TRUE(ck.ok()) << ck.status().ToString();
+  EXPECT_EQ(ck->files.size(), 1u);
+  EXPECT_EQ(ck->files[0].metadata.at("zinf_export"), "1");
+}
+
+}  // namespace
+}  // namespace zinf::safetensors

@@ -111,8 +111,13 @@ Status LoadIntoEngine(Engine* engine, const Checkpoint& ckpt,
 // file of its own): one file is written as "model.safetensors"; several as
 // "model-00001-of-0000K.safetensors"... with "model.safetensors.index.json". Each file is
 // written to a temporary name (created exclusively, 0600, never through a symbolic link),
-// fsync'ed and renamed; the index comes last. Only rank 0 writes; the others gather with it.
-// Host memory: one tensor at a time. `metadata` goes into every header's "__metadata__".
+// fsync'ed and renamed; the index comes last. Every header's "__metadata__" holds `metadata`
+// and "zinf_export": "1". A folder that already holds a safetensors checkpoint zinf did not
+// write is refused (FailedPrecondition); an earlier zinf export is replaced: its index (or
+// single file) is removed before the first new file is written, so a failure part-way leaves
+// no index over mixed files, and its shards that the new export does not overwrite are
+// removed at the end. Only rank 0 writes (the others gather with it; with several ranks a
+// write failure is reported by rank 0's call only). Host memory: one tensor at a time.
 Status SaveFromEngine(Engine* engine, const std::vector<std::pair<ParamId, std::string>>& mapping,
                       const std::string& dir, uint64_t shard_bytes, DType dtype,
                       const std::map<std::string, std::string>& metadata = {});

@@ -77,7 +77,11 @@ def test_views_are_zinf_memory_and_the_budget_is_what_the_config_says():
     loss = engine(ids, tgt)
     handle.remove()
     assert seen and seen[0][0] == "cuda"
-    # The weight lives in zinf's pool: torch's allocator did not hand it out.
+    # The weight lives in zinf's pool: no segment of torch's caching allocator holds it, and
+    # torch allocated about nothing for it.
+    ptr = seen[0][1]
+    for seg in torch.cuda.memory_snapshot():
+        assert not seg["address"] <= ptr < seg["address"] + seg["total_size"], seg
     assert torch.cuda.memory_allocated() - allocated < 8 * MiB
     engine.backward(loss)
     engine.step()

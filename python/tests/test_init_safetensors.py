@@ -202,3 +202,8 @@ def test_init_keeps_constructor_initialisation_and_refuses_later_changes(scratch
         changed.head.bias.zero_()  # after the constructor: the value is already in the spill
     with pytest.raises(zinf.ZinfError, match="'head.bias' was changed in place"):
         zinf.initialize(changed, cfg)
+    with zinf.Init(cfg, spill_dir=scratch):
+        changed = Quirky()
+    changed.shared.weight.data.fill_(0.5)  # through .data: no version change, still caught
+    with pytest.raises(zinf.ZinfError, match="'shared.weight' was changed in place"):
+        zinf.initialize(changed, cfg)

@@ -149,3 +149,25 @@ def test_errors_are_zinf_errors_with_the_engine_message():
         assert e.code == "NotSupported"
     else:
         raise AssertionError("stage 2 accepted")
+
+
+def test_converting_the_model_after_initialize_is_refused_before_it_trains_wrong():
+    torch.manual_seed(0)
+    model = Llama()
+    engine = zinf.initialize(model, make_config())
+    model.norm.to(torch.float64)  # would detach the parameter from zinf's gradient hook
+    with pytest.raises(zinf.ZinfError, match="'norm.weight' is now torch.float64"):
+        engine(*batch(0))
+
+
+def test_an_evaluation_between_backward_and_step_is_refused_with_the_reason():
+    torch.manual_seed(0)
+    engine = zinf.initialize(Llama(), make_config())
+    ids, tgt = batch(0)
+    engine.backward(engine(ids, tgt))
+    with torch.no_grad():
+        with pytest.raises(zinf.ZinfError, match="evaluate between optimizer steps"):
+            engine(ids)
+    engine.step()
+    with torch.no_grad():
+        engine(ids)  # between steps: fine

@@ -73,4 +73,7 @@ def initialize(model, config=None, device=None, scale_wrt_gas=True):
         torch_device = "cuda:%d" % index
     else:
         raise ZinfError("device %s: cpu or cuda" % device)
-    return ZinfEngine(model, core, torch_device, scale_wrt_gas=scale_wrt_gas)
+    engine = ZinfEngine(model, core, torch_device, scale_wrt_gas=scale_wrt_gas)
+    if dev.type == "cuda":
+        engine._stream = stream
+    return engine

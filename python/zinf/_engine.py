@@ -92,16 +92,15 @@ class _Param:
 class _SavedRef:
     """What autograd keeps of a saved tensor that lay in a parameter's memory."""
 
-    __slots__ = ("engine", "p", "size", "stride", "offset", "dtype", "traced", "__weakref__")
+    __slots__ = ("engine", "p", "size", "stride", "offset", "dtype", "__weakref__")
 
-    def __init__(self, engine, p, t, traced):
+    def __init__(self, engine, p, t):
         self.engine = weakref.ref(engine)
         self.p = p
         self.size = t.size()
         self.stride = t.stride()
         self.offset = t.storage_offset()
         self.dtype = t.dtype
-        self.traced = traced
         p.saved_refs += 1
 
     def __del__(self):
@@ -161,6 +160,7 @@ class ZinfEngine:
         self._closed = False
         self._handles = []
         self._micro = 0
+        self._stream = None  # the CUDA stream handle the engine orders against
         self._register(model)
         self._install_hooks(model)
 
@@ -181,7 +181,11 @@ class ZinfEngine:
             spill = getattr(param, "_zinf_spill", None)
             if spill is not None:
                 spill_file, offset, version = spill
-                if param._version != version:
+                data = param.data
+                # Changed in place after its constructor: the version counter tells, except
+                # through .data, which leaves it alone; the placeholder's one NaN tells then.
+                if param._version != version or data.stride() != (0,) * data.dim() or \
+                        not torch.isnan(data[(0,) * data.dim()]):
                     raise ZinfError(
                         "parameter '%s' was changed in place after its module was built under "
                         "zinf.Init (its values were already handed to zinf): initialise it in "
@@ -262,12 +266,32 @@ class ZinfEngine:
         if not self._stack:
             self._ensure_registered()
             self._flush()
+            self._check_parameters()
             self._traced = torch.is_grad_enabled() and self.module.training
         frame = []
         self._stack.append(frame)
         owned = self._direct.get(module)
         if owned:
             self._acquire_forward(owned, frame)
+
+    def _check_parameters(self):
+        """Before each forward: the parameters are still the engine's placeholders (a .to(),
+        .half() or .cuda() after initialize would detach them from the gradient hooks), and on a
+        GPU torch still computes on the stream the engine orders its copies against."""
+        for p in self._params:
+            data = p.param.data
+            if data.dtype != p.dtype or data.device != self.device or data.shape != p.shape:
+                raise ZinfError(
+                    "parameter '%s' is now %s on %s, the engine keeps it as %s on %s: the model's "
+                    "parameters must not be converted or moved after zinf.initialize (no "
+                    "model.to(), .half(), .cuda())" % (p.names[0], data.dtype, data.device,
+                                                         p.dtype, self.device))
+        if self._stream is not None and torch.cuda.current_stream(self.device).cuda_stream != \
+                self._stream:
+            raise ZinfError("torch's current CUDA stream changed since zinf.initialize; the "
+                            "engine orders its copies against the stream it was created with: "
+                            "train on that stream (or create the engine under the stream you "
+                            "use)")
 
     def _post_hook(self, module, inputs, output):
         if self._closed or not self._stack:
@@ -287,11 +311,22 @@ class ZinfEngine:
                 need.append(p)
         if need:
             capsules = self._core.acquire([p.id for p in need], inference=not self._traced)
-            for p, capsule in zip(need, capsules):
-                flat = dlpack.from_dlpack(capsule)
-                p.fwd_live = flat.view(p.shape)
-                p.param.data = p.fwd_live
-                self._add_live(p, flat)
+            done = []
+            try:
+                for p, capsule in zip(need, capsules):
+                    flat = dlpack.from_dlpack(capsule)
+                    p.fwd_live = flat.view(p.shape)
+                    p.param.data = p.fwd_live
+                    self._add_live(p, flat)
+                    done.append(p)
+            except BaseException:
+                for p in done:
+                    p.param.data = p.placeholder
+                    p.fwd_live = None
+                    self._drop_live(p)
+                del capsules
+                self._core.release([p.id for p in need])
+                raise
         for p in owned:
             p.fwd_holders += 1
             frame.append(p)
@@ -327,7 +362,7 @@ class ZinfEngine:
         p = self._live.get(storage_ptr(t)) if t.device == self.device else None
         if p is None:
             return t
-        return _SavedRef(self, p, t, self._traced)
+        return _SavedRef(self, p, t)
 
     def _unpack(self, saved):
         if not isinstance(saved, _SavedRef):
@@ -335,7 +370,8 @@ class ZinfEngine:
         p = saved.p
         if p.bwd_flat is None:
             self._flush()
-            capsule = self._core.acquire([p.id], inference=not saved.traced)[0]
+            # Backward is training, whatever mode the forward ran in.
+            capsule = self._core.acquire([p.id])[0]
             p.bwd_flat = dlpack.from_dlpack(capsule)
             self._add_live(p, p.bwd_flat)
         base = p.bwd_flat
@@ -425,6 +461,12 @@ class ZinfEngine:
                 "forward (a parameter, or a view of it, was kept: in a list, as an output, or by "
                 "a graph built outside engine(...)); zinf cannot update memory torch still "
                 "reads: drop the reference, or keep a .clone()" % names)
+        stray = [p.names[0] for p in self._params if p.param.grad is not None]
+        if stray:
+            raise ZinfError(
+                "parameter(s) %s hold a .grad that never reached zinf (the gradient hook is "
+                "detached: was a parameter converted or replaced after zinf.initialize?)"
+                % ", ".join("'%s'" % n for n in stray[:8]))
         stats = self._core.step()
         self._micro += 1
         return stats
