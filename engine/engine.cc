@@ -29,6 +29,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "common/file_io.h"
 #include "engine/checkpoint_format.h"
 #include "zinf/cpu_adam.h"
 #include "zinf/crash_point.h"
@@ -67,50 +68,6 @@ struct AlignedBuffer {
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;
 };
 
-Status PwriteAll(int fd, const void* buf, size_t n, uint64_t off, const std::string& path) {
-  const char* p = static_cast<const char*>(buf);
-  while (n > 0) {
-    ssize_t w = pwrite(fd, p, std::min<size_t>(n, 1 << 30), static_cast<off_t>(off));
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoToStatus(errno, "writing " + path + " at offset " + std::to_string(off));
-    }
-    p += w;
-    n -= static_cast<size_t>(w);
-    off += static_cast<uint64_t>(w);
-  }
-  return Status::OK();
-}
-
-Status PreadAll(int fd, void* buf, size_t n, uint64_t off, const std::string& path) {
-  char* p = static_cast<char*>(buf);
-  while (n > 0) {
-    ssize_t r = pread(fd, p, std::min<size_t>(n, 1 << 30), static_cast<off_t>(off));
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoToStatus(errno, "reading " + path + " at offset " + std::to_string(off));
-    }
-    if (r == 0) {
-      return Status::Corruption(path + " ends at offset " + std::to_string(off) +
-                                ", before the data its manifest lists (a torn checkpoint)");
-    }
-    p += r;
-    n -= static_cast<size_t>(r);
-    off += static_cast<uint64_t>(r);
-  }
-  return Status::OK();
-}
-
-Status FsyncPath(const std::string& path, bool directory) {
-  int fd = open(path.c_str(), (directory ? O_DIRECTORY : 0) | O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoToStatus(errno, "opening " + path + " to fsync it");
-  int rc = fsync(fd);
-  int err = errno;
-  close(fd);
-  if (rc != 0) return ErrnoToStatus(err, "fsync of " + path);
-  return Status::OK();
-}
-
 // Writes `text` to `path` (0600), fsync'ed.
 Status WriteSmallFile(const std::string& path, const std::string& text) {
   int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
@@ -119,26 +76,6 @@ Status WriteSmallFile(const std::string& path, const std::string& text) {
   if (s.ok() && fsync(fd) != 0) s = ErrnoToStatus(errno, "fsync of " + path);
   close(fd);
   return s;
-}
-
-Result<std::string> ReadSmallFile(const std::string& path, size_t limit) {
-  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoToStatus(errno, "opening " + path);
-  struct stat st {};
-  if (fstat(fd, &st) != 0) {
-    int err = errno;
-    close(fd);
-    return ErrnoToStatus(err, "stat of " + path);
-  }
-  if (!S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) > limit) {
-    close(fd);
-    return Status::Corruption(path + " is not a regular file of at most " + FormatBytes(limit));
-  }
-  std::string text(static_cast<size_t>(st.st_size), '\0');
-  Status s = PreadAll(fd, text.data(), text.size(), 0, path);
-  close(fd);
-  ZINF_RETURN_IF_ERROR(s);
-  return text;
 }
 
 const char* OptimizerTypeName(OptimizerType t) {
@@ -2813,7 +2750,7 @@ Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data) {
   if (local.ok() && buf.data == nullptr) local = Status::ResourceExhausted("checkpoint buffer");
   for (size_t gi = 0; gi < m.groups.size() && local.ok(); ++gi) {
     const Impl::SubGroup& g = m.groups[gi];
-    local = PreadAll(fd, buf.data, m.GroupStateBytes(g), man.groups[gi].offset, states_path);
+    local = PreadAll(fd, buf.data, m.GroupStateBytes(g), man.groups[gi].offset, states_path, "a torn checkpoint");
     const float* f = static_cast<const float*>(buf.data);
     static const char* const kState[] = {"master weights", "exp_avg", "exp_avg_sq"};
     for (size_t j = 0; j < g.params.size() && local.ok(); ++j) {
@@ -2838,7 +2775,7 @@ Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data) {
   for (Impl::Param& p : m.params) m.Evict(static_cast<ParamId>(&p - m.params.data()));
   for (size_t gi = 0; gi < m.groups.size() && local.ok(); ++gi) {
     local =
-        PreadAll(fd, buf.data, m.GroupStateBytes(m.groups[gi]), man.groups[gi].offset, states_path);
+        PreadAll(fd, buf.data, m.GroupStateBytes(m.groups[gi]), man.groups[gi].offset, states_path, "a torn checkpoint");
     if (local.ok()) local = m.WriteGroupStates(gi, buf.data, m.Buf(man.step));
   }
   if (!local.ok()) {

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "common/file_io.h"
 #include "engine/safetensors_format.h"
 #include "zinf/cpu_adam.h"
 #include "zinf/log.h"
@@ -32,40 +33,6 @@ struct Fd {
   }
 };
 
-Status PreadExact(int fd, void* buf, size_t n, uint64_t off, const std::string& path) {
-  char* p = static_cast<char*>(buf);
-  while (n > 0) {
-    ssize_t r = pread(fd, p, std::min<size_t>(n, 1 << 30), static_cast<off_t>(off));
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoToStatus(errno, "reading " + path + " at offset " + std::to_string(off));
-    }
-    if (r == 0) {
-      return Status::Corruption(path + " ends at offset " + std::to_string(off) +
-                                ", before the data its header lists (a truncated file)");
-    }
-    p += r;
-    n -= static_cast<size_t>(r);
-    off += static_cast<uint64_t>(r);
-  }
-  return Status::OK();
-}
-
-Status PwriteExact(int fd, const void* buf, size_t n, uint64_t off, const std::string& path) {
-  const char* p = static_cast<const char*>(buf);
-  while (n > 0) {
-    ssize_t w = pwrite(fd, p, std::min<size_t>(n, 1 << 30), static_cast<off_t>(off));
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoToStatus(errno, "writing " + path + " at offset " + std::to_string(off));
-    }
-    p += w;
-    n -= static_cast<size_t>(w);
-    off += static_cast<uint64_t>(w);
-  }
-  return Status::OK();
-}
-
 bool PlainFileName(const std::string& name) {
   return !name.empty() && name.find('/') == std::string::npos && name != "." && name != ".." &&
          name.find('\0') == std::string::npos;
@@ -74,21 +41,6 @@ bool PlainFileName(const std::string& name) {
 std::string Dirname(const std::string& path) {
   const size_t slash = path.rfind('/');
   return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
-}
-
-Result<std::string> ReadSmall(const std::string& path, uint64_t limit) {
-  Fd f;
-  f.fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (f.fd < 0) return ErrnoToStatus(errno, "opening " + path);
-  struct stat st {};
-  if (fstat(f.fd, &st) != 0) return ErrnoToStatus(errno, "stat of " + path);
-  if (!S_ISREG(st.st_mode)) return Status::InvalidArgument(path + " is not a regular file");
-  if (static_cast<uint64_t>(st.st_size) > limit) {
-    return Status::Corruption(path + " is larger than " + FormatBytes(limit));
-  }
-  std::string text(static_cast<size_t>(st.st_size), '\0');
-  ZINF_RETURN_IF_ERROR(PreadExact(f.fd, text.data(), text.size(), 0, path));
-  return text;
 }
 
 // A new file at `path` written through `tmp` (exclusive, no symbolic link, 0600), fsync'ed and
@@ -134,14 +86,6 @@ class AtomicFile {
   std::string path_, tmp_;
   int fd_ = -1;
 };
-
-Status FsyncDir(const std::string& dir) {
-  Fd f;
-  f.fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (f.fd < 0) return ErrnoToStatus(errno, "opening " + dir + " to fsync it");
-  if (fsync(f.fd) != 0) return ErrnoToStatus(errno, "fsync of " + dir);
-  return Status::OK();
-}
 
 // In every exported file's "__metadata__": the file was written by SaveFromEngine.
 constexpr const char* kExportMarker = "zinf_export";
@@ -216,7 +160,7 @@ Result<FileHeader> ReadHeader(const std::string& path) {
                               " bytes, too short for a safetensors header (a truncated file)");
   }
   unsigned char len_bytes[8];
-  ZINF_RETURN_IF_ERROR(PreadExact(f.fd, len_bytes, 8, 0, path));
+  ZINF_RETURN_IF_ERROR(PreadAll(f.fd, len_bytes, 8, 0, path, "a truncated file"));
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = n << 8 | len_bytes[i];
   if (n > kMaxHeaderBytes) {
@@ -229,7 +173,7 @@ Result<FileHeader> ReadHeader(const std::string& path) {
                               " (a truncated file)");
   }
   std::string header(static_cast<size_t>(n), '\0');
-  ZINF_RETURN_IF_ERROR(PreadExact(f.fd, header.data(), header.size(), 8, path));
+  ZINF_RETURN_IF_ERROR(PreadAll(f.fd, header.data(), header.size(), 8, path, "a truncated file"));
   return ParseHeader(header, size, path);
 }
 
@@ -268,7 +212,7 @@ Result<Checkpoint> OpenCheckpoint(const std::string& input) {
     ZINF_RETURN_IF_ERROR(add_file(path));
     return ckpt;
   }
-  ZINF_ASSIGN_OR_RETURN(std::string text, ReadSmall(path, kMaxIndexBytes));
+  ZINF_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, kMaxIndexBytes));
   ZINF_ASSIGN_OR_RETURN(json j, ParseJsonObject(text, path));
   auto map = j.find("weight_map");
   if (map == j.end() || !map->is_object()) {
@@ -316,13 +260,13 @@ Status ReadTensorF32(const Checkpoint& ckpt, const TensorInfo& t, float* out, si
   if (f.fd < 0) return ErrnoToStatus(errno, "opening " + path);
   const size_t esize = DTypeSize(t.dtype);
   if (t.dtype == DType::kF32) {
-    return PreadExact(f.fd, out, t.bytes, t.offset, path).WithContext("tensor '" + t.name + "'");
+    return PreadAll(f.fd, out, t.bytes, t.offset, path, "a truncated file").WithContext("tensor '" + t.name + "'");
   }
   const size_t per_block = std::max<size_t>(block_bytes / esize, 1);
   std::vector<uint16_t> block(std::min<uint64_t>(per_block, t.numel));
   for (uint64_t done = 0; done < t.numel;) {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(per_block, t.numel - done));
-    ZINF_RETURN_IF_ERROR(PreadExact(f.fd, block.data(), n * esize, t.offset + done * esize, path)
+    ZINF_RETURN_IF_ERROR(PreadAll(f.fd, block.data(), n * esize, t.offset + done * esize, path, "a truncated file")
                              .WithContext("tensor '" + t.name + "'"));
     for (size_t i = 0; i < n; ++i) {
       out[done + i] = t.dtype == DType::kBF16 ? Bf16ToFp32(block[i]) : Fp16ToFp32(block[i]);
@@ -452,8 +396,8 @@ Status SaveFromEngine(Engine* engine, const std::vector<std::pair<ParamId, std::
       unsigned char len[8];
       for (int b = 0; b < 8; ++b) len[b] = static_cast<unsigned char>(text.size() >> (8 * b));
       if (local.ok()) local = out.Create(dir + "/" + files[k]);
-      if (local.ok()) local = PwriteExact(out.fd(), len, 8, 0, out.tmp());
-      if (local.ok()) local = PwriteExact(out.fd(), text.data(), text.size(), 8, out.tmp());
+      if (local.ok()) local = PwriteAll(out.fd(), len, 8, 0, out.tmp());
+      if (local.ok()) local = PwriteAll(out.fd(), text.data(), text.size(), 8, out.tmp());
       data_start = 8 + text.size();
     }
     uint64_t at = data_start;
@@ -469,7 +413,7 @@ Status SaveFromEngine(Engine* engine, const std::vector<std::pair<ParamId, std::
         for (size_t e = 0; e < n; ++e) half[e] = Fp32ToBf16(values[e]);
         src = half.data();
       }
-      local = PwriteExact(out.fd(), src, n * esize, at, out.tmp());
+      local = PwriteAll(out.fd(), src, n * esize, at, out.tmp());
       at += n * esize;
     }
     if (writer && local.ok()) local = out.Commit();
@@ -492,7 +436,7 @@ Status SaveFromEngine(Engine* engine, const std::vector<std::pair<ParamId, std::
                                      ")");
     }
     ZINF_RETURN_IF_ERROR(out.Create(dir + "/model.safetensors.index.json"));
-    ZINF_RETURN_IF_ERROR(PwriteExact(out.fd(), text.data(), text.size(), 0, out.tmp()));
+    ZINF_RETURN_IF_ERROR(PwriteAll(out.fd(), text.data(), text.size(), 0, out.tmp()));
     ZINF_RETURN_IF_ERROR(out.Commit());
   }
   // Shards of an earlier zinf export that this one does not consist of: removed.
@@ -503,7 +447,7 @@ Status SaveFromEngine(Engine* engine, const std::vector<std::pair<ParamId, std::
     fs::remove(dir + "/" + n, rm);
     if (rm) LogWarning("could not remove the stale export file " + dir + "/" + n);
   }
-  return FsyncDir(dir);
+  return FsyncPath(dir, /*directory=*/true);
 }
 
 }  // namespace zinf::safetensors

@@ -206,6 +206,22 @@ class Simulation {
 
 // ---- Driving the engine -----------------------------------------------------------------------
 
+// Registers the tensors of Defs() (initial values InitValue) and appends their ids to `ids`.
+Status RegisterDefs(Engine* engine, std::vector<ParamId>* ids) {
+  for (size_t p = 0; p < Defs().size(); ++p) {
+    ParamSpec spec;
+    spec.name = Defs()[p].name;
+    spec.shape = Defs()[p].shape;
+    spec.trainable = Defs()[p].trainable;
+    spec.init = [p](float* data, size_t n) {
+      for (size_t i = 0; i < n; ++i) data[i] = InitValue(p, i);
+    };
+    ZINF_ASSIGN_OR_RETURN(ParamId id, engine->RegisterParameter(spec));
+    ids->push_back(id);
+  }
+  return Status::OK();
+}
+
 struct Rig {
   TempDir dir;
   std::unique_ptr<Device> device;
@@ -219,17 +235,7 @@ struct Rig {
     device = NewHostDevice(ho);
     ZINF_ASSIGN_OR_RETURN(comms, NewLocalComms({device.get()}));
     ZINF_ASSIGN_OR_RETURN(engine, Engine::Create(config, device.get(), comms[0].get()));
-    for (size_t p = 0; p < Defs().size(); ++p) {
-      ParamSpec spec;
-      spec.name = Defs()[p].name;
-      spec.shape = Defs()[p].shape;
-      spec.trainable = Defs()[p].trainable;
-      spec.init = [p](float* data, size_t n) {
-        for (size_t i = 0; i < n; ++i) data[i] = InitValue(p, i);
-      };
-      ZINF_ASSIGN_OR_RETURN(ParamId id, engine->RegisterParameter(spec));
-      ids.push_back(id);
-    }
+    ZINF_RETURN_IF_ERROR(RegisterDefs(engine.get(), &ids));
     return finish ? engine->FinishRegistration() : Status::OK();
   }
 };
@@ -514,14 +520,8 @@ void MakeTightRig(Rig* rig, std::shared_ptr<FaultPlan> plan) {
     EngineConfig c = config;
     c.pinned_budget_bytes = b;
     auto e = std::move(Engine::Create(c, rig->device.get(), rig->comms[0].get())).value();
-    for (size_t p = 0; p < Defs().size(); ++p) {
-      ParamSpec spec;
-      spec.name = Defs()[p].name;
-      spec.shape = Defs()[p].shape;
-      spec.init = [](float* d, size_t n) { std::fill(d, d + n, 0.0f); };
-      if (!e->RegisterParameter(spec).ok()) return false;
-    }
-    return e->FinishRegistration().ok();
+    std::vector<ParamId> ids;
+    return RegisterDefs(e.get(), &ids).ok() && e->FinishRegistration().ok();
   };
   uint64_t lo = 4096, budget = 4ull << 20;  // bisection: places at `budget`, not at `lo`
   ASSERT_TRUE(places(budget));
@@ -534,16 +534,7 @@ void MakeTightRig(Rig* rig, std::shared_ptr<FaultPlan> plan) {
   hooks.fault_plan = std::move(plan);
   rig->engine =
       std::move(Engine::Create(config, rig->device.get(), rig->comms[0].get(), hooks)).value();
-  for (size_t p = 0; p < Defs().size(); ++p) {
-    ParamSpec spec;
-    spec.name = Defs()[p].name;
-    spec.shape = Defs()[p].shape;
-    spec.trainable = Defs()[p].trainable;
-    spec.init = [p](float* d, size_t n) {
-      for (size_t i = 0; i < n; ++i) d[i] = InitValue(p, i);
-    };
-    rig->ids.push_back(rig->engine->RegisterParameter(spec).value());
-  }
+  ASSERT_TRUE(RegisterDefs(rig->engine.get(), &rig->ids).ok());
   ASSERT_TRUE(rig->engine->FinishRegistration().ok());
 }
 

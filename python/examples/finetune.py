@@ -192,7 +192,7 @@ def main():
     data = Batches(args.data, args.seq, args.batch, args.seed)
     device = engine.device
     tokens = args.batch * args.seq * args.grad_accum
-    losses, seconds, gbps, overlap = [], [], [], []
+    losses, seconds, gbps, overlap, details = [], [], [], [], []
     init_seconds = None
     for step in range(first, args.steps):
         lr = args.lr * min(1.0, (step + 1) / max(1, args.warmup))
@@ -209,6 +209,9 @@ def main():
             loss_sum += loss.item() / args.grad_accum
             nvme += stats["nvme_read_bytes"] + stats["nvme_write_bytes"]
             eff.append(stats["overlap_efficiency"])
+            details.append({k: round(v, 3) if isinstance(v, float) else v
+                            for k, v in stats.items() if k.endswith(("seconds", "bytes", "hits",
+                                                                     "misses"))})
         dt = time.time() - t
         losses.append(loss_sum)
         seconds.append(dt)
@@ -233,6 +236,7 @@ def main():
         "overlap_efficiency": sum(overlap[later]) / len(overlap[later]) if overlap else 0,
         "step_seconds": seconds,
         "init_seconds": init_seconds,
+        "engine_stats": details,
         "peak_rss_bytes": peak_rss(),
     }
     print(json.dumps(summary), flush=True)

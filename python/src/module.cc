@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -57,6 +58,28 @@ template <typename T>
 T Take(Result<T> r) {
   if (!r.ok()) Throw(r.status());
   return std::move(r).value();
+}
+
+// Runs `fn` (an engine call returning a Status or a Result) with the GIL released, so that
+// other Python threads run during its waits; raises its failure, returns its value.
+template <typename Fn>
+auto WithoutGil(Fn&& fn) {
+  using R = decltype(fn());
+  if constexpr (std::is_same_v<R, Status>) {
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = fn();
+    }
+    Check(s);
+  } else {
+    R r = Status::Internal("not run");
+    {
+      py::gil_scoped_release nogil;
+      r = fn();
+    }
+    return Take(std::move(r));
+  }
 }
 
 // ---- DLPack (the stable C ABI of dlpack.h, v0.x, which torch.utils.dlpack reads) ----------
@@ -328,12 +351,9 @@ class PyEngine {
   std::vector<py::capsule> Acquire(const std::vector<ParamId>& ids, bool inference) {
     CheckUsable();
     Drain();
-    Result<std::vector<void*>> ptrs = Status::Internal("unset");
-    {
-      py::gil_scoped_release nogil;
-      ptrs = engine().Acquire(ids, inference ? AcquireMode::kInference : AcquireMode::kTraining);
-    }
-    std::vector<void*> got = Take(std::move(ptrs));
+    std::vector<void*> got = WithoutGil([&] {
+      return engine().Acquire(ids, inference ? AcquireMode::kInference : AcquireMode::kTraining);
+    });
     std::vector<py::capsule> out;
     out.reserve(ids.size());
     const bool bf16 = engine().config().bf16;
@@ -386,12 +406,7 @@ class PyEngine {
       }
     }
     if (ready.empty()) return;
-    Status s;
-    {
-      py::gil_scoped_release nogil;
-      s = engine().Release(ready);
-    }
-    Check(s);
+    WithoutGil([&] { return engine().Release(ready); });
   }
 
   // Parameters torch still views: {id: tensors}.
@@ -415,23 +430,13 @@ class PyEngine {
   void ReduceGradient(ParamId id, uintptr_t grad) {
     CheckUsable();
     if (grad == 0) Throw(Status::InvalidArgument("reduce_gradient: null gradient"));
-    Status s;
-    {
-      py::gil_scoped_release nogil;
-      s = engine().ReduceGradient(id, reinterpret_cast<const float*>(grad));
-    }
-    Check(s);
+    WithoutGil([&] { return engine().ReduceGradient(id, reinterpret_cast<const float*>(grad)); });
   }
 
   py::dict Step() {
     CheckUsable();
     Drain();
-    Result<StepStats> r = Status::Internal("unset");
-    {
-      py::gil_scoped_release nogil;
-      r = engine().Step();
-    }
-    StepStats st = Take(std::move(r));
+    StepStats st = WithoutGil([&] { return engine().Step(); });
     py::dict d;
     d["step"] = st.step;
     d["optimizer_ran"] = st.optimizer_ran;
@@ -459,46 +464,26 @@ class PyEngine {
   void SaveCheckpoint(const std::string& dir, const std::string& user_data) {
     CheckUsable();
     Drain();
-    Status s;
-    {
-      py::gil_scoped_release nogil;
-      s = engine().SaveCheckpoint(dir, user_data);
-    }
-    Check(s);
+    WithoutGil([&] { return engine().SaveCheckpoint(dir, user_data); });
   }
   py::bytes LoadCheckpoint(const std::string& dir) {
     CheckUsable();
     Drain();
     std::string user_data;
-    Status s;
-    {
-      py::gil_scoped_release nogil;
-      s = engine().LoadCheckpoint(dir, &user_data);
-    }
-    Check(s);
+    WithoutGil([&] { return engine().LoadCheckpoint(dir, &user_data); });
     return py::bytes(user_data);
   }
   void GatherMaster(ParamId id, uintptr_t out) {
     CheckUsable();
     if (out == 0) Throw(Status::InvalidArgument("gather_master: null output"));
-    Status s;
-    {
-      py::gil_scoped_release nogil;
-      s = engine().GatherMasterParameter(id, reinterpret_cast<float*>(out));
-    }
-    Check(s);
+    WithoutGil([&] { return engine().GatherMasterParameter(id, reinterpret_cast<float*>(out)); });
   }
   void LoadSafetensors(const safetensors::Checkpoint& ckpt,
                        const std::vector<std::pair<ParamId, std::string>>& mapping,
                        bool allow_reshape) {
     CheckUsable();
     Drain();
-    Status s;
-    {
-      py::gil_scoped_release nogil;
-      s = safetensors::LoadIntoEngine(&engine(), ckpt, mapping, allow_reshape);
-    }
-    Check(s);
+    WithoutGil([&] { return safetensors::LoadIntoEngine(&engine(), ckpt, mapping, allow_reshape); });
   }
   void SaveSafetensors(const std::string& dir,
                        const std::vector<std::pair<ParamId, std::string>>& mapping,
@@ -512,12 +497,7 @@ class PyEngine {
     } else if (dtype != "F32") {
       Throw(Status::InvalidArgument("export dtype " + dtype + ": F32 or BF16"));
     }
-    Status s;
-    {
-      py::gil_scoped_release nogil;
-      s = safetensors::SaveFromEngine(&engine(), mapping, dir, shard_bytes, d, metadata);
-    }
-    Check(s);
+    WithoutGil([&] { return safetensors::SaveFromEngine(&engine(), mapping, dir, shard_bytes, d, metadata); });
   }
 
   py::dict Param(ParamId id) {
@@ -626,12 +606,8 @@ PYBIND11_MODULE(_zinf, m) {
 
   py::class_<safetensors::Checkpoint, std::shared_ptr<safetensors::Checkpoint>>(m, "Safetensors")
       .def(py::init([](const std::string& path) {
-             Result<safetensors::Checkpoint> r = Status::Internal("unset");
-             {
-               py::gil_scoped_release nogil;
-               r = safetensors::OpenCheckpoint(path);
-             }
-             return std::make_shared<safetensors::Checkpoint>(Take(std::move(r)));
+             return std::make_shared<safetensors::Checkpoint>(
+                 WithoutGil([&] { return safetensors::OpenCheckpoint(path); }));
            }),
            py::arg("path"))
       .def("tensors", &InspectCheckpoint, "{name: (dtype, shape, file)}")

@@ -1,0 +1,79 @@
+#include "common/file_io.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+
+#include "zinf/log.h"
+
+namespace zinf {
+
+Status PwriteAll(int fd, const void* buf, size_t n, uint64_t off, const std::string& path) {
+  const char* p = static_cast<const char*>(buf);
+  while (n > 0) {
+    ssize_t w = pwrite(fd, p, std::min<size_t>(n, 1 << 30), static_cast<off_t>(off));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoToStatus(errno, "writing " + path + " at offset " + std::to_string(off));
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+    off += static_cast<uint64_t>(w);
+  }
+  return Status::OK();
+}
+
+Status PreadAll(int fd, void* buf, size_t n, uint64_t off, const std::string& path,
+                const char* short_means) {
+  char* p = static_cast<char*>(buf);
+  while (n > 0) {
+    ssize_t r = pread(fd, p, std::min<size_t>(n, 1 << 30), static_cast<off_t>(off));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoToStatus(errno, "reading " + path + " at offset " + std::to_string(off));
+    }
+    if (r == 0) {
+      return Status::Corruption(path + " ends at offset " + std::to_string(off) +
+                                ", before the data it should hold (" + short_means + ")");
+    }
+    p += r;
+    n -= static_cast<size_t>(r);
+    off += static_cast<uint64_t>(r);
+  }
+  return Status::OK();
+}
+
+Status FsyncPath(const std::string& path, bool directory) {
+  int fd = open(path.c_str(), (directory ? O_DIRECTORY : 0) | O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoToStatus(errno, "opening " + path + " to fsync it");
+  int rc = fsync(fd);
+  int err = errno;
+  close(fd);
+  if (rc != 0) return ErrnoToStatus(err, "fsync of " + path);
+  return Status::OK();
+}
+
+Result<std::string> ReadSmallFile(const std::string& path, size_t limit) {
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoToStatus(errno, "opening " + path);
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    int err = errno;
+    close(fd);
+    return ErrnoToStatus(err, "stat of " + path);
+  }
+  if (!S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) > limit) {
+    close(fd);
+    return Status::Corruption(path + " is not a regular file of at most " + FormatBytes(limit));
+  }
+  std::string text(static_cast<size_t>(st.st_size), '\0');
+  Status s = PreadAll(fd, text.data(), text.size(), 0, path, "it changed while being read");
+  close(fd);
+  ZINF_RETURN_IF_ERROR(s);
+  return text;
+}
+
+}  // namespace zinf

@@ -1,0 +1,24 @@
+// Whole-buffer file I/O on descriptors, with every result checked: the helpers the checkpoint
+// and safetensors code share (private to zinf).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "zinf/status.h"
+
+namespace zinf {
+
+// pwrite until all `n` bytes are written (EINTR retried); errors name `path` and the offset.
+Status PwriteAll(int fd, const void* buf, size_t n, uint64_t off, const std::string& path);
+// pread until all `n` bytes are read; a file that ends first is Corruption naming the offset
+// and `short_means` ("a torn checkpoint", "a truncated file").
+Status PreadAll(int fd, void* buf, size_t n, uint64_t off, const std::string& path,
+                const char* short_means);
+// fsync of a file or a folder.
+Status FsyncPath(const std::string& path, bool directory);
+// A regular file's contents, at most `limit` bytes (Corruption otherwise).
+Result<std::string> ReadSmallFile(const std::string& path, size_t limit);
+
+}  // namespace zinf
