@@ -56,6 +56,33 @@ Status FsyncPath(const std::string& path, bool directory) {
   return Status::OK();
 }
 
+Result<int> CreateExclusive(const std::string& path) {
+  if (unlink(path.c_str()) != 0 && errno != ENOENT) {
+    return ErrnoToStatus(errno, "removing a leftover " + path);
+  }
+  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) return ErrnoToStatus(errno, "creating " + path);
+  return fd;
+}
+
+Status ReplaceFile(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  ZINF_ASSIGN_OR_RETURN(int fd, CreateExclusive(tmp));
+  Status s = PwriteAll(fd, text.data(), text.size(), 0, tmp);
+  if (s.ok() && fsync(fd) != 0) s = ErrnoToStatus(errno, "fsync of " + tmp);
+  if (close(fd) != 0 && s.ok()) s = ErrnoToStatus(errno, "closing " + tmp);
+  if (s.ok() && rename(tmp.c_str(), path.c_str()) != 0) {
+    s = ErrnoToStatus(errno, "renaming " + tmp + " to " + path);
+  }
+  if (!s.ok()) {
+    unlink(tmp.c_str());
+    return s;
+  }
+  const size_t slash = path.rfind('/');
+  return FsyncPath(slash == std::string::npos ? "." : path.substr(0, std::max<size_t>(slash, 1)),
+                   /*directory=*/true);
+}
+
 Result<std::string> ReadSmallFile(const std::string& path, size_t limit) {
   int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ErrnoToStatus(errno, "opening " + path);

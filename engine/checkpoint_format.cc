@@ -1,5 +1,7 @@
 #include "engine/checkpoint_format.h"
 
+#include <xxhash.h>
+
 #include <limits>
 #include <nlohmann/json.hpp>
 
@@ -81,6 +83,9 @@ std::string SerializeRankManifest(const RankManifest& m) {
     if (t.updates >= 0) j["tensors"].back()["updates"] = t.updates;
   }
   j["user_data"] = m.user_data;
+  // The manifest's own checksum: of its compact form without this field (a parser rebuilds
+  // that form from what it read, so whitespace does not matter, every value does).
+  j["xxh3"] = Hex(XXH3_64bits(j.dump().data(), j.dump().size()));
   return j.dump(1) + "\n";
 }
 
@@ -98,6 +103,19 @@ Result<RankManifest> ParseRankManifest(const std::string& text, const std::strin
     return Status::NotSupported(where + ": checkpoint format version " + std::to_string(version) +
                                 " (this build reads version " +
                                 std::to_string(kCheckpointFormatVersion) + ")");
+  }
+  {
+    auto sum = j.find("xxh3");
+    if (sum == j.end()) return Status::Corruption(where + ": the manifest's checksum is missing");
+    ZINF_ASSIGN_OR_RETURN(uint64_t want, ParseHex(*sum, where + ": xxh3"));
+    json body = j;
+    body.erase("xxh3");
+    const std::string text = body.dump();
+    if (XXH3_64bits(text.data(), text.size()) != want) {
+      return Status::Corruption(where +
+                                ": the manifest does not match its checksum (edited or "
+                                "damaged)");
+    }
   }
   RankManifest m;
   ZINF_ASSIGN_OR_RETURN(uint64_t world, U64(j, "world", where));

@@ -11,7 +11,8 @@
 
 namespace zinf {
 
-inline constexpr int kCheckpointFormatVersion = 1;
+// 2: the manifest carries its own checksum ("xxh3" of its compact form without that field).
+inline constexpr int kCheckpointFormatVersion = 2;
 
 struct CheckpointTensor {
   std::string name;
@@ -42,6 +43,8 @@ struct RankManifest {
   std::string user_data;  // the trainer's own JSON (model shape, seed, ...)
 };
 
+// May throw nlohmann::json::type_error for strings that are not valid UTF-8: callers check
+// names and user data first (IsValidUtf8).
 std::string SerializeRankManifest(const RankManifest& m);
 // `where` prefixes errors (the file name). Checks internal consistency too: groups inside the
 // file, tensors inside their group, sizes that do not overflow.

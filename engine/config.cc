@@ -74,6 +74,7 @@ constexpr std::string_view kZinfKeys[] = {
     "nvme_paths",
     "allowed_nvme_roots",
     "durable",
+    "durable_overwrite",
     "delayed_update_after",
 };
 constexpr std::string_view kAioKeys[] = {
@@ -615,6 +616,7 @@ Status ParseZinf(ObjectReader& r, EngineConfig* config, std::vector<std::string>
   ZINF_RETURN_IF_ERROR(r.ReadByteSize("nvme_capacity_bytes", &config->nvme_capacity_bytes));
   ZINF_RETURN_IF_ERROR(r.ReadBool("delayed_update", &config->delayed_update));
   ZINF_RETURN_IF_ERROR(r.ReadBool("durable", &config->durable));
+  ZINF_RETURN_IF_ERROR(r.ReadBool("durable_overwrite", &config->durable_overwrite));
   ZINF_RETURN_IF_ERROR(r.ReadUint64("delayed_update_after", &config->delayed_update_after));
   ZINF_RETURN_IF_ERROR(r.ReadBool("checksums", &config->checksums));
   ZINF_RETURN_IF_ERROR(r.ReadInt("optimizer_threads", &config->optimizer_threads));

@@ -26,10 +26,14 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <thread>
 #include <unordered_map>
 
 #include "common/file_io.h"
+#include "common/folder_lock.h"
+#include "common/utf8.h"
+#include "engine/checkpoint_folder.h"
 #include "engine/checkpoint_format.h"
 #include "zinf/cpu_adam.h"
 #include "zinf/crash_point.h"
@@ -67,16 +71,6 @@ struct AlignedBuffer {
   AlignedBuffer(const AlignedBuffer&) = delete;
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;
 };
-
-// Writes `text` to `path` (0600), fsync'ed.
-Status WriteSmallFile(const std::string& path, const std::string& text) {
-  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) return ErrnoToStatus(errno, "creating " + path);
-  Status s = PwriteAll(fd, text.data(), text.size(), 0, path);
-  if (s.ok() && fsync(fd) != 0) s = ErrnoToStatus(errno, "fsync of " + path);
-  close(fd);
-  return s;
-}
 
 const char* OptimizerTypeName(OptimizerType t) {
   switch (t) {
@@ -288,6 +282,7 @@ struct Engine::Impl {
   ParamCopyType copy_type = ParamCopyType::kNone;
 
   std::vector<Param> params;
+  std::set<std::string> names;  // registered parameter names
   std::vector<SubGroup> groups;
   bool registered = false;
   // Streaming gradient accumulators (no accumulation, no clipping): only the sub-groups between
@@ -593,6 +588,12 @@ struct Engine::Impl {
   // ... and rebuilds the group's parameter store buffer `buf_index` from the masters.
   Status WriteGroupStates(size_t gi, const void* buf, int buf_index);
   Status CheckBetweenSteps(const char* what) const;
+  // Checkpoint folders this engine saved to or loaded from, locked for its lifetime (rank 0).
+  std::map<std::string, std::unique_ptr<FolderLock>> checkpoint_locks;
+  // Rank 0: locks `dir` (with `create`: creates it 0700 and checks it is writable first).
+  Status LockCheckpointDir(const std::string& dir, bool create);
+  Status ValidateCheckpoint(const std::string& folder, RankManifest* man, int* fd,
+                            std::string* states_path, AlignedBuffer* buf);
   size_t GroupGradBytes(const SubGroup& g) const { return g.numel * sizeof(float); }
   float* GradAcc(const Param& p) { return groups[p.info.sub_group].grad_data + p.slice_offset; }
   // Streaming mode: gives sub-group `g` its accumulators, waiting (bounded) for the optimizer
@@ -804,10 +805,26 @@ Result<ParamId> Engine::RegisterParameter(const ParamSpec& spec) {
       return Status::InvalidArgument("parameter '" + spec.name +
                                      "': every dimension must be positive");
     }
-    numel *= static_cast<size_t>(d);
+    // At most 2^48 elements (1 PiB of fp32): far beyond any tier, and no size computed from
+    // it below can overflow.
+    if (__builtin_mul_overflow(numel, static_cast<size_t>(d), &numel) ||
+        numel > (size_t{1} << 48)) {
+      return Status::InvalidArgument("parameter '" + spec.name +
+                                     "': its shape has more than 2^48 elements");
+    }
   }
   if (spec.shape.empty() || !spec.init) {
     return Status::InvalidArgument("parameter '" + spec.name + "': needs a shape and an init");
+  }
+  if (spec.name.empty() || !IsValidUtf8(spec.name)) {
+    return Status::InvalidArgument(
+        "parameter name '" + spec.name +
+        "' is empty or not valid UTF-8 (names go into swap keys and JSON manifests)");
+  }
+  if (!m.names.insert(spec.name).second) {
+    return Status::InvalidArgument("parameter name '" + spec.name +
+                                   "' is registered twice; names must be unique (they key "
+                                   "the swap store and the checkpoints)");
   }
   Impl::Param p;
   p.info.name = spec.name;
@@ -998,7 +1015,9 @@ Status Engine::Impl::Place() {
     // One request per stripe chunk: chunks as large as the aio block size, so that
     // aio.block_size really is the request size (1 MiB chunks would cap it).
     so.chunk_size = std::max<uint64_t>(RoundUp(config.aio.block_size, 4096), 4096);
-    so.checksums = config.checksums;
+    // A durable store is meant to survive the process: its chunks are always checksummed, so
+    // that a resume never trusts a flipped byte.
+    so.checksums = config.checksums || config.durable;
     so.max_capacity_per_path = config.nvme_capacity_bytes;
     so.registered_regions = {arena->region()};
     so.fault_plan = hooks.fault_plan;
@@ -1007,6 +1026,19 @@ Status Engine::Impl::Place() {
     so.reopen = resume_store;
     if (resume_store) {
       ZINF_ASSIGN_OR_RETURN(so.reopen_previous, AgreeOnCommit(so.paths[0]));
+    } else if (config.durable && !config.durable_overwrite) {
+      // A fresh durable store would replace one that holds committed steps: refused unless
+      // asked for (the commits are what a resume needs).
+      Result<std::vector<std::string>> commits = SwapStore::ListCommits(so.paths[0]);
+      if (commits.ok() && !commits->empty()) {
+        nlohmann::json j = nlohmann::json::parse(commits->front(), nullptr, false);
+        const std::string step =
+            j.is_object() && j.contains("step") ? j["step"].dump() : std::string("?");
+        return Status::FailedPrecondition(
+            "the swap folder " + so.paths[0] + " holds a durable store committed at step " + step +
+            ": resume it (Engine::ResumeFromStore; zinf-train --resume) or allow "
+            "replacing it (zinf.durable_overwrite; zinf-train --overwrite)");
+      }
     }
     Result<std::unique_ptr<SwapStore>> opened = SwapStore::Open(so);
     if (!opened.ok() && resume_store) {
@@ -2541,24 +2573,74 @@ Status Engine::Impl::WriteGroupStates(size_t gi, const void* buf, int buf_index)
   return s;
 }
 
+Status Engine::PrepareCheckpointDir(const std::string& dir) {
+  Impl& m = *impl_;
+  Status local;
+  if (m.rank == 0) local = m.LockCheckpointDir(dir, /*create=*/true);
+  return m.Agree(local, "PrepareCheckpointDir");
+}
+
+Status Engine::Impl::LockCheckpointDir(const std::string& dir, bool create) {
+  if (dir.empty() || !IsValidUtf8(dir)) {
+    return Status::InvalidArgument("checkpoint folder '" + dir +
+                                   "': give a non-empty path in valid UTF-8");
+  }
+  std::unique_ptr<FolderLock>& lock = checkpoint_locks[dir];
+  if (create) {  // about to write: exclusive
+    if (lock != nullptr) ZINF_RETURN_IF_ERROR(lock->MakeExclusive());
+    return checkpoint_folder::Prepare(dir, &lock);
+  }
+  struct stat st {};
+  if (lock == nullptr && stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+    // Reading: shared with other readers, not with a run writing there.
+    ZINF_ASSIGN_OR_RETURN(lock, FolderLock::Acquire(dir, checkpoint_folder::kLockName,
+                                                    "checkpoint folder", /*shared=*/true));
+  }
+  return Status::OK();
+}
+
+namespace {
+
+// Whether `folder` holds a checkpoint whose rank-0 manifest reads back intact and whose
+// states file has the size it lists (for pruning: the newest such one before the new
+// checkpoint is kept; the tensors' checksums are the load's business).
+bool ReadableCheckpoint(const std::string& folder) {
+  Result<std::string> text = ReadSmallFile(folder + "/rank0.json", 1 << 30);
+  if (!text.ok()) return false;
+  Result<RankManifest> man = ParseRankManifest(*text, folder + "/rank0.json");
+  struct stat st {};
+  return man.ok() && stat((folder + "/" + man->states_file).c_str(), &st) == 0 &&
+         S_ISREG(st.st_mode) && static_cast<uint64_t>(st.st_size) == man->file_bytes;
+}
+
+}  // namespace
+
 Status Engine::SaveCheckpoint(const std::string& dir, const std::string& user_data) {
   Impl& m = *impl_;
   if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
   ZINF_RETURN_IF_ERROR(m.CheckBetweenSteps("SaveCheckpoint"));
+  if (!IsValidUtf8(user_data)) {
+    return Status::InvalidArgument(
+        "SaveCheckpoint: the user data is not valid UTF-8 (it goes "
+        "into the JSON manifest); encode it, e.g. as base64");
+  }
   ZINF_RETURN_IF_ERROR(m.ReclaimScratch());
   ZINF_RETURN_IF_ERROR(m.Agree(m.FinishPendingUpdate(), "SaveCheckpoint"));
   namespace fs = std::filesystem;
-  const std::string incoming = dir + "/.incoming";
-  // Rank 0 prepares an empty staging folder.
+  const std::string incoming = dir + "/" + checkpoint_folder::kIncoming;
+  // Rank 0 makes sure of the folder (created 0700, writable, locked) and prepares an empty
+  // staging folder.
   Status local;
   if (m.rank == 0) {
+    local = m.LockCheckpointDir(dir, /*create=*/true);
     std::error_code ec;
-    fs::create_directories(dir, ec);
-    if (!ec) fs::remove_all(incoming, ec);
-    if (!ec) fs::create_directory(incoming, ec);
-    if (!ec) fs::permissions(incoming, fs::perms::owner_all, ec);
-    if (ec)
+    if (local.ok()) fs::remove_all(incoming, ec);
+    if (local.ok() && !ec && mkdir(incoming.c_str(), 0700) != 0) {
+      local = ErrnoToStatus(errno, "creating " + incoming);
+    }
+    if (local.ok() && ec) {
       local = Status::IoError("preparing checkpoint folder " + incoming + ": " + ec.message());
+    }
   }
   ZINF_RETURN_IF_ERROR(m.Agree(local, "SaveCheckpoint"));
 
@@ -2576,8 +2658,7 @@ Status Engine::SaveCheckpoint(const std::string& dir, const std::string& user_da
     for (const Impl::SubGroup& g : m.groups) max_bytes = std::max(max_bytes, m.GroupStateBytes(g));
     AlignedBuffer buf(max_bytes);
     if (buf.data == nullptr) return Status::ResourceExhausted("checkpoint staging buffer");
-    int fd = open(states_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    if (fd < 0) return ErrnoToStatus(errno, "creating " + states_path);
+    ZINF_ASSIGN_OR_RETURN(int fd, CreateExclusive(states_path));
     uint64_t offset = 0;
     Status s;
     man.tensors.resize(m.params.size());
@@ -2611,171 +2692,181 @@ Status Engine::SaveCheckpoint(const std::string& dir, const std::string& user_da
     close(fd);
     ZINF_RETURN_IF_ERROR(s);
     man.file_bytes = offset;
-    return WriteSmallFile(incoming + "/rank" + std::to_string(m.rank) + ".json",
-                          SerializeRankManifest(man));
+    const std::string man_path = incoming + "/rank" + std::to_string(m.rank) + ".json";
+    const std::string text = SerializeRankManifest(man);  // names and user data are UTF-8
+    ZINF_ASSIGN_OR_RETURN(int mfd, CreateExclusive(man_path));
+    s = PwriteAll(mfd, text.data(), text.size(), 0, man_path);
+    if (s.ok() && fsync(mfd) != 0) s = ErrnoToStatus(errno, "fsync of " + man_path);
+    close(mfd);
+    return s;
   }();
   ZINF_RETURN_IF_ERROR(m.Agree(local, "SaveCheckpoint"));
   CrashPoint("checkpoint.files");
 
-  // Rank 0 commits: the staging folder gets its final name, then `latest` names it.
+  // Rank 0 commits: the staging folder gets its final name, then `latest` names it; then the
+  // checkpoints older than the newest readable one before it go.
   if (m.rank == 0) {
-    local = [&]() -> Status {
-      ZINF_RETURN_IF_ERROR(FsyncPath(incoming, true));
-      char base[32];
-      std::snprintf(base, sizeof(base), "step-%09lld", static_cast<long long>(m.step));
-      std::string name = base;
-      for (int k = 1; fs::exists(dir + "/" + name); ++k)
-        name = std::string(base) + "." + std::to_string(k);
-      std::string previous;
-      if (fs::exists(dir + "/latest")) {
-        Result<std::string> prev = ReadSmallFile(dir + "/latest", 4096);
-        if (prev.ok()) previous = *prev;
-        while (!previous.empty() && (previous.back() == '\n' || previous.back() == ' ')) {
-          previous.pop_back();
-        }
-      }
-      if (rename(incoming.c_str(), (dir + "/" + name).c_str()) != 0) {
-        return ErrnoToStatus(errno, "renaming " + incoming + " to " + dir + "/" + name);
-      }
-      CrashPoint("checkpoint.renamed");
-      ZINF_RETURN_IF_ERROR(WriteSmallFile(dir + "/latest.tmp", name + "\n"));
-      if (rename((dir + "/latest.tmp").c_str(), (dir + "/latest").c_str()) != 0) {
-        return ErrnoToStatus(errno, "renaming " + dir + "/latest.tmp to latest");
-      }
-      ZINF_RETURN_IF_ERROR(FsyncPath(dir, true));
-      CrashPoint("checkpoint.latest");
-      // Committed. Older checkpoints other than the previous one go.
-      std::error_code ec;
-      for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
-        const std::string n = e.path().filename().string();
-        if (n.rfind("step-", 0) == 0 && n != name && n != previous) {
-          std::error_code ec2;
-          fs::remove_all(e.path(), ec2);
-          if (ec2)
-            LogWarning("could not remove old checkpoint " + e.path().string() + ": " +
-                       ec2.message());
-        }
-      }
-      return Status::OK();
-    }();
+    Result<std::string> name = checkpoint_folder::Commit(dir, m.step);
+    local = name.status();
+    if (name.ok()) checkpoint_folder::Prune(dir, *name, &ReadableCheckpoint);
   }
   return m.Agree(local, "SaveCheckpoint");
 }
 
-Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data) {
+// Pass 1 of a load: parse, match the layout and verify every checksum of `folder`; nothing
+// changes. Leaves the manifest in *man and the open states file in *fd.
+Status Engine::Impl::ValidateCheckpoint(const std::string& folder, RankManifest* man, int* fd,
+                                        std::string* states_path, AlignedBuffer* buf) {
+  const std::string man_path = folder + "/rank" + std::to_string(rank) + ".json";
+  ZINF_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(man_path, 1 << 30));
+  ZINF_ASSIGN_OR_RETURN(*man, ParseRankManifest(text, man_path));
+  auto mismatch = [&](const std::string& what) {
+    return Status::FailedPrecondition(man_path +
+                                      ": the checkpoint does not match this model: " + what);
+  };
+  if (man->world != world || man->rank != rank) {
+    return mismatch("saved by rank " + std::to_string(man->rank) + " of " +
+                    std::to_string(man->world) + ", loading as rank " + std::to_string(rank) +
+                    " of " + std::to_string(world));
+  }
+  if (man->optimizer != OptimizerTypeName(config.optimizer.type)) {
+    return mismatch("optimizer " + man->optimizer + ", this engine runs " +
+                    OptimizerTypeName(config.optimizer.type));
+  }
+  if (man->tensors.size() != params.size() || man->groups.size() != groups.size()) {
+    return mismatch(std::to_string(man->tensors.size()) + " tensors in " +
+                    std::to_string(man->groups.size()) + " sub-groups, this engine has " +
+                    std::to_string(params.size()) + " in " + std::to_string(groups.size()) +
+                    " (same sub_group_size?)");
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Param& p = params[i];
+    const CheckpointTensor& t = man->tensors[i];
+    if (t.name != p.info.name || t.numel != p.info.numel ||
+        t.partition_numel != p.info.partition_numel || t.sub_group != p.info.sub_group ||
+        t.slice_offset != p.slice_offset) {
+      return mismatch("tensor " + std::to_string(i) + " is '" + t.name + "' with " +
+                      std::to_string(t.numel) + " elements, this engine has '" + p.info.name +
+                      "' with " + std::to_string(p.info.numel));
+    }
+  }
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    if (man->groups[gi].numel != groups[gi].numel) {
+      return mismatch("sub-group " + std::to_string(gi) + " size differs");
+    }
+  }
+  *states_path = folder + "/" + man->states_file;
+  *fd = open(states_path->c_str(), O_RDONLY | O_CLOEXEC);
+  if (*fd < 0) return ErrnoToStatus(errno, "opening " + *states_path);
+  struct stat st {};
+  if (fstat(*fd, &st) != 0) return ErrnoToStatus(errno, "stat of " + *states_path);
+  if (static_cast<uint64_t>(st.st_size) != man->file_bytes) {
+    return Status::Corruption(*states_path + " has " + std::to_string(st.st_size) +
+                              " bytes, its manifest says " + std::to_string(man->file_bytes) +
+                              " (a torn checkpoint)");
+  }
+  if (buf->data == nullptr) return Status::ResourceExhausted("checkpoint buffer");
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const SubGroup& g = groups[gi];
+    ZINF_RETURN_IF_ERROR(PreadAll(*fd, buf->data, GroupStateBytes(g), man->groups[gi].offset,
+                                  *states_path, "a torn checkpoint"));
+    const float* f = static_cast<const float*>(buf->data);
+    static const char* const kState[] = {"master weights", "exp_avg", "exp_avg_sq"};
+    for (size_t j = 0; j < g.params.size(); ++j) {
+      const Param& p = params[g.params[j]];
+      const CheckpointTensor& t = man->tensors[g.params[j]];
+      for (int k = 0; k < 3; ++k) {
+        if (XXH3_64bits(f + k * g.numel + p.slice_offset, p.info.partition_numel * 4) !=
+            t.hash[k]) {
+          return Status::Corruption("checkpoint tensor '" + p.info.name + "' (" + kState[k] +
+                                    ") in " + *states_path + " does not match its checksum");
+        }
+      }
+    }
+  }
+  return Status::OK();
+}
+
+Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data,
+                              bool fall_back_to_older) {
   Impl& m = *impl_;
   if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
   ZINF_RETURN_IF_ERROR(m.CheckBetweenSteps("LoadCheckpoint"));
   ZINF_RETURN_IF_ERROR(m.ReclaimScratch());
   ZINF_RETURN_IF_ERROR(m.Agree(m.FinishPendingUpdate(), "LoadCheckpoint"));
-  namespace fs = std::filesystem;
+  Status local = m.rank == 0 ? m.LockCheckpointDir(dir, /*create=*/false) : Status::OK();
+  ZINF_RETURN_IF_ERROR(m.Agree(local, "LoadCheckpoint"));
+  // Which checkpoints there are: "none yet" only for a folder that holds none at all; a
+  // `latest` that cannot be read, or step folders without one, is damage.
+  ZINF_ASSIGN_OR_RETURN(checkpoint_folder::Listing listing, checkpoint_folder::List(dir));
+  if (!listing.exists || listing.Empty()) {
+    return Status::NotFound("no checkpoint in " + dir + " (the folder " +
+                            (listing.exists ? "holds none" : "does not exist") + ")");
+  }
+  // A step folder gets its name only once complete, so the newest one is a committed
+  // checkpoint even when `latest` (a pointer written right after) is missing or unreadable:
+  // that is then said, not fatal. The candidate chosen must validate in full; a damaged one is
+  // an error unless falling back is allowed.
+  std::vector<std::string> candidates = checkpoint_folder::Candidates(dir, listing);
+  std::string damage;
+  if (!listing.latest_status.ok()) {
+    damage = listing.latest_status.message();
+  } else if (listing.latest.empty() && !listing.single) {
+    damage = dir + "/latest is missing";
+  }
+  size_t max_bytes = 0;
+  for (const Impl::SubGroup& g : m.groups) max_bytes = std::max(max_bytes, m.GroupStateBytes(g));
+  AlignedBuffer buf(max_bytes);
   RankManifest man;
-  std::string folder;
   int fd = -1;
-  std::string states_path;
-  // Pass 1: find, parse, match the layout and verify every checksum; nothing changes yet.
-  Status local = [&]() -> Status {
-    if (fs::exists(dir + "/latest")) {
-      ZINF_ASSIGN_OR_RETURN(std::string name, ReadSmallFile(dir + "/latest", 4096));
-      while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-      if (name.empty() || name.find('/') != std::string::npos || name[0] == '.') {
-        return Status::Corruption(dir + "/latest does not name a checkpoint folder");
-      }
-      folder = dir + "/" + name;
-    } else if (fs::exists(dir + "/rank0.json")) {
-      folder = dir;
-    } else {
-      return Status::NotFound("no checkpoint in " + dir +
-                              " (neither a 'latest' file nor rank0.json)");
-    }
-    const std::string man_path = folder + "/rank" + std::to_string(m.rank) + ".json";
-    ZINF_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(man_path, 1 << 30));
-    ZINF_ASSIGN_OR_RETURN(man, ParseRankManifest(text, man_path));
-    auto mismatch = [&](const std::string& what) {
-      return Status::FailedPrecondition(man_path +
-                                        ": the checkpoint does not match this model: " + what);
-    };
-    if (man.world != m.world || man.rank != m.rank) {
-      return mismatch("saved by rank " + std::to_string(man.rank) + " of " +
-                      std::to_string(man.world) + ", loading as rank " + std::to_string(m.rank) +
-                      " of " + std::to_string(m.world));
-    }
-    if (man.optimizer != OptimizerTypeName(m.config.optimizer.type)) {
-      return mismatch("optimizer " + man.optimizer + ", this engine runs " +
-                      OptimizerTypeName(m.config.optimizer.type));
-    }
-    if (man.tensors.size() != m.params.size() || man.groups.size() != m.groups.size()) {
-      return mismatch(std::to_string(man.tensors.size()) + " tensors in " +
-                      std::to_string(man.groups.size()) + " sub-groups, this engine has " +
-                      std::to_string(m.params.size()) + " in " + std::to_string(m.groups.size()) +
-                      " (same sub_group_size?)");
-    }
-    for (size_t i = 0; i < m.params.size(); ++i) {
-      const Impl::Param& p = m.params[i];
-      const CheckpointTensor& t = man.tensors[i];
-      if (t.name != p.info.name || t.numel != p.info.numel ||
-          t.partition_numel != p.info.partition_numel || t.sub_group != p.info.sub_group ||
-          t.slice_offset != p.slice_offset) {
-        return mismatch("tensor " + std::to_string(i) + " is '" + t.name + "' with " +
-                        std::to_string(t.numel) + " elements, this engine has '" + p.info.name +
-                        "' with " + std::to_string(p.info.numel));
-      }
-    }
-    for (size_t gi = 0; gi < m.groups.size(); ++gi) {
-      if (man.groups[gi].numel != m.groups[gi].numel) {
-        return mismatch("sub-group " + std::to_string(gi) + " size differs");
-      }
-    }
-    states_path = folder + "/" + man.states_file;
-    fd = open(states_path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return ErrnoToStatus(errno, "opening " + states_path);
-    struct stat st {};
-    if (fstat(fd, &st) != 0) return ErrnoToStatus(errno, "stat of " + states_path);
-    if (static_cast<uint64_t>(st.st_size) != man.file_bytes) {
-      return Status::Corruption(states_path + " has " + std::to_string(st.st_size) +
-                                " bytes, its manifest says " + std::to_string(man.file_bytes) +
-                                " (a torn checkpoint)");
-    }
-    return Status::OK();
-  }();
   struct FdCloser {
     int* fd;
     ~FdCloser() {
       if (*fd >= 0) close(*fd);
     }
   } closer{&fd};
-  size_t max_bytes = 0;
-  for (const Impl::SubGroup& g : m.groups) max_bytes = std::max(max_bytes, m.GroupStateBytes(g));
-  AlignedBuffer buf(max_bytes);
-  if (local.ok() && buf.data == nullptr) local = Status::ResourceExhausted("checkpoint buffer");
-  for (size_t gi = 0; gi < m.groups.size() && local.ok(); ++gi) {
-    const Impl::SubGroup& g = m.groups[gi];
-    local = PreadAll(fd, buf.data, m.GroupStateBytes(g), man.groups[gi].offset, states_path, "a torn checkpoint");
-    const float* f = static_cast<const float*>(buf.data);
-    static const char* const kState[] = {"master weights", "exp_avg", "exp_avg_sq"};
-    for (size_t j = 0; j < g.params.size() && local.ok(); ++j) {
-      const Impl::Param& p = m.params[g.params[j]];
-      const CheckpointTensor& t = man.tensors[g.params[j]];
-      for (int k = 0; k < 3; ++k) {
-        if (XXH3_64bits(f + k * g.numel + p.slice_offset, p.info.partition_numel * 4) !=
-            t.hash[k]) {
-          local = Status::Corruption("checkpoint tensor '" + p.info.name + "' (" + kState[k] +
-                                     ") in " + states_path +
-                                     " does not match its checksum: the checkpoint is "
-                                     "corrupt; use an older one");
-          break;
-        }
-      }
+  std::string states_path, used;
+  std::vector<std::string> tried;
+  for (const std::string& folder : candidates) {
+    if (fd >= 0) {
+      close(fd);
+      fd = -1;
+    }
+    local = m.ValidateCheckpoint(folder, &man, &fd, &states_path, &buf);
+    Status agreed = m.Agree(local, "LoadCheckpoint");
+    if (agreed.ok()) {
+      used = folder;
+      break;
+    }
+    // A checkpoint of another model is no damage: an older one would not fit either.
+    if (agreed.code() == StatusCode::kFailedPrecondition && !local.ok()) return agreed;
+    tried.push_back(folder + " (" + agreed.message() + ")");
+    if (!fall_back_to_older) {
+      return Status::Corruption("the newest checkpoint " + folder +
+                                " is damaged: " + agreed.message() +
+                                "; load the one before (LoadCheckpoint's fall_back_to_older; "
+                                "zinf-train --resume --fallback) or repair it");
     }
   }
-  ZINF_RETURN_IF_ERROR(m.Agree(local, "LoadCheckpoint"));
+  if (used.empty()) {
+    std::string list;
+    for (const std::string& t : tried) list += (list.empty() ? "" : "; ") + t;
+    return Status::Corruption("no readable checkpoint in " + dir + ": " + list);
+  }
+  if (!tried.empty()) {
+    std::string list;
+    for (const std::string& t : tried) list += (list.empty() ? "" : "; ") + t;
+    LogWarning("loading " + used + ", not the newest checkpoint, which is damaged: " + list);
+  } else if (!damage.empty()) {
+    LogWarning(damage + "; loading " + used + ", the newest complete checkpoint");
+  }
 
   // Pass 2: install. Fetched parameter copies are stale from here on.
   m.gather_states.reset();
   for (Impl::Param& p : m.params) m.Evict(static_cast<ParamId>(&p - m.params.data()));
   for (size_t gi = 0; gi < m.groups.size() && local.ok(); ++gi) {
-    local =
-        PreadAll(fd, buf.data, m.GroupStateBytes(m.groups[gi]), man.groups[gi].offset, states_path, "a torn checkpoint");
+    local = PreadAll(fd, buf.data, m.GroupStateBytes(m.groups[gi]), man.groups[gi].offset,
+                     states_path, "a torn checkpoint");
     if (local.ok()) local = m.WriteGroupStates(gi, buf.data, m.Buf(man.step));
   }
   if (!local.ok()) {

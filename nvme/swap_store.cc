@@ -4,6 +4,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -14,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <unordered_map>
 
+#include "common/folder_lock.h"
 #include "nvme/io_queue.h"
 #include "nvme/range_allocator.h"
 #include "zinf/crash_point.h"
@@ -26,6 +28,7 @@ namespace {
 constexpr const char* kIndexName = "zinf-swap.index.json";
 // Durable stores that retain two commits: the one before the last.
 constexpr const char* kPrevIndexName = "zinf-swap.index.prev.json";
+constexpr const char* kLockName = "zinf-swap.lock";
 constexpr int kIndexVersion = 1;
 
 std::string SwapFileName(const std::string& dir, size_t i) {
@@ -91,6 +94,8 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
 }  // namespace
 
 struct SwapStore::Impl {
+  // One per folder, taken before anything in it is read or written (destroyed last).
+  std::vector<std::unique_ptr<FolderLock>> locks;
   SwapStoreOptions options;
   uint64_t alignment = 4096;
   bool direct_io = true;
@@ -349,6 +354,24 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
       return Status::InvalidArgument("nvme path '" + dir +
                                      "' is not a folder: pass the folder to hold swap files");
     }
+  }
+  // Every folder locked before anything in one is touched: a second store (another run, or
+  // another engine of this process) on the same folder is refused, naming the holder.
+  std::vector<std::string> locked;  // canonical paths (a folder may be listed twice)
+  for (const std::string& dir : options.paths) {
+    char* real = realpath(dir.c_str(), nullptr);
+    if (real == nullptr) return ErrnoToStatus(errno, "nvme path '" + dir + "'");
+    std::string canonical(real);
+    std::free(real);
+    if (std::find(locked.begin(), locked.end(), canonical) != locked.end()) continue;
+    locked.push_back(canonical);
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<FolderLock> lock,
+                          FolderLock::Acquire(dir, kLockName, "swap folder"));
+    impl->locks.push_back(std::move(lock));
+  }
+  for (size_t i = 0; i < options.paths.size(); ++i) {
+    const std::string& dir = options.paths[i];
+    struct stat st {};
     if (i == 0 && !options.reopen) {
       // A fresh store: an index left by an earlier store in this folder must not outlive the
       // files it describes (which are truncated below); a later reopen would trust it.
@@ -710,6 +733,8 @@ Status SwapStore::Close() {
   }
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->closed = true;
+  // Nothing more is written: the folders may be another store's from now on.
+  impl_->locks.clear();
   return s;
 }
 

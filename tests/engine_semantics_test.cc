@@ -10,10 +10,14 @@
 // placement, delayed or not, must end bit-identical to the simulation. What each micro-step
 // reads (the acquired values) is checked against the simulated version it should see.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -706,6 +710,200 @@ TEST(EngineSemanticsTest, UpdateCountsSurviveCheckpointsAndDurableResumes) {
     }
     ExpectMasters(rig, sim, durable ? "after a durable resume" : "after a checkpoint load");
   }
+}
+
+// ---- Checkpoint folders: damage is never "no checkpoint yet" ----------------------------------
+
+// Trains `windows` optimizer steps from `first_window`, saving a checkpoint after each.
+void TrainAndSave(Rig& rig, int first_window, int windows, const std::string& ckpt) {
+  Simulation unused;
+  for (int w = first_window; w < first_window + windows; ++w) {
+    for (int k = 0; k < kAccum; ++k) {
+      ASSERT_TRUE(rig.engine->Acquire(rig.ids).ok());
+      ASSERT_TRUE(rig.engine->Release(rig.ids).ok());
+      for (size_t p = 0; p < Defs().size(); ++p) {
+        if (!Defs()[p].trainable) continue;
+        std::vector<float> g(Numel(Defs()[p]));
+        for (size_t i = 0; i < g.size(); ++i) g[i] = GradValue(p, w * kAccum + k, i);
+        ASSERT_TRUE(rig.engine->ReduceGradient(rig.ids[p], g.data()).ok());
+      }
+      ASSERT_TRUE(rig.engine->Step().ok());
+    }
+    Status s = rig.engine->SaveCheckpoint(ckpt, "window " + std::to_string(w));
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  }
+}
+
+std::string ReadLatest(const std::string& ckpt) {
+  std::ifstream f(ckpt + "/latest");
+  std::string name;
+  f >> name;
+  return name;
+}
+
+class CheckpointDamage : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(dir.ok());
+    ckpt = dir.path() + "/ckpt";
+    Rig writer;
+    ASSERT_TRUE(writer.Create(MakeConfig(Placement{}, dir.path())).ok());
+    TrainAndSave(writer, 0, 3, ckpt);  // step-1, step-2, step-3; pruning keeps 2 and 3
+    newest = ReadLatest(ckpt);
+    ASSERT_EQ(newest, "step-000000003");
+  }
+  // A fresh engine's attempt to load; its global step after.
+  Status Load(bool fallback, std::string* user = nullptr, int64_t* step = nullptr) {
+    Rig reader;
+    Status s = reader.Create(MakeConfig(Placement{}, dir.path()));
+    if (s.ok()) s = reader.engine->LoadCheckpoint(ckpt, user, fallback);
+    if (step != nullptr) *step = reader.engine ? reader.engine->global_step() : -1;
+    return s;
+  }
+  TempDir dir;
+  std::string ckpt, newest;
+};
+
+TEST_F(CheckpointDamage, AMissingLatestLoadsTheNewestCompleteCheckpointWithAWarning) {
+  ASSERT_EQ(unlink((ckpt + "/latest").c_str()), 0);
+  LogCapture logs;
+  std::string user;
+  int64_t step = 0;
+  Status s = Load(false, &user, &step);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(user, "window 2");
+  EXPECT_EQ(step, 3);
+  bool warned = false;
+  for (const std::string& w : logs.warnings())
+    warned |= w.find("latest is missing") != std::string::npos;
+  EXPECT_TRUE(warned);
+}
+
+TEST_F(CheckpointDamage, AMissingPieceOfTheNewestIsAnErrorNamingItNotAFreshStart) {
+  const std::vector<std::pair<std::string, std::string>> pieces = {
+      {ckpt + "/" + newest + "/rank0.states", "rank0.states"},
+      {ckpt + "/" + newest + "/rank0.json", "rank0.json"}};
+  for (const auto& [path, name] : pieces) {
+    SCOPED_TRACE(name);
+    const std::string aside = path + ".aside";
+    ASSERT_EQ(rename(path.c_str(), aside.c_str()), 0);
+    Status s = Load(false);
+    EXPECT_EQ(s.code(), StatusCode::kCorruption) << s.ToString();
+    EXPECT_NE(s.message().find(name), std::string::npos) << s.ToString();
+    EXPECT_NE(s.message().find("damaged"), std::string::npos) << s.ToString();
+    // Allowed to fall back: the one before, with a warning.
+    LogCapture logs;
+    std::string user;
+    int64_t step = 0;
+    s = Load(true, &user, &step);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(user, "window 1");
+    EXPECT_EQ(step, 2);
+    EXPECT_FALSE(logs.warnings().empty());
+    ASSERT_EQ(rename(aside.c_str(), path.c_str()), 0);
+  }
+  // The folder `latest` names, gone: damage too.
+  ASSERT_EQ(rename((ckpt + "/" + newest).c_str(), (dir.path() + "/moved").c_str()), 0);
+  Status s = Load(false);
+  EXPECT_EQ(s.code(), StatusCode::kCorruption) << s.ToString();
+}
+
+TEST_F(CheckpointDamage, AnEditedManifestIsRefusedByItsChecksum) {
+  const std::string man = ckpt + "/" + newest + "/rank0.json";
+  std::string text;
+  {
+    std::ifstream f(man);
+    text.assign(std::istreambuf_iterator<char>(f), {});
+  }
+  const size_t at = text.find("\"step\": 3");
+  ASSERT_NE(at, std::string::npos) << text.substr(0, 300);
+  text.replace(at, 9, "\"step\": 9");
+  std::ofstream(man, std::ios::trunc) << text;
+  Status s = Load(false);
+  EXPECT_EQ(s.code(), StatusCode::kCorruption) << s.ToString();
+  EXPECT_NE(s.message().find("checksum"), std::string::npos) << s.ToString();
+}
+
+TEST_F(CheckpointDamage, PruningKeepsTheNewestReadableCheckpoint) {
+  // `latest` lost and the newest folder damaged: a new save must not remove step-2, the
+  // newest readable checkpoint before it (it used to remove every step folder but the new one
+  // when `latest` could not be read).
+  ASSERT_EQ(unlink((ckpt + "/latest").c_str()), 0);
+  ASSERT_EQ(unlink((ckpt + "/" + newest + "/rank0.states").c_str()), 0);
+  Rig again;
+  ASSERT_TRUE(again.Create(MakeConfig(Placement{}, dir.path())).ok());
+  TrainAndSave(again, 0, 1, ckpt);  // a new step-1 (as step-000000001.1)
+  EXPECT_TRUE(std::filesystem::exists(ckpt + "/step-000000002/rank0.json"));
+  EXPECT_TRUE(std::filesystem::exists(ckpt + "/" + newest)) << "damaged and newer: kept";
+}
+
+TEST_F(CheckpointDamage, AnEmptyOrMissingFolderIsNoCheckpointYet) {
+  ckpt = dir.path() + "/empty";
+  ASSERT_EQ(mkdir(ckpt.c_str(), 0700), 0);
+  EXPECT_EQ(Load(false).code(), StatusCode::kNotFound);
+  ckpt = dir.path() + "/absent";
+  EXPECT_EQ(Load(false).code(), StatusCode::kNotFound);
+}
+
+TEST(CheckpointFolder, LockedAgainstASecondWriterCreated0700AndNoLinkFollowed) {
+  TempDir dir;
+  const std::string ckpt = dir.path() + "/a/b";
+  Rig first, second;
+  ASSERT_TRUE(first.Create(MakeConfig(Placement{}, dir.path())).ok());
+  ASSERT_TRUE(second.Create(MakeConfig(Placement{}, dir.path())).ok());
+  ASSERT_TRUE(first.engine->PrepareCheckpointDir(ckpt).ok());
+  struct stat st {};
+  ASSERT_EQ(stat((dir.path() + "/a").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  Status s = second.engine->SaveCheckpoint(ckpt);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  EXPECT_NE(s.message().find("in use by pid"), std::string::npos) << s.ToString();
+  s = second.engine->LoadCheckpoint(ckpt);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << "a reader waits for the writer";
+  // A link planted as latest.tmp is replaced, not followed.
+  const std::string victim = dir.path() + "/victim";
+  std::ofstream(victim) << "precious";
+  ASSERT_EQ(symlink(victim.c_str(), (ckpt + "/latest.tmp").c_str()), 0);
+  ASSERT_TRUE(first.engine->SaveCheckpoint(ckpt).ok());
+  std::string text;
+  std::ifstream(victim) >> text;
+  EXPECT_EQ(text, "precious");
+  EXPECT_EQ(ReadLatest(ckpt), "step-000000000");
+  // Not writable: refused before training, naming the folder.
+  if (geteuid() != 0) {
+    const std::string ro = dir.path() + "/ro";
+    ASSERT_EQ(mkdir(ro.c_str(), 0500), 0);
+    s = second.engine->PrepareCheckpointDir(ro);
+    EXPECT_NE(s.message().find("not writable"), std::string::npos) << s.ToString();
+  }
+  // Not valid UTF-8: refused, nothing aborts.
+  EXPECT_EQ(first.engine->SaveCheckpoint(ckpt, std::string("\xff\xfe", 2)).code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(EngineRegistration, DuplicateNamesOverflowingShapesAndBadNamesAreRefused) {
+  TempDir dir;
+  HostDeviceOptions ho;
+  ho.memory_budget = 16 << 20;
+  std::unique_ptr<Device> device = NewHostDevice(ho);
+  auto comms = std::move(NewLocalComms({device.get()})).value();
+  auto engine =
+      std::move(Engine::Create(MakeConfig(Placement{}, dir.path()), device.get(), comms[0].get()))
+          .value();
+  ParamSpec spec;
+  spec.name = "w";
+  spec.shape = {4};
+  spec.init = [](float* d, size_t n) { std::fill(d, d + n, 1.0f); };
+  ASSERT_TRUE(engine->RegisterParameter(spec).ok());
+  Result<ParamId> again = engine->RegisterParameter(spec);
+  EXPECT_EQ(again.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(again.status().message().find("registered twice"), std::string::npos);
+  spec.name = "huge";
+  spec.shape = {int64_t{1} << 40, int64_t{1} << 40};
+  EXPECT_EQ(engine->RegisterParameter(spec).status().code(), StatusCode::kInvalidArgument);
+  spec.name = std::string("bad\xc3", 4);
+  spec.shape = {4};
+  EXPECT_EQ(engine->RegisterParameter(spec).status().code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

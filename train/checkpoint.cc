@@ -25,11 +25,11 @@ Status SaveCheckpoint(const std::string& dir, const GptConfig& model, uint64_t s
 }
 
 Result<int64_t> LoadCheckpoint(const std::string& dir, const GptConfig& model, uint64_t seed,
-                               Engine* engine) {
+                               Engine* engine, bool fall_back) {
   // The engine verifies its layout (names and sizes of every tensor) before changing anything,
   // which already refuses another shape; the record gives the clearer message.
   std::string user;
-  ZINF_RETURN_IF_ERROR(engine->LoadCheckpoint(dir, &user));
+  ZINF_RETURN_IF_ERROR(engine->LoadCheckpoint(dir, &user, fall_back));
   nlohmann::json saved = nlohmann::json::parse(user, nullptr, /*allow_exceptions=*/false);
   nlohmann::json mine = Record(model, seed);
   if (saved.is_discarded() || !saved.is_object() || saved.value("trainer", "") != "zinf-train") {

@@ -15,8 +15,9 @@ Status SaveCheckpoint(const std::string& dir, const GptConfig& model, uint64_t s
                       Engine* engine);
 // Returns the step to continue from. A checkpoint of another model shape is refused with a
 // message naming both; another seed gets a warning (the batches then differ from the run that
-// saved it).
+// saved it). `fall_back`: a damaged newest checkpoint is skipped for the newest readable one,
+// with a warning (Engine::LoadCheckpoint).
 Result<int64_t> LoadCheckpoint(const std::string& dir, const GptConfig& model, uint64_t seed,
-                               Engine* engine);
+                               Engine* engine, bool fall_back = false);
 
 }  // namespace zinf::train

@@ -67,6 +67,7 @@ struct Flags {
   bool delayed_update = false;
   uint64_t delayed_update_after = 0;
   bool durable = false;
+  bool overwrite = false;
 };
 
 FILE* out = stdout;  // progress stream (stderr with --json)
@@ -94,6 +95,19 @@ std::string DefaultData() {
 #else
   return ZINF_DEFAULT_DATA;
 #endif
+}
+
+// The checkpoints a folder holds: `latest` and the step folders (names), newest first.
+std::vector<std::string> CheckpointsIn(const std::string& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind("step-", 0) == 0) out.push_back(n);
+  }
+  std::sort(out.rbegin(), out.rend());
+  if (std::filesystem::exists(dir + "/latest", ec)) out.insert(out.begin(), "latest");
+  return out;
 }
 
 // The engine configuration: --config (DeepSpeed-style JSON) or the embedded defaults, then
@@ -141,6 +155,7 @@ Result<EngineConfig> BuildConfig(const Flags& f) {
   if (f.grad_accum > 0) c.gradient_accumulation_steps = f.grad_accum;
   if (f.delayed_update) c.delayed_update = true;
   if (f.delayed_update_after > 0) c.delayed_update_after = f.delayed_update_after;
+  if (f.overwrite) c.durable_overwrite = true;
   if (f.durable) c.durable = true;
   if (!f.device_budget.empty()) {
     ZINF_ASSIGN_OR_RETURN(c.device_budget_bytes, ParseByteSize(f.device_budget, "--device-budget"));
@@ -354,6 +369,34 @@ int Run(Flags f) {
   }
   std::fprintf(out, "  initialised and placed in %.1f s\n", Seconds(Clock::now() - t_init));
 
+  // The checkpoint folder: usable (created, writable, locked) before any step is spent, and
+  // not another run's checkpoints unless resuming or told to overwrite them.
+  if (checkpointing) {
+    if (Status s = (*engine)->PrepareCheckpointDir(f.checkpoint_dir); !s.ok()) {
+      return fail("the checkpoint folder", s);
+    }
+    std::vector<std::string> existing = CheckpointsIn(f.checkpoint_dir);
+    if (!existing.empty() && !f.resume && !f.overwrite) {
+      std::fprintf(stderr,
+                   "zinf-train: %s holds checkpoints (%s): pass --resume to continue from the "
+                   "newest, or --overwrite to remove them and start afresh\n",
+                   f.checkpoint_dir.c_str(), existing.front().c_str());
+      return 2;
+    }
+    if (!existing.empty() && f.overwrite && !f.resume) {
+      for (const std::string& name : existing) {
+        std::error_code ec;
+        std::filesystem::remove_all(f.checkpoint_dir + "/" + name, ec);
+        if (ec) {
+          return fail("--overwrite", Status::IoError("removing " + f.checkpoint_dir + "/" + name +
+                                                     ": " + ec.message()));
+        }
+      }
+      std::fprintf(out, "  --overwrite: removed %zu checkpoint(s) from %s\n", existing.size(),
+                   f.checkpoint_dir.c_str());
+    }
+  }
+
   // Resume from a checkpoint.
   if (f.resume && !config->durable) {
     if (!checkpointing) {
@@ -362,7 +405,8 @@ int Run(Flags f) {
                    "the swap store)\n");
       return 2;
     }
-    Result<int64_t> step = LoadCheckpoint(f.checkpoint_dir, model, f.seed, engine->get());
+    Result<int64_t> step =
+        LoadCheckpoint(f.checkpoint_dir, model, f.seed, engine->get(), /*fall_back=*/true);
     if (!step.ok() && step.status().code() == StatusCode::kNotFound) {
       // Nothing committed yet (e.g. the first run died before its first save): start over.
       std::fprintf(out, "  no checkpoint in %s yet: starting from step 0\n",
@@ -531,11 +575,23 @@ int main(int argc, char** argv) {
   app.add_option("--seq", f.seq, "tokens per sequence (default 128, or the model's maximum)")
 
       ->check(CLI::Range(1, 1 << 20));
-  app.add_option("--grad-accum", f.grad_accum,
-                 "micro-steps per optimizer step (default: config's)");
-  app.add_option("--lr", f.lr, "learning rate (default: config's, or 1e-3)");
+  app.add_option("--grad-accum", f.grad_accum, "micro-steps per optimizer step (default: config's)")
+      ->check(CLI::Range(1, 1 << 20));
+  // A range alone lets "nan" through (every comparison with NaN is false).
+  const CLI::Validator finite(
+      [](std::string& v) {
+        char* end = nullptr;
+        const double x = std::strtod(v.c_str(), &end);
+        return std::isfinite(x) && end != v.c_str() ? std::string()
+                                                    : "'" + v + "' is not a finite number";
+      },
+      "FINITE");
+  app.add_option("--lr", f.lr, "learning rate (default: config's, or 1e-3)")
+      ->check(finite)
+      ->check(CLI::Range(1e-12, 10.0).description("a learning rate in [1e-12, 10]"));
   app.add_option("--warmup", f.warmup,
-                 "linear learning-rate warmup steps (default steps/10, <= 100)");
+                 "linear learning-rate warmup steps (default steps/10, <= 100)")
+      ->check(CLI::Range(0, 100000000));
   app.add_option("--config", f.config, "DeepSpeed-style JSON config (zero_optimization, bf16, ...)")
       ->check(CLI::ExistingFile);
   app.add_option("--nvme", f.nvme, "NVMe swap folder (repeatable; default ./zinf-swap)");
@@ -550,6 +606,7 @@ int main(int argc, char** argv) {
   app.add_option("--optimizer-ratio", f.optimizer_ratio,
                  "share of optimizer sub-groups offloaded to --optimizer-tier (the rest stay "
                  "in device memory, stepped on the device); default 1")
+      ->check(finite)
       ->check(CLI::Range(0.0, 1.0));
   app.add_option("--device-budget", f.device_budget, "device memory budget, e.g. 4G");
   app.add_option("--pinned-budget", f.pinned_budget, "pinned host memory budget, e.g. 2G");
@@ -559,21 +616,29 @@ int main(int argc, char** argv) {
                "it after a crash without a checkpoint copy (needs optimizer states on NVMe, and "
                "parameters on NVMe with --delayed-update; up to twice the NVMe space)");
   app.add_option("--delayed-update-after", f.delayed_update_after,
-                 "with --delayed-update: run the first N steps undelayed");
+                 "with --delayed-update: run the first N steps undelayed")
+      ->check(CLI::Range(uint64_t{0}, uint64_t{100000000}));
   app.add_flag("--delayed-update", f.delayed_update,
                "one-step delayed parameter update: a step's optimizer runs on while the next "
                "step computes (on the parameters one update older)");
   app.add_option("--data", f.data, "training text (any file; default the repository's corpus)");
   app.add_option("--checkpoint-dir", f.checkpoint_dir, "checkpoint folder (save and --resume)");
-  app.add_option("--save-every", f.save_every, "save a checkpoint every N steps (and at the end)");
+  app.add_option("--save-every", f.save_every, "save a checkpoint every N steps (and at the end)")
+      ->check(CLI::Range(1, 100000000));
   app.add_flag("--resume", f.resume,
-               "continue from the checkpoint in --checkpoint-dir, or with --durable from the "
-               "swap store's last committed step");
+               "continue from the newest checkpoint in --checkpoint-dir (a damaged newest one is "
+               "skipped for the one before, with a warning), or with --durable from the swap "
+               "store's last committed step");
+  app.add_flag("--overwrite", f.overwrite,
+               "start afresh although --checkpoint-dir holds checkpoints (they are removed) or "
+               "the swap folder holds a durable store (it is replaced); without it such a "
+               "run is refused");
   app.add_option("--seed", f.seed, "seed of the initialisation and the batches")
       ->capture_default_str();
   app.add_flag("--json", f.json, "only the final JSON line on stdout (progress on stderr)");
   app.add_option("--log-every", f.log_every,
-                 "keep a progress line every N steps (default: ~40 lines)");
+                 "keep a progress line every N steps (default: ~40 lines)")
+      ->check(CLI::Range(1, 100000000));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

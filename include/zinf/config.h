@@ -80,6 +80,9 @@ struct EngineConfig {
   // twice the NVMe space of the states (three times with several ranks, whose stores retain
   // two commits).
   bool durable = false;
+  // A fresh engine (no ResumeFromStore) may replace a durable store that holds commits in its
+  // folder; false: refused, naming the committed step (zinf.durable_overwrite).
+  bool durable_overwrite = false;
   bool checksums = false;     // per-chunk checksums in the swap store
   int optimizer_threads = 0;  // CPU Adam threads; 0 = all cores
   double host_copy_gbps = 0;  // HostDevice PCIe simulation; 0 = memcpy speed

@@ -146,21 +146,34 @@ class Engine {
   // optimizer steps (after Step() at an accumulation boundary, before the next Acquire).
   //
   // SaveCheckpoint writes each rank's optimizer states (fp32 master, exp_avg, exp_avg_sq of
-  // every partition), the step counter, the layout and `user_data` (the trainer's own text,
-  // e.g. its model shape and data position) under `dir`, with an xxh3 checksum per tensor.
-  // The commit is atomic: files go to a new folder, are fsync'ed, and renaming `dir/latest`
-  // publishes them; until then the previous checkpoint stays the valid one (after, it is
-  // kept as the one before; older ones are removed). Parameter stores are not saved: they are the
-  // masters converted to the storage dtype, and LoadCheckpoint rebuilds them. Files are created
-  // 0600. With zinf.delayed_update it first finishes the update still running and makes it visible
-  // (the next two steps then run on the saved parameters), so the saving run and a run resumed from
-  // the checkpoint continue identically.
+  // every partition), the step and update counters, the layout and `user_data` (the trainer's
+  // own text in UTF-8, e.g. its model shape and data position) under `dir`, with an xxh3
+  // checksum per tensor and one of the manifest itself. The folder is created (0700) if
+  // needed and locked for this engine's lifetime (a second engine or run saving there is
+  // refused, naming it). The commit is atomic: files go to a new folder (created exclusively,
+  // never through a link), are fsync'ed, and replacing `dir/latest` publishes them; until then
+  // the previous checkpoint stays the valid one. Older checkpoints are removed, but never the
+  // newest readable one before the new one. Parameter stores are not saved: they are the
+  // masters converted to the storage dtype, and LoadCheckpoint rebuilds them. Files are
+  // created 0600. With zinf.delayed_update it first finishes the update still running and
+  // makes it visible (the next two steps then run on the saved parameters), so the saving run
+  // and a run resumed from the checkpoint continue identically.
   Status SaveCheckpoint(const std::string& dir, const std::string& user_data = "");
   // Restores the newest committed checkpoint of `dir` (or `dir` itself when it is one
-  // checkpoint folder): optimizer states, parameter stores, step counter. The layout (ranks,
-  // parameter names, sizes, sub-groups, optimizer type) must match this engine; every
-  // checksum is verified before anything changes, and a mismatch names the tensor.
-  Status LoadCheckpoint(const std::string& dir, std::string* user_data = nullptr);
+  // checkpoint folder): optimizer states, parameter stores, step and update counters. The
+  // layout (ranks, parameter names, sizes, sub-groups, optimizer type) must match this engine
+  // (FailedPrecondition naming the first difference); every checksum is verified before
+  // anything changes, and a mismatch names the tensor. NotFound only when `dir` does not exist
+  // or holds no checkpoint at all; a damaged newest checkpoint (a missing or unreadable piece,
+  // a `latest` that is missing or names nothing) is Corruption naming what is wrong, unless
+  // `fall_back_to_older`: then the newest readable older one is loaded, with a warning naming
+  // what was skipped. The folder is locked like SaveCheckpoint's.
+  Status LoadCheckpoint(const std::string& dir, std::string* user_data = nullptr,
+                        bool fall_back_to_older = false);
+  // Collective: makes `dir` ready for checkpoints before training starts: created (0700),
+  // writable (probed), locked for this engine. A trainer calls it first, so that a bad folder
+  // or a second run on it is refused before any step is spent.
+  Status PrepareCheckpointDir(const std::string& dir);
 
   // Durable mode (zinf.durable): every optimizer step ends with a commit of the NVMe swap
   // store (its writes go to fresh extents until then), so after a crash the store itself

@@ -36,13 +36,16 @@ def test_eval_passes_between_steps_neither_warn_nor_stop_prefetch_nor_change_tra
     """With parameters evicted after every use (persistence and reuse distance 0, NVMe),
     every hit is prefetch's doing: the steps after evaluation passes must hit as often as
     the steps of a run without them, with the trace valid, no warning, and the same values."""
-    cfg = make_config("nvme", "nvme", nvme=scratch)
+    os.mkdir(scratch + "/plain")
+    os.mkdir(scratch + "/eval")
     torch.manual_seed(7)
     model = Gpt2()
     twin = copy.deepcopy(model)
-    plain, plain_losses, plain_stats = run(twin, cfg, 6)
+    plain, plain_losses, plain_stats = run(twin, make_config("nvme", "nvme",
+                                                             nvme=scratch + "/plain"), 6)
     capfd.readouterr()
-    evald, losses, stats = run(model, cfg, 6, eval_every=1)
+    evald, losses, stats = run(model, make_config("nvme", "nvme", nvme=scratch + "/eval"), 6,
+                               eval_every=1)
     err = capfd.readouterr().err
     assert "trace" not in err, err
     for s, p in zip(stats[1:], plain_stats[1:]):

@@ -357,6 +357,14 @@ TEST(TrainCli, BadFlagsAndInputsAreOneLineErrors) {
       {{"--resume"}, "--resume needs --checkpoint-dir"},
       {{"--preset", "tiny", "--seq", "65"}, "--seq must be in 1..64"},
       {{"--optimizer-ratio", "1.5"}, "--optimizer-ratio"},
+      // Values that used to be replaced by defaults without a word.
+      {{"--save-every", "-2"}, "--save-every"},
+      {{"--lr", "-1"}, "--lr"},
+      {{"--lr", "nan"}, "--lr"},
+      {{"--lr", "1e10"}, "--lr"},
+      {{"--grad-accum", "-3"}, "--grad-accum"},
+      {{"--warmup", "-5"}, "--warmup"},
+      {{"--log-every", "0"}, "--log-every"},
   };
   for (const Case& c : cases) {
     std::vector<std::string> args = c.args;
@@ -376,6 +384,124 @@ TEST(TrainCli, BadFlagsAndInputsAreOneLineErrors) {
         << joined << ": expected \"" << c.expect << "\" in:\n"
         << o.stderr_text;
   }
+}
+
+TEST(TrainCli, AFreshRunNeverReplacesCheckpointsOrADurableStoreSilently) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  // Checkpoints of an earlier run: a fresh run into the folder is refused; --resume continues;
+  // --overwrite removes them and starts afresh.
+  Outcome first = RunTrain(dir.path(), false, "");
+  ASSERT_EQ(first.exit_code, 0) << first.stderr_text;
+  Outcome again = RunTrain(dir.path(), false, "");
+  EXPECT_EQ(again.exit_code, 2) << again.stderr_text;
+  EXPECT_NE(again.stderr_text.find("holds checkpoints"), std::string::npos) << again.stderr_text;
+  EXPECT_NE(again.stderr_text.find("--overwrite"), std::string::npos);
+  std::vector<std::string> args = {"--preset",
+                                   "tiny",
+                                   "--steps",
+                                   "2",
+                                   "--batch",
+                                   "4",
+                                   "--seq",
+                                   "32",
+                                   "--save-every",
+                                   "1",
+                                   "--checkpoint-dir",
+                                   dir.path() + "/ckpt",
+                                   "--nvme",
+                                   dir.path() + "/swap2",
+                                   "--data",
+                                   ZINF_SOURCE_DATA,
+                                   "--json",
+                                   "--overwrite"};
+  Outcome over = Spawn(dir.path(), args, "");
+  EXPECT_EQ(over.exit_code, 0) << over.stderr_text;
+  EXPECT_NE(over.stderr_text.find("removed"), std::string::npos) << over.stderr_text;
+  // A durable store with commits: a fresh --durable run is refused, naming the step.
+  const std::string swap = dir.path() + "/dswap";
+  std::vector<std::string> durable = {"--preset",  "tiny",   "--steps",        "2",
+                                      "--batch",   "4",      "--seq",          "32",
+                                      "--nvme",    swap,     "--param-tier",   "nvme",
+                                      "--durable", "--data", ZINF_SOURCE_DATA, "--json"};
+  ASSERT_EQ(Spawn(dir.path(), durable, "").exit_code, 0);
+  Outcome fresh = Spawn(dir.path(), durable, "");
+  EXPECT_EQ(fresh.exit_code, 1) << fresh.stderr_text;
+  EXPECT_NE(fresh.stderr_text.find("holds a durable store committed at step 2"), std::string::npos)
+      << fresh.stderr_text;
+  durable.push_back("--overwrite");
+  EXPECT_EQ(Spawn(dir.path(), durable, "").exit_code, 0);
+}
+
+TEST(TrainCli, TwoRunsOnOneSwapFolderOrCheckpointFolderAreRefused) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  // The first run holds the folders while a second tries them (a long first run: many steps).
+  std::vector<std::string> args = {"--preset",
+                                   "tiny",
+                                   "--steps",
+                                   "100000",
+                                   "--batch",
+                                   "4",
+                                   "--seq",
+                                   "32",
+                                   "--checkpoint-dir",
+                                   dir.path() + "/ckpt",
+                                   "--nvme",
+                                   dir.path() + "/swap",
+                                   "--data",
+                                   ZINF_SOURCE_DATA,
+                                   "--json"};
+  args.insert(args.begin(), ZINF_TRAIN_BIN);
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const std::string log = dir.path() + "/first.log";
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
+  posix_spawn_file_actions_addopen(&fa, 2, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  pid_t first;
+  ASSERT_EQ(posix_spawn(&first, argv[0], &fa, nullptr, argv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&fa);
+  // Wait until it trains (it has placed its parameters and prepared its folders by then).
+  for (int i = 0; i < 300 && ReadFile(log).find("step ") == std::string::npos; ++i) usleep(100000);
+  ASSERT_NE(ReadFile(log).find("step "), std::string::npos) << ReadFile(log);
+  const std::vector<std::pair<std::vector<std::string>, std::string>> seconds = {
+      {{"--checkpoint-dir", dir.path() + "/other", "--nvme", dir.path() + "/swap"},
+       "swap folder " + dir.path() + "/swap is in use by pid " + std::to_string(first)},
+      {{"--checkpoint-dir", dir.path() + "/ckpt", "--nvme", dir.path() + "/swap3", "--resume"},
+       "checkpoint folder " + dir.path() + "/ckpt is in use by pid " + std::to_string(first)},
+  };
+  for (const auto& [extra, expect] : seconds) {
+    std::vector<std::string> a = {"--preset", "tiny",  "--steps", "2",      "--batch",
+                                  "4",        "--seq", "32",      "--data", ZINF_SOURCE_DATA};
+    a.insert(a.end(), extra.begin(), extra.end());
+    Outcome o = Spawn(dir.path(), a, "");
+    EXPECT_EQ(o.exit_code, 1) << o.stderr_text;
+    EXPECT_NE(o.stderr_text.find(expect), std::string::npos) << o.stderr_text;
+  }
+  kill(first, SIGKILL);
+  int status = 0;
+  waitpid(first, &status, 0);
+  // Killed: nothing left locked.
+  std::vector<std::string> a = {"--preset",
+                                "tiny",
+                                "--steps",
+                                "1",
+                                "--batch",
+                                "4",
+                                "--seq",
+                                "32",
+                                "--data",
+                                ZINF_SOURCE_DATA,
+                                "--checkpoint-dir",
+                                dir.path() + "/ckpt",
+                                "--nvme",
+                                dir.path() + "/swap",
+                                "--overwrite"};
+  Outcome after = Spawn(dir.path(), a, "");
+  EXPECT_EQ(after.exit_code, 0) << after.stderr_text;
 }
 
 }  // namespace
