@@ -63,19 +63,11 @@ constexpr std::string_view kZeroKeys[] = {
     "round_robin_gradients",
 };
 constexpr std::string_view kZinfKeys[] = {
-    "device_budget_bytes",
-    "pinned_budget_bytes",
-    "nvme_capacity_bytes",
-    "delayed_update",
-    "checksums",
-    "optimizer_threads",
-    "host_copy_gbps",
-    "io_backend",
-    "nvme_paths",
-    "allowed_nvme_roots",
-    "durable",
-    "durable_overwrite",
-    "delayed_update_after",
+    "device_budget_bytes", "pinned_budget_bytes",  "nvme_capacity_bytes",
+    "nvme_reserve_bytes",  "delayed_update",       "checksums",
+    "optimizer_threads",   "host_copy_gbps",       "io_backend",
+    "nvme_paths",          "allowed_nvme_roots",   "durable",
+    "durable_overwrite",   "delayed_update_after",
 };
 constexpr std::string_view kAioKeys[] = {
     "block_size", "queue_depth", "thread_count", "single_submit", "overlap_events", "use_gds",
@@ -614,6 +606,7 @@ Status ParseZinf(ObjectReader& r, EngineConfig* config, std::vector<std::string>
   ZINF_RETURN_IF_ERROR(r.ReadByteSize("device_budget_bytes", &config->device_budget_bytes));
   ZINF_RETURN_IF_ERROR(r.ReadByteSize("pinned_budget_bytes", &config->pinned_budget_bytes));
   ZINF_RETURN_IF_ERROR(r.ReadByteSize("nvme_capacity_bytes", &config->nvme_capacity_bytes));
+  ZINF_RETURN_IF_ERROR(r.ReadByteSize("nvme_reserve_bytes", &config->nvme_reserve_bytes));
   ZINF_RETURN_IF_ERROR(r.ReadBool("delayed_update", &config->delayed_update));
   ZINF_RETURN_IF_ERROR(r.ReadBool("durable", &config->durable));
   ZINF_RETURN_IF_ERROR(r.ReadBool("durable_overwrite", &config->durable_overwrite));

@@ -1022,6 +1022,9 @@ Status Engine::Impl::Place() {
     so.registered_regions = {arena->region()};
     so.fault_plan = hooks.fault_plan;
     so.durable = config.durable;
+    // A store only a durable engine reopens: otherwise its files go when the engine does.
+    so.remove_on_close = !config.durable;
+    so.reserve_bytes = config.nvme_reserve_bytes;
     so.retained_commits = world > 1 ? 2 : 1;
     so.reopen = resume_store;
     if (resume_store) {

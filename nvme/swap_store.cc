@@ -16,6 +16,7 @@
 #include <unordered_map>
 
 #include "common/folder_lock.h"
+#include "common/utf8.h"
 #include "nvme/io_queue.h"
 #include "nvme/range_allocator.h"
 #include "zinf/crash_point.h"
@@ -161,14 +162,19 @@ struct SwapStore::Impl {
            std::min<uint64_t>(options.chunk_size, padded - last * options.chunk_size);
   }
 
-  // REQUIRES: mu held. Grows file f so that `len` more bytes fit at its end.
+  // REQUIRES: mu held. Grows file f so that `len` more bytes fit at its end: by what is needed,
+  // or a quarter of the file when that is more (1 MiB .. growth_step), never past the
+  // per-path limit nor into the filesystem's reserve; a failed fallocate gives back what it
+  // took.
   Status Grow(size_t f, uint64_t len, const std::string& key) {
     uint64_t tail = space[f].FreeTailLength(file_size[f]);
-    uint64_t need = len - std::min(len, tail);
-    uint64_t grow = RoundUp(std::max(need, options.growth_step), alignment);
+    uint64_t need = RoundUp(len - std::min(len, tail), alignment);
+    uint64_t step = std::clamp<uint64_t>(file_size[f] / 4, 1ull << 20,
+                                         std::max<uint64_t>(options.growth_step, 1ull << 20));
+    uint64_t grow = RoundUp(std::max(need, step), alignment);
     uint64_t limit = options.max_capacity_per_path;
     if (limit != 0 && file_size[f] + grow > limit) {
-      grow = limit > file_size[f] ? RoundUp(need, alignment) : 0;
+      grow = limit > file_size[f] ? need : 0;
       if (grow == 0 || file_size[f] + grow > limit) {
         return Status::ResourceExhausted(
             "swap store full: tensor '" + key + "' needs " + FormatBytes(len) + " more on " +
@@ -176,20 +182,44 @@ struct SwapStore::Impl {
             "; raise the per-path capacity, add another nvme path or offload less");
       }
     }
+    struct statvfs vfs {};
+    if (fstatvfs(files[f].fd, &vfs) != 0) {
+      return ErrnoToStatus(errno, "statvfs of " + files[f].path);
+    }
+    const uint64_t free_bytes = uint64_t(vfs.f_bavail) * vfs.f_frsize;
+    const uint64_t fs_bytes = uint64_t(vfs.f_blocks) * vfs.f_frsize;
+    const uint64_t reserve = options.reserve_bytes != UINT64_MAX
+                                 ? options.reserve_bytes
+                                 : std::min<uint64_t>(fs_bytes / 50, 4ull << 30);
+    const uint64_t usable = free_bytes > reserve ? free_bytes - reserve : 0;
+    if (grow > usable) grow = need;  // the step is a convenience, the need is not
+    if (grow > usable) {
+      return Status(StatusCode::kResourceExhausted,
+                    "no space left for tensor '" + key + "': it needs " + FormatBytes(need) +
+                        " more in " + files[f].path + ", and the filesystem has " +
+                        FormatBytes(free_bytes) + " free, of which " + FormatBytes(reserve) +
+                        " stay in reserve; free space there, add another nvme path or offload "
+                        "less",
+                    ENOSPC);
+    }
     int rc = fallocate(files[f].fd, 0, static_cast<off_t>(file_size[f]), static_cast<off_t>(grow));
     if (rc != 0) {
       int err = errno;
-      struct statvfs vfs {};
-      std::string free_space = fstatvfs(files[f].fd, &vfs) == 0
-                                   ? FormatBytes(uint64_t(vfs.f_bavail) * vfs.f_frsize)
-                                   : "unknown";
+      // Blocks a failed fallocate took stay allocated (beyond the size or not): give them back.
+      if (ftruncate(files[f].fd, static_cast<off_t>(file_size[f])) != 0) {
+        LogWarning("could not give back the space of a failed growth of " + files[f].path + ": " +
+                   ErrnoToStatus(errno, "ftruncate").message());
+      }
       if (err == ENOSPC || err == EDQUOT) {
-        return Status(StatusCode::kResourceExhausted,
-                      "no space left for tensor '" + key + "': growing " + files[f].path + " by " +
-                          FormatBytes(grow) + " failed (" + free_space +
-                          " free on that filesystem); free space there, add another nvme path "
-                          "or offload less",
-                      err);
+        return Status(
+            StatusCode::kResourceExhausted,
+            "no space left for tensor '" + key + "': growing " + files[f].path + " by " +
+                FormatBytes(grow) + " failed (" +
+                FormatBytes(fstatvfs(files[f].fd, &vfs) == 0 ? uint64_t(vfs.f_bavail) * vfs.f_frsize
+                                                             : 0) +
+                " free on that filesystem); free space there, add another nvme path "
+                "or offload less",
+            err);
       }
       return ErrnoToStatus(err, "fallocate " + files[f].path + " for tensor '" + key + "'");
     }
@@ -263,6 +293,15 @@ struct SwapStore::Impl {
   Status CheckBuffer(const std::string& key, const void* buf, uint64_t size,
                      uint64_t capacity) const {
     if (key.empty()) return Status::InvalidArgument("swap store: empty tensor key");
+    if (!IsValidUtf8(key)) {
+      return Status::InvalidArgument("swap store: tensor key '" + key +
+                                     "' is not valid UTF-8 (keys go into the JSON index)");
+    }
+    // Far beyond any disk; keeps every size computed from it (rounding, extents) exact.
+    if (size > (uint64_t{1} << 56)) {
+      return Status::InvalidArgument("swap store: tensor '" + key + "' of " + std::to_string(size) +
+                                     " bytes is larger than any disk");
+    }
     if (reinterpret_cast<uintptr_t>(buf) % alignment != 0) {
       char addr[32];
       std::snprintf(addr, sizeof(addr), "%p", buf);
@@ -341,6 +380,11 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
   bool warned_buffered = false;
   for (size_t i = 0; i < options.paths.size(); ++i) {
     const std::string& dir = options.paths[i];
+    if (!IsValidUtf8(dir)) {
+      return Status::InvalidArgument("nvme path '" + dir +
+                                     "' is not valid UTF-8 (the swap index records it); use a "
+                                     "folder whose path is");
+    }
     struct stat st {};
     if (stat(dir.c_str(), &st) != 0) {
       int err = errno;
@@ -724,8 +768,9 @@ std::string SwapStore::committed_meta() const {
 
 Status SwapStore::Close() {
   Status s;
-  if (impl_->options.durable) {
-    // No commit: the last one stays the state a reopen sees.
+  if (impl_->options.durable || impl_->options.remove_on_close) {
+    // No commit (durable): the last one stays the state a reopen sees. Removed at close:
+    // nothing to sync or index.
     std::unique_lock<std::mutex> lock(impl_->mu);
     impl_->cv.wait(lock, [&] { return impl_->in_flight == 0; });
   } else {
@@ -733,6 +778,16 @@ Status SwapStore::Close() {
   }
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->closed = true;
+  if (impl_->options.remove_on_close) {
+    for (const IoFile& f : impl_->files) {
+      if (unlink(f.path.c_str()) != 0 && errno != ENOENT && s.ok()) {
+        s = ErrnoToStatus(errno, "removing swap file " + f.path);
+      }
+    }
+    for (const char* name : {kIndexName, kPrevIndexName}) {
+      unlink((impl_->options.paths[0] + "/" + name).c_str());  // ENOENT is the usual case
+    }
+  }
   // Nothing more is written: the folders may be another store's from now on.
   impl_->locks.clear();
   return s;

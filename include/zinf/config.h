@@ -69,6 +69,9 @@ struct EngineConfig {
   uint64_t device_budget_bytes = 0;  // 0 = whatever the device reports
   uint64_t pinned_budget_bytes = 1ull << 30;
   uint64_t nvme_capacity_bytes = 0;  // per path; 0 = grow until the disk is full
+  // Free space the swap files never take (zinf.nvme_reserve_bytes); UINT64_MAX: 2 % of the
+  // filesystem, at most 4 GiB.
+  uint64_t nvme_reserve_bytes = UINT64_MAX;
   bool delayed_update = false;       // one-step delayed parameter update
   // With delayed_update: the first this-many optimizer steps run undelayed (early training
   // moves fast; a stale step costs most there), the delay starts after them.

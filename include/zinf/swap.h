@@ -85,7 +85,15 @@ struct SwapStoreOptions {
   std::vector<std::string> paths;      // existing folders; one swap file each (zinf-swap-<i>.bin)
   uint64_t capacity_per_path = 0;      // preallocated (fallocate) at open; 0 = grow on demand
   uint64_t max_capacity_per_path = 0;  // growth limit; 0 = until the filesystem is full
+  // Files grow by what a write needs, or by a quarter of their size when that is more (1 MiB
+  // at least, growth_step at most): small stores stay small, large ones grow in few steps.
   uint64_t growth_step = 256ull << 20;
+  // Growth never leaves less than this free on the filesystem (a write that would is refused
+  // at the call, naming the numbers). UINT64_MAX: 2 % of the filesystem, at most 4 GiB.
+  uint64_t reserve_bytes = UINT64_MAX;
+  // Delete the swap files (and any index) at Close: for a store nobody reopens (the engine's
+  // when it is not durable), so nothing is left on the disk after the run.
+  bool remove_on_close = false;
   uint64_t chunk_size = 1 << 20;  // stripe unit; tensor chunk i lives on path i % N
   uint32_t block_size = 1 << 20;  // largest I/O request
   IoBackendKind backend = IoBackendKind::kIoUring;
