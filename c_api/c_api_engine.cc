@@ -18,89 +18,124 @@ using zinf::capi::FromStatus;
 using zinf::capi::Succeed;
 
 struct zinf_engine {
+  uint64_t magic = zinf::capi::kEngineMagic;
   std::unique_ptr<zinf::Device> device;
   std::vector<std::unique_ptr<zinf::Communicator>> comms;
   std::unique_ptr<zinf::Engine> engine;  // destroyed first (declared last)
 };
 
+namespace {
+
+// Whether `e` is a live engine handle (else the failure is recorded for `fn`).
+bool Live(const zinf_engine* e, const char* fn) {
+  if (e != nullptr && e->magic == zinf::capi::kEngineMagic) return true;
+  Fail(std::string(fn) + (e == nullptr ? ": engine is NULL"
+                                       : ": not a live engine (destroyed already, or not a "
+                                         "zinf_engine*)"));
+  return false;
+}
+
+}  // namespace
+
 extern "C" {
 
 int zinf_engine_create(const char* config_json, zinf_engine** out) {
-  if (out == nullptr) return Fail("zinf_engine_create: out must not be NULL");
-  std::vector<std::string> warnings;
-  zinf::Result<zinf::EngineConfig> config = zinf::ParseEngineConfig(
-      config_json != nullptr && config_json[0] != '\0' ? config_json : "{}", &warnings);
-  if (!config.ok()) return FromStatus(config.status());
-  for (const std::string& w : warnings) zinf::LogWarning(w);
-  auto handle = std::unique_ptr<zinf_engine>(new (std::nothrow) zinf_engine);
-  if (!handle) return Fail("zinf_engine_create: out of memory");
-  zinf::HostDeviceOptions ho;
-  ho.memory_budget =
-      config->device_budget_bytes != 0 ? config->device_budget_bytes : (size_t{4} << 30);
-  ho.copy_gbps = config->host_copy_gbps;
-  handle->device = zinf::NewHostDevice(ho);
-  auto comms = zinf::NewLocalComms({handle->device.get()});
-  if (!comms.ok()) return FromStatus(comms.status());
-  handle->comms = std::move(comms).value();
-  auto engine = zinf::Engine::Create(*config, handle->device.get(), handle->comms[0].get());
-  if (!engine.ok()) return FromStatus(engine.status());
-  handle->engine = std::move(engine).value();
-  *out = handle.release();
-  return Succeed();
+  return zinf::capi::Guarded("zinf_engine_create", [&] {
+    if (out == nullptr) return Fail("zinf_engine_create: out must not be NULL");
+    std::vector<std::string> warnings;
+    zinf::Result<zinf::EngineConfig> config = zinf::ParseEngineConfig(
+        config_json != nullptr && config_json[0] != '\0' ? config_json : "{}", &warnings);
+    if (!config.ok()) return FromStatus(config.status());
+    for (const std::string& w : warnings) zinf::LogWarning(w);
+    auto handle = std::unique_ptr<zinf_engine>(new (std::nothrow) zinf_engine);
+    if (!handle) return Fail("zinf_engine_create: out of memory");
+    zinf::HostDeviceOptions ho;
+    ho.memory_budget =
+        config->device_budget_bytes != 0 ? config->device_budget_bytes : (size_t{4} << 30);
+    ho.copy_gbps = config->host_copy_gbps;
+    handle->device = zinf::NewHostDevice(ho);
+    auto comms = zinf::NewLocalComms({handle->device.get()});
+    if (!comms.ok()) return FromStatus(comms.status());
+    handle->comms = std::move(comms).value();
+    auto engine = zinf::Engine::Create(*config, handle->device.get(), handle->comms[0].get());
+    if (!engine.ok()) return FromStatus(engine.status());
+    handle->engine = std::move(engine).value();
+    *out = handle.release();
+    return Succeed();
+  });
 }
 
 int zinf_engine_register(zinf_engine* engine, const char* name, const int64_t* shape, size_t ndim,
                          const float* init, uint32_t* id) {
-  if (engine == nullptr || name == nullptr || shape == nullptr || init == nullptr ||
-      id == nullptr || ndim == 0) {
-    return Fail("zinf_engine_register: engine, name, shape (ndim > 0), init and id are required");
+  if (!Live(engine, "zinf_engine_register")) return -1;
+  if (name == nullptr || shape == nullptr || init == nullptr || id == nullptr || ndim == 0) {
+    return Fail("zinf_engine_register: name, shape (ndim > 0), init and id are required");
   }
-  zinf::ParamSpec spec;
-  spec.name = name;
-  spec.shape.assign(shape, shape + ndim);
-  size_t numel = 1;
-  for (size_t i = 0; i < ndim; ++i) {
-    if (shape[i] <= 0)
-      return Fail("zinf_engine_register('" + spec.name + "'): shape must be positive");
-    numel *= static_cast<size_t>(shape[i]);
-  }
-  auto values = std::make_shared<std::vector<float>>(init, init + numel);
-  spec.init = [values](float* data, size_t n) {
-    std::copy(values->begin(), values->begin() + static_cast<std::ptrdiff_t>(n), data);
-  };
-  zinf::Result<zinf::ParamId> r = engine->engine->RegisterParameter(spec);
-  if (!r.ok()) return FromStatus(r.status());
-  *id = r.value();
-  return Succeed();
+  return zinf::capi::Guarded("zinf_engine_register", [&] {
+    zinf::ParamSpec spec;
+    spec.name = name;
+    spec.shape.assign(shape, shape + ndim);
+    size_t numel = 1;
+    for (size_t i = 0; i < ndim; ++i) {
+      if (shape[i] <= 0) {
+        return Fail("zinf_engine_register('" + spec.name + "'): shape must be positive");
+      }
+      // The values are copied here: a shape beyond memory (or one whose element count
+      // overflows) is refused before any allocation.
+      if (__builtin_mul_overflow(numel, static_cast<size_t>(shape[i]), &numel) ||
+          numel > (size_t{1} << 48)) {
+        return Fail("zinf_engine_register('" + spec.name +
+                    "'): the shape has more than 2^48 elements");
+      }
+    }
+    auto values = std::make_shared<std::vector<float>>(init, init + numel);
+    spec.init = [values](float* data, size_t n) {
+      std::copy(values->begin(), values->begin() + static_cast<std::ptrdiff_t>(n), data);
+    };
+    zinf::Result<zinf::ParamId> r = engine->engine->RegisterParameter(spec);
+    if (!r.ok()) return FromStatus(r.status());
+    *id = r.value();
+    return Succeed();
+  });
 }
 
 int zinf_engine_acquire(zinf_engine* engine, const uint32_t* ids, size_t n, void** ptrs) {
-  if (engine == nullptr || (n > 0 && (ids == nullptr || ptrs == nullptr))) {
-    return Fail("zinf_engine_acquire: engine, ids and ptrs must not be NULL");
+  if (!Live(engine, "zinf_engine_acquire")) return -1;
+  if (n > 0 && (ids == nullptr || ptrs == nullptr)) {
+    return Fail("zinf_engine_acquire: ids and ptrs must not be NULL");
   }
-  auto r = engine->engine->Acquire(std::vector<zinf::ParamId>(ids, ids + n));
-  if (!r.ok()) return FromStatus(r.status());
-  for (size_t i = 0; i < n; ++i) ptrs[i] = r.value()[i];
-  return Succeed();
+  return zinf::capi::Guarded("zinf_engine_acquire", [&] {
+    auto r = engine->engine->Acquire(std::vector<zinf::ParamId>(ids, ids + n));
+    if (!r.ok()) return FromStatus(r.status());
+    for (size_t i = 0; i < n; ++i) ptrs[i] = r.value()[i];
+    return Succeed();
+  });
 }
 
 int zinf_engine_release(zinf_engine* engine, const uint32_t* ids, size_t n) {
-  if (engine == nullptr || (n > 0 && ids == nullptr)) {
-    return Fail("zinf_engine_release: engine and ids must not be NULL");
-  }
-  return FromStatus(engine->engine->Release(std::vector<zinf::ParamId>(ids, ids + n)));
+  if (!Live(engine, "zinf_engine_release")) return -1;
+  if (n > 0 && ids == nullptr) return Fail("zinf_engine_release: ids must not be NULL");
+  return zinf::capi::Guarded("zinf_engine_release", [&] {
+    return FromStatus(engine->engine->Release(std::vector<zinf::ParamId>(ids, ids + n)));
+  });
 }
 
 int zinf_engine_reduce_gradient(zinf_engine* engine, uint32_t id, const float* grad) {
-  if (engine == nullptr || grad == nullptr) {
-    return Fail("zinf_engine_reduce_gradient: engine and grad must not be NULL");
-  }
-  return FromStatus(engine->engine->ReduceGradient(id, grad));
+  if (!Live(engine, "zinf_engine_reduce_gradient")) return -1;
+  if (grad == nullptr) return Fail("zinf_engine_reduce_gradient: grad must not be NULL");
+  return zinf::capi::Guarded("zinf_engine_reduce_gradient",
+                             [&] { return FromStatus(engine->engine->ReduceGradient(id, grad)); });
 }
 
 int zinf_engine_step(zinf_engine* engine, zinf_step_stats* stats) {
-  if (engine == nullptr) return Fail("zinf_engine_step: engine must not be NULL");
-  zinf::Result<zinf::StepStats> r = engine->engine->Step();
+  if (!Live(engine, "zinf_engine_step")) return -1;
+  zinf::Result<zinf::StepStats> r = zinf::Status::Internal("not run");
+  if (zinf::capi::Guarded("zinf_engine_step", [&] {
+        r = engine->engine->Step();
+        return 0;
+      }) != 0) {
+    return -1;
+  }
   if (!r.ok()) return FromStatus(r.status());
   if (stats != nullptr) {
     stats->step = r->step;
@@ -115,42 +150,55 @@ int zinf_engine_step(zinf_engine* engine, zinf_step_stats* stats) {
 }
 
 int zinf_engine_gather_master(zinf_engine* engine, uint32_t id, float* out) {
-  if (engine == nullptr || out == nullptr) {
-    return Fail("zinf_engine_gather_master: engine and out must not be NULL");
-  }
+  if (!Live(engine, "zinf_engine_gather_master")) return -1;
+  if (out == nullptr) return Fail("zinf_engine_gather_master: out must not be NULL");
   if (id >= engine->engine->num_params()) {
     return Fail("zinf_engine_gather_master: unknown parameter id " + std::to_string(id));
   }
-  return FromStatus(engine->engine->GatherMasterParameter(id, out));
+  return zinf::capi::Guarded("zinf_engine_gather_master", [&] {
+    return FromStatus(engine->engine->GatherMasterParameter(id, out));
+  });
 }
 
 int zinf_engine_set_learning_rate(zinf_engine* engine, float lr) {
-  if (engine == nullptr) return Fail("zinf_engine_set_learning_rate: engine must not be NULL");
+  if (!Live(engine, "zinf_engine_set_learning_rate")) return -1;
   return FromStatus(engine->engine->SetLearningRate(lr));
 }
 
 int64_t zinf_engine_global_step(const zinf_engine* engine) {
-  return engine == nullptr ? -1 : engine->engine->global_step();
+  return engine == nullptr || engine->magic != zinf::capi::kEngineMagic
+             ? -1
+             : engine->engine->global_step();
 }
 
 int zinf_engine_save_checkpoint(zinf_engine* engine, const char* dir, const char* user_data) {
-  if (engine == nullptr || dir == nullptr || dir[0] == '\0') {
-    return Fail("zinf_engine_save_checkpoint: engine and a folder name are required");
+  if (!Live(engine, "zinf_engine_save_checkpoint")) return -1;
+  if (dir == nullptr || dir[0] == '\0') {
+    return Fail("zinf_engine_save_checkpoint: a folder name is required");
   }
-  return FromStatus(
-      engine->engine->SaveCheckpoint(dir, user_data != nullptr ? user_data : std::string()));
+  return zinf::capi::Guarded("zinf_engine_save_checkpoint", [&] {
+    return FromStatus(
+        engine->engine->SaveCheckpoint(dir, user_data != nullptr ? user_data : std::string()));
+  });
 }
 
 int zinf_engine_load_checkpoint(zinf_engine* engine, const char* dir, char* user_data,
                                 size_t capacity, size_t* user_data_len) {
-  if (engine == nullptr || dir == nullptr || dir[0] == '\0') {
-    return Fail("zinf_engine_load_checkpoint: engine and a folder name are required");
+  if (!Live(engine, "zinf_engine_load_checkpoint")) return -1;
+  if (dir == nullptr || dir[0] == '\0') {
+    return Fail("zinf_engine_load_checkpoint: a folder name is required");
   }
   if (user_data != nullptr && capacity == 0) {
     return Fail("zinf_engine_load_checkpoint: a user_data buffer needs capacity >= 1");
   }
   std::string text;
-  zinf::Status s = engine->engine->LoadCheckpoint(dir, &text);
+  zinf::Status s;
+  if (zinf::capi::Guarded("zinf_engine_load_checkpoint", [&] {
+        s = engine->engine->LoadCheckpoint(dir, &text);
+        return 0;
+      }) != 0) {
+    return -1;
+  }
   if (!s.ok()) return FromStatus(s);
   if (user_data != nullptr) {
     const size_t n = std::min(text.size(), capacity - 1);
@@ -162,10 +210,19 @@ int zinf_engine_load_checkpoint(zinf_engine* engine, const char* dir, char* user
 }
 
 int zinf_engine_resume_from_store(zinf_engine* engine) {
-  if (engine == nullptr) return Fail("zinf_engine_resume_from_store: engine must not be NULL");
-  return FromStatus(engine->engine->ResumeFromStore());
+  if (!Live(engine, "zinf_engine_resume_from_store")) return -1;
+  return zinf::capi::Guarded("zinf_engine_resume_from_store",
+                             [&] { return FromStatus(engine->engine->ResumeFromStore()); });
 }
 
-void zinf_engine_destroy(zinf_engine* engine) { delete engine; }
+void zinf_engine_destroy(zinf_engine* engine) {
+  if (engine == nullptr) return;
+  if (!Live(engine, "zinf_engine_destroy")) return;  // a second destroy: refused, not a crash
+  engine->magic = 0;
+  engine->engine.reset();  // before its device and communicators
+  engine->comms.clear();
+  engine->device.reset();
+  zinf::capi::RetireHandle(engine, [](void* p) { delete static_cast<zinf_engine*>(p); });
+}
 
 }  // extern "C"

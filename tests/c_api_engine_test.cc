@@ -156,4 +156,51 @@ TEST(CApiEngine, Errors) {
   zinf_engine_destroy(e);
 }
 
+TEST(CApiEngine, HostileShapesNamesSizesAndHandlesAreErrorsNotCrashes) {
+  zinf_engine* e = nullptr;
+  ASSERT_EQ(0, zinf_engine_create(nullptr, &e)) << zinf_last_error();
+  const float init[4] = {1, 2, 3, 4};
+  uint32_t id = 0;
+  // {2^40}: used to abort with bad_alloc copying 4 TiB of initial values.
+  const int64_t huge[] = {int64_t{1} << 50};
+  EXPECT_NE(0, zinf_engine_register(e, "huge", huge, 1, init, &id));
+  EXPECT_NE(std::string::npos, std::string(zinf_last_error()).find("2^48")) << zinf_last_error();
+  // A product that overflows 64 bits: used to register a wrapped size.
+  const int64_t wrap[] = {int64_t{1} << 33, int64_t{1} << 33};
+  EXPECT_NE(0, zinf_engine_register(e, "wrap", wrap, 2, init, &id));
+  const int64_t four[] = {4};
+  ASSERT_EQ(0, zinf_engine_register(e, "w", four, 1, init, &id)) << zinf_last_error();
+  EXPECT_NE(0, zinf_engine_register(e, "w", four, 1, init, &id)) << "a duplicate name";
+  EXPECT_NE(std::string::npos, std::string(zinf_last_error()).find("twice"));
+  EXPECT_NE(0, zinf_engine_register(e, "\xff\xfe", four, 1, init, &id)) << "not UTF-8";
+  zinf_engine_destroy(e);
+  // Destroyed: a second destroy and a later use are refused (the memory is not reused here).
+  zinf_engine_destroy(e);
+  EXPECT_NE(std::string::npos, std::string(zinf_last_error()).find("not a live engine"));
+  EXPECT_NE(0, zinf_engine_step(e, nullptr));
+  EXPECT_EQ(-1, zinf_engine_global_step(e));
+
+  EXPECT_EQ(nullptr, zinf_alloc_aligned(SIZE_MAX));
+  EXPECT_NE(std::string::npos, std::string(zinf_last_error()).find("more than any memory"));
+  EXPECT_EQ(nullptr, zinf_alloc_aligned(SIZE_MAX - 4095 + 1));
+
+  zinf::testing::TempDir dir;
+  const char* paths[] = {dir.path().c_str()};
+  zinf_swap_options o;
+  zinf_swap_options_init(&o);
+  o.paths = paths;
+  o.num_paths = 1;
+  zinf_swap_store* store = nullptr;
+  ASSERT_EQ(0, zinf_swap_open(&o, &store)) << zinf_last_error();
+  void* buf = zinf_alloc_aligned(4096);
+  uint64_t t = 0;
+  // 1 TiB in one write: refused at the call.
+  EXPECT_NE(0, zinf_swap_write(store, "big", buf, size_t{1} << 40, size_t{1} << 41, &t));
+  ASSERT_EQ(0, zinf_swap_close(store)) << zinf_last_error();
+  EXPECT_NE(0, zinf_swap_close(store)) << "a double close";
+  EXPECT_NE(std::string::npos, std::string(zinf_last_error()).find("not a live swap store"));
+  EXPECT_NE(0, zinf_swap_write(store, "x", buf, 4096, 4096, &t));
+  zinf_free_aligned(buf);
+}
+
 }  // namespace

@@ -2,7 +2,13 @@
  *
  * Conventions: functions return 0 on success and non-zero on failure; after a failure,
  * zinf_last_error() returns a message (per thread) saying what failed and what to do.
- * Pointers documented as "out" are written only on success. */
+ * Pointers documented as "out" are written only on success. No C++ exception crosses this API:
+ * running out of memory is a failure with a message.
+ *
+ * Handles (zinf_swap_store*, zinf_engine*) carry a magic number their close/destroy clears:
+ * using a handle after that (a double close included) fails with a message as long as its
+ * memory has not been reused by the program; after that, and for pointers that never were
+ * handles, behaviour is undefined, as it is for buffers shorter than documented. */
 #ifndef ZINF_ZINF_H_
 #define ZINF_ZINF_H_
 
@@ -18,7 +24,8 @@ const char* zinf_last_error(void);
 
 /* ---- Aligned memory ---------------------------------------------------------------------- */
 
-/* Memory aligned for O_DIRECT I/O (4096 bytes), size rounded up to 4096. NULL on failure. */
+/* Memory aligned for O_DIRECT I/O (4096 bytes), size rounded up to 4096. NULL on failure
+ * (a size that cannot be rounded, or more than there is). */
 void* zinf_alloc_aligned(size_t size);
 void zinf_free_aligned(void* ptr);
 
@@ -117,7 +124,8 @@ typedef struct zinf_step_stats {
 int zinf_engine_create(const char* config_json, zinf_engine** out);
 
 /* Registers a parameter (layer order); `init` holds its numel initial fp32 values (copied).
- * *id receives its id. */
+ * *id receives its id. Names are unique, non-empty UTF-8; shapes have at most 2^48 elements
+ * (larger ones, and overflowing ones, are refused before anything is allocated). */
 int zinf_engine_register(zinf_engine* engine, const char* name, const int64_t* shape, size_t ndim,
                          const float* init, uint32_t* id);
 
