@@ -520,6 +520,22 @@ struct Engine::Impl {
   // are not updated (their parameter stores are still written, as their buffer may be stale).
   Status StepGroupOnDevice(size_t gi, const Epoch& e, float coef,
                            const std::vector<uint8_t>& with_grad);
+  // Refuses a gradient that holds inf or NaN before the optimizer uses it: a non-finite master
+  // is never written (the step fails; the engine must be recreated from a checkpoint or the
+  // durable store, whose last commit predates the step).
+  Status CheckFinite(const Param& p, int64_t step) {
+    Result<GradStats> gs = optimizer->GradSumSquares(
+        groups[p.info.sub_group].grad_data + p.slice_offset, GradType::kF32,
+        p.info.partition_numel);
+    ZINF_RETURN_IF_ERROR(gs.status());
+    if (gs->has_inf_or_nan) {
+      return Status::FailedPrecondition(
+          "the gradient of '" + p.info.name + "' in step " + std::to_string(step) +
+          " holds inf or NaN: the optimizer stopped before writing it; lower the learning rate "
+          "or look at the loss, then resume from the last checkpoint");
+    }
+    return Status::OK();
+  }
   Status StepGroup(size_t g, float* master, float* m, float* v, uint16_t* copy_out, const Epoch& e,
                    float coef, const std::vector<uint8_t>& with_grad, std::vector<Ticket>* writes);
   // The optimizer's view of parameter p's partition inside its sub-group's master and state
@@ -2195,6 +2211,11 @@ Status Engine::Impl::StepGroupOnDevice(size_t gi, const Epoch& e, float coef,
   float* master = g.device_states;
   float* m = master + g.numel;
   float* v = m + g.numel;
+  for (ParamId id : g.params) {
+    if (with_grad[params[id].index_in_group] && !e.clip) {
+      ZINF_RETURN_IF_ERROR(CheckFinite(params[id], e.step));
+    }
+  }
   // No accumulators (streaming, no gradient in the group this window): nothing is stepped.
   Status s = g.grad_data == nullptr
                  ? Status::OK()
@@ -2257,6 +2278,7 @@ Status Engine::Impl::StepGroup(size_t gi, float* master, float* m, float* v, uin
       }
       continue;
     }
+    if (!e.clip) ZINF_RETURN_IF_ERROR(CheckFinite(p, e.step));  // (clipping checked the norm)
     OptimizerTensors t = PartTensors(p, hp, master, m, v, GradAcc(p));
     if (copy_out != nullptr) {
       t.param_copy = copy_out + p.slice_offset;
@@ -2378,6 +2400,14 @@ Result<StepStats> Engine::Step() {
       if (!s.ok()) return fail_boundary(s);
       double norm = std::sqrt(static_cast<double>(total));
       st.grad_norm = norm;
+      if (!std::isfinite(norm)) {
+        // No sub-group has been stepped (they wait for the norm): nothing non-finite is
+        // written, and the step is refused as a whole.
+        return fail_boundary(Status::FailedPrecondition(
+            "the gradient norm of step " + std::to_string(m.step + 1) +
+            " is not finite (a gradient holds inf or NaN): no parameter was updated; lower the "
+            "learning rate or look at the loss, then resume from the last checkpoint"));
+      }
       float coef = 1.0f;
       if (norm > m.config.gradient_clipping) {
         coef = static_cast<float>(m.config.gradient_clipping / (norm + 1e-6));

@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -904,6 +905,72 @@ TEST(EngineRegistration, DuplicateNamesOverflowingShapesAndBadNamesAreRefused) {
   spec.name = std::string("bad\xc3", 4);
   spec.shape = {4};
   EXPECT_EQ(engine->RegisterParameter(spec).status().code(), StatusCode::kInvalidArgument);
+}
+
+
+TEST(EngineNonFinite, AGradientWithNanStopsTheStepBeforeAnyNonFiniteMasterIsWritten) {
+  for (double clip : {0.0, 1.0}) {
+    for (Tier states : {Tier::kCpu, Tier::kNvme}) {
+      SCOPED_TRACE(std::string("clip ") + std::to_string(clip) + ", states " + TierName(states));
+      Placement pl{Tier::kCpu, states};
+      pl.clip = clip;
+      Rig rig;
+      EngineConfig config = MakeConfig(pl, rig.dir.path());
+      config.gradient_accumulation_steps = 1;
+      ASSERT_TRUE(rig.Create(config).ok());
+      ASSERT_TRUE(rig.engine->Acquire(rig.ids).ok());
+      ASSERT_TRUE(rig.engine->Release(rig.ids).ok());
+      for (size_t p = 0; p < Defs().size(); ++p) {
+        if (!Defs()[p].trainable) continue;
+        std::vector<float> g(Numel(Defs()[p]), 0.1f);
+        if (p == 2) g[17] = std::nanf("");
+        ASSERT_TRUE(rig.engine->ReduceGradient(rig.ids[p], g.data()).ok());
+      }
+      Result<StepStats> st = rig.engine->Step();
+      ASSERT_FALSE(st.ok());
+      EXPECT_EQ(st.status().code(), StatusCode::kFailedPrecondition) << st.status().ToString();
+      EXPECT_NE(st.status().message().find(clip > 0 ? "norm" : "'b.weight'"), std::string::npos)
+          << st.status().ToString();
+      // The engine stays stopped: nothing of the step can be saved or gathered (what reaches
+      // a store instead is in ADurableStoreKeepsTheLastGoodStep).
+      EXPECT_FALSE(rig.engine->Step().ok());
+      EXPECT_FALSE(rig.engine->SaveCheckpoint(rig.dir.path() + "/ckpt").ok());
+    }
+  }
+}
+
+TEST(EngineNonFinite, ADurableStoreKeepsTheLastGoodStep) {
+  Placement pl{Tier::kCpu, Tier::kNvme};
+  TempDir dir;
+  EngineConfig config = MakeConfig(pl, dir.path());
+  config.gradient_accumulation_steps = 1;
+  config.durable = true;
+  Simulation sim;
+  {
+    Rig rig;
+    ASSERT_TRUE(rig.Create(config).ok());
+    for (int step = 0; step < 2; ++step) {
+      ASSERT_TRUE(rig.engine->Acquire(rig.ids).ok());
+      ASSERT_TRUE(rig.engine->Release(rig.ids).ok());
+      for (size_t p = 0; p < Defs().size(); ++p) {
+        if (!Defs()[p].trainable) continue;
+        std::vector<float> g(Numel(Defs()[p]), 0.1f);
+        if (step == 1) g[0] = std::numeric_limits<float>::infinity();
+        ASSERT_TRUE(rig.engine->ReduceGradient(rig.ids[p], g.data()).ok());
+      }
+      EXPECT_EQ(rig.engine->Step().ok(), step == 0);
+    }
+  }
+  Rig resumed;
+  ASSERT_TRUE(resumed.Create(config, /*finish=*/false).ok());
+  Status s = resumed.engine->ResumeFromStore();
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(resumed.engine->global_step(), 1) << "the failed step never committed";
+  for (size_t p = 0; p < Defs().size(); ++p) {
+    std::vector<float> got(Numel(Defs()[p]));
+    ASSERT_TRUE(resumed.engine->GatherMasterParameter(resumed.ids[p], got.data()).ok());
+    for (float x : got) ASSERT_TRUE(std::isfinite(x)) << Defs()[p].name;
+  }
 }
 
 }  // namespace

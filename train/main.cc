@@ -453,6 +453,15 @@ int Run(Flags f) {
       agg.optimizer_wait_seconds += st.optimizer_wait_seconds;
       agg.overlap_efficiency = st.overlap_efficiency;  // of the optimizer micro-step
     }
+    if (!std::isfinite(loss)) {
+      // Training on would only spread it (and save it); the last checkpoint or durable commit
+      // stays the one to resume from.
+      std::fprintf(stderr,
+                   "zinf-train: the loss of step %" PRId64 " is not finite (%g): stopping; lower "
+                   "--lr or check the model and data, then resume from the last checkpoint\n",
+                   step + 1, loss);
+      return 1;
+    }
     const double secs = Seconds(Clock::now() - t0);
     StepRow r;
     r.step = step + 1;
