@@ -32,13 +32,15 @@ int Succeed() {
 }
 
 void RetireHandle(void* shell, void (*free_shell)(void*)) {
-  static std::mutex mu;
-  static std::deque<std::pair<void*, void (*)(void*)>> kept;
-  std::lock_guard<std::mutex> lock(mu);
-  kept.emplace_back(shell, free_shell);
-  while (kept.size() > 4096) {
-    kept.front().second(kept.front().first);
-    kept.pop_front();
+  // Never destroyed (like leveldb's NoDestructor): the kept shells stay reachable until the
+  // process ends, so they are neither freed under a late caller nor reported as leaks.
+  static std::mutex* mu = new std::mutex;
+  static auto* kept = new std::deque<std::pair<void*, void (*)(void*)>>;
+  std::lock_guard<std::mutex> lock(*mu);
+  kept->emplace_back(shell, free_shell);
+  while (kept->size() > 4096) {
+    kept->front().second(kept->front().first);
+    kept->pop_front();
   }
 }
 

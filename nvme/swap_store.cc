@@ -472,16 +472,39 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
     }
   }
 
-  Result<std::unique_ptr<IoBackend>> backend =
-      NewIoBackend(options.backend, options.backend_options);
-  if (!backend.ok()) return backend.status();
-  std::unique_ptr<IoBackend> b = std::move(backend).value();
-  if (options.fault_plan) b = NewFaultyBackend(std::move(b), options.fault_plan);
-  IoQueueOptions qopt;
-  qopt.block_size = options.block_size;
-  ZINF_ASSIGN_OR_RETURN(
-      impl->queue, IoQueue::Start(std::move(b), impl->files, options.registered_regions, qopt));
-  return std::unique_ptr<SwapStore>(new SwapStore(std::move(impl)));
+  // The backend: the one asked for; when that is io_uring (the default) and it cannot be set
+  // up here, libaio, then psync, with one warning naming the real cause.
+  std::vector<IoBackendKind> kinds = {options.backend};
+  if (options.backend == IoBackendKind::kIoUring) {
+    kinds.push_back(IoBackendKind::kLibaio);
+    kinds.push_back(IoBackendKind::kPsync);
+  }
+  Status first_failure;
+  for (IoBackendKind kind : kinds) {
+    Result<std::unique_ptr<IoBackend>> backend = NewIoBackend(kind, options.backend_options);
+    Status failed = backend.status();
+    if (backend.ok()) {
+      std::unique_ptr<IoBackend> b = std::move(backend).value();
+      if (options.fault_plan) b = NewFaultyBackend(std::move(b), options.fault_plan);
+      IoQueueOptions qopt;
+      qopt.block_size = options.block_size;
+      Result<std::unique_ptr<IoQueue>> queue =
+          IoQueue::Start(std::move(b), impl->files, options.registered_regions, qopt);
+      if (queue.ok()) {
+        impl->queue = std::move(queue).value();
+        if (!first_failure.ok()) {
+          LogWarning("the " + std::string(IoBackendKindName(options.backend)) +
+                     " I/O backend is unavailable here (" + first_failure.message() +
+                     "); the swap store uses " + IoBackendKindName(kind) +
+                     " (zinf.io_backend / --io-backend choose one)");
+        }
+        return std::unique_ptr<SwapStore>(new SwapStore(std::move(impl)));
+      }
+      failed = queue.status();
+    }
+    if (first_failure.ok()) first_failure = failed;
+  }
+  return first_failure.WithContext("opening the swap store's I/O backend");
 }
 
 Result<Ticket> SwapStore::Write(const std::string& key, const void* buf, uint64_t size,

@@ -2,7 +2,10 @@
 // proportional to need, never into the filesystem's reserve, a request larger than the disk
 // refused at the call, nothing left behind by a store that removes its files.
 #include <gtest/gtest.h>
+#include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -12,6 +15,7 @@
 #include <vector>
 
 #include "tests/test_util.h"
+#include "zinf/log.h"
 #include "zinf/swap.h"
 
 namespace zinf {
@@ -173,6 +177,59 @@ TEST(SwapSpace, KeysThatAreNotUtf8AndAbsurdSizesAreRefused) {
             StatusCode::kInvalidArgument);
   SwapStoreOptions o = Options(std::string("/tmp/\xc3(", 7));
   EXPECT_EQ(SwapStore::Open(o).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(SwapBackend, AnIoUringThatCannotBeSetUpFallsBackWithOneWarning) {
+  // In a child: a file-descriptor limit that leaves room for the lock and swap files but not
+  // for the io_uring's descriptors. The store must open on another backend (libaio or psync:
+  // libaio wants an eventfd too), say once why, naming the cause, and work.
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    std::vector<std::string> warnings;
+    SetLogSink([&](LogLevel level, const std::string& line) {
+      if (level == LogLevel::kWarning) warnings.push_back(line);
+    });
+    // Every descriptor below a limit of 64 taken, then two given back: room for the lock
+    // file and the swap file (opened at Open), none for the ring.
+    struct rlimit rl {64, 64};
+    if (setrlimit(RLIMIT_NOFILE, &rl) != 0) _exit(10);
+    std::vector<int> fillers;
+    for (int fd; (fd = open("/dev/null", O_RDONLY)) >= 0;) fillers.push_back(fd);
+    if (errno != EMFILE || fillers.size() < 2) _exit(10);
+    for (int i = 0; i < 2; ++i) {
+      close(fillers.back());
+      fillers.pop_back();
+    }
+    SwapStoreOptions o = Options(dir.path());
+    o.backend = IoBackendKind::kIoUring;
+    auto store = SwapStore::Open(o);
+    if (!store.ok()) {
+      fprintf(stderr, "%s\n", store.status().ToString().c_str());
+      _exit(11);
+    }
+    Buffer b(8192), back(8192);
+    auto t = (*store)->Write("x", b.p, 8192, b.n);
+    if (!t.ok() || !(*store)->Wait(*t).ok()) _exit(12);
+    t = (*store)->Read("x", back.p, back.n);
+    if (!t.ok() || !(*store)->Wait(*t).ok() || std::memcmp(b.p, back.p, 8192) != 0) _exit(13);
+    int said = 0;
+    for (const std::string& w : warnings) {
+      said += w.find("io_uring I/O backend is unavailable") != std::string::npos &&
+              w.find("Too many open files") != std::string::npos;
+    }
+    if (said != 1) {
+      for (const std::string& w : warnings) fprintf(stderr, "warning: %s\n", w.c_str());
+    }
+    _exit(said == 1 ? 0 : 14);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "10: setrlimit, 11: open, 12: write, 13: read, 14: the "
+                                       "warning (none, or more than one)";
 }
 
 }  // namespace

@@ -68,6 +68,7 @@ struct Flags {
   uint64_t delayed_update_after = 0;
   bool durable = false;
   bool overwrite = false;
+  std::string io_backend;  // "": config's (io_uring, falling back to libaio, then psync)
 };
 
 FILE* out = stdout;  // progress stream (stderr with --json)
@@ -156,6 +157,7 @@ Result<EngineConfig> BuildConfig(const Flags& f) {
   if (f.delayed_update) c.delayed_update = true;
   if (f.delayed_update_after > 0) c.delayed_update_after = f.delayed_update_after;
   if (f.overwrite) c.durable_overwrite = true;
+  if (!f.io_backend.empty()) c.aio.backend = f.io_backend;
   if (f.durable) c.durable = true;
   if (!f.device_budget.empty()) {
     ZINF_ASSIGN_OR_RETURN(c.device_budget_bytes, ParseByteSize(f.device_budget, "--device-budget"));
@@ -630,6 +632,10 @@ int main(int argc, char** argv) {
   app.add_flag("--delayed-update", f.delayed_update,
                "one-step delayed parameter update: a step's optimizer runs on while the next "
                "step computes (on the parameters one update older)");
+  app.add_option("--io-backend", f.io_backend,
+                 "the swap store's I/O backend: io_uring (default; libaio, then psync, when "
+                 "the kernel refuses it, with a warning), libaio or psync")
+      ->check(CLI::IsMember({"io_uring", "libaio", "psync"}));
   app.add_option("--data", f.data, "training text (any file; default the repository's corpus)");
   app.add_option("--checkpoint-dir", f.checkpoint_dir, "checkpoint folder (save and --resume)");
   app.add_option("--save-every", f.save_every, "save a checkpoint every N steps (and at the end)")
