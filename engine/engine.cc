@@ -223,7 +223,9 @@ struct Engine::Impl {
     bool aliased = false;  // device_full is device_part (one rank, device tier)
     FetchState state = FetchState::kAbsent;
     std::unique_ptr<Event> ready;
-    uint64_t fetched_version = 0;
+    // The version whose fetch was issued into device_full (kNotFetched while it holds none:
+    // Acquire takes the buffer for the parameter's value only when this matches).
+    uint64_t fetched_version = kNotFetched;
     int acquired = 0;
     Status fetch_status;  // guarded by mu_: set by the fetch's stream callback
     bool grad_reduced_this_micro = false;
@@ -491,7 +493,13 @@ struct Engine::Impl {
 
   // ---- Fetch / evict ----
 
-  Status Fetch(ParamId id);
+  static constexpr uint64_t kNotFetched = UINT64_MAX;
+  // Fetches parameter `id` into device memory (asynchronously: p.ready). `prefetch`: give up
+  // at once when no pinned staging is free (a demand fetch waits for the copies in flight to
+  // hand theirs back). On failure the parameter holds no device memory.
+  Status Fetch(ParamId id, bool prefetch = false);
+  // Fetch's work once the buffers are there: the read, copy and gather on the streams.
+  Status IssueFetch(ParamId id, const std::shared_ptr<PinnedBuffer>& staging);
   Status MakeRoom(uint64_t elems, uint64_t bytes, ParamId for_id);
   // Waits for the gradient reductions in flight; their scratch memory is free afterwards.
   Status ReclaimScratch() {
@@ -1513,6 +1521,7 @@ void Engine::Impl::Evict(ParamId id) {
   if (p.state == FetchState::kFetching) (void)device->SynchronizeEvent(p.ready.get());
   DevFree(p.device_full, FullBytes(p));
   p.device_full = nullptr;
+  p.fetched_version = kNotFetched;
   p.state = FetchState::kAbsent;
   live_elems -= p.padded_numel;
   plan_bytes -= FullBytes(p);
@@ -1557,7 +1566,7 @@ Status Engine::Impl::MakeRoom(uint64_t elems, uint64_t bytes, ParamId for_id) {
   return Status::OK();
 }
 
-Status Engine::Impl::Fetch(ParamId id) {
+Status Engine::Impl::Fetch(ParamId id, bool prefetch) {
   Param& p = params[id];
   if (p.aliased) {
     p.device_full = p.device_part[Buf(visible)];
@@ -1566,10 +1575,45 @@ Status Engine::Impl::Fetch(ParamId id) {
     return Status::OK();
   }
   if (p.device_full != nullptr) Evict(id);  // stale copy
+  // NVMe: the pinned staging block first, so that a fetch that cannot have one leaves nothing
+  // behind. Prefetches issued in earlier calls may hold it all while their reads are slow.
+  std::shared_ptr<PinnedBuffer> staging;
+  if (config.offload_param.tier == Tier::kNvme) {
+    Result<PinnedBuffer> buf = arena->Allocate(PartBytes(p));
+    if (!buf.ok() && !prefetch) {
+      // Wait for the copies in flight: each hands its staging back once copied.
+      ZINF_RETURN_IF_ERROR(device->SynchronizeStream(copy_stream));
+      buf = arena->Allocate(PartBytes(p));
+    }
+    if (!buf.ok()) return buf.status().WithContext("staging parameter '" + p.info.name + "'");
+    staging = std::make_shared<PinnedBuffer>(std::move(buf).value());
+  }
   ZINF_RETURN_IF_ERROR(MakeRoom(p.padded_numel, FullBytes(p), id));
   ZINF_ASSIGN_OR_RETURN(p.device_full, DevAlloc(FullBytes(p), "parameter '" + p.info.name + "'"));
   live_elems += p.padded_numel;
   plan_bytes += FullBytes(p);
+  Status s = IssueFetch(id, staging);
+  if (!s.ok()) {
+    // A buffer without a complete fetch issued into it must not stay: an Acquire would take
+    // whatever that memory held for the parameter. Nothing may still write into it when it
+    // goes back (the streams' own errors are the fetch's, reported by `s`).
+    (void)device->SynchronizeStream(copy_stream);
+    (void)device->SynchronizeStream(comm_stream);
+    DevFree(p.device_full, FullBytes(p));
+    p.device_full = nullptr;
+    p.fetched_version = kNotFetched;
+    p.state = FetchState::kAbsent;
+    live_elems -= p.padded_numel;
+    plan_bytes -= FullBytes(p);
+    return s;
+  }
+  p.state = FetchState::kFetching;
+  p.fetched_version = static_cast<uint64_t>(visible);
+  return Status::OK();
+}
+
+Status Engine::Impl::IssueFetch(ParamId id, const std::shared_ptr<PinnedBuffer>& staging) {
+  Param& p = params[id];
   if (!p.ready) {
     ZINF_ASSIGN_OR_RETURN(p.ready, device->CreateEvent());
   }
@@ -1581,9 +1625,6 @@ Status Engine::Impl::Fetch(ParamId id) {
   const size_t part = PartBytes(p);
   switch (config.offload_param.tier) {
     case Tier::kNvme: {
-      Result<PinnedBuffer> buf = arena->Allocate(part);
-      if (!buf.ok()) return buf.status().WithContext("staging parameter '" + p.info.name + "'");
-      auto staging = std::make_shared<PinnedBuffer>(std::move(buf).value());
       // Urgent: the trainer waits on parameters; optimizer read-ahead and write-backs can wait.
       ZINF_ASSIGN_OR_RETURN(
           Ticket t, swap->Read(p.swap_key[Buf(visible)], staging->data(), staging->capacity(),
@@ -1622,10 +1663,7 @@ Status Engine::Impl::Fetch(ParamId id) {
   ZINF_RETURN_IF_ERROR(device->RecordEvent(copy_done.get(), copy_stream));
   ZINF_RETURN_IF_ERROR(device->StreamWaitEvent(comm_stream, copy_done.get()));
   ZINF_RETURN_IF_ERROR(comm->AllGather(slot, p.device_full, part, comm_stream));
-  ZINF_RETURN_IF_ERROR(device->RecordEvent(p.ready.get(), comm_stream));
-  p.state = FetchState::kFetching;
-  p.fetched_version = static_cast<uint64_t>(visible);
-  return Status::OK();
+  return device->RecordEvent(p.ready.get(), comm_stream);
 }
 
 void Engine::Impl::TraceCheck(ParamId id) {
@@ -1668,7 +1706,7 @@ void Engine::Impl::Prefetch() {
     }
     if (live_elems + p.padded_numel > config.max_live_parameters) return;
     if (p.aliased) continue;
-    Status s = Fetch(id);
+    Status s = Fetch(id, /*prefetch=*/true);
     if (!s.ok()) return;  // a prefetch failure resurfaces on demand
     inflight += p.padded_numel;
   }
