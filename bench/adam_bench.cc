@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "common/cli.h"
 #include "zinf/cpu_adam.h"
 
 namespace zinf {
@@ -450,18 +451,21 @@ int main(int argc, char** argv) {
   CLI::App app{"zinf-adam-bench: CPU optimizer step vs. the memory roofline (JSON lines)"};
   app.add_option("--optimizer", f.optimizers, "adam, adamw, adagrad, lion (comma list)")
       ->delimiter(',');
-  app.add_option("--n", f.n, "elements per buffer")->check(CLI::PositiveNumber);
-  app.add_option("--threads", f.threads, "thread counts (comma list)")->delimiter(',');
+  app.add_option("--n", f.n, "elements per buffer")->check(CLI::Range(size_t{1}, size_t{1} << 34));
+  app.add_option("--threads", f.threads, "thread counts (comma list)")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 1024));
   app.add_option("--grad-dtype", f.grad_dtypes, "f32, bf16, f16 (comma list)")->delimiter(',');
   app.add_option("--param-out", f.param_outs, "none, bf16, f16 (comma list)")->delimiter(',');
   app.add_option("--isa", f.isas, "auto, scalar, avx2, avx512 (comma list)")->delimiter(',');
   app.add_option("--repeats", f.repeats, "timed repeats (the median is reported)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--warmup", f.warmup, "untimed repeats first")->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(1, 100000));
+  app.add_option("--warmup", f.warmup, "untimed repeats first")->check(CLI::Range(0, 100000));
   app.add_flag("--compare-unfused", f.compare_unfused,
                "also time fused bf16-in/bf16-out against fp32 step + separate conversion");
   app.add_flag("--bind", f.bind, "bind threads to cores with hwloc");
-  app.add_option("--tile", f.tile, "elements per tile");
-  CLI11_PARSE(app, argc, argv);
+  app.add_option("--tile", f.tile, "elements per tile")
+      ->check(CLI::Range(size_t{16}, size_t{1} << 30));
+  if (int rc = zinf::ParseCommandLine(app, argc, argv); rc >= 0) return rc;
   return zinf::Run(f);
 }

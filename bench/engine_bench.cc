@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/cli.h"
 #include "zinf/comm.h"
 #include "zinf/cuda.h"
 #include "zinf/device.h"
@@ -57,16 +58,25 @@ int Main(int argc, char** argv) {
                  "the device, optimizer on the CPU); other flags override")
       ->check(CLI::IsMember({"none", "io-bound", "adam-bound"}));
   app.add_option("--layers", f.layers)->check(CLI::Range(1, 100000));
-  app.add_option("--layer-elems", f.layer_elems, "parameter elements per layer");
-  app.add_option("--compute-ms", f.compute_ms, "simulated compute per layer and pass");
-  app.add_option("--copy-gbps", f.copy_gbps, "HostDevice host<->device bandwidth cap (0: none)");
-  app.add_option("--param-tier", f.param_tier, "device, cpu or nvme");
-  app.add_option("--optimizer-tier", f.optimizer_tier, "device, cpu or nvme");
+  app.add_option("--layer-elems", f.layer_elems, "parameter elements per layer")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 34));
+  app.add_option("--compute-ms", f.compute_ms, "simulated compute per layer and pass")
+      ->check(FiniteNumber())
+      ->check(CLI::Range(0.0, 1e6));
+  app.add_option("--copy-gbps", f.copy_gbps, "HostDevice host<->device bandwidth cap (0: none)")
+      ->check(FiniteNumber())
+      ->check(CLI::Range(0.0, 1e4));
+  app.add_option("--param-tier", f.param_tier, "device, cpu or nvme")
+      ->check(CLI::IsMember({"device", "cpu", "nvme"}));
+  app.add_option("--optimizer-tier", f.optimizer_tier, "device, cpu or nvme")
+      ->check(CLI::IsMember({"device", "cpu", "nvme"}));
   app.add_option("--nvme", f.nvme, "swap folder (repeatable)");
   app.add_option("--steps", f.steps)->check(CLI::Range(1, 100000));
-  app.add_option("--sub-group-elems", f.sub_group_elems);
-  app.add_option("--prefetch-elems", f.prefetch_elems);
-  app.add_option("--optimizer-threads", f.optimizer_threads);
+  app.add_option("--sub-group-elems", f.sub_group_elems)
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 34));
+  app.add_option("--prefetch-elems", f.prefetch_elems)
+      ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 40));
+  app.add_option("--optimizer-threads", f.optimizer_threads)->check(CLI::Range(0, 1024));
   app.add_flag("--bf16", f.bf16, "bf16 parameters on the device");
   app.add_flag("--delayed-update", f.delayed_update,
                "one-step delayed parameter update (zinf.delayed_update): a step's optimizer "
@@ -78,9 +88,10 @@ int Main(int argc, char** argv) {
   app.add_option("--optimizer-ratio", f.optimizer_ratio,
                  "offload_optimizer.ratio: share of sub-groups stepped by the CPU; the rest "
                  "stay in device memory and are stepped there")
+      ->check(FiniteNumber())
       ->check(CLI::Range(0.0, 1.0));
   // Presets first, then explicit flags win: parse twice.
-  CLI11_PARSE(app, argc, argv);
+  if (int rc = ParseCommandLine(app, argc, argv); rc >= 0) return rc;
   if (f.preset != "none") {
     Flags p;
     p.preset = f.preset;
@@ -104,7 +115,7 @@ int Main(int argc, char** argv) {
     p.nvme = f.nvme;
     p.device = f.device;
     f = p;
-    CLI11_PARSE(app, argc, argv);
+    if (int rc = ParseCommandLine(app, argc, argv); rc >= 0) return rc;
   }
   Result<Tier> pt = ParseTier(f.param_tier), ot = ParseTier(f.optimizer_tier);
   if (!pt.ok() || !ot.ok()) {

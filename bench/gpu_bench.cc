@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "common/cli.h"
 #include "zinf/cuda.h"
 #include "zinf/device.h"
 #include "zinf/log.h"
@@ -75,11 +76,11 @@ int Main(int argc, char** argv) {
   app.add_option("--mib", mib, "bytes per copy, in MiB (default 1024)")
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("--iters", iters, "timed repetitions")->check(CLI::Range(1, 1000));
-  app.add_option("--device", device_index, "CUDA device ordinal");
+  app.add_option("--device", device_index, "CUDA device ordinal")->check(CLI::Range(0, 1023));
   app.add_option("--nvme", nvme, "a folder on the NVMe to measure; empty: skip NVMe -> GPU");
   app.add_option("--chunk-mib", chunk_mib, "pipeline chunk for NVMe -> GPU")
       ->check(CLI::Range(1, 4096));
-  CLI11_PARSE(app, argc, argv);
+  if (int rc = ParseCommandLine(app, argc, argv); rc >= 0) return rc;
   const size_t bytes = mib << 20;
   chunk_mib = std::min(chunk_mib, mib);
   const size_t chunk = chunk_mib << 20;

@@ -4,12 +4,16 @@
 //
 // One JSON line per measured case on stdout; progress and notes on stderr.
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <chrono>
 #include <cstdio>
 #include <future>
@@ -19,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "common/cli.h"
 #include "nvme/io_queue.h"
 #include "zinf/log.h"
 #include "zinf/swap.h"
@@ -83,20 +88,39 @@ struct Flags {
   bool compare_fio = false;
   bool checksum_cost = false;
   bool sqpoll = false;
+  bool keep_files = false;
   std::string fio = "fio";
 };
 
-// The bench files: one per folder, preallocated, filled once with data.
+// The bench files still named in a folder (kept only while fio needs their paths), removed by
+// SIGINT/SIGTERM as well as at exit: a stopped bench leaves no multi-GiB file behind.
+constexpr int kMaxNamed = 64;
+char g_named[kMaxNamed][4096];
+volatile sig_atomic_t g_named_count = 0;
+
+void RemoveNamedAndDie(int sig) {
+  for (int i = 0; i < g_named_count; ++i) unlink(g_named[i]);  // async-signal-safe
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
+// The bench files: one per folder, preallocated, filled once with data, locked against a
+// second bench (flock), and removed at exit unless kept (--keep-files): unlinked at once when
+// nothing needs their names, so not even a SIGKILL leaves them behind.
 class BenchFiles {
  public:
   ~BenchFiles() {
     for (const IoFile& f : files_) close(f.fd);
+    for (const std::string& path : named_) unlink(path.c_str());  // best effort at exit
   }
-  Status Open(const std::vector<std::string>& dirs, uint64_t per_file) {
+  // `keep`: leave the files for the next run (which reuses them); `need_names`: fio opens
+  // them by path, so they are unlinked at exit (or on SIGINT/SIGTERM) instead of at once.
+  Status Open(const std::vector<std::string>& dirs, uint64_t per_file, bool keep,
+              bool need_names) {
     per_file_ = per_file;
     for (size_t i = 0; i < dirs.size(); ++i) {
       std::string path = dirs[i] + "/zinf-bench-" + std::to_string(i) + ".dat";
-      int fd = open(path.c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0600);
+      int fd = open(path.c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC | O_NOFOLLOW, 0600);
       if (fd < 0 && errno == EINVAL) {
         return Status::NotSupported(path +
                                     ": O_DIRECT refused (tmpfs?); benchmark a folder on "
@@ -104,6 +128,30 @@ class BenchFiles {
       }
       if (fd < 0) return ErrnoToStatus(errno, "opening " + path);
       files_.push_back({fd, path});
+      // (A bench that just exited may hold it for a moment more: the kernel tears its io_uring,
+      // which registered the file, down after the process.)
+      int locked = -1;
+      for (int attempt = 0; attempt < 50; ++attempt) {
+        locked = flock(fd, LOCK_EX | LOCK_NB);
+        if (locked == 0 || errno != EWOULDBLOCK) break;
+        usleep(100 * 1000);
+      }
+      if (locked != 0) {
+        return errno == EWOULDBLOCK
+                   ? Status::FailedPrecondition(path + " is in use by another zinf-nvme-bench: "
+                                                       "give this one another --dir")
+                   : ErrnoToStatus(errno, "flock " + path);
+      }
+      if (!keep && !need_names) {
+        if (unlink(path.c_str()) != 0) return ErrnoToStatus(errno, "unlinking " + path);
+      } else if (!keep) {
+        if (g_named_count >= kMaxNamed || path.size() >= sizeof(g_named[0])) {
+          return Status::InvalidArgument("too many --dir folders or too long a path for fio");
+        }
+        std::snprintf(g_named[g_named_count], sizeof(g_named[0]), "%s", path.c_str());
+        g_named_count = g_named_count + 1;
+        named_.push_back(path);
+      }
       struct stat st {};
       if (fstat(fd, &st) != 0) return ErrnoToStatus(errno, "fstat " + path);
       if (static_cast<uint64_t>(st.st_size) < per_file &&
@@ -120,6 +168,7 @@ class BenchFiles {
 
  private:
   std::vector<IoFile> files_;
+  std::vector<std::string> named_;
   uint64_t per_file_ = 0;
 };
 
@@ -300,6 +349,7 @@ Status RunChecksumCost(const Flags& f, IoBackendKind kind, uint64_t block, uint3
       o.backend_options.queue_depth = qd;
       o.block_size = static_cast<uint32_t>(block);
       o.checksums = sums;
+      o.remove_on_close = true;  // a bench leaves nothing behind
       o.registered_regions = {arena->region()};
       o.capacity_per_path = RoundUp(total / f.dirs.size() + (64ull << 20), 1 << 20);
       ZINF_ASSIGN_OR_RETURN(std::unique_ptr<SwapStore> store, SwapStore::Open(o));
@@ -394,16 +444,20 @@ int Main(int argc, char** argv) {
       ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--huge-pages", f.huge_pages, "MADV_HUGEPAGE on the buffers: on|off")
       ->check(CLI::IsMember({"on", "off"}));
-  app.add_option("--seconds", f.seconds, "time limit per case")->check(CLI::PositiveNumber);
+  app.add_option("--seconds", f.seconds, "time limit per case")
+      ->check(FiniteNumber())
+      ->check(CLI::Range(0.01, 1e6));
   app.add_option("--repeats", f.repeats, "runs per case (interleaved; medians reported)")
       ->check(CLI::Range(1, 100));
   app.add_flag("--sweep", f.sweep, "try block sizes x queue depths; print the best as config");
   app.add_flag("--compare-fio", f.compare_fio, "run fio on the same pattern, interleaved");
   app.add_option("--fio", f.fio, "fio binary");
   app.add_flag("--sqpoll", f.sqpoll, "io_uring kernel submission thread (costs a core)");
+  app.add_flag("--keep-files", f.keep_files,
+               "keep the bench files for the next run (default: removed at exit)");
   app.add_flag("--checksum-cost", f.checksum_cost,
                "time SwapStore writes/reads with per-chunk xxh3 checksums off and on");
-  CLI11_PARSE(app, argc, argv);
+  if (int rc = ParseCommandLine(app, argc, argv); rc >= 0) return rc;
 
   if (f.dirs.empty()) f.dirs.push_back(".");
   Result<uint64_t> block = ParseSize(f.block_size);
@@ -415,10 +469,21 @@ int Main(int argc, char** argv) {
       return 2;
     }
   }
-  if (!block.ok() || !size.ok() || !kind.ok() || *block % 4096 != 0 || *block > (1ull << 30)) {
+  if (!block.ok() || !size.ok() || !kind.ok() || *block == 0 || *block % 4096 != 0 ||
+      *block > (1ull << 30)) {
     std::fprintf(stderr, "zinf-nvme-bench: --block-size must be a multiple of 4K up to 1G\n");
     return 2;
   }
+  if (*size < *block || *size > (1ull << 50)) {
+    std::fprintf(stderr,
+                 "zinf-nvme-bench: --size %s is %s the block size (%s): give at least one "
+                 "block, at most 1P\n",
+                 f.size.c_str(), *size < *block ? "smaller than" : "far beyond",
+                 f.block_size.c_str());
+    return 2;
+  }
+  signal(SIGINT, RemoveNamedAndDie);
+  signal(SIGTERM, RemoveNamedAndDie);
   std::vector<IoOp> ops;
   if (f.op != "write") ops.push_back(IoOp::kRead);
   if (f.op != "read") ops.push_back(IoOp::kWrite);
@@ -440,7 +505,7 @@ int Main(int argc, char** argv) {
   uint64_t nfiles = f.dirs.size();
   uint64_t per_file = RoundUp((*size + nfiles - 1) / nfiles, max_block * 4);
   BenchFiles files;
-  Status s = files.Open(f.dirs, per_file);
+  Status s = files.Open(f.dirs, per_file, f.keep_files, f.compare_fio);
   if (!s.ok()) {
     std::fprintf(stderr, "zinf-nvme-bench: %s\n", s.ToString().c_str());
     return 1;

@@ -37,12 +37,22 @@ class DevicePool {
     ranges_.Add(0, bytes);
   }
 
+  // No range could be reserved: every Allocate fails with `why` (not as fragmentation).
+  void SetUnavailable(std::string why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    unavailable_ = std::move(why);
+  }
+
   // `bytes` (exactly, not rounded) count against the budget; Allocate(0) returns a unique
   // pointer that counts for nothing.
   Result<void*> Allocate(size_t bytes) {
     // Under the lock from check to insertion, so concurrent calls never overshoot the budget
     // and the peak is exact.
     std::lock_guard<std::mutex> lock(mu_);
+    if (!unavailable_.empty()) {
+      return Status::ResourceExhausted(owner_ + ": cannot allocate " + Text(bytes) + ": " +
+                                       unavailable_);
+    }
     if (bytes > budget_ - used_) {
       return Status::ResourceExhausted(owner_ + ": cannot allocate " + Text(bytes) +
                                        ": the device memory budget is " + Text(budget_) + " and " +
@@ -105,6 +115,7 @@ class DevicePool {
   const size_t budget_, alignment_;
   mutable std::mutex mu_;
   char* base_ = nullptr;                               // guarded by mu_
+  std::string unavailable_;                            // guarded by mu_
   RangeAllocator ranges_;                              // guarded by mu_
   std::unordered_map<void*, Allocation> allocations_;  // guarded by mu_
   size_t used_ = 0;                                    // guarded by mu_

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "common/cli.h"
 #include "train/checkpoint.h"
 #include "train/gpt.h"
 #include "train/trainer.h"
@@ -195,6 +196,24 @@ Status CheckNvme(const EngineConfig& c, uint64_t params) {
       free_bytes += static_cast<uint64_t>(st.st_blocks) * 512;
     }
     std::error_code ec;
+    if (!c.allowed_nvme_roots.empty()) {
+      // Refused before anything is created: the existing part of the path resolved (links
+      // followed), the rest taken as written.
+      const std::filesystem::path resolved = std::filesystem::weakly_canonical(p, ec);
+      bool inside = false;
+      for (const std::string& r : c.allowed_nvme_roots) {
+        std::error_code rec;
+        const std::filesystem::path root = std::filesystem::canonical(r, rec);
+        if (rec) continue;
+        const auto rel = resolved.lexically_relative(root);
+        inside = inside || (!rel.empty() && *rel.begin() != "..");
+      }
+      if (ec || !inside) {
+        return Status::InvalidArgument("the NVMe swap folder " + p +
+                                       " is outside zinf.allowed_nvme_roots (nothing was "
+                                       "created): give --nvme a folder inside one of them");
+      }
+    }
     std::filesystem::create_directories(p, ec);
     if (ec) {
       return Status::IoError("cannot create the NVMe swap folder " + p + ": " + ec.message() +
@@ -228,6 +247,46 @@ Status Explain(const Status& s) {
     return Status(s.code(), m + " (zinf-train: --pinned-budget)");
   }
   return s;
+}
+
+// What the process maps besides the budgets: the program and its libraries, thread stacks
+// (8 MiB each), OpenBLAS's buffers, the allocator's arenas, the data.
+constexpr uint64_t kAddressSpaceMargin = uint64_t{3} << 30;
+
+// The host device's budget: --device-budget, else the machine's memory. Under an
+// address-space limit (ulimit -v) the budgets must fit in it (the host device reserves twice
+// its budget of address space, the pinned arena its budget): an explicit budget that does not
+// is refused here, before anything is allocated, with the numbers and the fix; a default one
+// is lowered to fit.
+Result<uint64_t> HostDeviceBudget(const EngineConfig& config) {
+  const uint64_t phys = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  rlimit as{};
+  if (getrlimit(RLIMIT_AS, &as) != 0 || as.rlim_cur == RLIM_INFINITY) {
+    return config.device_budget_bytes != 0 ? config.device_budget_bytes : phys;
+  }
+  const uint64_t limit = as.rlim_cur;
+  const uint64_t fixed = config.pinned_budget_bytes + kAddressSpaceMargin;
+  const auto refuse = [&](uint64_t budget) {
+    return Status::InvalidArgument(
+        "the address-space limit (ulimit -v) is " + FormatBytes(limit) + ", but this run maps " +
+        FormatBytes(2 * budget + fixed) + ": the host device reserves twice its budget (2 x " +
+        FormatBytes(budget) + "), the pinned arena " + FormatBytes(config.pinned_budget_bytes) +
+        ", the program about " + FormatBytes(kAddressSpaceMargin) +
+        ". Raise the limit (ulimit -v unlimited) or lower --device-budget / --pinned-budget");
+  };
+  if (config.device_budget_bytes != 0) {
+    if (2 * config.device_budget_bytes + fixed > limit) return refuse(config.device_budget_bytes);
+    return config.device_budget_bytes;
+  }
+  const uint64_t min_budget = uint64_t{256} << 20;
+  if (limit < fixed + 2 * min_budget) return refuse(min_budget);
+  const uint64_t fit = (limit - fixed) / 2;
+  if (fit < phys) {
+    LogWarning("the address-space limit (ulimit -v) is " + FormatBytes(limit) +
+               ": the host device's budget is " + FormatBytes(fit) + " instead of the machine's " +
+               FormatBytes(phys) + " (raise the limit, or set --device-budget)");
+  }
+  return std::min(fit, phys);
 }
 
 struct StepRow {
@@ -273,7 +332,7 @@ int Run(Flags f) {
   const uint64_t params = ParamCount(model);
   if (Status s = CheckNvme(*config, params); !s.ok()) {
     std::fprintf(stderr, "zinf-train: %s\n", s.message().c_str());
-    return 1;
+    return s.code() == StatusCode::kInvalidArgument ? 2 : 1;
   }
   const std::string data_path = f.data.empty() ? DefaultData() : f.data;
   Result<TextData> data = TextData::Load(data_path, f.seq);
@@ -307,11 +366,14 @@ int Run(Flags f) {
     comms.push_back(std::move(nccl).value());
   } else {
     HostDeviceOptions dopt;
-    // Without a budget the host device may use the machine's memory (it is host memory).
-    dopt.memory_budget =
-        config->device_budget_bytes != 0
-            ? config->device_budget_bytes
-            : static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+    // Without a budget the host device may use the machine's memory (it is host memory), or
+    // what an address-space limit leaves of it.
+    Result<uint64_t> budget = HostDeviceBudget(*config);
+    if (!budget.ok()) {
+      std::fprintf(stderr, "zinf-train: %s\n", budget.status().message().c_str());
+      return 2;
+    }
+    dopt.memory_budget = *budget;
     device = NewHostDevice(dopt);
     Result<std::vector<std::unique_ptr<Communicator>>> local = NewLocalComms({device.get()});
     if (!local.ok()) {
@@ -588,15 +650,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("--grad-accum", f.grad_accum, "micro-steps per optimizer step (default: config's)")
       ->check(CLI::Range(1, 1 << 20));
-  // A range alone lets "nan" through (every comparison with NaN is false).
-  const CLI::Validator finite(
-      [](std::string& v) {
-        char* end = nullptr;
-        const double x = std::strtod(v.c_str(), &end);
-        return std::isfinite(x) && end != v.c_str() ? std::string()
-                                                    : "'" + v + "' is not a finite number";
-      },
-      "FINITE");
+  const CLI::Validator& finite = zinf::FiniteNumber();
   app.add_option("--lr", f.lr, "learning rate (default: config's, or 1e-3)")
       ->check(finite)
       ->check(CLI::Range(1e-12, 10.0).description("a learning rate in [1e-12, 10]"));
@@ -654,11 +708,7 @@ int main(int argc, char** argv) {
   app.add_option("--log-every", f.log_every,
                  "keep a progress line every N steps (default: ~40 lines)")
       ->check(CLI::Range(1, 100000000));
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    // --help prints and exits 0; a usage error (unknown flag, a value out of range) exits 2.
-    return app.exit(e) == 0 ? 0 : 2;
-  }
+  // --help prints and exits 0; a usage error (unknown flag, a value out of range) exits 2.
+  if (int rc = zinf::ParseCommandLine(app, argc, argv); rc >= 0) return rc;
   return zinf::train::Run(f);
 }

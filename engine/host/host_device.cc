@@ -1,6 +1,7 @@
 #include "engine/host/host_device.h"
 
 #include <sys/mman.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -226,14 +227,30 @@ HostDevice::HostDevice(const HostDeviceOptions& options)
     h2d_link_ = std::make_unique<CopyLink>(options_.copy_gbps);
     d2h_link_ = std::make_unique<CopyLink>(options_.copy_gbps);
   }
-  // Twice the budget of address space, so fragmentation never refuses what the budget allows.
+  // Twice the budget of address space, so fragmentation never refuses what the budget allows;
+  // under an address-space limit (ulimit -v) that refuses it, the budget itself.
   const size_t huge = size_t{2} << 20;
-  pool_bytes_ = (options_.memory_budget / huge + 1) * huge * 2;
-  void* p = mmap(nullptr, pool_bytes_, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  const size_t one = (options_.memory_budget / huge + 1) * huge;
+  void* p = MAP_FAILED;
+  int err = 0;
+  for (size_t bytes : {2 * one, one}) {
+    pool_bytes_ = bytes;
+    p = mmap(nullptr, pool_bytes_, PROT_READ | PROT_WRITE,
+             MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p != MAP_FAILED) break;
+    err = errno;
+  }
   if (p == MAP_FAILED) {
-    LogWarning("HostDevice: reserving " + FormatBytes(pool_bytes_) +
-               " of address space failed; every allocation will fail");
+    rlimit as{};
+    const bool limited = getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY;
+    const std::string why =
+        "reserving " + FormatBytes(pool_bytes_) + " of address space for the budget of " +
+        FormatBytes(options_.memory_budget) + " failed (" + std::strerror(err) + ")" +
+        (limited ? "; the address-space limit (ulimit -v) is " + FormatBytes(as.rlim_cur) +
+                       ": raise it or lower the device budget"
+                 : ": lower the device budget");
+    LogWarning("HostDevice: " + why + "; every allocation will fail");
+    pool_.SetUnavailable(why);
     pool_bytes_ = 0;
   } else {
     madvise(p, pool_bytes_, MADV_HUGEPAGE);

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -42,9 +43,15 @@ std::string ReadFile(const std::string& path) {
 }
 
 // Runs zinf-train with `args` (after the binary), stdout and stderr into files under `work`;
-// `crash` arms ZINF_CRASH_AT.
-Outcome Spawn(const std::string& work, std::vector<std::string> args, const std::string& crash) {
+// `crash` arms ZINF_CRASH_AT; `as_limit_kib` (when not 0) is the address-space limit it runs
+// under (ulimit -v, through /bin/sh).
+Outcome Spawn(const std::string& work, std::vector<std::string> args, const std::string& crash,
+              uint64_t as_limit_kib = 0) {
   args.insert(args.begin(), ZINF_TRAIN_BIN);
+  if (as_limit_kib != 0) {
+    args.insert(args.begin(), {"/bin/sh", "-c",
+                               "ulimit -v " + std::to_string(as_limit_kib) + " && exec \"$0\" \"$@\""});
+  }
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -502,6 +509,75 @@ TEST(TrainCli, TwoRunsOnOneSwapFolderOrCheckpointFolderAreRefused) {
                                 "--overwrite"};
   Outcome after = Spawn(dir.path(), a, "");
   EXPECT_EQ(after.exit_code, 0) << after.stderr_text;
+}
+
+
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+// (The sanitizers reserve terabytes of address space: under ulimit -v nothing starts.)
+TEST(TrainCli, AnAddressSpaceLimitIsCheckedBeforeAllocating) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  const std::string swap = dir.path() + "/swap";
+  const uint64_t limit_kib = uint64_t{6} << 20;  // 6 GiB
+  // A budget that cannot fit: refused before anything is allocated, with the numbers and
+  // the fix.
+  Outcome o = Spawn(dir.path(),
+                    {"--preset", "tiny", "--device-budget", "8G", "--nvme", swap, "--steps", "1",
+                     "--data", ZINF_SOURCE_DATA},
+                    "", limit_kib);
+  EXPECT_EQ(o.exit_code, 2) << o.stderr_text;
+  EXPECT_NE(o.stderr_text.find("the address-space limit (ulimit -v) is 6.0 GiB"), std::string::npos)
+      << o.stderr_text;
+  EXPECT_NE(o.stderr_text.find("2 x 8.0 GiB"), std::string::npos) << o.stderr_text;
+  EXPECT_NE(o.stderr_text.find("ulimit -v unlimited"), std::string::npos) << o.stderr_text;
+  // The default budget (the machine's memory) is lowered to fit, with a warning, and the run
+  // trains (before: the 2 x 24 GiB reservation failed and every allocation reported
+  // fragmentation).
+  Outcome d = Spawn(dir.path(),
+                    {"--preset", "tiny", "--nvme", swap, "--steps", "2", "--data",
+                     ZINF_SOURCE_DATA, "--json"},
+                    "", limit_kib);
+  EXPECT_EQ(d.exit_code, 0) << d.stderr_text;
+  EXPECT_NE(d.stderr_text.find("instead of the machine's"), std::string::npos) << d.stderr_text;
+  EXPECT_EQ(Checksum(d.stdout_text).size(), 16u) << d.stdout_text;
+}
+#endif
+
+TEST(TrainCli, AnNvmeFolderOutsideTheAllowedRootsIsRefusedAndNotCreated) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  const std::string allowed = dir.path() + "/allowed";
+  ASSERT_EQ(mkdir(allowed.c_str(), 0700), 0);
+  const std::string config = dir.path() + "/config.json";
+  {
+    std::ofstream c(config);
+    c << R"({"zinf": {"allowed_nvme_roots": [")" << allowed << R"("]}})";
+  }
+  const std::string outside = dir.path() + "/elsewhere/swap";
+  Outcome o = Spawn(dir.path(),
+                    {"--preset", "tiny", "--config", config, "--param-tier", "nvme", "--nvme", outside, "--steps", "1",
+                     "--data", ZINF_SOURCE_DATA},
+                    "");
+  EXPECT_EQ(o.exit_code, 2) << o.stderr_text;
+  EXPECT_NE(o.stderr_text.find("outside zinf.allowed_nvme_roots"), std::string::npos)
+      << o.stderr_text;
+  struct stat st {};
+  EXPECT_NE(stat((dir.path() + "/elsewhere").c_str(), &st), 0) << "the refused folder was created";
+  // A link inside the root that points outside is outside too.
+  ASSERT_EQ(mkdir((dir.path() + "/out").c_str(), 0700), 0);
+  ASSERT_EQ(symlink((dir.path() + "/out").c_str(), (allowed + "/link").c_str()), 0);
+  o = Spawn(dir.path(),
+            {"--preset", "tiny", "--config", config, "--param-tier", "nvme", "--nvme", allowed + "/link/swap", "--steps",
+             "1", "--data", ZINF_SOURCE_DATA},
+            "");
+  EXPECT_EQ(o.exit_code, 2) << o.stderr_text;
+  EXPECT_NE(stat((dir.path() + "/out/swap").c_str(), &st), 0);
+  // Inside: trains.
+  o = Spawn(dir.path(),
+            {"--preset", "tiny", "--config", config, "--param-tier", "nvme", "--nvme", allowed + "/swap", "--steps", "1",
+             "--data", ZINF_SOURCE_DATA},
+            "");
+  EXPECT_EQ(o.exit_code, 0) << o.stderr_text;
 }
 
 }  // namespace

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The benches' command lines: every bad flag exits 2 with a "zinf-...-bench:" or CLI11 line,
+# --help states the exit-status convention, and zinf-nvme-bench leaves no file behind (after
+# a run, and after SIGTERM). Usage: cli_test.sh BENCH_DIR SCRATCH_DIR
+set -uo pipefail
+bin=$1
+work=$(mktemp -d "${2:-/var/tmp}/zinf-bench-cli-XXXXXX")
+trap 'rm -rf "$work"' EXIT
+fails=0
+expect() {  # expect CODE TEXT -- command...
+  local code=$1 text=$2
+  shift 3
+  local out rc
+  out=$("$@" 2>&1)
+  rc=$?
+  if [[ $rc -ne $code || "$out" != *"$text"* ]]; then
+    echo "FAIL: $* -> exit $rc (want $code), output: ${out:0:400}"
+    fails=$((fails + 1))
+  fi
+}
+nvme=$bin/zinf-nvme-bench
+adam=$bin/zinf-adam-bench
+engine=$bin/zinf-engine-bench
+for b in "$nvme" "$adam" "$engine"; do
+  expect 0 "Exit status: 0 done; 1 the run failed" -- "$b" --help
+  expect 2 "" -- "$b" --no-such-flag
+done
+expect 2 "--size 4K is smaller than the block size" -- "$nvme" --dir "$work" --size 4K --block-size 1M
+expect 2 "multiple of 4K" -- "$nvme" --dir "$work" --block-size 1000
+expect 2 "not a finite number" -- "$nvme" --dir "$work" --seconds nan
+expect 2 "" -- "$nvme" --dir "$work" --queue-depth 0
+expect 2 "" -- "$nvme" --dir "$work/missing"
+expect 2 "" -- "$adam" --threads 0
+expect 2 "" -- "$adam" --n 0
+expect 2 "unknown value" -- "$adam" --optimizer sgd --n 1024
+expect 2 "" -- "$engine" --compute-ms nan
+expect 2 "" -- "$engine" --param-tier disk
+expect 2 "" -- "$engine" --layer-elems 0
+# A short read run: the bench file is gone afterwards.
+expect 0 "gbps" -- "$nvme" --dir "$work" --size 8M --block-size 1M --seconds 0.2 --op read
+if compgen -G "$work/zinf-bench-*" >/dev/null; then
+  echo "FAIL: zinf-nvme-bench left $(ls "$work")"
+  fails=$((fails + 1))
+fi
+# --keep-files keeps it (and the next run reuses it); a plain run then removes it.
+expect 0 "gbps" -- "$nvme" --dir "$work" --size 8M --block-size 1M --seconds 0.2 --op read --keep-files
+[[ -f $work/zinf-bench-0.dat ]] || { echo "FAIL: --keep-files removed the file"; fails=$((fails + 1)); }
+expect 0 "gbps" -- "$nvme" --dir "$work" --size 8M --block-size 1M --seconds 0.2 --op read
+[[ ! -e $work/zinf-bench-0.dat ]] || { echo "FAIL: the kept file outlived a plain run"; fails=$((fails + 1)); }
+# SIGTERM in the middle of a long write run: nothing left.
+# (With --compare-fio the file keeps its name for fio: here a stand-in that just waits.)
+printf '#!/bin/sh\nexec sleep 4\n' > "$work/fio"
+chmod +x "$work/fio"
+"$nvme" --dir "$work" --size 16M --block-size 1M --seconds 30 --op read --compare-fio --fio "$work/fio" >/dev/null 2>&1 &
+pid=$!
+sleep 2
+kill -TERM $pid
+wait $pid
+rc=$?
+[[ $rc -eq 143 ]] || { echo "FAIL: the bench was not stopped by SIGTERM (exit $rc)"; fails=$((fails + 1)); }
+sleep 4  # the stand-in fio ends
+if compgen -G "$work/zinf-bench-*" >/dev/null; then
+  echo "FAIL: a SIGTERM'ed zinf-nvme-bench left $(ls "$work")"
+  fails=$((fails + 1))
+fi
+echo "$fails failure(s)"
+[[ $fails -eq 0 ]]
