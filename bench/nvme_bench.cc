@@ -13,9 +13,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <cstring>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <future>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -115,8 +115,7 @@ class BenchFiles {
   }
   // `keep`: leave the files for the next run (which reuses them); `need_names`: fio opens
   // them by path, so they are unlinked at exit (or on SIGINT/SIGTERM) instead of at once.
-  Status Open(const std::vector<std::string>& dirs, uint64_t per_file, bool keep,
-              bool need_names) {
+  Status Open(const std::vector<std::string>& dirs, uint64_t per_file, bool keep, bool need_names) {
     per_file_ = per_file;
     for (size_t i = 0; i < dirs.size(); ++i) {
       std::string path = dirs[i] + "/zinf-bench-" + std::to_string(i) + ".dat";
@@ -138,8 +137,9 @@ class BenchFiles {
       }
       if (locked != 0) {
         return errno == EWOULDBLOCK
-                   ? Status::FailedPrecondition(path + " is in use by another zinf-nvme-bench: "
-                                                       "give this one another --dir")
+                   ? Status::FailedPrecondition(path +
+                                                " is in use by another zinf-nvme-bench: "
+                                                "give this one another --dir")
                    : ErrnoToStatus(errno, "flock " + path);
       }
       if (!keep && !need_names) {

@@ -532,9 +532,9 @@ struct Engine::Impl {
   // is never written (the step fails; the engine must be recreated from a checkpoint or the
   // durable store, whose last commit predates the step).
   Status CheckFinite(const Param& p, int64_t step) {
-    Result<GradStats> gs = optimizer->GradSumSquares(
-        groups[p.info.sub_group].grad_data + p.slice_offset, GradType::kF32,
-        p.info.partition_numel);
+    Result<GradStats> gs =
+        optimizer->GradSumSquares(groups[p.info.sub_group].grad_data + p.slice_offset,
+                                  GradType::kF32, p.info.partition_numel);
     ZINF_RETURN_IF_ERROR(gs.status());
     if (gs->has_inf_or_nan) {
       return Status::FailedPrecondition(

@@ -150,8 +150,8 @@ class IoUringBackend final : public IoBackend {
     // The usual causes: ENOMEM from a small RLIMIT_MEMLOCK (kernels before 5.12 count the
     // ring against it), EPERM from /proc/sys/kernel/io_uring_disabled or a container policy,
     // EMFILE from the file descriptor limit. The errno names which.
-    return ErrnoToStatus(-last_rc, "setting up an io_uring of " + std::to_string(entries) +
-                                       " entries");
+    return ErrnoToStatus(-last_rc,
+                         "setting up an io_uring of " + std::to_string(entries) + " entries");
   }
 
   void RegisterBuffers(const std::vector<MemoryRegion>& regions) {

@@ -908,7 +908,6 @@ TEST(EngineRegistration, DuplicateNamesOverflowingShapesAndBadNamesAreRefused) {
   EXPECT_EQ(engine->RegisterParameter(spec).status().code(), StatusCode::kInvalidArgument);
 }
 
-
 TEST(EngineNonFinite, AGradientWithNanStopsTheStepBeforeAnyNonFiniteMasterIsWritten) {
   for (double clip : {0.0, 1.0}) {
     for (Tier states : {Tier::kCpu, Tier::kNvme}) {
@@ -1002,10 +1001,10 @@ TEST(EngineFetch, AcquiredValuesAreTheStoredOnesWhenPrefetchesExhaustTheStaging)
     c.offload_optimizer.tier = Tier::kCpu;
     c.offload_param.buffer_size = 1 << 16;
     c.offload_optimizer.buffer_size = 1 << 16;
-    c.sub_group_size = 4 * kNumel;          // four parameters per sub-group
-    c.prefetch_bucket_size = 8 * kNumel;    // eight parameters per prefetch call
+    c.sub_group_size = 4 * kNumel;        // four parameters per sub-group
+    c.prefetch_bucket_size = 8 * kNumel;  // eight parameters per prefetch call
     c.param_persistence_threshold = 0;
-    c.max_reuse_distance = 0;               // released parameters leave the device
+    c.max_reuse_distance = 0;  // released parameters leave the device
     // Planned: staging for 4 + 8 parameters and two sub-groups' gradients (5 MiB); the arena
     // is 6 MiB, so gradient blocks take 3 MiB and 12 parameters' staging remains, while two
     // prefetch calls can have 16 reads in flight.

@@ -1,12 +1,12 @@
 // Swap-file space on a small real filesystem (a loop-mounted ext4, when root may mount): growth
 // proportional to need, never into the filesystem's reserve, a request larger than the disk
 // refused at the call, nothing left behind by a store that removes its files.
-#include <gtest/gtest.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <sys/statvfs.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -194,7 +194,9 @@ TEST(SwapBackend, AnIoUringThatCannotBeSetUpFallsBackWithOneWarning) {
     });
     // Every descriptor below a limit of 64 taken, then two given back: room for the lock
     // file and the swap file (opened at Open), none for the ring.
-    struct rlimit rl {64, 64};
+    struct rlimit rl {
+      64, 64
+    };
     if (setrlimit(RLIMIT_NOFILE, &rl) != 0) _exit(10);
     std::vector<int> fillers;
     for (int fd; (fd = open("/dev/null", O_RDONLY)) >= 0;) fillers.push_back(fd);

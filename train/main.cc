@@ -521,7 +521,8 @@ int Run(Flags f) {
       // Training on would only spread it (and save it); the last checkpoint or durable commit
       // stays the one to resume from.
       std::fprintf(stderr,
-                   "zinf-train: the loss of step %" PRId64 " is not finite (%g): stopping; lower "
+                   "zinf-train: the loss of step %" PRId64
+                   " is not finite (%g): stopping; lower "
                    "--lr or check the model and data, then resume from the last checkpoint\n",
                    step + 1, loss);
       return 1;

@@ -49,8 +49,9 @@ Outcome Spawn(const std::string& work, std::vector<std::string> args, const std:
               uint64_t as_limit_kib = 0) {
   args.insert(args.begin(), ZINF_TRAIN_BIN);
   if (as_limit_kib != 0) {
-    args.insert(args.begin(), {"/bin/sh", "-c",
-                               "ulimit -v " + std::to_string(as_limit_kib) + " && exec \"$0\" \"$@\""});
+    args.insert(
+        args.begin(),
+        {"/bin/sh", "-c", "ulimit -v " + std::to_string(as_limit_kib) + " && exec \"$0\" \"$@\""});
   }
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
@@ -511,7 +512,6 @@ TEST(TrainCli, TwoRunsOnOneSwapFolderOrCheckpointFolderAreRefused) {
   EXPECT_EQ(after.exit_code, 0) << after.stderr_text;
 }
 
-
 #if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
 // (The sanitizers reserve terabytes of address space: under ulimit -v nothing starts.)
 TEST(TrainCli, AnAddressSpaceLimitIsCheckedBeforeAllocating) {
@@ -533,10 +533,10 @@ TEST(TrainCli, AnAddressSpaceLimitIsCheckedBeforeAllocating) {
   // The default budget (the machine's memory) is lowered to fit, with a warning, and the run
   // trains (before: the 2 x 24 GiB reservation failed and every allocation reported
   // fragmentation).
-  Outcome d = Spawn(dir.path(),
-                    {"--preset", "tiny", "--nvme", swap, "--steps", "2", "--data",
-                     ZINF_SOURCE_DATA, "--json"},
-                    "", limit_kib);
+  Outcome d = Spawn(
+      dir.path(),
+      {"--preset", "tiny", "--nvme", swap, "--steps", "2", "--data", ZINF_SOURCE_DATA, "--json"},
+      "", limit_kib);
   EXPECT_EQ(d.exit_code, 0) << d.stderr_text;
   EXPECT_NE(d.stderr_text.find("instead of the machine's"), std::string::npos) << d.stderr_text;
   EXPECT_EQ(Checksum(d.stdout_text).size(), 16u) << d.stdout_text;
@@ -555,8 +555,8 @@ TEST(TrainCli, AnNvmeFolderOutsideTheAllowedRootsIsRefusedAndNotCreated) {
   }
   const std::string outside = dir.path() + "/elsewhere/swap";
   Outcome o = Spawn(dir.path(),
-                    {"--preset", "tiny", "--config", config, "--param-tier", "nvme", "--nvme", outside, "--steps", "1",
-                     "--data", ZINF_SOURCE_DATA},
+                    {"--preset", "tiny", "--config", config, "--param-tier", "nvme", "--nvme",
+                     outside, "--steps", "1", "--data", ZINF_SOURCE_DATA},
                     "");
   EXPECT_EQ(o.exit_code, 2) << o.stderr_text;
   EXPECT_NE(o.stderr_text.find("outside zinf.allowed_nvme_roots"), std::string::npos)
@@ -567,15 +567,15 @@ TEST(TrainCli, AnNvmeFolderOutsideTheAllowedRootsIsRefusedAndNotCreated) {
   ASSERT_EQ(mkdir((dir.path() + "/out").c_str(), 0700), 0);
   ASSERT_EQ(symlink((dir.path() + "/out").c_str(), (allowed + "/link").c_str()), 0);
   o = Spawn(dir.path(),
-            {"--preset", "tiny", "--config", config, "--param-tier", "nvme", "--nvme", allowed + "/link/swap", "--steps",
-             "1", "--data", ZINF_SOURCE_DATA},
+            {"--preset", "tiny", "--config", config, "--param-tier", "nvme", "--nvme",
+             allowed + "/link/swap", "--steps", "1", "--data", ZINF_SOURCE_DATA},
             "");
   EXPECT_EQ(o.exit_code, 2) << o.stderr_text;
   EXPECT_NE(stat((dir.path() + "/out/swap").c_str(), &st), 0);
   // Inside: trains.
   o = Spawn(dir.path(),
-            {"--preset", "tiny", "--config", config, "--param-tier", "nvme", "--nvme", allowed + "/swap", "--steps", "1",
-             "--data", ZINF_SOURCE_DATA},
+            {"--preset", "tiny", "--config", config, "--param-tier", "nvme", "--nvme",
+             allowed + "/swap", "--steps", "1", "--data", ZINF_SOURCE_DATA},
             "");
   EXPECT_EQ(o.exit_code, 0) << o.stderr_text;
 }

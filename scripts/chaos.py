@@ -1,0 +1,485 @@
+#!/usr/bin/python3
+"""zinf's fault campaign: hurts zinf-train in seeded random ways and checks what survives.
+
+Every case trains the tiny model (parameters and optimizer states on NVMe) for a few steps,
+with checkpoints every step or with the durable swap store, hurts it, resumes it, and
+classifies the outcome against an uninterrupted run of the same command:
+
+  identical     the run (after its resume) ends on the uninterrupted run's parameters, bit
+                for bit (param_checksum);
+  clear-error   zinf-train refused or stopped with exit 1 or 2 and one "zinf-train: ..." line
+                naming the problem, and nothing that was intact before was changed or removed;
+  silent-wrong  it finished (exit 0) on other parameters;
+  data-loss     something intact before (a checkpoint, a committed store) was changed or
+                removed by a failed run, or a recoverable state could not be resumed;
+  crash         anything else: killed by a signal it was not sent, an exit code other than
+                0/1/2, no message, or a hang (past --timeout).
+
+The faults (the `kind` column):
+  kill-time     SIGKILL at a random time, then --resume;
+  kill-point    SIGKILL at a named point (ZINF_CRASH_AT: inside a swap write, between
+                optimizer sub-groups, in the backward, at each stage of a checkpoint or a
+                durable commit), then --resume;
+  flip          after a kill, one byte of a random file (swap file, swap index, checkpoint
+                piece, manifest, latest) XORed with a random value, then --resume;
+  truncate      after a kill, a random file cut to a random length, then --resume;
+  remove        after a kill, a random file removed, then --resume;
+  disk-full     the run on a small loop-mounted ext4 (root only, else skipped with the
+                reason) that fills at a random point; what it left is resumed on a disk with
+                room;
+  concurrent    two runs on the same swap and/or checkpoint folder at once (the first frozen
+                mid-run while the second runs).
+
+The table goes to stdout; one line per case to stderr. Exit status: 0 when no case is
+silent-wrong, data-loss or crash, 1 otherwise, 2 on a usage or setup error.
+
+  /usr/bin/python3 scripts/chaos.py --cases 200 --seed 1
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 6
+CLASSES = ["identical", "clear-error", "silent-wrong", "data-loss", "crash", "skipped"]
+BAD = {"silent-wrong", "data-loss", "crash"}
+KINDS = ["kill-time", "kill-point", "flip", "truncate", "remove", "disk-full", "concurrent"]
+# Named kill points and how many times each fires in a 6-step run (roughly): a point that
+# never fires leaves an uninterrupted run, which must then be identical.
+CRASH_POINTS = {
+    "checkpoint": [("train.backward", 12), ("optimizer.group", 6), ("swap.write", 200),
+                   ("checkpoint.files", 12), ("checkpoint.renamed", 6),
+                   ("checkpoint.latest", 6)],
+    "durable": [("train.backward", 12), ("optimizer.group", 6), ("swap.write", 200),
+                ("swap.commit", 7), ("swap.committed", 7)],
+}
+
+
+class Run:
+    """One finished zinf-train process."""
+
+    def __init__(self, rc, out, err, seconds, timed_out=False):
+        self.rc, self.out, self.err, self.seconds, self.timed_out = rc, out, err, seconds, timed_out
+
+    @property
+    def checksum(self):
+        for line in reversed(self.out.splitlines()):
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    return json.loads(line).get("param_checksum")
+                except ValueError:
+                    return None
+        return None
+
+    @property
+    def killed(self):
+        return self.rc == -signal.SIGKILL
+
+    def clear_error(self):
+        """Exit 1 or 2 with a zinf-train line saying what went wrong."""
+        if self.rc not in (1, 2) or self.timed_out:
+            return False
+        lines = [l for l in self.err.splitlines() if l.startswith("zinf-train: ")]
+        return bool(lines) and len(lines[-1]) > len("zinf-train: ") + 10
+
+    def last_error(self):
+        lines = [l for l in self.err.splitlines() if l.startswith("zinf-train")]
+        return lines[-1][:300] if lines else self.err.strip()[-300:]
+
+
+class Campaign:
+    def __init__(self, args):
+        self.args = args
+        self.train = args.train
+        self.data = os.path.join(ROOT, "train", "data", "corpus.txt")
+        self.base = tempfile.mkdtemp(prefix="zinf-chaos-", dir=args.work)
+        self.env = dict(os.environ)
+        self.env.pop("ZINF_CRASH_AT", None)
+        self.env["OPENBLAS_NUM_THREADS"] = "1"  # results must not depend on the thread count
+        self.reference = None
+        self.ref_seconds = None
+        self.loop_reason = self.loop_unavailable()
+
+    # ---- running zinf-train ----
+
+    def argv(self, mode, swap, ckpt, steps=STEPS, resume=False):
+        a = [self.train, "--preset", "tiny", "--steps", str(steps), "--batch", "4", "--seq",
+             "32", "--warmup", "2", "--param-tier", "nvme", "--data", self.data, "--json",
+             "--nvme", swap]
+        if mode == "durable":
+            a.append("--durable")
+        else:
+            a += ["--save-every", "1", "--checkpoint-dir", ckpt]
+        if resume:
+            a.append("--resume")
+        return a
+
+    def start(self, argv, crash=None):
+        env = dict(self.env)
+        if crash:
+            env["ZINF_CRASH_AT"] = crash
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                text=True, errors="replace")
+
+    def finish(self, proc, t0, kill_after=None):
+        timed_out = False
+        try:
+            if kill_after is not None:
+                try:
+                    out, err = proc.communicate(timeout=kill_after)
+                    return Run(proc.returncode, out, err, time.time() - t0)
+                except subprocess.TimeoutExpired:
+                    proc.send_signal(signal.SIGKILL)
+            out, err = proc.communicate(timeout=self.args.timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            proc.kill()
+            out, err = proc.communicate()
+        return Run(proc.returncode, out, err, time.time() - t0, timed_out)
+
+    def run(self, argv, crash=None, kill_after=None):
+        t0 = time.time()
+        return self.finish(self.start(argv, crash), t0, kill_after)
+
+    # ---- files ----
+
+    @staticmethod
+    def snapshot(*dirs):
+        """{path: sha256} of every regular file under `dirs` (lock files aside)."""
+        snap = {}
+        for d in dirs:
+            for root, _, files in os.walk(d):
+                for f in files:
+                    if f.endswith(".lock"):
+                        continue
+                    p = os.path.join(root, f)
+                    try:
+                        with open(p, "rb") as fh:
+                            snap[p] = hashlib.sha256(fh.read()).hexdigest()
+                    except OSError:
+                        pass
+        return snap
+
+    @staticmethod
+    def targets(mode, swap, ckpt):
+        """Files a fault may hit: the swap files and index, checkpoint pieces, manifests,
+        latest."""
+        out = []
+        for d in ([swap] if mode == "durable" else [swap, ckpt]):
+            for root, _, files in os.walk(d):
+                out += [os.path.join(root, f) for f in files if not f.endswith(".lock")]
+        return sorted(out)
+
+    # ---- the loop-mounted small disk ----
+
+    def loop_unavailable(self):
+        if os.geteuid() != 0:
+            return "not root (a loop mount needs root)"
+        for tool in ("mkfs.ext4", "mount", "umount", "losetup"):
+            if shutil.which(tool) is None and not os.path.exists("/sbin/" + tool):
+                return tool + " not found"
+        probe = os.path.join(self.base, "probe")
+        os.makedirs(probe + "/mnt")
+        try:
+            self.mount(probe, 2 << 20)
+            self.umount(probe)
+        except (subprocess.CalledProcessError, OSError) as e:
+            return "loop mount failed here (%s)" % e
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+        return None
+
+    @staticmethod
+    def mount(work, size):
+        img = os.path.join(work, "disk.img")
+        with open(img, "wb") as f:
+            f.truncate(size)
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", img],
+                       check=True, capture_output=True)
+        subprocess.run(["mount", "-o", "loop", img, os.path.join(work, "mnt")], check=True,
+                       capture_output=True)
+
+    @staticmethod
+    def umount(work):
+        subprocess.run(["umount", os.path.join(work, "mnt")], check=False, capture_output=True)
+
+    # ---- the cases ----
+
+    def classify_resume(self, resumed, before, swap, ckpt, mode):
+        """After a fault and a --resume: identical, or a clear error that changed nothing."""
+        if resumed.timed_out or (resumed.rc not in (0, 1, 2)):
+            return "crash", "resume: rc %s%s: %s" % (resumed.rc, " (hang)" if resumed.timed_out
+                                                     else "", resumed.last_error())
+        if resumed.rc == 0:
+            if resumed.checksum == self.reference:
+                return "identical", ""
+            return "silent-wrong", "resume ended on %s, not %s" % (resumed.checksum,
+                                                                  self.reference)
+        if not resumed.clear_error():
+            return "crash", "resume: exit %d without a clear message: %s" % (
+                resumed.rc, resumed.last_error())
+        # A failed resume must leave what was there: checkpoints and a durable store are the
+        # user's state (the checkpoint mode's swap files are scratch, rebuilt on resume).
+        after = self.snapshot(swap, ckpt)
+        kept = [p for p in before if mode == "durable" or not p.startswith(swap + "/")]
+        changed = [p for p in kept if after.get(p) != before[p]]
+        if changed:
+            return "data-loss", "a failed resume changed or removed %s (%s)" % (
+                os.path.relpath(changed[0], self.base), resumed.last_error())
+        return "clear-error", resumed.last_error()
+
+    def case_kill(self, rng, work, kind):
+        mode = rng.choice(["checkpoint", "durable"])
+        swap, ckpt = work + "/swap", work + "/ckpt"
+        argv = self.argv(mode, swap, ckpt)
+        if kind == "kill-time":
+            delay = rng.uniform(0.0, self.ref_seconds * 1.1)
+            first = self.run(argv, kill_after=delay)
+            what = "%s, SIGKILL at %.2f s" % (mode, delay)
+        else:
+            name, hits = rng.choice(CRASH_POINTS[mode])
+            point = "%s:%d" % (name, rng.randint(1, hits))
+            first = self.run(argv, crash=point)
+            what = "%s, ZINF_CRASH_AT=%s" % (mode, point)
+        if not first.killed:
+            if first.rc == 0 and first.checksum == self.reference:
+                return what + " (finished first)", "identical", ""
+            if first.rc == 0:
+                return what, "silent-wrong", "uninterrupted run ended on %s" % first.checksum
+            return what, "crash", "rc %s: %s" % (first.rc, first.last_error())
+        before = self.snapshot(swap, ckpt)
+        resumed = self.run(self.argv(mode, swap, ckpt, resume=True))
+        cls, detail = self.classify_resume(resumed, before, swap, ckpt, mode)
+        return what, cls, detail
+
+    def case_damage(self, rng, work, kind):
+        mode = rng.choice(["checkpoint", "durable"])
+        swap, ckpt = work + "/swap", work + "/ckpt"
+        # First a kill at a random named point, or a run that ends early, so that the files
+        # are mid-training.
+        if rng.random() < 0.5:
+            name, hits = rng.choice(CRASH_POINTS[mode])
+            point = "%s:%d" % (name, rng.randint(1, hits))
+            first = self.run(self.argv(mode, swap, ckpt), crash=point)
+            what = "%s, ZINF_CRASH_AT=%s" % (mode, point)
+        else:
+            k = rng.randint(1, STEPS - 1)
+            first = self.run(self.argv(mode, swap, ckpt, steps=k))
+            what = "%s, %d of %d steps" % (mode, k, STEPS)
+        if not (first.killed or first.rc == 0):
+            return what, "crash", "first run: rc %s: %s" % (first.rc, first.last_error())
+        files = self.targets(mode, swap, ckpt)
+        if not files:
+            return what + ", no files", "skipped", "nothing on disk to damage"
+        target = rng.choice(files)
+        size = os.path.getsize(target)
+        rel = os.path.relpath(target, work)
+        if kind == "flip" and size > 0:
+            at = rng.randrange(size)
+            with open(target, "r+b") as f:
+                f.seek(at)
+                b = f.read(1)[0]
+                f.seek(at)
+                f.write(bytes([b ^ rng.randint(1, 255)]))
+            what += ", byte %d of %s flipped" % (at, rel)
+        elif kind == "truncate" or (kind == "flip" and size == 0):
+            n = rng.randrange(size) if size > 0 else 0
+            os.truncate(target, n)
+            what += ", %s cut to %d of %d bytes" % (rel, n, size)
+        else:
+            os.remove(target)
+            what += ", %s removed" % rel
+        before = self.snapshot(swap, ckpt)
+        resumed = self.run(self.argv(mode, swap, ckpt, resume=True))
+        cls, detail = self.classify_resume(resumed, before, swap, ckpt, mode)
+        return what, cls, detail
+
+    def case_disk_full(self, rng, work):
+        if self.loop_reason:
+            return "disk-full", "skipped", self.loop_reason
+        os.makedirs(work + "/mnt")
+        # From below the swap files' size to a few checkpoints past it.
+        size = rng.randint(self.swap_bytes // 2, self.swap_bytes + 6 * self.ckpt_bytes)
+        size = max(size, 1 << 20)
+        self.mount(work, size)
+        try:
+            swap, ckpt = work + "/mnt/swap", work + "/mnt/ckpt"
+            first = self.run(self.argv("checkpoint", swap, ckpt))
+            what = "checkpoint, an ext4 of %d KiB" % (size >> 10)
+            if first.rc == 0:
+                if first.checksum == self.reference:
+                    return what + " (had room)", "identical", ""
+                return what, "silent-wrong", "ended on %s" % first.checksum
+            if not first.clear_error():
+                return what, "crash", "rc %s: %s" % (first.rc, first.last_error())
+            # What it left must resume, on a disk with room, to the same parameters.
+            shutil.copytree(ckpt, work + "/ckpt2") if os.path.isdir(ckpt) else os.makedirs(
+                work + "/ckpt2")
+        finally:
+            self.umount(work)
+        resumed = self.run(self.argv("checkpoint", work + "/swap2", work + "/ckpt2",
+                                     resume=True))
+        if resumed.rc == 0 and resumed.checksum == self.reference:
+            return what, "clear-error", first.last_error()
+        if resumed.rc == 0:
+            return what, "silent-wrong", "resumed to %s" % resumed.checksum
+        return what, "data-loss", "what the full disk left does not resume: " + \
+            resumed.last_error()
+
+    def case_concurrent(self, rng, work):
+        variant = rng.choice(["same swap and checkpoint folders", "same swap folder",
+                              "same checkpoint folder", "same durable store"])
+        mode = "durable" if variant == "same durable store" else "checkpoint"
+        a_swap, a_ckpt = work + "/swap", work + "/ckpt"
+        b_swap = a_swap if "swap" in variant or mode == "durable" else work + "/swap-b"
+        b_ckpt = a_ckpt if "checkpoint folder" in variant else work + "/ckpt-b"
+        # The first run is frozen (SIGSTOP) at a random point while the second runs, so that
+        # the two overlap however fast they are; then it goes on (SIGCONT). A first run that
+        # ended before the freeze meets the second with its results instead (checkpoints, a
+        # committed store).
+        delay = rng.uniform(0.0, 0.9 * self.ref_seconds)
+        t0 = time.time()
+        pa = self.start(self.argv(mode, a_swap, a_ckpt))
+        time.sleep(delay)
+        frozen = pa.poll() is None
+        if frozen:
+            os.kill(pa.pid, signal.SIGSTOP)
+        pb = self.start(self.argv(mode, b_swap, b_ckpt))
+        rb = self.finish(pb, t0)
+        if frozen:
+            os.kill(pa.pid, signal.SIGCONT)
+        ra = self.finish(pa, t0)
+        what = "%s, the first %s at %.2f s" % (variant, "frozen" if frozen else "done", delay)
+        runs = [ra, rb]
+        if any(r.timed_out or r.rc not in (0, 1, 2) for r in runs):
+            bad = [r for r in runs if r.timed_out or r.rc not in (0, 1, 2)][0]
+            return what, "crash", "rc %s: %s" % (bad.rc, bad.last_error())
+        if any(r.rc == 0 and r.checksum != self.reference for r in runs):
+            return what, "silent-wrong", "a run ended on other parameters"
+        if any(r.rc != 0 and not r.clear_error() for r in runs):
+            return what, "crash", "a refused run said nothing clear"
+        if not any(r.rc == 0 for r in runs):
+            return what, "data-loss", "neither run finished: " + ra.last_error()
+        refused = [r for r in runs if r.rc != 0]
+        if refused:
+            return what, "clear-error", refused[0].last_error()
+        return what, "identical", "both finished (one after the other)"
+
+    # ---- the campaign ----
+
+    def prepare(self):
+        work = os.path.join(self.base, "reference")
+        r = self.run(self.argv("checkpoint", work + "/swap", work + "/ckpt"))
+        if r.rc != 0 or not r.checksum:
+            raise SystemExit("chaos: the uninterrupted run failed (rc %s): %s" %
+                             (r.rc, r.last_error()))
+        d = self.run(self.argv("durable", work + "/dswap", None))
+        if d.rc != 0 or d.checksum != r.checksum:
+            raise SystemExit("chaos: the durable run (rc %s) ended on %s, the checkpointed on %s"
+                             % (d.rc, d.checksum, r.checksum))
+        # The first run of a session pays for cold caches: the kill times follow the faster.
+        self.reference, self.ref_seconds = r.checksum, min(r.seconds, d.seconds)
+        per_folder = {}
+        for p in self.snapshot(work + "/ckpt"):
+            top = os.path.relpath(p, work + "/ckpt").split(os.sep)[0]
+            per_folder[top] = per_folder.get(top, 0) + os.path.getsize(p)
+        self.ckpt_bytes = max(per_folder.values())  # one checkpoint (step-N folder)
+        self.swap_bytes = sum(os.path.getsize(p) for p in self.snapshot(work + "/dswap"))
+        shutil.rmtree(work, ignore_errors=True)
+
+    def one(self, i):
+        rng = random.Random("%d/%d" % (self.args.seed, i))
+        kind = KINDS[i % len(KINDS)] if self.args.kind is None else self.args.kind
+        work = os.path.join(self.base, "case-%d" % i)
+        os.makedirs(work)
+        t0 = time.time()
+        if kind in ("kill-time", "kill-point"):
+            what, cls, detail = self.case_kill(rng, work, kind)
+        elif kind in ("flip", "truncate", "remove"):
+            what, cls, detail = self.case_damage(rng, work, kind)
+        elif kind == "disk-full":
+            what, cls, detail = self.case_disk_full(rng, work)
+        else:
+            what, cls, detail = self.case_concurrent(rng, work)
+        if cls in BAD and self.args.keep:
+            print("  kept %s" % work, file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+        return kind, what, cls, detail, time.time() - t0
+
+    def main(self):
+        self.prepare()
+        print("chaos: reference %s (%.1f s uninterrupted), seed %d, %d cases, work %s" %
+              (self.reference, self.ref_seconds, self.args.seed, self.args.cases, self.base),
+              file=sys.stderr)
+        if self.loop_reason:
+            print("chaos: disk-full cases skipped: %s" % self.loop_reason, file=sys.stderr)
+        table = {k: {c: 0 for c in CLASSES} for k in KINDS}
+        bad = []
+        for i in range(self.args.cases):
+            kind, what, cls, detail, secs = self.one(i)
+            table[kind][cls] += 1
+            line = "[%d/%d] %-10s %-12s %s (%.1f s)%s" % (
+                i + 1, self.args.cases, kind, cls, what, secs,
+                ("\n      " + detail) if detail and (cls != "identical") else "")
+            print(line, file=sys.stderr, flush=True)
+            if cls in BAD:
+                bad.append(line)
+        shutil.rmtree(self.base, ignore_errors=True)
+        print("| kind | " + " | ".join(CLASSES) + " |")
+        print("| --- |" + " --- |" * len(CLASSES))
+        total = {c: 0 for c in CLASSES}
+        for k in KINDS:
+            if sum(table[k].values()) == 0:
+                continue
+            print("| %s | %s |" % (k, " | ".join(str(table[k][c]) for c in CLASSES)))
+            for c in CLASSES:
+                total[c] += table[k][c]
+        print("| all | %s |" % " | ".join(str(total[c]) for c in CLASSES))
+        if bad:
+            print("\nFAILED cases:\n" + "\n".join(bad))
+            return 1
+        return 0
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="exit status: 0 no silent-wrong, data-loss or crash "
+                                       "case; 1 some; 2 usage or setup error")
+    p.add_argument("--cases", type=int, default=200, help="how many cases (default 200)")
+    p.add_argument("--seed", type=int, default=1, help="campaign seed (default 1)")
+    p.add_argument("--kind", choices=KINDS, help="only this kind of fault")
+    p.add_argument("--train", default=os.path.join(ROOT, "build", "train", "zinf-train"),
+                   help="the zinf-train binary (default build/train/zinf-train)")
+    p.add_argument("--work", default=os.environ.get("TMPDIR", "/var/tmp"),
+                   help="folder for the cases' files (default $TMPDIR or /var/tmp)")
+    p.add_argument("--timeout", type=float, default=300,
+                   help="seconds before a run counts as hung (default 300)")
+    p.add_argument("--keep", action="store_true", help="keep the files of failed cases")
+    a = p.parse_args()
+    if a.cases < 1:
+        p.error("--cases must be at least 1")
+    if not os.access(a.train, os.X_OK):
+        p.error("%s is not an executable (build first: scripts/build.sh)" % a.train)
+    if not os.path.isdir(a.work):
+        p.error("--work %s is not a folder" % a.work)
+    return a
+
+
+if __name__ == "__main__":
+    campaign = Campaign(parse())
+    try:
+        sys.exit(campaign.main())
+    finally:
+        shutil.rmtree(campaign.base, ignore_errors=True)
