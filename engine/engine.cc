@@ -500,6 +500,8 @@ struct Engine::Impl {
   Status Fetch(ParamId id, bool prefetch = false);
   // Fetch's work once the buffers are there: the read, copy and gather on the streams.
   Status IssueFetch(ParamId id, const std::shared_ptr<PinnedBuffer>& staging);
+  // Gives back the device copy of `p` (nothing may still use or write it) and its accounting.
+  void DropDeviceCopy(Param& p);
   Status MakeRoom(uint64_t elems, uint64_t bytes, ParamId for_id);
   // Waits for the gradient reductions in flight; their scratch memory is free afterwards.
   Status ReclaimScratch() {
@@ -1519,6 +1521,10 @@ void Engine::Impl::Evict(ParamId id) {
   (void)device->RecordEvent(compute_done.get(), device->ComputeStream());
   (void)device->SynchronizeEvent(compute_done.get());
   if (p.state == FetchState::kFetching) (void)device->SynchronizeEvent(p.ready.get());
+  DropDeviceCopy(p);
+}
+
+void Engine::Impl::DropDeviceCopy(Param& p) {
   DevFree(p.device_full, FullBytes(p));
   p.device_full = nullptr;
   p.fetched_version = kNotFetched;
@@ -1599,12 +1605,7 @@ Status Engine::Impl::Fetch(ParamId id, bool prefetch) {
     // goes back (the streams' own errors are the fetch's, reported by `s`).
     (void)device->SynchronizeStream(copy_stream);
     (void)device->SynchronizeStream(comm_stream);
-    DevFree(p.device_full, FullBytes(p));
-    p.device_full = nullptr;
-    p.fetched_version = kNotFetched;
-    p.state = FetchState::kAbsent;
-    live_elems -= p.padded_numel;
-    plan_bytes -= FullBytes(p);
+    DropDeviceCopy(p);
     return s;
   }
   p.state = FetchState::kFetching;

@@ -9,9 +9,12 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <nlohmann/json.hpp>
 #include <unordered_map>
 
@@ -65,11 +68,53 @@ struct ChunkCheck {
 };
 
 struct TicketState {
-  int remaining = 0;
+  int remaining = 0;  // chunk transfers, and chunk hashes, not yet done
   Status status;
   std::string key;
-  // Checked by Wait() on the caller's thread, so hashing never stalls the I/O thread.
-  std::vector<ChunkCheck> checks;
+};
+
+// Checksums off the callers' and the I/O thread's paths: one thread hashes written chunks
+// while they are being written and verifies read chunks as they land, so that hashing
+// overlaps the I/O instead of adding to it (a ticket ends when its transfers and its hashes
+// are done). FIFO; drained and joined at destruction.
+class HashWorker {
+ public:
+  HashWorker() : thread_([this] { Loop(); }) {}
+  ~HashWorker() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  void Post(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void Loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+        if (tasks_.empty()) return;  // stopping, and drained
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      task();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;  // guarded by mu_
+  bool stop_ = false;                        // guarded by mu_
+  std::thread thread_;                       // last: starts once the rest is ready
 };
 
 // fsync of a folder, so that renames and removals in it are durable.
@@ -102,6 +147,7 @@ struct SwapStore::Impl {
   bool direct_io = true;
   std::vector<IoFile> files;
   std::unique_ptr<IoQueue> queue;
+  std::unique_ptr<HashWorker> hasher;  // with checksums
 
   mutable std::mutex mu;
   std::condition_variable cv;
@@ -124,7 +170,8 @@ struct SwapStore::Impl {
   bool committing = false;  // Commit in progress: Write and Remove are refused
 
   ~Impl() {
-    queue.reset();  // drains
+    queue.reset();   // drains (its completions may still post hashes)
+    hasher.reset();  // drains
     for (const IoFile& f : files) close(f.fd);
   }
 
@@ -492,6 +539,8 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
           IoQueue::Start(std::move(b), impl->files, options.registered_regions, qopt);
       if (queue.ok()) {
         impl->queue = std::move(queue).value();
+        // (Always: a reopened store may hold checksums although this one writes none.)
+        impl->hasher = std::make_unique<HashWorker>();
         if (!first_failure.ok()) {
           LogWarning("the " + std::string(IoBackendKindName(options.backend)) +
                      " I/O backend is unavailable here (" + first_failure.message() +
@@ -514,20 +563,9 @@ Result<Ticket> SwapStore::Write(const std::string& key, const void* buf, uint64_
   const uint64_t padded = RoundUp(size, m.alignment);
   const uint64_t chunks = m.NumChunks(padded);
 
-  // Hash before taking the lock: the buffer is the caller's and stays unchanged.
-  std::vector<uint64_t> sums;
-  if (m.options.checksums) {
-    auto t0 = std::chrono::steady_clock::now();
-    sums.resize(chunks);
-    for (uint64_t i = 0; i < chunks; ++i) {
-      uint64_t start = i * m.options.chunk_size;
-      sums[i] = XXH3_64bits(static_cast<const char*>(buf) + start,
-                            std::min<uint64_t>(m.options.chunk_size, size - start));
-    }
-    std::lock_guard<std::mutex> lock(m.mu);
-    m.stats.checksum_seconds += SecondsSince(t0);
-  }
-
+  // With checksums each chunk is hashed by the hash worker while it is being written (the
+  // buffer is the caller's and stays unchanged until the ticket is waited for).
+  const bool hashed = m.options.checksums && chunks > 0;
   std::vector<Transfer> transfers;
   Ticket ticket;
   {
@@ -570,14 +608,14 @@ Result<Ticket> SwapStore::Write(const std::string& key, const void* buf, uint64_
     if (it == m.entries.end()) ++m.stats.tensors;
     m.stats.bytes_stored = m.stats.bytes_stored - (it != m.entries.end() ? e.size : 0) + size;
     e.size = size;
-    e.checksums = std::move(sums);
+    e.checksums.assign(m.options.checksums ? chunks : 0, 0);  // filled in by the hashes
     e.writing = true;
     e.valid = false;
     for (uint64_t i = 0; i < chunks; ++i) {
       transfers.push_back(
           m.ChunkTransfer(e, i, IoOp::kWrite, static_cast<char*>(const_cast<void*>(buf))));
     }
-    ticket = m.NewTicket(static_cast<int>(std::max<uint64_t>(chunks, 1)));
+    ticket = m.NewTicket(static_cast<int>(std::max<uint64_t>(chunks, 1) * (hashed ? 2 : 1)));
   }
   if (chunks == 0) {
     m.PartDone(ticket, Status::OK(), key, /*is_write=*/true);
@@ -587,6 +625,26 @@ Result<Ticket> SwapStore::Write(const std::string& key, const void* buf, uint64_
     m.queue->Submit(
         t, [&m, ticket, key](const Status& s) { m.PartDone(ticket, s, key, /*is_write=*/true); });
   }
+  if (hashed) {
+    const uint64_t chunk_size = m.options.chunk_size;
+    for (uint64_t i = 0; i < chunks; ++i) {
+      m.hasher->Post([&m, ticket, key, buf, size, chunk_size, i] {
+        auto t0 = std::chrono::steady_clock::now();
+        const uint64_t start = i * chunk_size;
+        const uint64_t sum = XXH3_64bits(static_cast<const char*>(buf) + start,
+                                         std::min<uint64_t>(chunk_size, size - start));
+        {
+          std::lock_guard<std::mutex> lock(m.mu);
+          auto it = m.entries.find(key);  // kept while it is being written
+          if (it != m.entries.end() && i < it->second.checksums.size()) {
+            it->second.checksums[i] = sum;
+          }
+          m.stats.checksum_seconds += SecondsSince(t0);
+        }
+        m.PartDone(ticket, Status::OK(), key, /*is_write=*/true);
+      });
+    }
+  }
   CrashPoint("swap.write");
   return ticket;
 }
@@ -594,6 +652,7 @@ Result<Ticket> SwapStore::Write(const std::string& key, const void* buf, uint64_
 Result<Ticket> SwapStore::Read(const std::string& key, void* buf, uint64_t capacity, bool urgent) {
   Impl& m = *impl_;
   std::vector<Transfer> transfers;
+  std::vector<ChunkCheck> checks;
   Ticket ticket;
   {
     std::lock_guard<std::mutex> lock(m.mu);
@@ -620,21 +679,49 @@ Result<Ticket> SwapStore::Read(const std::string& key, void* buf, uint64_t capac
     }
     ++e.readers;
     ticket = m.NewTicket(static_cast<int>(std::max<uint64_t>(chunks, 1)));
-    TicketState& ts = m.tickets[ticket];
-    ts.key = key;
+    m.tickets[ticket].key = key;
     for (uint64_t i = 0; i < e.checksums.size(); ++i) {
       const Transfer& t = transfers[i];
-      ts.checks.push_back({static_cast<const char*>(t.buf), m.ChunkLogicalBytes(e, i),
-                           e.checksums[i], i, t.file, t.offset});
+      checks.push_back({static_cast<const char*>(t.buf), m.ChunkLogicalBytes(e, i),
+                        e.checksums[i], i, t.file, t.offset});
     }
   }
   if (transfers.empty()) {
     m.PartDone(ticket, Status::OK(), key, /*is_write=*/false);
     return ticket;
   }
-  for (const Transfer& t : transfers) {
-    m.queue->Submit(
-        t, [&m, ticket, key](const Status& s) { m.PartDone(ticket, s, key, /*is_write=*/false); });
+  for (size_t i = 0; i < transfers.size(); ++i) {
+    if (i < checks.size()) {
+      // Verified by the hash worker as soon as it lands; the chunk counts as done after.
+      const ChunkCheck c = checks[i];
+      m.queue->Submit(transfers[i], [&m, ticket, key, c](const Status& s) {
+        if (!s.ok()) {
+          m.PartDone(ticket, s, key, /*is_write=*/false);
+          return;
+        }
+        m.hasher->Post([&m, ticket, key, c] {
+          auto t0 = std::chrono::steady_clock::now();
+          const uint64_t got = XXH3_64bits(c.data, c.len);
+          Status v;
+          if (got != c.expected) {
+            v = Status::Corruption("checksum mismatch in chunk " + std::to_string(c.chunk) +
+                                   " (" + m.files[c.file].path + " offset " +
+                                   std::to_string(c.offset) + "): stored " +
+                                   std::to_string(c.expected) + ", read " + std::to_string(got) +
+                                   "; the data on disk is damaged");
+          }
+          {
+            std::lock_guard<std::mutex> lock(m.mu);
+            m.stats.checksum_seconds += SecondsSince(t0);
+          }
+          m.PartDone(ticket, v, key, /*is_write=*/false);
+        });
+      });
+    } else {
+      m.queue->Submit(transfers[i], [&m, ticket, key](const Status& s) {
+        m.PartDone(ticket, s, key, /*is_write=*/false);
+      });
+    }
   }
   return ticket;
 }
@@ -648,25 +735,9 @@ Status SwapStore::Wait(Ticket ticket) {
                                    " (never issued, or already waited for)");
   }
   m.cv.wait(lock, [&] { return m.tickets[ticket].remaining == 0; });
-  TicketState ts = std::move(m.tickets[ticket]);
+  // (Read chunks were verified as they landed: a mismatch is the ticket's status.)
+  Status result = std::move(m.tickets[ticket].status);
   m.tickets.erase(ticket);
-  if (!ts.status.ok() || ts.checks.empty()) return ts.status;
-  lock.unlock();
-  auto t0 = std::chrono::steady_clock::now();
-  Status result;
-  for (const ChunkCheck& c : ts.checks) {
-    uint64_t got = XXH3_64bits(c.data, c.len);
-    if (got != c.expected) {
-      result =
-          Status::Corruption("swap read of tensor '" + ts.key + "': checksum mismatch in chunk " +
-                             std::to_string(c.chunk) + " (" + m.files[c.file].path + " offset " +
-                             std::to_string(c.offset) + "): stored " + std::to_string(c.expected) +
-                             ", read " + std::to_string(got) + "; the data on disk is damaged");
-      break;
-    }
-  }
-  lock.lock();
-  m.stats.checksum_seconds += SecondsSince(t0);
   return result;
 }
 
