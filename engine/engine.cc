@@ -1587,8 +1587,10 @@ Status Engine::Impl::Fetch(ParamId id, bool prefetch) {
   if (config.offload_param.tier == Tier::kNvme) {
     Result<PinnedBuffer> buf = arena->Allocate(PartBytes(p));
     if (!buf.ok() && !prefetch) {
-      // Wait for the copies in flight: each hands its staging back once copied.
+      // Wait for the copies in flight: each hands its staging back once copied (fetches on
+      // the copy stream, gradient partitions on the gradient stream).
       ZINF_RETURN_IF_ERROR(device->SynchronizeStream(copy_stream));
+      ZINF_RETURN_IF_ERROR(device->SynchronizeStream(grad_stream));
       buf = arena->Allocate(PartBytes(p));
     }
     if (!buf.ok()) return buf.status().WithContext("staging parameter '" + p.info.name + "'");

@@ -10,12 +10,13 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <mutex>
-#include <thread>
 #include <nlohmann/json.hpp>
+#include <system_error>
+#include <thread>
 #include <unordered_map>
 
 #include "common/folder_lock.h"
@@ -76,7 +77,8 @@ struct TicketState {
 // Checksums off the callers' and the I/O thread's paths: one thread hashes written chunks
 // while they are being written and verifies read chunks as they land, so that hashing
 // overlaps the I/O instead of adding to it (a ticket ends when its transfers and its hashes
-// are done). FIFO; drained and joined at destruction.
+// are done). Read checks go first (a trainer or the optimizer waits on them; a write's hash
+// only delays the end of its ticket), each lane FIFO; drained and joined at destruction.
 class HashWorker {
  public:
   HashWorker() : thread_([this] { Loop(); }) {}
@@ -88,10 +90,10 @@ class HashWorker {
     cv_.notify_one();
     thread_.join();
   }
-  void Post(std::function<void()> task) {
+  void Post(std::function<void()> task, bool read_check) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      tasks_.push_back(std::move(task));
+      (read_check ? reads_ : writes_).push_back(std::move(task));
     }
     cv_.notify_one();
   }
@@ -102,19 +104,20 @@ class HashWorker {
       std::function<void()> task;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
-        if (tasks_.empty()) return;  // stopping, and drained
-        task = std::move(tasks_.front());
-        tasks_.pop_front();
+        cv_.wait(lock, [&] { return stop_ || !reads_.empty() || !writes_.empty(); });
+        if (reads_.empty() && writes_.empty()) return;  // stopping, and drained
+        std::deque<std::function<void()>>& lane = reads_.empty() ? writes_ : reads_;
+        task = std::move(lane.front());
+        lane.pop_front();
       }
       task();
     }
   }
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;  // guarded by mu_
-  bool stop_ = false;                        // guarded by mu_
-  std::thread thread_;                       // last: starts once the rest is ready
+  std::deque<std::function<void()>> reads_, writes_;  // guarded by mu_
+  bool stop_ = false;                                 // guarded by mu_
+  std::thread thread_;                                // last: starts once the rest is ready
 };
 
 // fsync of a folder, so that renames and removals in it are durable.
@@ -540,7 +543,12 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
       if (queue.ok()) {
         impl->queue = std::move(queue).value();
         // (Always: a reopened store may hold checksums although this one writes none.)
-        impl->hasher = std::make_unique<HashWorker>();
+        try {
+          impl->hasher = std::make_unique<HashWorker>();
+        } catch (const std::system_error& e) {  // no thread could be started
+          return Status::ResourceExhausted(std::string("swap store: starting its hash thread: ") +
+                                           e.what());
+        }
         if (!first_failure.ok()) {
           LogWarning("the " + std::string(IoBackendKindName(options.backend)) +
                      " I/O backend is unavailable here (" + first_failure.message() +
@@ -628,21 +636,23 @@ Result<Ticket> SwapStore::Write(const std::string& key, const void* buf, uint64_
   if (hashed) {
     const uint64_t chunk_size = m.options.chunk_size;
     for (uint64_t i = 0; i < chunks; ++i) {
-      m.hasher->Post([&m, ticket, key, buf, size, chunk_size, i] {
-        auto t0 = std::chrono::steady_clock::now();
-        const uint64_t start = i * chunk_size;
-        const uint64_t sum = XXH3_64bits(static_cast<const char*>(buf) + start,
-                                         std::min<uint64_t>(chunk_size, size - start));
-        {
-          std::lock_guard<std::mutex> lock(m.mu);
-          auto it = m.entries.find(key);  // kept while it is being written
-          if (it != m.entries.end() && i < it->second.checksums.size()) {
-            it->second.checksums[i] = sum;
-          }
-          m.stats.checksum_seconds += SecondsSince(t0);
-        }
-        m.PartDone(ticket, Status::OK(), key, /*is_write=*/true);
-      });
+      m.hasher->Post(
+          [&m, ticket, key, buf, size, chunk_size, i] {
+            auto t0 = std::chrono::steady_clock::now();
+            const uint64_t start = i * chunk_size;
+            const uint64_t sum = XXH3_64bits(static_cast<const char*>(buf) + start,
+                                             std::min<uint64_t>(chunk_size, size - start));
+            {
+              std::lock_guard<std::mutex> lock(m.mu);
+              auto it = m.entries.find(key);  // kept while it is being written
+              if (it != m.entries.end() && i < it->second.checksums.size()) {
+                it->second.checksums[i] = sum;
+              }
+              m.stats.checksum_seconds += SecondsSince(t0);
+            }
+            m.PartDone(ticket, Status::OK(), key, /*is_write=*/true);
+          },
+          /*read_check=*/false);
     }
   }
   CrashPoint("swap.write");
@@ -682,8 +692,8 @@ Result<Ticket> SwapStore::Read(const std::string& key, void* buf, uint64_t capac
     m.tickets[ticket].key = key;
     for (uint64_t i = 0; i < e.checksums.size(); ++i) {
       const Transfer& t = transfers[i];
-      checks.push_back({static_cast<const char*>(t.buf), m.ChunkLogicalBytes(e, i),
-                        e.checksums[i], i, t.file, t.offset});
+      checks.push_back({static_cast<const char*>(t.buf), m.ChunkLogicalBytes(e, i), e.checksums[i],
+                        i, t.file, t.offset});
     }
   }
   if (transfers.empty()) {
@@ -699,23 +709,25 @@ Result<Ticket> SwapStore::Read(const std::string& key, void* buf, uint64_t capac
           m.PartDone(ticket, s, key, /*is_write=*/false);
           return;
         }
-        m.hasher->Post([&m, ticket, key, c] {
-          auto t0 = std::chrono::steady_clock::now();
-          const uint64_t got = XXH3_64bits(c.data, c.len);
-          Status v;
-          if (got != c.expected) {
-            v = Status::Corruption("checksum mismatch in chunk " + std::to_string(c.chunk) +
-                                   " (" + m.files[c.file].path + " offset " +
-                                   std::to_string(c.offset) + "): stored " +
-                                   std::to_string(c.expected) + ", read " + std::to_string(got) +
-                                   "; the data on disk is damaged");
-          }
-          {
-            std::lock_guard<std::mutex> lock(m.mu);
-            m.stats.checksum_seconds += SecondsSince(t0);
-          }
-          m.PartDone(ticket, v, key, /*is_write=*/false);
-        });
+        m.hasher->Post(
+            [&m, ticket, key, c] {
+              auto t0 = std::chrono::steady_clock::now();
+              const uint64_t got = XXH3_64bits(c.data, c.len);
+              Status v;
+              if (got != c.expected) {
+                v = Status::Corruption("checksum mismatch in chunk " + std::to_string(c.chunk) +
+                                       " (" + m.files[c.file].path + " offset " +
+                                       std::to_string(c.offset) + "): stored " +
+                                       std::to_string(c.expected) + ", read " +
+                                       std::to_string(got) + "; the data on disk is damaged");
+              }
+              {
+                std::lock_guard<std::mutex> lock(m.mu);
+                m.stats.checksum_seconds += SecondsSince(t0);
+              }
+              m.PartDone(ticket, v, key, /*is_write=*/false);
+            },
+            /*read_check=*/true);
       });
     } else {
       m.queue->Submit(transfers[i], [&m, ticket, key](const Status& s) {
