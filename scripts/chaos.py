@@ -211,7 +211,16 @@ class Campaign:
 
     @staticmethod
     def umount(work):
-        subprocess.run(["umount", os.path.join(work, "mnt")], check=False, capture_output=True)
+        # A run that just ended may keep the filesystem busy for a moment (the kernel tears its
+        # io_uring, which holds the swap files, down after the process): retry, then detach
+        # lazily, so that no mount and no loop device outlives the case.
+        mnt = os.path.join(work, "mnt")
+        for _ in range(50):
+            if subprocess.run(["umount", mnt], capture_output=True).returncode == 0:
+                return
+            time.sleep(0.1)
+        if subprocess.run(["umount", "-l", mnt], capture_output=True).returncode != 0:
+            raise SystemExit("chaos: cannot unmount %s; unmount it by hand" % mnt)
 
     # ---- the cases ----
 
