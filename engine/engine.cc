@@ -1605,8 +1605,8 @@ Status Engine::Impl::Fetch(ParamId id, bool prefetch) {
     // A buffer without a complete fetch issued into it must not stay: an Acquire would take
     // whatever that memory held for the parameter. Nothing may still write into it when it
     // goes back (the streams' own errors are the fetch's, reported by `s`).
-    (void)device->SynchronizeStream(copy_stream);
-    (void)device->SynchronizeStream(comm_stream);
+    (void)device->SynchronizeStream(copy_stream);  // safe: only waits; `s` is the error
+    (void)device->SynchronizeStream(comm_stream);  // safe: only waits; `s` is the error
     DropDeviceCopy(p);
     return s;
   }

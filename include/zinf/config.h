@@ -72,7 +72,7 @@ struct EngineConfig {
   // Free space the swap files never take (zinf.nvme_reserve_bytes); UINT64_MAX: 2 % of the
   // filesystem, at most 4 GiB.
   uint64_t nvme_reserve_bytes = UINT64_MAX;
-  bool delayed_update = false;       // one-step delayed parameter update
+  bool delayed_update = false;  // one-step delayed parameter update
   // With delayed_update: the first this-many optimizer steps run undelayed (early training
   // moves fast; a stale step costs most there), the delay starts after them.
   uint64_t delayed_update_after = 0;
