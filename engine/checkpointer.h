@@ -1,0 +1,63 @@
+// Checkpoints: every rank writes its sub-groups' states (with an xxh3 checksum per tensor
+// slice) and a manifest into a staging folder; rank 0 commits it under its step's name, points
+// `latest` at it and prunes older ones. A load validates a checkpoint in full (layout and
+// every checksum) before anything changes, falling back to an older one when asked.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "common/folder_lock.h"
+#include "engine/checkpoint_format.h"
+#include "engine/host_collectives.h"
+#include "engine/host_memory.h"
+#include "engine/layout.h"
+#include "engine/state_store.h"
+#include "zinf/config.h"
+
+namespace zinf {
+
+class Checkpointer {
+ public:
+  Checkpointer(const Layout* layout, const EngineConfig* config, HostCollectives* collectives,
+               int rank, int world)
+      : layout_(layout), config_(config), collectives_(collectives), rank_(rank), world_(world) {}
+  // At placement: the states to save and load.
+  void Attach(StateStore* states) { states_ = states; }
+
+  // Rank 0 creates and locks `dir`; every rank learns the result. A collective.
+  Status Prepare(const std::string& dir);
+  // Writes the states of every sub-group as step `step`. A collective; the optimizer must be
+  // idle.
+  Status Save(const std::string& dir, const std::string& user_data, int64_t step);
+  // Finds and validates the checkpoint to load; then `begin_install()`, and
+  // `install(gi, buf, step)` for each sub-group with its [master | m | v] in `buf`, `step` the
+  // checkpoint's. *man gets the manifest. On an
+  // error after installing began, *install_failed is set (the states are partly replaced).
+  // A collective.
+  Status Load(const std::string& dir, bool fall_back_to_older,
+              const std::function<Status()>& begin_install,
+              const std::function<Status(size_t, const void*, int64_t)>& install, RankManifest* man,
+              bool* install_failed);
+
+ private:
+  // Rank 0: locks `dir` (with `create`: creates it 0700 and checks it is writable first).
+  Status LockDir(const std::string& dir, bool create);
+  // Pass 1 of a load: parse, match the layout and verify every checksum of `folder`; nothing
+  // changes. Leaves the manifest in *man and the open states file in *fd.
+  Status Validate(const std::string& folder, RankManifest* man, int* fd, std::string* states_path,
+                  AlignedBuffer* buf);
+
+  const Layout* const layout_;
+  const EngineConfig* const config_;
+  StateStore* states_ = nullptr;
+  HostCollectives* const collectives_;
+  const int rank_;
+  const int world_;
+  // Checkpoint folders this engine saved to or loaded from, locked for its lifetime (rank 0).
+  std::map<std::string, std::unique_ptr<FolderLock>> locks_;
+};
+
+}  // namespace zinf

@@ -1,0 +1,58 @@
+// The engine's device memory: what is allocated (changed on stream callbacks and the
+// optimizer thread, under its own lock) and what the trainer's program order has planned.
+//
+// Decisions that issue collectives (fetch, prefetch, evict) look only at the planned bytes,
+// never at the allocated ones, which frees on stream threads change at times that differ
+// between ranks; so every rank takes the same decisions.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/thread_annotations.h"
+#include "zinf/device.h"
+
+namespace zinf {
+
+class DeviceBudget {
+ public:
+  // `budget`: zinf.device_budget_bytes (0: no engine-side limit). The streams are those whose
+  // work may still use gradient scratch (see ReclaimScratch).
+  DeviceBudget(Device* device, uint64_t budget, std::vector<Stream*> scratch_streams)
+      : device_(device), budget_(budget), scratch_streams_(std::move(scratch_streams)) {}
+
+  // Any thread.
+  Result<void*> Alloc(size_t bytes, const std::string& what) EXCLUDES(mu_);
+  void Free(void* ptr, size_t bytes) EXCLUDES(mu_);
+  // The peak allocated since the last call; the next period starts at what is allocated now.
+  uint64_t TakePeak() EXCLUDES(mu_);
+
+  // Trainer thread only: the plan.
+  uint64_t budget() const { return budget_; }
+  uint64_t planned() const { return planned_; }
+  void Plan(uint64_t bytes) { planned_ += bytes; }
+  void Unplan(uint64_t bytes) { planned_ -= bytes; }
+  // Whether `bytes` more fit the budget as planned.
+  bool Fits(uint64_t bytes) const { return budget_ == 0 || planned_ + bytes <= budget_; }
+  // Gradient scratch planned and in flight on the streams; freed by their callbacks.
+  void PlanScratch(uint64_t bytes) {
+    planned_ += bytes;
+    scratch_.push_back(bytes);
+  }
+  bool has_scratch() const { return !scratch_.empty(); }
+  // Waits for the gradient reductions in flight; their scratch is free afterwards.
+  Status ReclaimScratch();
+
+ private:
+  Device* const device_;
+  const uint64_t budget_;
+  const std::vector<Stream*> scratch_streams_;
+  Mutex mu_;
+  uint64_t allocated_ GUARDED_BY(mu_) = 0;
+  uint64_t peak_ GUARDED_BY(mu_) = 0;
+  uint64_t planned_ = 0;           // trainer thread only
+  std::vector<uint64_t> scratch_;  // trainer thread only
+};
+
+}  // namespace zinf

@@ -1,0 +1,74 @@
+// The durable mode's commits: what a commit records (the step, the parameter version the
+// next micro-step reads, the layout, each parameter's update count, the history it belongs
+// to), its check at resume, and the agreement of all ranks on the commit to reopen.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/host_collectives.h"
+#include "engine/layout.h"
+#include "engine/state_store.h"
+#include "zinf/config.h"
+#include "zinf/swap.h"
+
+namespace zinf {
+
+class DurableCommits {
+ public:
+  DurableCommits(const Layout* layout, const EngineConfig* config, const StateStore* states,
+                 HostCollectives* collectives, int rank, int world)
+      : layout_(layout),
+        config_(config),
+        states_(states),
+        collectives_(collectives),
+        rank_(rank),
+        world_(world) {}
+  void Attach(SwapStore* swap) { swap_ = swap; }
+
+  // What a commit at `at_step` records; `at_visible`: the parameter version the micro-step
+  // after that step reads (one behind with the delayed update).
+  std::string Meta(int64_t at_step, int64_t at_visible) const;
+  // What the commit `meta` holds, checked against this engine's layout and configuration.
+  struct Point {
+    int64_t step = 0;
+    int64_t visible = 0;
+    bool param_keys = false;  // the commit holds NVMe parameter stores
+    uint64_t lineage = 0;
+    std::vector<int64_t> updates;  // each parameter's update count
+  };
+  Status Check(const std::string& meta, Point* point) const;
+  // Publishes the swap store's writes as step `at_step` (no-op unless durable). Called by the
+  // trainer thread at Step() (or between steps), or, for a delayed step, by the optimizer
+  // thread once the step's update is written (the next one has not begun).
+  Status Commit(int64_t at_step, int64_t at_visible);
+
+  // ResumeFromStore: the commit every rank reopens at. Each rank's store holds its last
+  // commit and, with more than one rank, the one before; ranks commit at most one step apart,
+  // so the earliest last commit is held by all. Returns whether this rank reopens at its
+  // previous one. A collective.
+  Result<bool> AgreeOnCommit(const std::string& first_path);
+  // A fresh durable store would replace one that holds committed steps: refused unless
+  // zinf.durable_overwrite.
+  Status RefuseOverwrite(const std::string& first_path) const;
+
+  // Durable: which history the commits belong to. 0 for a fresh start; every checkpoint load
+  // or set of new values derives a new one (the same on every rank), so that a resume never
+  // mixes a rank's commit from before it with another's from after it at the same step.
+  uint64_t lineage() const { return lineage_; }
+  void set_lineage(uint64_t l) { lineage_ = l; }
+  void NewLineage(int64_t step);
+
+ private:
+  const Layout* const layout_;
+  const EngineConfig* const config_;
+  const StateStore* const states_;
+  HostCollectives* const collectives_;
+  const int rank_;
+  const int world_;
+  SwapStore* swap_ = nullptr;
+  uint64_t lineage_ = 0;
+};
+
+}  // namespace zinf

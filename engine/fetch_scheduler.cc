@@ -1,0 +1,327 @@
+#include "engine/fetch_scheduler.h"
+
+#include <chrono>
+
+#include "zinf/log.h"
+
+namespace zinf {
+
+using Clock = std::chrono::steady_clock;
+
+FetchScheduler::FetchScheduler(const Layout* layout, const EngineConfig* config, Device* device,
+                               Communicator* comm, DeviceBudget* budget, StatsRecorder* stats,
+                               const ParamStore* store, AcquireTrace* trace, Streams streams)
+    : layout_(layout),
+      config_(config),
+      device_(device),
+      comm_(comm),
+      budget_(budget),
+      stats_(stats),
+      store_(store),
+      trace_(trace),
+      streams_(streams),
+      res_(layout->num_params()) {
+  MutexLock lock(&mu_);
+  fetch_status_.resize(layout->num_params());
+}
+
+FetchScheduler::~FetchScheduler() {
+  // The engine synchronised every stream before this: nothing uses the buffers any more.
+  for (ParamId id = 0; id < res_.size(); ++id) {
+    if (res_[id].device_full != nullptr && !res_[id].aliased) {
+      budget_->Free(res_[id].device_full, layout_->FullBytes(id));
+    }
+  }
+}
+
+Status FetchScheduler::Init() {
+  ZINF_ASSIGN_OR_RETURN(compute_done_, device_->CreateEvent());
+  ZINF_ASSIGN_OR_RETURN(copy_done_, device_->CreateEvent());
+  return Status::OK();
+}
+
+void FetchScheduler::SetFetchStatus(ParamId id, const Status& s) {
+  MutexLock lock(&mu_);
+  fetch_status_[id] = s;
+}
+
+Status FetchScheduler::TakeFetchStatus(ParamId id) {
+  MutexLock lock(&mu_);
+  Status s = fetch_status_[id];
+  fetch_status_[id] = Status::OK();
+  return s;
+}
+
+Status FetchScheduler::Evict(ParamId id) {
+  Resident& r = res_[id];
+  if (r.aliased || r.device_full == nullptr) return Status::OK();
+  // Nothing may use or write the buffer when it goes back: the compute that read it has
+  // finished (host compute is synchronous; on a GPU, the compute stream's event), and so has
+  // a fetch still writing it.
+  Status s = device_->RecordEvent(compute_done_.get(), device_->ComputeStream());
+  if (s.ok()) s = device_->SynchronizeEvent(compute_done_.get());
+  if (s.ok() && r.state == State::kFetching) s = device_->SynchronizeEvent(r.ready.get());
+  if (!s.ok()) {
+    return s.WithContext("evicting parameter '" + layout_->param(id).info.name +
+                         "' (its device memory stays allocated: nothing is known to be done "
+                         "with it)");
+  }
+  DropDeviceCopy(id);
+  return Status::OK();
+}
+
+void FetchScheduler::DropDeviceCopy(ParamId id) {
+  Resident& r = res_[id];
+  budget_->Free(r.device_full, layout_->FullBytes(id));
+  r.device_full = nullptr;
+  r.fetched_version = kNotFetched;
+  r.state = State::kAbsent;
+  live_elems_ -= layout_->param(id).padded_numel;
+  budget_->Unplan(layout_->FullBytes(id));
+}
+
+Status FetchScheduler::MakeRoom(uint64_t elems, uint64_t bytes, ParamId for_id) {
+  const ParamLayout& target = layout_->param(for_id);
+  const uint64_t grad_room = (target.padded_numel + target.info.partition_numel) * sizeof(float);
+  auto fits = [&] {
+    return budget_->Fits(bytes + grad_room) && live_elems_ + elems <= config_->max_live_parameters;
+  };
+  while (!fits()) {
+    if (budget_->has_scratch()) {
+      ZINF_RETURN_IF_ERROR(budget_->ReclaimScratch());
+      continue;
+    }
+    // Evict the released parameter whose next use is farthest away.
+    ParamId victim = UINT32_MAX;
+    uint64_t best = 0;
+    for (ParamId id = 0; id < res_.size(); ++id) {
+      const Resident& r = res_[id];
+      if (r.acquired > 0 || r.aliased || r.device_full == nullptr || id == for_id) continue;
+      const uint64_t d = trace_->ReuseDistance(id, *layout_);
+      if (victim == UINT32_MAX || d > best) {
+        victim = id;
+        best = d;
+      }
+    }
+    if (victim == UINT32_MAX) {
+      return Status::ResourceExhausted(
+          "device budget too small to fetch parameter '" + target.info.name +
+          "' while the acquired ones stay resident (budget " +
+          FormatBytes(config_->device_budget_bytes) + ", max_live_parameters " +
+          std::to_string(config_->max_live_parameters) +
+          "); raise zinf.device_budget_bytes / stage3_max_live_parameters or acquire fewer "
+          "parameters at once");
+    }
+    ZINF_RETURN_IF_ERROR(Evict(victim));
+  }
+  return Status::OK();
+}
+
+Status FetchScheduler::Fetch(ParamId id, int64_t visible, bool prefetch) {
+  Resident& r = res_[id];
+  const ParamLayout& p = layout_->param(id);
+  if (r.aliased) {
+    r.device_full = store_->device_part(id, store_->Buf(visible));
+    r.state = State::kResident;
+    r.fetched_version = static_cast<uint64_t>(visible);
+    return Status::OK();
+  }
+  if (r.device_full != nullptr) ZINF_RETURN_IF_ERROR(Evict(id));  // stale copy
+  // NVMe: the pinned staging block first, so that a fetch that cannot have one leaves nothing
+  // behind. Prefetches issued in earlier calls may hold it all while their reads are slow.
+  std::shared_ptr<PinnedBuffer> staging;
+  if (config_->offload_param.tier == Tier::kNvme) {
+    Result<PinnedBuffer> buf = arena_->Allocate(layout_->PartBytes(id));
+    if (!buf.ok() && !prefetch) {
+      // Wait for the copies in flight: each hands its staging back once copied (fetches on
+      // the copy stream, gradient partitions on the gradient stream).
+      ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(streams_.copy));
+      ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(streams_.grad));
+      buf = arena_->Allocate(layout_->PartBytes(id));
+    }
+    if (!buf.ok()) return buf.status().WithContext("staging parameter '" + p.info.name + "'");
+    staging = std::make_shared<PinnedBuffer>(std::move(buf).value());
+  }
+  const size_t full = layout_->FullBytes(id);
+  ZINF_RETURN_IF_ERROR(MakeRoom(p.padded_numel, full, id));
+  ZINF_ASSIGN_OR_RETURN(r.device_full, budget_->Alloc(full, "parameter '" + p.info.name + "'"));
+  live_elems_ += p.padded_numel;
+  budget_->Plan(full);
+  Status s = IssueFetch(id, visible, staging);
+  if (!s.ok()) {
+    // A buffer without a complete fetch issued into it must not stay: an Acquire would take
+    // whatever that memory held for the parameter. Nothing may still write into it when it
+    // goes back; when that cannot be known (waiting failed), it stays allocated and unfetched.
+    Status quiet = device_->SynchronizeStream(streams_.copy);
+    if (quiet.ok()) quiet = device_->SynchronizeStream(streams_.comm);
+    if (quiet.ok()) {
+      DropDeviceCopy(id);
+    } else {
+      r.fetched_version = kNotFetched;
+      r.state = State::kAbsent;
+      LogWarning("the device copy of '" + p.info.name +
+                 "' stays allocated after a failed fetch: " + quiet.ToString());
+    }
+    return s;
+  }
+  r.state = State::kFetching;
+  r.fetched_version = static_cast<uint64_t>(visible);
+  return Status::OK();
+}
+
+Status FetchScheduler::IssueFetch(ParamId id, int64_t visible,
+                                  const std::shared_ptr<PinnedBuffer>& staging) {
+  Resident& r = res_[id];
+  if (!r.ready) {
+    ZINF_ASSIGN_OR_RETURN(r.ready, device_->CreateEvent());
+  }
+  SetFetchStatus(id, Status::OK());
+  const int buf = store_->Buf(visible);
+  const size_t part = layout_->PartBytes(id);
+  char* slot = static_cast<char*>(r.device_full) + static_cast<size_t>(comm_->rank()) * part;
+  Stream* copy = streams_.copy;
+  switch (config_->offload_param.tier) {
+    case Tier::kNvme: {
+      // Urgent: the trainer waits on parameters; optimizer read-ahead and write-backs can wait.
+      ZINF_ASSIGN_OR_RETURN(Ticket t, swap_->Read(store_->swap_key(id, buf), staging->data(),
+                                                  staging->capacity(), /*urgent=*/true));
+      // The copy stream waits for the read, then copies; the staging block returns after.
+      Status launched = device_->LaunchHostFunc(copy, [this, t, id] {
+        Status s = swap_->Wait(t);
+        if (!s.ok()) SetFetchStatus(id, s);
+      });
+      if (!launched.ok()) {
+        // Nothing else will wait for the read: wait here, so that its staging block is not
+        // given back under it. The launch failure is the error; the read's result is moot.
+        (void)swap_->Wait(t);
+        return launched.WithContext("ordering the read of '" + layout_->param(id).info.name +
+                                    "' on the copy stream");
+      }
+      ZINF_RETURN_IF_ERROR(stats_->TimeCopy(device_, copy, [&] {
+        return device_->CopyHostToDevice(slot, staging->data(), part, copy);
+      }));
+      ZINF_RETURN_IF_ERROR(device_->LaunchHostFunc(copy, [staging] { staging->Reset(); }));
+      stats_->AddH2D(part);
+      break;
+    }
+    case Tier::kCpu:
+      ZINF_RETURN_IF_ERROR(stats_->TimeCopy(device_, copy, [&] {
+        return device_->CopyHostToDevice(slot, store_->host_part(id, buf), part, copy);
+      }));
+      stats_->AddH2D(part);
+      break;
+    case Tier::kDevice:
+      ZINF_RETURN_IF_ERROR(
+          device_->CopyDeviceToDevice(slot, store_->device_part(id, buf), part, copy));
+      break;
+  }
+  ZINF_RETURN_IF_ERROR(device_->RecordEvent(copy_done_.get(), copy));
+  ZINF_RETURN_IF_ERROR(device_->StreamWaitEvent(streams_.comm, copy_done_.get()));
+  ZINF_RETURN_IF_ERROR(comm_->AllGather(slot, r.device_full, part, streams_.comm));
+  return device_->RecordEvent(r.ready.get(), streams_.comm);
+}
+
+void FetchScheduler::Prefetch(int64_t visible, const Rewriting& rewriting) {
+  if (!trace_->valid()) return;
+  uint64_t inflight = 0;
+  const std::vector<ParamId>& ids = trace_->ids();
+  for (size_t i = trace_->cursor(); i < ids.size(); ++i) {
+    const ParamId id = ids[i];
+    const Resident& r = res_[id];
+    const ParamLayout& p = layout_->param(id);
+    if (Fresh(id, visible)) continue;
+    // Still acquired from an older version (the trainer holds it): its memory must not move.
+    if (r.acquired > 0) continue;
+    if (rewriting(id)) continue;
+    if (inflight + p.padded_numel > config_->prefetch_bucket_size && inflight > 0) return;
+    // Only prefetch into free budget: never evict for a prefetch.
+    const uint64_t grad_room = (p.padded_numel + p.info.partition_numel) * sizeof(float);
+    if (!budget_->Fits(layout_->FullBytes(id) + grad_room)) return;
+    if (live_elems_ + p.padded_numel > config_->max_live_parameters) return;
+    if (r.aliased) continue;
+    // A prefetch failure resurfaces on demand.
+    if (!Fetch(id, visible, /*prefetch=*/true).ok()) return;
+    inflight += p.padded_numel;
+  }
+}
+
+Result<std::vector<void*>> FetchScheduler::Acquire(const std::vector<ParamId>& ids, int64_t visible,
+                                                   bool training, const Rewriting& rewriting) {
+  std::vector<void*> out;
+  out.reserve(ids.size());
+  // On failure no acquisition of this call stays counted.
+  size_t counted = 0;
+  auto undo = [&] {
+    for (size_t k = 0; k < counted; ++k) --res_[ids[k]].acquired;
+  };
+  for (ParamId id : ids) {
+    if (training) {
+      const std::string warning = trace_->Check(id, *layout_);
+      if (!warning.empty()) LogWarning(warning);
+    }
+    Resident& r = res_[id];
+    if (training && rewriting(id)) {
+      undo();
+      return Status::FailedPrecondition(
+          "Acquire('" + layout_->param(id).info.name +
+          "') after its ReduceGradient in the same micro-step: with zinf.delayed_update the "
+          "optimizer may already be rewriting it; acquire a parameter for the last time before "
+          "reducing its gradient");
+    }
+    const bool fresh = Fresh(id, visible);
+    // Prefetch follows the training trace: inference acquires are not its hits or misses.
+    if (training) stats_->CountAcquire(fresh);
+    if (!fresh) {
+      Status s = Fetch(id, visible, /*prefetch=*/false);
+      if (!s.ok()) {
+        undo();
+        return s;
+      }
+    }
+    ++r.acquired;
+    ++counted;
+  }
+  Prefetch(visible, rewriting);
+  const auto t0 = Clock::now();
+  for (ParamId id : ids) {
+    Resident& r = res_[id];
+    if (r.state == State::kFetching) {
+      Status w = device_->StreamWaitEvent(device_->ComputeStream(), r.ready.get());
+      if (!w.ok()) {
+        undo();
+        return w;
+      }
+      if (device_->IsHost()) r.state = State::kResident;
+    }
+    Status s = TakeFetchStatus(id);
+    if (!s.ok()) {
+      undo();
+      // A failed fetch is no cached copy: drop it so a later Acquire fetches again.
+      Status evicted = Evict(id);
+      if (!evicted.ok()) LogWarning(evicted.ToString());  // the fetch's error is the one to report
+      return s.WithContext("fetching parameter '" + layout_->param(id).info.name + "'");
+    }
+    out.push_back(r.device_full);
+  }
+  stats_->AddAcquireWait(std::chrono::duration<double>(Clock::now() - t0).count());
+  return out;
+}
+
+Status FetchScheduler::Release(const std::vector<ParamId>& ids, int64_t visible,
+                               const Rewriting& rewriting) {
+  for (ParamId id : ids) {
+    if (id >= res_.size() || res_[id].acquired == 0) {
+      return Status::FailedPrecondition("Release of parameter " + std::to_string(id) +
+                                        " that is not acquired");
+    }
+    Resident& r = res_[id];
+    if (--r.acquired > 0) continue;
+    if (layout_->param(id).info.persistent || r.aliased) continue;
+    if (trace_->ReuseDistance(id, *layout_) <= config_->max_reuse_distance) continue;
+    ZINF_RETURN_IF_ERROR(Evict(id));
+  }
+  Prefetch(visible, rewriting);
+  return Status::OK();
+}
+
+}  // namespace zinf

@@ -1,0 +1,221 @@
+#include "engine/gradient_path.h"
+
+#include <cstring>
+
+namespace zinf {
+
+GradientPath::GradientPath(const Layout* layout, const EngineConfig* config, Device* device,
+                           Communicator* comm, DeviceBudget* budget, StatsRecorder* stats,
+                           GroupBoard* board, FetchScheduler* fetch, Streams streams)
+    : layout_(layout),
+      config_(config),
+      device_(device),
+      comm_(comm),
+      budget_(budget),
+      stats_(stats),
+      board_(board),
+      fetch_(fetch),
+      streams_(streams),
+      zeros_(kPartitionAlign * static_cast<size_t>(comm->world_size()), 0.0f),
+      flags_(layout->num_params()),
+      groups_(layout->num_groups()) {}
+
+Status GradientPath::Init() {
+  ZINF_ASSIGN_OR_RETURN(compute_done_, device_->CreateEvent());
+  ZINF_ASSIGN_OR_RETURN(comm_done_, device_->CreateEvent());
+  return Status::OK();
+}
+
+Status GradientPath::AllocateGroup(size_t gi) {
+  if (streaming_) return Status::OK();
+  Group& g = groups_[gi];
+  ZINF_ASSIGN_OR_RETURN(g.grads, arena_->Allocate(layout_->GroupGradBytes(gi)));
+  std::memset(g.grads.data(), 0, g.grads.capacity());
+  g.data = static_cast<float*>(g.grads.data());
+  return Status::OK();
+}
+
+float* GradientPath::Acc(ParamId id) const {
+  const ParamLayout& p = layout_->param(id);
+  return groups_[p.info.sub_group].data + p.slice_offset;
+}
+
+void GradientPath::BeginMicroStep() {
+  for (Flags& f : flags_) f.reduced_this_micro = false;
+  reduced_this_micro_ = false;
+}
+
+void GradientPath::EndWindow() {
+  for (Flags& f : flags_) f.seen_this_window = false;
+}
+
+std::string GradientPath::Unreduced(size_t gi) const {
+  for (ParamId q : layout_->group(gi).params) {
+    if (layout_->param(q).info.trainable && !flags_[q].reduced_this_micro) {
+      return layout_->param(q).info.name;
+    }
+  }
+  return std::string();
+}
+
+void GradientPath::MarkReduced(ParamId id) {
+  const ParamLayout& p = layout_->param(id);
+  flags_[id].seen_this_window = true;
+  flags_[id].reduced_this_micro = true;
+  reduced_this_micro_ = true;
+  board_->MarkHasGrad(p.info.sub_group, p.index_in_group);
+}
+
+Status GradientPath::EnsureBuffer(size_t gi) {
+  Group& g = groups_[gi];
+  if (g.data != nullptr) return Status::OK();
+  if (!streaming_) return Status::Internal("gradient accumulators missing");
+  // Wait for a free block; give up when the optimizer failed (it frees no more) or makes no
+  // progress for a long time (it frees a sub-group's block after each step, so a stall means
+  // it is stuck).
+  return board_->WaitForGradBlock(
+      [&] {
+        PooledBlock block = grad_pool_->TryTake();
+        if (block.data() == nullptr) return false;
+        g.block = std::move(block);
+        g.data = static_cast<float*>(g.block.data());
+        return true;
+      },
+      [this](size_t waiting) { return Unreduced(waiting); }, grad_pool_->block_bytes(),
+      std::chrono::seconds(300));
+}
+
+void GradientPath::ReleaseBuffer(size_t gi) {
+  Group& g = groups_[gi];
+  if (g.block.data() == nullptr) return;
+  g.data = nullptr;
+  g.block.Reset();
+  board_->NoteGradRelease();
+}
+
+Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
+  const ParamLayout& p = layout_->param(id);
+  const size_t gi = p.info.sub_group;
+  const size_t full_bytes = p.padded_numel * sizeof(float);
+  const size_t part = p.info.partition_numel;
+  Stream* compute = device_->ComputeStream();
+  if (comm_->world_size() == 1 && !flags_[id].seen_this_window) {
+    // One rank, first gradient of the window: the reduction is the identity, so the
+    // gradient goes straight into its accumulator (one copy instead of three, and no device
+    // scratch). The copy is ordered on the compute stream, so the caller may reuse `grad`
+    // as soon as this returns.
+    ZINF_RETURN_IF_ERROR(EnsureBuffer(gi).WithContext("gradient of '" + p.info.name + "'"));
+    float* acc = Acc(id);
+    ZINF_RETURN_IF_ERROR(stats_->TimeCopy(device_, compute, [&] {
+      return device_->CopyDeviceToHost(acc, grad, p.info.numel * sizeof(float), compute);
+    }));
+    MarkReduced(id);
+    if (part > p.info.numel) {
+      std::memset(acc + p.info.numel, 0, (part - p.info.numel) * sizeof(float));
+    }
+    ZINF_RETURN_IF_ERROR(device_->RecordEvent(compute_done_.get(), compute));
+    ZINF_RETURN_IF_ERROR(device_->StreamWaitEvent(streams_.grad, compute_done_.get()));
+    ZINF_RETURN_IF_ERROR(
+        device_->LaunchHostFunc(streams_.grad, [this, gi, ready] { board_->Land(gi, ready); }));
+    stats_->AddD2H(p.info.numel * sizeof(float));
+    return Status::OK();
+  }
+  ZINF_RETURN_IF_ERROR(fetch_->MakeRoom(0, 0, id));
+  const size_t scratch_bytes = full_bytes + part * sizeof(float);
+  ZINF_ASSIGN_OR_RETURN(void* scratch,
+                        budget_->Alloc(scratch_bytes, "gradient of '" + p.info.name + "'"));
+  budget_->PlanScratch(scratch_bytes);
+  // Gives the scratch back when its landing callback cannot be queued: once the streams that
+  // use it are done (else it stays allocated, and the engine is stopped by the error anyway).
+  auto release_scratch = [&] {
+    if (device_->SynchronizeStream(streams_.grad).ok() &&
+        device_->SynchronizeStream(streams_.comm).ok()) {
+      budget_->Free(scratch, scratch_bytes);
+    }
+  };
+  float* full = static_cast<float*>(scratch);
+  float* mine = full + p.padded_numel;
+  ZINF_RETURN_IF_ERROR(
+      device_->CopyDeviceToDevice(full, grad, p.info.numel * sizeof(float), compute));
+  if (p.padded_numel > p.info.numel) {
+    ZINF_RETURN_IF_ERROR(device_->CopyHostToDevice(full + p.info.numel, zeros_.data(),
+                                                   (p.padded_numel - p.info.numel) * sizeof(float),
+                                                   compute));
+  }
+  ZINF_RETURN_IF_ERROR(device_->RecordEvent(compute_done_.get(), compute));
+  ZINF_RETURN_IF_ERROR(device_->StreamWaitEvent(streams_.comm, compute_done_.get()));
+  ZINF_RETURN_IF_ERROR(comm_->ReduceScatterSum(full, mine, part, streams_.comm));
+  ZINF_RETURN_IF_ERROR(device_->RecordEvent(comm_done_.get(), streams_.comm));
+  ZINF_RETURN_IF_ERROR(device_->StreamWaitEvent(streams_.grad, comm_done_.get()));
+  const bool first = !flags_[id].seen_this_window;
+  ZINF_RETURN_IF_ERROR(EnsureBuffer(gi).WithContext("gradient of '" + p.info.name + "'"));
+  if (first) {
+    ZINF_RETURN_IF_ERROR(stats_->TimeCopy(device_, streams_.grad, [&] {
+      return device_->CopyDeviceToHost(Acc(id), mine, part * sizeof(float), streams_.grad);
+    }));
+    MarkReduced(id);
+    Status launched =
+        device_->LaunchHostFunc(streams_.grad, [this, scratch, scratch_bytes, gi, ready] {
+          budget_->Free(scratch, scratch_bytes);
+          board_->Land(gi, ready);
+        });
+    if (!launched.ok()) {
+      release_scratch();
+      return launched.WithContext("landing the gradient of '" + p.info.name + "'");
+    }
+  } else {
+    Result<PinnedBuffer> buf = arena_->Allocate(part * sizeof(float));
+    if (!buf.ok()) return buf.status().WithContext("staging gradient of '" + p.info.name + "'");
+    auto staging = std::make_shared<PinnedBuffer>(std::move(buf).value());
+    ZINF_RETURN_IF_ERROR(stats_->TimeCopy(device_, streams_.grad, [&] {
+      return device_->CopyDeviceToHost(staging->data(), mine, part * sizeof(float), streams_.grad);
+    }));
+    MarkReduced(id);
+    float* acc = Acc(id);
+    Status launched = device_->LaunchHostFunc(
+        streams_.grad, [this, scratch, scratch_bytes, part, acc, staging, gi, ready] {
+          const float* add = static_cast<const float*>(staging->data());
+          for (size_t i = 0; i < part; ++i) acc[i] += add[i];
+          staging->Reset();
+          budget_->Free(scratch, scratch_bytes);
+          board_->Land(gi, ready);
+        });
+    if (!launched.ok()) {
+      release_scratch();
+      return launched.WithContext("landing the gradient of '" + p.info.name + "'");
+    }
+  }
+  stats_->AddD2H(part * sizeof(float));
+  return Status::OK();
+}
+
+Status GradientPath::CompleteWindow(int64_t ready,
+                                    const std::function<Status(size_t)>& wait_stepped) {
+  for (ParamId id = 0; id < flags_.size(); ++id) {
+    const ParamLayout& p = layout_->param(id);
+    if (flags_[id].reduced_this_micro || !p.info.trainable) continue;
+    const size_t gi = p.info.sub_group;
+    if (!flags_[id].seen_this_window) {
+      Status s = wait_stepped(gi);
+      if (!s.ok()) return s.WithContext("zero gradient of '" + p.info.name + "'");
+      if (groups_[gi].data != nullptr) {
+        std::memset(Acc(id), 0, p.info.partition_numel * sizeof(float));
+      }
+    }
+    board_->Land(gi, ready);
+  }
+  return Status::OK();
+}
+
+Result<double> GradientPath::LocalSumSquares(CpuOptimizer* optimizer) const {
+  double local = 0;
+  for (ParamId id = 0; id < flags_.size(); ++id) {
+    Result<GradStats> gs =
+        optimizer->GradSumSquares(Acc(id), GradType::kF32, layout_->param(id).info.partition_numel);
+    ZINF_RETURN_IF_ERROR(gs.status());
+    local += gs->sum_squares;
+  }
+  return local;
+}
+
+}  // namespace zinf

@@ -1,0 +1,106 @@
+// Gradients from the trainer to the optimizer: each parameter's gradient is reduce-scattered
+// (or, on one rank, copied) into the pinned fp32 accumulators of its sub-group, and the
+// group board learns when a sub-group's gradients have landed. Accumulators live as long as
+// the engine, or, streaming (no accumulation, no clipping), are blocks of a pool that a
+// sub-group holds from its first gradient until the optimizer has stepped it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "engine/device_budget.h"
+#include "engine/fetch_scheduler.h"
+#include "engine/group_board.h"
+#include "engine/host_memory.h"
+#include "engine/layout.h"
+#include "engine/stats_recorder.h"
+#include "zinf/comm.h"
+#include "zinf/config.h"
+#include "zinf/cpu_adam.h"
+#include "zinf/device.h"
+
+namespace zinf {
+
+class GradientPath {
+ public:
+  struct Streams {
+    Stream* comm = nullptr;  // the reduce-scatters
+    Stream* grad = nullptr;  // partitions to the host, accumulation, landing
+  };
+  GradientPath(const Layout* layout, const EngineConfig* config, Device* device, Communicator* comm,
+               DeviceBudget* budget, StatsRecorder* stats, GroupBoard* board, FetchScheduler* fetch,
+               Streams streams);
+  Status Init();  // its events
+  // After placement: where staging and the accumulators come from. Streaming: `grad_pool`
+  // holds the blocks; otherwise AllocateGroup gives each sub-group its accumulators.
+  void Attach(PinnedArena* arena, BlockPool* grad_pool, bool streaming) {
+    arena_ = arena;
+    grad_pool_ = grad_pool;
+    streaming_ = streaming;
+  }
+  Status AllocateGroup(size_t gi);
+
+  // ---- Trainer thread ----
+  // The gradient of `id` (device memory, `numel` fp32) goes into its accumulator; `ready` is
+  // the optimizer step this micro-step completes (0: not a boundary). On error the gradient
+  // may have partly landed: the caller must stop the engine.
+  Status Reduce(ParamId id, const float* grad, int64_t ready);
+  // A micro-step starts: no gradient reduced in it yet.
+  void BeginMicroStep();
+  // At the boundary Step: parameters not reduced in this micro-step have final accumulators
+  // (zeroed when they got no gradient in the window): they count as landed for step `ready`.
+  // `wait_stepped(gi)`: waits until the previous step is done with sub-group gi.
+  Status CompleteWindow(int64_t ready, const std::function<Status(size_t)>& wait_stepped);
+  // The window's optimizer step is taken: the next window starts with no gradients.
+  void EndWindow();
+  // Clipping: this rank's sum of squares of every accumulator.
+  Result<double> LocalSumSquares(CpuOptimizer* optimizer) const;
+
+  bool reduced_this_micro() const { return reduced_this_micro_; }
+  bool reduced(ParamId id) const { return flags_[id].reduced_this_micro; }
+  // The trainable parameter of sub-group `gi` not reduced yet in this micro-step ("" if none).
+  std::string Unreduced(size_t gi) const;
+
+  // ---- Optimizer thread (between the group's landing and MarkStepped) ----
+  float* group_grads(size_t gi) const { return groups_[gi].data; }
+  float* Acc(ParamId id) const;
+  // Streaming: gives back the accumulators of a stepped sub-group.
+  void ReleaseBuffer(size_t gi);
+
+ private:
+  struct Flags {
+    bool reduced_this_micro = false;
+    bool seen_this_window = false;
+  };
+  struct Group {
+    PinnedBuffer grads;     // not streaming
+    PooledBlock block;      // streaming
+    float* data = nullptr;  // either
+  };
+  // Streaming: gives sub-group `gi` its accumulators, waiting (bounded) for the optimizer to
+  // free a block when all are taken. No-op when it has them.
+  Status EnsureBuffer(size_t gi);
+  void MarkReduced(ParamId id);
+
+  const Layout* const layout_;
+  const EngineConfig* const config_;
+  Device* const device_;
+  Communicator* const comm_;
+  DeviceBudget* const budget_;
+  StatsRecorder* const stats_;
+  GroupBoard* const board_;
+  FetchScheduler* const fetch_;
+  const Streams streams_;
+  PinnedArena* arena_ = nullptr;
+  BlockPool* grad_pool_ = nullptr;
+  bool streaming_ = false;
+  std::unique_ptr<Event> compute_done_;
+  std::unique_ptr<Event> comm_done_;
+  std::vector<float> zeros_;  // padding source for gradient scratch
+  std::vector<Flags> flags_;  // trainer thread only
+  std::vector<Group> groups_;
+  bool reduced_this_micro_ = false;  // trainer thread only
+};
+
+}  // namespace zinf

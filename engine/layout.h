@@ -1,0 +1,84 @@
+// The parameter layout: each parameter's partition per rank, the optimizer sub-groups and the
+// slices of the parameters inside them. Built during registration, frozen at placement; pure
+// (no device, no I/O), and read-only for every other component once frozen.
+#pragma once
+
+#include <cstddef>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "zinf/config.h"
+#include "zinf/engine.h"
+
+namespace zinf {
+
+// Partition slices start at multiples of this many elements inside optimizer buffers, so that
+// both their fp32 and bf16 images are 4 KiB aligned for direct I/O.
+constexpr size_t kSliceAlign = 2048;
+// Partitions are padded to a multiple of this many elements per rank.
+constexpr size_t kPartitionAlign = 16;
+
+struct ParamLayout {
+  ParamInfo info;
+  size_t padded_numel = 0;    // partition_numel * world
+  size_t slice_offset = 0;    // element offset inside its sub-group's state arrays
+  size_t index_in_group = 0;  // position in its sub-group's `params`
+};
+
+struct GroupLayout {
+  std::vector<ParamId> params;
+  size_t numel = 0;   // state elements (slices aligned)
+  int trainable = 0;  // its trainable parameters
+  // Kept and stepped on the device (offload_optimizer.device none, or beyond
+  // offload_optimizer.ratio).
+  bool on_device = false;
+};
+
+// "adam", "adamw", "adagrad", "lion": the names the durable store and checkpoints record.
+const char* OptimizerTypeName(OptimizerType t);
+
+class Layout {
+ public:
+  // `elem_size`: bytes per stored parameter element (2 with bf16 storage).
+  Layout(int world, size_t elem_size) : world_(world), elem_size_(elem_size) {}
+
+  // A parameter as it would be added (validated: shape, name, uniqueness); nothing changes.
+  Result<ParamLayout> Describe(const std::string& name, const std::vector<int64_t>& shape,
+                               bool trainable, uint64_t persistence_threshold) const;
+  ParamId Add(ParamLayout p);
+  // Cuts the parameters into sub-groups of up to `sub_group_size` partition elements and
+  // marks the first `num_groups() - offloaded` of them as kept on the device, where
+  // `offloaded` comes from the optimizer tier and ratio. Returns `offloaded`.
+  size_t Freeze(uint64_t sub_group_size, Tier optimizer_tier, double ratio);
+  bool frozen() const { return frozen_; }
+
+  size_t num_params() const { return params_.size(); }
+  size_t num_groups() const { return groups_.size(); }
+  const ParamLayout& param(ParamId id) const { return params_[id]; }
+  const GroupLayout& group(size_t gi) const { return groups_[gi]; }
+  const std::vector<ParamLayout>& params() const { return params_; }
+  const std::vector<GroupLayout>& groups() const { return groups_; }
+  int world() const { return world_; }
+  size_t elem_size() const { return elem_size_; }
+
+  // Bytes of the gathered parameter / this rank's partition, in storage dtype.
+  size_t FullBytes(ParamId id) const { return params_[id].padded_numel * elem_size_; }
+  size_t PartBytes(ParamId id) const { return params_[id].info.partition_numel * elem_size_; }
+  // [master | exp_avg | exp_avg_sq] of a sub-group, and its fp32 gradient accumulators.
+  size_t GroupStateBytes(size_t gi) const { return groups_[gi].numel * 3 * sizeof(float); }
+  size_t GroupGradBytes(size_t gi) const { return groups_[gi].numel * sizeof(float); }
+  size_t LargestGroupStateBytes() const;
+  // The order the optimizer steps sub-groups in: backward order, last registered first.
+  std::vector<size_t> GroupOrder() const;
+
+ private:
+  int world_;
+  size_t elem_size_;
+  bool frozen_ = false;
+  std::vector<ParamLayout> params_;
+  std::vector<GroupLayout> groups_;
+  std::set<std::string> names_;
+};
+
+}  // namespace zinf

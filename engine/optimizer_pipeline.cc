@@ -1,0 +1,376 @@
+#include "engine/optimizer_pipeline.h"
+
+#include <chrono>
+#include <deque>
+#include <functional>
+
+#include "zinf/crash_point.h"
+
+namespace zinf {
+
+using Clock = std::chrono::steady_clock;
+
+namespace {
+double Since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+}  // namespace
+
+OptimizerPipeline::~OptimizerPipeline() {
+  Join();
+  if (device_grads_ != nullptr) m_.budget->Free(device_grads_, device_grads_bytes_);
+}
+
+Status OptimizerPipeline::Attach(SwapStore* swap, BlockPool* state_pool, BlockPool* copy_pool) {
+  swap_ = swap;
+  state_pool_ = state_pool;
+  copy_pool_ = copy_pool;
+  // Sub-groups the device steps (StepGroupOnDevice): one gradient buffer for them, planned
+  // with the rest of the device memory.
+  if (m_.config->offload_param.tier == Tier::kDevice) {
+    size_t largest = 0;
+    for (size_t gi = 0; gi < m_.layout->num_groups(); ++gi) {
+      if (m_.layout->group(gi).on_device)
+        largest = std::max(largest, m_.layout->GroupGradBytes(gi));
+    }
+    if (largest > 0) {
+      ZINF_ASSIGN_OR_RETURN(device_grads_, m_.budget->Alloc(largest, "device optimizer gradients"));
+      device_grads_bytes_ = largest;
+      m_.budget->Plan(largest);
+    }
+  }
+  return Status::OK();
+}
+
+Status OptimizerPipeline::Start() {
+  try {
+    thread_ = std::thread([this] { Loop(); });
+  } catch (const std::system_error& e) {
+    return Status::ResourceExhausted(std::string("starting the optimizer thread: ") + e.what());
+  }
+  return Status::OK();
+}
+
+void OptimizerPipeline::Join() {
+  if (thread_.joinable()) thread_.join();
+}
+
+void OptimizerPipeline::Loop() {
+  OptimizerTask task;
+  while (m_.board->NextTask(&task)) {
+    Status s = Run(task);
+    // A delayed step's commit: its writes are complete and the next task's have not begun.
+    // The micro-step after it reads the version before it. Never after a failed task: the
+    // states it left (sub-groups not stepped) must not be published by a later one.
+    if (s.ok() && m_.config->durable && DelayedStep(task.step)) {
+      s = m_.board->failed() ? Status::FailedPrecondition(
+                                   "not committing step " + std::to_string(task.step) +
+                                   " of the durable store: an earlier optimizer step failed")
+                             : m_.durable->Commit(task.step, task.step - 1);
+    }
+    m_.board->FinishTask(task.step, s);
+  }
+}
+
+Status OptimizerPipeline::Run(const OptimizerTask& task) {
+  const Layout& layout = *m_.layout;
+  const EngineConfig& config = *m_.config;
+  const std::vector<size_t> order = layout.GroupOrder();
+  const size_t buffers = std::max<uint32_t>(config.offload_optimizer.buffer_count, 3);
+  // Pipeline (NVMe states): reads run ahead up to `buffers - 1` sub-groups; each sub-group's
+  // write-back is waited for only when its buffer is needed again.
+  struct Slot {
+    PooledBlock states;
+    Ticket read = 0;
+    bool reading = false;
+  };
+  std::deque<Slot> window;
+  size_t next_read = 0;
+  Status first;
+  // Buffers whose write-back is in flight, oldest first.
+  struct Retiring {
+    PooledBlock states, copy;
+    std::vector<Ticket> writes;
+  };
+  std::deque<Retiring> retiring;
+
+  auto issue_reads = [&]() -> Status {
+    while (next_read < order.size() && window.size() + retiring.size() < buffers) {
+      const size_t gi = order[next_read];
+      if (!m_.states->on_nvme(gi)) {  // states not on NVMe: nothing to read ahead
+        ++next_read;
+        continue;
+      }
+      Slot slot;
+      ZINF_ASSIGN_OR_RETURN(slot.states, state_pool_->Take());
+      ZINF_ASSIGN_OR_RETURN(slot.read, swap_->Read(m_.states->swap_key(gi), slot.states.data(),
+                                                   slot.states.capacity()));
+      slot.reading = true;
+      window.push_back(std::move(slot));
+      ++next_read;
+    }
+    return Status::OK();
+  };
+  const bool device_params = config.offload_param.tier == Tier::kDevice;
+  // Device copies of the updated parameters read from the retiring buffers (and, for fp32
+  // parameters with CPU states, from the states themselves): wait for them before reuse.
+  auto sync_updates = [&] {
+    if (!device_params) return;
+    Status s = m_.device->SynchronizeStream(m_.update_stream);
+    if (!s.ok() && first.ok()) first = s.WithContext("copying updated parameters to the device");
+  };
+  auto retire_oldest = [&] {
+    sync_updates();
+    for (Ticket t : retiring.front().writes) {
+      Status s = swap_->Wait(t);
+      if (!s.ok() && first.ok()) first = s;
+    }
+    retiring.pop_front();
+  };
+  // However this returns, no copy or I/O may still use the buffers it frees: write-backs
+  // finish, device copies finish, reads issued ahead for sub-groups never reached (after a
+  // failure) complete.
+  struct Finally {
+    std::function<void()> fn;
+    void Run() {
+      if (fn) fn();
+      fn = nullptr;
+    }
+    ~Finally() { Run(); }
+  } drain{[&] {
+    while (!retiring.empty()) retire_oldest();
+    sync_updates();
+    for (Slot& slot : window) {
+      // Only waits so that the buffer is free; nobody uses the states of a sub-group never
+      // reached, and the failure that stopped the task is the one reported.
+      if (slot.reading) (void)swap_->Wait(slot.read);
+    }
+    window.clear();
+  }};
+  for (size_t k = 0; k < order.size(); ++k) {
+    const size_t gi = order[k];
+    const GroupLayout& g = layout.group(gi);
+    while (!retiring.empty() && window.size() + retiring.size() >= buffers) retire_oldest();
+    const bool nvme = m_.states->on_nvme(gi);
+    ZINF_RETURN_IF_ERROR(issue_reads());
+    // Wait for this sub-group's gradients (and, with clipping, the global norm).
+    float coef = 1.0f;
+    std::vector<uint8_t> with_grad;  // the parameters this step updates (the others skip it)
+    ZINF_RETURN_IF_ERROR(m_.board->WaitGroupReady(gi, task, &coef, &with_grad));
+    // Done with sub-group gi (stepped, or failed and left as it was): the trainer may put
+    // the next window's gradients into its accumulators.
+    auto mark_stepped = [&] {
+      m_.grads->ReleaseBuffer(gi);
+      m_.board->MarkStepped(gi, task.step);
+    };
+    if (g.on_device && device_params) {
+      // The device steps it and writes the parameters straight into their device stores.
+      Status s = StepGroupOnDevice(gi, task, coef, with_grad);
+      if (!s.ok() && first.ok()) first = s;
+      mark_stepped();
+      CrashPoint("optimizer.group");
+      continue;
+    }
+    Retiring done;
+    float* master;
+    if (nvme) {
+      Slot slot = std::move(window.front());
+      window.pop_front();
+      Status s = swap_->Wait(slot.read);
+      if (!s.ok()) {
+        if (first.ok()) {
+          first = s.WithContext("reading optimizer states of sub-group " + std::to_string(gi));
+        }
+        mark_stepped();
+        continue;  // this sub-group keeps its old values; the step reports the failure
+      }
+      done.states = std::move(slot.states);
+      master = static_cast<float*>(done.states.data());
+    } else if (m_.states->device_states(gi) != nullptr) {
+      master = m_.states->device_states(gi);
+    } else {
+      master = m_.states->host_states(gi);
+    }
+    if (config.bf16) {
+      Result<PooledBlock> b = copy_pool_->Take();
+      if (!b.ok()) return b.status().WithContext("bf16 parameter buffer");
+      done.copy = std::move(b).value();
+    }
+    Status s =
+        StepGroup(gi, master, master + g.numel, master + 2 * g.numel,
+                  static_cast<uint16_t*>(done.copy.data()), task, coef, with_grad, &done.writes);
+    if (!s.ok() && first.ok()) first = s;
+    // Every gradient of the sub-group has landed and been used: its accumulators can go.
+    mark_stepped();
+    CrashPoint("optimizer.group");
+    if (nvme && s.ok()) {
+      Result<Ticket> w = swap_->Write(m_.states->swap_key(gi), done.states.data(),
+                                      layout.GroupStateBytes(gi), done.states.capacity());
+      if (w.ok()) {
+        done.writes.push_back(*w);
+      } else if (first.ok()) {
+        first = w.status();
+      }
+    }
+    retiring.push_back(std::move(done));
+  }
+  drain.Run();
+  return first;
+}
+
+OptimizerHyperParams OptimizerPipeline::HyperParams(const OptimizerTask& task, float coef) const {
+  const EngineConfig& config = *m_.config;
+  OptimizerHyperParams hp;
+  switch (config.optimizer.type) {
+    case OptimizerType::kAdam:
+      hp.kind = OptimizerKind::kAdam;
+      break;
+    case OptimizerType::kAdamW:
+      hp.kind = OptimizerKind::kAdamW;
+      break;
+    case OptimizerType::kAdagrad:
+      hp.kind = OptimizerKind::kAdagrad;
+      break;
+    case OptimizerType::kLion:
+      hp.kind = OptimizerKind::kLion;
+      break;
+  }
+  hp.step = task.step;
+  hp.lr = task.lr;
+  hp.beta1 = config.optimizer.beta1;
+  hp.beta2 = config.optimizer.beta2;
+  hp.eps = config.optimizer.eps;
+  hp.weight_decay = config.optimizer.weight_decay;
+  hp.grad_scale = coef;
+  return hp;
+}
+
+Status OptimizerPipeline::CheckFinite(ParamId id, int64_t step) {
+  const ParamLayout& p = m_.layout->param(id);
+  Result<GradStats> gs =
+      m_.optimizer->GradSumSquares(m_.grads->Acc(id), GradType::kF32, p.info.partition_numel);
+  ZINF_RETURN_IF_ERROR(gs.status());
+  if (gs->has_inf_or_nan) {
+    return Status::FailedPrecondition(
+        "the gradient of '" + p.info.name + "' in step " + std::to_string(step) +
+        " holds inf or NaN: the optimizer stopped before writing it; lower the learning rate "
+        "or look at the loss, then resume from the last checkpoint");
+  }
+  return Status::OK();
+}
+
+OptimizerTensors OptimizerPipeline::PartTensors(ParamId id, const OptimizerHyperParams& hp,
+                                                float* master, float* m, float* v,
+                                                const float* grad) const {
+  const ParamLayout& p = m_.layout->param(id);
+  OptimizerTensors t;
+  t.param = master + p.slice_offset;
+  t.grad = grad;
+  t.grad_type = GradType::kF32;
+  t.n = p.info.partition_numel;
+  if (hp.kind == OptimizerKind::kAdagrad) {
+    t.sum = v + p.slice_offset;
+  } else {
+    t.exp_avg = m + p.slice_offset;
+    if (hp.kind != OptimizerKind::kLion) t.exp_avg_sq = v + p.slice_offset;
+  }
+  return t;
+}
+
+Status OptimizerPipeline::StepGroupOnDevice(size_t gi, const OptimizerTask& task, float coef,
+                                            const std::vector<uint8_t>& with_grad) {
+  const Layout& layout = *m_.layout;
+  const GroupLayout& g = layout.group(gi);
+  Device* device = m_.device;
+  Stream* stream = m_.update_stream;
+  const bool copies = m_.config->bf16;
+  OptimizerHyperParams hp = HyperParams(task, coef);
+  const int buf = Buf(task.step);
+  const size_t grad_bytes = layout.GroupGradBytes(gi);
+  const auto t0 = Clock::now();
+  // The gradients come from the host accumulators (the trainer's partitions land there).
+  float* master = m_.states->device_states(gi);
+  float* m = master + g.numel;
+  float* v = m + g.numel;
+  for (ParamId id : g.params) {
+    if (with_grad[layout.param(id).index_in_group] && !task.clip) {
+      ZINF_RETURN_IF_ERROR(CheckFinite(id, task.step));
+    }
+  }
+  // No accumulators (streaming, no gradient in the group this window): nothing is stepped.
+  const float* host_grads = m_.grads->group_grads(gi);
+  Status s = host_grads == nullptr
+                 ? Status::OK()
+                 : device->CopyHostToDevice(device_grads_, host_grads, grad_bytes, stream);
+  for (ParamId id : g.params) {
+    if (!s.ok()) break;
+    const ParamLayout& p = layout.param(id);
+    const size_t bytes = layout.PartBytes(id);
+    OptimizerTensors t = PartTensors(id, hp, master, m, v,
+                                     static_cast<const float*>(device_grads_) + p.slice_offset);
+    void* dst = m_.params->device_part(id, buf);
+    if (!with_grad[p.index_in_group]) {
+      // Not updated. Its store buffer for this version must still hold its values: the
+      // masters' (fp32), or the previous version's buffer (bf16; the same buffer without the
+      // delayed update).
+      void* other = m_.params->device_part(id, 1 - buf);
+      if (!copies) {
+        s = device->CopyDeviceToDevice(dst, t.param, bytes, stream);
+      } else if (other != nullptr && other != dst) {
+        s = device->CopyDeviceToDevice(dst, other, bytes, stream);
+      }
+      continue;
+    }
+    hp.step = m_.states->updates(id) + 1;
+    if (copies) {
+      t.param_copy = dst;
+      t.param_copy_type = ParamCopyType::kBf16;
+    }
+    s = device->OptimizerStep(hp, t, stream)
+            .WithContext("device optimizer step of '" + p.info.name + "'");
+    if (s.ok()) m_.states->CountUpdate(id);
+    if (s.ok() && !copies) s = device->CopyDeviceToDevice(dst, t.param, bytes, stream);
+  }
+  // Whatever was queued finishes before the gradients' buffer is reused.
+  Status synced = device->SynchronizeStream(stream);
+  m_.stats->AddOptimizerBusy(Since(t0));
+  m_.stats->AddH2D(grad_bytes);
+  ZINF_RETURN_IF_ERROR(s);
+  return synced.WithContext("device optimizer step of sub-group " + std::to_string(gi));
+}
+
+Status OptimizerPipeline::StepGroup(size_t gi, float* master, float* m, float* v,
+                                    uint16_t* copy_out, const OptimizerTask& task, float coef,
+                                    const std::vector<uint8_t>& with_grad,
+                                    std::vector<Ticket>* writes) {
+  const Layout& layout = *m_.layout;
+  OptimizerHyperParams hp = HyperParams(task, coef);
+  const auto t0 = Clock::now();
+  for (ParamId id : layout.group(gi).params) {
+    const ParamLayout& p = layout.param(id);
+    if (!with_grad[p.index_in_group]) {
+      // Not updated (no gradient in the window); its store is rewritten from the masters.
+      if (copy_out != nullptr) {
+        Status s = m_.optimizer->ConvertParams(master + p.slice_offset, copy_out + p.slice_offset,
+                                               ParamCopyType::kBf16, p.info.partition_numel);
+        if (!s.ok()) return s.WithContext("converting '" + p.info.name + "'");
+      }
+      continue;
+    }
+    if (!task.clip)
+      ZINF_RETURN_IF_ERROR(CheckFinite(id, task.step));  // (clipping checked the norm)
+    OptimizerTensors t = PartTensors(id, hp, master, m, v, m_.grads->Acc(id));
+    if (copy_out != nullptr) {
+      t.param_copy = copy_out + p.slice_offset;
+      t.param_copy_type = ParamCopyType::kBf16;
+    }
+    hp.step = m_.states->updates(id) + 1;
+    Status s = m_.optimizer->Step(hp, t);
+    if (!s.ok()) return s.WithContext("optimizer step of '" + p.info.name + "'");
+    m_.states->CountUpdate(id);
+  }
+  m_.stats->AddOptimizerBusy(Since(t0));
+  return m_.params->WriteGroup(gi, master, copy_out, Buf(task.step), swap_, writes);
+}
+
+}  // namespace zinf

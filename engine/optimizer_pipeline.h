@@ -1,0 +1,94 @@
+// The optimizer thread: for each OptimizerTask it steps the sub-groups in backward order as
+// their gradients land, reading NVMe states ahead into a window of buffers, stepping on the
+// CPU (or on the device for sub-groups kept there), and writing states and parameters behind.
+#pragma once
+
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+#include "engine/device_budget.h"
+#include "engine/durable_commits.h"
+#include "engine/gradient_path.h"
+#include "engine/group_board.h"
+#include "engine/host_memory.h"
+#include "engine/layout.h"
+#include "engine/param_store.h"
+#include "engine/state_store.h"
+#include "engine/stats_recorder.h"
+#include "zinf/config.h"
+#include "zinf/cpu_adam.h"
+#include "zinf/device.h"
+#include "zinf/swap.h"
+
+namespace zinf {
+
+class OptimizerPipeline {
+ public:
+  struct Parts {
+    const Layout* layout = nullptr;
+    const EngineConfig* config = nullptr;
+    Device* device = nullptr;
+    Stream* update_stream = nullptr;
+    DeviceBudget* budget = nullptr;
+    StatsRecorder* stats = nullptr;
+    GroupBoard* board = nullptr;
+    StateStore* states = nullptr;
+    ParamStore* params = nullptr;
+    GradientPath* grads = nullptr;
+    DurableCommits* durable = nullptr;
+    CpuOptimizer* optimizer = nullptr;
+  };
+  explicit OptimizerPipeline(const Parts& parts) : m_(parts) {}
+  ~OptimizerPipeline();  // joins the thread (the board must have been stopped)
+  OptimizerPipeline(const OptimizerPipeline&) = delete;
+  OptimizerPipeline& operator=(const OptimizerPipeline&) = delete;
+
+  // After placement: the swap store and the pools of state and parameter-copy buffers; the
+  // device gradient buffer for sub-groups stepped on the device (parameters on the device).
+  Status Attach(SwapStore* swap, BlockPool* state_pool, BlockPool* copy_pool);
+  Status Start();
+  void Join();
+
+ private:
+  void Loop();
+  // One task: every sub-group, in backward order.
+  Status Run(const OptimizerTask& task);
+  OptimizerHyperParams HyperParams(const OptimizerTask& task, float coef) const;
+  // A sub-group kept on the device, with its parameters on the device: stepped by
+  // Device::OptimizerStep on the update stream, the parameters written into their device
+  // stores by the step itself (bf16) or a device copy (fp32). `with_grad[j]`: whether the
+  // group's j-th parameter got a gradient in the window; the others are not updated (their
+  // parameter stores are still written, as their buffer may be stale).
+  Status StepGroupOnDevice(size_t gi, const OptimizerTask& task, float coef,
+                           const std::vector<uint8_t>& with_grad);
+  Status StepGroup(size_t gi, float* master, float* m, float* v, uint16_t* copy_out,
+                   const OptimizerTask& task, float coef, const std::vector<uint8_t>& with_grad,
+                   std::vector<Ticket>* writes);
+  // Refuses a gradient that holds inf or NaN before the optimizer uses it: a non-finite master
+  // is never written (the step fails; the engine must be recreated from a checkpoint or the
+  // durable store, whose last commit predates the step).
+  Status CheckFinite(ParamId id, int64_t step);
+  // The optimizer's view of parameter `id`'s partition inside its sub-group's master and state
+  // buffers (m and v: exp_avg / exp_avg_sq, or the Adagrad sum in v), with fp32 gradients at
+  // `grad`; no parameter copy.
+  OptimizerTensors PartTensors(ParamId id, const OptimizerHyperParams& hp, float* master, float* m,
+                               float* v, const float* grad) const;
+  // Whether the step of window s runs delayed (the trainer does not wait for it).
+  bool DelayedStep(int64_t s) const {
+    return m_.config->delayed_update && s > static_cast<int64_t>(m_.config->delayed_update_after);
+  }
+  int Buf(int64_t version) const { return m_.params->Buf(version); }
+
+  const Parts m_;
+  SwapStore* swap_ = nullptr;
+  BlockPool* state_pool_ = nullptr;
+  BlockPool* copy_pool_ = nullptr;
+  // Gradients of the sub-group StepGroupOnDevice is stepping, sized for the largest sub-group
+  // kept on the device.
+  void* device_grads_ = nullptr;
+  size_t device_grads_bytes_ = 0;
+  std::thread thread_;
+};
+
+}  // namespace zinf

@@ -1,0 +1,75 @@
+// Optimizer states per sub-group ([master | exp_avg | exp_avg_sq], fp32) on their tier: a
+// host mapping (cpu), device memory (kept on the device), or one NVMe swap key; and each
+// parameter's update count (torch's state["step"]).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/device_budget.h"
+#include "engine/host_memory.h"
+#include "engine/layout.h"
+#include "zinf/config.h"
+#include "zinf/device.h"
+#include "zinf/swap.h"
+
+namespace zinf {
+
+class StateStore {
+ public:
+  StateStore(const Layout* layout, const EngineConfig* config, Device* device, DeviceBudget* budget,
+             Stream* copy_stream, Stream* update_stream);
+  ~StateStore();
+  StateStore(const StateStore&) = delete;
+  StateStore& operator=(const StateStore&) = delete;
+
+  // After placement: the swap store (NVMe states) and the pool of state buffers.
+  void Attach(SwapStore* swap, BlockPool* state_pool) {
+    swap_ = swap;
+    state_pool_ = state_pool;
+  }
+
+  // Allocates sub-group `gi`'s states on their tier. *master gets host memory holding
+  // [master | m | v] to initialise: the states themselves (cpu; device on a host device), or
+  // a staging block (`staging`) that Publish writes to their tier.
+  Status Allocate(size_t gi, float** master, PooledBlock* staging);
+  // ResumeFromStore: reads the committed states of `gi` into `master` (its staging block).
+  Status ReadCommitted(size_t gi, float* master, size_t capacity);
+  // Writes the initialised staging copy to the states' tier (NVMe, or a real device).
+  Status Publish(size_t gi, const float* master, size_t capacity);
+
+  // Copies sub-group `gi`'s [master | exp_avg | exp_avg_sq] into / out of `buf` (host).
+  Status Read(size_t gi, void* buf);
+  Status Write(size_t gi, const void* buf);
+
+  bool on_nvme(size_t gi) const { return !groups_[gi].swap_key.empty(); }
+  const std::string& swap_key(size_t gi) const { return groups_[gi].swap_key; }
+  float* device_states(size_t gi) const { return groups_[gi].device_states; }
+  float* host_states(size_t gi) const { return groups_[gi].host.data; }
+
+  // Optimizer updates applied to parameter `id` so far: the optimizer thread changes it while
+  // it steps the sub-group; others read it between optimizer steps.
+  int64_t updates(ParamId id) const { return updates_[id]; }
+  void set_updates(ParamId id, int64_t n) { updates_[id] = n; }
+  void CountUpdate(ParamId id) { ++updates_[id]; }
+
+ private:
+  struct Group {
+    HostArray host;                  // cpu tier: [master | exp_avg | exp_avg_sq], one mapping
+    float* device_states = nullptr;  // kept on the device
+    std::string swap_key;            // nvme tier: one tensor
+  };
+  const Layout* const layout_;
+  const EngineConfig* const config_;
+  Device* const device_;
+  DeviceBudget* const budget_;
+  Stream* const copy_stream_;
+  Stream* const update_stream_;
+  SwapStore* swap_ = nullptr;
+  BlockPool* state_pool_ = nullptr;
+  std::vector<Group> groups_;
+  std::vector<int64_t> updates_;
+};
+
+}  // namespace zinf
