@@ -40,7 +40,7 @@ Status GroupBoard::WaitStepped(size_t gi, int64_t step, double* waited) {
   const auto t0 = Clock::now();
   MutexLock lock(&mu_);
   if (groups_[gi].stepped_step >= step) return Status::OK();
-  while (!stopping_ && groups_[gi].stepped_step < step) cv_.Wait();
+  while (!stopping_ && groups_[gi].stepped_step < step) cv_.Wait(&mu_);
   *waited = std::chrono::duration<double>(Clock::now() - t0).count();
   if (stopping_) return Status::FailedPrecondition("engine shutting down");
   return Status::OK();
@@ -48,7 +48,7 @@ Status GroupBoard::WaitStepped(size_t gi, int64_t step, double* waited) {
 
 Status GroupBoard::WaitDone(int64_t target) {
   MutexLock lock(&mu_);
-  while (!stopping_ && done_step_ < target) cv_.Wait();
+  while (!stopping_ && done_step_ < target) cv_.Wait(&mu_);
   if (!optimizer_status_.ok()) return optimizer_status_;
   if (done_step_ < target) return Status::FailedPrecondition("engine shutting down");
   return Status::OK();
@@ -71,7 +71,7 @@ Status GroupBoard::Stop(int64_t drain_to) {
   {
     MutexLock lock(&mu_);
     if (drain_to >= 0) {
-      while (done_step_ < drain_to) cv_.Wait();
+      while (done_step_ < drain_to) cv_.Wait(&mu_);
       unseen = optimizer_status_;
     }
     stopping_ = true;
@@ -128,7 +128,7 @@ Status GroupBoard::WaitForGradBlock(const std::function<bool()>& try_take,
           "zinf.pinned_budget_bytes (more blocks), lower sub_group_size, or register "
           "parameters so that their gradients come in reverse registration order");
     }
-    if (!cv_.WaitUntil(deadline)) {
+    if (!cv_.WaitUntil(&mu_, deadline)) {
       if (grad_releases_ == seen) {
         return Status::ResourceExhausted(
             "waited " + std::to_string(no_progress.count()) +
@@ -145,7 +145,7 @@ Status GroupBoard::WaitForGradBlock(const std::function<bool()>& try_take,
 
 bool GroupBoard::NextTask(OptimizerTask* task) {
   MutexLock lock(&mu_);
-  while (!stopping_ && tasks_.empty()) cv_.Wait();
+  while (!stopping_ && tasks_.empty()) cv_.Wait(&mu_);
   if (tasks_.empty()) return false;
   *task = tasks_.front();
   return true;
@@ -165,7 +165,7 @@ Status GroupBoard::WaitGroupReady(size_t gi, const OptimizerTask& task, float* c
   cv_.NotifyAll();  // a trainer waiting for a gradient block re-checks for a deadlock
   while (!stopping_ &&
          !(g.ready_step >= task.step && (!task.clip || clip_coefs_.count(task.step) != 0))) {
-    cv_.Wait();
+    cv_.Wait(&mu_);
   }
   waiting_group_ = SIZE_MAX;
   if (stopping_) return Status::FailedPrecondition("engine shutting down");

@@ -89,7 +89,7 @@ class GroupBoard {
 
   const Layout* const layout_;
   mutable Mutex mu_;
-  CondVar cv_{&mu_};
+  CondVar cv_;
   std::vector<Group> groups_ GUARDED_BY(mu_);
   std::deque<OptimizerTask> tasks_ GUARDED_BY(mu_);  // queued or running, oldest first
   int64_t done_step_ GUARDED_BY(mu_) = 0;            // the last task the optimizer finished

@@ -1,0 +1,277 @@
+// The façade's calls between optimizer steps: checkpoints, new parameter values, gathering
+// the master weights, and the small accessors.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common/utf8.h"
+#include "engine/engine_impl.h"
+#include "zinf/log.h"
+
+namespace zinf {
+
+// ---- Checkpoints and values between steps ---------------------------------------------------
+
+Status Engine::Impl::CheckBetweenSteps(const char* what) const {
+  if (!broken.ok()) return broken;
+  if (in_micro || micro % std::max(1, config.gradient_accumulation_steps) != 0) {
+    return Status::FailedPrecondition(std::string(what) +
+                                      " must be called between optimizer steps (after Step() at "
+                                      "an accumulation boundary, before the next Acquire)");
+  }
+  for (ParamId id = 0; id < layout.num_params(); ++id) {
+    if (fetch->acquired(id) > 0) {
+      return Status::FailedPrecondition(std::string(what) + ": parameter '" +
+                                        layout.param(id).info.name + "' is still acquired");
+    }
+  }
+  return Status::OK();
+}
+
+Status Engine::Impl::WriteGroupStates(size_t gi, const void* buf, int buf_index) {
+  ZINF_RETURN_IF_ERROR(states->Write(gi, buf));
+  // The parameter store: the masters in the storage dtype.
+  const float* master = static_cast<const float*>(buf);
+  std::unique_ptr<AlignedBuffer> copy;
+  if (config.bf16) {
+    copy = std::make_unique<AlignedBuffer>(layout.group(gi).numel * 2);
+    if (copy->data == nullptr) return Status::ResourceExhausted("parameter copy buffer");
+    for (ParamId id : layout.group(gi).params) {
+      const ParamLayout& p = layout.param(id);
+      ZINF_RETURN_IF_ERROR(optimizer->ConvertParams(
+          master + p.slice_offset, static_cast<uint16_t*>(copy->data) + p.slice_offset,
+          ParamCopyType::kBf16, p.info.partition_numel));
+    }
+  }
+  const uint16_t* copy_out = copy ? static_cast<const uint16_t*>(copy->data) : nullptr;
+  if (config.offload_param.tier != Tier::kNvme) {
+    return param_store->WriteGroup(gi, master, copy_out, buf_index, swap.get(), nullptr);
+  }
+  std::vector<Ticket> writes;
+  Status s = param_store->WriteGroup(gi, master, copy_out, buf_index, swap.get(), &writes);
+  for (Ticket t : writes) {
+    Status w = swap->Wait(t);
+    if (s.ok()) s = w;
+  }
+  return s;
+}
+
+Status Engine::PrepareCheckpointDir(const std::string& dir) {
+  return impl_->checkpointer->Prepare(dir);
+}
+
+Status Engine::SaveCheckpoint(const std::string& dir, const std::string& user_data) {
+  Impl& m = *impl_;
+  if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  ZINF_RETURN_IF_ERROR(m.CheckBetweenSteps("SaveCheckpoint"));
+  if (!IsValidUtf8(user_data)) {
+    return Status::InvalidArgument(
+        "SaveCheckpoint: the user data is not valid UTF-8 (it goes "
+        "into the JSON manifest); encode it, e.g. as base64");
+  }
+  ZINF_RETURN_IF_ERROR(m.budget->ReclaimScratch());
+  ZINF_RETURN_IF_ERROR(m.collectives->Agree(m.FinishPendingUpdate(), "SaveCheckpoint"));
+  return m.checkpointer->Save(dir, user_data, m.step);
+}
+
+Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data,
+                              bool fall_back_to_older) {
+  Impl& m = *impl_;
+  if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  ZINF_RETURN_IF_ERROR(m.CheckBetweenSteps("LoadCheckpoint"));
+  ZINF_RETURN_IF_ERROR(m.budget->ReclaimScratch());
+  ZINF_RETURN_IF_ERROR(m.collectives->Agree(m.FinishPendingUpdate(), "LoadCheckpoint"));
+  RankManifest man;
+  bool install_failed = false;
+  Status s = m.checkpointer->Load(
+      dir, fall_back_to_older,
+      [&] {
+        // Fetched parameter copies are stale from here on.
+        m.gather_states.reset();
+        return m.EvictAll();
+      },
+      [&](size_t gi, const void* buf, int64_t version) {
+        return m.WriteGroupStates(gi, buf, m.param_store->Buf(version));
+      },
+      &man, &install_failed);
+  if (!s.ok()) {
+    if (install_failed) {
+      m.broken = Status::FailedPrecondition("LoadCheckpoint failed while installing states (" +
+                                            s.message() + "); recreate the engine");
+    }
+    return s;
+  }
+  m.step = man.step;
+  m.visible = man.step;
+  for (ParamId id = 0; id < m.layout.num_params(); ++id) {
+    m.states->set_updates(id, man.tensors[id].updates >= 0 ? man.tensors[id].updates : man.step);
+  }
+  // A new history (the same value on every rank: they load the same checkpoint).
+  m.durable->NewLineage(man.step);
+  m.board->ResetTo(man.step);
+  m.micro = man.step * std::max(1, m.config.gradient_accumulation_steps);
+  m.BeginMicroStep();
+  if (user_data != nullptr) *user_data = man.user_data;
+  return Status::OK();
+}
+
+// ---- Inspection ------------------------------------------------------------------------------
+
+Status Engine::GatherMasterParameter(ParamId id, float* out) {
+  Impl& m = *impl_;
+  if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  if (id >= m.layout.num_params() || out == nullptr) {
+    return Status::InvalidArgument("GatherMasterParameter: bad id or null output");
+  }
+  // The optimizer steps of finished windows (delayed update: the last one may still run).
+  ZINF_RETURN_IF_ERROR(m.board->WaitDone(m.step));
+  const ParamLayout& p = m.layout.param(id);
+  const size_t gi = p.info.sub_group;
+  const size_t part = p.info.partition_numel;
+  const float* host = m.states->host_states(gi);
+  if (m.world == 1 && host != nullptr) {  // the partition is the tensor
+    std::memcpy(out, host + p.slice_offset, p.info.numel * sizeof(float));
+    return Status::OK();
+  }
+  std::vector<float> mine(part);
+  if (host != nullptr) {
+    std::memcpy(mine.data(), host + p.slice_offset, part * 4);
+  } else {
+    // NVMe or device states: read the sub-group once for the consecutive parameters of a
+    // full gather (the cache is dropped when the next micro-step starts or a checkpoint loads).
+    if (m.gather_group != gi || m.gather_states == nullptr) {
+      // One buffer, as large as the largest sub-group, reused from group to group.
+      if (m.gather_states == nullptr) {
+        const size_t largest = m.layout.LargestGroupStateBytes();
+        m.gather_states = std::make_unique<AlignedBuffer>(largest);
+        if (m.gather_states->data == nullptr) {
+          m.gather_states.reset();
+          return Status::ResourceExhausted("gather buffer of " + FormatBytes(largest));
+        }
+      }
+      Status s = m.states->Read(gi, m.gather_states->data);
+      if (!s.ok()) {
+        m.gather_states.reset();
+        return s;
+      }
+      m.gather_group = gi;
+    }
+    const float* src = static_cast<const float*>(m.gather_states->data) + p.slice_offset;
+    if (m.world == 1) {
+      std::memcpy(out, src, p.info.numel * sizeof(float));
+      return Status::OK();
+    }
+    std::memcpy(mine.data(), src, part * 4);
+  }
+  std::vector<float> gathered(p.padded_numel);
+  ZINF_RETURN_IF_ERROR(m.collectives->AllGather(mine.data(), gathered.data(), part * 4,
+                                                "gathering '" + p.info.name + "'"));
+  std::memcpy(out, gathered.data(), p.info.numel * sizeof(float));
+  return Status::OK();
+}
+
+Status Engine::SetParameterValues(const std::vector<ParamId>& ids,
+                                  const std::function<Status(ParamId, float*)>& fill) {
+  Impl& m = *impl_;
+  if (!fill) return Status::InvalidArgument("SetParameterValues: no fill function");
+  std::vector<uint8_t> wanted(m.layout.num_params(), 0);
+  for (ParamId id : ids) {
+    if (id >= m.layout.num_params()) {
+      return Status::InvalidArgument("SetParameterValues: unknown parameter id " +
+                                     std::to_string(id));
+    }
+    if (wanted[id]) {
+      return Status::InvalidArgument("SetParameterValues: parameter '" +
+                                     m.layout.param(id).info.name + "' is listed twice");
+    }
+    wanted[id] = 1;
+  }
+  if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  ZINF_RETURN_IF_ERROR(m.CheckBetweenSteps("SetParameterValues"));
+  ZINF_RETURN_IF_ERROR(m.budget->ReclaimScratch());
+  ZINF_RETURN_IF_ERROR(m.collectives->Agree(m.FinishPendingUpdate(), "SetParameterValues"));
+  m.gather_states.reset();
+  size_t group_bytes = 0;
+  Status local;
+  for (ParamId id = 0; id < m.layout.num_params() && local.ok(); ++id) {
+    if (!wanted[id]) continue;
+    group_bytes =
+        std::max(group_bytes, m.layout.GroupStateBytes(m.layout.param(id).info.sub_group));
+    local = m.fetch->Evict(id);  // a fetched copy holds the old values
+  }
+  bool changed = false;  // some sub-group was written
+  if (local.ok() && group_bytes > 0) {
+    HostStates host;
+    local = AllocateHostStates(m.arena.get(), group_bytes, &host);
+    std::vector<float> full;
+    for (size_t gi = 0; gi < m.layout.num_groups() && local.ok(); ++gi) {
+      const GroupLayout& g = m.layout.group(gi);
+      if (std::none_of(g.params.begin(), g.params.end(), [&](ParamId id) { return wanted[id]; })) {
+        continue;
+      }
+      float* master = static_cast<float*>(host.data());
+      local = m.states->Read(gi, master);
+      for (size_t j = 0; j < g.params.size() && local.ok(); ++j) {
+        const ParamLayout& p = m.layout.param(g.params[j]);
+        if (!wanted[g.params[j]]) continue;
+        full.assign(p.padded_numel, 0.0f);
+        local = fill(g.params[j], full.data()).WithContext("values of '" + p.info.name + "'");
+        if (local.ok()) {
+          std::memcpy(master + p.slice_offset,
+                      full.data() + static_cast<size_t>(m.rank) * p.info.partition_numel,
+                      p.info.partition_numel * sizeof(float));
+        }
+      }
+      if (local.ok()) {
+        changed = true;
+        local = m.WriteGroupStates(gi, master, m.param_store->Buf(m.visible));
+      }
+    }
+  }
+  Status agreed = m.collectives->Agree(local, "SetParameterValues");
+  if (!agreed.ok()) {
+    // Some rank may hold new values in part of its sub-groups: the model is neither the old
+    // one nor the new one.
+    if (changed || m.world > 1) {
+      return m.Break("SetParameterValues failed part-way", agreed,
+                     "; recreate the engine and load again");
+    }
+    return agreed;
+  }
+  // Durable: the new values are a new history, committed at once.
+  m.durable->NewLineage(m.step);
+  Status committed = m.durable->Commit(m.step, m.visible);
+  if (!committed.ok()) {
+    return m.Break("the durable swap store could not commit the loaded values", committed,
+                   "; resume from its last commit");
+  }
+  return Status::OK();
+}
+
+int64_t Engine::param_updates(ParamId id) const {
+  const Impl& m = *impl_;
+  m.layout.params().at(id);  // throws std::out_of_range on a bad id, as documented
+  if (!m.registered) return 0;
+  // The optimizer thread counts the updates of a step still running (delayed update): wait
+  // for it. A failed step's count is what it reached; that failure is reported by the calls
+  // that run steps, so it is not repeated here.
+  (void)m.board->WaitDone(m.step);
+  return m.states->updates(id);
+}
+
+Status Engine::SetLearningRate(float lr) {
+  if (!std::isfinite(lr) || lr < 0) {
+    return Status::InvalidArgument("SetLearningRate: the learning rate must be finite and >= 0");
+  }
+  impl_->lr = lr;
+  return Status::OK();
+}
+
+int64_t Engine::global_step() const { return impl_->step; }
+int Engine::rank() const { return impl_->rank; }
+int Engine::world_size() const { return impl_->world; }
+size_t Engine::num_params() const { return impl_->layout.num_params(); }
+const ParamInfo& Engine::param(ParamId id) const { return impl_->layout.params().at(id).info; }
+const EngineConfig& Engine::config() const { return impl_->config; }
+
+}  // namespace zinf
