@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "common/cli.h"
+#include "zinf/align.h"
 #include "zinf/cpu_adam.h"
 
 namespace zinf {
@@ -63,7 +64,7 @@ class HugeBuffer {
  public:
   explicit HugeBuffer(size_t bytes) {
     constexpr size_t kHuge = size_t{2} << 20;
-    bytes_ = std::max(kHuge, (bytes + kHuge - 1) / kHuge * kHuge);
+    bytes_ = std::max(kHuge, RoundUp(bytes, kHuge));
     ptr_ = std::aligned_alloc(kHuge, bytes_);
     if (ptr_ == nullptr) {
       std::fprintf(stderr, "zinf-adam-bench: cannot allocate %zu bytes\n", bytes_);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/cli.h"
+#include "engine/host/single_rank.h"
 #include "zinf/comm.h"
 #include "zinf/cuda.h"
 #include "zinf/device.h"
@@ -140,33 +141,26 @@ int Main(int argc, char** argv) {
   c.pinned_budget_bytes = RoundUp(f.layers * f.layer_elems * 4 + 4 * f.sub_group_elems * 14 +
                                       f.prefetch_elems * elem + 64 * f.layer_elems + (256u << 20),
                                   2u << 20);
-  std::unique_ptr<Device> device;
-  std::unique_ptr<Communicator> comm;
+  Result<SingleRank> rank = Status::Internal("no device");
   if (f.device == "cuda") {
-    Result<std::unique_ptr<Device>> cuda = NewCudaDevice(CudaDeviceOptions{});
-    Result<std::unique_ptr<Communicator>> nccl =
-        cuda.ok() ? NewNcclComm(cuda->get(), NcclCommOptions{})
-                  : Result<std::unique_ptr<Communicator>>(cuda.status());
-    if (!nccl.ok()) {
+    rank = NewCudaSingleRank(CudaDeviceOptions{});
+    if (!rank.ok()) {
       std::fprintf(stderr, "zinf-engine-bench: --device cuda: %s\n",
-                   nccl.status().ToString().c_str());
+                   rank.status().ToString().c_str());
       return 1;
     }
-    device = std::move(cuda).value();
-    comm = std::move(nccl).value();
   } else {
     HostDeviceOptions ho;
     ho.memory_budget = size_t{64} << 30;
     ho.copy_gbps = f.copy_gbps;
-    device = NewHostDevice(ho);
-    auto comms = NewLocalComms({device.get()});
-    if (!comms.ok()) {
-      std::fprintf(stderr, "zinf-engine-bench: %s\n", comms.status().ToString().c_str());
+    rank = NewHostSingleRank(ho);
+    if (!rank.ok()) {
+      std::fprintf(stderr, "zinf-engine-bench: %s\n", rank.status().ToString().c_str());
       return 1;
     }
-    comm = std::move((*comms)[0]);
   }
-  auto engine = Engine::Create(c, device.get(), comm.get());
+  Device* const device = rank->device.get();
+  auto engine = Engine::Create(c, device, rank->comm.get());
   if (!engine.ok()) {
     std::fprintf(stderr, "zinf-engine-bench: %s\n", engine.status().ToString().c_str());
     return 1;

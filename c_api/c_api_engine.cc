@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "c_api/c_api_internal.h"
+#include "engine/host/single_rank.h"
 #include "zinf/comm.h"
 #include "zinf/device.h"
 #include "zinf/engine.h"
@@ -19,8 +20,7 @@ using zinf::capi::Succeed;
 
 struct zinf_engine {
   uint64_t magic = zinf::capi::kEngineMagic;
-  std::unique_ptr<zinf::Device> device;
-  std::vector<std::unique_ptr<zinf::Communicator>> comms;
+  zinf::SingleRank rank;                 // the host device and its one-rank communicator
   std::unique_ptr<zinf::Engine> engine;  // destroyed first (declared last)
 };
 
@@ -49,15 +49,18 @@ int zinf_engine_create(const char* config_json, zinf_engine** out) {
     for (const std::string& w : warnings) zinf::LogWarning(w);
     auto handle = std::unique_ptr<zinf_engine>(new (std::nothrow) zinf_engine);
     if (!handle) return Fail("zinf_engine_create: out of memory");
+    // The host device's budget by zinf-train's rule: zinf.device_budget_bytes, else (0) the
+    // machine's memory, both checked against an address-space limit.
+    zinf::Result<uint64_t> budget =
+        zinf::HostDeviceBudget(config->device_budget_bytes, config->pinned_budget_bytes);
+    if (!budget.ok()) return FromStatus(budget.status());
     zinf::HostDeviceOptions ho;
-    ho.memory_budget =
-        config->device_budget_bytes != 0 ? config->device_budget_bytes : (size_t{4} << 30);
+    ho.memory_budget = *budget;
     ho.copy_gbps = config->host_copy_gbps;
-    handle->device = zinf::NewHostDevice(ho);
-    auto comms = zinf::NewLocalComms({handle->device.get()});
-    if (!comms.ok()) return FromStatus(comms.status());
-    handle->comms = std::move(comms).value();
-    auto engine = zinf::Engine::Create(*config, handle->device.get(), handle->comms[0].get());
+    zinf::Result<zinf::SingleRank> rank = zinf::NewHostSingleRank(ho);
+    if (!rank.ok()) return FromStatus(rank.status());
+    handle->rank = std::move(rank).value();
+    auto engine = zinf::Engine::Create(*config, handle->rank.device.get(), handle->rank.comm.get());
     if (!engine.ok()) return FromStatus(engine.status());
     handle->engine = std::move(engine).value();
     *out = handle.release();
@@ -219,9 +222,9 @@ void zinf_engine_destroy(zinf_engine* engine) {
   if (engine == nullptr) return;
   if (!Live(engine, "zinf_engine_destroy")) return;  // a second destroy: refused, not a crash
   engine->magic = 0;
-  engine->engine.reset();  // before its device and communicators
-  engine->comms.clear();
-  engine->device.reset();
+  engine->engine.reset();  // before its device and communicator
+  engine->rank.comm.reset();
+  engine->rank.device.reset();
   zinf::capi::RetireHandle(engine, [](void* p) { delete static_cast<zinf_engine*>(p); });
 }
 

@@ -65,12 +65,14 @@ Result<int> CreateExclusive(const std::string& path) {
   return fd;
 }
 
-Status ReplaceFile(const std::string& path, const std::string& text) {
+Status ReplaceFile(const std::string& path, const void* data, size_t n,
+                   const ReplaceFileOptions& options) {
   const std::string tmp = path + ".tmp";
   ZINF_ASSIGN_OR_RETURN(int fd, CreateExclusive(tmp));
-  Status s = PwriteAll(fd, text.data(), text.size(), 0, tmp);
+  Status s = PwriteAll(fd, data, n, 0, tmp);
   if (s.ok() && fsync(fd) != 0) s = ErrnoToStatus(errno, "fsync of " + tmp);
   if (close(fd) != 0 && s.ok()) s = ErrnoToStatus(errno, "closing " + tmp);
+  if (s.ok() && options.before_rename) s = options.before_rename();
   if (s.ok() && rename(tmp.c_str(), path.c_str()) != 0) {
     s = ErrnoToStatus(errno, "renaming " + tmp + " to " + path);
   }
@@ -78,9 +80,14 @@ Status ReplaceFile(const std::string& path, const std::string& text) {
     unlink(tmp.c_str());
     return s;
   }
+  if (options.renamed != nullptr) *options.renamed = true;
   const size_t slash = path.rfind('/');
   return FsyncPath(slash == std::string::npos ? "." : path.substr(0, std::max<size_t>(slash, 1)),
                    /*directory=*/true);
+}
+
+Status ReplaceFile(const std::string& path, std::string_view text) {
+  return ReplaceFile(path, text.data(), text.size());
 }
 
 Result<std::string> ReadSmallFile(const std::string& path, size_t limit) {

@@ -4,7 +4,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <string_view>
 
 #include "zinf/status.h"
 
@@ -22,10 +24,28 @@ Status FsyncPath(const std::string& path, bool directory);
 // (O_NOFOLLOW), mode 0600. A file already there (a leftover temporary, or anything planted,
 // a hard link included) is unlinked first, so it is never written through. Returns the fd.
 Result<int> CreateExclusive(const std::string& path);
-// Writes `text` to `path` (0600, fsync'ed) through `path`.tmp, renamed over `path`, and fsyncs
-// the folder: after a crash `path` holds either the old or the new text. The one place for
-// that protocol.
-Status ReplaceFile(const std::string& path, const std::string& text);
+
+// For a replacement with a step of the caller's between the temporary's fsync and its rename.
+struct ReplaceFileOptions {
+  // Runs once the temporary is written and fsync'ed, just before it is renamed over `path`
+  // (the swap store moves its last commit aside there). An error stops the replacement: the
+  // temporary is removed, `path` is not touched, and the error is returned.
+  std::function<Status()> before_rename;
+  // Set to true once the temporary has been renamed over `path`: from then on `path` holds the
+  // new contents, even when the folder's fsync that follows fails (and ReplaceFile fails).
+  bool* renamed = nullptr;
+};
+
+// Writes the `n` bytes at `data` to `path` so that after a crash `path` holds either its old or
+// its new contents (leveldb's SetCurrentFile): through `path`.tmp (created afresh with
+// CreateExclusive: 0600, never written through a link or a leftover), fsync'ed, renamed over
+// `path`, then the folder fsync'ed. An error before the rename removes the temporary and leaves
+// `path` as it was; every error names the file and the step that failed. One writer per
+// `path` at a time (callers hold the folder's FolderLock). The one place for that protocol.
+Status ReplaceFile(const std::string& path, const void* data, size_t n,
+                   const ReplaceFileOptions& options = {});
+// The same for a text.
+Status ReplaceFile(const std::string& path, std::string_view text);
 // A regular file's contents, at most `limit` bytes (Corruption otherwise).
 Result<std::string> ReadSmallFile(const std::string& path, size_t limit);
 

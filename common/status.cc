@@ -79,4 +79,10 @@ void CheckFailed(const char* file, int line, const char* cond, const char* msg) 
   std::abort();
 }
 
+void ResultValueOnError(const Status& status) {
+  std::fprintf(stderr, "zinf: Result::value() on an error: %s\n", status.ToString().c_str());
+  std::fflush(stderr);
+  std::abort();
+}
+
 }  // namespace zinf

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cpu_adam/kernels.h"
+#include "zinf/align.h"
 #include "zinf/cpu_adam.h"
 #include "zinf/log.h"
 
@@ -359,7 +360,7 @@ Result<std::unique_ptr<CpuOptimizer>> CpuOptimizer::Create(const Options& option
   impl->num_threads =
       options.num_threads == 0 ? available : std::min(options.num_threads, available);
   const size_t tile = std::max<size_t>(options.tile_elements, 1);
-  impl->tile = (tile + kTileAlignment - 1) / kTileAlignment * kTileAlignment;
+  impl->tile = RoundUp(tile, kTileAlignment);
   impl->bind = options.bind_to_cores;
   impl->arena = std::make_unique<tbb::task_arena>(impl->num_threads, 1);
   impl->arena->initialize();

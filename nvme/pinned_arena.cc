@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include "nvme/range_allocator.h"
+#include "zinf/align.h"
 #include "zinf/log.h"
 #include "zinf/swap.h"
 
@@ -41,7 +42,7 @@ void PinnedBuffer::Reset() {
 
 Result<std::unique_ptr<PinnedArena>> PinnedArena::Create(const PinnedArenaOptions& options) {
   if (options.bytes == 0) return Status::InvalidArgument("pinned arena size is 0");
-  if (options.alignment < 64 || (options.alignment & (options.alignment - 1)) != 0 ||
+  if (options.alignment < 64 || !IsPowerOfTwo(options.alignment) ||
       options.alignment > (2u << 20)) {
     return Status::InvalidArgument("pinned arena alignment " + std::to_string(options.alignment) +
                                    " must be a power of two in [64, 2 MiB]");

@@ -19,6 +19,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "common/file_io.h"
 #include "common/folder_lock.h"
 #include "common/utf8.h"
 #include "nvme/io_queue.h"
@@ -941,44 +942,25 @@ Status SwapStore::Impl::WriteIndex(const std::string* commit_meta, bool* renamed
   }
   const std::string dir = options.paths[0];
   const std::string final_path = dir + "/" + kIndexName;
-  const std::string tmp_path = final_path + ".tmp";
-  std::string text = j.dump();
-  int fd = open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
-  if (fd < 0) return ErrnoToStatus(errno, "creating " + tmp_path);
-  size_t done = 0;
-  while (done < text.size()) {
-    ssize_t n = write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      Status s = ErrnoToStatus(errno, "writing " + tmp_path);
-      close(fd);
-      return s;
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (fsync(fd) != 0) {
-    Status s = ErrnoToStatus(errno, "fsync " + tmp_path);
-    close(fd);
-    return s;
-  }
-  if (close(fd) != 0) return ErrnoToStatus(errno, "closing " + tmp_path);
+  const std::string text = j.dump();
+  // Through kIndexName.tmp, fsync'ed, renamed over kIndexName, the folder fsync'ed.
+  ReplaceFileOptions replace;
+  replace.renamed = renamed;
   if (commit_meta != nullptr && options.retained_commits == 2) {
-    // The last commit becomes the previous one. A crash right after this rename leaves it as
-    // the only index, which a reopen then takes as the last commit.
-    const std::string prev_path = dir + "/" + kPrevIndexName;
-    if (rename(final_path.c_str(), prev_path.c_str()) != 0) {
-      if (errno != ENOENT)
+    // The last commit becomes the previous one, once the new index is durable in its
+    // temporary. A crash right after this rename leaves it as the only index, which a reopen
+    // then takes as the last commit.
+    replace.before_rename = [&]() -> Status {
+      const std::string prev_path = dir + "/" + kPrevIndexName;
+      if (rename(final_path.c_str(), prev_path.c_str()) != 0) {
+        if (errno == ENOENT) return Status::OK();
         return ErrnoToStatus(errno, "renaming " + final_path + " to " + prev_path);
-    } else {
+      }
       // Durable before the next rename, whatever order the filesystem keeps renames in.
-      ZINF_RETURN_IF_ERROR(SyncFolder(dir));
-    }
+      return SyncFolder(dir);
+    };
   }
-  if (rename(tmp_path.c_str(), final_path.c_str()) != 0) {
-    return ErrnoToStatus(errno, "renaming " + tmp_path + " to " + final_path);
-  }
-  if (renamed != nullptr) *renamed = true;
-  return SyncFolder(dir);
+  return ReplaceFile(final_path, text.data(), text.size(), replace);
 }
 
 Status SwapStore::Impl::Reopen() {

@@ -1,6 +1,11 @@
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -59,6 +64,66 @@ TEST(CApiEngine, TrainsWithEverythingOnNvme) {
                 dir.path() + R"("}},
     "zinf": {"pinned_budget_bytes": "64M"}})");
 }
+
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+// (The sanitizers reserve terabytes of address space: under ulimit -v nothing starts.)
+
+// In a child (a death test): lowers the address-space limit to `limit`, creates an engine from
+// `config`, trains one step of the least-squares problem, and exits 0; or prints the error and
+// exits 1.
+[[noreturn]] void CreateAndStepUnderALimit(uint64_t limit, const char* config) {
+  rlimit as{};
+  getrlimit(RLIMIT_AS, &as);
+  as.rlim_cur = limit;
+  if (setrlimit(RLIMIT_AS, &as) != 0) {
+    std::fprintf(stderr, "setrlimit failed\n");
+    std::_Exit(2);
+  }
+  zinf_engine* e = nullptr;
+  const int64_t shape[] = {4};
+  const float init[] = {0, 0, 0, 0};
+  const float grad[] = {1, 1, 1, 1};
+  uint32_t id = 0;
+  void* ptr = nullptr;
+  if (zinf_engine_create(config, &e) != 0 || zinf_engine_register(e, "w", shape, 1, init, &id) ||
+      zinf_engine_acquire(e, &id, 1, &ptr) != 0 || zinf_engine_reduce_gradient(e, id, grad) ||
+      zinf_engine_release(e, &id, 1) != 0 || zinf_engine_step(e, nullptr) != 0) {
+    std::fprintf(stderr, "error: %s\n", zinf_last_error());
+    std::fflush(stderr);
+    std::_Exit(1);
+  }
+  zinf_engine_destroy(e);
+  std::fflush(stderr);
+  std::_Exit(0);
+}
+
+// zinf.device_budget_bytes 0 means what the device reports, as in C++ and zinf-train: the
+// machine's memory for the host device (it used to be 4 GiB in the C API alone), lowered to
+// fit an address-space limit, with a warning that names both.
+TEST(CApiEngineDeathTest, ADeviceBudgetOfZeroIsTheMachinesMemoryAsInCpp) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const uint64_t phys = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  // Room for the program (3 GiB), the pinned arena (64 MiB) and twice half the machine's memory:
+  // the default budget becomes half of it.
+  const uint64_t limit = phys + (uint64_t{3} << 30) + (uint64_t{64} << 20);
+  EXPECT_EXIT(CreateAndStepUnderALimit(
+                  limit, R"({"zinf": {"device_budget_bytes": 0, "pinned_budget_bytes": "64M"}})"),
+              ::testing::ExitedWithCode(0),
+              "the host device's budget is [0-9.]+ [KMGT]iB instead of the machine's");
+}
+
+// An explicit budget that the limit cannot hold is refused at create, naming the limit, the
+// reservation and the key to lower (it used to create a device whose every allocation failed).
+TEST(CApiEngineDeathTest, AnExplicitDeviceBudgetBeyondTheAddressSpaceLimitIsRefused) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(CreateAndStepUnderALimit(
+                  uint64_t{6} << 30,
+                  R"({"zinf": {"device_budget_bytes": "8G", "pinned_budget_bytes": "64M"}})"),
+              ::testing::ExitedWithCode(1),
+              "error: .*the address-space limit \\(ulimit -v\\) is 6.0 GiB.*2 x 8.0 GiB.*"
+              "lower zinf.device_budget_bytes");
+}
+#endif
 
 // One step of the least-squares problem above.
 void OneStep(zinf_engine* e, uint32_t id) {

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "tests/test_util.h"
+#include "zinf/align.h"
 #include "zinf/zinf.h"
 
 namespace {
@@ -26,7 +27,7 @@ TEST(CApiSwap, OpenWriteReadWaitClose) {
   auto* r = static_cast<unsigned char*>(zinf_alloc_aligned(n));
   ASSERT_NE(nullptr, w);
   zinf::testing::FillRandom(w, n, 5);
-  size_t cap = (n + 4095) / 4096 * 4096;
+  size_t cap = zinf::RoundUp(n, 4096);
   uint64_t t = 0;
   ASSERT_EQ(0, zinf_swap_write(store, "emb", w, n, cap, &t)) << zinf_last_error();
   ASSERT_EQ(0, zinf_swap_wait(store, t)) << zinf_last_error();

@@ -38,5 +38,20 @@ TEST(StatusTest, ResultCarriesValueOrStatus) {
   EXPECT_EQ(StatusCode::kInternal, from_ok_status.status().code());
 }
 
+// Reading the value of an error is a programmer error: it aborts with the status (in release
+// builds too), instead of handing out an empty optional's storage.
+TEST(StatusDeathTest, ValueOfAnErrorAbortsNamingTheStatus) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const char* expected = "zinf: Result::value\\(\\) on an error: InvalidArgument: odd";
+  EXPECT_DEATH((void)Quarter(6).value(), expected);
+  Result<std::string> error = Status::NotFound("no such tensor 'w'");
+  EXPECT_DEATH((void)error.value().size(), "on an error: NotFound: no such tensor 'w'");
+  EXPECT_DEATH((void)error->size(), "on an error: NotFound: no such tensor 'w'");
+  EXPECT_DEATH((void)(*error).size(), "on an error: NotFound: no such tensor 'w'");
+  const Result<std::string>& const_error = error;
+  EXPECT_DEATH((void)const_error.value().size(), "on an error: NotFound");
+  EXPECT_DEATH((void)std::move(error).value(), "on an error: NotFound");
+}
+
 }  // namespace
 }  // namespace zinf

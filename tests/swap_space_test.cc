@@ -64,7 +64,7 @@ class LoopFs {
 struct Buffer {
   void* p = nullptr;
   size_t n = 0;
-  explicit Buffer(size_t bytes) : n((bytes + 4095) / 4096 * 4096) {
+  explicit Buffer(size_t bytes) : n(RoundUp(bytes, 4096)) {
     if (posix_memalign(&p, 4096, n) != 0) p = nullptr;
     if (p != nullptr) std::memset(p, 0x5a, n);
   }

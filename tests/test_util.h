@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "zinf/align.h"
+
 namespace zinf::testing {
 
 // A fresh folder under $TMPDIR (or /var/tmp: a disk, unlike /tmp on some systems), removed
@@ -70,7 +72,7 @@ inline void FillRandom(void* buf, size_t n, uint64_t seed) {
 // Aligned heap memory for direct I/O.
 class AlignedBuffer {
  public:
-  explicit AlignedBuffer(size_t n, size_t align = 4096) : size_((n + align - 1) / align * align) {
+  explicit AlignedBuffer(size_t n, size_t align = 4096) : size_(RoundUp(n, align)) {
     data_ = static_cast<unsigned char*>(aligned_alloc(align, size_ == 0 ? align : size_));
     std::memset(data_, 0, size_ == 0 ? align : size_);
   }

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "common/cli.h"
+#include "engine/host/single_rank.h"
 #include "train/checkpoint.h"
 #include "train/gpt.h"
 #include "train/trainer.h"
@@ -249,46 +250,6 @@ Status Explain(const Status& s) {
   return s;
 }
 
-// What the process maps besides the budgets: the program and its libraries, thread stacks
-// (8 MiB each), OpenBLAS's buffers, the allocator's arenas, the data.
-constexpr uint64_t kAddressSpaceMargin = uint64_t{3} << 30;
-
-// The host device's budget: --device-budget, else the machine's memory. Under an
-// address-space limit (ulimit -v) the budgets must fit in it (the host device reserves twice
-// its budget of address space, the pinned arena its budget): an explicit budget that does not
-// is refused here, before anything is allocated, with the numbers and the fix; a default one
-// is lowered to fit.
-Result<uint64_t> HostDeviceBudget(const EngineConfig& config) {
-  const uint64_t phys = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
-  rlimit as{};
-  if (getrlimit(RLIMIT_AS, &as) != 0 || as.rlim_cur == RLIM_INFINITY) {
-    return config.device_budget_bytes != 0 ? config.device_budget_bytes : phys;
-  }
-  const uint64_t limit = as.rlim_cur;
-  const uint64_t fixed = config.pinned_budget_bytes + kAddressSpaceMargin;
-  const auto refuse = [&](uint64_t budget) {
-    return Status::InvalidArgument(
-        "the address-space limit (ulimit -v) is " + FormatBytes(limit) + ", but this run maps " +
-        FormatBytes(2 * budget + fixed) + ": the host device reserves twice its budget (2 x " +
-        FormatBytes(budget) + "), the pinned arena " + FormatBytes(config.pinned_budget_bytes) +
-        ", the program about " + FormatBytes(kAddressSpaceMargin) +
-        ". Raise the limit (ulimit -v unlimited) or lower --device-budget / --pinned-budget");
-  };
-  if (config.device_budget_bytes != 0) {
-    if (2 * config.device_budget_bytes + fixed > limit) return refuse(config.device_budget_bytes);
-    return config.device_budget_bytes;
-  }
-  const uint64_t min_budget = uint64_t{256} << 20;
-  if (limit < fixed + 2 * min_budget) return refuse(min_budget);
-  const uint64_t fit = (limit - fixed) / 2;
-  if (fit < phys) {
-    LogWarning("the address-space limit (ulimit -v) is " + FormatBytes(limit) +
-               ": the host device's budget is " + FormatBytes(fit) + " instead of the machine's " +
-               FormatBytes(phys) + " (raise the limit, or set --device-budget)");
-  }
-  return std::min(fit, phys);
-}
-
 struct StepRow {
   int64_t step = 0;
   double loss = 0, seconds = 0, tokens_per_s = 0, tflops = 0;
@@ -343,8 +304,7 @@ int Run(Flags f) {
 
   // Device and communicator, one rank: the host device, or GPU 0 with a one-rank NCCL
   // communicator (the model's forward and backward then run on the GPU).
-  std::unique_ptr<Device> device;
-  std::vector<std::unique_ptr<Communicator>> comms;
+  SingleRank rank;
   if (f.device == "cuda") {
     CudaDeviceOptions copt;
     // 0: 90% of the free memory. Else the engine's budget plus the trainer's own device
@@ -354,34 +314,33 @@ int Run(Flags f) {
       copt.memory_budget +=
           GptTrainer::DeviceBytes(model, f.batch, f.seq, config->bf16) + (size_t{1} << 20);
     }
-    Result<std::unique_ptr<Device>> cuda = NewCudaDevice(copt);
-    Result<std::unique_ptr<Communicator>> nccl =
-        cuda.ok() ? NewNcclComm(cuda->get(), NcclCommOptions{})
-                  : Result<std::unique_ptr<Communicator>>(cuda.status());
-    if (!nccl.ok()) {
-      std::fprintf(stderr, "zinf-train: --device cuda: %s\n", nccl.status().message().c_str());
+    Result<SingleRank> cuda = NewCudaSingleRank(copt);
+    if (!cuda.ok()) {
+      std::fprintf(stderr, "zinf-train: --device cuda: %s\n", cuda.status().message().c_str());
       return 1;
     }
-    device = std::move(cuda).value();
-    comms.push_back(std::move(nccl).value());
+    rank = std::move(cuda).value();
   } else {
     HostDeviceOptions dopt;
     // Without a budget the host device may use the machine's memory (it is host memory), or
     // what an address-space limit leaves of it.
-    Result<uint64_t> budget = HostDeviceBudget(*config);
+    Result<uint64_t> budget =
+        HostDeviceBudget(config->device_budget_bytes, config->pinned_budget_bytes,
+                         BudgetNames{"--device-budget", "--pinned-budget"});
     if (!budget.ok()) {
       std::fprintf(stderr, "zinf-train: %s\n", budget.status().message().c_str());
       return 2;
     }
     dopt.memory_budget = *budget;
-    device = NewHostDevice(dopt);
-    Result<std::vector<std::unique_ptr<Communicator>>> local = NewLocalComms({device.get()});
-    if (!local.ok()) {
-      std::fprintf(stderr, "zinf-train: %s\n", local.status().ToString().c_str());
+    Result<SingleRank> host = NewHostSingleRank(dopt);
+    if (!host.ok()) {
+      std::fprintf(stderr, "zinf-train: %s\n", host.status().ToString().c_str());
       return 1;
     }
-    comms = std::move(local).value();
+    rank = std::move(host).value();
   }
+  Device* const device = rank.device.get();
+  Communicator* const comm = rank.comm.get();
   auto fail = [&](const std::string& what, const Status& s) {
     std::fprintf(stderr, "zinf-train: %s: %s\n", what.c_str(), Explain(s).message().c_str());
     return 1;
@@ -399,10 +358,10 @@ int Run(Flags f) {
                f.batch, f.seq, f.steps);
   std::fflush(out);
 
-  Result<std::unique_ptr<Engine>> engine = Engine::Create(*config, device.get(), comms[0].get());
+  Result<std::unique_ptr<Engine>> engine = Engine::Create(*config, device, comm);
   if (!engine.ok()) return fail("creating the engine", engine.status());
   Result<std::unique_ptr<GptTrainer>> trainer =
-      GptTrainer::Create(model, f.batch, f.seq, f.seed, engine->get(), {}, device.get());
+      GptTrainer::Create(model, f.batch, f.seq, f.seed, engine->get(), {}, device);
   if (!trainer.ok()) return fail("building the model", trainer.status());
   auto t_init = Clock::now();
   int64_t first_step = 0;
@@ -415,9 +374,9 @@ int Run(Flags f) {
       std::fprintf(out, "  no committed step in the swap store yet: starting from step 0\n");
       trainer->reset();
       engine->reset();
-      engine = Engine::Create(*config, device.get(), comms[0].get());
+      engine = Engine::Create(*config, device, comm);
       if (!engine.ok()) return fail("creating the engine", engine.status());
-      trainer = GptTrainer::Create(model, f.batch, f.seq, f.seed, engine->get(), {}, device.get());
+      trainer = GptTrainer::Create(model, f.batch, f.seq, f.seed, engine->get(), {}, device);
       if (!trainer.ok()) return fail("building the model", trainer.status());
     } else if (!s.ok()) {
       return fail("resuming from the swap store", s);

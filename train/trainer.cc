@@ -13,6 +13,7 @@
 
 #include "train/kernels.h"
 #include "train/model_ops.h"
+#include "zinf/align.h"
 #include "zinf/crash_point.h"
 
 namespace zinf::train {
@@ -209,7 +210,7 @@ struct GptTrainer::Impl {
         ZINF_RETURN_IF_ERROR(
             device->CopyDeviceToHost(staged.data() + offset, raw[i], bytes, compute));
         raw[i] = staged.data() + offset;
-        offset += (bytes + 63) & ~size_t{63};
+        offset += RoundUp(bytes, 64);
       }
       ZINF_RETURN_IF_ERROR(device->SynchronizeStream(compute));
     }

@@ -75,7 +75,13 @@ class [[nodiscard]] Status {
 // EINVAL -> kInvalidArgument, ENOENT -> kNotFound, EEXIST -> kAlreadyExists, else kIoError).
 Status ErrnoToStatus(int err, std::string_view what);
 
+[[noreturn]] void CheckFailed(const char* file, int line, const char* cond, const char* msg);
+// Prints "zinf: Result::value() on an error: <status>" to stderr and aborts.
+[[noreturn]] void ResultValueOnError(const Status& status);
+
 // Result<T>: a value or a non-OK Status.
+// value(), operator* and operator-> REQUIRE ok(): on an error they abort, printing the status
+// (in release builds too), since reading a value that is not there is a programmer error.
 template <typename T>
 class [[nodiscard]] Result {
  public:
@@ -85,20 +91,27 @@ class [[nodiscard]] Result {
   }
   bool ok() const { return value_.has_value(); }
   const Status& status() const { return status_; }
-  T& value() & { return *value_; }
-  const T& value() const& { return *value_; }
-  T&& value() && { return std::move(*value_); }
-  T* operator->() { return &*value_; }
-  const T* operator->() const { return &*value_; }
-  T& operator*() & { return *value_; }
-  const T& operator*() const& { return *value_; }
+  T& value() & { return Checked(); }
+  const T& value() const& { return Checked(); }
+  T&& value() && { return std::move(Checked()); }
+  T* operator->() { return &Checked(); }
+  const T* operator->() const { return &Checked(); }
+  T& operator*() & { return Checked(); }
+  const T& operator*() const& { return Checked(); }
 
  private:
+  T& Checked() {
+    if (!value_.has_value()) ResultValueOnError(status_);
+    return *value_;
+  }
+  const T& Checked() const {
+    if (!value_.has_value()) ResultValueOnError(status_);
+    return *value_;
+  }
+
   std::optional<T> value_;
   Status status_;
 };
-
-[[noreturn]] void CheckFailed(const char* file, int line, const char* cond, const char* msg);
 
 }  // namespace zinf
 

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "zinf/align.h"  // RoundUp, which swap callers use for padded sizes
 #include "zinf/io.h"
 #include "zinf/status.h"
 
@@ -196,8 +197,5 @@ class SwapStore {
   uint64_t alignment_ = 4096;
   bool direct_io_ = true;
 };
-
-// Rounds `n` up to a multiple of `align` (a power of two).
-constexpr uint64_t RoundUp(uint64_t n, uint64_t align) { return (n + align - 1) & ~(align - 1); }
 
 }  // namespace zinf
