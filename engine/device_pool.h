@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "nvme/range_allocator.h"
+#include "zinf/align.h"
 #include "zinf/device.h"
 #include "zinf/log.h"
 #include "zinf/status.h"
@@ -63,8 +64,7 @@ class DevicePool {
       return Status::ResourceExhausted(owner_ + ": cannot allocate " + Text(bytes) +
                                        ": larger than any allocation");
     }
-    const size_t rounded =
-        bytes == 0 ? alignment_ : (bytes + alignment_ - 1) / alignment_ * alignment_;
+    const size_t rounded = bytes == 0 ? alignment_ : RoundUp(bytes, alignment_);
     std::optional<uint64_t> offset = ranges_.Allocate(rounded);
     if (!offset) {
       return Status::ResourceExhausted(owner_ + ": no contiguous range of " + Text(bytes) +

@@ -145,7 +145,18 @@ Result<bool> DurableCommits::AgreeOnCommit(const std::string& first_path) {
                                                  "other ranks"));
   }
   ZINF_RETURN_IF_ERROR(local.WithContext("ResumeFromStore: the swap store in " + first_path));
-  for (int r = 0; r < world_; ++r) {
+  ZINF_ASSIGN_OR_RETURN(CommitChoice choice, ChooseCommit(all, rank_));
+  if (choice.previous) {
+    LogInfo("rank " + std::to_string(rank_) + ": resuming at step " + std::to_string(choice.step) +
+            ", the commit before its last (step " + std::to_string(all[4 * rank_]) +
+            "), which every rank holds");
+  }
+  return choice.previous;
+}
+
+Result<CommitChoice> ChooseCommit(const std::vector<int64_t>& all, int rank) {
+  const int world = static_cast<int>(all.size() / 4);
+  for (int r = 0; r < world; ++r) {
     if (all[4 * r] <= -100) {  // every rank reports the failed rank's code
       return Status(static_cast<StatusCode>(-100 - all[4 * r]),
                     "ResumeFromStore: rank " + std::to_string(r) +
@@ -160,12 +171,12 @@ Result<bool> DurableCommits::AgreeOnCommit(const std::string& first_path) {
            (all[4 * r + 2] == step && all[4 * r + 3] == lin);
   };
   int64_t agreed = -1, agreed_lineage = 0;
-  for (int r = 0; r < world_; ++r) {
+  for (int r = 0; r < world; ++r) {
     for (int k = 0; k < 2; ++k) {
       const int64_t step = all[4 * r + 2 * k], lin = all[4 * r + 2 * k + 1];
       if (step < 0 || step <= agreed) continue;
       bool everyone = true;
-      for (int q = 0; q < world_ && everyone; ++q) everyone = holds(q, step, lin);
+      for (int q = 0; q < world && everyone; ++q) everyone = holds(q, step, lin);
       if (everyone) {
         agreed = step;
         agreed_lineage = lin;
@@ -174,7 +185,7 @@ Result<bool> DurableCommits::AgreeOnCommit(const std::string& first_path) {
   }
   if (agreed < 0) {
     std::string held;
-    for (int r = 0; r < world_; ++r) {
+    for (int r = 0; r < world; ++r) {
       held += (r ? "; rank " : "rank ") + std::to_string(r) + " at step " +
               std::to_string(all[4 * r]) +
               (all[4 * r + 2] >= 0 ? " (previous " + std::to_string(all[4 * r + 2]) + ")" : "");
@@ -184,13 +195,11 @@ Result<bool> DurableCommits::AgreeOnCommit(const std::string& first_path) {
         "); they come from different runs or histories: resume from a checkpoint or start "
         "afresh");
   }
-  const bool previous = !(all[4 * rank_] == agreed && all[4 * rank_ + 1] == agreed_lineage);
-  if (previous) {
-    LogInfo("rank " + std::to_string(rank_) + ": resuming at step " + std::to_string(agreed) +
-            ", the commit before its last (step " + std::to_string(all[4 * rank_]) +
-            "), which every rank holds");
-  }
-  return previous;
+  CommitChoice choice;
+  choice.step = agreed;
+  choice.lineage = static_cast<uint64_t>(agreed_lineage);
+  choice.previous = !(all[4 * rank] == agreed && all[4 * rank + 1] == agreed_lineage);
+  return choice;
 }
 
 Status DurableCommits::RefuseOverwrite(const std::string& first_path) const {

@@ -15,6 +15,18 @@
 
 namespace zinf {
 
+// The commit every rank reopens at, from what each holds: `all[4 r .. 4 r + 3]` is rank r's
+// (last step, its lineage, previous step, its lineage); a step of -1: none; a step at or below
+// -100 encodes the StatusCode of a store rank r cannot read (that code is returned). The
+// latest commit (step and lineage) every rank holds, and whether `rank` reopens at its
+// previous one; FailedPrecondition when there is none. Pure.
+struct CommitChoice {
+  int64_t step = -1;
+  uint64_t lineage = 0;
+  bool previous = false;
+};
+Result<CommitChoice> ChooseCommit(const std::vector<int64_t>& all, int rank);
+
 class DurableCommits {
  public:
   DurableCommits(const Layout* layout, const EngineConfig* config, const StateStore* states,

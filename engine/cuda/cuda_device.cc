@@ -7,6 +7,7 @@
 #include <optional>
 #include <utility>
 
+#include "zinf/align.h"
 #include "zinf/cuda.h"
 #include "zinf/log.h"
 
@@ -181,7 +182,7 @@ Status CudaDevice::Init(const CudaDeviceOptions& options) {
   // never calls cudaMalloc. Rounding each allocation to 256 bytes may leave a sum of requests
   // within the budget without a contiguous range; Alloc then reports fragmentation.
   const size_t granule = size_t{2} << 20;
-  pool_bytes_ = std::max(granule, (budget_ + granule - 1) / granule * granule);
+  pool_bytes_ = std::max(granule, RoundUp(budget_, granule));
   void* base = nullptr;
   ZINF_CUDA_CHECK(cudaMalloc(&base, pool_bytes_));
   pool_base_ = static_cast<char*>(base);

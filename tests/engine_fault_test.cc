@@ -1,0 +1,231 @@
+// Failures of the device and of collectives inside the engine, injected with FaultyDevice and
+// FaultyComm: each must come back as an error naming the cause (and stop the engine where its
+// state is torn), never as a hang, a silently freed buffer or a step that waits forever.
+//
+// Every test runs its engine on a thread under a watchdog: a hang fails the test (and ends the
+// process, since the stuck thread cannot be joined) instead of stalling the suite.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/host/local_comm.h"
+#include "tests/faulty_device.h"
+#include "zinf/comm.h"
+#include "zinf/config.h"
+#include "zinf/device.h"
+#include "zinf/engine.h"
+
+namespace zinf {
+namespace {
+
+using testing::CommOp;
+using testing::DeviceOp;
+using testing::FaultyComm;
+using testing::FaultyDevice;
+
+constexpr size_t kNumel = 3000;
+
+// Runs `body` on its own thread; a body still running after `limit` is a hang: the test
+// fails and the process ends (a stuck engine thread cannot be joined).
+void WithWatchdog(const std::function<void()>& body,
+                  std::chrono::seconds limit = std::chrono::seconds(60)) {
+  std::packaged_task<void()> task(body);
+  std::future<void> done = task.get_future();
+  std::thread t(std::move(task));
+  if (done.wait_for(limit) != std::future_status::ready) {
+    std::fprintf(stderr, "engine_fault_test: hung for %lld s (the failure was not propagated)\n",
+                 static_cast<long long>(limit.count()));
+    std::fflush(stderr);
+    std::_Exit(3);
+  }
+  t.join();
+  done.get();
+}
+
+EngineConfig CpuConfig() {
+  EngineConfig c;
+  c.offload_param.tier = Tier::kCpu;
+  c.offload_optimizer.tier = Tier::kCpu;
+  c.pinned_budget_bytes = 64ull << 20;
+  c.param_persistence_threshold = 0;  // every parameter is evicted when released
+  c.optimizer_threads = 1;
+  return c;
+}
+
+// Registers two parameters ("w0", "w1") of kNumel elements.
+void Register(Engine* e) {
+  for (int p = 0; p < 2; ++p) {
+    ParamSpec spec;
+    spec.name = "w" + std::to_string(p);
+    spec.shape = {static_cast<int64_t>(kNumel)};
+    spec.init = [p](float* d, size_t n) {
+      for (size_t i = 0; i < n; ++i) d[i] = 0.001f * static_cast<float>((i + p) % 97);
+    };
+    ASSERT_TRUE(e->RegisterParameter(spec).ok());
+  }
+}
+
+// One training micro-step: acquire, "backward" with a constant gradient, release.
+Status MicroStep(Engine* e, Device* device, float g) {
+  std::vector<float> grad(kNumel, g);
+  for (ParamId id : {0u, 1u}) {
+    Result<std::vector<void*>> got = e->Acquire({id});
+    if (!got.ok()) return got.status();
+    void* dev = nullptr;
+    ZINF_ASSIGN_OR_RETURN(dev, device->Alloc(kNumel * sizeof(float)));
+    Status s =
+        device->CopyHostToDevice(dev, grad.data(), kNumel * sizeof(float), device->ComputeStream());
+    if (s.ok()) s = device->SynchronizeStream(device->ComputeStream());
+    if (s.ok()) s = e->ReduceGradient(id, static_cast<float*>(dev));
+    device->Free(dev);
+    ZINF_RETURN_IF_ERROR(s);
+    ZINF_RETURN_IF_ERROR(e->Release({id}));
+  }
+  return Status::OK();
+}
+
+struct OneRank {
+  HostDeviceOptions options;
+  FaultyDevice* device = nullptr;
+  std::unique_ptr<Device> owned;
+  std::unique_ptr<Communicator> comm;
+  OneRank() {
+    auto inner = NewHostDevice(options);
+    Device* raw = inner.get();
+    auto faulty = std::make_unique<FaultyDevice>(std::move(inner));
+    device = faulty.get();
+    owned = std::move(faulty);
+    auto comms = NewLocalComms(std::vector<Device*>{raw}, LocalCommOptions{});
+    EXPECT_TRUE(comms.ok());
+    comm = std::move((*comms)[0]);
+  }
+};
+
+// A gradient accumulated onto an earlier one lands through a host function on the gradient
+// stream. When that function cannot be queued the gradient never lands: the optimizer would
+// wait for it forever, and so would Step(). ReduceGradient must fail and stop the engine.
+TEST(EngineFaults, GradientLandingThatCannotBeQueuedStopsTheEngine) {
+  WithWatchdog([] {
+    OneRank r;
+    EngineConfig c = CpuConfig();
+    c.gradient_accumulation_steps = 2;  // the second micro-step accumulates
+    auto e = Engine::Create(c, r.device, r.comm.get());
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    Register(e->get());
+    ASSERT_TRUE(MicroStep(e->get(), r.device, 0.5f).ok());
+    ASSERT_TRUE((*e)->Step().ok());
+    // Second micro-step, first gradient: two host functions time its copy, the third lands it.
+    r.device->FailAfter(DeviceOp::kLaunchHostFunc, "zinf-grad", 2);
+    Status s = MicroStep(e->get(), r.device, 0.25f);
+    ASSERT_EQ(r.device->injected(), 1);
+    ASSERT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("injected device failure"), std::string::npos) << s.ToString();
+    EXPECT_NE(s.message().find("landing the gradient of 'w0'"), std::string::npos) << s.ToString();
+    Result<StepStats> st = (*e)->Step();
+    ASSERT_FALSE(st.ok());
+    EXPECT_EQ(st.status().code(), StatusCode::kFailedPrecondition) << st.status().ToString();
+    EXPECT_NE(st.status().message().find("recreate it"), std::string::npos)
+        << st.status().ToString();
+    e->reset();  // and closing does not hang either
+  });
+}
+
+// Eviction gives the device copy back only once nothing can use it; when waiting for the
+// compute stream fails, that is not known: Release reports it and keeps the memory.
+TEST(EngineFaults, EvictionThatCannotWaitForComputeKeepsTheBufferAndSaysSo) {
+  WithWatchdog([] {
+    OneRank r;
+    auto e = Engine::Create(CpuConfig(), r.device, r.comm.get());
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    Register(e->get());
+    ASSERT_TRUE((*e)->Acquire({0}).ok());
+    const size_t used = r.device->MemoryInfo().used;
+    r.device->FailAfter(DeviceOp::kSynchronizeEvent, "", 0);
+    Status s = (*e)->Release({0});
+    ASSERT_EQ(r.device->injected(), 1);
+    ASSERT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("evicting parameter 'w0'"), std::string::npos) << s.ToString();
+    EXPECT_EQ(r.device->MemoryInfo().used, used);  // nothing was freed under the device
+  });
+}
+
+// A copy that fails while a parameter is fetched: the Acquire fails naming the parameter,
+// nothing stays acquired, and a later Acquire fetches it again and gets its values.
+TEST(EngineFaults, FailedFetchCopyIsReportedAndTheNextAcquireFetchesAgain) {
+  WithWatchdog([] {
+    OneRank r;
+    auto e = Engine::Create(CpuConfig(), r.device, r.comm.get());
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    Register(e->get());
+    ASSERT_TRUE((*e)->FinishRegistration().ok());
+    r.device->FailAfter(DeviceOp::kCopyHostToDevice, "zinf-copy", 0);
+    Result<std::vector<void*>> got = (*e)->Acquire({1}, AcquireMode::kInference);
+    ASSERT_EQ(r.device->injected(), 1);
+    ASSERT_FALSE(got.ok());
+    EXPECT_NE(got.status().message().find("injected device failure"), std::string::npos);
+    EXPECT_FALSE((*e)->Release({1}).ok());  // not acquired
+    got = (*e)->Acquire({1}, AcquireMode::kInference);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    const float* v = static_cast<const float*>((*got)[0]);
+    for (size_t i = 0; i < kNumel; ++i) {
+      ASSERT_EQ(v[i], 0.001f * static_cast<float>((i + 1) % 97)) << i;
+    }
+  });
+}
+
+// A collective that fails on one rank (it never takes part): that rank's call fails with the
+// cause, the other rank's wait ends at its communicator's timeout, both engines stop with an
+// error and close. Nothing hangs.
+TEST(EngineFaults, CollectiveFailingOnOneRankStopsBothRanks) {
+  WithWatchdog([] {
+    constexpr int kWorld = 2;
+    std::vector<std::unique_ptr<Device>> devices;
+    std::vector<Device*> raw;
+    for (int r = 0; r < kWorld; ++r) {
+      devices.push_back(NewHostDevice(HostDeviceOptions{}));
+      raw.push_back(devices.back().get());
+    }
+    LocalCommOptions lo;
+    lo.timeout = std::chrono::milliseconds(3000);
+    auto comms = NewLocalComms(raw, lo);
+    ASSERT_TRUE(comms.ok()) << comms.status().ToString();
+    std::vector<std::unique_ptr<FaultyComm>> faulty;
+    for (auto& c : *comms) faulty.push_back(std::make_unique<FaultyComm>(std::move(c)));
+    faulty[1]->FailAfter(CommOp::kReduceScatterSum, 0);
+    std::vector<Status> reduce(kWorld), step(kWorld);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kWorld; ++r) {
+      threads.emplace_back([&, r] {
+        auto e = Engine::Create(CpuConfig(), raw[r], faulty[r].get());
+        if (!e.ok()) {
+          reduce[r] = e.status();
+          return;
+        }
+        Register(e->get());
+        reduce[r] = MicroStep(e->get(), raw[r], 1.0f);
+        Result<StepStats> st = (*e)->Step();
+        step[r] = st.status();
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    EXPECT_EQ(faulty[1]->injected(), 1);
+    EXPECT_NE(reduce[1].message().find("injected collective failure on rank 1"), std::string::npos)
+        << reduce[1].ToString();
+    EXPECT_FALSE(step[1].ok());
+    // Rank 0 issued its reduce-scatter on the comm stream; it fails at the timeout and the
+    // failure reaches the trainer no later than Step().
+    EXPECT_TRUE(!reduce[0].ok() || !step[0].ok())
+        << "rank 0 finished a step whose reduction rank 1 never took part in";
+  });
+}
+
+}  // namespace
+}  // namespace zinf

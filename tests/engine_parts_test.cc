@@ -1,0 +1,209 @@
+// The engine's pure components on their own: the layout (partitions, sub-groups, slices, the
+// device-kept share), the acquire trace (its three modes, the cursor, reuse distances), the
+// pinned memory plan (what it takes, when it refuses, how many streaming blocks) and the
+// durable commit every rank agrees to resume at.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "engine/acquire_trace.h"
+#include "engine/durable_commits.h"
+#include "engine/layout.h"
+#include "engine/memory_plan.h"
+
+namespace zinf {
+namespace {
+
+// Three parameters of 5,000 / 100 / 9,000 elements on `world` ranks.
+Layout ThreeParams(int world, size_t elem_size = 4, bool frozen_middle = false) {
+  Layout l(world, elem_size);
+  const std::vector<std::pair<std::string, int64_t>> defs = {{"a", 5000}, {"b", 100}, {"c", 9000}};
+  for (const auto& [name, n] : defs) {
+    Result<ParamLayout> p = l.Describe(name, {n}, !(frozen_middle && name == "b"), 1000);
+    EXPECT_TRUE(p.ok()) << p.status().ToString();
+    l.Add(*p);
+  }
+  return l;
+}
+
+TEST(LayoutTest, PartitionsArePaddedPerRankAndSlicesAligned) {
+  Layout l = ThreeParams(/*world=*/3);
+  // 5000 / 3 = 1666.67 -> 1667, rounded up to a multiple of 16: 1680 per rank.
+  EXPECT_EQ(l.param(0).info.partition_numel, 1680u);
+  EXPECT_EQ(l.param(0).padded_numel, 5040u);
+  EXPECT_EQ(l.param(1).info.partition_numel, 48u);  // 34 -> 48
+  EXPECT_FALSE(l.param(0).info.persistent);
+  EXPECT_TRUE(l.param(1).info.persistent);  // 100 <= threshold 1000
+  // Sub-groups of at most 4,096 state elements: slices are 2,048-aligned, so "a" (1680 ->
+  // 2048) and "b" (48 -> 2048) share one, "c" (3008 -> 4096) has its own.
+  EXPECT_EQ(l.Freeze(4096, Tier::kCpu, 1.0), 2u);
+  ASSERT_EQ(l.num_groups(), 2u);
+  EXPECT_EQ(l.group(0).params, (std::vector<ParamId>{0, 1}));
+  EXPECT_EQ(l.group(0).numel, 4096u);
+  EXPECT_EQ(l.param(1).slice_offset, 2048u);
+  EXPECT_EQ(l.param(1).index_in_group, 1u);
+  EXPECT_EQ(l.param(2).info.sub_group, 1u);
+  EXPECT_EQ(l.param(2).slice_offset, 0u);
+  EXPECT_EQ(l.GroupStateBytes(1), 4096u * 3 * 4);
+  EXPECT_EQ(l.GroupOrder(), (std::vector<size_t>{1, 0}));
+  EXPECT_FALSE(l.group(0).on_device);
+}
+
+TEST(LayoutTest, RatioKeepsTheFirstSubGroupsOnTheDevice) {
+  Layout l = ThreeParams(1, 2, /*frozen_middle=*/true);
+  EXPECT_EQ(l.Freeze(1, Tier::kCpu, 0.5), 2u);  // three groups of one parameter; llround(1.5)
+  ASSERT_EQ(l.num_groups(), 3u);
+  EXPECT_TRUE(l.group(0).on_device);
+  EXPECT_FALSE(l.group(1).on_device);
+  EXPECT_EQ(l.group(1).trainable, 0);    // "b" is frozen
+  EXPECT_EQ(l.PartBytes(2), 9008u * 2);  // bf16 storage
+  Layout all = ThreeParams(1);
+  EXPECT_EQ(all.Freeze(1, Tier::kDevice, 1.0), 0u);
+  for (const GroupLayout& g : all.groups()) EXPECT_TRUE(g.on_device);
+}
+
+TEST(LayoutTest, DescribeRefusesBadShapesNamesAndDuplicates) {
+  Layout l = ThreeParams(1);
+  EXPECT_EQ(l.Describe("a", {4}, true, 0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(l.Describe("z", {4, 0}, true, 0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(l.Describe("z", {}, true, 0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(l.Describe("", {4}, true, 0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(l.Describe("z", {1 << 25, 1 << 24}, true, 0).status().code(),
+            StatusCode::kInvalidArgument);  // 2^49 elements
+  l.Freeze(1 << 20, Tier::kCpu, 1.0);
+  EXPECT_EQ(l.Describe("z", {4}, true, 0).status().code(), StatusCode::kFailedPrecondition);
+}
+
+TEST(AcquireTraceTest, RecordsOnceThenChecksAndInvalidatesOnDivergence) {
+  Layout l = ThreeParams(1);
+  AcquireTrace t;
+  EXPECT_EQ(t.mode(), AcquireTrace::Mode::kRecord);
+  EXPECT_EQ(t.ReuseDistance(0, l), UINT64_MAX);  // no valid trace yet
+  for (ParamId id : {0u, 1u, 2u, 1u}) EXPECT_EQ(t.Check(id, l), "");
+  t.EndMicroStep();
+  EXPECT_EQ(t.mode(), AcquireTrace::Mode::kComplete);
+  EXPECT_EQ(t.cursor(), 0u);
+  // From the start: "b" is next after "a" (5,000 elements away), "c" after "a" and "b".
+  EXPECT_EQ(t.ReuseDistance(0, l), 0u);
+  EXPECT_EQ(t.ReuseDistance(1, l), 5000u);
+  EXPECT_EQ(t.ReuseDistance(2, l), 5100u);
+  EXPECT_EQ(t.Check(0, l), "");
+  EXPECT_EQ(t.Check(1, l), "");
+  EXPECT_EQ(t.ReuseDistance(1, l), 9000u);       // its second use, after "c"
+  EXPECT_EQ(t.ReuseDistance(0, l), UINT64_MAX);  // not used again this micro-step
+  const std::string warning = t.Check(1, l);     // "c" expected
+  EXPECT_NE(warning.find("acquire #2 was 'b'"), std::string::npos) << warning;
+  EXPECT_NE(warning.find("expected 'c'"), std::string::npos) << warning;
+  EXPECT_EQ(t.mode(), AcquireTrace::Mode::kInvalid);
+  t.EndMicroStep();
+  EXPECT_EQ(t.mode(), AcquireTrace::Mode::kInvalid);  // stays off
+}
+
+TEST(AcquireTraceTest, GivenOrderIsCompleteUnlessEmpty) {
+  Layout l = ThreeParams(1);
+  AcquireTrace t;
+  t.SetOrder({2, 0});
+  EXPECT_TRUE(t.valid());
+  EXPECT_EQ(t.ReuseDistance(0, l), 9000u);
+  t.SetOrder({});
+  EXPECT_EQ(t.mode(), AcquireTrace::Mode::kInvalid);
+  t.EndMicroStep();  // an empty recording never becomes complete
+  EXPECT_FALSE(t.valid());
+}
+
+TEST(PinnedPlanTest, NvmeStatesTakeBuffersStagingAndAccumulators) {
+  Layout l = ThreeParams(1);
+  l.Freeze(4096, Tier::kNvme, 1.0);
+  EngineConfig c;
+  c.offload_param.tier = Tier::kNvme;
+  c.offload_optimizer.tier = Tier::kNvme;
+  c.offload_optimizer.buffer_count = 4;
+  c.prefetch_bucket_size = 1000;
+  c.gradient_accumulation_steps = 2;  // accumulators stay allocated
+  c.pinned_budget_bytes = 1ull << 30;
+  Result<PinnedPlan> plan = PlanPinnedMemory(l, c, /*device_is_host=*/true);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_FALSE(plan->stream_grads);
+  // One rank: slices of 6,144 ("a"), 2,048 ("b") and 10,240 ("c") elements, one sub-group
+  // each (4,096 is below the first two together).
+  ASSERT_EQ(l.num_groups(), 3u);
+  EXPECT_EQ(plan->state_blocks, 4u);
+  EXPECT_EQ(plan->state_block_bytes, 10240u * 3 * 4);  // the largest sub-group, page aligned
+  EXPECT_EQ(plan->copy_blocks, 0u);
+  // 4 buffers + staging: 4 x the largest partition (9008 floats -> 36 KiB) plus the prefetch
+  // bucket (1000 elements x 4 bytes -> 4 KiB).
+  EXPECT_EQ(plan->fixed, 4 * 122880u + 4 * 36864u + 4096u);
+  EXPECT_EQ(plan->grads_min, (6144u + 2048u + 10240u) * 4);  // every sub-group's accumulators
+  c.pinned_budget_bytes = plan->fixed + plan->grads_min - 1;
+  Result<PinnedPlan> small = PlanPinnedMemory(l, c, true);
+  ASSERT_EQ(small.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(small.status().message().find("zinf.pinned_budget_bytes"), std::string::npos);
+}
+
+TEST(PinnedPlanTest, StreamingAccumulatorsGetWhatTheBudgetLeaves) {
+  Layout l = ThreeParams(1);
+  l.Freeze(2048, Tier::kCpu, 1.0);  // three sub-groups of 6,144, 2,048 and 10,240 elements
+  ASSERT_EQ(l.num_groups(), 3u);
+  EngineConfig c;
+  c.offload_param.tier = Tier::kCpu;
+  c.offload_optimizer.tier = Tier::kCpu;
+  c.pinned_budget_bytes = 1ull << 30;
+  Result<PinnedPlan> plan = PlanPinnedMemory(l, c, true);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_TRUE(plan->stream_grads);
+  EXPECT_EQ(plan->grad_block_bytes, 40960u);  // the largest sub-group's accumulators
+  EXPECT_EQ(plan->grad_blocks, 3u);           // plenty of budget: one per sub-group
+  // Just enough for the least: two blocks.
+  c.pinned_budget_bytes = plan->fixed + plan->grads_min;
+  plan = PlanPinnedMemory(l, c, true);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->grad_blocks, 2u);
+}
+
+// What each rank holds -> the commit all resume at. Each row: per rank (last step, lineage,
+// previous step, lineage); the expected step (-1: refused) and which ranks go back to their
+// previous commit.
+struct CommitCase {
+  const char* what;
+  std::vector<int64_t> all;
+  int64_t step;
+  std::vector<bool> previous;
+};
+
+TEST(ChooseCommitTest, LatestCommitEveryRankHolds) {
+  const std::vector<CommitCase> cases = {
+      {"one rank, one commit", {7, 1, -1, 0}, 7, {false}},
+      {"two ranks in step", {7, 1, 6, 1, 7, 1, 6, 1}, 7, {false, false}},
+      {"rank 1 one commit behind", {7, 1, 6, 1, 6, 1, 5, 1}, 6, {true, false}},
+      {"rank 0 one commit behind", {6, 1, 5, 1, 7, 1, 6, 1}, 6, {false, true}},
+      {"fresh stores at step 0", {0, 0, -1, 0, 0, 0, -1, 0}, 0, {false, false}},
+      // Same step, different histories (a load one rank committed): the common earlier one.
+      {"lineages differ at the last", {5, 9, 5, 1, 5, 1, 4, 1}, 5, {true, false}},
+      {"nothing in common", {9, 1, 8, 1, 6, 1, 5, 1}, -1, {}},
+      {"other runs", {3, 2, 2, 2, 3, 1, 2, 1}, -1, {}},
+  };
+  for (const CommitCase& c : cases) {
+    for (size_t r = 0; r < c.previous.size() || (c.step < 0 && r == 0); ++r) {
+      Result<CommitChoice> got = ChooseCommit(c.all, static_cast<int>(r));
+      if (c.step < 0) {
+        ASSERT_EQ(got.status().code(), StatusCode::kFailedPrecondition) << c.what;
+        EXPECT_NE(got.status().message().find("no commit in common"), std::string::npos);
+        break;
+      }
+      ASSERT_TRUE(got.ok()) << c.what << ": " << got.status().ToString();
+      EXPECT_EQ(got->step, c.step) << c.what;
+      EXPECT_EQ(got->previous, c.previous[r]) << c.what << ", rank " << r;
+    }
+  }
+}
+
+TEST(ChooseCommitTest, AnUnreadableStoreOnOneRankIsEveryRanksError) {
+  const int64_t corrupt = -100 - static_cast<int64_t>(StatusCode::kCorruption);
+  Result<CommitChoice> got = ChooseCommit({7, 1, 6, 1, corrupt, 0, corrupt, 0}, 0);
+  ASSERT_EQ(got.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(got.status().message().find("rank 1 cannot resume"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace zinf
