@@ -18,9 +18,13 @@
 #include <string_view>
 #include <utility>
 
+#include "engine/json_reader.h"
 #include "zinf/log.h"
 
 namespace zinf {
+
+// The reader (engine/json_reader.h); this file maps the keys onto EngineConfig.
+using namespace config_json;
 
 const char* TierName(Tier tier) {
   switch (tier) {
@@ -35,8 +39,6 @@ const char* TierName(Tier tier) {
 }
 
 namespace {
-
-using Json = nlohmann::json;
 
 // Key paths of the sections, used in messages and in validation.
 constexpr char kZero[] = "zero_optimization";
@@ -72,122 +74,6 @@ constexpr std::string_view kZinfKeys[] = {
 constexpr std::string_view kAioKeys[] = {
     "block_size", "queue_depth", "thread_count", "single_submit", "overlap_events", "use_gds",
 };
-
-std::string Lower(std::string_view s) {
-  std::string out(s);
-  for (char& c : out) {
-    if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
-  }
-  return out;
-}
-
-std::string FormatNumber(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%g", v);
-  return buf;
-}
-
-// A JSON value as a message shows it: "\"disk\"", "1.5", "true", "null", "an array".
-std::string Describe(const Json& v) {
-  if (v.is_array()) return "an array";
-  if (v.is_object()) return "an object";
-  return v.dump(-1, ' ', false, Json::error_handler_t::replace);
-}
-
-// Edit distance with adjacent transpositions (optimal string alignment), for "did you mean".
-size_t EditDistance(std::string_view a, std::string_view b) {
-  std::vector<std::vector<size_t>> d(a.size() + 1, std::vector<size_t>(b.size() + 1));
-  for (size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
-  for (size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    for (size_t j = 1; j <= b.size(); ++j) {
-      size_t cost = a[i - 1] == b[j - 1] ? 0 : 1;
-      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost});
-      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) {
-        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
-      }
-    }
-  }
-  return d[a.size()][b.size()];
-}
-
-// The known key closest to `key` (case-insensitive), or "" when none is close enough to be a
-// plausible typo. "max_live_parameters" also finds "stage3_max_live_parameters".
-std::string SuggestKey(std::string_view key, const std::vector<std::string>& known) {
-  const std::string lower = Lower(key);
-  const size_t limit = lower.size() <= 4 ? 1 : lower.size() <= 10 ? 2 : 3;
-  size_t best = limit + 1;
-  std::string best_key;
-  for (const std::string& candidate : known) {
-    const std::string lower_candidate = Lower(candidate);
-    if (lower_candidate == "stage3_" + lower) return candidate;
-    size_t distance = EditDistance(lower, lower_candidate);
-    if (distance < best) {
-      best = distance;
-      best_key = candidate;
-    }
-  }
-  return best_key;
-}
-
-// Where warnings go: the caller's vector, or the zinf log when the caller passed none.
-class WarningSink {
- public:
-  explicit WarningSink(std::vector<std::string>* out) : out_(out) {}
-  void Add(std::string warning) {
-    if (out_ != nullptr) {
-      out_->push_back(std::move(warning));
-    } else {
-      LogWarning(warning);
-    }
-  }
-
- private:
-  std::vector<std::string>* out_;
-};
-
-struct ParseContext {
-  explicit ParseContext(std::vector<std::string>* warnings) : warnings(warnings) {}
-  WarningSink warnings;
-  // Keys whose value was the Hugging Face placeholder "auto" (the default was kept); reported
-  // in one warning at the end.
-  std::vector<std::string> auto_keys;
-};
-
-Status TypeError(const std::string& path, std::string_view expected, const Json& got) {
-  std::string msg = path + ": expected " + std::string(expected) + ", got " + Describe(got);
-  if (got.is_string()) {
-    const std::string& s = got.get_ref<const std::string&>();
-    bool numeric = !s.empty() && s.find_first_not_of("0123456789.eE+-") == std::string::npos;
-    if (numeric || s == "true" || s == "false") msg += "; write the value without quotes";
-  }
-  return Status::InvalidArgument(std::move(msg));
-}
-
-// A non-negative integer no larger than `max`. Integral floats count (DeepSpeed configs write
-// 5e7 for 50000000); 1.5 and -4 do not.
-Result<uint64_t> ToUnsigned(const Json& v, const std::string& path, uint64_t max) {
-  uint64_t value = 0;
-  if (v.is_number_unsigned()) {
-    value = v.get<uint64_t>();
-  } else if (v.is_number_integer()) {  // negative: unsigned ones were caught above
-    return TypeError(path, "a non-negative integer", v);
-  } else if (v.is_number_float()) {
-    double d = v.get<double>();
-    if (!(d >= 0) || std::floor(d) != d) return TypeError(path, "a non-negative integer", v);
-    if (d >= 18446744073709551616.0) {
-      return Status::InvalidArgument(path + ": " + Describe(v) + " is too large for an integer");
-    }
-    value = static_cast<uint64_t>(d);
-  } else {
-    return TypeError(path, "a non-negative integer", v);
-  }
-  if (value > max) {
-    return Status::InvalidArgument(path + ": expected an integer no larger than " +
-                                   std::to_string(max) + ", got " + Describe(v));
-  }
-  return value;
-}
 
 }  // namespace
 
@@ -229,212 +115,6 @@ Result<uint64_t> ParseByteSize(const std::string& text, const std::string& path)
 
 namespace {
 
-// Reads one JSON object at a key path. Each Read/Find call names a key this object may hold;
-// Finish() then warns once for every key no call named.
-class ObjectReader {
- public:
-  ObjectReader(const Json& object, std::string path, ParseContext* ctx)
-      : object_(&object), path_(std::move(path)), ctx_(ctx) {}
-
-  const std::string& path() const { return path_; }
-  std::string PathOf(std::string_view key) const {
-    return path_.empty() ? std::string(key) : path_ + "." + std::string(key);
-  }
-
-  // The value under `key`, or nullptr when absent. Marks `key` known.
-  const Json* Find(std::string_view key) {
-    known_.emplace_back(key);
-    auto it = object_->find(std::string(key));
-    return it == object_->end() ? nullptr : &*it;
-  }
-
-  // Known keys that zinf accepts and does not use.
-  void Ignore(std::initializer_list<std::string_view> keys) {
-    for (std::string_view key : keys) known_.emplace_back(key);
-  }
-  // A known key zinf does not implement: a warning with `note` when it is present.
-  void IgnoreWithWarning(std::string_view key, std::string_view note) {
-    if (Find(key) != nullptr) ctx_->warnings.Add(PathOf(key) + ": " + std::string(note));
-  }
-  // Every key of this object is accepted (a section zinf ignores as a whole).
-  void IgnoreOtherKeys() { ignore_others_ = true; }
-
-  // Each Read* leaves *out unchanged when the key is absent or "auto".
-  Status ReadUint64(std::string_view key, uint64_t* out) {
-    return ReadUnsigned(key, UINT64_MAX, out);
-  }
-  Status ReadUint32(std::string_view key, uint32_t* out) {
-    uint64_t v = *out;
-    ZINF_RETURN_IF_ERROR(ReadUnsigned(key, UINT32_MAX, &v));
-    *out = static_cast<uint32_t>(v);
-    return Status::OK();
-  }
-  Status ReadInt(std::string_view key, int* out) {
-    uint64_t v = static_cast<uint64_t>(*out);
-    ZINF_RETURN_IF_ERROR(ReadUnsigned(key, INT_MAX, &v));
-    *out = static_cast<int>(v);
-    return Status::OK();
-  }
-
-  Status ReadBool(std::string_view key, bool* out) {
-    const Json* v = Find(key);
-    if (v == nullptr || IsAuto(*v, key)) return Status::OK();
-    if (!v->is_boolean()) return TypeError(PathOf(key), "true or false", *v);
-    *out = v->get<bool>();
-    return Status::OK();
-  }
-
-  Status ReadDouble(std::string_view key, double* out) {
-    const Json* v = Find(key);
-    if (v == nullptr || IsAuto(*v, key)) return Status::OK();
-    ZINF_ASSIGN_OR_RETURN(*out, ToDouble(*v, PathOf(key)));
-    return Status::OK();
-  }
-
-  Status ReadFloat(std::string_view key, float* out) {
-    const Json* v = Find(key);
-    if (v == nullptr || IsAuto(*v, key)) return Status::OK();
-    ZINF_ASSIGN_OR_RETURN(*out, ToFloat(*v, PathOf(key)));
-    return Status::OK();
-  }
-
-  // A byte count: an integer (5e9 allowed) or a string with a unit ("4G").
-  Status ReadByteSize(std::string_view key, uint64_t* out) {
-    const Json* v = Find(key);
-    if (v == nullptr) return Status::OK();
-    if (v->is_string()) {
-      ZINF_ASSIGN_OR_RETURN(*out, ParseByteSize(v->get<std::string>(), PathOf(key)));
-      return Status::OK();
-    }
-    if (!v->is_number()) {
-      return TypeError(PathOf(key), "a byte count such as 4294967296 or \"4G\"", *v);
-    }
-    ZINF_ASSIGN_OR_RETURN(*out, ToUnsigned(*v, PathOf(key), UINT64_MAX));
-    return Status::OK();
-  }
-
-  // One of `names` (compared case-insensitively); sets *out to the matching value.
-  template <typename T>
-  Status ReadEnum(std::string_view key, std::initializer_list<std::pair<const char*, T>> names,
-                  T* out) {
-    const Json* v = Find(key);
-    if (v == nullptr) return Status::OK();
-    std::string expected = "one of ";
-    for (const auto& [name, value] : names) {
-      if (expected.size() > 7) expected += ", ";
-      expected += name;
-    }
-    if (!v->is_string()) return TypeError(PathOf(key), expected, *v);
-    const std::string lower = Lower(v->get_ref<const std::string&>());
-    for (const auto& [name, value] : names) {
-      if (lower == Lower(name)) {
-        *out = value;
-        return Status::OK();
-      }
-    }
-    return Status::InvalidArgument(PathOf(key) + ": expected " + expected + ", got " +
-                                   Describe(*v));
-  }
-
-  // Paths: a string (DeepSpeed's nvme_path), an array of strings (zinf), or null (none).
-  // Appends to *out, skipping paths already there.
-  Status ReadPaths(std::string_view key, std::vector<std::string>* out, bool* present) {
-    const Json* v = Find(key);
-    *present = false;
-    if (v == nullptr || v->is_null()) return Status::OK();
-    const std::string path = PathOf(key);
-    auto add = [&](const Json& item, const std::string& item_path) -> Status {
-      if (!item.is_string()) {
-        return TypeError(item_path, "a path string or an array of path strings", item);
-      }
-      const std::string& s = item.get_ref<const std::string&>();
-      if (s.empty()) {
-        return Status::InvalidArgument(item_path +
-                                       ": empty path; give a directory on an NVMe drive, such "
-                                       "as \"/local_nvme\"");
-      }
-      if (std::find(out->begin(), out->end(), s) == out->end()) out->push_back(s);
-      *present = true;
-      return Status::OK();
-    };
-    if (v->is_array()) {
-      for (size_t i = 0; i < v->size(); ++i) {
-        ZINF_RETURN_IF_ERROR(add((*v)[i], path + "[" + std::to_string(i) + "]"));
-      }
-      return Status::OK();
-    }
-    return add(*v, path);
-  }
-
-  // The object under `key`; nullopt when absent or null.
-  Result<std::optional<ObjectReader>> Object(std::string_view key) {
-    const Json* v = Find(key);
-    if (v == nullptr || v->is_null()) return std::optional<ObjectReader>();
-    if (!v->is_object()) return TypeError(PathOf(key), "an object {...}", *v);
-    return std::optional<ObjectReader>(ObjectReader(*v, PathOf(key), ctx_));
-  }
-
-  // Warns once for each key that no call named. `elsewhere` lists keys that belong to other
-  // sections (section name, its keys), for "did you mean zero_optimization.stage?".
-  void Finish(std::initializer_list<std::pair<std::string_view, std::span<const std::string_view>>>
-                  elsewhere = {}) {
-    if (ignore_others_) return;
-    for (const auto& [key, value] : object_->items()) {
-      if (std::find(known_.begin(), known_.end(), key) != known_.end()) continue;
-      std::string warning = PathOf(key) + ": unknown key, ignored";
-      // A key of another section is a surer guess than a near miss in this one.
-      std::string suggestion;
-      for (const auto& [section, keys] : elsewhere) {
-        if (std::find(keys.begin(), keys.end(), key) != keys.end()) {
-          suggestion = std::string(section) + "." + key;
-          break;
-        }
-      }
-      if (suggestion.empty()) suggestion = SuggestKey(key, known_);
-      if (!suggestion.empty()) warning += " (did you mean " + suggestion + "?)";
-      ctx_->warnings.Add(std::move(warning));
-    }
-  }
-
- private:
-  // True when `v` is the Hugging Face Trainer placeholder "auto"; the default stays.
-  bool IsAuto(const Json& v, std::string_view key) {
-    if (!v.is_string() || v.get_ref<const std::string&>() != "auto") return false;
-    ctx_->auto_keys.push_back(PathOf(key));
-    return true;
-  }
-
-  Status ReadUnsigned(std::string_view key, uint64_t max, uint64_t* out) {
-    const Json* v = Find(key);
-    if (v == nullptr || IsAuto(*v, key)) return Status::OK();
-    ZINF_ASSIGN_OR_RETURN(*out, ToUnsigned(*v, PathOf(key), max));
-    return Status::OK();
-  }
-
-  static Result<double> ToDouble(const Json& v, const std::string& path) {
-    if (!v.is_number()) return TypeError(path, "a number", v);
-    double d = v.get<double>();
-    if (!std::isfinite(d)) return TypeError(path, "a finite number", v);
-    return d;
-  }
-
-  static Result<float> ToFloat(const Json& v, const std::string& path) {
-    ZINF_ASSIGN_OR_RETURN(double d, ToDouble(v, path));
-    if (std::fabs(d) > FLT_MAX) {
-      return Status::InvalidArgument(path + ": " + Describe(v) + " is out of range for a float");
-    }
-    return static_cast<float>(d);
-  }
-
-  friend Status ReadBetas(ObjectReader& params, OptimizerConfig* optimizer);
-
-  const Json* object_;
-  std::string path_;
-  ParseContext* ctx_;
-  std::vector<std::string> known_;
-  bool ignore_others_ = false;
-};
-
 // "betas": [beta1, beta2].
 Status ReadBetas(ObjectReader& params, OptimizerConfig* optimizer) {
   const Json* v = params.Find("betas");
@@ -446,8 +126,8 @@ Status ReadBetas(ObjectReader& params, OptimizerConfig* optimizer) {
     return Status::InvalidArgument(path +
                                    ": expected an array of two numbers [beta1, beta2], got " + got);
   }
-  ZINF_ASSIGN_OR_RETURN(optimizer->beta1, ObjectReader::ToFloat((*v)[0], path + "[0]"));
-  ZINF_ASSIGN_OR_RETURN(optimizer->beta2, ObjectReader::ToFloat((*v)[1], path + "[1]"));
+  ZINF_ASSIGN_OR_RETURN(optimizer->beta1, ToFloat((*v)[0], path + "[0]"));
+  ZINF_ASSIGN_OR_RETURN(optimizer->beta2, ToFloat((*v)[1], path + "[1]"));
   return Status::OK();
 }
 
@@ -841,124 +521,13 @@ Status Validate(const EngineConfig& c) {
   return Status::OK();
 }
 
-// 1-based line and column (in characters) of the byte at `offset` in `text`.
-std::pair<size_t, size_t> LineColumn(const std::string& text, size_t offset) {
-  offset = std::min(offset, text.size());
-  size_t line = 1;
-  size_t line_begin = 0;
-  for (size_t i = 0; i < offset; ++i) {
-    if (text[i] == '\n') {
-      ++line;
-      line_begin = i + 1;
-    }
-  }
-  size_t column = 1;
-  for (size_t i = line_begin; i < offset; ++i) {
-    if ((static_cast<unsigned char>(text[i]) & 0xC0) != 0x80) ++column;  // skip UTF-8 tails
-  }
-  return {line, column};
-}
-
-// Finds the first key repeated within one object (DeepSpeed rejects those too; nlohmann
-// silently keeps the last).
-class DuplicateKeyFinder {
- public:
-  bool OnEvent(Json::parse_event_t event, const Json& parsed) {
-    switch (event) {
-      case Json::parse_event_t::object_start:
-      case Json::parse_event_t::array_start:
-        stack_.push_back(Frame{event == Json::parse_event_t::object_start, {}, {}, 0});
-        break;
-      case Json::parse_event_t::object_end:
-      case Json::parse_event_t::array_end:
-        if (!stack_.empty()) stack_.pop_back();
-        if (!stack_.empty() && !stack_.back().is_object) ++stack_.back().next_index;
-        break;
-      case Json::parse_event_t::key: {
-        Frame& top = stack_.back();
-        top.key = parsed.get<std::string>();
-        if (!top.keys.insert(top.key).second && duplicate_.empty()) duplicate_ = Path();
-        break;
-      }
-      case Json::parse_event_t::value:
-        if (!stack_.empty() && !stack_.back().is_object) ++stack_.back().next_index;
-        break;
-    }
-    return true;
-  }
-  // The key path of the first repeated key, or "".
-  const std::string& duplicate() const { return duplicate_; }
-
- private:
-  struct Frame {
-    bool is_object;
-    std::set<std::string> keys;
-    std::string key;
-    size_t next_index;
-  };
-  std::string Path() const {
-    std::string path;
-    for (const Frame& frame : stack_) {
-      if (frame.is_object) {
-        path += (path.empty() ? "" : ".") + frame.key;
-      } else {
-        path += "[" + std::to_string(frame.next_index) + "]";
-      }
-    }
-    return path;
-  }
-
-  std::vector<Frame> stack_;
-  std::string duplicate_;
-};
-
-Result<Json> ParseJson(const std::string& text) {
-  DuplicateKeyFinder duplicates;
-  Json root;
-  try {
-    root = Json::parse(
-        text,
-        [&duplicates](int /*depth*/, Json::parse_event_t event, Json& parsed) {
-          return duplicates.OnEvent(event, parsed);
-        },
-        /*allow_exceptions=*/true, /*ignore_comments=*/true);
-  } catch (const Json::parse_error& e) {
-    if (text.find_first_not_of(" \t\r\n") == std::string::npos) {
-      return Status::InvalidArgument(
-          "invalid JSON: the config is empty; write an object such as {\"zero_optimization\": "
-          "{\"stage\": 3}}");
-    }
-    auto [line, column] = LineColumn(text, e.byte == 0 ? 0 : e.byte - 1);
-    // nlohmann's text: "[json.exception.parse_error.101] parse error at line 3, column 8:
-    // syntax error while parsing value - unexpected '}'; ..."; keep what follows the position.
-    std::string what = e.what();
-    size_t at = what.find("parse error");
-    size_t colon = at == std::string::npos ? std::string::npos : what.find(": ", at);
-    std::string detail = colon == std::string::npos ? what : what.substr(colon + 2);
-    return Status::InvalidArgument("invalid JSON at line " + std::to_string(line) + ", column " +
-                                   std::to_string(column) + ": " + detail);
-  } catch (const Json::exception& e) {  // e.g. out_of_range.406: number overflow parsing '1e400'
-    std::string what = e.what();
-    size_t bracket = what.find("] ");
-    return Status::InvalidArgument(
-        "invalid JSON: " + (bracket == std::string::npos ? what : what.substr(bracket + 2)));
-  }
-  if (!duplicates.duplicate().empty()) {
-    return Status::InvalidArgument(duplicates.duplicate() +
-                                   ": key appears twice in the same object; keep one");
-  }
-  if (!root.is_object()) {
-    return Status::InvalidArgument("expected a JSON object {...} at the top level, got " +
-                                   Describe(root));
-  }
-  return root;
-}
-
 }  // namespace
+
+Status ValidateEngineConfig(const EngineConfig& config) { return Validate(config); }
 
 Result<EngineConfig> ParseEngineConfig(const std::string& json_text,
                                        std::vector<std::string>* warnings) {
-  ZINF_ASSIGN_OR_RETURN(Json root, ParseJson(json_text));
+  ZINF_ASSIGN_OR_RETURN(Json root, ParseJsonObject(json_text));
   ParseContext ctx(warnings);
   EngineConfig config;
   ObjectReader reader(root, "", &ctx);

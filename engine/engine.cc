@@ -78,13 +78,9 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
   if (config.zero_stage != 3) {
     return Status::InvalidArgument("zero_optimization.stage: zinf implements stage 3 only");
   }
-  for (const OffloadConfig* o : {&config.offload_param, &config.offload_optimizer}) {
-    if (o->tier == Tier::kNvme && o->nvme_paths.empty()) {
-      return Status::InvalidArgument(
-          std::string(o == &config.offload_param ? "offload_param" : "offload_optimizer") +
-          ": device is nvme but no nvme_path is set; add \"nvme_path\" or zinf.nvme_paths");
-    }
-  }
+  // The configuration's own checks (the same as for a parsed config), then what depends on
+  // the device and the ranks.
+  ZINF_RETURN_IF_ERROR(ValidateEngineConfig(config));
   // Sub-groups stepped on the device: all of them (offload_optimizer.device none) or those
   // beyond offload_optimizer.ratio.
   const bool device_optimizer =

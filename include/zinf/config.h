@@ -117,6 +117,11 @@ Result<EngineConfig> ParseEngineConfig(const std::string& json_text,
 // does not exist). Errors and warnings from parsing start with "<path>: ".
 Result<EngineConfig> LoadEngineConfig(const std::string& path, std::vector<std::string>* warnings);
 
+// The checks ParseEngineConfig applies to what it parsed (nvme tiers have paths, sizes are
+// positive, betas in [0, 1), ...), for a config built in code: InvalidArgument naming the key
+// path. Engine::Create applies them too, so both ways in are checked the same.
+Status ValidateEngineConfig(const EngineConfig& config);
+
 // "4G", "512M", "1.5GiB", "4096": a byte count. Units are case-insensitive powers of 1024
 // (K, KB and KiB all mean 1024), as memory sizes usually are. Errors start with `what`.
 Result<uint64_t> ParseByteSize(const std::string& text, const std::string& what);
