@@ -194,7 +194,7 @@ TEST(EngineFaults, CollectiveFailingOnOneRankStopsBothRanks) {
       raw.push_back(devices.back().get());
     }
     LocalCommOptions lo;
-    lo.timeout = std::chrono::milliseconds(3000);
+    lo.timeout = std::chrono::milliseconds(10000);  // long enough for sanitizer builds
     auto comms = NewLocalComms(raw, lo);
     ASSERT_TRUE(comms.ok()) << comms.status().ToString();
     std::vector<std::unique_ptr<FaultyComm>> faulty;
