@@ -14,10 +14,13 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -26,6 +29,7 @@
 #include "engine/host/single_rank.h"
 #include "train/checkpoint.h"
 #include "train/gpt.h"
+#include "train/text_data.h"
 #include "train/trainer.h"
 #include "zinf/comm.h"
 #include "zinf/config.h"
@@ -256,281 +260,391 @@ struct StepRow {
   double read_gbps = 0, write_gbps = 0, overlap = 0, stall = 0;
 };
 
-int Run(Flags f) {
-  if (f.json) out = stderr;
-  // Model.
+// The jobs of a run below each print their own message when they stop it and return the exit
+// code: 0 to go on, 2 for a usage error (flags, files, sizes), 1 for a failure of the engine,
+// the device or the disk.
+
+// Stops the run after an engine, device or trainer call failed: one line naming what was being
+// done, with a budget error rewritten as the flag that fixes it. Returns the exit code, 1.
+int Fail(const std::string& what, const Status& s) {
+  std::fprintf(stderr, "zinf-train: %s: %s\n", what.c_str(), Explain(s).message().c_str());
+  return 1;
+}
+
+// What the flags and files decide before any device or engine exists.
+struct RunPlan {
   GptConfig model;
-  if (f.layers > 0 || f.d_model > 0 || f.heads > 0) {
-    if (f.layers <= 0 || f.d_model <= 0 || f.heads <= 0) {
+  EngineConfig config;
+  uint64_t params = 0;  // ParamCount(model)
+  TextData data;
+};
+
+// The model the flags ask for: explicit sizes (all of --layers, --d-model and --heads) or a
+// preset, with --max-seq on top. Sets f->seq when it was not given.
+int ChooseModel(Flags* f, GptConfig* model) {
+  if (f->layers > 0 || f->d_model > 0 || f->heads > 0) {
+    if (f->layers <= 0 || f->d_model <= 0 || f->heads <= 0) {
       std::fprintf(stderr,
                    "zinf-train: explicit sizes need all of --layers, --d-model and --heads\n");
       return 2;
     }
-    model.layers = f.layers;
-    model.d_model = f.d_model;
-    model.heads = f.heads;
-    model.max_seq = std::max(f.seq, 1024);  // --seq given or not: 1024 rows
-    model.name = "custom";
+    model->layers = f->layers;
+    model->d_model = f->d_model;
+    model->heads = f->heads;
+    model->max_seq = std::max(f->seq, 1024);  // --seq given or not: 1024 rows
+    model->name = "custom";
   } else {
-    Result<GptConfig> p = Preset(f.preset);
+    Result<GptConfig> p = Preset(f->preset);
     if (!p.ok()) {
       std::fprintf(stderr, "zinf-train: %s\n", p.status().message().c_str());
       return 2;
     }
-    model = *p;
+    *model = *p;
   }
-  if (f.max_seq > 0) model.max_seq = f.max_seq;
-  if (f.seq == 0) f.seq = std::min(128, model.max_seq);
-  if (Status s = Validate(model); !s.ok()) {
+  if (f->max_seq > 0) model->max_seq = f->max_seq;
+  if (f->seq == 0) f->seq = std::min(128, model->max_seq);
+  if (Status s = Validate(*model); !s.ok()) {
     std::fprintf(stderr, "zinf-train: %s\n", s.message().c_str());
     return 2;
   }
-  Result<EngineConfig> config = BuildConfig(f);
+  return 0;
+}
+
+// The model, the engine configuration, the swap folders (created, with room for the model)
+// and the training text.
+int PlanRun(Flags* f, RunPlan* plan) {
+  if (int rc = ChooseModel(f, &plan->model); rc != 0) return rc;
+  Result<EngineConfig> config = BuildConfig(*f);
   if (!config.ok()) {
     std::fprintf(stderr, "zinf-train: %s\n", config.status().ToString().c_str());
     return 2;
   }
-  const uint64_t params = ParamCount(model);
-  if (Status s = CheckNvme(*config, params); !s.ok()) {
+  plan->config = std::move(config).value();
+  plan->params = ParamCount(plan->model);
+  if (Status s = CheckNvme(plan->config, plan->params); !s.ok()) {
     std::fprintf(stderr, "zinf-train: %s\n", s.message().c_str());
     return s.code() == StatusCode::kInvalidArgument ? 2 : 1;
   }
-  const std::string data_path = f.data.empty() ? DefaultData() : f.data;
-  Result<TextData> data = TextData::Load(data_path, f.seq);
+  const std::string data_path = f->data.empty() ? DefaultData() : f->data;
+  Result<TextData> data = TextData::Load(data_path, f->seq);
   if (!data.ok()) {
     std::fprintf(stderr, "zinf-train: %s\n", data.status().message().c_str());
     return 2;
   }
+  plan->data = std::move(data).value();
+  return 0;
+}
 
-  // Device and communicator, one rank: the host device, or GPU 0 with a one-rank NCCL
-  // communicator (the model's forward and backward then run on the GPU).
-  SingleRank rank;
+// Device and communicator, one rank: the host device, or GPU 0 with a one-rank NCCL
+// communicator (the model's forward and backward then run on the GPU).
+int OpenDevice(const Flags& f, const RunPlan& plan, SingleRank* rank) {
+  const EngineConfig& config = plan.config;
   if (f.device == "cuda") {
     CudaDeviceOptions copt;
     // 0: 90% of the free memory. Else the engine's budget plus the trainer's own device
     // memory (activations, one layer's gradients, scratch), which the engine does not plan.
-    copt.memory_budget = config->device_budget_bytes;
+    copt.memory_budget = config.device_budget_bytes;
     if (copt.memory_budget != 0) {
       copt.memory_budget +=
-          GptTrainer::DeviceBytes(model, f.batch, f.seq, config->bf16) + (size_t{1} << 20);
+          GptTrainer::DeviceBytes(plan.model, f.batch, f.seq, config.bf16) + (size_t{1} << 20);
     }
     Result<SingleRank> cuda = NewCudaSingleRank(copt);
     if (!cuda.ok()) {
       std::fprintf(stderr, "zinf-train: --device cuda: %s\n", cuda.status().message().c_str());
       return 1;
     }
-    rank = std::move(cuda).value();
-  } else {
-    HostDeviceOptions dopt;
-    // Without a budget the host device may use the machine's memory (it is host memory), or
-    // what an address-space limit leaves of it.
-    Result<uint64_t> budget =
-        HostDeviceBudget(config->device_budget_bytes, config->pinned_budget_bytes,
-                         BudgetNames{"--device-budget", "--pinned-budget"});
-    if (!budget.ok()) {
-      std::fprintf(stderr, "zinf-train: %s\n", budget.status().message().c_str());
-      return 2;
-    }
-    dopt.memory_budget = *budget;
-    Result<SingleRank> host = NewHostSingleRank(dopt);
-    if (!host.ok()) {
-      std::fprintf(stderr, "zinf-train: %s\n", host.status().ToString().c_str());
-      return 1;
-    }
-    rank = std::move(host).value();
+    *rank = std::move(cuda).value();
+    return 0;
   }
-  Device* const device = rank.device.get();
-  Communicator* const comm = rank.comm.get();
-  auto fail = [&](const std::string& what, const Status& s) {
-    std::fprintf(stderr, "zinf-train: %s: %s\n", what.c_str(), Explain(s).message().c_str());
+  HostDeviceOptions dopt;
+  // Without a budget the host device may use the machine's memory (it is host memory), or
+  // what an address-space limit leaves of it.
+  Result<uint64_t> budget = HostDeviceBudget(config.device_budget_bytes, config.pinned_budget_bytes,
+                                             BudgetNames{"--device-budget", "--pinned-budget"});
+  if (!budget.ok()) {
+    std::fprintf(stderr, "zinf-train: %s\n", budget.status().message().c_str());
+    return 2;
+  }
+  dopt.memory_budget = *budget;
+  Result<SingleRank> host = NewHostSingleRank(dopt);
+  if (!host.ok()) {
+    std::fprintf(stderr, "zinf-train: %s\n", host.status().ToString().c_str());
     return 1;
-  };
+  }
+  *rank = std::move(host).value();
+  return 0;
+}
 
-  std::fprintf(out,
-               "zinf-train: model %s, %d layers, d_model %d, %d heads: %s parameters (%.3g B)\n"
-               "  parameters on %s (%s), optimizer states on %s, %s; batch %d x seq %d, %d steps\n",
-               model.name.c_str(), model.layers, model.d_model, model.heads,
-               std::to_string(params).c_str(), params / 1e9, TierName(config->offload_param.tier),
-               config->bf16 ? "bf16" : "fp32", TierName(config->offload_optimizer.tier),
-               UsesNvme(*config)
-                   ? ("swap folder " + config->offload_optimizer.nvme_paths.front()).c_str()
-                   : "no NVMe",
-               f.batch, f.seq, f.steps);
+void PrintBanner(const Flags& f, const RunPlan& plan) {
+  const GptConfig& model = plan.model;
+  const EngineConfig& config = plan.config;
+  std::fprintf(
+      out,
+      "zinf-train: model %s, %d layers, d_model %d, %d heads: %s parameters (%.3g B)\n"
+      "  parameters on %s (%s), optimizer states on %s, %s; batch %d x seq %d, %d steps\n",
+      model.name.c_str(), model.layers, model.d_model, model.heads,
+      std::to_string(plan.params).c_str(), plan.params / 1e9, TierName(config.offload_param.tier),
+      config.bf16 ? "bf16" : "fp32", TierName(config.offload_optimizer.tier),
+      UsesNvme(config) ? ("swap folder " + config.offload_optimizer.nvme_paths.front()).c_str()
+                       : "no NVMe",
+      f.batch, f.seq, f.steps);
   std::fflush(out);
+}
 
-  Result<std::unique_ptr<Engine>> engine = Engine::Create(*config, device, comm);
-  if (!engine.ok()) return fail("creating the engine", engine.status());
-  Result<std::unique_ptr<GptTrainer>> trainer =
-      GptTrainer::Create(model, f.batch, f.seq, f.seed, engine->get(), {}, device);
-  if (!trainer.ok()) return fail("building the model", trainer.status());
+// The engine and the model trained through it. Members are destroyed in reverse order: the
+// trainer, which holds buffers of the engine, before the engine.
+struct Session {
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<GptTrainer> trainer;
+};
+
+// Creates the engine on `rank` and the trainer, which registers the model's parameters.
+int OpenSession(const Flags& f, const RunPlan& plan, const SingleRank& rank, Session* s) {
+  Result<std::unique_ptr<Engine>> engine =
+      Engine::Create(plan.config, rank.device.get(), rank.comm.get());
+  if (!engine.ok()) return Fail("creating the engine", engine.status());
+  s->engine = std::move(engine).value();
+  Result<std::unique_ptr<GptTrainer>> trainer = GptTrainer::Create(
+      plan.model, f.batch, f.seq, f.seed, s->engine.get(), {}, rank.device.get());
+  if (!trainer.ok()) return Fail("building the model", trainer.status());
+  s->trainer = std::move(trainer).value();
+  return 0;
+}
+
+// Gives the parameters their values: with --durable --resume those of the swap store's last
+// committed step, else their initial values placed in their tiers. Sets *first_step.
+int PlaceOrResumeDurable(const Flags& f, const RunPlan& plan, const SingleRank& rank, Session* s,
+                         int64_t* first_step) {
   auto t_init = Clock::now();
-  int64_t first_step = 0;
-  const bool checkpointing = !f.checkpoint_dir.empty();
-  if (f.resume && config->durable) {
+  *first_step = 0;
+  if (f.resume && plan.config.durable) {
     // Durable: the swap store itself holds the last completed step.
-    Status s = (*engine)->ResumeFromStore();
-    if (s.code() == StatusCode::kNotFound) {
-      // Nothing committed yet (the first run died while initialising): start over.
+    Status st = s->engine->ResumeFromStore();
+    if (st.code() == StatusCode::kNotFound) {
+      // Nothing committed yet (the first run died while initialising): start over, on an
+      // engine that has not tried to resume.
       std::fprintf(out, "  no committed step in the swap store yet: starting from step 0\n");
-      trainer->reset();
-      engine->reset();
-      engine = Engine::Create(*config, device, comm);
-      if (!engine.ok()) return fail("creating the engine", engine.status());
-      trainer = GptTrainer::Create(model, f.batch, f.seq, f.seed, engine->get(), {}, device);
-      if (!trainer.ok()) return fail("building the model", trainer.status());
-    } else if (!s.ok()) {
-      return fail("resuming from the swap store", s);
+      s->trainer.reset();
+      s->engine.reset();
+      if (int rc = OpenSession(f, plan, rank, s); rc != 0) return rc;
+    } else if (!st.ok()) {
+      return Fail("resuming from the swap store", st);
     } else {
-      first_step = (*engine)->global_step();
-      std::fprintf(out, "  resumed from the durable swap store at step %" PRId64 "\n", first_step);
+      *first_step = s->engine->global_step();
+      std::fprintf(out, "  resumed from the durable swap store at step %" PRId64 "\n", *first_step);
     }
   }
-  if (first_step == 0) {
-    if (Status s = (*engine)->FinishRegistration(); !s.ok()) {
-      return fail("placing the parameters", s);
+  if (*first_step == 0) {
+    if (Status st = s->engine->FinishRegistration(); !st.ok()) {
+      return Fail("placing the parameters", st);
     }
   }
   std::fprintf(out, "  initialised and placed in %.1f s\n", Seconds(Clock::now() - t_init));
+  return 0;
+}
 
-  // The checkpoint folder: usable (created, writable, locked) before any step is spent, and
-  // not another run's checkpoints unless resuming or told to overwrite them.
-  if (checkpointing) {
-    if (Status s = (*engine)->PrepareCheckpointDir(f.checkpoint_dir); !s.ok()) {
-      return fail("the checkpoint folder", s);
-    }
-    std::vector<std::string> existing = CheckpointsIn(f.checkpoint_dir);
-    if (!existing.empty() && !f.resume && !f.overwrite) {
-      std::fprintf(stderr,
-                   "zinf-train: %s holds checkpoints (%s): pass --resume to continue from the "
-                   "newest, or --overwrite to remove them and start afresh\n",
-                   f.checkpoint_dir.c_str(), existing.front().c_str());
-      return 2;
-    }
-    if (!existing.empty() && f.overwrite && !f.resume) {
-      for (const std::string& name : existing) {
-        std::error_code ec;
-        std::filesystem::remove_all(f.checkpoint_dir + "/" + name, ec);
-        if (ec) {
-          return fail("--overwrite", Status::IoError("removing " + f.checkpoint_dir + "/" + name +
-                                                     ": " + ec.message()));
-        }
+// The checkpoint folder: usable (created, writable, locked) before any step is spent, and
+// not another run's checkpoints unless resuming or told to overwrite them.
+int PrepareCheckpointFolder(const Flags& f, Engine* engine) {
+  if (Status s = engine->PrepareCheckpointDir(f.checkpoint_dir); !s.ok()) {
+    return Fail("the checkpoint folder", s);
+  }
+  std::vector<std::string> existing = CheckpointsIn(f.checkpoint_dir);
+  if (!existing.empty() && !f.resume && !f.overwrite) {
+    std::fprintf(stderr,
+                 "zinf-train: %s holds checkpoints (%s): pass --resume to continue from the "
+                 "newest, or --overwrite to remove them and start afresh\n",
+                 f.checkpoint_dir.c_str(), existing.front().c_str());
+    return 2;
+  }
+  if (!existing.empty() && f.overwrite && !f.resume) {
+    for (const std::string& name : existing) {
+      std::error_code ec;
+      std::filesystem::remove_all(f.checkpoint_dir + "/" + name, ec);
+      if (ec) {
+        return Fail("--overwrite", Status::IoError("removing " + f.checkpoint_dir + "/" + name +
+                                                   ": " + ec.message()));
       }
-      std::fprintf(out, "  --overwrite: removed %zu checkpoint(s) from %s\n", existing.size(),
-                   f.checkpoint_dir.c_str());
     }
+    std::fprintf(out, "  --overwrite: removed %zu checkpoint(s) from %s\n", existing.size(),
+                 f.checkpoint_dir.c_str());
   }
+  return 0;
+}
 
-  // Resume from a checkpoint.
-  if (f.resume && !config->durable) {
-    if (!checkpointing) {
-      std::fprintf(stderr,
-                   "zinf-train: --resume needs --checkpoint-dir (or --durable, to resume from "
-                   "the swap store)\n");
-      return 2;
-    }
-    Result<int64_t> step =
-        LoadCheckpoint(f.checkpoint_dir, model, f.seed, engine->get(), /*fall_back=*/true);
-    if (!step.ok() && step.status().code() == StatusCode::kNotFound) {
-      // Nothing committed yet (e.g. the first run died before its first save): start over.
-      std::fprintf(out, "  no checkpoint in %s yet: starting from step 0\n",
-                   f.checkpoint_dir.c_str());
-    } else if (!step.ok()) {
-      return fail("resuming from " + f.checkpoint_dir, step.status());
-    } else {
-      first_step = *step;
-      std::fprintf(out, "  resumed from %s at step %" PRId64 "\n", f.checkpoint_dir.c_str(),
-                   first_step);
-    }
+// --resume without --durable: continues from the newest readable checkpoint in
+// --checkpoint-dir (from step 0 when there is none yet). Sets *first_step when it resumes.
+int ResumeFromCheckpoint(const Flags& f, const RunPlan& plan, Engine* engine, int64_t* first_step) {
+  if (f.checkpoint_dir.empty()) {
+    std::fprintf(stderr,
+                 "zinf-train: --resume needs --checkpoint-dir (or --durable, to resume from "
+                 "the swap store)\n");
+    return 2;
   }
+  Result<int64_t> step =
+      LoadCheckpoint(f.checkpoint_dir, plan.model, f.seed, engine, /*fall_back=*/true);
+  if (!step.ok() && step.status().code() == StatusCode::kNotFound) {
+    // Nothing committed yet (e.g. the first run died before its first save): start over.
+    std::fprintf(out, "  no checkpoint in %s yet: starting from step 0\n",
+                 f.checkpoint_dir.c_str());
+  } else if (!step.ok()) {
+    return Fail("resuming from " + f.checkpoint_dir, step.status());
+  } else {
+    *first_step = *step;
+    std::fprintf(out, "  resumed from %s at step %" PRId64 "\n", f.checkpoint_dir.c_str(),
+                 *first_step);
+  }
+  return 0;
+}
 
-  const int accum = std::max(1, config->gradient_accumulation_steps);
-  const int tokens_per_micro = f.batch * f.seq;
-  const double flops_per_token = FlopsPerToken(model, f.seq);
-  const int log_every = f.log_every > 0 ? f.log_every : std::max(1, f.steps / 40);
-  const bool tty = isatty(fileno(out));
-  std::vector<int32_t> tokens(tokens_per_micro), targets(tokens_per_micro);
+// What the training loop measured, for the report.
+struct TrainLog {
   std::vector<StepRow> rows;
   double loss_first = 0, loss_last = 0;
   uint64_t read_bytes = 0, write_bytes = 0;
   double total_seconds = 0;
-  const int warmup = f.warmup >= 0 ? f.warmup : std::min(100, f.steps / 10);
-  for (int64_t step = first_step; step < f.steps; ++step) {
-    auto t0 = Clock::now();
+};
+
+// Steps first_step + 1 .. --steps: each step's micro-steps, its progress line and, with
+// --save-every, its checkpoint.
+class TrainingLoop {
+ public:
+  TrainingLoop(const Flags& f, const RunPlan& plan, const Session& s, int64_t first_step)
+      : f_(f),
+        plan_(plan),
+        engine_(s.engine.get()),
+        trainer_(s.trainer.get()),
+        first_step_(first_step),
+        accum_(std::max(1, plan.config.gradient_accumulation_steps)),
+        tokens_per_micro_(f.batch * f.seq),
+        flops_per_token_(FlopsPerToken(plan.model, f.seq)),
+        log_every_(f.log_every > 0 ? f.log_every : std::max(1, f.steps / 40)),
+        warmup_(f.warmup >= 0 ? f.warmup : std::min(100, f.steps / 10)),
+        tty_(isatty(fileno(out))),
+        tokens_(tokens_per_micro_),
+        targets_(tokens_per_micro_) {}
+
+  int Run(TrainLog* log) {
+    for (int64_t step = first_step_; step < f_.steps; ++step) {
+      auto t0 = Clock::now();
+      double loss = 0;
+      StepStats agg;
+      if (int rc = Step(step, &loss, &agg); rc != 0) return rc;
+      if (!std::isfinite(loss)) {
+        // Training on would only spread it (and save it); the last checkpoint or durable
+        // commit stays the one to resume from.
+        std::fprintf(stderr,
+                     "zinf-train: the loss of step %" PRId64
+                     " is not finite (%g): stopping; lower "
+                     "--lr or check the model and data, then resume from the last checkpoint\n",
+                     step + 1, loss);
+        return 1;
+      }
+      Record(step, loss, agg, Seconds(Clock::now() - t0), log);
+      if (!f_.checkpoint_dir.empty() && f_.save_every > 0 && (step + 1) % f_.save_every == 0) {
+        auto tc = Clock::now();
+        if (Status s = SaveCheckpoint(f_.checkpoint_dir, plan_.model, f_.seed, engine_); !s.ok()) {
+          return Fail("saving a checkpoint to " + f_.checkpoint_dir, s);
+        }
+        std::fprintf(out, "  checkpoint at step %" PRId64 " saved to %s in %.1f s\n", step + 1,
+                     f_.checkpoint_dir.c_str(), Seconds(Clock::now() - tc));
+      }
+    }
+    return 0;
+  }
+
+ private:
+  // One optimizer step: its learning rate, then its micro-steps. *loss: their mean; *agg:
+  // their NVMe traffic and waits summed, the overlap of the last (the optimizer's).
+  int Step(int64_t step, double* loss, StepStats* agg) {
     // Linear warmup, then the base rate (Adam's first steps on a fresh model are large).
-    const double lr_scale = warmup > 0 ? std::min(1.0, (step + 1.0) / warmup) : 1.0;
-    if (Status s = (*engine)->SetLearningRate(static_cast<float>(config->optimizer.lr * lr_scale));
+    const double lr_scale = warmup_ > 0 ? std::min(1.0, (step + 1.0) / warmup_) : 1.0;
+    if (Status s =
+            engine_->SetLearningRate(static_cast<float>(plan_.config.optimizer.lr * lr_scale));
         !s.ok()) {
-      return fail("setting the learning rate", s);
+      return Fail("setting the learning rate", s);
     }
-    double loss = 0;
-    StepStats agg;
-    for (int micro = 0; micro < accum; ++micro) {
-      data->Batch(f.seed, step * accum + micro, f.batch, f.seq, tokens.data(), targets.data());
+    for (int micro = 0; micro < accum_; ++micro) {
+      plan_.data.Batch(f_.seed, step * accum_ + micro, f_.batch, f_.seq, tokens_.data(),
+                       targets_.data());
       StepStats st;
-      Result<double> l = (*trainer)->MicroStep(tokens.data(), targets.data(), 1.0f / accum, &st);
-      if (!l.ok()) return fail("step " + std::to_string(step + 1), l.status());
-      loss += *l / accum;
-      agg.nvme_read_bytes += st.nvme_read_bytes;
-      agg.nvme_write_bytes += st.nvme_write_bytes;
-      agg.acquire_wait_seconds += st.acquire_wait_seconds;
-      agg.optimizer_wait_seconds += st.optimizer_wait_seconds;
-      agg.overlap_efficiency = st.overlap_efficiency;  // of the optimizer micro-step
+      Result<double> l = trainer_->MicroStep(tokens_.data(), targets_.data(), 1.0f / accum_, &st);
+      if (!l.ok()) return Fail("step " + std::to_string(step + 1), l.status());
+      *loss += *l / accum_;
+      agg->nvme_read_bytes += st.nvme_read_bytes;
+      agg->nvme_write_bytes += st.nvme_write_bytes;
+      agg->acquire_wait_seconds += st.acquire_wait_seconds;
+      agg->optimizer_wait_seconds += st.optimizer_wait_seconds;
+      agg->overlap_efficiency = st.overlap_efficiency;  // of the optimizer micro-step
     }
-    if (!std::isfinite(loss)) {
-      // Training on would only spread it (and save it); the last checkpoint or durable commit
-      // stays the one to resume from.
-      std::fprintf(stderr,
-                   "zinf-train: the loss of step %" PRId64
-                   " is not finite (%g): stopping; lower "
-                   "--lr or check the model and data, then resume from the last checkpoint\n",
-                   step + 1, loss);
-      return 1;
-    }
-    const double secs = Seconds(Clock::now() - t0);
+    return 0;
+  }
+
+  // Adds the step to the log and prints its progress line: kept every --log-every steps and
+  // at the first and last; on a terminal the others are shown in place.
+  void Record(int64_t step, double loss, const StepStats& agg, double secs, TrainLog* log) {
     StepRow r;
     r.step = step + 1;
     r.loss = loss;
     r.seconds = secs;
-    r.tokens_per_s = tokens_per_micro * accum / secs;
-    r.tflops = r.tokens_per_s * flops_per_token / 1e12;
+    r.tokens_per_s = tokens_per_micro_ * accum_ / secs;
+    r.tflops = r.tokens_per_s * flops_per_token_ / 1e12;
     r.read_gbps = agg.nvme_read_bytes / secs / 1e9;
     r.write_gbps = agg.nvme_write_bytes / secs / 1e9;
     r.overlap = agg.overlap_efficiency;
     r.stall = agg.acquire_wait_seconds + agg.optimizer_wait_seconds;
-    rows.push_back(r);
-    if (step == first_step) loss_first = loss;
-    loss_last = loss;
-    read_bytes += agg.nvme_read_bytes;
-    write_bytes += agg.nvme_write_bytes;
-    total_seconds += secs;
-    const bool keep = (step + 1) % log_every == 0 || step == first_step || step + 1 == f.steps;
-    if (keep || tty) {
+    log->rows.push_back(r);
+    if (step == first_step_) log->loss_first = loss;
+    log->loss_last = loss;
+    log->read_bytes += agg.nvme_read_bytes;
+    log->write_bytes += agg.nvme_write_bytes;
+    log->total_seconds += secs;
+    const bool keep = (step + 1) % log_every_ == 0 || step == first_step_ || step + 1 == f_.steps;
+    if (keep || tty_) {
       std::fprintf(out,
                    "%sstep %5" PRId64
                    "/%d  loss %.4f  %8.0f tok/s  %.3f TFLOPS  nvme r %.2f w %.2f "
                    "GB/s  overlap %.2f  stall %.2f s%s",
-                   tty ? "\r" : "", r.step, f.steps, r.loss, r.tokens_per_s, r.tflops, r.read_gbps,
-                   r.write_gbps, r.overlap, r.stall, keep ? "\n" : "");
+                   tty_ ? "\r" : "", r.step, f_.steps, r.loss, r.tokens_per_s, r.tflops,
+                   r.read_gbps, r.write_gbps, r.overlap, r.stall, keep ? "\n" : "");
       std::fflush(out);
     }
-    if (checkpointing && f.save_every > 0 && (step + 1) % f.save_every == 0) {
-      auto tc = Clock::now();
-      if (Status s = SaveCheckpoint(f.checkpoint_dir, model, f.seed, engine->get()); !s.ok()) {
-        return fail("saving a checkpoint to " + f.checkpoint_dir, s);
-      }
-      std::fprintf(out, "  checkpoint at step %" PRId64 " saved to %s in %.1f s\n", step + 1,
-                   f.checkpoint_dir.c_str(), Seconds(Clock::now() - tc));
-    }
   }
-  if (checkpointing && (f.save_every == 0 || f.steps % f.save_every != 0) && f.steps > first_step) {
-    if (Status s = SaveCheckpoint(f.checkpoint_dir, model, f.seed, engine->get()); !s.ok()) {
-      return fail("saving the final checkpoint to " + f.checkpoint_dir, s);
-    }
-  }
-  Result<uint64_t> checksum = (*trainer)->ParamChecksum();
-  if (!checksum.ok()) return fail("checksumming the parameters", checksum.status());
 
-  // Summary: medians over the steps after the first (which pays for warm-up).
+  const Flags& f_;
+  const RunPlan& plan_;
+  Engine* const engine_;
+  GptTrainer* const trainer_;
+  const int64_t first_step_;
+  const int accum_;  // micro-steps per optimizer step
+  const int tokens_per_micro_;
+  const double flops_per_token_;
+  const int log_every_;
+  const int warmup_;                       // steps of linear learning-rate warmup
+  const bool tty_;                         // progress on a terminal
+  std::vector<int32_t> tokens_, targets_;  // one micro-step's batch
+};
+
+// The final checkpoint, unless --save-every just wrote it or no step ran.
+int SaveFinalCheckpoint(const Flags& f, const RunPlan& plan, Engine* engine, int64_t first_step) {
+  if (f.checkpoint_dir.empty() || (f.save_every != 0 && f.steps % f.save_every == 0) ||
+      f.steps <= first_step) {
+    return 0;
+  }
+  if (Status s = SaveCheckpoint(f.checkpoint_dir, plan.model, f.seed, engine); !s.ok()) {
+    return Fail("saving the final checkpoint to " + f.checkpoint_dir, s);
+  }
+  return 0;
+}
+
+// The summary table on the progress stream and the JSON line on stdout: medians over the
+// steps after the first (which pays for warm-up), and the parameters' checksum, by which two
+// runs are compared.
+int Report(const Flags& f, const RunPlan& plan, GptTrainer* trainer, int64_t first_step,
+           const TrainLog& log) {
+  Result<uint64_t> checksum = trainer->ParamChecksum();
+  if (!checksum.ok()) return Fail("checksumming the parameters", checksum.status());
+  const std::vector<StepRow>& rows = log.rows;
   auto median = [&](auto field) {
     std::vector<double> v;
     for (size_t i = rows.size() > 1 ? 1 : 0; i < rows.size(); ++i) v.push_back(field(rows[i]));
@@ -547,41 +661,71 @@ int Run(Flags f) {
   const uint64_t rss = PeakRssBytes();
   char hash[17];
   std::snprintf(hash, sizeof(hash), "%016" PRIx64, *checksum);
+  const GptConfig& model = plan.model;
   std::fprintf(out,
                "\n  %-22s %s\n  %-22s %.4f -> %.4f\n  %-22s %.0f\n  %-22s %.3f\n"
                "  %-22s %.2f / %.2f GB/s\n  %-22s %.2f\n  %-22s %.2f s\n  %-22s %s\n"
                "  %-22s %.1f s\n  %-22s %s\n",
-               "parameters", std::to_string(params).c_str(), "loss (first -> last)", loss_first,
-               loss_last, "tokens/s (median)", tok_s, "model TFLOPS", tflops, "NVMe read / write",
-               rgbps, wgbps, "overlap efficiency", overlap, "stall per step", stall, "peak RSS",
-               FormatBytes(rss).c_str(), "train time", total_seconds, "param checksum", hash);
+               "parameters", std::to_string(plan.params).c_str(), "loss (first -> last)",
+               log.loss_first, log.loss_last, "tokens/s (median)", tok_s, "model TFLOPS", tflops,
+               "NVMe read / write", rgbps, wgbps, "overlap efficiency", overlap, "stall per step",
+               stall, "peak RSS", FormatBytes(rss).c_str(), "train time", log.total_seconds,
+               "param checksum", hash);
   nlohmann::json j = {
       {"model", model.name},
-      {"params", params},
+      {"params", plan.params},
       {"layers", model.layers},
       {"d_model", model.d_model},
       {"steps", f.steps},
       {"first_step", first_step},
       {"batch", f.batch},
       {"seq", f.seq},
-      {"loss_first", loss_first},
-      {"loss_last", loss_last},
+      {"loss_first", log.loss_first},
+      {"loss_last", log.loss_last},
       {"tokens_per_s", tok_s},
       {"model_tflops", tflops},
       {"nvme_read_gbps", rgbps},
       {"nvme_write_gbps", wgbps},
-      {"nvme_read_bytes", read_bytes},
-      {"nvme_write_bytes", write_bytes},
+      {"nvme_read_bytes", log.read_bytes},
+      {"nvme_write_bytes", log.write_bytes},
       {"overlap_efficiency", overlap},
       {"stall_seconds", stall},
-      {"train_seconds", total_seconds},
+      {"train_seconds", log.total_seconds},
       {"peak_rss_bytes", rss},
       {"param_checksum", hash},
-      {"param_tier", TierName(config->offload_param.tier)},
-      {"optimizer_tier", TierName(config->offload_optimizer.tier)},
+      {"param_tier", TierName(plan.config.offload_param.tier)},
+      {"optimizer_tier", TierName(plan.config.offload_optimizer.tier)},
   };
   std::printf("%s\n", j.dump().c_str());
   return 0;
+}
+
+// A run, job by job. Each job prints why it stops the run; its exit code is passed on.
+int Run(Flags f) {
+  if (f.json) out = stderr;
+  RunPlan plan;
+  if (int rc = PlanRun(&f, &plan); rc != 0) return rc;
+  SingleRank rank;  // declared before the session: the engine goes before its device
+  if (int rc = OpenDevice(f, plan, &rank); rc != 0) return rc;
+  PrintBanner(f, plan);
+  Session session;
+  if (int rc = OpenSession(f, plan, rank, &session); rc != 0) return rc;
+  int64_t first_step = 0;
+  if (int rc = PlaceOrResumeDurable(f, plan, rank, &session, &first_step); rc != 0) return rc;
+  if (!f.checkpoint_dir.empty()) {
+    if (int rc = PrepareCheckpointFolder(f, session.engine.get()); rc != 0) return rc;
+  }
+  if (f.resume && !plan.config.durable) {
+    if (int rc = ResumeFromCheckpoint(f, plan, session.engine.get(), &first_step); rc != 0) {
+      return rc;
+    }
+  }
+  TrainLog log;
+  if (int rc = TrainingLoop(f, plan, session, first_step).Run(&log); rc != 0) return rc;
+  if (int rc = SaveFinalCheckpoint(f, plan, session.engine.get(), first_step); rc != 0) {
+    return rc;
+  }
+  return Report(f, plan, session.trainer.get(), first_step, log);
 }
 
 }  // namespace

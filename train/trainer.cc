@@ -4,56 +4,16 @@
 #include <xxhash.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "train/kernels.h"
 #include "train/model_ops.h"
-#include "zinf/align.h"
+#include "train/param_transfer.h"
 #include "zinf/crash_point.h"
 
 namespace zinf::train {
-
-// ---- TextData --------------------------------------------------------------------------------
-
-Result<TextData> TextData::Load(const std::string& path, int seq) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return ErrnoToStatus(
-        errno, "opening the training text " + path + " (give --data FILE with any text file)");
-  }
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  TextData d;
-  d.text_ = ss.str();
-  if (d.text_.size() < static_cast<size_t>(seq) + 2) {
-    return Status::InvalidArgument(
-        "the training text " + path + " has " + std::to_string(d.text_.size()) + " bytes; --seq " +
-        std::to_string(seq) + " needs at least " + std::to_string(seq + 2));
-  }
-  return d;
-}
-
-void TextData::Batch(uint64_t seed, int64_t index, int batch, int seq, int32_t* tokens,
-                     int32_t* targets) const {
-  const uint64_t windows = text_.size() - static_cast<uint64_t>(seq);  // offsets 0..windows-1
-  for (int b = 0; b < batch; ++b) {
-    uint64_t h = seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(index) * 0x100000001B3ull +
-                 static_cast<uint64_t>(b);
-    h = XXH3_64bits(&h, sizeof(h));
-    const uint64_t off = h % windows;
-    for (int t = 0; t < seq; ++t) {
-      tokens[b * seq + t] = static_cast<unsigned char>(text_[off + t]);
-      targets[b * seq + t] = static_cast<unsigned char>(text_[off + t + 1]);
-    }
-  }
-}
-
-// ---- GptTrainer ------------------------------------------------------------------------------
 
 namespace {
 
@@ -72,15 +32,11 @@ struct GptTrainer::Impl {
   // Where the math runs: the CPU (host device) or the GPU (a CUDA device). Every buffer
   // below is memory of `ops`.
   std::unique_ptr<ModelOps> ops;
-  // Staging (hooks.stage_through_device on the host device): acquired parameters are copied
-  // into `staged`, gradients into `device_grad` through the device's copy API.
-  Device* device = nullptr;
-  bool staging = false;
-  std::vector<uint8_t> staged;
-  void* device_grad = nullptr;
+  // How acquired parameters reach `ops` and gradients reach the engine: in place, or staged
+  // through the device's copy API (hooks.stage_through_device); chosen by Create.
+  std::unique_ptr<ParamTransfer> transfer;
   ~Impl() {
-    ops.reset();  // drains the GPU's work before the engine's buffers go
-    if (device_grad != nullptr) device->Free(device_grad);
+    ops.reset();  // drains the GPU's work before the engine's buffers (and the transfer's) go
   }
   TrainerHooks hooks;
   GptConfig m;
@@ -200,20 +156,7 @@ struct GptTrainer::Impl {
   // stay bf16 in raw16 and their fp32 pointer is null).
   Result<std::vector<const float*>> AcquireFp32(const std::vector<ParamId>& group,
                                                 bool block = false) {
-    ZINF_ASSIGN_OR_RETURN(std::vector<void*> raw, engine->Acquire(group));
-    if (staging) {
-      const size_t elem = bf16 ? 2 : 4;
-      size_t offset = 0;
-      Stream* compute = device->ComputeStream();
-      for (size_t i = 0; i < group.size(); ++i) {
-        const size_t bytes = engine->param(group[i]).numel * elem;
-        ZINF_RETURN_IF_ERROR(
-            device->CopyDeviceToHost(staged.data() + offset, raw[i], bytes, compute));
-        raw[i] = staged.data() + offset;
-        offset += RoundUp(bytes, 64);
-      }
-      ZINF_RETURN_IF_ERROR(device->SynchronizeStream(compute));
-    }
+    ZINF_ASSIGN_OR_RETURN(std::vector<void*> raw, transfer->Acquire(group));
     std::vector<const float*> out(group.size());
     raw16.assign(group.size(), nullptr);
     size_t cursor = 0;
@@ -258,17 +201,7 @@ struct GptTrainer::Impl {
         hooks.grad_observer(index, grad, numel);
       }
     }
-    if (staging) {
-      // The engine's copy out of device_grad is ordered on the compute stream before the
-      // next gradient's copy into it.
-      Stream* compute = device->ComputeStream();
-      ZINF_RETURN_IF_ERROR(
-          device->CopyHostToDevice(device_grad, grad, numel * sizeof(float), compute));
-      ZINF_RETURN_IF_ERROR(device->SynchronizeStream(compute));
-      return engine->ReduceGradient(ids[index], static_cast<const float*>(device_grad));
-    }
-    // On the GPU `grad` was produced on the compute stream, which the engine's copy follows.
-    return engine->ReduceGradient(ids[index], grad);
+    return transfer->ReduceGradient(ids[index], grad, numel);
   }
 };
 
@@ -432,9 +365,7 @@ Result<std::unique_ptr<GptTrainer>> GptTrainer::Create(const GptConfig& model, i
   }
   ZINF_RETURN_IF_ERROR(engine->SetAcquireOrder(m.AcquireOrder()));
 
-  m.device = device;
   const bool gpu = device != nullptr && !device->IsHost();
-  m.staging = device != nullptr && device->IsHost() && hooks.stage_through_device;
   if (gpu) {
     ZINF_ASSIGN_OR_RETURN(m.ops, NewCudaModelOps(device, m.Dims()));
   } else {
@@ -470,13 +401,16 @@ Result<std::unique_ptr<GptTrainer>> GptTrainer::Create(const GptConfig& model, i
         (gpu ? " in the GPU's pool; lower --batch or --seq, or raise --device-budget)"
              : "; lower --batch or --seq)"));
   }
-  if (m.staging) {
-    size_t staged = 0, largest_param = 0;
+  // The transfer is picked here, once: the per-layer path calls it without asking which.
+  if (device != nullptr && device->IsHost() && hooks.stage_through_device) {
+    size_t largest_param = 0;
     for (const GptParam& p : m.list) largest_param = std::max(largest_param, p.numel());
-    // The largest acquired group (64-byte aligned parts).
-    staged = m.LargestGroup() * 4 + kBlockParams * 64;
-    m.staged.resize(staged);
-    ZINF_ASSIGN_OR_RETURN(m.device_grad, device->Alloc(largest_param * sizeof(float)));
+    // The largest acquired group as fp32 (bf16 needs half), each part 64-byte aligned.
+    const size_t staging_bytes = m.LargestGroup() * 4 + kBlockParams * 64;
+    ZINF_ASSIGN_OR_RETURN(m.transfer,
+                          NewStagedTransfer(engine, device, staging_bytes, largest_param));
+  } else {
+    m.transfer = NewDirectTransfer(engine);
   }
   return std::unique_ptr<GptTrainer>(new GptTrainer(std::move(impl)));
 }

@@ -16,21 +16,6 @@
 
 namespace zinf::train {
 
-// Byte-level text and the batches drawn from it.
-class TextData {
- public:
-  // Reads the whole file; it must hold more than seq + 1 bytes.
-  static Result<TextData> Load(const std::string& path, int seq);
-  // Batch `index`: `batch` windows at offsets drawn from (seed, index); tokens[b*seq + t] =
-  // text[off_b + t], targets the next byte.
-  void Batch(uint64_t seed, int64_t index, int batch, int seq, int32_t* tokens,
-             int32_t* targets) const;
-  size_t size() const { return text_.size(); }
-
- private:
-  std::string text_;
-};
-
 // Optional seams for tests and embedders.
 struct TrainerHooks {
   // Called after a parameter's initial values are generated (index in ParamList, full fp32
@@ -42,6 +27,7 @@ struct TrainerHooks {
   // On the host device: copy parameters and gradients through the device's copy API (acquired
   // parameters to a host staging buffer, gradients into a device buffer), as an embedder
   // whose model runs elsewhere would (tests of those copies on a machine without a GPU).
+  // Read once, by Create (param_transfer.h); ignored on a CUDA device.
   bool stage_through_device = false;
 };
 

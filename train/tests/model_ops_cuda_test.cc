@@ -25,6 +25,7 @@
 #include "train/kernels.h"
 #include "train/model_ops.h"
 #include "train/tests/tiny_model.h"
+#include "train/text_data.h"
 #include "train/trainer.h"
 #include "zinf/comm.h"
 #include "zinf/cuda.h"

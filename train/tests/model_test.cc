@@ -13,6 +13,7 @@
 #include "train/checkpoint.h"
 #include "train/gpt.h"
 #include "train/tests/tiny_model.h"
+#include "train/text_data.h"
 #include "train/trainer.h"
 #include "zinf/comm.h"
 #include "zinf/device.h"
