@@ -1,6 +1,7 @@
 #include "engine/fetch_scheduler.h"
 
 #include <chrono>
+#include <unordered_map>
 
 #include "zinf/log.h"
 
@@ -27,6 +28,7 @@ FetchScheduler::FetchScheduler(const Layout* layout, const EngineConfig* config,
 
 FetchScheduler::~FetchScheduler() {
   // The engine synchronised every stream before this: nothing uses the buffers any more.
+  for (const auto& [ptr, bytes] : graveyard_) budget_->Free(ptr, bytes);
   for (ParamId id = 0; id < res_.size(); ++id) {
     if (res_[id].device_full != nullptr && !res_[id].aliased) {
       budget_->Free(res_[id].device_full, layout_->FullBytes(id));
@@ -157,10 +159,16 @@ Status FetchScheduler::Fetch(ParamId id, int64_t visible, bool prefetch) {
     if (quiet.ok()) {
       DropDeviceCopy(id);
     } else {
+      // Nothing is known to be done with it: it goes to the buffers freed only when the engine
+      // closes (after every stream), still counted in the plan, never used again.
+      LogWarning(
+          "the device copy of '" + p.info.name +
+          "' stays allocated until the engine closes after a failed fetch: " + quiet.ToString());
+      graveyard_.push_back({r.device_full, full});
+      r.device_full = nullptr;
       r.fetched_version = kNotFetched;
       r.state = State::kAbsent;
-      LogWarning("the device copy of '" + p.info.name +
-                 "' stays allocated after a failed fetch: " + quiet.ToString());
+      live_elems_ -= p.padded_numel;
     }
     return s;
   }
@@ -296,7 +304,10 @@ Result<std::vector<void*>> FetchScheduler::Acquire(const std::vector<ParamId>& i
     Status s = TakeFetchStatus(id);
     if (!s.ok()) {
       undo();
-      // A failed fetch is no cached copy: drop it so a later Acquire fetches again.
+      // A failed fetch is no cached copy: drop it so a later Acquire fetches again. Marked
+      // unfetched first, so that even a buffer the eviction must keep is never taken for the
+      // parameter's value.
+      r.fetched_version = kNotFetched;
       Status evicted = Evict(id);
       if (!evicted.ok()) LogWarning(evicted.ToString());  // the fetch's error is the one to report
       return s.WithContext("fetching parameter '" + layout_->param(id).info.name + "'");
@@ -309,19 +320,27 @@ Result<std::vector<void*>> FetchScheduler::Acquire(const std::vector<ParamId>& i
 
 Status FetchScheduler::Release(const std::vector<ParamId>& ids, int64_t visible,
                                const Rewriting& rewriting) {
+  // All or nothing: every id is checked (a repeated id counts once per occurrence) before any
+  // is uncounted, so a refused call changes nothing and a failed eviction leaves none of the
+  // others acquired.
+  std::unordered_map<ParamId, int> count;
   for (ParamId id : ids) {
-    if (id >= res_.size() || res_[id].acquired == 0) {
+    if (id >= res_.size() || ++count[id] > res_[id].acquired) {
       return Status::FailedPrecondition("Release of parameter " + std::to_string(id) +
                                         " that is not acquired");
     }
+  }
+  Status first;
+  for (ParamId id : ids) {
     Resident& r = res_[id];
     if (--r.acquired > 0) continue;
     if (layout_->param(id).info.persistent || r.aliased) continue;
     if (trace_->ReuseDistance(id, *layout_) <= config_->max_reuse_distance) continue;
-    ZINF_RETURN_IF_ERROR(Evict(id));
+    Status s = Evict(id);
+    if (first.ok()) first = s;
   }
   Prefetch(visible, rewriting);
-  return Status::OK();
+  return first;
 }
 
 }  // namespace zinf

@@ -115,6 +115,8 @@ class FetchScheduler {
   std::unique_ptr<Event> copy_done_;
   std::vector<Resident> res_;
   uint64_t live_elems_ = 0;  // full params resident or fetching
+  // Device buffers of failed fetches that streams may still write: freed at destruction.
+  std::vector<std::pair<void*, size_t>> graveyard_;
   Mutex mu_;
   std::vector<Status> fetch_status_ GUARDED_BY(mu_);  // set by the fetch's stream callback
 };

@@ -125,66 +125,72 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
   ZINF_ASSIGN_OR_RETURN(void* scratch,
                         budget_->Alloc(scratch_bytes, "gradient of '" + p.info.name + "'"));
   budget_->PlanScratch(scratch_bytes);
-  // Gives the scratch back when its landing callback cannot be queued: once the streams that
-  // use it are done (else it stays allocated, and the engine is stopped by the error anyway).
-  auto release_scratch = [&] {
+  // Any failure from here on: no landing callback will free the scratch (or keep the staging
+  // block alive), so once the streams that may still use them are done, it goes back here
+  // (when waiting fails it stays allocated; the error stops the engine anyway).
+  auto fail = [&](const Status& s) {
     if (device_->SynchronizeStream(streams_.grad).ok() &&
         device_->SynchronizeStream(streams_.comm).ok()) {
       budget_->Free(scratch, scratch_bytes);
     }
+    return s;
   };
+#define ZINF_OR_FAIL(expr)                   \
+  do {                                       \
+    Status status_ = (expr);                 \
+    if (!status_.ok()) return fail(status_); \
+  } while (0)
   float* full = static_cast<float*>(scratch);
   float* mine = full + p.padded_numel;
-  ZINF_RETURN_IF_ERROR(
-      device_->CopyDeviceToDevice(full, grad, p.info.numel * sizeof(float), compute));
+  ZINF_OR_FAIL(device_->CopyDeviceToDevice(full, grad, p.info.numel * sizeof(float), compute));
   if (p.padded_numel > p.info.numel) {
-    ZINF_RETURN_IF_ERROR(device_->CopyHostToDevice(full + p.info.numel, zeros_.data(),
-                                                   (p.padded_numel - p.info.numel) * sizeof(float),
-                                                   compute));
+    ZINF_OR_FAIL(device_->CopyHostToDevice(full + p.info.numel, zeros_.data(),
+                                           (p.padded_numel - p.info.numel) * sizeof(float),
+                                           compute));
   }
-  ZINF_RETURN_IF_ERROR(device_->RecordEvent(compute_done_.get(), compute));
-  ZINF_RETURN_IF_ERROR(device_->StreamWaitEvent(streams_.comm, compute_done_.get()));
-  ZINF_RETURN_IF_ERROR(comm_->ReduceScatterSum(full, mine, part, streams_.comm));
-  ZINF_RETURN_IF_ERROR(device_->RecordEvent(comm_done_.get(), streams_.comm));
-  ZINF_RETURN_IF_ERROR(device_->StreamWaitEvent(streams_.grad, comm_done_.get()));
+  ZINF_OR_FAIL(device_->RecordEvent(compute_done_.get(), compute));
+  ZINF_OR_FAIL(device_->StreamWaitEvent(streams_.comm, compute_done_.get()));
+  ZINF_OR_FAIL(comm_->ReduceScatterSum(full, mine, part, streams_.comm));
+  ZINF_OR_FAIL(device_->RecordEvent(comm_done_.get(), streams_.comm));
+  ZINF_OR_FAIL(device_->StreamWaitEvent(streams_.grad, comm_done_.get()));
   const bool first = !flags_[id].seen_this_window;
-  ZINF_RETURN_IF_ERROR(EnsureBuffer(gi).WithContext("gradient of '" + p.info.name + "'"));
+  ZINF_OR_FAIL(EnsureBuffer(gi).WithContext("gradient of '" + p.info.name + "'"));
   if (first) {
-    ZINF_RETURN_IF_ERROR(stats_->TimeCopy(device_, streams_.grad, [&] {
+    ZINF_OR_FAIL(stats_->TimeCopy(device_, streams_.grad, [&] {
       return device_->CopyDeviceToHost(Acc(id), mine, part * sizeof(float), streams_.grad);
     }));
     MarkReduced(id);
-    Status launched =
-        device_->LaunchHostFunc(streams_.grad, [this, scratch, scratch_bytes, gi, ready] {
-          budget_->Free(scratch, scratch_bytes);
-          board_->Land(gi, ready);
-        });
-    if (!launched.ok()) {
-      release_scratch();
-      return launched.WithContext("landing the gradient of '" + p.info.name + "'");
-    }
+    ZINF_OR_FAIL(device_
+                     ->LaunchHostFunc(streams_.grad,
+                                      [this, scratch, scratch_bytes, gi, ready] {
+                                        budget_->Free(scratch, scratch_bytes);
+                                        board_->Land(gi, ready);
+                                      })
+                     .WithContext("landing the gradient of '" + p.info.name + "'"));
   } else {
     Result<PinnedBuffer> buf = arena_->Allocate(part * sizeof(float));
-    if (!buf.ok()) return buf.status().WithContext("staging gradient of '" + p.info.name + "'");
+    if (!buf.ok())
+      return fail(buf.status().WithContext("staging gradient of '" + p.info.name + "'"));
     auto staging = std::make_shared<PinnedBuffer>(std::move(buf).value());
-    ZINF_RETURN_IF_ERROR(stats_->TimeCopy(device_, streams_.grad, [&] {
+    // (`fail` below runs while `staging` is alive: the copy into it is waited for first.)
+    ZINF_OR_FAIL(stats_->TimeCopy(device_, streams_.grad, [&] {
       return device_->CopyDeviceToHost(staging->data(), mine, part * sizeof(float), streams_.grad);
     }));
     MarkReduced(id);
     float* acc = Acc(id);
-    Status launched = device_->LaunchHostFunc(
-        streams_.grad, [this, scratch, scratch_bytes, part, acc, staging, gi, ready] {
-          const float* add = static_cast<const float*>(staging->data());
-          for (size_t i = 0; i < part; ++i) acc[i] += add[i];
-          staging->Reset();
-          budget_->Free(scratch, scratch_bytes);
-          board_->Land(gi, ready);
-        });
-    if (!launched.ok()) {
-      release_scratch();
-      return launched.WithContext("landing the gradient of '" + p.info.name + "'");
-    }
+    ZINF_OR_FAIL(
+        device_
+            ->LaunchHostFunc(streams_.grad,
+                             [this, scratch, scratch_bytes, part, acc, staging, gi, ready] {
+                               const float* add = static_cast<const float*>(staging->data());
+                               for (size_t i = 0; i < part; ++i) acc[i] += add[i];
+                               staging->Reset();
+                               budget_->Free(scratch, scratch_bytes);
+                               board_->Land(gi, ready);
+                             })
+            .WithContext("landing the gradient of '" + p.info.name + "'"));
   }
+#undef ZINF_OR_FAIL
   stats_->AddD2H(part * sizeof(float));
   return Status::OK();
 }

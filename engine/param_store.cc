@@ -82,6 +82,7 @@ Status ParamStore::Init(ParamId id, PinnedBuffer image, PinnedArena* arena, Swap
 
 Status ParamStore::WriteGroup(size_t gi, const float* master, const uint16_t* copy_out, int buf,
                               SwapStore* swap, std::vector<Ticket>* writes) {
+  Status first;
   for (ParamId id : layout_->group(gi).params) {
     const ParamLayout& p = layout_->param(id);
     Home& h = homes_[id];
@@ -90,9 +91,9 @@ Status ParamStore::WriteGroup(size_t gi, const float* master, const uint16_t* co
     const size_t bytes = layout_->PartBytes(id);
     switch (config_->offload_param.tier) {
       case Tier::kDevice:
-        ZINF_RETURN_IF_ERROR(stats_->TimeCopy(device_, update_stream_, [&] {
+        first = stats_->TimeCopy(device_, update_stream_, [&] {
           return device_->CopyHostToDevice(h.device_part[buf], src, bytes, update_stream_);
-        }));
+        });
         stats_->AddH2D(bytes);
         break;
       case Tier::kCpu:
@@ -100,20 +101,23 @@ Status ParamStore::WriteGroup(size_t gi, const float* master, const uint16_t* co
         break;
       case Tier::kNvme: {
         // Slices are 4 KiB aligned and padded inside the sub-group buffer.
-        ZINF_ASSIGN_OR_RETURN(Ticket t,
-                              swap->Write(h.swap_key[buf], src, bytes, RoundUp(bytes, 4096)));
-        writes->push_back(t);
+        Result<Ticket> t = swap->Write(h.swap_key[buf], src, bytes, RoundUp(bytes, 4096));
+        if (t.ok()) writes->push_back(*t);
+        first = t.status();
         break;
       }
     }
+    if (!first.ok()) break;
   }
   // Device tier: the copies run on the update stream while the optimizer steps the next
   // sub-groups; the optimizer synchronizes it before a source buffer is reused and at the
-  // step's end.
+  // step's end. Without `writes` the caller frees the sources on return: the copies issued
+  // must be done first, an error or not.
   if (config_->offload_param.tier == Tier::kDevice && writes == nullptr) {
-    ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(update_stream_));
+    Status synced = device_->SynchronizeStream(update_stream_);
+    if (first.ok()) first = synced;
   }
-  return Status::OK();
+  return first;
 }
 
 }  // namespace zinf

@@ -18,10 +18,12 @@
 
 #include "engine/host/local_comm.h"
 #include "tests/faulty_device.h"
+#include "tests/test_util.h"
 #include "zinf/comm.h"
 #include "zinf/config.h"
 #include "zinf/device.h"
 #include "zinf/engine.h"
+#include "zinf/io.h"
 
 namespace zinf {
 namespace {
@@ -30,6 +32,7 @@ using testing::CommOp;
 using testing::DeviceOp;
 using testing::FaultyComm;
 using testing::FaultyDevice;
+using testing::TempDir;
 
 constexpr size_t kNumel = 3000;
 
@@ -224,6 +227,89 @@ TEST(EngineFaults, CollectiveFailingOnOneRankStopsBothRanks) {
     // failure reaches the trainer no later than Step().
     EXPECT_TRUE(!reduce[0].ok() || !step[0].ok())
         << "rank 0 finished a step whose reduction rank 1 never took part in";
+  });
+}
+
+// A Release whose eviction fails still releases every other parameter it lists (a caller
+// cannot tell which ones a partial release kept), and a Release naming a parameter that is not
+// acquired changes nothing.
+TEST(EngineFaults, ReleaseIsAllOrNothingForItsListAndEvictsTheRest) {
+  WithWatchdog([] {
+    OneRank r;
+    auto e = Engine::Create(CpuConfig(), r.device, r.comm.get());
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    Register(e->get());
+    ASSERT_TRUE((*e)->Acquire({0, 1}, AcquireMode::kInference).ok());
+    Status bad = (*e)->Release({0, 7});  // 7 does not exist: nothing is released
+    EXPECT_EQ(bad.code(), StatusCode::kFailedPrecondition) << bad.ToString();
+    r.device->FailAfter(DeviceOp::kSynchronizeEvent, "", 0);  // the first eviction's wait
+    Status s = (*e)->Release({0, 1});
+    ASSERT_EQ(r.device->injected(), 1);
+    EXPECT_NE(s.message().find("evicting parameter 'w0'"), std::string::npos) << s.ToString();
+    // Both were released: neither can be released again, and a checkpoint may be saved.
+    EXPECT_EQ((*e)->Release({1}).code(), StatusCode::kFailedPrecondition);
+    EXPECT_EQ((*e)->Release({0}).code(), StatusCode::kFailedPrecondition);
+    TempDir dir;
+    Status saved = (*e)->SaveCheckpoint(dir.path() + "/ckpt", "{}");
+    EXPECT_TRUE(saved.ok()) << saved.ToString();
+  });
+}
+
+// An NVMe read that fails for a fetch, and then an eviction that cannot wait for the compute
+// stream: the buffer the read never filled stays allocated, but it must never be taken for the
+// parameter's value. The next Acquire fetches (reads) again.
+TEST(EngineFaults, BufferOfAFailedReadIsNeverTakenEvenWhenItCannotBeEvicted) {
+  WithWatchdog([] {
+    OneRank r;
+    TempDir dir;
+    EngineConfig c = CpuConfig();
+    c.offload_param.tier = Tier::kNvme;
+    c.offload_param.nvme_paths = {dir.path()};
+    EngineHooks hooks;
+    hooks.fault_plan = std::make_shared<FaultPlan>();
+    auto e = Engine::Create(c, r.device, r.comm.get(), hooks);
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    Register(e->get());
+    ASSERT_TRUE((*e)->FinishRegistration().ok());
+    IoFault read_error;  // the next request (the fetch's read) fails with EIO
+    read_error.first = hooks.fault_plan->requests();
+    hooks.fault_plan->Add(read_error);
+    r.device->FailAfter(DeviceOp::kSynchronizeEvent, "", 0);  // and so does its eviction
+    Result<std::vector<void*>> got = (*e)->Acquire({0}, AcquireMode::kInference);
+    ASSERT_FALSE(got.ok());
+    EXPECT_NE(got.status().message().find("fetching parameter 'w0'"), std::string::npos)
+        << got.status().ToString();
+    ASSERT_EQ(r.device->injected(), 1);
+    const uint64_t requests = hooks.fault_plan->requests();
+    got = (*e)->Acquire({0}, AcquireMode::kInference);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_GT(hooks.fault_plan->requests(), requests) << "the failed read's buffer was reused";
+    const float* v = static_cast<const float*>((*got)[0]);
+    for (size_t i = 0; i < kNumel; ++i) ASSERT_EQ(v[i], 0.001f * static_cast<float>(i % 97)) << i;
+  });
+}
+
+// Writing new values into parameters on the device: a copy that fails part-way must not let
+// the host buffers go while earlier copies still read them (the error is returned after they
+// finished; ASan would see the use after free otherwise), and the engine stops.
+TEST(EngineFaults, FailedCopyOfNewValuesReturnsAfterTheCopiesInFlight) {
+  WithWatchdog([] {
+    OneRank r;
+    EngineConfig c = CpuConfig();
+    c.offload_param.tier = Tier::kDevice;
+    auto e = Engine::Create(c, r.device, r.comm.get());
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    Register(e->get());
+    ASSERT_TRUE((*e)->FinishRegistration().ok());
+    r.device->FailAfter(DeviceOp::kCopyHostToDevice, "zinf-update", 1);  // w1's copy
+    Status s = (*e)->SetParameterValues({0, 1}, [](ParamId, float* full) {
+      for (size_t i = 0; i < kNumel; ++i) full[i] = 2.0f;
+      return Status::OK();
+    });
+    ASSERT_EQ(r.device->injected(), 1);
+    ASSERT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("injected device failure"), std::string::npos) << s.ToString();
+    EXPECT_EQ((*e)->Step().status().code(), StatusCode::kFailedPrecondition);  // stopped
   });
 }
 
