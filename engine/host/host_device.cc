@@ -14,6 +14,7 @@
 #include <system_error>
 #include <utility>
 
+#include "zinf/align.h"
 #include "zinf/log.h"
 
 namespace zinf {
@@ -230,7 +231,7 @@ HostDevice::HostDevice(const HostDeviceOptions& options)
   // Twice the budget of address space, so fragmentation never refuses what the budget allows;
   // under an address-space limit (ulimit -v) that refuses it, the budget itself.
   const size_t huge = size_t{2} << 20;
-  const size_t one = (options_.memory_budget / huge + 1) * huge;
+  const size_t one = RoundUp(options_.memory_budget + 1, huge);  // always past the budget
   void* p = MAP_FAILED;
   int err = 0;
   for (size_t bytes : {2 * one, one}) {
