@@ -123,13 +123,18 @@ class Engine {
   // is refused (FailedPrecondition): release it first, its memory holds the old version.
   Result<std::vector<void*>> Acquire(const std::vector<ParamId>& params,
                                      AcquireMode mode = AcquireMode::kTraining);
+  // All or nothing for the list: an id not acquired (as many times as listed) is refused
+  // before any is released. A device error while evicting one still releases the others and
+  // is returned (the evicted copy then stays allocated, never reused).
   Status Release(const std::vector<ParamId>& params);
 
   // Hands the engine the full fp32 gradient (numel elements, device memory, produced on the
   // compute stream) of a parameter acquired in this micro-step's backward. The buffer may be
   // reused as soon as this returns. Gradients are summed over ranks and over the micro-steps
   // of an accumulation window, never averaged: scale the loss (1 / (ranks * micro-steps)) in
-  // the trainer for a mean.
+  // the trainer for a mean. Refusals (unknown, frozen, twice) change nothing; any other
+  // failure may leave the gradient partly landed, so it stops the engine: every later call
+  // fails, naming it; recreate the engine from a checkpoint or the durable store.
   Status ReduceGradient(ParamId id, const float* grad);
 
   // Ends a micro-step. At an accumulation boundary it runs (or finishes) the optimizer over

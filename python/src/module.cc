@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "engine/host/local_comm.h"
+#include "engine/host/single_rank.h"
 #include "zinf/comm.h"
 #include "zinf/config.h"
 #include "zinf/cpu_adam.h"
@@ -270,13 +271,15 @@ class PyEngine {
     if (device_memory == 0) device_memory = config.device_budget_bytes;
     if (device == "cpu") {
       HostDeviceOptions ho;
-      // Without a budget the host device may use the machine's memory (it is host memory).
-      ho.memory_budget = device_memory != 0 ? device_memory
-                                            : static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
-                                                  static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+      // The one host-device rule (zinf-train, the C API): 0 is the machine's memory, lowered
+      // to fit an address-space limit; an explicit budget that cannot fit is refused.
+      BudgetNames names;
+      names.device = "device_memory (zinf.device_budget_bytes)";
+      ho.memory_budget = Take(HostDeviceBudget(device_memory, config.pinned_budget_bytes, names));
       ho.copy_gbps = config.host_copy_gbps;
-      core_->device = NewHostDevice(ho);
-      core_->comms = Take(NewLocalComms({core_->device.get()}));
+      SingleRank rank = Take(NewHostSingleRank(ho));
+      core_->device = std::move(rank.device);
+      core_->comms.push_back(std::move(rank.comm));
     } else if (device == "cuda") {
       if (device_memory == 0) {
         Throw(Status::InvalidArgument(
@@ -483,7 +486,8 @@ class PyEngine {
                        bool allow_reshape) {
     CheckUsable();
     Drain();
-    WithoutGil([&] { return safetensors::LoadIntoEngine(&engine(), ckpt, mapping, allow_reshape); });
+    WithoutGil(
+        [&] { return safetensors::LoadIntoEngine(&engine(), ckpt, mapping, allow_reshape); });
   }
   void SaveSafetensors(const std::string& dir,
                        const std::vector<std::pair<ParamId, std::string>>& mapping,
@@ -497,7 +501,9 @@ class PyEngine {
     } else if (dtype != "F32") {
       Throw(Status::InvalidArgument("export dtype " + dtype + ": F32 or BF16"));
     }
-    WithoutGil([&] { return safetensors::SaveFromEngine(&engine(), mapping, dir, shard_bytes, d, metadata); });
+    WithoutGil([&] {
+      return safetensors::SaveFromEngine(&engine(), mapping, dir, shard_bytes, d, metadata);
+    });
   }
 
   py::dict Param(ParamId id) {
