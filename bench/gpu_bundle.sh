@@ -64,6 +64,8 @@ cp "$ROOT/train/data/corpus.txt" "$BUNDLE/corpus.txt"
 grep -o 'TEST_FILTER "[^"]*"' "$ROOT/tests/CMakeLists.txt" | head -n 1 |
   sed 's/TEST_FILTER "\(.*\)"/\1/' >"$BUNDLE/engine_cuda_test.filter"
 git -C "$ROOT" rev-parse HEAD >"$BUNDLE/commit" 2>/dev/null || echo unknown >"$BUNDLE/commit"
+# gpu_check.sh refuses a bundle whose sources differ from the tree it runs in.
+"$ROOT/bench/source_fingerprint.sh" "$ROOT" >"$BUNDLE/fingerprint"
 
 glibc="$(for f in "$BUNDLE"/bin/* "$BUNDLE"/lib/*; do objdump -T "$f"; done 2>/dev/null |
   grep -o 'GLIBC_[0-9.]*' | sort -V | tail -n 1)"
@@ -71,6 +73,11 @@ glibcxx="$(for f in "$BUNDLE"/bin/* "$BUNDLE"/lib/*; do objdump -T "$f"; done 2>
   grep -o 'GLIBCXX_[0-9.]*' | sort -V | tail -n 1)"
 glibc="$glibc and $glibcxx (libstdc++)"
 echo "$glibc" >"$BUNDLE/glibc"
+bytes="$(du -sb "$BUNDLE" | cut -f1)"
+if ((bytes >= 64 * 1024 * 1024)); then
+  echo "gpu_bundle: $((bytes >> 20)) MiB in $BUNDLE, over the device tool's 64 MiB: not usable" >&2
+  exit 1
+fi
 echo "gpu_bundle: $(du -sh "$BUNDLE" | cut -f1) in $BUNDLE (limit 64 MiB for the device tool);" \
   "needs $glibc or newer; commit $(cat "$BUNDLE/commit")"
 ls -la "$BUNDLE/bin" "$BUNDLE/lib"

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Prints one sha256 over zinf's sources (C++, CUDA, CMake, Python, scripts) under the tree
+# given (default: this one), in a fixed order, without git: gpu_bundle.sh records it in the
+# bundle and gpu_check.sh refuses a bundle built from other sources (the device machine's copy
+# of the tree may have no .git).
+set -euo pipefail
+ROOT="${1:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
+cd "$ROOT"
+find CMakeLists.txt cmake common nvme cpu_adam engine include c_api train bench python tests fuzz \
+  -path python/build -prune -o -path 'python/*.egg-info' -prune -o -type f \
+  \( -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name 'CMakeLists.txt' \
+  -o -name '*.cmake' -o -name '*.in' -o -name '*.py' -o -name '*.sh' \) -print 2>/dev/null |
+  LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1
