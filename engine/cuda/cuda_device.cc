@@ -312,7 +312,13 @@ bool CudaDevice::EventDone(Event* event) {
   ZINF_CHECK_MSG(ce.ok(), "EventDone: null event or not a CudaDevice event");
   if (!MakeCurrent((*ce)->device()).ok()) return true;
   const cudaError_t err = cudaEventQuery((*ce)->handle());
-  return err != cudaErrorNotReady;
+  if (err == cudaErrorNotReady) {
+    // Not an error, but the runtime may keep it as this thread's last error, which the next
+    // kernel launch check (cudaGetLastError) would then report as the launch's failure.
+    (void)cudaGetLastError();
+    return false;
+  }
+  return true;
 }
 
 Status CudaDevice::SynchronizeStream(Stream* stream) {

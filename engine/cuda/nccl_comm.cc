@@ -174,7 +174,10 @@ class NcclComm final : public Communicator {
     ZINF_ASSIGN_OR_RETURN(Stream * s, device_->CreateStream("nccl-barrier"));
     ZINF_ASSIGN_OR_RETURN(barrier_stream_, device_->OwnStream(s, "NcclComm"));
     ZINF_CUDA_CHECK(cudaMalloc(&barrier_buf_, sizeof(float)));
-    ZINF_CUDA_CHECK(cudaMemset(barrier_buf_, 0, sizeof(float)));
+    // On the barrier's own stream, not the legacy default stream (which would synchronise
+    // with every other blocking stream of the device).
+    ZINF_CUDA_CHECK(cudaMemsetAsync(barrier_buf_, 0, sizeof(float), barrier_stream_->handle()));
+    ZINF_CUDA_CHECK(cudaStreamSynchronize(barrier_stream_->handle()));
     watchdog_ = std::thread([this] { WatchdogMain(); });
     return Status::OK();
   }
@@ -229,7 +232,8 @@ class NcclComm final : public Communicator {
   // deadline.
   Status Barrier() override {
     ZINF_RETURN_IF_ERROR(Issue("Barrier", barrier_stream_, [&](cudaStream_t s) {
-      return ncclAllReduce(barrier_buf_, barrier_buf_, 1, ncclFloat32, ncclSum, comm_, s);
+      // Max of zeros: the buffer never changes (a sum grew by world_size every call).
+      return ncclAllReduce(barrier_buf_, barrier_buf_, 1, ncclFloat32, ncclMax, comm_, s);
     }));
     const auto deadline = Clock::now() + Seconds(options_.timeout_seconds);
     cudaEvent_t done = nullptr;
@@ -243,6 +247,8 @@ class NcclComm final : public Communicator {
     while (result.ok()) {
       const cudaError_t q = cudaEventQuery(done);
       if (q == cudaSuccess) break;
+      // NotReady is no error: drop it as the thread's last error (launch checks read that).
+      if (q == cudaErrorNotReady) (void)cudaGetLastError();
       if (q != cudaErrorNotReady) {
         result = cuda_internal::CudaCallStatus(q, "cudaEventQuery(barrier)", __FILE__, __LINE__);
         break;
