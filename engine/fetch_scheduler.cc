@@ -183,7 +183,9 @@ Status FetchScheduler::IssueFetch(ParamId id, int64_t visible,
   if (!r.ready) {
     ZINF_ASSIGN_OR_RETURN(r.ready, device_->CreateEvent());
   }
-  SetFetchStatus(id, Status::OK());
+  // The status is not reset here: a failed read whose copy was evicted before any Acquire saw
+  // it (a prefetch that MakeRoom, a load or new values dropped) is still reported, once, by the
+  // next Acquire of the parameter, so that no I/O error goes unseen.
   const int buf = store_->Buf(visible);
   const size_t part = layout_->PartBytes(id);
   char* slot = static_cast<char*>(r.device_full) + static_cast<size_t>(comm_->rank()) * part;
