@@ -255,7 +255,7 @@ int64_t Engine::param_updates(ParamId id) const {
   // The optimizer thread counts the updates of a step still running (delayed update): wait
   // for it. A failed step's count is what it reached; that failure is reported by the calls
   // that run steps, so it is not repeated here.
-  (void)m.board->WaitDone(m.step);
+  (void)m.board->WaitDone(m.step);  // safe: the failure is the step-running calls' to report
   return m.states->updates(id);
 }
 

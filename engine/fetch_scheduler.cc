@@ -203,7 +203,7 @@ Status FetchScheduler::IssueFetch(ParamId id, int64_t visible,
       if (!launched.ok()) {
         // Nothing else will wait for the read: wait here, so that its staging block is not
         // given back under it. The launch failure is the error; the read's result is moot.
-        (void)swap_->Wait(t);
+        (void)swap_->Wait(t);  // safe: waits only; the launch failure is returned
         return launched.WithContext("ordering the read of '" + layout_->param(id).info.name +
                                     "' on the copy stream");
       }

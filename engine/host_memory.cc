@@ -28,7 +28,7 @@ Status HostArray::Allocate(size_t count, const std::string& what) {
     return ErrnoToStatus(errno, "allocating " + FormatBytes(bytes) + " of host memory for " + what);
   }
   // Huge pages are a speed hint: without them the states work the same.
-  (void)madvise(p, bytes, MADV_HUGEPAGE);
+  (void)madvise(p, bytes, MADV_HUGEPAGE);  // safe: a hint; without it, normal pages
   data = static_cast<float*>(p);
   return Status::OK();
 }

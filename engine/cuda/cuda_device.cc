@@ -315,7 +315,7 @@ bool CudaDevice::EventDone(Event* event) {
   if (err == cudaErrorNotReady) {
     // Not an error, but the runtime may keep it as this thread's last error, which the next
     // kernel launch check (cudaGetLastError) would then report as the launch's failure.
-    (void)cudaGetLastError();
+    (void)cudaGetLastError();  // safe: only clears NotReady, which is no error
     return false;
   }
   return true;

@@ -248,7 +248,7 @@ class NcclComm final : public Communicator {
       const cudaError_t q = cudaEventQuery(done);
       if (q == cudaSuccess) break;
       // NotReady is no error: drop it as the thread's last error (launch checks read that).
-      if (q == cudaErrorNotReady) (void)cudaGetLastError();
+      if (q == cudaErrorNotReady) (void)cudaGetLastError();  // safe: clears NotReady only
       if (q != cudaErrorNotReady) {
         result = cuda_internal::CudaCallStatus(q, "cudaEventQuery(barrier)", __FILE__, __LINE__);
         break;
