@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -79,13 +80,16 @@ class DevicePool {
   }
 
   // REQUIRES: ptr came from Allocate and is not freed yet (checked: anything else aborts).
-  void Free(void* ptr) {
+  // `poison` (host-addressable pools only): called with the whole range before it can be
+  // handed out again, to overwrite it.
+  void Free(void* ptr, const std::function<void(void*, size_t)>& poison = nullptr) {
     if (ptr == nullptr) return;
     std::lock_guard<std::mutex> lock(mu_);
     auto it = allocations_.find(ptr);
     ZINF_CHECK_MSG(
         it != allocations_.end(),
         (owner_ + "::Free of a pointer this device did not allocate (or freed twice)").c_str());
+    if (poison) poison(ptr, it->second.rounded);
     used_ -= it->second.bytes;
     ranges_.Free(static_cast<char*>(ptr) - base_, it->second.rounded);
     allocations_.erase(it);

@@ -1,11 +1,13 @@
 // HostDevice: memory budget and accounting, stream order, events (including re-recording),
-// the compute stream's inline semantics, sticky errors and the simulated PCIe link.
+// the compute stream's inline semantics, sticky errors, the simulated PCIe link, and strict
+// mode (CUDA's asynchrony, adversarially).
 #include "engine/host/host_device.h"
 
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <future>
 #include <memory>
@@ -463,6 +465,194 @@ TEST(HostDeviceTest, DestructionDrainsTheStreams) {
     }
   }
   EXPECT_EQ(ran.load(), 15);
+}
+
+// ---- Strict mode (HostDeviceOptions::strict) ---------------------------------------------------
+
+std::unique_ptr<HostDevice> MakeStrict(uint64_t seed = 1) {
+  HostDeviceOptions options;
+  options.memory_budget = 64 * kMiB;
+  options.strict = true;
+  options.strict_seed = seed;
+  return std::make_unique<HostDevice>(options);
+}
+
+// The compute stream is asynchronous: work on it runs on another thread after the call
+// returns, and only a wait (stream or event) makes its result visible to the host.
+TEST(HostDeviceStrictTest, TheComputeStreamIsAsynchronous) {
+  auto device = MakeStrict();
+  Stream* compute = device->ComputeStream();
+  std::promise<void> gate;
+  std::shared_future<void> open = gate.get_future().share();
+  std::atomic<bool> ran{false};
+  std::thread::id ran_on;
+  ASSERT_TRUE(device
+                  ->LaunchHostFunc(compute,
+                                   [&, open] {
+                                     open.wait();
+                                     ran_on = std::this_thread::get_id();
+                                     ran = true;
+                                   })
+                  .ok());
+  auto ev = device->CreateEvent();
+  ASSERT_TRUE(ev.ok());
+  ASSERT_TRUE(device->RecordEvent(ev->get(), compute).ok());
+  EXPECT_FALSE(ran.load());                    // the call did not run it
+  EXPECT_FALSE(device->EventDone(ev->get()));  // nor has the stream reached the record
+  gate.set_value();
+  ASSERT_TRUE(device->SynchronizeStream(compute).ok());
+  EXPECT_TRUE(ran.load());
+  EXPECT_NE(ran_on, std::this_thread::get_id());
+  EXPECT_TRUE(device->EventDone(ev->get()));
+}
+
+// Host functions of every stream run on one thread, one at a time: while one blocks, another
+// stream's host function waits (as CUDA may serialise them), though other work goes on.
+TEST(HostDeviceStrictTest, HostFunctionsOfAllStreamsRunOneAtATimeOnOneThread) {
+  auto device = MakeStrict();
+  Stream* a = MustCreateStream(device.get(), "a");
+  Stream* b = MustCreateStream(device.get(), "b");
+  std::promise<void> gate;
+  std::shared_future<void> open = gate.get_future().share();
+  std::atomic<bool> a_started{false}, b_ran{false};
+  std::thread::id on_a, on_b;
+  ASSERT_TRUE(device
+                  ->LaunchHostFunc(a,
+                                   [&, open] {
+                                     on_a = std::this_thread::get_id();
+                                     a_started = true;
+                                     open.wait();
+                                   })
+                  .ok());
+  while (!a_started.load()) std::this_thread::yield();
+  ASSERT_TRUE(device
+                  ->LaunchHostFunc(b,
+                                   [&] {
+                                     on_b = std::this_thread::get_id();
+                                     b_ran = true;
+                                   })
+                  .ok());
+  // A copy on b still runs: only host functions share the thread.
+  std::vector<char> src(4096, 7), dst(4096, 0);
+  ASSERT_TRUE(device->CopyHostToDevice(dst.data(), src.data(), src.size(), b).ok());
+  std::this_thread::sleep_for(milliseconds(50));
+  EXPECT_FALSE(b_ran.load()) << "b's host function ran while a's was running";
+  gate.set_value();
+  ASSERT_TRUE(device->SynchronizeStream(a).ok());
+  ASSERT_TRUE(device->SynchronizeStream(b).ok());
+  EXPECT_TRUE(b_ran.load());
+  EXPECT_EQ(on_a, on_b);
+  EXPECT_EQ(dst, src);
+}
+
+// A copy reads its source when it runs: a host buffer changed after the copy was issued (and
+// before the stream reached it) is copied with the change. A missing wait shows up as data.
+TEST(HostDeviceStrictTest, ACopyReadsItsSourceWhenItRuns) {
+  auto device = MakeStrict();
+  Stream* s = MustCreateStream(device.get(), "s");
+  std::promise<void> gate;
+  std::shared_future<void> open = gate.get_future().share();
+  ASSERT_TRUE(device->LaunchHostFunc(s, [open] { open.wait(); }).ok());
+  std::vector<float> src(1024, 1.0f), dst(1024, 0.0f);
+  ASSERT_TRUE(device->CopyHostToDevice(dst.data(), src.data(), 4096, s).ok());
+  src.assign(1024, 2.0f);
+  gate.set_value();
+  ASSERT_TRUE(device->SynchronizeStream(s).ok());
+  EXPECT_EQ(dst[0], 2.0f);
+  EXPECT_EQ(dst[1023], 2.0f);
+}
+
+// Freed device memory is overwritten with NaN: a stream still reading a buffer freed under it
+// (a missing wait before Free) gets NaN, not the old values.
+TEST(HostDeviceStrictTest, FreedMemoryIsPoisoned) {
+  auto device = MakeStrict();
+  Result<void*> p = device->Alloc(4096);
+  ASSERT_TRUE(p.ok());
+  auto* f = static_cast<float*>(*p);
+  for (int i = 0; i < 1024; ++i) f[i] = 1.0f;
+  device->Free(*p);
+  for (int i = 0; i < 1024; ++i) ASSERT_TRUE(std::isnan(f[i])) << i;  // still mapped: the pool
+  // A new allocation of the same range starts poisoned too (nothing of the old data remains).
+  Result<void*> q = device->Alloc(4096);
+  ASSERT_TRUE(q.ok());
+  EXPECT_TRUE(std::isnan(static_cast<float*>(*q)[0]));
+  device->Free(*q);
+}
+
+// A failed operation's error is sticky: every later launch on the stream returns it (nothing is
+// queued), an event recorded there completes with it, and nothing waiting hangs.
+TEST(HostDeviceStrictTest, AFailureIsReturnedByEveryLaterLaunch) {
+  auto device = MakeStrict();
+  Stream* s = MustCreateStream(device.get(), "failing");
+  Stream* t = MustCreateStream(device.get(), "downstream");
+  ASSERT_TRUE(device->LaunchHostTask(s, [] { return Status::IoError("simulated failure"); }).ok());
+  EXPECT_EQ(device->SynchronizeStream(s).code(), StatusCode::kIoError);
+  std::vector<char> buf(64);
+  Status copy = device->CopyHostToDevice(buf.data(), buf.data() + 32, 32, s);
+  EXPECT_EQ(copy.code(), StatusCode::kIoError);
+  EXPECT_NE(copy.message().find("simulated failure"), std::string::npos) << copy.ToString();
+  EXPECT_EQ(device->LaunchHostFunc(s, [] {}).code(), StatusCode::kIoError);
+  auto ev = device->CreateEvent();
+  ASSERT_TRUE(ev.ok());
+  EXPECT_EQ(device->RecordEvent(ev->get(), s).code(), StatusCode::kIoError);
+  EXPECT_EQ(device->SynchronizeEvent(ev->get()).code(), StatusCode::kIoError);  // no hang
+  ASSERT_TRUE(device->StreamWaitEvent(t, ev->get()).ok());
+  EXPECT_EQ(device->SynchronizeStream(t).code(), StatusCode::kIoError);  // inherited
+  // The compute stream's failures are sticky too (it is a worker like the others).
+  ASSERT_TRUE(
+      device->LaunchHostTask(device->ComputeStream(), [] { return Status::NotFound("x"); }).ok());
+  EXPECT_EQ(device->SynchronizeStream(device->ComputeStream()).code(), StatusCode::kNotFound);
+}
+
+// CUDA forbids device calls inside a host function (cudaLaunchHostFunc): strict mode refuses
+// them, naming the call, so that an engine callback that queues or waits is caught here.
+TEST(HostDeviceStrictTest, ADeviceCallFromAHostFunctionIsRefused) {
+  auto device = MakeStrict();
+  Stream* s = MustCreateStream(device.get(), "s");
+  Status inner;
+  ASSERT_TRUE(device->LaunchHostFunc(s, [&] { inner = device->SynchronizeStream(s); }).ok());
+  ASSERT_TRUE(device->SynchronizeStream(s).ok());
+  EXPECT_EQ(inner.code(), StatusCode::kFailedPrecondition) << inner.ToString();
+  EXPECT_NE(inner.message().find("SynchronizeStream called from a host function"),
+            std::string::npos)
+      << inner.ToString();
+  Status launch;
+  ASSERT_TRUE(device
+                  ->LaunchHostFunc(device->ComputeStream(),
+                                   [&] { launch = device->LaunchHostFunc(s, [] {}); })
+                  .ok());
+  ASSERT_TRUE(device->SynchronizeStream(device->ComputeStream()).ok());
+  EXPECT_EQ(launch.code(), StatusCode::kFailedPrecondition) << launch.ToString();
+  // Memory bookkeeping is not a device call: Free from a host function is allowed.
+  Result<void*> p = device->Alloc(4096);
+  ASSERT_TRUE(p.ok());
+  ASSERT_TRUE(device->LaunchHostFunc(s, [&] { device->Free(*p); }).ok());
+  ASSERT_TRUE(device->SynchronizeStream(s).ok());
+  EXPECT_EQ(device->MemoryInfo().used, 0u);
+}
+
+// The random delays reorder work across streams, never within one: a long chain of copies and
+// host functions on each of several streams keeps its order under every seed tried.
+TEST(HostDeviceStrictTest, DelaysNeverReorderAStream) {
+  for (uint64_t seed : {1u, 2u, 3u}) {
+    auto device = MakeStrict(seed);
+    std::vector<Stream*> streams;
+    for (int i = 0; i < 3; ++i) {
+      streams.push_back(MustCreateStream(device.get(), "s" + std::to_string(i)));
+    }
+    std::vector<std::vector<int>> seen(3);
+    for (int k = 0; k < 50; ++k) {
+      for (int i = 0; i < 3; ++i) {
+        ASSERT_TRUE(
+            device->LaunchHostFunc(streams[i], [&seen, i, k] { seen[i].push_back(k); }).ok());
+      }
+    }
+    for (Stream* st : streams) ASSERT_TRUE(device->SynchronizeStream(st).ok());
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_EQ(seen[i].size(), 50u);
+      for (int k = 0; k < 50; ++k) ASSERT_EQ(seen[i][k], k) << "seed " << seed;
+    }
+  }
 }
 
 // The link's schedule, without timing: reservations in one direction queue up.

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <random>
 #include <set>
 #include <system_error>
 #include <utility>
@@ -73,13 +74,82 @@ class HostEvent final : public Event {
   std::shared_ptr<EventState> state_;
 };
 
-// A FIFO of tasks run by one worker thread, or (the compute stream) the calling thread.
+// Strict mode: the one thread every stream's host functions run on, one at a time (as CUDA
+// may run them). A stream's worker hands its host function over and waits for it to return.
+class HostFuncRunner {
+ public:
+  HostFuncRunner() : thread_([this] { Main(); }) {}
+  ~HostFuncRunner() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  HostFuncRunner(const HostFuncRunner&) = delete;
+  HostFuncRunner& operator=(const HostFuncRunner&) = delete;
+
+  bool OnRunnerThread() const { return std::this_thread::get_id() == thread_.get_id(); }
+
+  // Runs `fn` on the runner thread and waits for it; an exception escaping `fn` is rethrown
+  // here (the stream's worker turns it into the stream's error).
+  void RunAndWait(const std::function<void()>& fn) {
+    Job job{&fn, nullptr, false};
+    std::unique_lock<std::mutex> lock(mu_);
+    queue_.push_back(&job);
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return job.done; });
+    if (job.error) std::rethrow_exception(job.error);
+  }
+
+ private:
+  struct Job {
+    const std::function<void()>* fn;
+    std::exception_ptr error;
+    bool done = false;  // guarded by mu_
+  };
+
+  void Main() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      Job* job = queue_.front();
+      queue_.pop_front();
+      lock.unlock();
+      try {
+        (*job->fn)();
+      } catch (...) {
+        job->error = std::current_exception();
+      }
+      lock.lock();
+      job->done = true;
+      cv_.notify_all();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job*> queue_;  // guarded by mu_; each waited for by its submitter
+  bool stopping_ = false;   // guarded by mu_
+  std::thread thread_;      // last: started once the rest is initialised
+};
+
+// A FIFO of tasks run by one worker thread, or (the compute stream, unless strict) the
+// calling thread.
 class HostStream final : public Stream {
  public:
   using Task = std::function<Status()>;
 
-  HostStream(const HostDevice* owner, std::string name, bool is_compute)
-      : owner_(owner), name_(std::move(name)), is_compute_(is_compute) {}
+  // `strict`: the device's strict mode (asynchronous compute stream, random delays before each
+  // task drawn from a generator seeded with `seed`, sticky errors refused at submission).
+  HostStream(const HostDevice* owner, std::string name, bool is_compute, bool strict, uint64_t seed)
+      : owner_(owner),
+        name_(std::move(name)),
+        inline_(is_compute && !strict),
+        strict_(strict),
+        rng_(seed) {}
   // Drains the queue, then joins the worker.
   ~HostStream() override { Stop(); }
 
@@ -102,15 +172,18 @@ class HostStream final : public Stream {
 
   const std::string& name() const override { return name_; }
   const HostDevice* owner() const { return owner_; }
-  bool is_compute() const { return is_compute_; }
+  // The compute stream outside strict mode: work runs on the calling thread before returning.
+  bool runs_inline() const { return inline_; }
 
-  // Compute stream: runs `task` now and returns its Status. Worker stream: queues it and
-  // returns OK; a failure becomes the sticky error.
+  // Inline (compute) stream: runs `task` now and returns its Status. Worker stream: queues it
+  // and returns OK; a failure becomes the sticky error, which strict mode returns from every
+  // later Submit (nothing is queued then).
   Status Submit(Task task) {
-    if (is_compute_) return RunTask(task);
+    if (inline_) return RunTask(task);
     {
       std::lock_guard<std::mutex> lock(mu_);
       ZINF_CHECK_MSG(!stopping_, "work submitted to a HostDevice stream being destroyed");
+      if (strict_ && !error_.ok()) return error_;
       queue_.push_back(std::move(task));
       ++submitted_;
     }
@@ -119,7 +192,7 @@ class HostStream final : public Stream {
   }
 
   Status Synchronize() {
-    if (is_compute_) return Status::OK();
+    if (inline_) return Status::OK();
     // A task that waits for its own stream would wait forever.
     ZINF_CHECK_MSG(std::this_thread::get_id() != thread_.get_id(),
                    "SynchronizeStream called from a task of the same stream");
@@ -145,6 +218,26 @@ class HostStream final : public Stream {
     }
   }
 
+  // Before each task in strict mode: nothing half the time, else a yield or a sleep of up to
+  // half a millisecond, so that streams interleave in orders a GPU could produce.
+  void StrictDelay() {
+    const uint64_t r = rng_();
+    switch (r % 8) {
+      case 0:
+      case 1:
+      case 2:
+      case 3:
+        break;
+      case 4:
+      case 5:
+        std::this_thread::yield();
+        break;
+      default:
+        std::this_thread::sleep_for(std::chrono::microseconds((r >> 8) % 500));
+        break;
+    }
+  }
+
   void WorkerMain() {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
@@ -153,6 +246,7 @@ class HostStream final : public Stream {
       Task task = std::move(queue_.front());
       queue_.pop_front();
       lock.unlock();
+      if (strict_) StrictDelay();
       Status s = RunTask(task);
       task = nullptr;  // release what the task captured before reporting completion
       lock.lock();
@@ -164,8 +258,10 @@ class HostStream final : public Stream {
 
   const HostDevice* const owner_;
   const std::string name_;
-  const bool is_compute_;
-  std::thread thread_;  // owned; joined by Stop
+  const bool inline_;
+  const bool strict_;
+  std::mt19937_64 rng_;  // worker thread only: the strict mode's delays
+  std::thread thread_;   // owned; joined by Stop
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;  // the worker waits for tasks or stopping_
@@ -176,6 +272,16 @@ class HostStream final : public Stream {
   bool stopping_ = false;            // guarded by mu_
   Status error_;                     // guarded by mu_: the first failure, sticky
 };
+
+namespace {
+
+// Strict mode: stream `index` (0 = compute, then in creation order) draws its delays from its
+// own generator, so a seed reproduces each stream's sequence.
+uint64_t StreamSeed(const HostDeviceOptions& options, uint64_t index) {
+  return options.strict_seed ^ ((index + 1) * 0x9E3779B97F4A7C15ull);
+}
+
+}  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // CopyLink
@@ -223,7 +329,12 @@ HostDevice::HostDevice(const HostDeviceOptions& options)
     : options_(options),
       pool_("HostDevice", "HostDeviceOptions::memory_budget", options.memory_budget,
             kHostDeviceAlignment),
-      compute_stream_(std::make_unique<HostStream>(this, "compute", /*is_compute=*/true)) {
+      compute_stream_(std::make_unique<HostStream>(this, "compute", /*is_compute=*/true,
+                                                   options.strict, StreamSeed(options, 0))) {
+  if (options_.strict) {
+    runner_ = std::make_unique<HostFuncRunner>();
+    compute_stream_->Start();
+  }
   if (options_.copy_gbps > 0) {
     h2d_link_ = std::make_unique<CopyLink>(options_.copy_gbps);
     d2h_link_ = std::make_unique<CopyLink>(options_.copy_gbps);
@@ -264,10 +375,13 @@ HostDevice::~HostDevice() {
   {
     std::lock_guard<std::mutex> lock(streams_mu_);
     // Let all streams drain concurrently (one may wait on another's event), then join.
+    compute_stream_->RequestStop();
     for (auto& s : streams_) s->RequestStop();
     for (auto& s : streams_) s->Stop();
+    compute_stream_->Stop();
     streams_.clear();
   }
+  runner_.reset();  // after every stream: their host functions run on it
   if (pool_base_ != nullptr) munmap(pool_base_, pool_bytes_);
 }
 
@@ -285,14 +399,24 @@ std::string HostDevice::Name() const {
 
 Result<void*> HostDevice::Alloc(size_t bytes) { return pool_.Allocate(bytes); }
 
-void HostDevice::Free(void* ptr) { pool_.Free(ptr); }
+void HostDevice::Free(void* ptr) {
+  if (!options_.strict) return pool_.Free(ptr);
+  // Work still queued on the buffer (a missing wait) reads NaN instead of the old values.
+  pool_.Free(ptr, [](void* p, size_t bytes) { std::memset(p, 0xFF, bytes); });
+}
 
 DeviceMemoryInfo HostDevice::MemoryInfo() const { return pool_.Info(); }
 
 Stream* HostDevice::ComputeStream() { return compute_stream_.get(); }
 
 Result<Stream*> HostDevice::CreateStream(const std::string& name) {
-  auto stream = std::make_unique<HostStream>(this, name, /*is_compute=*/false);
+  uint64_t index = 0;
+  {
+    std::lock_guard<std::mutex> lock(streams_mu_);
+    index = streams_.size() + 1;
+  }
+  auto stream = std::make_unique<HostStream>(this, name, /*is_compute=*/false, options_.strict,
+                                             StreamSeed(options_, index));
   try {
     stream->Start();
   } catch (const std::system_error& e) {
@@ -304,7 +428,18 @@ Result<Stream*> HostDevice::CreateStream(const std::string& name) {
   return static_cast<Stream*>(streams_.back().get());
 }
 
+Status HostDevice::CheckNotInHostFunc(const char* what) const {
+  if (runner_ != nullptr && runner_->OnRunnerThread()) {
+    return Status::FailedPrecondition(
+        std::string(what) +
+        " called from a host function (strict mode): CUDA forbids device calls there; do the "
+        "work on a thread of your own and order it with events");
+  }
+  return Status::OK();
+}
+
 Result<HostStream*> HostDevice::OwnStream(Stream* stream, const char* what) {
+  ZINF_RETURN_IF_ERROR(CheckNotInHostFunc(what));
   if (stream == nullptr) return Status::InvalidArgument(std::string(what) + ": stream is null");
   auto* hs = dynamic_cast<HostStream*>(stream);
   if (hs == nullptr || hs->owner() != this) {
@@ -353,8 +488,13 @@ Status HostDevice::OptimizerStep(const OptimizerHyperParams& hp, const Optimizer
 Status HostDevice::LaunchHostFunc(Stream* stream, std::function<void()> fn) {
   ZINF_ASSIGN_OR_RETURN(HostStream * hs, OwnStream(stream, "LaunchHostFunc"));
   if (!fn) return Status::InvalidArgument("LaunchHostFunc: the function is empty");
-  return hs->Submit([fn = std::move(fn)] {
-    fn();
+  HostFuncRunner* runner = runner_.get();
+  return hs->Submit([fn = std::move(fn), runner] {
+    if (runner != nullptr) {
+      runner->RunAndWait(fn);  // strict: one thread for every stream's host functions
+    } else {
+      fn();
+    }
     return Status::OK();
   });
 }
@@ -388,16 +528,20 @@ Status HostDevice::RecordEvent(Event* event, Stream* stream) {
   ZINF_ASSIGN_OR_RETURN(HostStream * hs, OwnStream(stream, "RecordEvent"));
   std::shared_ptr<EventState> state = he->state();
   const uint64_t generation = state->Record();
-  if (hs->is_compute()) {
+  if (hs->runs_inline()) {
     // Everything issued on the compute stream has already run.
     state->Complete(generation, Status::OK());
     return Status::OK();
   }
-  return hs->Submit([hs, state, generation] {
+  Status queued = hs->Submit([hs, state, generation] {
     // Runs on hs's worker: error() is the sticky error of the work before this marker.
     state->Complete(generation, hs->error());
     return Status::OK();
   });
+  // Refused (strict mode's sticky error): the record completes with that error, so that
+  // nothing waiting on the event hangs.
+  if (!queued.ok()) state->Complete(generation, queued);
+  return queued;
 }
 
 Status HostDevice::StreamWaitEvent(Stream* stream, Event* event) {
@@ -411,6 +555,7 @@ Status HostDevice::StreamWaitEvent(Stream* stream, Event* event) {
 }
 
 Status HostDevice::SynchronizeEvent(Event* event) {
+  ZINF_RETURN_IF_ERROR(CheckNotInHostFunc("SynchronizeEvent"));
   ZINF_ASSIGN_OR_RETURN(HostEvent * he, AsHostEvent(event, "SynchronizeEvent"));
   const uint64_t generation = he->state()->Latest();
   if (generation == 0) return Status::OK();

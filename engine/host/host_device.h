@@ -1,7 +1,8 @@
 // HostDevice: the Device seam on plain host memory, for tests and CPU-only runs.
 //
 // Memory is aligned host memory counted against a budget. The compute stream is the calling
-// thread; every other stream is a worker thread that runs its tasks in FIFO order. Copies are
+// thread (in strict mode a worker like the others: see HostDeviceOptions::strict); every other
+// stream is a worker thread that runs its tasks in FIFO order. Copies are
 // memcpy, optionally throttled to a simulated PCIe link (see CopyLink). Events record a
 // generation; waits are on condition variables, never sleep-and-poll.
 //
@@ -62,6 +63,7 @@ class CopyLink {
 
 class HostStream;
 class HostEvent;
+class HostFuncRunner;
 
 // Thread-safe (every method may be called from any thread).
 class HostDevice final : public Device {
@@ -75,6 +77,8 @@ class HostDevice final : public Device {
 
   std::string Name() const override;
   bool IsHost() const override { return true; }
+  bool ComputeRunsInline() const override { return !options_.strict; }
+  bool strict() const { return options_.strict; }
 
   // `bytes` (exactly, not rounded to the alignment) count against the budget. Alloc(0)
   // returns a unique pointer that counts for nothing.
@@ -87,7 +91,8 @@ class HostDevice final : public Device {
   Stream* ComputeStream() override;
   Result<Stream*> CreateStream(const std::string& name) override;
 
-  // Copies on a worker stream are queued; on the compute stream they run before returning.
+  // Copies on a worker stream are queued; on the compute stream they run before returning
+  // (outside strict mode, as everything below that says "compute stream").
   // Host <-> device copies are throttled by the per-direction link when copy_gbps > 0;
   // device -> device copies are not (device memory bandwidth is far above the link's).
   Status CopyHostToDevice(void* dst, const void* src, size_t bytes, Stream* stream) override;
@@ -129,7 +134,11 @@ class HostDevice final : public Device {
                        Stream* stream) override;
 
  private:
-  // A stream of this device, or an InvalidArgument naming `what` (the calling operation).
+  // Strict mode: FailedPrecondition when called from a host function (CUDA forbids device
+  // calls there), naming `what`.
+  Status CheckNotInHostFunc(const char* what) const;
+  // A stream of this device, or an InvalidArgument naming `what` (the calling operation); in
+  // strict mode, refused from a host function (CheckNotInHostFunc).
   Result<HostStream*> OwnStream(Stream* stream, const char* what);
   Status Copy(const char* what, CopyLink* link, void* dst, const void* src, size_t bytes,
               Stream* stream);
@@ -146,6 +155,7 @@ class HostDevice final : public Device {
   size_t pool_bytes_ = 0;
   DevicePool pool_;
 
+  std::unique_ptr<HostFuncRunner> runner_;  // strict mode only: runs every host function
   std::unique_ptr<HostStream> compute_stream_;
   std::mutex streams_mu_;
   std::vector<std::unique_ptr<HostStream>> streams_;  // guarded by streams_mu_

@@ -44,14 +44,18 @@ class Device {
   // True when device memory is ordinary host memory (HostDevice): host code may read it
   // directly once the producing work has completed.
   virtual bool IsHost() const = 0;
+  // True when work issued on the compute stream has run when the call returns (HostDevice
+  // outside strict mode): the engine may then take the shorter paths that a compute stream
+  // running behind the host (a GPU) would stall on.
+  virtual bool ComputeRunsInline() const { return false; }
 
   // Device memory. ResourceExhausted (naming budget and use) when the budget is exceeded.
   virtual Result<void*> Alloc(size_t bytes) = 0;
   virtual void Free(void* ptr) = 0;
   virtual DeviceMemoryInfo MemoryInfo() const = 0;
 
-  // The stream the trainer computes on. For HostDevice this is the calling thread itself:
-  // work "on" it runs immediately and waiting on it blocks the caller.
+  // The stream the trainer computes on. For HostDevice (outside strict mode) this is the
+  // calling thread itself: work "on" it runs immediately and waiting on it blocks the caller.
   virtual Stream* ComputeStream() = 0;
   // A new stream (copy, communication...). Owned by the device; valid until it is destroyed.
   virtual Result<Stream*> CreateStream(const std::string& name) = 0;
@@ -95,6 +99,22 @@ struct HostDeviceOptions {
   // Copies between "host" and "device" are throttled to this many GB/s (0 = memcpy speed),
   // to simulate a PCIe link when measuring overlap.
   double copy_gbps = 0;
+  // Strict mode: the device behaves like CUDA where CUDA is unforgiving, so that an ordering
+  // the engine forgot shows up here instead of on the first GPU run (tests; slower):
+  //   - the compute stream is asynchronous (a worker thread, like every other stream): host
+  //     code reads what it produced only after synchronising it;
+  //   - each stream waits a random while before each operation (seeded by `strict_seed`, one
+  //     generator per stream), so streams interleave differently from run to run of seeds;
+  //   - host functions of all streams run one at a time on one thread (CUDA may serialise
+  //     them), the stream waiting until its function returns;
+  //   - copies read their source when they run, not when issued (as always here);
+  //   - freed device memory is overwritten with 0xFF bytes (NaN as fp32 and bf16);
+  //   - an event is done only once its stream has reached it (as always here);
+  //   - a failed operation's error is sticky: every later launch on that stream returns it;
+  //   - a host function that calls the device (a stream operation or SynchronizeEvent) gets
+  //     FailedPrecondition, as CUDA forbids API calls in host functions.
+  bool strict = false;
+  uint64_t strict_seed = 0;
 };
 
 std::unique_ptr<Device> NewHostDevice(const HostDeviceOptions& options);
