@@ -754,6 +754,13 @@ Status SwapStore::Wait(Ticket ticket) {
   return result;
 }
 
+bool SwapStore::Done(Ticket ticket) const {
+  const Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  auto it = m.tickets.find(ticket);
+  return it == m.tickets.end() || it->second.remaining == 0;
+}
+
 Result<uint64_t> SwapStore::Size(const std::string& key) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->entries.find(key);

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <chrono>
 #include <fstream>
 #include <map>
 #include <thread>
@@ -121,6 +122,30 @@ TEST_P(SwapStoreTest, RoundTripBitExactAllSizes) {
     ASSERT_EQ(0, std::memcmp(back.data(), written[key]->data(), size)) << "size " << size;
     EXPECT_EQ(size, (*store)->Size(key).value());
   }
+}
+
+// Done(ticket) never blocks and turns true once the request has ended: a caller may poll it
+// and then Wait without blocking (the engine issues a read's device copy that way). An unknown
+// or already waited ticket is "done" (Wait reports it).
+TEST_P(SwapStoreTest, DoneTellsWhetherWaitWouldBlock) {
+  auto store = SwapStore::Open(Options());
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  const uint64_t size = 3 << 20;
+  AlignedBuffer buf(size), back(size);
+  FillRandom(buf.data(), size, 11);
+  WriteWhole(store->get(), "t", buf, size);
+  auto t = (*store)->Read("t", back.data(), back.size());
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (!(*store)->Done(*t)) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the read never ended";
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  ASSERT_TRUE((*store)->Wait(*t).ok());
+  EXPECT_EQ(0, std::memcmp(back.data(), buf.data(), size));
+  EXPECT_TRUE((*store)->Done(*t));  // waited for: unknown now
+  EXPECT_EQ((*store)->Wait(*t).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE((*store)->Done(987654));
 }
 
 // Many tickets in flight at once, from several threads; each comes back intact.

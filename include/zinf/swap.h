@@ -158,6 +158,9 @@ class SwapStore {
   Result<Ticket> Read(const std::string& key, void* buf, uint64_t capacity, bool urgent = false);
   // Blocks until the ticket's request has ended; returns its outcome. Once per ticket.
   Status Wait(Ticket ticket);
+  // Whether Wait(ticket) would return without blocking: the request has ended (or the ticket
+  // is unknown, which Wait reports). Never blocks on I/O.
+  bool Done(Ticket ticket) const;
 
   Result<uint64_t> Size(const std::string& key) const;
   bool Contains(const std::string& key) const;
