@@ -19,12 +19,15 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
+#include "engine/cuda/bf16.cuh"
 #include "engine/cuda/cuda_internal.h"
 #include "train/model_ops.h"
 #include "zinf/cuda.h"
+#include "zinf/log.h"
 
 namespace zinf::train {
 namespace {
@@ -87,11 +90,13 @@ __device__ float WarpMax(float v) {
 
 // ---- Element-wise ---------------------------------------------------------------------------
 
+// The conversions of engine/cuda/bf16.cuh (the CPU reference's rounding), as everywhere.
 __global__ void Bf16ToF32Kernel(float* dst, const uint16_t* src, size_t n) {
-  ZINF_GRID_LOOP(i, n) dst[i] = __uint_as_float(static_cast<uint32_t>(src[i]) << 16);
+  ZINF_GRID_LOOP(i, n) dst[i] = cuda_internal::Bf16ToF32(src[i]);
 }
 __global__ void F32ToBf16Kernel(__nv_bfloat16* dst, const float* src, size_t n) {
-  ZINF_GRID_LOOP(i, n) dst[i] = __float2bfloat16_rn(src[i]);
+  uint16_t* bits = reinterpret_cast<uint16_t*>(dst);
+  ZINF_GRID_LOOP(i, n) bits[i] = cuda_internal::F32ToBf16(src[i]);
 }
 __global__ void AddBiasKernel(float* out, const float* bias, size_t n, int oc) {
   ZINF_GRID_LOOP(i, n) out[i] += bias[i % oc];
@@ -352,6 +357,10 @@ __global__ void CrossEntropyKernel(float* dlogits, double* losses, const float* 
 
 // ---- The ops --------------------------------------------------------------------------------
 
+// cuBLAS's workspace (cublasSetWorkspace), from the device pool: what NVIDIA recommends for
+// Hopper (32 MiB; 4 MiB suffice before it).
+constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+
 const char* CublasName(cublasStatus_t s) {
 #if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 110600
   return cublasGetStatusName(s);
@@ -365,9 +374,16 @@ class CudaModelOps final : public ModelOps {
   CudaModelOps(Device* device, cudaStream_t stream, int ordinal, const ModelDims& dims)
       : device_(device), stream_(stream), ordinal_(ordinal), dims_(dims) {}
   ~CudaModelOps() override {
+    // The stream may still run kernels (cuBLAS's among them) reading these: drain it before
+    // the handle and the memory go. A failure here cannot be reported any more: a destructor.
+    const cudaError_t drained = cudaStreamSynchronize(stream_);
+    if (drained != cudaSuccess) {
+      LogWarning(std::string("CudaModelOps: draining the compute stream failed: ") +
+                 cudaGetErrorString(drained));
+    }
     if (handle_ != nullptr) cublasDestroy(handle_);
-    // The stream may still run kernels reading these: drain it first.
-    cudaStreamSynchronize(stream_);
+    if (token_staging_ != nullptr) cudaFreeHost(token_staging_);
+    if (token_copied_ != nullptr) cudaEventDestroy(token_copied_);
     for (void* p : allocations_) device_->Free(p);
   }
 
@@ -381,6 +397,14 @@ class CudaModelOps final : public ModelOps {
     ZINF_RETURN_IF_ERROR(Cublas(cublasSetStream(handle_, stream_), "cublasSetStream"));
     ZINF_RETURN_IF_ERROR(
         Cublas(cublasSetMathMode(handle_, CUBLAS_DEFAULT_MATH), "cublasSetMathMode"));
+    // cuBLAS's workspace comes from the device pool (and its budget), not from a hidden
+    // cudaMalloc of its own.
+    ZINF_ASSIGN_OR_RETURN(void* workspace, Allocate(kCublasWorkspaceBytes));
+    ZINF_RETURN_IF_ERROR(Cublas(cublasSetWorkspace(handle_, workspace, kCublasWorkspaceBytes),
+                                "cublasSetWorkspace"));
+    // Tokens go up through pinned memory (a pageable source makes the copy synchronous).
+    Note(cudaEventCreateWithFlags(&token_copied_, cudaEventDisableTiming), "cudaEventCreate");
+    ZINF_RETURN_IF_ERROR(error_);
     const size_t wide = Bf16ScratchElements(dims_);
     ZINF_ASSIGN_OR_RETURN(void* a, Allocate(wide * sizeof(__nv_bfloat16)));
     ZINF_ASSIGN_OR_RETURN(void* b, Allocate(wide * sizeof(__nv_bfloat16)));
@@ -411,10 +435,24 @@ class CudaModelOps final : public ModelOps {
   }
   void UploadInts(int32_t* dst, const int32_t* host_src, size_t n) override {
     Enter();
-    // Pageable source: cudaMemcpyAsync returns once the data is staged, so the host buffer
-    // may be reused.
-    Note(cudaMemcpyAsync(dst, host_src, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_),
+    if (n == 0) return;
+    // Through the pinned staging block: the caller's (pageable) buffer may be reused at once,
+    // and the staging block is refilled only once the previous copy out of it has run.
+    Note(cudaEventSynchronize(token_copied_), "cudaEventSynchronize(tokens)");
+    if (n > token_capacity_) {
+      if (token_staging_ != nullptr) Note(cudaFreeHost(token_staging_), "cudaFreeHost");
+      token_staging_ = nullptr;
+      token_capacity_ = 0;
+      void* p = nullptr;
+      Note(cudaHostAlloc(&p, n * sizeof(int32_t), cudaHostAllocDefault), "cudaHostAlloc(tokens)");
+      if (p == nullptr) return;  // the failure is the ops' error
+      token_staging_ = static_cast<int32_t*>(p);
+      token_capacity_ = n;
+    }
+    std::memcpy(token_staging_, host_src, n * sizeof(int32_t));
+    Note(cudaMemcpyAsync(dst, token_staging_, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_),
          "cudaMemcpyAsync(tokens)");
+    Note(cudaEventRecord(token_copied_, stream_), "cudaEventRecord(tokens)");
   }
   Status Download(float* host_dst, const float* src, size_t n) override {
     Enter();
@@ -636,6 +674,9 @@ class CudaModelOps final : public ModelOps {
   float* ds_ = nullptr;
   double* losses_ = nullptr;
   std::vector<double> host_losses_;
+  int32_t* token_staging_ = nullptr;  // pinned (cudaHostAlloc)
+  size_t token_capacity_ = 0;         // elements
+  cudaEvent_t token_copied_ = nullptr;
   Status error_;
 };
 
@@ -646,7 +687,7 @@ size_t CudaModelOpsScratchBytes(const ModelDims& d) {
   const size_t ds = static_cast<size_t>(d.B) * d.NH * d.T * d.T * sizeof(float);
   const size_t losses = static_cast<size_t>(d.B) * d.T * sizeof(double);
   // Each allocation rounded to the pool's 256-byte alignment.
-  return 2 * (wide * 2 + 256) + ds + 256 + losses + 256;
+  return kCublasWorkspaceBytes + 256 + 2 * (wide * 2 + 256) + ds + 256 + losses + 256;
 }
 
 Result<std::unique_ptr<ModelOps>> NewCudaModelOps(Device* device, const ModelDims& dims) {

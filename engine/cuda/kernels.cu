@@ -17,6 +17,7 @@
 #include <memory>
 
 #include "cpu_adam/kernels.h"
+#include "engine/cuda/bf16.cuh"
 #include "engine/cuda/cuda_internal.h"
 #include "zinf/cuda.h"
 
@@ -37,19 +38,10 @@ unsigned BlocksFor(size_t n) {
   return static_cast<unsigned>(blocks == 0 ? 1 : (blocks < kMaxBlocks ? blocks : kMaxBlocks));
 }
 
-// ---- Conversions: ports of cpu_adam/kernels_scalar.cc ----------------------------------------
+// ---- Conversions: ports of cpu_adam/kernels_scalar.cc (bf16: engine/cuda/bf16.cuh) -----------
 
-__device__ __forceinline__ uint16_t F32ToBf16(float value) {
-  const uint32_t bits = __float_as_uint(value);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
-  if ((bits & 0x7f800000u) == 0) return static_cast<uint16_t>((bits >> 16) & 0x8000u);
-  const uint32_t rounding_bias = 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>((bits + rounding_bias) >> 16);
-}
-
-__device__ __forceinline__ float Bf16ToF32(uint16_t value) {
-  return __uint_as_float(static_cast<uint32_t>(value) << 16);
-}
+using cuda_internal::Bf16ToF32;
+using cuda_internal::F32ToBf16;
 
 __device__ __forceinline__ uint16_t F32ToF16(float value) {
   uint32_t bits = __float_as_uint(value);
