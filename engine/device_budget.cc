@@ -6,25 +6,95 @@
 
 namespace zinf {
 
+DeviceBudget::~DeviceBudget() {
+  Status s = Collect(/*wait=*/true);
+  if (!s.ok()) LogWarning("closing the engine: " + s.ToString());
+}
+
 Result<void*> DeviceBudget::Alloc(size_t bytes, const std::string& what) {
-  {
-    MutexLock lock(&mu_);
-    if (budget_ != 0 && allocated_ + bytes > budget_) {
+  Status collected = Collect(/*wait=*/false);
+  if (!collected.ok()) return collected.WithContext("allocating device memory for " + what);
+  for (;;) {
+    bool over = false;
+    {
+      MutexLock lock(&mu_);
+      over = budget_ != 0 && allocated_ + bytes > budget_;
+      if (!over) {
+        allocated_ += bytes;
+        peak_ = std::max(peak_, allocated_);
+      }
+    }
+    Status waited;
+    if (over) {
+      // Room the deferred frees will make: wait for the oldest, then look again.
+      if (CollectOne(/*wait=*/true, &waited)) continue;
+      if (!waited.ok()) return waited.WithContext("allocating device memory for " + what);
+      MutexLock lock(&mu_);
       return Status::ResourceExhausted("device budget exhausted allocating " + FormatBytes(bytes) +
                                        " for " + what + " (budget " + FormatBytes(budget_) +
                                        ", in use " + FormatBytes(allocated_) +
                                        "); raise zinf.device_budget_bytes");
     }
-    allocated_ += bytes;
-    peak_ = std::max(peak_, allocated_);
-  }
-  Result<void*> p = device_->Alloc(bytes);
-  if (!p.ok()) {
-    MutexLock lock(&mu_);
-    allocated_ -= bytes;
+    Result<void*> p = device_->Alloc(bytes);
+    if (p.ok()) return p;
+    {
+      MutexLock lock(&mu_);
+      allocated_ -= bytes;
+    }
+    // The device itself is full (its own budget, or fragmentation): a deferred free may help.
+    if (p.status().code() == StatusCode::kResourceExhausted && CollectOne(/*wait=*/true, &waited)) {
+      continue;
+    }
+    if (!waited.ok()) return waited.WithContext("allocating device memory for " + what);
     return p.status().WithContext("allocating device memory for " + what);
   }
-  return p;
+}
+
+Status DeviceBudget::FreeAfter(void* ptr, size_t bytes, Stream* stream) {
+  std::unique_ptr<Event> event;
+  {
+    MutexLock lock(&mu_);
+    if (!spare_events_.empty()) {
+      event = std::move(spare_events_.back());
+      spare_events_.pop_back();
+    }
+  }
+  if (!event) {
+    ZINF_ASSIGN_OR_RETURN(event, device_->CreateEvent());
+  }
+  ZINF_RETURN_IF_ERROR(device_->RecordEvent(event.get(), stream));
+  MutexLock lock(&mu_);
+  deferred_.push_back(Deferred{ptr, bytes, std::move(event)});
+  return Status::OK();
+}
+
+bool DeviceBudget::CollectOne(bool wait, Status* error) {
+  Deferred d;
+  {
+    MutexLock lock(&mu_);
+    if (deferred_.empty()) return false;
+    if (!wait && !device_->EventDone(deferred_.front().done.get())) return false;
+    d = std::move(deferred_.front());
+    deferred_.pop_front();
+  }
+  // (Not waiting: EventDone said it passed, and a passed event's wait returns at once.)
+  Status s = device_->SynchronizeEvent(d.done.get());
+  if (!s.ok()) {
+    // Nothing is known to be done with the buffer: it stays allocated (counted) for good.
+    *error = s.WithContext("waiting to free " + FormatBytes(d.bytes) + " of device memory");
+    return false;
+  }
+  Free(d.ptr, d.bytes);
+  MutexLock lock(&mu_);
+  spare_events_.push_back(std::move(d.done));
+  return true;
+}
+
+Status DeviceBudget::Collect(bool wait) {
+  Status error;
+  while (CollectOne(wait, &error)) {
+  }
+  return error;
 }
 
 void DeviceBudget::Free(void* ptr, size_t bytes) {

@@ -7,6 +7,8 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -22,9 +24,24 @@ class DeviceBudget {
   DeviceBudget(Device* device, uint64_t budget, std::vector<Stream*> scratch_streams)
       : device_(device), budget_(budget), scratch_streams_(std::move(scratch_streams)) {}
 
-  // Any thread.
+  // Frees what FreeAfter deferred (waiting for it: closing, after every stream).
+  ~DeviceBudget();
+  DeviceBudget(const DeviceBudget&) = delete;
+  DeviceBudget& operator=(const DeviceBudget&) = delete;
+
+  // Any thread. When the budget or the device has no room, Alloc first waits for the buffers
+  // FreeAfter deferred (the oldest first) until it fits.
   Result<void*> Alloc(size_t bytes, const std::string& what) EXCLUDES(mu_);
   void Free(void* ptr, size_t bytes) EXCLUDES(mu_);
+  // Gives `ptr` back once the work queued on `stream` so far has run, without waiting for it
+  // now: an event marks the point, and the buffer is freed by a later Alloc or Collect that
+  // finds it passed (or needs the room and waits for it). On failure to mark it, nothing is
+  // freed (nothing is known to be done with the buffer) and the error is returned.
+  Status FreeAfter(void* ptr, size_t bytes, Stream* stream) EXCLUDES(mu_);
+  // Frees the deferred buffers whose point has passed; with `wait`, waits for every one. A
+  // failed wait keeps that buffer allocated for good (nothing is known to be done with it)
+  // and is returned.
+  Status Collect(bool wait) EXCLUDES(mu_);
   // The peak allocated since the last call; the next period starts at what is allocated now.
   uint64_t TakePeak() EXCLUDES(mu_);
 
@@ -48,7 +65,18 @@ class DeviceBudget {
   Device* const device_;
   const uint64_t budget_;
   const std::vector<Stream*> scratch_streams_;
+  struct Deferred {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+    std::unique_ptr<Event> done;
+  };
+  // Frees the oldest deferred buffer once its point has passed (`wait`: waiting for it).
+  // False when there is none, or (not waiting) it has not passed yet.
+  bool CollectOne(bool wait, Status* error) EXCLUDES(mu_);
+
   Mutex mu_;
+  std::deque<Deferred> deferred_ GUARDED_BY(mu_);  // oldest first
+  std::vector<std::unique_ptr<Event>> spare_events_ GUARDED_BY(mu_);
   uint64_t allocated_ GUARDED_BY(mu_) = 0;
   uint64_t peak_ GUARDED_BY(mu_) = 0;
   uint64_t planned_ = 0;           // trainer thread only

@@ -46,7 +46,10 @@ Engine::Impl::~Impl() {
     }
   }
   if (pipeline) pipeline->Join();
-  for (Stream* s : {copy_stream, comm_stream, update_stream, grad_stream}) {
+  // The compute stream too: buffers whose free waits for it (evicted parameters) go back with
+  // the budget below.
+  for (Stream* s :
+       {device->ComputeStream(), copy_stream, comm_stream, update_stream, grad_stream}) {
     if (s == nullptr) continue;
     Status synced = device->SynchronizeStream(s);
     if (!synced.ok()) LogWarning("closing the engine: " + synced.ToString());
@@ -465,12 +468,14 @@ Result<StepStats> Engine::Step() {
   if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
   m.KickTask();
   const bool boundary = m.boundary_micro;
-  // Gradients of this micro-step must have landed before the next one starts.
+  // Gradients of this micro-step must have landed before the next one starts: the streams'
+  // part, then the sums of the adder thread.
   Status s = m.budget->ReclaimScratch();
   if (!s.ok()) {
     return m.Break("the engine stopped after an error in a previous step", s,
                    "; recreate it (from a checkpoint) to continue");
   }
+  m.grads->Drain();
   StepStats st;
   const auto wait0 = Clock::now();
   // A boundary Step that fails part-way has landed some gradients and left the optimizer

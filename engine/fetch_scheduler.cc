@@ -1,5 +1,6 @@
 #include "engine/fetch_scheduler.h"
 
+#include <algorithm>
 #include <chrono>
 #include <unordered_map>
 
@@ -21,13 +22,16 @@ FetchScheduler::FetchScheduler(const Layout* layout, const EngineConfig* config,
       store_(store),
       trace_(trace),
       streams_(streams),
-      res_(layout->num_params()) {
-  MutexLock lock(&mu_);
-  fetch_status_.resize(layout->num_params());
-}
+      res_(layout->num_params()),
+      fetch_status_(layout->num_params()) {}
 
 FetchScheduler::~FetchScheduler() {
-  // The engine synchronised every stream before this: nothing uses the buffers any more.
+  // The engine synchronised every stream before this: nothing uses the buffers any more. A
+  // read still in flight (a prefetch never acquired) must end before its buffers go.
+  for (ParamId id : reading_) {
+    Status s = swap_->Wait(res_[id].read);
+    if (!s.ok()) LogWarning("closing: a parameter read nobody used failed: " + s.ToString());
+  }
   for (const auto& [ptr, bytes] : graveyard_) budget_->Free(ptr, bytes);
   for (ParamId id = 0; id < res_.size(); ++id) {
     if (res_[id].device_full != nullptr && !res_[id].aliased) {
@@ -37,18 +41,15 @@ FetchScheduler::~FetchScheduler() {
 }
 
 Status FetchScheduler::Init() {
-  ZINF_ASSIGN_OR_RETURN(compute_done_, device_->CreateEvent());
   ZINF_ASSIGN_OR_RETURN(copy_done_, device_->CreateEvent());
   return Status::OK();
 }
 
 void FetchScheduler::SetFetchStatus(ParamId id, const Status& s) {
-  MutexLock lock(&mu_);
-  fetch_status_[id] = s;
+  if (fetch_status_[id].ok()) fetch_status_[id] = s;
 }
 
 Status FetchScheduler::TakeFetchStatus(ParamId id) {
-  MutexLock lock(&mu_);
   Status s = fetch_status_[id];
   fetch_status_[id] = Status::OK();
   return s;
@@ -57,24 +58,38 @@ Status FetchScheduler::TakeFetchStatus(ParamId id) {
 Status FetchScheduler::Evict(ParamId id) {
   Resident& r = res_[id];
   if (r.aliased || r.device_full == nullptr) return Status::OK();
-  // Nothing may use or write the buffer when it goes back: the compute that read it has
-  // finished (host compute is synchronous; on a GPU, the compute stream's event), and so has
-  // a fetch still writing it.
-  Status s = device_->RecordEvent(compute_done_.get(), device_->ComputeStream());
-  if (s.ok()) s = device_->SynchronizeEvent(compute_done_.get());
-  if (s.ok() && r.state == State::kFetching) s = device_->SynchronizeEvent(r.ready.get());
+  if (r.state == State::kReading) {
+    // No stream has touched the buffer yet: once the read into the staging block has ended,
+    // both go back. Its error, if any, is reported by the next Acquire of the parameter.
+    Status read = swap_->Wait(r.read);
+    if (!read.ok()) SetFetchStatus(id, read);
+    reading_.erase(std::find(reading_.begin(), reading_.end(), id));
+    DropDeviceCopy(id);
+    return Status::OK();
+  }
+  // Nothing may use or write the buffer when it goes back, and the host does not wait for
+  // that here (on a GPU the compute stream runs behind the trainer): it goes back after the
+  // compute stream's work issued so far when it was acquired (that work read it), or after
+  // the gather stream's when it was fetched and never acquired (its copy and gather).
+  Stream* after = r.state == State::kFetching ? streams_.comm : device_->ComputeStream();
+  Status s = budget_->FreeAfter(r.device_full, layout_->FullBytes(id), after);
   if (!s.ok()) {
     return s.WithContext("evicting parameter '" + layout_->param(id).info.name +
                          "' (its device memory stays allocated: nothing is known to be done "
                          "with it)");
   }
-  DropDeviceCopy(id);
+  ForgetDeviceCopy(id);
   return Status::OK();
 }
 
 void FetchScheduler::DropDeviceCopy(ParamId id) {
+  budget_->Free(res_[id].device_full, layout_->FullBytes(id));
+  ForgetDeviceCopy(id);
+}
+
+void FetchScheduler::ForgetDeviceCopy(ParamId id) {
   Resident& r = res_[id];
-  budget_->Free(r.device_full, layout_->FullBytes(id));
+  r.staging.reset();
   r.device_full = nullptr;
   r.fetched_version = kNotFetched;
   r.state = State::kAbsent;
@@ -149,89 +164,134 @@ Status FetchScheduler::Fetch(ParamId id, int64_t visible, bool prefetch) {
   ZINF_ASSIGN_OR_RETURN(r.device_full, budget_->Alloc(full, "parameter '" + p.info.name + "'"));
   live_elems_ += p.padded_numel;
   budget_->Plan(full);
-  Status s = IssueFetch(id, visible, staging);
-  if (!s.ok()) {
-    // A buffer without a complete fetch issued into it must not stay: an Acquire would take
-    // whatever that memory held for the parameter. Nothing may still write into it when it
-    // goes back; when that cannot be known (waiting failed), it stays allocated and unfetched.
-    Status quiet = device_->SynchronizeStream(streams_.copy);
-    if (quiet.ok()) quiet = device_->SynchronizeStream(streams_.comm);
-    if (quiet.ok()) {
-      DropDeviceCopy(id);
-    } else {
-      // Nothing is known to be done with it: it goes to the buffers freed only when the engine
-      // closes (after every stream), still counted in the plan, never used again.
-      LogWarning(
-          "the device copy of '" + p.info.name +
-          "' stays allocated until the engine closes after a failed fetch: " + quiet.ToString());
-      graveyard_.push_back({r.device_full, full});
-      r.device_full = nullptr;
-      r.fetched_version = kNotFetched;
-      r.state = State::kAbsent;
-      live_elems_ -= p.padded_numel;
-    }
-    return s;
-  }
-  r.state = State::kFetching;
-  r.fetched_version = static_cast<uint64_t>(visible);
-  return Status::OK();
-}
-
-Status FetchScheduler::IssueFetch(ParamId id, int64_t visible,
-                                  const std::shared_ptr<PinnedBuffer>& staging) {
-  Resident& r = res_[id];
   if (!r.ready) {
-    ZINF_ASSIGN_OR_RETURN(r.ready, device_->CreateEvent());
+    Result<std::unique_ptr<Event>> ev = device_->CreateEvent();
+    if (!ev.ok()) {
+      DropDeviceCopy(id);
+      return ev.status();
+    }
+    r.ready = std::move(ev).value();
   }
-  // The status is not reset here: a failed read whose copy was evicted before any Acquire saw
-  // it (a prefetch that MakeRoom, a load or new values dropped) is still reported, once, by the
-  // next Acquire of the parameter, so that no I/O error goes unseen.
+  // The fetch status is not reset here: a failed read whose copy was evicted before any
+  // Acquire saw it (a prefetch that MakeRoom, a load or new values dropped) is still reported,
+  // once, by the next Acquire of the parameter, so that no I/O error goes unseen.
   const int buf = store_->Buf(visible);
-  const size_t part = layout_->PartBytes(id);
-  char* slot = static_cast<char*>(r.device_full) + static_cast<size_t>(comm_->rank()) * part;
-  Stream* copy = streams_.copy;
+  r.fetched_version = static_cast<uint64_t>(visible);
   switch (config_->offload_param.tier) {
     case Tier::kNvme: {
       // Urgent: the trainer waits on parameters; optimizer read-ahead and write-backs can wait.
-      ZINF_ASSIGN_OR_RETURN(Ticket t, swap_->Read(store_->swap_key(id, buf), staging->data(),
-                                                  staging->capacity(), /*urgent=*/true));
-      // The copy stream waits for the read, then copies; the staging block returns after.
-      Status launched = device_->LaunchHostFunc(copy, [this, t, id] {
-        Status s = swap_->Wait(t);
-        if (!s.ok()) SetFetchStatus(id, s);
-      });
-      if (!launched.ok()) {
-        // Nothing else will wait for the read: wait here, so that its staging block is not
-        // given back under it. The launch failure is the error; the read's result is moot.
-        (void)swap_->Wait(t);  // safe: waits only; the launch failure is returned
-        return launched.WithContext("ordering the read of '" + layout_->param(id).info.name +
-                                    "' on the copy stream");
+      Result<Ticket> t = swap_->Read(store_->swap_key(id, buf), staging->data(),
+                                     staging->capacity(), /*urgent=*/true);
+      if (!t.ok()) {
+        DropDeviceCopy(id);  // nothing was issued into it
+        return t.status();
       }
-      ZINF_RETURN_IF_ERROR(stats_->TimeCopy(device_, copy, [&] {
-        return device_->CopyHostToDevice(slot, staging->data(), part, copy);
-      }));
-      ZINF_RETURN_IF_ERROR(device_->LaunchHostFunc(copy, [staging] { staging->Reset(); }));
-      stats_->AddH2D(part);
-      break;
+      r.read = *t;
+      r.staging = std::move(staging);
+      r.state = State::kReading;
+      reading_.push_back(id);
+      return Status::OK();
     }
     case Tier::kCpu:
-      ZINF_RETURN_IF_ERROR(stats_->TimeCopy(device_, copy, [&] {
-        return device_->CopyHostToDevice(slot, store_->host_part(id, buf), part, copy);
-      }));
-      stats_->AddH2D(part);
-      break;
+      return IssueCopies(id, store_->host_part(id, buf), nullptr);
     case Tier::kDevice:
-      ZINF_RETURN_IF_ERROR(
-          device_->CopyDeviceToDevice(slot, store_->device_part(id, buf), part, copy));
-      break;
+      return IssueCopies(id, store_->device_part(id, buf), nullptr);
   }
-  ZINF_RETURN_IF_ERROR(device_->RecordEvent(copy_done_.get(), copy));
-  ZINF_RETURN_IF_ERROR(device_->StreamWaitEvent(streams_.comm, copy_done_.get()));
-  ZINF_RETURN_IF_ERROR(comm_->AllGather(slot, r.device_full, part, streams_.comm));
-  return device_->RecordEvent(r.ready.get(), streams_.comm);
+  return Status::Internal("unknown parameter tier");
+}
+
+void FetchScheduler::FailFetch(ParamId id) {
+  Resident& r = res_[id];
+  const ParamLayout& p = layout_->param(id);
+  // A buffer without a complete fetch issued into it must not stay: an Acquire would take
+  // whatever that memory held for the parameter. Nothing may still write into it when it
+  // goes back; when that cannot be known (waiting failed), it stays allocated and unfetched.
+  Status quiet = device_->SynchronizeStream(streams_.copy);
+  if (quiet.ok()) quiet = device_->SynchronizeStream(streams_.comm);
+  if (quiet.ok()) {
+    DropDeviceCopy(id);
+    return;
+  }
+  // Nothing is known to be done with it: it goes to the buffers freed only when the engine
+  // closes (after every stream), still counted in the plan, never used again.
+  LogWarning("the device copy of '" + p.info.name +
+             "' stays allocated until the engine closes after a failed fetch: " + quiet.ToString());
+  graveyard_.push_back({r.device_full, layout_->FullBytes(id)});
+  r.device_full = nullptr;
+  r.staging.reset();
+  r.fetched_version = kNotFetched;
+  r.state = State::kAbsent;
+  live_elems_ -= p.padded_numel;
+}
+
+Status FetchScheduler::IssueCopies(ParamId id, const void* src,
+                                   std::shared_ptr<PinnedBuffer> staging) {
+  Resident& r = res_[id];
+  const size_t part = layout_->PartBytes(id);
+  char* slot = static_cast<char*>(r.device_full) + static_cast<size_t>(comm_->rank()) * part;
+  Stream* copy = streams_.copy;
+  const bool device_tier = config_->offload_param.tier == Tier::kDevice;
+  Status s = device_tier ? device_->CopyDeviceToDevice(slot, src, part, copy)
+                         : stats_->TimeCopy(device_, copy, [&] {
+                             return device_->CopyHostToDevice(slot, src, part, copy);
+                           });
+  // The staging block goes back once the copy out of it has run (a host function that only
+  // drops a reference: it never blocks).
+  if (s.ok() && staging) s = device_->LaunchHostFunc(copy, [staging] { staging->Reset(); });
+  if (s.ok() && !device_tier) stats_->AddH2D(part);
+  if (s.ok()) s = device_->RecordEvent(copy_done_.get(), copy);
+  if (s.ok()) s = device_->StreamWaitEvent(streams_.comm, copy_done_.get());
+  if (s.ok()) s = comm_->AllGather(slot, r.device_full, part, streams_.comm);
+  if (s.ok()) s = device_->RecordEvent(r.ready.get(), streams_.comm);
+  if (!s.ok()) {
+    FailFetch(id);
+    return s;
+  }
+  r.staging.reset();
+  r.state = State::kFetching;
+  return Status::OK();
+}
+
+Status FetchScheduler::FinishOneRead(ParamId id) {
+  Resident& r = res_[id];
+  Status read = swap_->Wait(r.read);
+  if (!read.ok()) {
+    DropDeviceCopy(id);  // no stream has touched it
+    return read;
+  }
+  std::shared_ptr<PinnedBuffer> staging = std::move(r.staging);
+  return IssueCopies(id, staging->data(), staging);
+}
+
+Status FetchScheduler::FinishRead(ParamId id) {
+  // The reads issued before this one are finished first, in issue order: every rank then
+  // issues the same gathers in the same order.
+  while (!reading_.empty()) {
+    const ParamId first = reading_.front();
+    reading_.pop_front();
+    Status s = FinishOneRead(first);
+    if (first == id) return s;
+    // A read error is the parameter's to report (by its next Acquire); a failure to issue
+    // left it absent: a demand fetch issues it again and reports what fails then.
+    if (!s.ok() && res_[first].state == State::kAbsent) SetFetchStatus(first, s);
+  }
+  return Status::Internal("no read in flight for parameter '" + layout_->param(id).info.name + "'");
+}
+
+void FetchScheduler::IssueEndedReads() {
+  // With several ranks, when a read ends differs between them, and its gather must be issued
+  // at the same point of every rank's call sequence: those wait for their Acquire.
+  if (comm_->world_size() != 1) return;
+  while (!reading_.empty() && swap_->Done(res_[reading_.front()].read)) {
+    const ParamId first = reading_.front();
+    reading_.pop_front();
+    Status s = FinishOneRead(first);
+    if (!s.ok() && res_[first].state == State::kAbsent) SetFetchStatus(first, s);
+  }
 }
 
 void FetchScheduler::Prefetch(int64_t visible, const Rewriting& rewriting) {
+  IssueEndedReads();
   if (!trace_->valid()) return;
   uint64_t inflight = 0;
   const std::vector<ParamId>& ids = trace_->ids();
@@ -295,13 +355,22 @@ Result<std::vector<void*>> FetchScheduler::Acquire(const std::vector<ParamId>& i
   const auto t0 = Clock::now();
   for (ParamId id : ids) {
     Resident& r = res_[id];
+    if (r.state == State::kReading) {
+      // The read's result is known here, on the host, before the buffer is handed out.
+      Status read = FinishRead(id);
+      if (!read.ok()) {
+        undo();
+        return read.WithContext("fetching parameter '" + layout_->param(id).info.name + "'");
+      }
+    }
     if (r.state == State::kFetching) {
       Status w = device_->StreamWaitEvent(device_->ComputeStream(), r.ready.get());
       if (!w.ok()) {
         undo();
         return w;
       }
-      if (device_->IsHost()) r.state = State::kResident;
+      // From here the compute stream is ordered after the fetch: its events cover it.
+      r.state = State::kResident;
     }
     Status s = TakeFetchStatus(id);
     if (!s.ok()) {

@@ -1,6 +1,10 @@
 #include "engine/gradient_path.h"
 
+#include <cstdlib>
 #include <cstring>
+
+#include "zinf/align.h"
+#include "zinf/log.h"
 
 namespace zinf {
 
@@ -16,13 +20,78 @@ GradientPath::GradientPath(const Layout* layout, const EngineConfig* config, Dev
       board_(board),
       fetch_(fetch),
       streams_(streams),
-      zeros_(kPartitionAlign * static_cast<size_t>(comm->world_size()), 0.0f),
       flags_(layout->num_params()),
       groups_(layout->num_groups()) {}
+
+GradientPath::Adder::Adder() : thread_([this] { Main(); }) {}
+
+GradientPath::Adder::~Adder() {
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  cv_.NotifyAll();
+  thread_.join();
+}
+
+void GradientPath::Adder::Push(std::function<void()> job) {
+  {
+    MutexLock lock(&mu_);
+    jobs_.push_back(std::move(job));
+    ++pushed_;
+  }
+  cv_.NotifyAll();
+}
+
+void GradientPath::Adder::Drain() {
+  MutexLock lock(&mu_);
+  const uint64_t target = pushed_;
+  while (done_ < target) cv_.Wait(&mu_);
+}
+
+void GradientPath::Adder::Main() {
+  for (;;) {
+    std::function<void()> job;
+    {
+      MutexLock lock(&mu_);
+      while (!stopping_ && jobs_.empty()) cv_.Wait(&mu_);
+      if (jobs_.empty()) return;  // stopping, and every job has run
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    job();
+    job = nullptr;  // what it captured (the staging block) goes back before it counts as done
+    {
+      MutexLock lock(&mu_);
+      ++done_;
+    }
+    cv_.NotifyAll();
+  }
+}
+
+GradientPath::~GradientPath() {
+  if (zeros_registered_) {
+    Status s = device_->UnregisterHostMemory(zeros_);
+    if (!s.ok()) LogWarning("closing the engine: " + s.ToString());
+  }
+  std::free(zeros_);
+}
 
 Status GradientPath::Init() {
   ZINF_ASSIGN_OR_RETURN(compute_done_, device_->CreateEvent());
   ZINF_ASSIGN_OR_RETURN(comm_done_, device_->CreateEvent());
+  // At most kPartitionAlign * world_size - 1 elements of padding per parameter.
+  zeros_bytes_ = RoundUp(kPartitionAlign * static_cast<size_t>(comm_->world_size()) * sizeof(float),
+                         size_t{4096});
+  zeros_ = static_cast<float*>(std::aligned_alloc(4096, zeros_bytes_));
+  if (zeros_ == nullptr) {
+    return Status::ResourceExhausted("cannot allocate " + std::to_string(zeros_bytes_) +
+                                     " bytes of gradient padding");
+  }
+  std::memset(zeros_, 0, zeros_bytes_);
+  ZINF_RETURN_IF_ERROR(device_->RegisterHostMemory(zeros_, zeros_bytes_)
+                           .WithContext("registering the gradient padding"));
+  zeros_registered_ = true;
   return Status::OK();
 }
 
@@ -99,11 +168,11 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
   const size_t full_bytes = p.padded_numel * sizeof(float);
   const size_t part = p.info.partition_numel;
   Stream* compute = device_->ComputeStream();
-  if (comm_->world_size() == 1 && !flags_[id].seen_this_window) {
-    // One rank, first gradient of the window: the reduction is the identity, so the
-    // gradient goes straight into its accumulator (one copy instead of three, and no device
-    // scratch). The copy is ordered on the compute stream, so the caller may reuse `grad`
-    // as soon as this returns.
+  // One rank, first gradient of the window: the reduction is the identity.
+  const bool one_rank_first = comm_->world_size() == 1 && !flags_[id].seen_this_window;
+  if (one_rank_first && device_->ComputeRunsInline()) {
+    // The compute stream is the caller (the host device): the gradient goes straight into
+    // its accumulator (one copy instead of three, and no device scratch).
     ZINF_RETURN_IF_ERROR(EnsureBuffer(gi).WithContext("gradient of '" + p.info.name + "'"));
     float* acc = Acc(id);
     ZINF_RETURN_IF_ERROR(stats_->TimeCopy(device_, compute, [&] {
@@ -121,7 +190,8 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
     return Status::OK();
   }
   ZINF_RETURN_IF_ERROR(fetch_->MakeRoom(0, 0, id));
-  const size_t scratch_bytes = full_bytes + part * sizeof(float);
+  const size_t scratch_bytes =
+      one_rank_first ? p.info.numel * sizeof(float) : full_bytes + part * sizeof(float);
   ZINF_ASSIGN_OR_RETURN(void* scratch,
                         budget_->Alloc(scratch_bytes, "gradient of '" + p.info.name + "'"));
   budget_->PlanScratch(scratch_bytes);
@@ -129,7 +199,8 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
   // block alive), so once the streams that may still use them are done, it goes back here
   // (when waiting fails it stays allocated; the error stops the engine anyway).
   auto fail = [&](const Status& s) {
-    if (device_->SynchronizeStream(streams_.grad).ok() &&
+    if (device_->SynchronizeStream(compute).ok() &&
+        device_->SynchronizeStream(streams_.grad).ok() &&
         device_->SynchronizeStream(streams_.comm).ok()) {
       budget_->Free(scratch, scratch_bytes);
     }
@@ -140,13 +211,39 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
     Status status_ = (expr);                 \
     if (!status_.ok()) return fail(status_); \
   } while (0)
+  if (one_rank_first) {
+    // A compute stream running behind the host (a GPU): the gradient is copied into device
+    // scratch on the compute stream (device bandwidth; the caller may then reuse `grad`), and
+    // from there into its accumulator on the gradient stream, ordered by an event: the compute
+    // stream never waits for the copy across PCIe.
+    ZINF_OR_FAIL(EnsureBuffer(gi).WithContext("gradient of '" + p.info.name + "'"));
+    ZINF_OR_FAIL(device_->CopyDeviceToDevice(scratch, grad, scratch_bytes, compute));
+    ZINF_OR_FAIL(device_->RecordEvent(compute_done_.get(), compute));
+    ZINF_OR_FAIL(device_->StreamWaitEvent(streams_.grad, compute_done_.get()));
+    float* acc = Acc(id);
+    ZINF_OR_FAIL(stats_->TimeCopy(device_, streams_.grad, [&] {
+      return device_->CopyDeviceToHost(acc, scratch, scratch_bytes, streams_.grad);
+    }));
+    MarkReduced(id);
+    if (part > p.info.numel) {
+      std::memset(acc + p.info.numel, 0, (part - p.info.numel) * sizeof(float));
+    }
+    ZINF_OR_FAIL(device_
+                     ->LaunchHostFunc(streams_.grad,
+                                      [this, scratch, scratch_bytes, gi, ready] {
+                                        budget_->Free(scratch, scratch_bytes);
+                                        board_->Land(gi, ready);
+                                      })
+                     .WithContext("landing the gradient of '" + p.info.name + "'"));
+    stats_->AddD2H(scratch_bytes);
+    return Status::OK();
+  }
   float* full = static_cast<float*>(scratch);
   float* mine = full + p.padded_numel;
   ZINF_OR_FAIL(device_->CopyDeviceToDevice(full, grad, p.info.numel * sizeof(float), compute));
   if (p.padded_numel > p.info.numel) {
-    ZINF_OR_FAIL(device_->CopyHostToDevice(full + p.info.numel, zeros_.data(),
-                                           (p.padded_numel - p.info.numel) * sizeof(float),
-                                           compute));
+    ZINF_OR_FAIL(device_->CopyHostToDevice(
+        full + p.info.numel, zeros_, (p.padded_numel - p.info.numel) * sizeof(float), compute));
   }
   ZINF_OR_FAIL(device_->RecordEvent(compute_done_.get(), compute));
   ZINF_OR_FAIL(device_->StreamWaitEvent(streams_.comm, compute_done_.get()));
@@ -178,15 +275,19 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
     }));
     MarkReduced(id);
     float* acc = Acc(id);
+    // Once the copy has run, the scratch goes back and the sum is handed to the adder thread,
+    // which lands the gradient after adding it.
     ZINF_OR_FAIL(
         device_
             ->LaunchHostFunc(streams_.grad,
                              [this, scratch, scratch_bytes, part, acc, staging, gi, ready] {
-                               const float* add = static_cast<const float*>(staging->data());
-                               for (size_t i = 0; i < part; ++i) acc[i] += add[i];
-                               staging->Reset();
                                budget_->Free(scratch, scratch_bytes);
-                               board_->Land(gi, ready);
+                               adder_.Push([this, part, acc, staging, gi, ready] {
+                                 const float* add = static_cast<const float*>(staging->data());
+                                 for (size_t i = 0; i < part; ++i) acc[i] += add[i];
+                                 staging->Reset();
+                                 board_->Land(gi, ready);
+                               });
                              })
             .WithContext("landing the gradient of '" + p.info.name + "'"));
   }

@@ -6,7 +6,10 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "engine/device_budget.h"
@@ -15,6 +18,7 @@
 #include "engine/host_memory.h"
 #include "engine/layout.h"
 #include "engine/stats_recorder.h"
+#include "engine/thread_annotations.h"
 #include "zinf/comm.h"
 #include "zinf/config.h"
 #include "zinf/cpu_adam.h"
@@ -31,7 +35,10 @@ class GradientPath {
   GradientPath(const Layout* layout, const EngineConfig* config, Device* device, Communicator* comm,
                DeviceBudget* budget, StatsRecorder* stats, GroupBoard* board, FetchScheduler* fetch,
                Streams streams);
-  Status Init();  // its events
+  ~GradientPath();
+  GradientPath(const GradientPath&) = delete;
+  GradientPath& operator=(const GradientPath&) = delete;
+  Status Init();  // its events and the registered zeros
   // After placement: where staging and the accumulators come from. Streaming: `grad_pool`
   // holds the blocks; otherwise AllocateGroup gives each sub-group its accumulators.
   void Attach(PinnedArena* arena, BlockPool* grad_pool, bool streaming) {
@@ -54,8 +61,12 @@ class GradientPath {
   Status CompleteWindow(int64_t ready, const std::function<Status(size_t)>& wait_stepped);
   // The window's optimizer step is taken: the next window starts with no gradients.
   void EndWindow();
-  // Clipping: this rank's sum of squares of every accumulator.
+  // Clipping: this rank's sum of squares of every accumulator. REQUIRES: Drain() since the
+  // last Reduce.
   Result<double> LocalSumSquares(CpuOptimizer* optimizer) const;
+  // Waits until every gradient added onto an earlier one (in the accumulation thread) is in
+  // its accumulator. The streams' part must be done first (DeviceBudget::ReclaimScratch).
+  void Drain() { adder_.Drain(); }
 
   bool reduced_this_micro() const { return reduced_this_micro_; }
   bool reduced(ParamId id) const { return flags_[id].reduced_this_micro; }
@@ -72,6 +83,29 @@ class GradientPath {
   struct Flags {
     bool reduced_this_micro = false;
     bool seen_this_window = false;
+  };
+  // The thread that adds a later micro-step's gradient onto its accumulator and lands it. The
+  // gradient stream's host function only hands the job over (it never runs the loop): CUDA
+  // may run every stream's host functions on one thread, and a loop over a large partition
+  // there would hold up every other stream's callbacks. Jobs run in the order pushed.
+  class Adder {
+   public:
+    Adder();
+    ~Adder();  // runs the jobs still queued, then joins
+    Adder(const Adder&) = delete;
+    Adder& operator=(const Adder&) = delete;
+    void Push(std::function<void()> job) EXCLUDES(mu_);
+    void Drain() EXCLUDES(mu_);
+
+   private:
+    void Main() EXCLUDES(mu_);
+    Mutex mu_;
+    CondVar cv_;
+    std::deque<std::function<void()>> jobs_ GUARDED_BY(mu_);
+    uint64_t pushed_ GUARDED_BY(mu_) = 0;
+    uint64_t done_ GUARDED_BY(mu_) = 0;
+    bool stopping_ GUARDED_BY(mu_) = false;
+    std::thread thread_;  // last: started once the rest is initialised
   };
   struct Group {
     PinnedBuffer grads;     // not streaming
@@ -97,10 +131,15 @@ class GradientPath {
   bool streaming_ = false;
   std::unique_ptr<Event> compute_done_;
   std::unique_ptr<Event> comm_done_;
-  std::vector<float> zeros_;  // padding source for gradient scratch
+  // The padding source for gradient scratch: page-aligned, page-padded and registered with
+  // the device (Init), so that its copies are from pinned memory, as every other host copy.
+  float* zeros_ = nullptr;
+  size_t zeros_bytes_ = 0;
+  bool zeros_registered_ = false;
   std::vector<Flags> flags_;  // trainer thread only
   std::vector<Group> groups_;
   bool reduced_this_micro_ = false;  // trainer thread only
+  Adder adder_;                      // last: its jobs use the members above
 };
 
 }  // namespace zinf

@@ -45,7 +45,7 @@ TEST(EngineTest, BudgetTooSmallForTheLargestLayerFailsAtRegistration) {
   o.param_tier = Tier::kCpu;
   o.optimizer_tier = Tier::kCpu;
   o.device_budget_bytes = Shape().largest_layer_bytes() / 2;
-  std::unique_ptr<Device> device = NewHostDevice(HostDeviceOptions{});
+  std::unique_ptr<Device> device = NewTestHostDevice();
   auto comms = NewLocalComms({device.get()});
   ASSERT_TRUE(comms.ok()) << comms.status().ToString();
   Status failure;
@@ -58,7 +58,7 @@ TEST(EngineTest, BudgetTooSmallForTheLargestLayerFailsAtRegistration) {
       where = "Engine::Create";
       return;
     }
-    RankTrainer trainer(engine->get());
+    RankTrainer trainer(engine->get(), device.get());
     failure = trainer.Register();
     where = "registration";
   });
@@ -75,13 +75,13 @@ TEST(EngineTest, BudgetTooSmallForTheLargestLayerFailsAtRegistration) {
 
 // Whether the model registers (FinishRegistration succeeds) under the options' budgets.
 Status RegisterOnly(const RunOptions& o, const std::string& nvme_dir) {
-  std::unique_ptr<Device> device = NewHostDevice(HostDeviceOptions{});
+  std::unique_ptr<Device> device = NewTestHostDevice();
   auto comms = NewLocalComms({device.get()});
   if (!comms.ok()) return comms.status();
   Result<std::unique_ptr<Engine>> engine =
       Engine::Create(MakeConfig(o, nvme_dir), device.get(), (*comms)[0].get());
   if (!engine.ok()) return engine.status();
-  RankTrainer trainer(engine->get());
+  RankTrainer trainer(engine->get(), device.get());
   ZINF_RETURN_IF_ERROR(trainer.Register());
   return (*engine)->FinishRegistration();
 }

@@ -177,7 +177,7 @@ TEST(EngineTest, DelayedUpdateStartsAfterTheGivenStep) {
 // With the delayed update, a parameter acquired again after its gradient was reduced (in a
 // micro-step that ends a window) is refused: the optimizer may be rewriting its store.
 TEST(EngineTest, DelayedUpdateRefusesAcquireAfterReduceGradient) {
-  std::unique_ptr<Device> device = NewHostDevice(HostDeviceOptions{});
+  std::unique_ptr<Device> device = NewTestHostDevice();
   auto comms = NewLocalComms({device.get()});
   ASSERT_TRUE(comms.ok()) << comms.status().ToString();
   RunOptions o;

@@ -30,7 +30,7 @@ TEST(EngineTest, NvmePathsOutsideTheAllowedRootsOrNotFoldersAreRefused) {
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.path);
-    std::unique_ptr<Device> device = NewHostDevice(HostDeviceOptions{});
+    std::unique_ptr<Device> device = NewTestHostDevice();
     auto comms = NewLocalComms({device.get()});
     ASSERT_TRUE(comms.ok());
     RunOptions o;
@@ -75,7 +75,7 @@ TEST(EngineTest, ReadOnlyPathsAreRefusedNamingThePath) {
     std::string path;
     ~Unmount() { (void)std::system(("umount " + path).c_str()); }
   } unmount{ro};
-  std::unique_ptr<Device> device = NewHostDevice(HostDeviceOptions{});
+  std::unique_ptr<Device> device = NewTestHostDevice();
   auto comms = NewLocalComms({device.get()});
   ASSERT_TRUE(comms.ok());
   RunOptions o;
@@ -94,7 +94,7 @@ TEST(EngineTest, ReadOnlyPathsAreRefusedNamingThePath) {
   o.param_tier = o.optimizer_tier = Tier::kCpu;
   auto engine = Engine::Create(MakeConfig(o, ""), device.get(), (*comms)[0].get());
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-  RankTrainer trainer(engine->get());
+  RankTrainer trainer(engine->get(), device.get());
   ASSERT_TRUE(trainer.Register().ok());
   double loss;
   StepStats stats;
@@ -106,7 +106,7 @@ TEST(EngineTest, ReadOnlyPathsAreRefusedNamingThePath) {
 }
 
 TEST(EngineTest, NvmeTierWithoutPathFailsAtCreate) {
-  std::unique_ptr<Device> device = NewHostDevice(HostDeviceOptions{});
+  std::unique_ptr<Device> device = NewTestHostDevice();
   auto comms = NewLocalComms({device.get()});
   ASSERT_TRUE(comms.ok()) << comms.status().ToString();
   for (int which = 0; which < 2; ++which) {

@@ -38,7 +38,7 @@ FaultOutcome RunWithInjectedFault(uint64_t ahead, IoFault fault = IoFault{}, boo
     out.setup = Status::IoError("mkdtemp under $ZINF_TEST_DIR or /var/tmp failed");
     return out;
   }
-  std::unique_ptr<Device> device = NewHostDevice(HostDeviceOptions{});
+  std::unique_ptr<Device> device = NewTestHostDevice();
   auto comms = NewLocalComms({device.get()});
   if (!comms.ok()) {
     out.setup = comms.status();
@@ -55,7 +55,7 @@ FaultOutcome RunWithInjectedFault(uint64_t ahead, IoFault fault = IoFault{}, boo
     out.setup = engine.status();
     return out;
   }
-  RankTrainer trainer(engine->get());
+  RankTrainer trainer(engine->get(), device.get());
   out.setup = trainer.Register();
   double loss;
   StepStats stats;
@@ -178,7 +178,7 @@ TEST(EngineDurable, ResumeFromTheStoreAfterAFailedStepIsBitIdentical) {
     for (int fifth = 0; fifth < 5; ++fifth) {
       TempDir dir;
       ASSERT_TRUE(dir.ok());
-      std::unique_ptr<Device> device = NewHostDevice(HostDeviceOptions{});
+      std::unique_ptr<Device> device = NewTestHostDevice();
       auto comms = NewLocalComms({device.get()});
       ASSERT_TRUE(comms.ok());
       double loss;
@@ -192,7 +192,7 @@ TEST(EngineDurable, ResumeFromTheStoreAfterAFailedStepIsBitIdentical) {
         auto engine =
             Engine::Create(MakeConfig(o, dir.path()), device.get(), (*comms)[0].get(), hooks);
         ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-        RankTrainer trainer(engine->get());
+        RankTrainer trainer(engine->get(), device.get());
         ASSERT_TRUE(trainer.Register().ok());
         uint64_t per_step = 0;
         for (; done < 2; ++done) {
@@ -224,7 +224,7 @@ TEST(EngineDurable, ResumeFromTheStoreAfterAFailedStepIsBitIdentical) {
       }
       auto engine = Engine::Create(MakeConfig(o, dir.path()), device.get(), (*comms)[0].get());
       ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-      RankTrainer trainer(engine->get());
+      RankTrainer trainer(engine->get(), device.get());
       ASSERT_TRUE(trainer.Register(/*finish=*/false).ok());
       Status resumed = (*engine)->ResumeFromStore();
       ASSERT_TRUE(resumed.ok()) << resumed.ToString();
@@ -261,7 +261,7 @@ TEST(EngineDurable, ResumeAcrossParameterTiersRebuildsStaleParameterStores) {
   ASSERT_TRUE(straight.status.ok()) << straight.status.ToString();
   TempDir dir;
   ASSERT_TRUE(dir.ok());
-  std::unique_ptr<Device> device = NewHostDevice(HostDeviceOptions{});
+  std::unique_ptr<Device> device = NewTestHostDevice();
   auto comms = NewLocalComms({device.get()});
   ASSERT_TRUE(comms.ok());
   double loss;
@@ -275,7 +275,7 @@ TEST(EngineDurable, ResumeAcrossParameterTiersRebuildsStaleParameterStores) {
     lo.param_tier = legs[leg];
     auto engine = Engine::Create(MakeConfig(lo, dir.path()), device.get(), (*comms)[0].get());
     ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-    RankTrainer trainer(engine->get());
+    RankTrainer trainer(engine->get(), device.get());
     ASSERT_TRUE(trainer.Register(/*finish=*/leg == 0).ok());
     if (leg > 0) {
       Status s = (*engine)->ResumeFromStore();
@@ -315,7 +315,7 @@ void RunDurableLeg(const RunOptions& o, const std::string& dir, DurableLeg* leg)
   for (int r = 0; r < o.ranks; ++r) {
     HostDeviceOptions dopt;
     dopt.memory_budget = kHostDeviceMemory;
-    devices.push_back(NewHostDevice(dopt));
+    devices.push_back(NewTestHostDevice(dopt));
     raw.push_back(devices.back().get());
   }
   LocalCommOptions copt;
@@ -334,7 +334,7 @@ void RunDurableLeg(const RunOptions& o, const std::string& dir, DurableLeg* leg)
         auto run = [&]() -> Status {
           auto engine = Engine::Create(MakeConfig(o, dir), raw[r], (*comms)[r].get(), hooks);
           if (!engine.ok()) return engine.status();
-          RankTrainer trainer(engine->get());
+          RankTrainer trainer(engine->get(), raw[r]);
           ZINF_RETURN_IF_ERROR(trainer.Register(/*finish=*/leg->from_micro == 0));
           if (leg->from_micro > 0) {
             ZINF_RETURN_IF_ERROR((*engine)->ResumeFromStore());
@@ -487,8 +487,8 @@ TEST(EngineDurable, RanksResumeOnTheHistoryTheyShareAfterACheckpointLoad) {
 TEST(EngineDurable, DelayedUpdateWithSeveralRanksIsRefused) {
   TempDir dir;
   ASSERT_TRUE(dir.ok());
-  std::unique_ptr<Device> d0 = NewHostDevice(HostDeviceOptions{});
-  std::unique_ptr<Device> d1 = NewHostDevice(HostDeviceOptions{});
+  std::unique_ptr<Device> d0 = NewTestHostDevice();
+  std::unique_ptr<Device> d1 = NewTestHostDevice();
   auto comms = NewLocalComms({d0.get(), d1.get()});
   ASSERT_TRUE(comms.ok());
   RunOptions o;
@@ -509,7 +509,7 @@ TEST(EngineDurable, DelayedUpdateWithSeveralRanksIsRefused) {
 TEST(EngineDurable, RefusalsNameTheReason) {
   TempDir dir;
   ASSERT_TRUE(dir.ok());
-  std::unique_ptr<Device> device = NewHostDevice(HostDeviceOptions{});
+  std::unique_ptr<Device> device = NewTestHostDevice();
   auto comms = NewLocalComms({device.get()});
   ASSERT_TRUE(comms.ok());
   RunOptions o;
@@ -524,7 +524,7 @@ TEST(EngineDurable, RefusalsNameTheReason) {
   {  // An empty folder: nothing to resume.
     auto e = open(o);
     ASSERT_NE(e, nullptr);
-    RankTrainer t(e.get());
+    RankTrainer t(e.get(), device.get());
     ASSERT_TRUE(t.Register(false).ok());
     Status s = e->ResumeFromStore();
     EXPECT_FALSE(s.ok());
@@ -537,7 +537,7 @@ TEST(EngineDurable, RefusalsNameTheReason) {
   }
   {  // One committed step, then a model with another sub-group layout.
     auto e = open(o);
-    RankTrainer t(e.get());
+    RankTrainer t(e.get(), device.get());
     ASSERT_TRUE(t.Register().ok());
     double loss;
     StepStats stats;
@@ -548,7 +548,7 @@ TEST(EngineDurable, RefusalsNameTheReason) {
     RunOptions other = o;
     other.sub_group_size = kSubGroupSize / 2;
     auto e = open(other);
-    RankTrainer t(e.get());
+    RankTrainer t(e.get(), device.get());
     ASSERT_TRUE(t.Register(false).ok());
     Status s = e->ResumeFromStore();
     EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();

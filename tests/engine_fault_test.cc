@@ -18,6 +18,7 @@
 
 #include "engine/host/local_comm.h"
 #include "tests/faulty_device.h"
+#include "tests/strict_device.h"
 #include "tests/test_util.h"
 #include "zinf/comm.h"
 #include "zinf/config.h"
@@ -32,6 +33,8 @@ using testing::CommOp;
 using testing::DeviceOp;
 using testing::FaultyComm;
 using testing::FaultyDevice;
+using testing::HostReadable;
+using testing::NewTestHostDevice;
 using testing::TempDir;
 
 constexpr size_t kNumel = 3000;
@@ -88,6 +91,10 @@ Status MicroStep(Engine* e, Device* device, float g) {
         device->CopyHostToDevice(dev, grad.data(), kNumel * sizeof(float), device->ComputeStream());
     if (s.ok()) s = device->SynchronizeStream(device->ComputeStream());
     if (s.ok()) s = e->ReduceGradient(id, static_cast<float*>(dev));
+    // The engine's copy out of `dev` is ordered on the compute stream: it must have run before
+    // the buffer goes back (a pool's Free does not wait; the strict device poisons it).
+    Status synced = device->SynchronizeStream(device->ComputeStream());
+    if (s.ok()) s = synced;
     device->Free(dev);
     ZINF_RETURN_IF_ERROR(s);
     ZINF_RETURN_IF_ERROR(e->Release({id}));
@@ -101,7 +108,7 @@ struct OneRank {
   std::unique_ptr<Device> owned;
   std::unique_ptr<Communicator> comm;
   OneRank() {
-    auto inner = NewHostDevice(options);
+    auto inner = NewTestHostDevice(options);
     Device* raw = inner.get();
     auto faulty = std::make_unique<FaultyDevice>(std::move(inner));
     device = faulty.get();
@@ -141,9 +148,10 @@ TEST(EngineFaults, GradientLandingThatCannotBeQueuedStopsTheEngine) {
   });
 }
 
-// Eviction gives the device copy back only once nothing can use it; when waiting for the
-// compute stream fails, that is not known: Release reports it and keeps the memory.
-TEST(EngineFaults, EvictionThatCannotWaitForComputeKeepsTheBufferAndSaysSo) {
+// Eviction gives the device copy back only once nothing can use it: after the compute
+// stream's work so far. When that point cannot be marked, it is not known: Release reports it
+// and keeps the memory; and when waiting for a marked point fails later, the buffer stays too.
+TEST(EngineFaults, EvictionThatCannotOrderAfterComputeKeepsTheBufferAndSaysSo) {
   WithWatchdog([] {
     OneRank r;
     auto e = Engine::Create(CpuConfig(), r.device, r.comm.get());
@@ -151,12 +159,99 @@ TEST(EngineFaults, EvictionThatCannotWaitForComputeKeepsTheBufferAndSaysSo) {
     Register(e->get());
     ASSERT_TRUE((*e)->Acquire({0}).ok());
     const size_t used = r.device->MemoryInfo().used;
-    r.device->FailAfter(DeviceOp::kSynchronizeEvent, "", 0);
+    r.device->FailAfter(DeviceOp::kRecordEvent, "compute", 0);
     Status s = (*e)->Release({0});
     ASSERT_EQ(r.device->injected(), 1);
     ASSERT_FALSE(s.ok());
     EXPECT_NE(s.message().find("evicting parameter 'w0'"), std::string::npos) << s.ToString();
     EXPECT_EQ(r.device->MemoryInfo().used, used);  // nothing was freed under the device
+    // w1's eviction is marked, but waiting for the mark fails when its room is needed: the
+    // Acquire that needs it fails, and w1's buffer stays allocated.
+    ASSERT_TRUE((*e)->Acquire({1}).ok());
+    ASSERT_TRUE((*e)->Release({1}).ok());
+    const size_t used_after = r.device->MemoryInfo().used;
+    // (The compute stream past the mark, so that the next allocation collects it at once.)
+    ASSERT_TRUE(HostReadable(r.device).ok());
+    r.device->FailAfter(DeviceOp::kSynchronizeEvent, "", 0);
+    Result<std::vector<void*>> got = (*e)->Acquire({1});
+    ASSERT_EQ(r.device->injected(), 2);
+    ASSERT_FALSE(got.ok());
+    EXPECT_NE(got.status().message().find("waiting to free"), std::string::npos)
+        << got.status().ToString();
+    EXPECT_GE(r.device->MemoryInfo().used, used_after);
+  });
+}
+
+// Release never waits for the compute stream on the host (on a GPU the trainer runs ahead of
+// its kernels): with the compute stream held up, a Release that evicts returns at once, and the
+// buffer goes back only once the stream has passed the point the eviction marked.
+TEST(EngineFaults, ReleaseDoesNotWaitForTheComputeStream) {
+  WithWatchdog([] {
+    HostDeviceOptions strict;
+    strict.strict = true;  // an asynchronous compute stream, whatever the suite's mode
+    strict.strict_seed = 5;
+    std::unique_ptr<Device> device = NewHostDevice(strict);
+    auto comms = NewLocalComms(std::vector<Device*>{device.get()}, LocalCommOptions{});
+    ASSERT_TRUE(comms.ok());
+    auto e = Engine::Create(CpuConfig(), device.get(), (*comms)[0].get());
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    Register(e->get());
+    ASSERT_TRUE((*e)->Acquire({0}, AcquireMode::kInference).ok());
+    const size_t held = device->MemoryInfo().used;
+    // The trainer's kernels, still running: the compute stream is held until the gate opens.
+    std::promise<void> gate;
+    std::shared_future<void> open = gate.get_future().share();
+    ASSERT_TRUE(device->LaunchHostFunc(device->ComputeStream(), [open] { open.wait(); }).ok());
+    std::future<Status> released =
+        std::async(std::launch::async, [&] { return (*e)->Release({0}); });
+    const bool returned = released.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+    EXPECT_TRUE(returned) << "Release waited for the compute stream";
+    EXPECT_EQ(device->MemoryInfo().used, held) << "freed while the compute stream may read it";
+    gate.set_value();
+    ASSERT_TRUE(released.get().ok());
+    ASSERT_TRUE(device->SynchronizeStream(device->ComputeStream()).ok());
+    // The next allocation collects it: fetching w0 again needs no more memory than before.
+    ASSERT_TRUE((*e)->Acquire({0}, AcquireMode::kInference).ok());
+    EXPECT_EQ(device->MemoryInfo().used, held);
+    ASSERT_TRUE((*e)->Release({0}).ok());
+  });
+}
+
+// Where the gradient's copy to the host runs. On a compute stream that runs behind the host
+// (the strict host device, as a GPU), never on the compute stream: the compute stream only
+// copies the gradient into device scratch, and the copy across the link runs on the gradient
+// stream, ordered by an event. On the host device's inline compute stream the direct copy is
+// the cheapest and is kept. Either way the values are the same.
+TEST(EngineFaults, GradientCopiesToTheHostRunOffTheComputeStream) {
+  WithWatchdog([] {
+    std::vector<float> after[2];
+    for (bool strict : {false, true}) {
+      HostDeviceOptions options;
+      options.strict = strict;
+      options.strict_seed = 9;
+      std::unique_ptr<Device> inner = NewHostDevice(options);
+      Device* raw = inner.get();  // LocalComm runs on the host device itself
+      auto faulty = std::make_unique<FaultyDevice>(std::move(inner));
+      FaultyDevice* device = faulty.get();
+      auto comms = NewLocalComms(std::vector<Device*>{raw}, LocalCommOptions{});
+      ASSERT_TRUE(comms.ok());
+      auto e = Engine::Create(CpuConfig(), device, (*comms)[0].get());
+      ASSERT_TRUE(e.ok()) << e.status().ToString();
+      Register(e->get());
+      ASSERT_TRUE(MicroStep(e->get(), device, 0.5f).ok());
+      ASSERT_TRUE((*e)->Step().ok());
+      const int on_compute = device->calls(DeviceOp::kCopyDeviceToHost, "compute");
+      const int on_grad = device->calls(DeviceOp::kCopyDeviceToHost, "zinf-grad");
+      if (strict) {
+        EXPECT_EQ(on_compute, 0) << "a gradient crossed to the host on the compute stream";
+        EXPECT_EQ(on_grad, 2);  // w0's and w1's
+      } else {
+        EXPECT_EQ(on_compute, 2);
+      }
+      after[strict].resize(kNumel);
+      ASSERT_TRUE((*e)->GatherMasterParameter(1, after[strict].data()).ok());
+    }
+    EXPECT_EQ(after[0], after[1]);
   });
 }
 
@@ -177,6 +272,7 @@ TEST(EngineFaults, FailedFetchCopyIsReportedAndTheNextAcquireFetchesAgain) {
     EXPECT_FALSE((*e)->Release({1}).ok());  // not acquired
     got = (*e)->Acquire({1}, AcquireMode::kInference);
     ASSERT_TRUE(got.ok()) << got.status().ToString();
+    ASSERT_TRUE(HostReadable(r.device).ok());
     const float* v = static_cast<const float*>((*got)[0]);
     for (size_t i = 0; i < kNumel; ++i) {
       ASSERT_EQ(v[i], 0.001f * static_cast<float>((i + 1) % 97)) << i;
@@ -193,7 +289,7 @@ TEST(EngineFaults, CollectiveFailingOnOneRankStopsBothRanks) {
     std::vector<std::unique_ptr<Device>> devices;
     std::vector<Device*> raw;
     for (int r = 0; r < kWorld; ++r) {
-      devices.push_back(NewHostDevice(HostDeviceOptions{}));
+      devices.push_back(NewTestHostDevice());
       raw.push_back(devices.back().get());
     }
     LocalCommOptions lo;
@@ -242,7 +338,7 @@ TEST(EngineFaults, ReleaseIsAllOrNothingForItsListAndEvictsTheRest) {
     ASSERT_TRUE((*e)->Acquire({0, 1}, AcquireMode::kInference).ok());
     Status bad = (*e)->Release({0, 7});  // 7 does not exist: nothing is released
     EXPECT_EQ(bad.code(), StatusCode::kFailedPrecondition) << bad.ToString();
-    r.device->FailAfter(DeviceOp::kSynchronizeEvent, "", 0);  // the first eviction's wait
+    r.device->FailAfter(DeviceOp::kRecordEvent, "compute", 0);  // the first eviction's mark
     Status s = (*e)->Release({0, 1});
     ASSERT_EQ(r.device->injected(), 1);
     EXPECT_NE(s.message().find("evicting parameter 'w0'"), std::string::npos) << s.ToString();
@@ -255,10 +351,12 @@ TEST(EngineFaults, ReleaseIsAllOrNothingForItsListAndEvictsTheRest) {
   });
 }
 
-// An NVMe read that fails for a fetch, and then an eviction that cannot wait for the compute
-// stream: the buffer the read never filled stays allocated, but it must never be taken for the
-// parameter's value. The next Acquire fetches (reads) again.
-TEST(EngineFaults, BufferOfAFailedReadIsNeverTakenEvenWhenItCannotBeEvicted) {
+// An NVMe read that fails for a fetch: the Acquire fails naming the parameter (the read's
+// result is known on the host before Acquire returns: it is never left to a stream callback
+// that runs after the buffer was handed out, as it was on a GPU), the buffer the read never
+// filled goes back at once (no stream ever touched it, so no wait can fail) and is never taken
+// for the parameter's value: the next Acquire reads again and gets the values.
+TEST(EngineFaults, BufferOfAFailedReadIsNeverTakenAndGoesBack) {
   WithWatchdog([] {
     OneRank r;
     TempDir dir;
@@ -271,19 +369,20 @@ TEST(EngineFaults, BufferOfAFailedReadIsNeverTakenEvenWhenItCannotBeEvicted) {
     ASSERT_TRUE(e.ok()) << e.status().ToString();
     Register(e->get());
     ASSERT_TRUE((*e)->FinishRegistration().ok());
+    const size_t used = r.device->MemoryInfo().used;
     IoFault read_error;  // the next request (the fetch's read) fails with EIO
     read_error.first = hooks.fault_plan->requests();
     hooks.fault_plan->Add(read_error);
-    r.device->FailAfter(DeviceOp::kSynchronizeEvent, "", 0);  // and so does its eviction
     Result<std::vector<void*>> got = (*e)->Acquire({0}, AcquireMode::kInference);
     ASSERT_FALSE(got.ok());
     EXPECT_NE(got.status().message().find("fetching parameter 'w0'"), std::string::npos)
         << got.status().ToString();
-    ASSERT_EQ(r.device->injected(), 1);
+    EXPECT_EQ(r.device->MemoryInfo().used, used) << "the failed read's device buffer stayed";
     const uint64_t requests = hooks.fault_plan->requests();
     got = (*e)->Acquire({0}, AcquireMode::kInference);
     ASSERT_TRUE(got.ok()) << got.status().ToString();
     EXPECT_GT(hooks.fault_plan->requests(), requests) << "the failed read's buffer was reused";
+    ASSERT_TRUE(HostReadable(r.device).ok());
     const float* v = static_cast<const float*>((*got)[0]);
     for (size_t i = 0; i < kNumel; ++i) ASSERT_EQ(v[i], 0.001f * static_cast<float>(i % 97)) << i;
   });

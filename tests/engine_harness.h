@@ -47,6 +47,7 @@
 
 #include "engine/host/local_comm.h"
 #include "tests/engine_test_model.h"
+#include "tests/strict_device.h"
 #include "tests/test_util.h"
 #include "zinf/comm.h"
 #include "zinf/config.h"
@@ -72,6 +73,8 @@ namespace engine_test {
 using testing::Batch;
 using testing::MlpShape;
 using testing::MlpWorkspace;
+using testing::NewTestHostDevice;
+using testing::StrictDevice;
 using testing::TempDir;
 
 // ---- The training problem -------------------------------------------------------------------
@@ -178,10 +181,25 @@ inline void RunGuarded(const std::string& what, std::chrono::seconds limit,
 // Drives one rank's Engine through micro-steps of the MLP, layer by layer, as a trainer does.
 class RankTrainer {
  public:
-  // `device`: the engine's device when it is not the host device (CudaDevice): parameters are
-  // then copied to host memory for the test's CPU kernels, and gradients back to the device.
+  // `device`: the engine's device. When it is not the host device (CudaDevice), or is the
+  // strict host device (asynchronous compute stream), the trainer works as a GPU trainer does:
+  // parameters are copied to host memory on the compute stream for the test's CPU kernels, and
+  // gradients back to device memory on it.
   explicit RankTrainer(Engine* engine, Device* device = nullptr)
-      : engine_(engine), device_(device != nullptr && !device->IsHost() ? device : nullptr) {}
+      : engine_(engine),
+        device_(device != nullptr && (!device->IsHost() || StrictDevice().on) ? device : nullptr) {
+    // The gradient buffer is allocated up front and kept, so that the device's peak is the
+    // engine's plus exactly device_bytes() (RunResult::device_peaks subtracts it).
+    if (device_ != nullptr) {
+      Result<void*> buf = device_->Alloc(Shape().largest_layer_bytes());
+      if (buf.ok()) {
+        grad_dev_ = *buf;
+        grad_dev_bytes_ = Shape().largest_layer_bytes();
+      } else {
+        setup_ = buf.status().WithContext("the trainer's device gradient buffer");
+      }
+    }
+  }
   ~RankTrainer() {
     if (grad_dev_ != nullptr) device_->Free(grad_dev_);
   }
@@ -191,6 +209,7 @@ class RankTrainer {
   // Registers W0, b0, W1, b1, ... in layer order, then ends registration.
   // `finish`: end registration (else the caller does, e.g. by Engine::ResumeFromStore).
   Status Register(bool finish = true) {
+    ZINF_RETURN_IF_ERROR(setup_);
     const MlpShape& shape = Shape();
     for (int p = 0; p < shape.num_params(); ++p) {
       ParamSpec spec;
@@ -206,6 +225,8 @@ class RankTrainer {
   }
 
   ParamId id(int p) const { return ids_[p]; }
+  // Device memory the trainer itself holds (its gradient buffer), allocated before Register.
+  size_t device_bytes() const { return grad_dev_bytes_; }
   // ReduceGradient calls that succeeded in the last micro-step.
   int gradients_reduced() const { return gradients_reduced_; }
 
@@ -281,15 +302,8 @@ class RankTrainer {
     const float* src = grad.data();
     if (device_ != nullptr) {
       const size_t bytes = grad.size() * sizeof(float);
-      if (bytes > grad_dev_bytes_) {
-        if (grad_dev_ != nullptr) {
-          ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(device_->ComputeStream()));
-          device_->Free(grad_dev_);
-          grad_dev_ = nullptr;
-        }
-        ZINF_ASSIGN_OR_RETURN(grad_dev_, device_->Alloc(Shape().largest_layer_bytes()));
-        grad_dev_bytes_ = Shape().largest_layer_bytes();
-      }
+      if (bytes > grad_dev_bytes_)
+        return Status::Internal("gradient larger than the largest layer");
       ZINF_RETURN_IF_ERROR(
           device_->CopyHostToDevice(grad_dev_, src, bytes, device_->ComputeStream()));
       src = static_cast<const float*>(grad_dev_);
@@ -349,6 +363,7 @@ class RankTrainer {
   Engine* engine_;
   Device* device_ = nullptr;  // set only for a device that is not the host
   std::map<int, std::vector<float>> host_w_, host_b_;
+  Status setup_;  // the constructor's failure, returned by Register
   void* grad_dev_ = nullptr;
   size_t grad_dev_bytes_ = 0;
   std::vector<ParamId> ids_;
@@ -438,7 +453,8 @@ struct RankOutput {
   enum Phase { kStarting, kTraining, kGathering, kDestroying, kFinished };
   std::atomic<int> phase{kStarting};
   std::atomic<int> micro_steps_done{0};
-  Status mid_window_save;  // SaveCheckpoint inside an accumulation window (must fail)
+  Status mid_window_save;           // SaveCheckpoint inside an accumulation window (must fail)
+  size_t trainer_device_bytes = 0;  // RankTrainer::device_bytes()
 };
 
 struct RunResult {
@@ -448,8 +464,10 @@ struct RunResult {
   std::vector<double> losses;                 // per micro-step, summed over ranks in rank order
   std::vector<std::vector<StepStats>> stats;  // [rank][micro-step]
   std::vector<ParamInfo> infos;               // rank 0's
-  std::vector<size_t> device_peaks;           // per rank: the HostDevice's own peak allocation
-  std::vector<Status> mid_window_saves;       // per rank
+  // Per rank: the HostDevice's own peak allocation, less what the test's trainer held there
+  // (its gradient buffer under the strict device).
+  std::vector<size_t> device_peaks;
+  std::vector<Status> mid_window_saves;  // per rank
 };
 
 // The micro-step's rows for `rank`: the global batch is split over the micro-steps of an
@@ -466,6 +484,7 @@ inline Status RankMain(const RunOptions& o, int rank, Device* device, Communicat
   if (!created.ok()) return created.status().WithContext("Engine::Create");
   std::unique_ptr<Engine> engine = std::move(*created);
   RankTrainer trainer(engine.get(), device);
+  out->trainer_device_bytes = trainer.device_bytes();
   ZINF_RETURN_IF_ERROR(trainer.Register());
   for (int p = 0; p < Shape().num_params(); ++p) {
     out->infos.push_back(engine->param(trainer.id(p)));
@@ -537,7 +556,7 @@ inline RunResult RunTraining(const RunOptions& o) {
     for (int r = 0; r < o.ranks; ++r) {
       HostDeviceOptions dopt;
       dopt.memory_budget = kHostDeviceMemory;
-      devices.push_back(NewHostDevice(dopt));
+      devices.push_back(NewTestHostDevice(dopt));
       raw_devices.push_back(devices.back().get());
     }
     comms = NewLocalComms(raw_devices);
@@ -583,7 +602,7 @@ inline RunResult RunTraining(const RunOptions& o) {
     }
     res.stats.push_back(outs[r].stats);
     res.mid_window_saves.push_back(outs[r].mid_window_save);
-    res.device_peaks.push_back(devices[r]->MemoryInfo().peak);
+    res.device_peaks.push_back(devices[r]->MemoryInfo().peak - outs[r].trainer_device_bytes);
   }
   if (!res.status.ok()) return res;
   res.params = outs[0].params;

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -41,9 +42,17 @@ class FaultyDevice : public Device {
     left_ = skip;
   }
   int injected() const { return injected_.load(); }
+  // Calls of kind `op` made on the stream named `stream` (armed or not), for tests of where
+  // the engine issues its work.
+  int calls(DeviceOp op, const std::string& stream) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = calls_.find({op, stream});
+    return it == calls_.end() ? 0 : it->second;
+  }
 
   std::string Name() const override { return "faulty " + inner_->Name(); }
   bool IsHost() const override { return inner_->IsHost(); }
+  bool ComputeRunsInline() const override { return inner_->ComputeRunsInline(); }
   Result<void*> Alloc(size_t bytes) override { return inner_->Alloc(bytes); }
   void Free(void* ptr) override { inner_->Free(ptr); }
   DeviceMemoryInfo MemoryInfo() const override { return inner_->MemoryInfo(); }
@@ -97,6 +106,7 @@ class FaultyDevice : public Device {
  private:
   Status Inject(DeviceOp op, Stream* s) {
     std::lock_guard<std::mutex> lock(mu_);
+    ++calls_[{op, s == nullptr ? std::string() : s->name()}];
     if (!armed_ || op != op_) return Status::OK();
     if (!stream_.empty() && (s == nullptr || s->name() != stream_)) return Status::OK();
     if (left_-- > 0) return Status::OK();
@@ -106,7 +116,8 @@ class FaultyDevice : public Device {
   }
 
   std::unique_ptr<Device> inner_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
+  std::map<std::pair<DeviceOp, std::string>, int> calls_;  // guarded by mu_
   bool armed_ = false;
   DeviceOp op_ = DeviceOp::kLaunchHostFunc;
   std::string stream_;
