@@ -27,7 +27,7 @@ Result<void*> DeviceBudget::Alloc(size_t bytes, const std::string& what) {
     Status waited;
     if (over) {
       // Room the deferred frees will make: wait for the oldest, then look again.
-      if (CollectOne(/*wait=*/true, &waited)) continue;
+      if (CollectOne(/*wait=*/true, &waited) && waited.ok()) continue;
       if (!waited.ok()) return waited.WithContext("allocating device memory for " + what);
       MutexLock lock(&mu_);
       return Status::ResourceExhausted("device budget exhausted allocating " + FormatBytes(bytes) +
@@ -42,7 +42,8 @@ Result<void*> DeviceBudget::Alloc(size_t bytes, const std::string& what) {
       allocated_ -= bytes;
     }
     // The device itself is full (its own budget, or fragmentation): a deferred free may help.
-    if (p.status().code() == StatusCode::kResourceExhausted && CollectOne(/*wait=*/true, &waited)) {
+    if (p.status().code() == StatusCode::kResourceExhausted && CollectOne(/*wait=*/true, &waited) &&
+        waited.ok()) {
       continue;
     }
     if (!waited.ok()) return waited.WithContext("allocating device memory for " + what);
@@ -73,16 +74,24 @@ bool DeviceBudget::CollectOne(bool wait, Status* error) {
   {
     MutexLock lock(&mu_);
     if (deferred_.empty()) return false;
-    if (!wait && !device_->EventDone(deferred_.front().done.get())) return false;
-    d = std::move(deferred_.front());
-    deferred_.pop_front();
+    auto it = deferred_.begin();  // waiting: the oldest
+    if (!wait) {
+      // Any whose point has passed (a gather-stream free may pass before an older compute one).
+      it = std::find_if(deferred_.begin(), deferred_.end(),
+                        [this](const Deferred& x) { return device_->EventDone(x.done.get()); });
+      if (it == deferred_.end()) return false;
+    }
+    d = std::move(*it);
+    deferred_.erase(it);
   }
   // (Not waiting: EventDone said it passed, and a passed event's wait returns at once.)
   Status s = device_->SynchronizeEvent(d.done.get());
   if (!s.ok()) {
     // Nothing is known to be done with the buffer: it stays allocated (counted) for good.
-    *error = s.WithContext("waiting to free " + FormatBytes(d.bytes) + " of device memory");
-    return false;
+    if (error->ok()) {
+      *error = s.WithContext("waiting to free " + FormatBytes(d.bytes) + " of device memory");
+    }
+    return true;
   }
   Free(d.ptr, d.bytes);
   MutexLock lock(&mu_);
@@ -91,7 +100,7 @@ bool DeviceBudget::CollectOne(bool wait, Status* error) {
 }
 
 Status DeviceBudget::Collect(bool wait) {
-  Status error;
+  Status error;  // the first failure; the others are collected (or kept) all the same
   while (CollectOne(wait, &error)) {
   }
   return error;

@@ -39,8 +39,8 @@ class DeviceBudget {
   // freed (nothing is known to be done with the buffer) and the error is returned.
   Status FreeAfter(void* ptr, size_t bytes, Stream* stream) EXCLUDES(mu_);
   // Frees the deferred buffers whose point has passed; with `wait`, waits for every one. A
-  // failed wait keeps that buffer allocated for good (nothing is known to be done with it)
-  // and is returned.
+  // failed wait keeps that buffer allocated for good (nothing is known to be done with it);
+  // the others are still collected, and the first failure is returned.
   Status Collect(bool wait) EXCLUDES(mu_);
   // The peak allocated since the last call; the next period starts at what is allocated now.
   uint64_t TakePeak() EXCLUDES(mu_);
@@ -70,8 +70,9 @@ class DeviceBudget {
     size_t bytes = 0;
     std::unique_ptr<Event> done;
   };
-  // Frees the oldest deferred buffer once its point has passed (`wait`: waiting for it).
-  // False when there is none, or (not waiting) it has not passed yet.
+  // Takes one deferred buffer off the list and frees it: the oldest, waiting for its point
+  // (`wait`), or any whose point has passed. A failed wait keeps it allocated and sets *error
+  // (when not set yet). False when there was none to take.
   bool CollectOne(bool wait, Status* error) EXCLUDES(mu_);
 
   Mutex mu_;

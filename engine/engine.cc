@@ -287,6 +287,7 @@ Status Engine::Impl::Place() {
   states->Attach(swap.get(), &state_pool);
   fetch->Attach(arena.get(), swap.get());
   grads->Attach(arena.get(), &grad_pool, plan.stream_grads);
+  fetch->SetGradientDrain([g = grads.get()] { g->Drain(); });
   durable->Attach(swap.get());
   return pipeline->Attach(swap.get(), &state_pool, &copy_pool);
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <unordered_map>
 
 #include "zinf/log.h"
@@ -150,10 +151,19 @@ Status FetchScheduler::Fetch(ParamId id, int64_t visible, bool prefetch) {
   if (config_->offload_param.tier == Tier::kNvme) {
     Result<PinnedBuffer> buf = arena_->Allocate(layout_->PartBytes(id));
     if (!buf.ok() && !prefetch) {
-      // Wait for the copies in flight: each hands its staging back once copied (fetches on
-      // the copy stream, gradient partitions on the gradient stream).
+      // Wait for the blocks in use to come back: one rank, the prefetch reads still in flight
+      // (their copies are issued; with several ranks their gathers wait for their Acquire);
+      // then the copies in flight, each handing its block back once copied (fetches on the
+      // copy stream, gradient partitions on the gradient stream, then summed by the
+      // gradient path's adder).
+      if (comm_->world_size() == 1 && !reading_.empty()) {
+        const ParamId last = reading_.back();
+        Status s = FinishRead(last);
+        if (!s.ok()) SetFetchStatus(last, s);  // the next Acquire of it reports it
+      }
       ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(streams_.copy));
       ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(streams_.grad));
+      if (drain_gradients_) drain_gradients_();
       buf = arena_->Allocate(layout_->PartBytes(id));
     }
     if (!buf.ok()) return buf.status().WithContext("staging parameter '" + p.info.name + "'");
@@ -255,8 +265,19 @@ Status FetchScheduler::IssueCopies(ParamId id, const void* src,
 Status FetchScheduler::FinishOneRead(ParamId id) {
   Resident& r = res_[id];
   Status read = swap_->Wait(r.read);
-  if (!read.ok()) {
+  if (!read.ok() && comm_->world_size() == 1) {
     DropDeviceCopy(id);  // no stream has touched it
+    return read;
+  }
+  if (!read.ok()) {
+    // Several ranks: the others issue this gather too, and leaving it out here would pair
+    // their next collective with another one of ours (a hang, or mixed-up data). This rank's
+    // part goes out as NaN, so that a peer using it gets non-finite values (its gradient
+    // checks stop that step) rather than stale memory, and this rank reports the read's error;
+    // the copy is never taken for the parameter's value (unfetched).
+    std::memset(r.staging->data(), 0xFF, r.staging->capacity());
+    std::shared_ptr<PinnedBuffer> staging = std::move(r.staging);
+    if (IssueCopies(id, staging->data(), staging).ok()) r.fetched_version = kNotFetched;
     return read;
   }
   std::shared_ptr<PinnedBuffer> staging = std::move(r.staging);
@@ -360,6 +381,14 @@ Result<std::vector<void*>> FetchScheduler::Acquire(const std::vector<ParamId>& i
       Status read = FinishRead(id);
       if (!read.ok()) {
         undo();
+        // The peers issue the gathers of this call's other reads now: so does this rank.
+        if (comm_->world_size() > 1) {
+          for (ParamId other : ids) {
+            if (res_[other].state != State::kReading) continue;
+            Status s = FinishRead(other);
+            if (!s.ok()) SetFetchStatus(other, s);
+          }
+        }
         return read.WithContext("fetching parameter '" + layout_->param(id).info.name + "'");
       }
     }

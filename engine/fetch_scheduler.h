@@ -46,6 +46,9 @@ class FetchScheduler {
     arena_ = arena;
     swap_ = swap;
   }
+  // Waits until the gradient path's staging blocks in use are back (GradientPath::Drain): a
+  // demand fetch short of pinned staging calls it.
+  void SetGradientDrain(std::function<void()> drain) { drain_gradients_ = std::move(drain); }
   // One rank on the device tier: the partition is the full parameter (the buffer of the
   // visible version; a fetch points it there).
   void Alias(ParamId id) { res_[id].aliased = true; }
@@ -138,6 +141,7 @@ class FetchScheduler {
   const Streams streams_;
   PinnedArena* arena_ = nullptr;
   SwapStore* swap_ = nullptr;
+  std::function<void()> drain_gradients_;
   std::unique_ptr<Event> copy_done_;
   std::vector<Resident> res_;
   std::deque<ParamId> reading_;  // the kReading parameters, in the order their reads were issued

@@ -266,6 +266,12 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
                      .WithContext("landing the gradient of '" + p.info.name + "'"));
   } else {
     Result<PinnedBuffer> buf = arena_->Allocate(part * sizeof(float));
+    if (!buf.ok()) {
+      // The blocks of the gradients in flight come back once copied and summed: wait for them.
+      ZINF_OR_FAIL(device_->SynchronizeStream(streams_.grad));
+      adder_.Drain();
+      buf = arena_->Allocate(part * sizeof(float));
+    }
     if (!buf.ok())
       return fail(buf.status().WithContext("staging gradient of '" + p.info.name + "'"));
     auto staging = std::make_shared<PinnedBuffer>(std::move(buf).value());

@@ -1,8 +1,10 @@
 // The engine suite under the strict host device (HostDeviceOptions::strict): with
 // ZINF_TEST_STRICT_DEVICE=1 in the environment, every host device a test makes through
 // NewTestHostDevice is strict, seeded from ZINF_TEST_STRICT_SEED (a decimal number; when
-// unset, one drawn at start). The seed is printed at start and after every failure, so a
-// failing interleaving can be rerun: ZINF_TEST_STRICT_DEVICE=1 ZINF_TEST_STRICT_SEED=<seed>.
+// unset, one drawn at start). The seed is printed at start and after every failure. It fixes
+// each stream's sequence of delays, not the operating system's scheduling, so a rerun with it
+// replays the same pressure, not necessarily the same interleaving:
+// ZINF_TEST_STRICT_DEVICE=1 ZINF_TEST_STRICT_SEED=<seed>.
 //
 // Under strict mode the compute stream is asynchronous: a test reads what the engine handed it
 // (Acquire's buffers) only after SynchronizeStream(ComputeStream()), as a GPU trainer's kernels
@@ -69,7 +71,9 @@ inline const StrictDeviceSetting& StrictDevice() {
   static const StrictDeviceSetting setting = [] {
     StrictDeviceSetting s = ReadStrictDeviceSetting();
     if (s.on) {
-      std::printf("[strict host device] on, seed %llu\n", static_cast<unsigned long long>(s.seed));
+      // (To stderr: stdout may be the test list that ctest's discovery parses.)
+      std::fprintf(stderr, "[strict host device] on, seed %llu\n",
+                   static_cast<unsigned long long>(s.seed));
       ::testing::UnitTest::GetInstance()->listeners().Append(new StrictSeedPrinter(s.seed));
     }
     return s;

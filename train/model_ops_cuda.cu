@@ -382,8 +382,10 @@ class CudaModelOps final : public ModelOps {
                  cudaGetErrorString(drained));
     }
     if (handle_ != nullptr) cublasDestroy(handle_);
-    if (token_staging_ != nullptr) cudaFreeHost(token_staging_);
-    if (token_copied_ != nullptr) cudaEventDestroy(token_copied_);
+    for (TokenStaging& t : token_staging_) {
+      if (t.data != nullptr) cudaFreeHost(t.data);
+      if (t.copied != nullptr) cudaEventDestroy(t.copied);
+    }
     for (void* p : allocations_) device_->Free(p);
   }
 
@@ -402,9 +404,6 @@ class CudaModelOps final : public ModelOps {
     ZINF_ASSIGN_OR_RETURN(void* workspace, Allocate(kCublasWorkspaceBytes));
     ZINF_RETURN_IF_ERROR(Cublas(cublasSetWorkspace(handle_, workspace, kCublasWorkspaceBytes),
                                 "cublasSetWorkspace"));
-    // Tokens go up through pinned memory (a pageable source makes the copy synchronous).
-    Note(cudaEventCreateWithFlags(&token_copied_, cudaEventDisableTiming), "cudaEventCreate");
-    ZINF_RETURN_IF_ERROR(error_);
     const size_t wide = Bf16ScratchElements(dims_);
     ZINF_ASSIGN_OR_RETURN(void* a, Allocate(wide * sizeof(__nv_bfloat16)));
     ZINF_ASSIGN_OR_RETURN(void* b, Allocate(wide * sizeof(__nv_bfloat16)));
@@ -436,23 +435,32 @@ class CudaModelOps final : public ModelOps {
   void UploadInts(int32_t* dst, const int32_t* host_src, size_t n) override {
     Enter();
     if (n == 0) return;
-    // Through the pinned staging block: the caller's (pageable) buffer may be reused at once,
-    // and the staging block is refilled only once the previous copy out of it has run.
-    Note(cudaEventSynchronize(token_copied_), "cudaEventSynchronize(tokens)");
-    if (n > token_capacity_) {
-      if (token_staging_ != nullptr) Note(cudaFreeHost(token_staging_), "cudaFreeHost");
-      token_staging_ = nullptr;
-      token_capacity_ = 0;
+    // Through pinned staging, two blocks used in turn (the trainer uploads the inputs, then
+    // the targets): the caller's pageable buffer may be reused at once, and a block is
+    // refilled only once the copy before last out of it has run, so the host does not wait
+    // for the copy it just issued.
+    TokenStaging& t = token_staging_[next_token_staging_];
+    next_token_staging_ = 1 - next_token_staging_;
+    if (t.copied == nullptr) {
+      Note(cudaEventCreateWithFlags(&t.copied, cudaEventDisableTiming), "cudaEventCreate");
+      if (t.copied == nullptr) return;  // the failure is the ops' error
+    } else {
+      Note(cudaEventSynchronize(t.copied), "cudaEventSynchronize(tokens)");
+    }
+    if (n > t.capacity) {
+      if (t.data != nullptr) Note(cudaFreeHost(t.data), "cudaFreeHost");
+      t.data = nullptr;
+      t.capacity = 0;
       void* p = nullptr;
       Note(cudaHostAlloc(&p, n * sizeof(int32_t), cudaHostAllocDefault), "cudaHostAlloc(tokens)");
       if (p == nullptr) return;  // the failure is the ops' error
-      token_staging_ = static_cast<int32_t*>(p);
-      token_capacity_ = n;
+      t.data = static_cast<int32_t*>(p);
+      t.capacity = n;
     }
-    std::memcpy(token_staging_, host_src, n * sizeof(int32_t));
-    Note(cudaMemcpyAsync(dst, token_staging_, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_),
+    std::memcpy(t.data, host_src, n * sizeof(int32_t));
+    Note(cudaMemcpyAsync(dst, t.data, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_),
          "cudaMemcpyAsync(tokens)");
-    Note(cudaEventRecord(token_copied_, stream_), "cudaEventRecord(tokens)");
+    Note(cudaEventRecord(t.copied, stream_), "cudaEventRecord(tokens)");
   }
   Status Download(float* host_dst, const float* src, size_t n) override {
     Enter();
@@ -674,9 +682,14 @@ class CudaModelOps final : public ModelOps {
   float* ds_ = nullptr;
   double* losses_ = nullptr;
   std::vector<double> host_losses_;
-  int32_t* token_staging_ = nullptr;  // pinned (cudaHostAlloc)
-  size_t token_capacity_ = 0;         // elements
-  cudaEvent_t token_copied_ = nullptr;
+  // Tokens go up through pinned memory (a pageable source makes the copy synchronous).
+  struct TokenStaging {
+    int32_t* data = nullptr;  // pinned (cudaHostAlloc)
+    size_t capacity = 0;      // elements
+    cudaEvent_t copied = nullptr;
+  };
+  TokenStaging token_staging_[2];
+  int next_token_staging_ = 0;
   Status error_;
 };
 

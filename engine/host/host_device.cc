@@ -410,11 +410,7 @@ DeviceMemoryInfo HostDevice::MemoryInfo() const { return pool_.Info(); }
 Stream* HostDevice::ComputeStream() { return compute_stream_.get(); }
 
 Result<Stream*> HostDevice::CreateStream(const std::string& name) {
-  uint64_t index = 0;
-  {
-    std::lock_guard<std::mutex> lock(streams_mu_);
-    index = streams_.size() + 1;
-  }
+  const uint64_t index = next_stream_index_.fetch_add(1);
   auto stream = std::make_unique<HostStream>(this, name, /*is_compute=*/false, options_.strict,
                                              StreamSeed(options_, index));
   try {

@@ -11,6 +11,7 @@
 // time (queued waits and markers keep the event's state alive).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -157,6 +158,7 @@ class HostDevice final : public Device {
 
   std::unique_ptr<HostFuncRunner> runner_;  // strict mode only: runs every host function
   std::unique_ptr<HostStream> compute_stream_;
+  std::atomic<uint64_t> next_stream_index_{1};  // strict mode's seeds (0: compute)
   std::mutex streams_mu_;
   std::vector<std::unique_ptr<HostStream>> streams_;  // guarded by streams_mu_
 };
