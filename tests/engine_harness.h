@@ -32,6 +32,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -201,7 +202,10 @@ class RankTrainer {
     }
   }
   ~RankTrainer() {
-    if (grad_dev_ != nullptr) device_->Free(grad_dev_);
+    if (grad_dev_ == nullptr) return;
+    // Queued copies into it must have run (a failed wait: nothing more can be done here).
+    (void)device_->SynchronizeStream(device_->ComputeStream());  // safe: see the line above
+    device_->Free(grad_dev_);
   }
   RankTrainer(const RankTrainer&) = delete;
   RankTrainer& operator=(const RankTrainer&) = delete;
@@ -239,12 +243,15 @@ class RankTrainer {
     gradients_reduced_ = 0;
     Status s = ForwardBackward(row_begin, rows, swap_first_two, loss);
     if (!s.ok()) {
-      for (int l : held_) (void)engine_->Release(LayerIds(l));
+      for (int l : held_) (void)engine_->Release(LayerIds(l));  // safe: the first error is s
       held_.clear();
+      (void)EndOfMicroStep();  // safe: s is the error to report
       return s;
     }
     Result<StepStats> st = engine_->Step();
+    Status ended = EndOfMicroStep();
     if (!st.ok()) return st.status().WithContext("Step");
+    ZINF_RETURN_IF_ERROR(ended);
     *stats = *st;
     return Status::OK();
   }
@@ -304,18 +311,27 @@ class RankTrainer {
       const size_t bytes = grad.size() * sizeof(float);
       if (bytes > grad_dev_bytes_)
         return Status::Internal("gradient larger than the largest layer");
-      ZINF_RETURN_IF_ERROR(
-          device_->CopyHostToDevice(grad_dev_, src, bytes, device_->ComputeStream()));
+      // No wait here, as a GPU trainer does not wait: the copy reads a host copy of the
+      // gradient kept until the micro-step's end (the caller reuses `grad`), and the next
+      // gradient's copy into the same device buffer is ordered after the engine's read of it
+      // on the compute stream. Evictions and landings run with the compute stream behind.
+      host_in_flight_.push_back(grad);
+      ZINF_RETURN_IF_ERROR(device_->CopyHostToDevice(grad_dev_, host_in_flight_.back().data(),
+                                                     bytes, device_->ComputeStream()));
       src = static_cast<const float*>(grad_dev_);
     }
     ZINF_RETURN_IF_ERROR(
         engine_->ReduceGradient(ids_[p], src).WithContext("ReduceGradient " + ParamName(p)));
-    if (device_ != nullptr) {
-      // The host vector is reused for the next layer: the copy out of it must be done.
-      ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(device_->ComputeStream()));
-    }
     ++gradients_reduced_;
     return Status::OK();
+  }
+
+  // The compute stream's copies out of the kept host gradients are done: they go.
+  Status EndOfMicroStep() {
+    Status s;
+    if (device_ != nullptr) s = device_->SynchronizeStream(device_->ComputeStream());
+    host_in_flight_.clear();
+    return s.WithContext("synchronising the compute stream after the micro-step");
   }
 
   Status ReleaseLayer(int l, const char* phase) {
@@ -364,6 +380,7 @@ class RankTrainer {
   Device* device_ = nullptr;  // set only for a device that is not the host
   std::map<int, std::vector<float>> host_w_, host_b_;
   Status setup_;  // the constructor's failure, returned by Register
+  std::deque<std::vector<float>> host_in_flight_;  // gradients the compute stream copies
   void* grad_dev_ = nullptr;
   size_t grad_dev_bytes_ = 0;
   std::vector<ParamId> ids_;
