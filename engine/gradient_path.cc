@@ -162,6 +162,18 @@ void GradientPath::ReleaseBuffer(size_t gi) {
   board_->NoteGradRelease();
 }
 
+Status GradientPath::LandAfterCopy(const ParamLayout& p, void* scratch, size_t scratch_bytes,
+                                   int64_t ready) {
+  const size_t gi = p.info.sub_group;
+  return device_
+      ->LaunchHostFunc(streams_.grad,
+                       [this, scratch, scratch_bytes, gi, ready] {
+                         budget_->Free(scratch, scratch_bytes);
+                         board_->Land(gi, ready);
+                       })
+      .WithContext("landing the gradient of '" + p.info.name + "'");
+}
+
 Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
   const ParamLayout& p = layout_->param(id);
   const size_t gi = p.info.sub_group;
@@ -228,13 +240,7 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
     if (part > p.info.numel) {
       std::memset(acc + p.info.numel, 0, (part - p.info.numel) * sizeof(float));
     }
-    ZINF_OR_FAIL(device_
-                     ->LaunchHostFunc(streams_.grad,
-                                      [this, scratch, scratch_bytes, gi, ready] {
-                                        budget_->Free(scratch, scratch_bytes);
-                                        board_->Land(gi, ready);
-                                      })
-                     .WithContext("landing the gradient of '" + p.info.name + "'"));
+    ZINF_OR_FAIL(LandAfterCopy(p, scratch, scratch_bytes, ready));
     stats_->AddD2H(scratch_bytes);
     return Status::OK();
   }
@@ -257,13 +263,7 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
       return device_->CopyDeviceToHost(Acc(id), mine, part * sizeof(float), streams_.grad);
     }));
     MarkReduced(id);
-    ZINF_OR_FAIL(device_
-                     ->LaunchHostFunc(streams_.grad,
-                                      [this, scratch, scratch_bytes, gi, ready] {
-                                        budget_->Free(scratch, scratch_bytes);
-                                        board_->Land(gi, ready);
-                                      })
-                     .WithContext("landing the gradient of '" + p.info.name + "'"));
+    ZINF_OR_FAIL(LandAfterCopy(p, scratch, scratch_bytes, ready));
   } else {
     Result<PinnedBuffer> buf = arena_->Allocate(part * sizeof(float));
     if (!buf.ok()) {

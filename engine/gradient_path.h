@@ -116,6 +116,9 @@ class GradientPath {
   // free a block when all are taken. No-op when it has them.
   Status EnsureBuffer(size_t gi);
   void MarkReduced(ParamId id);
+  // Once the gradient stream has copied `p`'s gradient into its accumulator: the scratch goes
+  // back and the gradient lands (a host function that only frees and lands).
+  Status LandAfterCopy(const ParamLayout& p, void* scratch, size_t scratch_bytes, int64_t ready);
 
   const Layout* const layout_;
   const EngineConfig* const config_;

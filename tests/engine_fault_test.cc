@@ -120,6 +120,24 @@ struct OneRank {
   }
 };
 
+// Two ranks on test host devices, with LocalComms whose collectives time out after 10 s (long
+// enough for sanitizer builds).
+struct TwoRanks {
+  std::vector<std::unique_ptr<Device>> devices;
+  std::vector<Device*> raw;
+  Result<std::vector<std::unique_ptr<Communicator>>> comms =
+      std::vector<std::unique_ptr<Communicator>>{};
+  TwoRanks() {
+    for (int r = 0; r < 2; ++r) {
+      devices.push_back(NewTestHostDevice());
+      raw.push_back(devices.back().get());
+    }
+    LocalCommOptions lo;
+    lo.timeout = std::chrono::milliseconds(10000);
+    comms = NewLocalComms(raw, lo);
+  }
+};
+
 // A gradient accumulated onto an earlier one lands through a host function on the gradient
 // stream. When that function cannot be queued the gradient never lands: the optimizer would
 // wait for it forever, and so would Step(). ReduceGradient must fail and stop the engine.
@@ -287,16 +305,10 @@ TEST(EngineFaults, FailedFetchCopyIsReportedAndTheNextAcquireFetchesAgain) {
 TEST(EngineFaults, CollectiveFailingOnOneRankStopsBothRanks) {
   WithWatchdog([] {
     constexpr int kWorld = 2;
-    std::vector<std::unique_ptr<Device>> devices;
-    std::vector<Device*> raw;
-    for (int r = 0; r < kWorld; ++r) {
-      devices.push_back(NewTestHostDevice());
-      raw.push_back(devices.back().get());
-    }
-    LocalCommOptions lo;
-    lo.timeout = std::chrono::milliseconds(10000);  // long enough for sanitizer builds
-    auto comms = NewLocalComms(raw, lo);
-    ASSERT_TRUE(comms.ok()) << comms.status().ToString();
+    TwoRanks two;
+    ASSERT_TRUE(two.comms.ok()) << two.comms.status().ToString();
+    std::vector<Device*>& raw = two.raw;
+    auto& comms = two.comms;
     std::vector<std::unique_ptr<FaultyComm>> faulty;
     for (auto& c : *comms) faulty.push_back(std::make_unique<FaultyComm>(std::move(c)));
     faulty[1]->FailAfter(CommOp::kReduceScatterSum, 0);
@@ -396,16 +408,10 @@ TEST(EngineFaults, BufferOfAFailedReadIsNeverTakenAndGoesBack) {
 TEST(EngineFaults, AFailedReadOnOneRankStillTakesPartInTheGather) {
   WithWatchdog([] {
     constexpr int kWorld = 2;
-    std::vector<std::unique_ptr<Device>> devices;
-    std::vector<Device*> raw;
-    for (int r = 0; r < kWorld; ++r) {
-      devices.push_back(NewTestHostDevice());
-      raw.push_back(devices.back().get());
-    }
-    LocalCommOptions lo;
-    lo.timeout = std::chrono::milliseconds(10000);
-    auto comms = NewLocalComms(raw, lo);
-    ASSERT_TRUE(comms.ok()) << comms.status().ToString();
+    TwoRanks two;
+    ASSERT_TRUE(two.comms.ok()) << two.comms.status().ToString();
+    std::vector<Device*>& raw = two.raw;
+    auto& comms = two.comms;
     TempDir dir;
     std::vector<Status> got(kWorld);
     std::vector<std::vector<float>> values(kWorld);
