@@ -69,7 +69,7 @@ constexpr std::string_view kZinfKeys[] = {
     "nvme_reserve_bytes",  "delayed_update",       "checksums",
     "optimizer_threads",   "host_copy_gbps",       "io_backend",
     "nvme_paths",          "allowed_nvme_roots",   "durable",
-    "durable_overwrite",   "delayed_update_after",
+    "durable_overwrite",   "delayed_update_after", "gradient_transfer_dtype",
 };
 constexpr std::string_view kAioKeys[] = {
     "block_size", "queue_depth", "thread_count", "single_submit", "overlap_events", "use_gds",
@@ -297,6 +297,9 @@ Status ParseZinf(ObjectReader& r, EngineConfig* config, std::vector<std::string>
   ZINF_RETURN_IF_ERROR(r.ReadEnum<std::string>(
       "io_backend", {{"io_uring", "io_uring"}, {"libaio", "libaio"}, {"psync", "psync"}},
       &config->aio.backend));
+  ZINF_RETURN_IF_ERROR(r.ReadEnum<bool>("gradient_transfer_dtype",
+                                        {{"fp32", false}, {"bf16", true}},
+                                        &config->gradient_transfer_bf16));
   if (const Json* paths = r.Find("nvme_paths"); paths != nullptr && !paths->is_null()) {
     if (!paths->is_array()) {
       return TypeError(r.PathOf("nvme_paths"), "an array of path strings", *paths);

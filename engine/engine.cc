@@ -162,8 +162,8 @@ Result<ParamId> Engine::RegisterParameter(const ParamSpec& spec) {
   }
   // The largest layer must fit the device budget together with its gradient scratch.
   const uint64_t full = p.padded_numel * m.layout.elem_size();
-  const uint64_t need =
-      full + p.padded_numel * sizeof(float) + p.info.partition_numel * sizeof(float);
+  const uint64_t need = full + p.padded_numel * sizeof(float) +
+                        p.info.partition_numel * (m.config.gradient_transfer_bf16 ? 6 : 4);
   if (m.config.device_budget_bytes != 0 && need > m.config.device_budget_bytes) {
     return Status::ResourceExhausted("parameter '" + spec.name + "' (" + FormatBytes(full) +
                                      " gathered, plus its gradient) does not fit the device "

@@ -8,6 +8,63 @@
 
 namespace zinf {
 
+namespace {
+
+// The host halves of zinf.gradient_transfer_dtype "bf16", written so that the compiler
+// vectorises them (no calls, no branches): they run over every gradient partition. Values pass
+// through bytes (memcpy): the buffers hold bf16 written by a copy where floats will be.
+
+// Fp32ToBf16 (cpu_adam.h) on the bits, branch-free: NaN stays a quiet NaN, a denormal becomes
+// a signed zero, anything else rounds to nearest even.
+inline uint32_t Bf16Bits(uint32_t bits) {
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t zero = (bits >> 16) & 0x8000u;
+  const uint32_t nan = (bits >> 16) | 0x0040u;
+  const uint32_t r = (bits & 0x7f800000u) == 0 ? zero : rounded;
+  return (bits & 0x7fffffffu) > 0x7f800000u ? nan : r;
+}
+
+inline float Widen(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// x[i] = x[i] rounded to bf16 (as the device would round it before the copy).
+void RoundToBf16(float* x, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &x[i], sizeof(bits));
+    bits = Bf16Bits(bits) << 16;
+    std::memcpy(&x[i], &bits, sizeof(bits));
+  }
+}
+
+// The first 2n bytes of `acc` hold n bf16 values: widened to n floats in place. Blocks from
+// the end, each read whole before it is written: block [b, b + k) writes the bytes of bf16
+// values [2b, 2b + 2k), which are its own or above it (already widened).
+void WidenInPlace(float* acc, size_t n) {
+  constexpr size_t kBlock = 64;
+  auto* bytes = reinterpret_cast<unsigned char*>(acc);
+  uint16_t in[kBlock];
+  float out[kBlock];
+  for (size_t end = n; end > 0;) {
+    const size_t b = end >= kBlock ? end - kBlock : 0;
+    const size_t k = end - b;
+    std::memcpy(in, bytes + 2 * b, 2 * k);
+    for (size_t j = 0; j < k; ++j) out[j] = Widen(in[j]);
+    std::memcpy(bytes + 4 * b, out, 4 * k);
+    end = b;
+  }
+}
+
+void AddWidened(float* acc, const uint16_t* add, size_t n) {
+  for (size_t i = 0; i < n; ++i) acc[i] += Widen(add[i]);
+}
+
+}  // namespace
+
 GradientPath::GradientPath(const Layout* layout, const EngineConfig* config, Device* device,
                            Communicator* comm, DeviceBudget* budget, StatsRecorder* stats,
                            GroupBoard* board, FetchScheduler* fetch, Streams streams)
@@ -179,6 +236,7 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
   const size_t gi = p.info.sub_group;
   const size_t full_bytes = p.padded_numel * sizeof(float);
   const size_t part = p.info.partition_numel;
+  const bool bf16 = config_->gradient_transfer_bf16;
   Stream* compute = device_->ComputeStream();
   // One rank, first gradient of the window: the reduction is the identity.
   const bool one_rank_first = comm_->world_size() == 1 && !flags_[id].seen_this_window;
@@ -191,6 +249,9 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
       return device_->CopyDeviceToHost(acc, grad, p.info.numel * sizeof(float), compute);
     }));
     MarkReduced(id);
+    // bf16 transfer: the rounding the device would have applied before the copy, so that
+    // every device gives the same gradients.
+    if (bf16) RoundToBf16(acc, p.info.numel);
     if (part > p.info.numel) {
       std::memset(acc + p.info.numel, 0, (part - p.info.numel) * sizeof(float));
     }
@@ -198,12 +259,17 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
     ZINF_RETURN_IF_ERROR(device_->StreamWaitEvent(streams_.grad, compute_done_.get()));
     ZINF_RETURN_IF_ERROR(
         device_->LaunchHostFunc(streams_.grad, [this, gi, ready] { board_->Land(gi, ready); }));
-    stats_->AddD2H(p.info.numel * sizeof(float));
+    stats_->AddD2H(p.info.numel * (bf16 ? 2 : 4));
     return Status::OK();
   }
   ZINF_RETURN_IF_ERROR(fetch_->MakeRoom(0, 0, id));
+  // Device scratch. One rank's first gradient: the copy out of the caller's buffer (fp32, or
+  // bf16 when rounded). Otherwise: the padded full gradient, this rank's reduced partition,
+  // and (bf16) the partition rounded.
+  const size_t n = one_rank_first ? p.info.numel : part;  // values that cross the link
+  const size_t link_bytes = n * (bf16 ? 2 : 4);
   const size_t scratch_bytes =
-      one_rank_first ? p.info.numel * sizeof(float) : full_bytes + part * sizeof(float);
+      one_rank_first ? link_bytes : full_bytes + part * sizeof(float) + (bf16 ? part * 2 : 0);
   ZINF_ASSIGN_OR_RETURN(void* scratch,
                         budget_->Alloc(scratch_bytes, "gradient of '" + p.info.name + "'"));
   budget_->PlanScratch(scratch_bytes);
@@ -223,82 +289,98 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
     Status status_ = (expr);                 \
     if (!status_.ok()) return fail(status_); \
   } while (0)
+  // What crosses the link, in device memory once `grad_stream` reaches it.
+  const void* out = nullptr;
   if (one_rank_first) {
-    // A compute stream running behind the host (a GPU): the gradient is copied into device
-    // scratch on the compute stream (device bandwidth; the caller may then reuse `grad`), and
-    // from there into its accumulator on the gradient stream, ordered by an event: the compute
-    // stream never waits for the copy across PCIe.
-    ZINF_OR_FAIL(EnsureBuffer(gi).WithContext("gradient of '" + p.info.name + "'"));
-    ZINF_OR_FAIL(device_->CopyDeviceToDevice(scratch, grad, scratch_bytes, compute));
+    // A compute stream running behind the host (a GPU): the gradient is copied (or rounded)
+    // into device scratch on the compute stream (device bandwidth; the caller may then reuse
+    // `grad`), and from there into its accumulator on the gradient stream, ordered by an
+    // event: the compute stream never waits for the copy across PCIe.
+    ZINF_OR_FAIL(bf16 ? device_->ConvertToBf16(static_cast<uint16_t*>(scratch), grad, n, compute)
+                      : device_->CopyDeviceToDevice(scratch, grad, link_bytes, compute));
     ZINF_OR_FAIL(device_->RecordEvent(compute_done_.get(), compute));
     ZINF_OR_FAIL(device_->StreamWaitEvent(streams_.grad, compute_done_.get()));
-    float* acc = Acc(id);
-    ZINF_OR_FAIL(stats_->TimeCopy(device_, streams_.grad, [&] {
-      return device_->CopyDeviceToHost(acc, scratch, scratch_bytes, streams_.grad);
-    }));
-    MarkReduced(id);
-    if (part > p.info.numel) {
-      std::memset(acc + p.info.numel, 0, (part - p.info.numel) * sizeof(float));
+    out = scratch;
+  } else {
+    float* full = static_cast<float*>(scratch);
+    float* mine = full + p.padded_numel;
+    ZINF_OR_FAIL(device_->CopyDeviceToDevice(full, grad, p.info.numel * sizeof(float), compute));
+    if (p.padded_numel > p.info.numel) {
+      ZINF_OR_FAIL(device_->CopyHostToDevice(
+          full + p.info.numel, zeros_, (p.padded_numel - p.info.numel) * sizeof(float), compute));
     }
-    ZINF_OR_FAIL(LandAfterCopy(p, scratch, scratch_bytes, ready));
-    stats_->AddD2H(scratch_bytes);
-    return Status::OK();
+    ZINF_OR_FAIL(device_->RecordEvent(compute_done_.get(), compute));
+    ZINF_OR_FAIL(device_->StreamWaitEvent(streams_.comm, compute_done_.get()));
+    ZINF_OR_FAIL(comm_->ReduceScatterSum(full, mine, part, streams_.comm));
+    ZINF_OR_FAIL(device_->RecordEvent(comm_done_.get(), streams_.comm));
+    ZINF_OR_FAIL(device_->StreamWaitEvent(streams_.grad, comm_done_.get()));
+    out = mine;
+    if (bf16) {
+      uint16_t* rounded = reinterpret_cast<uint16_t*>(mine + part);
+      ZINF_OR_FAIL(device_->ConvertToBf16(rounded, mine, part, streams_.grad));
+      out = rounded;
+    }
   }
-  float* full = static_cast<float*>(scratch);
-  float* mine = full + p.padded_numel;
-  ZINF_OR_FAIL(device_->CopyDeviceToDevice(full, grad, p.info.numel * sizeof(float), compute));
-  if (p.padded_numel > p.info.numel) {
-    ZINF_OR_FAIL(device_->CopyHostToDevice(
-        full + p.info.numel, zeros_, (p.padded_numel - p.info.numel) * sizeof(float), compute));
-  }
-  ZINF_OR_FAIL(device_->RecordEvent(compute_done_.get(), compute));
-  ZINF_OR_FAIL(device_->StreamWaitEvent(streams_.comm, compute_done_.get()));
-  ZINF_OR_FAIL(comm_->ReduceScatterSum(full, mine, part, streams_.comm));
-  ZINF_OR_FAIL(device_->RecordEvent(comm_done_.get(), streams_.comm));
-  ZINF_OR_FAIL(device_->StreamWaitEvent(streams_.grad, comm_done_.get()));
   const bool first = !flags_[id].seen_this_window;
   ZINF_OR_FAIL(EnsureBuffer(gi).WithContext("gradient of '" + p.info.name + "'"));
-  if (first) {
+  float* acc = Acc(id);
+  if (first && !bf16) {
+    // Straight into the accumulator; landed by a host function once copied.
     ZINF_OR_FAIL(stats_->TimeCopy(device_, streams_.grad, [&] {
-      return device_->CopyDeviceToHost(Acc(id), mine, part * sizeof(float), streams_.grad);
+      return device_->CopyDeviceToHost(acc, out, link_bytes, streams_.grad);
     }));
     MarkReduced(id);
+    if (part > n) std::memset(acc + n, 0, (part - n) * sizeof(float));
     ZINF_OR_FAIL(LandAfterCopy(p, scratch, scratch_bytes, ready));
   } else {
-    Result<PinnedBuffer> buf = arena_->Allocate(part * sizeof(float));
-    if (!buf.ok()) {
-      // The blocks of the gradients in flight come back once copied and summed: wait for them.
-      ZINF_OR_FAIL(device_->SynchronizeStream(streams_.grad));
-      adder_.Drain();
-      buf = arena_->Allocate(part * sizeof(float));
+    // Into pinned memory the adder thread then widens (bf16) and adds (a later micro-step)
+    // into the accumulator. A first bf16 gradient lands in the first half of its own
+    // accumulator and is widened in place, so it needs no staging.
+    std::shared_ptr<PinnedBuffer> staging;
+    void* dst = acc;
+    if (!first) {
+      Result<PinnedBuffer> buf = arena_->Allocate(link_bytes);
+      if (!buf.ok()) {
+        // The blocks of gradients in flight come back once copied and summed: wait for them.
+        ZINF_OR_FAIL(device_->SynchronizeStream(streams_.grad));
+        adder_.Drain();
+        buf = arena_->Allocate(link_bytes);
+      }
+      if (!buf.ok())
+        return fail(buf.status().WithContext("staging gradient of '" + p.info.name + "'"));
+      staging = std::make_shared<PinnedBuffer>(std::move(buf).value());
+      dst = staging->data();
     }
-    if (!buf.ok())
-      return fail(buf.status().WithContext("staging gradient of '" + p.info.name + "'"));
-    auto staging = std::make_shared<PinnedBuffer>(std::move(buf).value());
     // (`fail` below runs while `staging` is alive: the copy into it is waited for first.)
     ZINF_OR_FAIL(stats_->TimeCopy(device_, streams_.grad, [&] {
-      return device_->CopyDeviceToHost(staging->data(), mine, part * sizeof(float), streams_.grad);
+      return device_->CopyDeviceToHost(dst, out, link_bytes, streams_.grad);
     }));
     MarkReduced(id);
-    float* acc = Acc(id);
-    // Once the copy has run, the scratch goes back and the sum is handed to the adder thread,
-    // which lands the gradient after adding it.
-    ZINF_OR_FAIL(
-        device_
-            ->LaunchHostFunc(streams_.grad,
-                             [this, scratch, scratch_bytes, part, acc, staging, gi, ready] {
-                               budget_->Free(scratch, scratch_bytes);
-                               adder_.Push([this, part, acc, staging, gi, ready] {
-                                 const float* add = static_cast<const float*>(staging->data());
-                                 for (size_t i = 0; i < part; ++i) acc[i] += add[i];
-                                 staging->Reset();
-                                 board_->Land(gi, ready);
-                               });
-                             })
-            .WithContext("landing the gradient of '" + p.info.name + "'"));
+    if (first && part > n) std::memset(acc + n, 0, (part - n) * sizeof(float));
+    // Once the copy has run, the scratch goes back and the widening or sum is handed to the
+    // adder thread, which lands the gradient after it.
+    ZINF_OR_FAIL(device_
+                     ->LaunchHostFunc(
+                         streams_.grad,
+                         [this, scratch, scratch_bytes, n, bf16, acc, staging, gi, ready] {
+                           budget_->Free(scratch, scratch_bytes);
+                           adder_.Push([this, n, bf16, acc, staging, gi, ready] {
+                             if (staging == nullptr) {
+                               WidenInPlace(acc, n);
+                             } else if (bf16) {
+                               AddWidened(acc, static_cast<const uint16_t*>(staging->data()), n);
+                             } else {
+                               const float* add = static_cast<const float*>(staging->data());
+                               for (size_t i = 0; i < n; ++i) acc[i] += add[i];
+                             }
+                             if (staging != nullptr) staging->Reset();
+                             board_->Land(gi, ready);
+                           });
+                         })
+                     .WithContext("landing the gradient of '" + p.info.name + "'"));
   }
 #undef ZINF_OR_FAIL
-  stats_->AddD2H(part * sizeof(float));
+  stats_->AddD2H(link_bytes);
   return Status::OK();
 }
 

@@ -85,6 +85,7 @@ constexpr char kZeroInfinityConfig[] = R"json({
     "optimizer_threads": 12,
     "host_copy_gbps": 24.5,
     "io_backend": "libaio",
+    "gradient_transfer_dtype": "bf16",
     "nvme_paths": ["/local_nvme", "/nvme2"]
   }
 })json";
@@ -161,6 +162,7 @@ TEST(ConfigTest, ZeroInfinityConfigParsesEveryField) {
   EXPECT_EQ(50u, c.delayed_update_after);
   EXPECT_FALSE(c.durable);
   EXPECT_TRUE(c.checksums);
+  EXPECT_TRUE(c.gradient_transfer_bf16);
   EXPECT_EQ(12, c.optimizer_threads);
   EXPECT_DOUBLE_EQ(24.5, c.host_copy_gbps);
 }
@@ -206,6 +208,7 @@ void ExpectDefaults(const EngineConfig& c) {
   EXPECT_EQ(0u, c.nvme_capacity_bytes);
   EXPECT_FALSE(c.delayed_update);
   EXPECT_FALSE(c.checksums);
+  EXPECT_FALSE(c.gradient_transfer_bf16);
   EXPECT_EQ(0, c.optimizer_threads);
   EXPECT_DOUBLE_EQ(0.0, c.host_copy_gbps);
 }
@@ -558,6 +561,8 @@ const BadConfig kBadConfigs[] = {
      "optimizer.type: missing"},
     {"BadIoBackend", R"({"zinf": {"io_backend": "spdk"}})", kInvalid,
      "zinf.io_backend: expected one of io_uring, libaio, psync, got \"spdk\""},
+    {"BadGradientTransfer", R"({"zinf": {"gradient_transfer_dtype": "fp16"}})", kInvalid,
+     "zinf.gradient_transfer_dtype: expected one of fp32, bf16, got \"fp16\""},
     // What zinf does not implement.
     {"Stage2", R"({"zero_optimization": {"stage": 2}})", kNotSupported,
      "zero_optimization.stage: zinf implements ZeRO stage 3 only, got 2; set \"stage\": 3"},

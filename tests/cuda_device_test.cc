@@ -294,6 +294,29 @@ TEST_F(CudaTest, F32ToBf16MatchesTheCpuConversionBitForBit) {
   for (size_t i = 0; i < in.size(); ++i) {
     ASSERT_EQ(got[i], Fp32ToBf16(in[i])) << "input bits 0x" << std::hex << Bits(in[i]);
   }
+  // The seam's conversion (zinf.gradient_transfer_dtype "bf16") is the same kernel.
+  uint16_t* dst2 = DeviceBuffer<uint16_t>(in.size());
+  ASSERT_TRUE(device_->ConvertToBf16(dst2, src, in.size(), stream_).ok());
+  EXPECT_EQ(Download(dst2, in.size()), got);
+}
+
+// The engine bench's compute: busy for the time asked, back to back on one stream, timed by
+// the GPU's global timer.
+TEST_F(CudaTest, SpinKeepsTheStreamBusyAndTimesItself) {
+  uint64_t* times = DeviceBuffer<uint64_t>(4);
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(cuda::Spin(0.02, times, stream_).ok());
+  ASSERT_TRUE(cuda::Spin(0.01, times + 2, stream_).ok());
+  std::vector<uint64_t> got = Download(times, 4);
+  const double host_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_GE(got[1] - got[0], 20'000'000u);
+  EXPECT_LT(got[1] - got[0], 40'000'000u);
+  EXPECT_GE(got[2], got[1]);  // stream order
+  EXPECT_GE(got[3] - got[2], 10'000'000u);
+  EXPECT_GE(host_s, 0.03);
+  EXPECT_EQ(cuda::Spin(-1, times, stream_).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cuda::Spin(0.01, nullptr, stream_).code(), StatusCode::kInvalidArgument);
 }
 
 TEST_F(CudaTest, Scale) {

@@ -26,6 +26,7 @@ enum class DeviceOp {
   kStreamWaitEvent,
   kSynchronizeEvent,
   kSynchronizeStream,
+  kConvertToBf16,
 };
 
 class FaultyDevice : public Device {
@@ -98,6 +99,10 @@ class FaultyDevice : public Device {
     return inner_->RegisterHostMemory(ptr, bytes);
   }
   Status UnregisterHostMemory(void* ptr) override { return inner_->UnregisterHostMemory(ptr); }
+  Status ConvertToBf16(uint16_t* dst, const float* src, size_t n, Stream* s) override {
+    ZINF_RETURN_IF_ERROR(Inject(DeviceOp::kConvertToBf16, s));
+    return inner_->ConvertToBf16(dst, src, n, s);
+  }
   Status OptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t,
                        Stream* s) override {
     return inner_->OptimizerStep(hp, t, s);

@@ -447,6 +447,48 @@ TEST(HostDeviceTest, ArgumentErrors) {
   EXPECT_TRUE(other->SynchronizeEvent(ev->get()).ok());
 }
 
+// The seam's fp32 -> bf16 conversion is the CPU reference's, on the stream (after the work
+// before it), on every rounding case: ties to even, just above and below, denormals (to signed
+// zero), infinities and NaN.
+TEST(HostDeviceTest, ConvertToBf16IsTheCpuReferenceOrderedOnTheStream) {
+  auto device = MakeDevice();
+  Stream* s = MustCreateStream(device.get(), "s");
+  std::vector<float> in;
+  for (uint32_t hi : {0x3f80u, 0x3f81u, 0xbf80u, 0x0000u, 0x8000u, 0x007fu, 0x7f7fu, 0x7f80u,
+                      0xff80u, 0x7fc0u, 0x4049u}) {
+    for (uint32_t low : {0x0000u, 0x0001u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu}) {
+      const uint32_t bits = (hi << 16) | low;
+      float f;
+      std::memcpy(&f, &bits, sizeof(f));
+      in.push_back(f);
+    }
+  }
+  auto src = device->Alloc(in.size() * sizeof(float));
+  auto dst = device->Alloc(in.size() * sizeof(uint16_t));
+  ASSERT_TRUE(src.ok() && dst.ok());
+  ASSERT_TRUE(device->CopyHostToDevice(*src, in.data(), in.size() * sizeof(float), s).ok());
+  ASSERT_TRUE(device
+                  ->ConvertToBf16(static_cast<uint16_t*>(*dst), static_cast<const float*>(*src),
+                                  in.size(), s)
+                  .ok());
+  std::vector<uint16_t> got(in.size());
+  ASSERT_TRUE(device->CopyDeviceToHost(got.data(), *dst, got.size() * sizeof(uint16_t), s).ok());
+  ASSERT_TRUE(device->SynchronizeStream(s).ok());
+  for (size_t i = 0; i < in.size(); ++i) EXPECT_EQ(got[i], Fp32ToBf16(in[i])) << "input " << i;
+  EXPECT_EQ(got[0], 0x3f80u);   // 1.0 exactly
+  EXPECT_EQ(got[3], 0x3f80u);   // a tie rounds to the even 0x3f80
+  EXPECT_EQ(got[9], 0x3f82u);   // a tie rounds to the even 0x3f82
+  EXPECT_EQ(got[35], 0x0000u);  // a denormal flushes to +0
+  EXPECT_EQ(device->ConvertToBf16(nullptr, static_cast<const float*>(*src), 4, s).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(device->ConvertToBf16(static_cast<uint16_t*>(*dst), nullptr, 4, s).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(device->ConvertToBf16(nullptr, nullptr, 4, nullptr).code(),
+            StatusCode::kInvalidArgument);
+  device->Free(*src);
+  device->Free(*dst);
+}
+
 TEST(HostDeviceTest, DestructionDrainsTheStreams) {
   std::atomic<int> ran{0};
   {

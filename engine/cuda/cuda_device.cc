@@ -344,6 +344,12 @@ Status CudaDevice::UnregisterHostMemory(void* ptr) {
   return Status::OK();
 }
 
+Status CudaDevice::ConvertToBf16(uint16_t* dst, const float* src, size_t n, Stream* stream) {
+  ZINF_RETURN_IF_ERROR(OwnStream(stream, "ConvertToBf16").status());
+  ZINF_RETURN_IF_ERROR(MakeCurrent(ordinal_));
+  return cuda::CastF32ToBf16(src, dst, n, stream);
+}
+
 Status CudaDevice::OptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t,
                                  Stream* stream) {
   ZINF_RETURN_IF_ERROR(OwnStream(stream, "OptimizerStep").status());

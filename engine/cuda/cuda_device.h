@@ -69,6 +69,7 @@ class CudaDevice final : public Device {
   Status UnregisterHostMemory(void* ptr) override;
 
   // cuda::AdamStep on `stream` (a stream of this device).
+  Status ConvertToBf16(uint16_t* dst, const float* src, size_t n, Stream* stream) override;
   Status OptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t,
                        Stream* stream) override;
 

@@ -472,6 +472,19 @@ Status HostDevice::CopyDeviceToDevice(void* dst, const void* src, size_t bytes, 
   return Copy("CopyDeviceToDevice", nullptr, dst, src, bytes, stream);
 }
 
+Status HostDevice::ConvertToBf16(uint16_t* dst, const float* src, size_t n, Stream* stream) {
+  ZINF_RETURN_IF_ERROR(OwnStream(stream, "ConvertToBf16").status());
+  if (n == 0) return Status::OK();
+  if (dst == nullptr || src == nullptr) {
+    return Status::InvalidArgument(std::string("ConvertToBf16 of ") + std::to_string(n) +
+                                   " values: " + (dst == nullptr ? "dst" : "src") + " is null");
+  }
+  return LaunchHostTask(stream, [dst, src, n] {
+    for (size_t i = 0; i < n; ++i) dst[i] = Fp32ToBf16(src[i]);
+    return Status::OK();
+  });
+}
+
 Status HostDevice::OptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t,
                                  Stream* stream) {
   ZINF_RETURN_IF_ERROR(ValidateOptimizerStep(hp, t).WithContext("HostDevice::OptimizerStep"));

@@ -131,6 +131,7 @@ class HostDevice final : public Device {
 
   // The CPU kernel as a task of `stream` (LaunchHostTask), with the instruction set chosen
   // SelectCpuIsa picks (ZINF_CPU_ISA or the best); arguments are checked before it is queued.
+  Status ConvertToBf16(uint16_t* dst, const float* src, size_t n, Stream* stream) override;
   Status OptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t,
                        Stream* stream) override;
 

@@ -86,7 +86,13 @@ struct EngineConfig {
   // A fresh engine (no ResumeFromStore) may replace a durable store that holds commits in its
   // folder; false: refused, naming the committed step (zinf.durable_overwrite).
   bool durable_overwrite = false;
-  bool checksums = false;     // per-chunk checksums in the swap store
+  bool checksums = false;  // per-chunk checksums in the swap store
+  // zinf.gradient_transfer_dtype "bf16" (default "fp32"): each gradient partition is rounded
+  // to bf16 on the device (nearest even, as Fp32ToBf16) before it is copied to the host, and
+  // widened back to fp32 there, where accumulation and the optimizer stay fp32: half the
+  // bytes across the link, at one bf16 rounding (8 significant bits) per micro-step's
+  // gradient. With several ranks the reduce-scatter sums in fp32 first.
+  bool gradient_transfer_bf16 = false;
   int optimizer_threads = 0;  // CPU Adam threads; 0 = all cores
   double host_copy_gbps = 0;  // HostDevice PCIe simulation; 0 = memcpy speed
   // When not empty, every NVMe path must lie inside one of these folders once symbolic links

@@ -84,6 +84,13 @@ class Device {
   virtual Status RegisterHostMemory(void* ptr, size_t bytes) = 0;
   virtual Status UnregisterHostMemory(void* ptr) = 0;
 
+  // Rounds `n` fp32 values at `src` to bf16 at `dst` (both in this device's memory), ordered
+  // on `stream`, with the CPU reference's rounding (Fp32ToBf16, cpu_adam.h: nearest even,
+  // denormals to signed zero, NaN stays NaN): the halving of a gradient before it crosses the
+  // link (zinf.gradient_transfer_dtype "bf16"). Argument errors are returned; failures while
+  // running become the stream's error.
+  virtual Status ConvertToBf16(uint16_t* dst, const float* src, size_t n, Stream* stream) = 0;
+
   // One optimizer step ordered on `stream`, every pointer of `t` in this device's memory (the
   // engine steps the sub-groups whose states stay on the device with it). Bit-identical to
   // the CPU scalar reference (zinf/cpu_adam.h). HostDevice: the CPU kernel (ZINF_CPU_ISA or
