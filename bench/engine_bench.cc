@@ -2,12 +2,20 @@
 // (or a GPU, --device cuda), to measure how well fetches, NVMe traffic and the optimizer
 // overlap with compute.
 //
-// Each layer owns one parameter; "compute" is a sleep of --compute-ms per layer and pass (a GPU
-// computing leaves the host CPU free, and so does a sleep). One JSON line per step.
+// Each layer owns one parameter; "compute" is --compute-ms per layer and pass: on the host
+// device a sleep of the trainer thread (a GPU computing leaves the host CPU free, and so does a
+// sleep), on a GPU a kernel that keeps the compute stream busy that long (cuda::Spin) while the
+// trainer thread runs ahead, as a PyTorch trainer's does. One JSON line per step.
+//
+// Compute idle: between the start of a step's first compute and the end of its last, the time
+// the compute stream (the trainer thread, on the host device) was not computing: waiting for
+// parameters, for the engine's own work on that stream, or for the host to issue work. Timed
+// on the GPU's own clock (each kernel records its start and end) or the host's.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -42,6 +50,7 @@ struct Flags {
   bool delayed_update = false;
   std::string device = "host";
   double optimizer_ratio = 1.0;
+  std::string gradient_transfer = "fp32";
 };
 
 Result<Tier> ParseTier(const std::string& s) {
@@ -50,6 +59,71 @@ Result<Tier> ParseTier(const std::string& s) {
   if (s == "nvme") return Tier::kNvme;
   return Status::InvalidArgument("tier '" + s + "': use device, cpu or nvme");
 }
+
+// The bench's "compute" and its busy intervals, for the compute-idle figure.
+class Compute {
+ public:
+  // Up to `max_runs` runs per step.
+  static Result<std::unique_ptr<Compute>> Create(Device* device, bool cuda, size_t max_runs) {
+    auto c = std::unique_ptr<Compute>(new Compute(device, cuda, max_runs));
+    if (cuda) {
+      ZINF_ASSIGN_OR_RETURN(void* times, device->Alloc(2 * max_runs * sizeof(uint64_t)));
+      c->times_ = static_cast<uint64_t*>(times);
+    }
+    return c;
+  }
+  Compute(const Compute&) = delete;
+  Compute& operator=(const Compute&) = delete;
+  ~Compute() {
+    if (times_ != nullptr) device_->Free(times_);
+  }
+
+  Status Run(double ms) {
+    if (runs_ >= max_runs_) return Status::Internal("more compute runs than planned in a step");
+    if (cuda_) return cuda::Spin(ms / 1e3, times_ + 2 * runs_++, device_->ComputeStream());
+    const auto t0 = Clock::now();
+    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
+    const auto t1 = Clock::now();
+    host_.push_back(static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(t0.time_since_epoch()).count()));
+    host_.push_back(static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(t1.time_since_epoch()).count()));
+    ++runs_;
+    return Status::OK();
+  }
+
+  // The step's idle seconds between its first compute's start and its last compute's end
+  // (waits for the compute stream); starts the next step.
+  Result<double> EndStep() {
+    std::vector<uint64_t> t(2 * runs_);
+    if (cuda_ && runs_ > 0) {
+      Stream* compute = device_->ComputeStream();
+      ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(compute));
+      ZINF_RETURN_IF_ERROR(device_->CopyDeviceToHost(t.data(), times_, t.size() * 8, compute));
+      ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(compute));
+    } else {
+      t = host_;
+    }
+    host_.clear();
+    runs_ = 0;
+    if (t.empty()) return 0.0;
+    uint64_t busy = 0;
+    for (size_t k = 0; k < t.size(); k += 2) busy += t[k + 1] - t[k];
+    const uint64_t span = t.back() - t.front();
+    return static_cast<double>(span > busy ? span - busy : 0) / 1e9;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  Compute(Device* device, bool cuda, size_t max_runs)
+      : device_(device), cuda_(cuda), max_runs_(max_runs) {}
+  Device* const device_;
+  const bool cuda_;
+  const size_t max_runs_;
+  size_t runs_ = 0;
+  uint64_t* times_ = nullptr;  // cuda: device memory, [start, end] per run
+  std::vector<uint64_t> host_;
+};
 
 int Main(int argc, char** argv) {
   Flags f;
@@ -91,6 +165,10 @@ int Main(int argc, char** argv) {
                  "stay in device memory and are stepped there")
       ->check(FiniteNumber())
       ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--gradient-transfer", f.gradient_transfer,
+                 "zinf.gradient_transfer_dtype: fp32, or bf16 (gradients rounded on the "
+                 "device, half the bytes to the host)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   // Presets first, then explicit flags win: parse twice.
   if (int rc = ParseCommandLine(app, argc, argv); rc >= 0) return rc;
   if (f.preset != "none") {
@@ -137,6 +215,7 @@ int Main(int argc, char** argv) {
   c.bf16 = f.bf16;
   c.delayed_update = f.delayed_update;
   c.offload_optimizer.ratio = f.optimizer_ratio;
+  c.gradient_transfer_bf16 = f.gradient_transfer == "bf16";
   const uint64_t elem = f.bf16 ? 2 : 4;
   c.pinned_budget_bytes = RoundUp(f.layers * f.layer_elems * 4 + 4 * f.sub_group_elems * 14 +
                                       f.prefetch_elems * elem + 64 * f.layer_elems + (256u << 20),
@@ -206,19 +285,25 @@ int Main(int argc, char** argv) {
     return 1;
   }
   const float* grad = static_cast<const float*>(*grad_mem);
-  auto compute = std::chrono::duration<double, std::milli>(f.compute_ms);
-  std::vector<double> effs, step_secs, nvme_busy, copy_busy, opt_busy;
+  Result<std::unique_ptr<Compute>> compute =
+      Compute::Create(device, f.device == "cuda", 2 * f.layers);
+  if (!compute.ok()) {
+    std::fprintf(stderr, "zinf-engine-bench: compute timing: %s\n",
+                 compute.status().ToString().c_str());
+    return 1;
+  }
+  std::vector<double> effs, step_secs, nvme_busy, copy_busy, opt_busy, idle_secs, d2h;
   for (int step = 0; step < f.steps; ++step) {
     for (int l = 0; l < f.layers && s.ok(); ++l) {
       auto p = e.Acquire({ids[l]});
       if (!p.ok()) s = p.status();
-      std::this_thread::sleep_for(compute);
+      if (s.ok()) s = (*compute)->Run(f.compute_ms);
       if (s.ok()) s = e.Release({ids[l]});
     }
     for (int l = f.layers - 1; l >= 0 && s.ok(); --l) {
       auto p = e.Acquire({ids[l]});
       if (!p.ok()) s = p.status();
-      std::this_thread::sleep_for(compute * 2);  // backward costs about twice the forward
+      if (s.ok()) s = (*compute)->Run(2 * f.compute_ms);  // backward costs about twice the forward
       if (s.ok()) s = e.ReduceGradient(ids[l], grad);
       if (s.ok()) s = e.Release({ids[l]});
     }
@@ -228,12 +313,18 @@ int Main(int argc, char** argv) {
       s = st.status();
       break;
     }
+    Result<double> idle = (*compute)->EndStep();
+    if (!idle.ok()) {
+      s = idle.status();
+      break;
+    }
     nlohmann::json j;
     j["step"] = st->step;
     j["preset"] = f.preset;
     j["delayed_update"] = f.delayed_update;
     j["device"] = f.device;
     j["optimizer_ratio"] = f.optimizer_ratio;
+    j["gradient_transfer"] = f.gradient_transfer;
     j["step_seconds"] = st->step_seconds;
     j["overlap_efficiency"] = st->overlap_efficiency;
     j["nvme_read_bytes"] = st->nvme_read_bytes;
@@ -244,6 +335,7 @@ int Main(int argc, char** argv) {
     j["copy_busy_seconds"] = st->copy_busy_seconds;
     j["optimizer_busy_seconds"] = st->optimizer_busy_seconds;
     j["compute_seconds"] = 3 * f.layers * f.compute_ms / 1e3;
+    j["compute_idle_seconds"] = *idle;
     j["acquire_wait_seconds"] = st->acquire_wait_seconds;
     j["optimizer_wait_seconds"] = st->optimizer_wait_seconds;
     j["peak_device_bytes"] = st->peak_device_bytes;
@@ -260,9 +352,12 @@ int Main(int argc, char** argv) {
       nvme_busy.push_back(st->nvme_busy_seconds);
       copy_busy.push_back(st->copy_busy_seconds);
       opt_busy.push_back(st->optimizer_busy_seconds);
+      idle_secs.push_back(*idle);
+      d2h.push_back(static_cast<double>(st->d2h_bytes));
     }
   }
-  engine->reset();  // drains the engine's streams before its gradient source goes
+  engine->reset();   // drains the engine's streams before its gradient source goes
+  compute->reset();  // its timing buffer, while the device lives
   device->Free(*grad_mem);
   if (!s.ok()) {
     std::fprintf(stderr, "zinf-engine-bench: %s\n", s.ToString().c_str());
@@ -280,10 +375,17 @@ int Main(int argc, char** argv) {
   j["median_copy_busy_seconds"] = median(copy_busy);
   j["median_optimizer_busy_seconds"] = median(opt_busy);
   j["simulated_compute_seconds"] = 3 * f.layers * f.compute_ms / 1e3;
+  // The compute stream's idle time within the step (see the top of this file), against the
+  // compute it ran: 0 is perfect overlap.
+  j["median_compute_idle_seconds"] = median(idle_secs);
+  j["median_compute_idle_fraction"] =
+      median(idle_secs) / (median(idle_secs) + 3 * f.layers * f.compute_ms / 1e3);
   j["preset"] = f.preset;
   j["delayed_update"] = f.delayed_update;
   j["device"] = f.device;
   j["optimizer_ratio"] = f.optimizer_ratio;
+  j["gradient_transfer"] = f.gradient_transfer;
+  j["median_d2h_bytes"] = median(d2h);
   j["median_overlap_efficiency"] = median(effs);
   std::printf("%s\n", j.dump().c_str());
   return 0;

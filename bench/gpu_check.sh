@@ -270,12 +270,15 @@ else
   # Parameters on the GPU with the optimizer on the CPU, then half of the sub-groups stepped
   # by the GPU Adam (offload_optimizer.ratio 0.5), then parameters streamed from NVMe.
   mkdir -p "$NVME_DIR"
-  STAGE_NOTE="zinf-engine-bench --device cuda: adam-bound, adam-bound ratio 0.5, io-bound"
-  run_stage engine_bench 50 bash -c '
+  # Then adam-bound again with bf16 gradients across PCIe (zinf.gradient_transfer_dtype).
+  STAGE_NOTE="zinf-engine-bench --device cuda: adam-bound, adam-bound ratio 0.5, io-bound, adam-bound bf16 gradients"
+  run_stage engine_bench 60 bash -c '
     set -e
     "$0" --device cuda --preset adam-bound --steps 4 --nvme "$1"
     "$0" --device cuda --preset adam-bound --optimizer-ratio 0.5 --steps 4 --nvme "$1"
-    "$0" --device cuda --preset io-bound --steps 4 --nvme "$1"' "$ENGINE_BENCH" "$NVME_DIR"
+    "$0" --device cuda --preset io-bound --steps 4 --nvme "$1"
+    "$0" --device cuda --preset adam-bound --gradient-transfer bf16 --steps 4 --nvme "$1"' \
+    "$ENGINE_BENCH" "$NVME_DIR"
   rm -rf "$NVME_DIR"
 fi
 
@@ -447,15 +450,21 @@ for line in sys.stdin:
     echo
     echo "## Engine bench on the GPU (medians of steps 2-4)"
     echo
-    echo "| preset | optimizer ratio | step s | overlap | NVMe busy s | copy busy s | optimizer busy s |"
-    echo "|---|---|---|---|---|---|---|"
+    echo "Compute idle: the compute stream not computing between a step's first and last"
+    echo "compute kernel (GPU timer), and its share of that span."
+    echo
+    echo "| preset | optimizer ratio | gradients | step s | compute idle s (share) | D2H MiB | overlap | NVMe busy s | copy busy s | optimizer busy s |"
+    echo "|---|---|---|---|---|---|---|---|---|---|"
     grep '"median_step_seconds"' "$OUT/engine_bench.log" | python3 -c '
 import json, sys
 for line in sys.stdin:
     j = json.loads(line)
-    print("| %s | %s | %.3f | %.2f | %.3f | %.3f | %.3f |" % (j["preset"], j["optimizer_ratio"],
-          j["median_step_seconds"], j["median_overlap_efficiency"], j["median_nvme_busy_seconds"],
-          j["median_copy_busy_seconds"], j["median_optimizer_busy_seconds"]))
+    print("| %s | %s | %s | %.3f | %.3f (%.0f %%) | %.0f | %.2f | %.3f | %.3f | %.3f |" % (
+          j["preset"], j["optimizer_ratio"], j["gradient_transfer"], j["median_step_seconds"],
+          j["median_compute_idle_seconds"], 100 * j["median_compute_idle_fraction"],
+          j["median_d2h_bytes"] / 2**20, j["median_overlap_efficiency"],
+          j["median_nvme_busy_seconds"], j["median_copy_busy_seconds"],
+          j["median_optimizer_busy_seconds"]))
 ' || echo "(could not parse engine_bench.log)"
   fi
   if [[ -f "$OUT/train.log" ]] && grep -q '"tokens_per_s"' "$OUT/train.log"; then

@@ -25,6 +25,7 @@ Status CastF32ToBf16(const float*, uint16_t*, size_t, Stream*) { return NoCuda()
 Status Scale(float*, size_t, float, Stream*) { return NoCuda(); }
 Status SumSquares(const float*, size_t, double*, bool*, Stream*) { return NoCuda(); }
 Status AdamStep(const OptimizerHyperParams&, const OptimizerTensors&, Stream*) { return NoCuda(); }
+Status Spin(double, uint64_t*, Stream*) { return NoCuda(); }
 
 }  // namespace cuda
 }  // namespace zinf

@@ -91,6 +91,20 @@ __global__ void CastF32ToBf16Kernel(const float* src, uint16_t* dst, size_t n) {
   }
 }
 
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__global__ void SpinKernel(uint64_t ns, uint64_t* times) {
+  const uint64_t start = GlobalTimerNs();
+  uint64_t now = start;
+  while (now - start < ns) now = GlobalTimerNs();
+  times[0] = start;
+  times[1] = now;
+}
+
 __global__ void ScaleKernel(float* x, size_t n, float s) {
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
        i += size_t{gridDim.x} * blockDim.x) {
@@ -314,6 +328,18 @@ Status SumSquares(const float* x, size_t n, double* out_host, bool* nonfinite_ho
       SumSquaresDelivery{cs->staging(), out_host, nonfinite_host});
   ZINF_CUDA_CHECK(cudaLaunchHostFunc(cs->handle(), DeliverSumSquares, delivery.get()));
   delivery.release();  // owned by the host function now
+  return Status::OK();
+}
+
+Status Spin(double seconds, uint64_t* times, Stream* stream) {
+  ZINF_ASSIGN_OR_RETURN(CudaStream * cs, KernelStream(stream, "cuda::Spin"));
+  if (!(seconds >= 0 && seconds <= 60)) {
+    return Status::InvalidArgument("cuda::Spin: seconds must be in [0, 60], got " +
+                                   std::to_string(seconds));
+  }
+  if (times == nullptr) return NullArgument("cuda::Spin", "times", 2);
+  SpinKernel<<<1, 1, 0, cs->handle()>>>(static_cast<uint64_t>(seconds * 1e9), times);
+  ZINF_CUDA_CHECK(cudaGetLastError());
   return Status::OK();
 }
 

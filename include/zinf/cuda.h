@@ -132,6 +132,12 @@ Status SumSquares(const float* x, size_t n, double* out_host, bool* nonfinite_ho
 // explicit (kernels.cu is built with -fmad=false, IEEE division and square root, no
 // flush-to-zero), and the same bf16/fp16 conversions.
 Status AdamStep(const OptimizerHyperParams& hp, const OptimizerTensors& t, Stream* stream);
+// Benchmark compute: keeps `stream` busy for `seconds` (one thread spinning on the GPU's
+// global nanosecond timer, so the time does not depend on the clock rate) and writes that
+// timer at its start and its end to times[0] and times[1] (device memory): the compute
+// stream's busy intervals on the GPU's own clock (zinf-engine-bench's idle report).
+// InvalidArgument for seconds < 0 or above 60.
+Status Spin(double seconds, uint64_t* times, Stream* stream);
 
 }  // namespace cuda
 }  // namespace zinf
