@@ -127,6 +127,9 @@ void GradientPath::Adder::Main() {
 }
 
 GradientPath::~GradientPath() {
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    if (groups_[gi].on_device) budget_->Free(groups_[gi].data, layout_->GroupGradBytes(gi));
+  }
   if (zeros_registered_) {
     Status s = device_->UnregisterHostMemory(zeros_);
     if (!s.ok()) LogWarning("closing the engine: " + s.ToString());
@@ -153,8 +156,19 @@ Status GradientPath::Init() {
 }
 
 Status GradientPath::AllocateGroup(size_t gi) {
-  if (streaming_) return Status::OK();
   Group& g = groups_[gi];
+  if (layout_->group(gi).on_device && config_->offload_param.tier == Tier::kDevice) {
+    // Stepped on the device (OptimizerPipeline::StepGroupOnDevice): its gradients accumulate
+    // in device memory, planned with the rest of it. Only reduced parameters are read (the
+    // others are not stepped, and count zero in the clipping norm), so no zeroing.
+    const size_t bytes = layout_->GroupGradBytes(gi);
+    ZINF_ASSIGN_OR_RETURN(void* d, budget_->Alloc(bytes, "device gradient accumulators"));
+    budget_->Plan(bytes);
+    g.on_device = true;
+    g.data = static_cast<float*>(d);
+    return Status::OK();
+  }
+  if (streaming_) return Status::OK();
   ZINF_ASSIGN_OR_RETURN(g.grads, arena_->Allocate(layout_->GroupGradBytes(gi)));
   std::memset(g.grads.data(), 0, g.grads.capacity());
   g.data = static_cast<float*>(g.grads.data());
@@ -236,11 +250,13 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
   const size_t gi = p.info.sub_group;
   const size_t full_bytes = p.padded_numel * sizeof(float);
   const size_t part = p.info.partition_numel;
-  const bool bf16 = config_->gradient_transfer_bf16;
+  // Accumulated on the device (a sub-group the device steps): nothing crosses the link.
+  const bool on_device = groups_[gi].on_device;
+  const bool bf16 = config_->gradient_transfer_bf16 && !on_device;
   Stream* compute = device_->ComputeStream();
   // One rank, first gradient of the window: the reduction is the identity.
   const bool one_rank_first = comm_->world_size() == 1 && !flags_[id].seen_this_window;
-  if (one_rank_first && device_->ComputeRunsInline()) {
+  if (one_rank_first && device_->ComputeRunsInline() && !on_device) {
     // The compute stream is the caller (the host device): the gradient goes straight into
     // its accumulator (one copy instead of three, and no device scratch).
     ZINF_RETURN_IF_ERROR(EnsureBuffer(gi).WithContext("gradient of '" + p.info.name + "'"));
@@ -324,6 +340,19 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
   const bool first = !flags_[id].seen_this_window;
   ZINF_OR_FAIL(EnsureBuffer(gi).WithContext("gradient of '" + p.info.name + "'"));
   float* acc = Acc(id);
+  if (on_device) {
+    // The accumulator is device memory: the partition is copied (first gradient of the
+    // window, padding zeroed) or added there, on the gradient stream.
+    ZINF_OR_FAIL(first ? device_->CopyDeviceToDevice(acc, out, n * sizeof(float), streams_.grad)
+                       : device_->AddInto(acc, static_cast<const float*>(out), n, streams_.grad));
+    if (first && part > n) {
+      ZINF_OR_FAIL(
+          device_->CopyHostToDevice(acc + n, zeros_, (part - n) * sizeof(float), streams_.grad));
+    }
+    MarkReduced(id);
+    ZINF_OR_FAIL(LandAfterCopy(p, scratch, scratch_bytes, ready));
+    return Status::OK();
+  }
   if (first && !bf16) {
     // Straight into the accumulator; landed by a host function once copied.
     ZINF_OR_FAIL(stats_->TimeCopy(device_, streams_.grad, [&] {
@@ -393,7 +422,7 @@ Status GradientPath::CompleteWindow(int64_t ready,
     if (!flags_[id].seen_this_window) {
       Status s = wait_stepped(gi);
       if (!s.ok()) return s.WithContext("zero gradient of '" + p.info.name + "'");
-      if (groups_[gi].data != nullptr) {
+      if (groups_[gi].data != nullptr && !groups_[gi].on_device) {
         std::memset(Acc(id), 0, p.info.partition_numel * sizeof(float));
       }
     }
@@ -402,11 +431,32 @@ Status GradientPath::CompleteWindow(int64_t ready,
   return Status::OK();
 }
 
-Result<double> GradientPath::LocalSumSquares(CpuOptimizer* optimizer) const {
+Result<double> GradientPath::LocalSumSquares(CpuOptimizer* optimizer) {
+  // Accumulators on the device: summed there (all queued, then one wait), each parameter
+  // that got no gradient in the window counting zero, as its zeroed host accumulator would.
+  std::vector<GradStats> on_device(flags_.size());
+  bool any = false;
+  Status queued;
+  for (ParamId id = 0; id < flags_.size() && queued.ok(); ++id) {
+    const ParamLayout& p = layout_->param(id);
+    if (!groups_[p.info.sub_group].on_device || !flags_[id].seen_this_window) continue;
+    queued = device_->SumSquares(Acc(id), p.info.partition_numel, &on_device[id], streams_.grad)
+                 .WithContext("gradient norm of '" + p.info.name + "'");
+    any = true;
+  }
+  // Even after a failure: the sums queued write into `on_device` until the stream is done.
+  Status synced = any ? device_->SynchronizeStream(streams_.grad) : Status::OK();
+  ZINF_RETURN_IF_ERROR(queued);
+  ZINF_RETURN_IF_ERROR(synced);
   double local = 0;
   for (ParamId id = 0; id < flags_.size(); ++id) {
+    const ParamLayout& p = layout_->param(id);
+    if (groups_[p.info.sub_group].on_device) {
+      local += on_device[id].sum_squares;
+      continue;
+    }
     Result<GradStats> gs =
-        optimizer->GradSumSquares(Acc(id), GradType::kF32, layout_->param(id).info.partition_numel);
+        optimizer->GradSumSquares(Acc(id), GradType::kF32, p.info.partition_numel);
     ZINF_RETURN_IF_ERROR(gs.status());
     local += gs->sum_squares;
   }

@@ -1,6 +1,7 @@
 // Gradients from the trainer to the optimizer: each parameter's gradient is reduce-scattered
-// (or, on one rank, copied) into the pinned fp32 accumulators of its sub-group, and the
-// group board learns when a sub-group's gradients have landed. Accumulators live as long as
+// (or, on one rank, copied) into the pinned fp32 accumulators of its sub-group (device memory
+// for a sub-group the device steps), and the group board learns when a sub-group's gradients
+// have landed. Accumulators live as long as
 // the engine, or, streaming (no accumulation, no clipping), are blocks of a pool that a
 // sub-group holds from its first gradient until the optimizer has stepped it.
 #pragma once
@@ -61,9 +62,9 @@ class GradientPath {
   Status CompleteWindow(int64_t ready, const std::function<Status(size_t)>& wait_stepped);
   // The window's optimizer step is taken: the next window starts with no gradients.
   void EndWindow();
-  // Clipping: this rank's sum of squares of every accumulator. REQUIRES: Drain() since the
-  // last Reduce.
-  Result<double> LocalSumSquares(CpuOptimizer* optimizer) const;
+  // Clipping: this rank's sum of squares of every accumulator (those on the device summed
+  // there). REQUIRES: Drain() since the last Reduce.
+  Result<double> LocalSumSquares(CpuOptimizer* optimizer);
   // Waits until every gradient added onto an earlier one (in the accumulation thread) is in
   // its accumulator. The streams' part must be done first (DeviceBudget::ReclaimScratch).
   void Drain() { adder_.Drain(); }
@@ -74,7 +75,9 @@ class GradientPath {
   std::string Unreduced(size_t gi) const;
 
   // ---- Optimizer thread (between the group's landing and MarkStepped) ----
+  // Host memory, or device memory for a sub-group the device steps (on_device).
   float* group_grads(size_t gi) const { return groups_[gi].data; }
+  bool on_device(size_t gi) const { return groups_[gi].on_device; }
   float* Acc(ParamId id) const;
   // Streaming: gives back the accumulators of a stepped sub-group.
   void ReleaseBuffer(size_t gi);
@@ -108,9 +111,10 @@ class GradientPath {
     std::thread thread_;  // last: started once the rest is initialised
   };
   struct Group {
-    PinnedBuffer grads;     // not streaming
-    PooledBlock block;      // streaming
-    float* data = nullptr;  // either
+    PinnedBuffer grads;      // not streaming
+    PooledBlock block;       // streaming
+    float* data = nullptr;   // either, or device memory (on_device)
+    bool on_device = false;  // stepped on the device: accumulated in device memory
   };
   // Streaming: gives sub-group `gi` its accumulators, waiting (bounded) for the optimizer to
   // free a block when all are taken. No-op when it has them.

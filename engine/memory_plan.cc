@@ -30,9 +30,11 @@ Result<PinnedPlan> PlanPinnedMemory(const Layout& layout, const EngineConfig& co
   size_t kept_on_device = 0;
   for (size_t gi = 0; gi < layout.num_groups(); ++gi) {
     max_group = std::max<uint64_t>(max_group, layout.group(gi).numel);
+    if (layout.group(gi).on_device) ++kept_on_device;
+    // A sub-group the device steps accumulates its gradients in device memory.
+    if (layout.group(gi).on_device && config.offload_param.tier == Tier::kDevice) continue;
     grads_all += RoundUp(layout.GroupGradBytes(gi), 4096);
     max_group_grads = std::max<uint64_t>(max_group_grads, RoundUp(layout.GroupGradBytes(gi), 4096));
-    if (layout.group(gi).on_device) ++kept_on_device;
   }
   const uint64_t buffers = std::max<uint32_t>(config.offload_optimizer.buffer_count, 3);
   plan.state_block_bytes = RoundUp(max_group * 3 * sizeof(float), 4096);
@@ -59,7 +61,8 @@ Result<PinnedPlan> PlanPinnedMemory(const Layout& layout, const EngineConfig& co
   // Gradient accumulators. Streaming: two sub-groups' worth is enough (the one the backward
   // fills and the one being stepped); whatever the budget has left goes to them, so backward
   // can run ahead of the optimizer.
-  plan.stream_grads = config.gradient_accumulation_steps <= 1 && config.gradient_clipping <= 0;
+  plan.stream_grads = config.gradient_accumulation_steps <= 1 && config.gradient_clipping <= 0 &&
+                      max_group_grads > 0;
   const uint64_t groups = layout.num_groups();
   plan.grad_block_bytes = max_group_grads;
   plan.grads_min = plan.stream_grads ? std::min<uint64_t>(groups, 2) * max_group_grads : grads_all;

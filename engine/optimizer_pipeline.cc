@@ -16,29 +16,12 @@ double Since(Clock::time_point t0) {
 }
 }  // namespace
 
-OptimizerPipeline::~OptimizerPipeline() {
-  Join();
-  if (device_grads_ != nullptr) m_.budget->Free(device_grads_, device_grads_bytes_);
-}
+OptimizerPipeline::~OptimizerPipeline() { Join(); }
 
 Status OptimizerPipeline::Attach(SwapStore* swap, BlockPool* state_pool, BlockPool* copy_pool) {
   swap_ = swap;
   state_pool_ = state_pool;
   copy_pool_ = copy_pool;
-  // Sub-groups the device steps (StepGroupOnDevice): one gradient buffer for them, planned
-  // with the rest of the device memory.
-  if (m_.config->offload_param.tier == Tier::kDevice) {
-    size_t largest = 0;
-    for (size_t gi = 0; gi < m_.layout->num_groups(); ++gi) {
-      if (m_.layout->group(gi).on_device)
-        largest = std::max(largest, m_.layout->GroupGradBytes(gi));
-    }
-    if (largest > 0) {
-      ZINF_ASSIGN_OR_RETURN(device_grads_, m_.budget->Alloc(largest, "device optimizer gradients"));
-      device_grads_bytes_ = largest;
-      m_.budget->Plan(largest);
-    }
-  }
   return Status::OK();
 }
 
@@ -250,13 +233,14 @@ Status OptimizerPipeline::CheckFinite(ParamId id, int64_t step) {
   Result<GradStats> gs =
       m_.optimizer->GradSumSquares(m_.grads->Acc(id), GradType::kF32, p.info.partition_numel);
   ZINF_RETURN_IF_ERROR(gs.status());
-  if (gs->has_inf_or_nan) {
-    return Status::FailedPrecondition(
-        "the gradient of '" + p.info.name + "' in step " + std::to_string(step) +
-        " holds inf or NaN: the optimizer stopped before writing it; lower the learning rate "
-        "or look at the loss, then resume from the last checkpoint");
-  }
-  return Status::OK();
+  return gs->has_inf_or_nan ? NonFinite(id, step) : Status::OK();
+}
+
+Status OptimizerPipeline::NonFinite(ParamId id, int64_t step) const {
+  return Status::FailedPrecondition(
+      "the gradient of '" + m_.layout->param(id).info.name + "' in step " + std::to_string(step) +
+      " holds inf or NaN: the optimizer stopped before writing it; lower the learning rate or "
+      "look at the loss, then resume from the last checkpoint");
 }
 
 OptimizerTensors OptimizerPipeline::PartTensors(ParamId id, const OptimizerHyperParams& hp,
@@ -286,28 +270,40 @@ Status OptimizerPipeline::StepGroupOnDevice(size_t gi, const OptimizerTask& task
   const bool copies = m_.config->bf16;
   OptimizerHyperParams hp = HyperParams(task, coef);
   const int buf = Buf(task.step);
-  const size_t grad_bytes = layout.GroupGradBytes(gi);
   const auto t0 = Clock::now();
-  // The gradients come from the host accumulators (the trainer's partitions land there).
+  // The gradients accumulated in device memory (GradientPath); with clipping the norm's
+  // finite check covered them.
   float* master = m_.states->device_states(gi);
   float* m = master + g.numel;
   float* v = m + g.numel;
-  for (ParamId id : g.params) {
-    if (with_grad[layout.param(id).index_in_group] && !task.clip) {
-      ZINF_RETURN_IF_ERROR(CheckFinite(id, task.step));
+  const float* grads = m_.grads->group_grads(gi);
+  if (!m_.grads->on_device(gi) || grads == nullptr) {
+    return Status::Internal("sub-group " + std::to_string(gi) +
+                            " is stepped on the device without device gradients");
+  }
+  if (!task.clip) {
+    std::vector<GradStats> sums(g.params.size());
+    Status queued;
+    for (size_t j = 0; j < g.params.size() && queued.ok(); ++j) {
+      const ParamLayout& p = layout.param(g.params[j]);
+      if (!with_grad[p.index_in_group]) continue;
+      queued = device->SumSquares(grads + p.slice_offset, p.info.partition_numel, &sums[j], stream);
+    }
+    // Even after a failure: the sums queued write into `sums` until the stream is done.
+    Status synced = device->SynchronizeStream(stream);
+    ZINF_RETURN_IF_ERROR(
+        queued.WithContext("checking the gradients of sub-group " + std::to_string(gi)));
+    ZINF_RETURN_IF_ERROR(synced);
+    for (size_t j = 0; j < g.params.size(); ++j) {
+      if (sums[j].has_inf_or_nan) return NonFinite(g.params[j], task.step);
     }
   }
-  // No accumulators (streaming, no gradient in the group this window): nothing is stepped.
-  const float* host_grads = m_.grads->group_grads(gi);
-  Status s = host_grads == nullptr
-                 ? Status::OK()
-                 : device->CopyHostToDevice(device_grads_, host_grads, grad_bytes, stream);
+  Status s;
   for (ParamId id : g.params) {
     if (!s.ok()) break;
     const ParamLayout& p = layout.param(id);
     const size_t bytes = layout.PartBytes(id);
-    OptimizerTensors t = PartTensors(id, hp, master, m, v,
-                                     static_cast<const float*>(device_grads_) + p.slice_offset);
+    OptimizerTensors t = PartTensors(id, hp, master, m, v, grads + p.slice_offset);
     void* dst = m_.params->device_part(id, buf);
     if (!with_grad[p.index_in_group]) {
       // Not updated. Its store buffer for this version must still hold its values: the
@@ -334,7 +330,6 @@ Status OptimizerPipeline::StepGroupOnDevice(size_t gi, const OptimizerTask& task
   // Whatever was queued finishes before the gradients' buffer is reused.
   Status synced = device->SynchronizeStream(stream);
   m_.stats->AddOptimizerBusy(Since(t0));
-  m_.stats->AddH2D(grad_bytes);
   ZINF_RETURN_IF_ERROR(s);
   return synced.WithContext("device optimizer step of sub-group " + std::to_string(gi));
 }

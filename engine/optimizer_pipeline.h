@@ -44,8 +44,7 @@ class OptimizerPipeline {
   OptimizerPipeline(const OptimizerPipeline&) = delete;
   OptimizerPipeline& operator=(const OptimizerPipeline&) = delete;
 
-  // After placement: the swap store and the pools of state and parameter-copy buffers; the
-  // device gradient buffer for sub-groups stepped on the device (parameters on the device).
+  // After placement: the swap store and the pools of state and parameter-copy buffers.
   Status Attach(SwapStore* swap, BlockPool* state_pool, BlockPool* copy_pool);
   Status Start();
   void Join();
@@ -69,6 +68,7 @@ class OptimizerPipeline {
   // is never written (the step fails; the engine must be recreated from a checkpoint or the
   // durable store, whose last commit predates the step).
   Status CheckFinite(ParamId id, int64_t step);
+  Status NonFinite(ParamId id, int64_t step) const;  // the error CheckFinite returns
   // The optimizer's view of parameter `id`'s partition inside its sub-group's master and state
   // buffers (m and v: exp_avg / exp_avg_sq, or the Adagrad sum in v), with fp32 gradients at
   // `grad`; no parameter copy.
@@ -84,10 +84,6 @@ class OptimizerPipeline {
   SwapStore* swap_ = nullptr;
   BlockPool* state_pool_ = nullptr;
   BlockPool* copy_pool_ = nullptr;
-  // Gradients of the sub-group StepGroupOnDevice is stepping, sized for the largest sub-group
-  // kept on the device.
-  void* device_grads_ = nullptr;
-  size_t device_grads_bytes_ = 0;
   std::thread thread_;
 };
 

@@ -319,6 +319,39 @@ TEST_F(CudaTest, SpinKeepsTheStreamBusyAndTimesItself) {
   EXPECT_EQ(cuda::Spin(0.01, nullptr, stream_).code(), StatusCode::kInvalidArgument);
 }
 
+// Device-side accumulation (AddInto, SumSquares through the seam): the addition is the host's
+// bit for bit; the sum of squares is the kernel's deterministic tree (close to the CPU's,
+// not bit-equal: another order of double additions) and finds an inf.
+TEST_F(CudaTest, AddIntoIsTheHostsAdditionAndSumSquaresGoesThroughTheSeam) {
+  const size_t n = 300007;
+  std::vector<float> a(n), b(n);
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  for (size_t i = 0; i < n; ++i) {
+    a[i] = normal(rng);
+    b[i] = normal(rng) * 1e-3f;
+  }
+  float* da = Upload(a);
+  float* db = Upload(b);
+  ASSERT_TRUE(device_->AddInto(da, db, n, stream_).ok());
+  GradStats stats;
+  ASSERT_TRUE(device_->SumSquares(da, n, &stats, stream_).ok());
+  std::vector<float> got = Download(da, n);  // (synchronizes: stats delivered)
+  double want_sum = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const float w = a[i] + b[i];
+    ASSERT_EQ(Bits(got[i]), Bits(w)) << "element " << i;
+    want_sum += static_cast<double>(w) * w;
+  }
+  EXPECT_NEAR(stats.sum_squares, want_sum, 1e-9 * want_sum);
+  EXPECT_FALSE(stats.has_inf_or_nan);
+  b[5] = std::numeric_limits<float>::infinity();
+  float* dinf = Upload(b);
+  ASSERT_TRUE(device_->SumSquares(dinf, n, &stats, stream_).ok());
+  ASSERT_TRUE(device_->SynchronizeStream(stream_).ok());
+  EXPECT_TRUE(stats.has_inf_or_nan);
+}
+
 TEST_F(CudaTest, Scale) {
   std::vector<float> x(100001);
   for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i) * 0.37f - 11.0f;

@@ -909,10 +909,14 @@ TEST(EngineRegistration, DuplicateNamesOverflowingShapesAndBadNamesAreRefused) {
 }
 
 TEST(EngineNonFinite, AGradientWithNanStopsTheStepBeforeAnyNonFiniteMasterIsWritten) {
+  // (Parameters and states on the device: the gradients accumulate and are checked there.)
+  const std::pair<Tier, Tier> placements[] = {
+      {Tier::kCpu, Tier::kCpu}, {Tier::kCpu, Tier::kNvme}, {Tier::kDevice, Tier::kDevice}};
   for (double clip : {0.0, 1.0}) {
-    for (Tier states : {Tier::kCpu, Tier::kNvme}) {
-      SCOPED_TRACE(std::string("clip ") + std::to_string(clip) + ", states " + TierName(states));
-      Placement pl{Tier::kCpu, states};
+    for (const auto& [params, states] : placements) {
+      SCOPED_TRACE(std::string("clip ") + std::to_string(clip) + ", params " + TierName(params) +
+                   ", states " + TierName(states));
+      Placement pl{params, states};
       pl.clip = clip;
       Rig rig;
       EngineConfig config = MakeConfig(pl, rig.dir.path());

@@ -1,9 +1,9 @@
-// zinf.gradient_transfer_dtype: the gradients that cross the link in bf16 are exactly the
-// fp32 gradients (summed over the ranks in fp32) rounded once per micro-step, and accumulated
-// and stepped in fp32 on the host: bit-identical to the scalar optimizer applied to that sum,
-// on every placement, one rank or two, with and without the strict host device. The fp32
-// transfer gives the unrounded sum (so the test tells the two apart), and the bf16 transfer
-// moves half the bytes.
+// What crosses the link from the gradients. zinf.gradient_transfer_dtype: the gradients that
+// cross the link in bf16 are exactly the fp32 gradients (summed over the ranks in fp32) rounded
+// once per micro-step, and accumulated and stepped in fp32 on the host: bit-identical to the scalar
+// optimizer applied to that sum, on every placement, one rank or two, with and without the strict
+// host device. The fp32 transfer gives the unrounded sum (so the test tells the two apart), and the
+// bf16 transfer moves half the bytes.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "engine/host/local_comm.h"
+#include "tests/faulty_device.h"
 #include "tests/strict_device.h"
 #include "tests/test_util.h"
 #include "zinf/comm.h"
@@ -24,6 +25,8 @@
 namespace zinf {
 namespace {
 
+using testing::DeviceOp;
+using testing::FaultyDevice;
 using testing::NewTestHostDevice;
 using testing::TempDir;
 
@@ -58,6 +61,9 @@ struct Outcome {
   Status status;
   std::vector<float> master;  // rank 0's gathered master after the last step
   std::vector<uint64_t> d2h;  // rank 0's StepStats::d2h_bytes per micro-step
+  // Rank 0's device calls on the gradient stream.
+  int grad_copies_to_host = 0;
+  int grad_additions = 0;
 };
 
 EngineConfig Config(Tier param, Tier optimizer, bool bf16, const std::string& dir) {
@@ -121,9 +127,13 @@ Outcome Train(int ranks, Tier param, Tier optimizer, bool bf16) {
   const EngineConfig config = Config(param, optimizer, bf16, dir.path());
   std::vector<std::unique_ptr<Device>> devices;
   std::vector<Device*> raw;
+  std::vector<FaultyDevice*> counted;  // (never armed: counts calls)
   for (int r = 0; r < ranks; ++r) {
-    devices.push_back(NewTestHostDevice());
-    raw.push_back(devices.back().get());
+    auto inner = NewTestHostDevice();
+    raw.push_back(inner.get());
+    auto faulty = std::make_unique<FaultyDevice>(std::move(inner));
+    counted.push_back(faulty.get());
+    devices.push_back(std::move(faulty));
   }
   Outcome result;
   auto comms = NewLocalComms(raw, LocalCommOptions{});
@@ -135,7 +145,7 @@ Outcome Train(int ranks, Tier param, Tier optimizer, bool bf16) {
   std::vector<std::thread> threads;
   for (int r = 0; r < ranks; ++r) {
     threads.emplace_back(
-        [&, r] { outs[r].status = RankMain(config, r, raw[r], (*comms)[r].get(), &outs[r]); });
+        [&, r] { outs[r].status = RankMain(config, r, counted[r], (*comms)[r].get(), &outs[r]); });
   }
   for (std::thread& t : threads) t.join();
   for (int r = 0; r < ranks; ++r) {
@@ -148,6 +158,8 @@ Outcome Train(int ranks, Tier param, Tier optimizer, bool bf16) {
       return result;
     }
   }
+  outs[0].grad_copies_to_host = counted[0]->calls(DeviceOp::kCopyDeviceToHost, "zinf-grad");
+  outs[0].grad_additions = counted[0]->calls(DeviceOp::kAddInto, "zinf-grad");
   return outs[0];
 }
 
@@ -228,6 +240,27 @@ TEST(GradientTransfer, Bf16IsTheFp32SumRoundedOncePerMicroStepAndHalfTheBytes) {
         EXPECT_GE(f32.d2h[k], kNumel * sizeof(float) / ranks) << "micro-step " << k;
         EXPECT_EQ(b16.d2h[k] * 2, f32.d2h[k]) << "micro-step " << k;
       }
+    }
+  }
+}
+
+// Parameters and optimizer states on the device: the gradients are summed over the
+// micro-steps in device memory (Device::AddInto after the first) and stepped there, never
+// copied to the host, whatever gradient_transfer_dtype says; bit-identical to the scalar
+// optimizer on the unrounded sum.
+TEST(GradientTransfer, SubGroupsSteppedOnTheDeviceAccumulateThereAndNothingCrosses) {
+  for (int ranks : {1, 2}) {
+    const std::vector<float> want = Expected(ranks, false);
+    for (bool bf16 : {false, true}) {
+      SCOPED_TRACE(std::to_string(ranks) + " rank(s), transfer " + (bf16 ? "bf16" : "fp32"));
+      Outcome o = Train(ranks, Tier::kDevice, Tier::kDevice, bf16);
+      ASSERT_TRUE(o.status.ok()) << o.status.ToString();
+      EXPECT_EQ(FirstDifference(o.master, want), "");
+      ASSERT_EQ(o.d2h.size(), static_cast<size_t>(kSteps * kAccum));
+      for (size_t k = 0; k < o.d2h.size(); ++k) EXPECT_EQ(o.d2h[k], 0u) << "micro-step " << k;
+      EXPECT_EQ(o.grad_copies_to_host, 0);
+      // One addition per later micro-step of each window.
+      EXPECT_EQ(o.grad_additions, kSteps * (kAccum - 1));
     }
   }
 }

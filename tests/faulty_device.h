@@ -27,6 +27,8 @@ enum class DeviceOp {
   kSynchronizeEvent,
   kSynchronizeStream,
   kConvertToBf16,
+  kAddInto,
+  kSumSquares,
 };
 
 class FaultyDevice : public Device {
@@ -102,6 +104,14 @@ class FaultyDevice : public Device {
   Status ConvertToBf16(uint16_t* dst, const float* src, size_t n, Stream* s) override {
     ZINF_RETURN_IF_ERROR(Inject(DeviceOp::kConvertToBf16, s));
     return inner_->ConvertToBf16(dst, src, n, s);
+  }
+  Status AddInto(float* dst, const float* src, size_t n, Stream* s) override {
+    ZINF_RETURN_IF_ERROR(Inject(DeviceOp::kAddInto, s));
+    return inner_->AddInto(dst, src, n, s);
+  }
+  Status SumSquares(const float* x, size_t n, GradStats* out_host, Stream* s) override {
+    ZINF_RETURN_IF_ERROR(Inject(DeviceOp::kSumSquares, s));
+    return inner_->SumSquares(x, n, out_host, s);
   }
   Status OptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t,
                        Stream* s) override {

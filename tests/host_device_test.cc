@@ -10,12 +10,14 @@
 #include <cmath>
 #include <cstring>
 #include <future>
+#include <limits>
 #include <memory>
 #include <stdexcept>
 #include <thread>
 #include <vector>
 
 #include "tests/test_util.h"
+#include "zinf/cpu_adam.h"
 #include "zinf/device.h"
 
 namespace zinf {
@@ -487,6 +489,59 @@ TEST(HostDeviceTest, ConvertToBf16IsTheCpuReferenceOrderedOnTheStream) {
             StatusCode::kInvalidArgument);
   device->Free(*src);
   device->Free(*dst);
+}
+
+// Device-side accumulation's two operations, ordered on the stream: AddInto is the host's
+// `a += b`, SumSquares the CPU optimizer's GradSumSquares (the same order of additions, so
+// the clipping norm is bit-identical wherever the gradients were summed), delivered when
+// the stream reaches it.
+TEST(HostDeviceTest, AddIntoAndSumSquaresMatchTheHostOnTheStream) {
+  auto device = MakeDevice();
+  Stream* s = MustCreateStream(device.get(), "s");
+  const size_t n = 200003;  // several of the CPU sum's tiles, and a partial one
+  std::vector<float> a(n), b(n);
+  for (size_t i = 0; i < n; ++i) {
+    a[i] = std::sin(static_cast<float>(i)) * 3.0f;
+    b[i] = std::cos(static_cast<float>(i) * 0.7f) * 1e-3f;
+  }
+  b[77] = std::numeric_limits<float>::infinity();
+  auto da = device->Alloc(n * sizeof(float));
+  auto db = device->Alloc(n * sizeof(float));
+  ASSERT_TRUE(da.ok() && db.ok());
+  float* pa = static_cast<float*>(*da);
+  float* pb = static_cast<float*>(*db);
+  ASSERT_TRUE(device->CopyHostToDevice(pa, a.data(), n * sizeof(float), s).ok());
+  ASSERT_TRUE(device->CopyHostToDevice(pb, b.data(), n * sizeof(float), s).ok());
+  GradStats before, after, with_inf;
+  ASSERT_TRUE(device->SumSquares(pa, n, &before, s).ok());
+  ASSERT_TRUE(device->AddInto(pa, pb, 77, s).ok());  // the inf stays out of a
+  ASSERT_TRUE(device->AddInto(pa + 78, pb + 78, n - 78, s).ok());
+  ASSERT_TRUE(device->SumSquares(pa, n, &after, s).ok());
+  ASSERT_TRUE(device->SumSquares(pb, n, &with_inf, s).ok());
+  std::vector<float> got(n);
+  ASSERT_TRUE(device->CopyDeviceToHost(got.data(), pa, n * sizeof(float), s).ok());
+  ASSERT_TRUE(device->SynchronizeStream(s).ok());
+  std::vector<float> want = a;
+  for (size_t i = 0; i < n; ++i) {
+    if (i != 77) want[i] += b[i];
+  }
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), n * sizeof(float)), 0);
+  auto cpu = CpuOptimizer::Create();
+  ASSERT_TRUE(cpu.ok());
+  auto ref_before = (*cpu)->GradSumSquares(a.data(), GradType::kF32, n);
+  auto ref_after = (*cpu)->GradSumSquares(want.data(), GradType::kF32, n);
+  ASSERT_TRUE(ref_before.ok() && ref_after.ok());
+  EXPECT_EQ(before.sum_squares, ref_before->sum_squares);
+  EXPECT_EQ(after.sum_squares, ref_after->sum_squares);
+  EXPECT_NE(before.sum_squares, after.sum_squares);
+  EXPECT_FALSE(before.has_inf_or_nan);
+  EXPECT_FALSE(after.has_inf_or_nan);
+  EXPECT_TRUE(with_inf.has_inf_or_nan);
+  EXPECT_EQ(device->AddInto(nullptr, pb, 4, s).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(device->SumSquares(pa, 4, nullptr, s).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(device->SumSquares(nullptr, 4, &before, s).code(), StatusCode::kInvalidArgument);
+  device->Free(pa);
+  device->Free(pb);
 }
 
 TEST(HostDeviceTest, DestructionDrainsTheStreams) {

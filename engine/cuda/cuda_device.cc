@@ -350,6 +350,19 @@ Status CudaDevice::ConvertToBf16(uint16_t* dst, const float* src, size_t n, Stre
   return cuda::CastF32ToBf16(src, dst, n, stream);
 }
 
+Status CudaDevice::AddInto(float* dst, const float* src, size_t n, Stream* stream) {
+  ZINF_RETURN_IF_ERROR(OwnStream(stream, "AddInto").status());
+  ZINF_RETURN_IF_ERROR(MakeCurrent(ordinal_));
+  return cuda::Add(dst, src, n, stream);
+}
+
+Status CudaDevice::SumSquares(const float* x, size_t n, GradStats* out_host, Stream* stream) {
+  ZINF_RETURN_IF_ERROR(OwnStream(stream, "SumSquares").status());
+  if (out_host == nullptr) return Status::InvalidArgument("SumSquares: out_host is null");
+  ZINF_RETURN_IF_ERROR(MakeCurrent(ordinal_));
+  return cuda::SumSquares(x, n, &out_host->sum_squares, &out_host->has_inf_or_nan, stream);
+}
+
 Status CudaDevice::OptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t,
                                  Stream* stream) {
   ZINF_RETURN_IF_ERROR(OwnStream(stream, "OptimizerStep").status());

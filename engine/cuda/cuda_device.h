@@ -70,6 +70,8 @@ class CudaDevice final : public Device {
 
   // cuda::AdamStep on `stream` (a stream of this device).
   Status ConvertToBf16(uint16_t* dst, const float* src, size_t n, Stream* stream) override;
+  Status AddInto(float* dst, const float* src, size_t n, Stream* stream) override;
+  Status SumSquares(const float* x, size_t n, GradStats* out_host, Stream* stream) override;
   Status OptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t,
                        Stream* stream) override;
 

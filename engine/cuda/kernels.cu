@@ -105,6 +105,13 @@ __global__ void SpinKernel(uint64_t ns, uint64_t* times) {
   times[1] = now;
 }
 
+__global__ void AddKernel(float* dst, const float* src, size_t n) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
+       i += size_t{gridDim.x} * blockDim.x) {
+    dst[i] = __fadd_rn(dst[i], src[i]);
+  }
+}
+
 __global__ void ScaleKernel(float* x, size_t n, float s) {
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
        i += size_t{gridDim.x} * blockDim.x) {
@@ -293,6 +300,16 @@ Status CastF32ToBf16(const float* src, uint16_t* dst, size_t n, Stream* stream) 
   if (src == nullptr) return NullArgument("cuda::CastF32ToBf16", "src", n);
   if (dst == nullptr) return NullArgument("cuda::CastF32ToBf16", "dst", n);
   CastF32ToBf16Kernel<<<BlocksFor(n), kThreads, 0, cs->handle()>>>(src, dst, n);
+  ZINF_CUDA_CHECK(cudaGetLastError());
+  return Status::OK();
+}
+
+Status Add(float* dst, const float* src, size_t n, Stream* stream) {
+  ZINF_ASSIGN_OR_RETURN(CudaStream * cs, KernelStream(stream, "cuda::Add"));
+  if (n == 0) return Status::OK();
+  if (dst == nullptr) return NullArgument("cuda::Add", "dst", n);
+  if (src == nullptr) return NullArgument("cuda::Add", "src", n);
+  AddKernel<<<BlocksFor(n), kThreads, 0, cs->handle()>>>(dst, src, n);
   ZINF_CUDA_CHECK(cudaGetLastError());
   return Status::OK();
 }

@@ -485,6 +485,41 @@ Status HostDevice::ConvertToBf16(uint16_t* dst, const float* src, size_t n, Stre
   });
 }
 
+Status HostDevice::AddInto(float* dst, const float* src, size_t n, Stream* stream) {
+  ZINF_RETURN_IF_ERROR(OwnStream(stream, "AddInto").status());
+  if (n == 0) return Status::OK();
+  if (dst == nullptr || src == nullptr) {
+    return Status::InvalidArgument(std::string("AddInto of ") + std::to_string(n) +
+                                   " values: " + (dst == nullptr ? "dst" : "src") + " is null");
+  }
+  return LaunchHostTask(stream, [dst, src, n] {
+    for (size_t i = 0; i < n; ++i) dst[i] += src[i];
+    return Status::OK();
+  });
+}
+
+Status HostDevice::SumSquares(const float* x, size_t n, GradStats* out_host, Stream* stream) {
+  ZINF_RETURN_IF_ERROR(OwnStream(stream, "SumSquares").status());
+  if (out_host == nullptr) return Status::InvalidArgument("SumSquares: out_host is null");
+  if (n > 0 && x == nullptr) {
+    return Status::InvalidArgument("SumSquares of " + std::to_string(n) + " values: x is null");
+  }
+  CpuOptimizer* sums = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(sums_mu_);
+    if (sums_ == nullptr) {
+      CpuOptimizer::Options o;
+      o.num_threads = 1;
+      ZINF_ASSIGN_OR_RETURN(sums_, CpuOptimizer::Create(o));
+    }
+    sums = sums_.get();
+  }
+  return LaunchHostTask(stream, [sums, x, n, out_host] {
+    ZINF_ASSIGN_OR_RETURN(*out_host, sums->GradSumSquares(x, GradType::kF32, n));
+    return Status::OK();
+  });
+}
+
 Status HostDevice::OptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t,
                                  Stream* stream) {
   ZINF_RETURN_IF_ERROR(ValidateOptimizerStep(hp, t).WithContext("HostDevice::OptimizerStep"));

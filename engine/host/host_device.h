@@ -132,6 +132,8 @@ class HostDevice final : public Device {
   // The CPU kernel as a task of `stream` (LaunchHostTask), with the instruction set chosen
   // SelectCpuIsa picks (ZINF_CPU_ISA or the best); arguments are checked before it is queued.
   Status ConvertToBf16(uint16_t* dst, const float* src, size_t n, Stream* stream) override;
+  Status AddInto(float* dst, const float* src, size_t n, Stream* stream) override;
+  Status SumSquares(const float* x, size_t n, GradStats* out_host, Stream* stream) override;
   Status OptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t,
                        Stream* stream) override;
 
@@ -158,6 +160,9 @@ class HostDevice final : public Device {
   DevicePool pool_;
 
   std::unique_ptr<HostFuncRunner> runner_;  // strict mode only: runs every host function
+  // SumSquares's kernel (one thread; made at the first call).
+  std::mutex sums_mu_;
+  std::unique_ptr<CpuOptimizer> sums_;  // guarded by sums_mu_ until made, then constant
   std::unique_ptr<HostStream> compute_stream_;
   std::atomic<uint64_t> next_stream_index_{1};  // strict mode's seeds (0: compute)
   std::mutex streams_mu_;

@@ -115,6 +115,8 @@ Status CastBf16ToF32(const uint16_t* src, float* dst, size_t n, Stream* stream);
 Status CastF32ToBf16(const float* src, uint16_t* dst, size_t n, Stream* stream);
 // x[i] *= s.
 Status Scale(float* x, size_t n, float s, Stream* stream);
+// dst[i] += src[i] (one correctly rounded addition, as on the host).
+Status Add(float* dst, const float* src, size_t n, Stream* stream);
 // *out_host = sum of x[i]^2 accumulated in double, *nonfinite_host = whether any x[i] is inf
 // or NaN. Deterministic: a fixed grid (independent of the GPU) of per-thread strided sums,
 // reduced per block in a fixed tree, then the per-block sums added in block order by a second

@@ -91,6 +91,18 @@ class Device {
   // running become the stream's error.
   virtual Status ConvertToBf16(uint16_t* dst, const float* src, size_t n, Stream* stream) = 0;
 
+  // dst[i] += src[i] for n fp32 values in this device's memory, ordered on `stream`: one
+  // correctly rounded addition each, as the host's `a += b` (gradients accumulated on the
+  // device for the sub-groups it steps).
+  virtual Status AddInto(float* dst, const float* src, size_t n, Stream* stream) = 0;
+  // The sum of squares (in double) of n fp32 values in this device's memory and whether one
+  // is inf or NaN, written to *out_host once `stream` reaches this point (synchronize before
+  // reading it): the clipping norm and the finite check of gradients kept on the device.
+  // HostDevice: CpuOptimizer::GradSumSquares's order of additions (the engine's CPU sums, bit
+  // for bit); CudaDevice: cuda::SumSquares (a fixed tree: deterministic, but a different
+  // order of the double additions).
+  virtual Status SumSquares(const float* x, size_t n, GradStats* out_host, Stream* stream) = 0;
+
   // One optimizer step ordered on `stream`, every pointer of `t` in this device's memory (the
   // engine steps the sub-groups whose states stay on the device with it). Bit-identical to
   // the CPU scalar reference (zinf/cpu_adam.h). HostDevice: the CPU kernel (ZINF_CPU_ISA or
