@@ -63,5 +63,24 @@ if compgen -G "$work/zinf-bench-*" >/dev/null; then
   echo "FAIL: a SIGTERM'ed zinf-nvme-bench left $(ls "$work")"
   fails=$((fails + 1))
 fi
+# zinf-engine-bench's summary: the compute-idle figure lies within the step, and bf16
+# gradient transfer moves half the fp32 run's bytes to the host.
+expect 2 "" -- "$engine" --gradient-transfer fp16
+small=(--layers 3 --layer-elems 65536 --steps 3 --param-tier cpu --compute-ms 1
+       --sub-group-elems 65536 --prefetch-elems 65536 --optimizer-threads 1 --nvme "$work")
+fp32=$("$engine" "${small[@]}" 2>/dev/null | tail -n 1)
+bf16=$("$engine" "${small[@]}" --gradient-transfer bf16 2>/dev/null | tail -n 1)
+if ! /usr/bin/python3 - "$fp32" "$bf16" <<'PY'; then
+import json, sys
+a, b = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+for j in (a, b):
+    assert 0 <= j["median_compute_idle_seconds"] <= j["median_step_seconds"], j
+    assert 0 <= j["median_compute_idle_fraction"] < 1, j
+assert a["gradient_transfer"] == "fp32" and b["gradient_transfer"] == "bf16", (a, b)
+assert a["median_d2h_bytes"] == 3 * 65536 * 4 and b["median_d2h_bytes"] * 2 == a["median_d2h_bytes"], (a, b)
+PY
+  echo "FAIL: zinf-engine-bench summaries: $fp32 / $bf16"
+  fails=$((fails + 1))
+fi
 echo "$fails failure(s)"
 [[ $fails -eq 0 ]]
