@@ -378,8 +378,8 @@ int Main(int argc, char** argv) {
   // The compute stream's idle time within the step (see the top of this file), against the
   // compute it ran: 0 is perfect overlap.
   j["median_compute_idle_seconds"] = median(idle_secs);
-  j["median_compute_idle_fraction"] =
-      median(idle_secs) / (median(idle_secs) + 3 * f.layers * f.compute_ms / 1e3);
+  const double span = median(idle_secs) + 3 * f.layers * f.compute_ms / 1e3;
+  j["median_compute_idle_fraction"] = span > 0 ? median(idle_secs) / span : 0.0;
   j["preset"] = f.preset;
   j["delayed_update"] = f.delayed_update;
   j["device"] = f.device;

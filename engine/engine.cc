@@ -162,8 +162,7 @@ Result<ParamId> Engine::RegisterParameter(const ParamSpec& spec) {
   }
   // The largest layer must fit the device budget together with its gradient scratch.
   const uint64_t full = p.padded_numel * m.layout.elem_size();
-  const uint64_t need = full + p.padded_numel * sizeof(float) +
-                        p.info.partition_numel * (m.config.gradient_transfer_bf16 ? 6 : 4);
+  const uint64_t need = full + GradientScratchBytes(p, m.config);
   if (m.config.device_budget_bytes != 0 && need > m.config.device_budget_bytes) {
     return Status::ResourceExhausted("parameter '" + spec.name + "' (" + FormatBytes(full) +
                                      " gathered, plus its gradient) does not fit the device "
@@ -487,8 +486,8 @@ Result<StepStats> Engine::Step() {
   };
   if (boundary) {
     // Parameters that got no gradient in the whole window: the optimizer skips them (their
-    // has_grad flag is unset); their accumulators are zeroed so that the clipping norm and a
-    // device step's gradient copy read zeros, not the last window's values.
+    // has_grad flag is unset); their host accumulators are zeroed so that the clipping norm
+    // reads zeros, not the last window's values (device accumulators are not read for them).
     // The optimizer thread has this task since the micro-step began and may have stepped the
     // sub-groups whose gradients are complete. Parameters not reduced in this last micro-step
     // have final accumulators already: count them as landed.

@@ -100,7 +100,7 @@ void FetchScheduler::ForgetDeviceCopy(ParamId id) {
 
 Status FetchScheduler::MakeRoom(uint64_t elems, uint64_t bytes, ParamId for_id) {
   const ParamLayout& target = layout_->param(for_id);
-  const uint64_t grad_room = (target.padded_numel + target.info.partition_numel) * sizeof(float);
+  const uint64_t grad_room = GradientScratchBytes(target, *config_);
   auto fits = [&] {
     return budget_->Fits(bytes + grad_room) && live_elems_ + elems <= config_->max_live_parameters;
   };
@@ -326,7 +326,7 @@ void FetchScheduler::Prefetch(int64_t visible, const Rewriting& rewriting) {
     if (rewriting(id)) continue;
     if (inflight + p.padded_numel > config_->prefetch_bucket_size && inflight > 0) return;
     // Only prefetch into free budget: never evict for a prefetch.
-    const uint64_t grad_room = (p.padded_numel + p.info.partition_numel) * sizeof(float);
+    const uint64_t grad_room = GradientScratchBytes(p, *config_);
     if (!budget_->Fits(layout_->FullBytes(id) + grad_room)) return;
     if (live_elems_ + p.padded_numel > config_->max_live_parameters) return;
     if (r.aliased) continue;

@@ -10,35 +10,15 @@ namespace zinf {
 
 namespace {
 
-// The host halves of zinf.gradient_transfer_dtype "bf16", written so that the compiler
-// vectorises them (no calls, no branches): they run over every gradient partition. Values pass
-// through bytes (memcpy): the buffers hold bf16 written by a copy where floats will be.
-
-// Fp32ToBf16 (cpu_adam.h) on the bits, branch-free: NaN stays a quiet NaN, a denormal becomes
-// a signed zero, anything else rounds to nearest even.
-inline uint32_t Bf16Bits(uint32_t bits) {
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const uint32_t zero = (bits >> 16) & 0x8000u;
-  const uint32_t nan = (bits >> 16) | 0x0040u;
-  const uint32_t r = (bits & 0x7f800000u) == 0 ? zero : rounded;
-  return (bits & 0x7fffffffu) > 0x7f800000u ? nan : r;
-}
+// The host half of zinf.gradient_transfer_dtype "bf16", written so that the compiler
+// vectorises it (no calls): it runs over every gradient partition. Values pass through bytes
+// (memcpy): the buffers hold bf16 written by a copy where floats will be.
 
 inline float Widen(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
-}
-
-// x[i] = x[i] rounded to bf16 (as the device would round it before the copy).
-void RoundToBf16(float* x, size_t n) {
-  for (size_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, &x[i], sizeof(bits));
-    bits = Bf16Bits(bits) << 16;
-    std::memcpy(&x[i], &bits, sizeof(bits));
-  }
 }
 
 // The first 2n bytes of `acc` hold n bf16 values: widened to n floats in place. Blocks from
@@ -256,7 +236,9 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
   Stream* compute = device_->ComputeStream();
   // One rank, first gradient of the window: the reduction is the identity.
   const bool one_rank_first = comm_->world_size() == 1 && !flags_[id].seen_this_window;
-  if (one_rank_first && device_->ComputeRunsInline() && !on_device) {
+  // (Not with bf16 transfer: the general path rounds on the device, so the link carries the
+  // halved bytes it counts.)
+  if (one_rank_first && device_->ComputeRunsInline() && !on_device && !bf16) {
     // The compute stream is the caller (the host device): the gradient goes straight into
     // its accumulator (one copy instead of three, and no device scratch).
     ZINF_RETURN_IF_ERROR(EnsureBuffer(gi).WithContext("gradient of '" + p.info.name + "'"));
@@ -265,9 +247,6 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
       return device_->CopyDeviceToHost(acc, grad, p.info.numel * sizeof(float), compute);
     }));
     MarkReduced(id);
-    // bf16 transfer: the rounding the device would have applied before the copy, so that
-    // every device gives the same gradients.
-    if (bf16) RoundToBf16(acc, p.info.numel);
     if (part > p.info.numel) {
       std::memset(acc + p.info.numel, 0, (part - p.info.numel) * sizeof(float));
     }
@@ -275,7 +254,7 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
     ZINF_RETURN_IF_ERROR(device_->StreamWaitEvent(streams_.grad, compute_done_.get()));
     ZINF_RETURN_IF_ERROR(
         device_->LaunchHostFunc(streams_.grad, [this, gi, ready] { board_->Land(gi, ready); }));
-    stats_->AddD2H(p.info.numel * (bf16 ? 2 : 4));
+    stats_->AddD2H(p.info.numel * sizeof(float));
     return Status::OK();
   }
   ZINF_RETURN_IF_ERROR(fetch_->MakeRoom(0, 0, id));

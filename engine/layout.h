@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <set>
 #include <string>
 #include <vector>
@@ -25,6 +26,14 @@ struct ParamLayout {
   size_t slice_offset = 0;    // element offset inside its sub-group's state arrays
   size_t index_in_group = 0;  // position in its sub-group's `params`
 };
+
+// The most device scratch a gradient of `p` takes in GradientPath::Reduce: the padded full
+// gradient and this rank's reduced partition (fp32), plus the partition rounded to bf16 with
+// zinf.gradient_transfer_dtype "bf16". Eviction and prefetch leave this much room.
+inline size_t GradientScratchBytes(const ParamLayout& p, const EngineConfig& config) {
+  return (p.padded_numel + p.info.partition_numel) * sizeof(float) +
+         (config.gradient_transfer_bf16 ? p.info.partition_numel * sizeof(uint16_t) : 0);
+}
 
 struct GroupLayout {
   std::vector<ParamId> params;

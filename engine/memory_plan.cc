@@ -27,12 +27,14 @@ Result<PinnedPlan> PlanPinnedMemory(const Layout& layout, const EngineConfig& co
     max_part = std::max<uint64_t>(max_part, RoundUp(p.info.partition_numel * sizeof(float), 4096));
   }
   uint64_t grads_all = 0, max_group_grads = 0;
+  uint64_t host_groups = 0;  // sub-groups whose gradients accumulate in pinned memory
   size_t kept_on_device = 0;
   for (size_t gi = 0; gi < layout.num_groups(); ++gi) {
     max_group = std::max<uint64_t>(max_group, layout.group(gi).numel);
     if (layout.group(gi).on_device) ++kept_on_device;
     // A sub-group the device steps accumulates its gradients in device memory.
     if (layout.group(gi).on_device && config.offload_param.tier == Tier::kDevice) continue;
+    ++host_groups;
     grads_all += RoundUp(layout.GroupGradBytes(gi), 4096);
     max_group_grads = std::max<uint64_t>(max_group_grads, RoundUp(layout.GroupGradBytes(gi), 4096));
   }
@@ -63,7 +65,7 @@ Result<PinnedPlan> PlanPinnedMemory(const Layout& layout, const EngineConfig& co
   // can run ahead of the optimizer.
   plan.stream_grads = config.gradient_accumulation_steps <= 1 && config.gradient_clipping <= 0 &&
                       max_group_grads > 0;
-  const uint64_t groups = layout.num_groups();
+  const uint64_t groups = host_groups;
   plan.grad_block_bytes = max_group_grads;
   plan.grads_min = plan.stream_grads ? std::min<uint64_t>(groups, 2) * max_group_grads : grads_all;
   plan.fixed = pinned;

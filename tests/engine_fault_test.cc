@@ -167,6 +167,62 @@ TEST(EngineFaults, GradientLandingThatCannotBeQueuedStopsTheEngine) {
   });
 }
 
+// The device operations of the gradient path: the bf16 rounding (gradient_transfer_dtype),
+// the accumulation and the finite check of sub-groups stepped on the device. A failure of any
+// of them reaches the trainer with its cause and stops the engine (part of a gradient may be
+// in its accumulator); nothing hangs, and closing the engine does not either.
+TEST(EngineFaults, FailedGradientDeviceOperationsStopTheEngineWithTheirCause) {
+  struct Case {
+    const char* name;
+    DeviceOp op;
+    const char* stream;
+    bool device_steps;  // parameters and optimizer states on the device
+    bool bf16;          // zinf.gradient_transfer_dtype "bf16"
+    bool at_step;       // the failure surfaces at Step (the optimizer's), not ReduceGradient
+  };
+  const Case cases[] = {
+      {"ConvertToBf16", DeviceOp::kConvertToBf16, "compute", false, true, false},
+      {"AddInto", DeviceOp::kAddInto, "zinf-grad", true, false, false},
+      {"SumSquares", DeviceOp::kSumSquares, "zinf-update", true, false, true},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    WithWatchdog([&c] {
+      OneRank r;
+      EngineConfig config = CpuConfig();
+      config.gradient_transfer_bf16 = c.bf16;
+      config.gradient_accumulation_steps = 2;  // the second micro-step adds
+      if (c.device_steps) {
+        config.offload_param.tier = Tier::kDevice;
+        config.offload_optimizer.tier = Tier::kDevice;
+      }
+      auto e = Engine::Create(config, r.device, r.comm.get());
+      ASSERT_TRUE(e.ok()) << e.status().ToString();
+      Register(e->get());
+      if (c.op == DeviceOp::kAddInto) {
+        ASSERT_TRUE(MicroStep(e->get(), r.device, 0.5f).ok());
+        ASSERT_TRUE((*e)->Step().ok());
+      }
+      r.device->FailAfter(c.op, c.stream, 0);
+      Status s = MicroStep(e->get(), r.device, 0.25f);
+      if (c.at_step) {
+        ASSERT_TRUE(s.ok()) << s.ToString();
+        ASSERT_TRUE((*e)->Step().ok());  // not the boundary yet
+        ASSERT_TRUE(MicroStep(e->get(), r.device, 0.25f).ok());
+        s = (*e)->Step().status();
+      }
+      ASSERT_EQ(r.device->injected(), 1);
+      ASSERT_FALSE(s.ok());
+      EXPECT_NE(s.message().find("injected device failure"), std::string::npos) << s.ToString();
+      // Stopped: the next call says so instead of going on with a torn gradient.
+      Result<StepStats> st = (*e)->Step();
+      ASSERT_FALSE(st.ok());
+      EXPECT_EQ(st.status().code(), StatusCode::kFailedPrecondition) << st.status().ToString();
+      e->reset();
+    });
+  }
+}
+
 // Eviction gives the device copy back only once nothing can use it: after the compute
 // stream's work so far. When that point cannot be marked, it is not known: Release reports it
 // and keeps the memory; and when waiting for a marked point fails later, the buffer stays too.

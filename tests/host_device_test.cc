@@ -465,6 +465,15 @@ TEST(HostDeviceTest, ConvertToBf16IsTheCpuReferenceOrderedOnTheStream) {
       in.push_back(f);
     }
   }
+  // Then every bf16 value with low bits that round down, to even, and up.
+  for (uint32_t hi = 0; hi < 65536; ++hi) {
+    for (uint32_t low : {0x0000u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu}) {
+      const uint32_t bits = (hi << 16) | low;
+      float f;
+      std::memcpy(&f, &bits, sizeof(f));
+      in.push_back(f);
+    }
+  }
   auto src = device->Alloc(in.size() * sizeof(float));
   auto dst = device->Alloc(in.size() * sizeof(uint16_t));
   ASSERT_TRUE(src.ok() && dst.ok());
@@ -476,7 +485,7 @@ TEST(HostDeviceTest, ConvertToBf16IsTheCpuReferenceOrderedOnTheStream) {
   std::vector<uint16_t> got(in.size());
   ASSERT_TRUE(device->CopyDeviceToHost(got.data(), *dst, got.size() * sizeof(uint16_t), s).ok());
   ASSERT_TRUE(device->SynchronizeStream(s).ok());
-  for (size_t i = 0; i < in.size(); ++i) EXPECT_EQ(got[i], Fp32ToBf16(in[i])) << "input " << i;
+  for (size_t i = 0; i < in.size(); ++i) ASSERT_EQ(got[i], Fp32ToBf16(in[i])) << "input " << i;
   EXPECT_EQ(got[0], 0x3f80u);   // 1.0 exactly
   EXPECT_EQ(got[3], 0x3f80u);   // a tie rounds to the even 0x3f80
   EXPECT_EQ(got[9], 0x3f82u);   // a tie rounds to the even 0x3f82

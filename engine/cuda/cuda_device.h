@@ -68,7 +68,8 @@ class CudaDevice final : public Device {
   Status RegisterHostMemory(void* ptr, size_t bytes) override;
   Status UnregisterHostMemory(void* ptr) override;
 
-  // cuda::AdamStep on `stream` (a stream of this device).
+  // The kernels of zinf/cuda.h on `stream` (a stream of this device): cuda::CastF32ToBf16,
+  // cuda::Add, cuda::SumSquares, cuda::AdamStep.
   Status ConvertToBf16(uint16_t* dst, const float* src, size_t n, Stream* stream) override;
   Status AddInto(float* dst, const float* src, size_t n, Stream* stream) override;
   Status SumSquares(const float* x, size_t n, GradStats* out_host, Stream* stream) override;

@@ -472,6 +472,23 @@ Status HostDevice::CopyDeviceToDevice(void* dst, const void* src, size_t bytes, 
   return Copy("CopyDeviceToDevice", nullptr, dst, src, bytes, stream);
 }
 
+namespace {
+
+// Fp32ToBf16 (cpu_adam.h) branch-free, so that the loop vectorises (checked equal on all 2^32
+// inputs): NaN stays a quiet NaN, a denormal becomes a signed zero, anything else rounds to
+// nearest even.
+inline uint16_t ToBf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t zero = (bits >> 16) & 0x8000u;
+  const uint32_t nan = (bits >> 16) | 0x0040u;
+  const uint32_t r = (bits & 0x7f800000u) == 0 ? zero : rounded;
+  return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? nan : r);
+}
+
+}  // namespace
+
 Status HostDevice::ConvertToBf16(uint16_t* dst, const float* src, size_t n, Stream* stream) {
   ZINF_RETURN_IF_ERROR(OwnStream(stream, "ConvertToBf16").status());
   if (n == 0) return Status::OK();
@@ -480,7 +497,7 @@ Status HostDevice::ConvertToBf16(uint16_t* dst, const float* src, size_t n, Stre
                                    " values: " + (dst == nullptr ? "dst" : "src") + " is null");
   }
   return LaunchHostTask(stream, [dst, src, n] {
-    for (size_t i = 0; i < n; ++i) dst[i] = Fp32ToBf16(src[i]);
+    for (size_t i = 0; i < n; ++i) dst[i] = ToBf16(src[i]);
     return Status::OK();
   });
 }
