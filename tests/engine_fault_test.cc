@@ -18,9 +18,12 @@
 #include <vector>
 
 #include "engine/host/local_comm.h"
+#include "engine/host_collectives.h"
+#include "engine/layout.h"
 #include "tests/faulty_device.h"
 #include "tests/strict_device.h"
 #include "tests/test_util.h"
+#include "zinf/align.h"
 #include "zinf/comm.h"
 #include "zinf/config.h"
 #include "zinf/device.h"
@@ -221,6 +224,36 @@ TEST(EngineFaults, FailedGradientDeviceOperationsStopTheEngineWithTheirCause) {
       e->reset();
     });
   }
+}
+
+// With bf16 transfer a later micro-step's gradient scratch holds the rounded partition too
+// (2 bytes per element more). Eviction and prefetch must leave room for all of it: with a
+// device budget that fits one parameter and that scratch but not a prefetched second
+// parameter beside them, the gradient must not fail for want of device memory.
+TEST(EngineFaults, Bf16GradientScratchIsPlannedWithTheRoundedPartition) {
+  WithWatchdog([] {
+    OneRank r;
+    EngineConfig config = CpuConfig();
+    config.gradient_transfer_bf16 = true;
+    config.gradient_accumulation_steps = 2;
+    // One rank: the full gradient and the partition are both `part` elements. Scratch of a
+    // later micro-step: (part + part) * 4 + part * 2 = 10 * part bytes; a parameter: 4 * part.
+    // The budget fits the engine's small-collective scratch, two parameters and 8 * part of
+    // scratch (the fp32 room), not 10 * part.
+    const uint64_t part = RoundUp(kNumel, kPartitionAlign);
+    config.device_budget_bytes = HostCollectives::kSmallScratchBytes + 18 * part - 1;
+    auto e = Engine::Create(config, r.device, r.comm.get());
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    Register(e->get());
+    ASSERT_EQ((*e)->param(0).partition_numel, part);
+    for (int micro = 0; micro < 4; ++micro) {
+      Status s = MicroStep(e->get(), r.device, 0.5f);
+      ASSERT_TRUE(s.ok()) << "micro-step " << micro << ": " << s.ToString();
+      Result<StepStats> st = (*e)->Step();
+      ASSERT_TRUE(st.ok()) << "micro-step " << micro << ": " << st.status().ToString();
+    }
+    e->reset();
+  });
 }
 
 // Eviction gives the device copy back only once nothing can use it: after the compute

@@ -64,6 +64,7 @@ struct Outcome {
   // Rank 0's device calls on the gradient stream.
   int grad_copies_to_host = 0;
   int grad_additions = 0;
+  int roundings = 0;  // ConvertToBf16 on any stream
 };
 
 EngineConfig Config(Tier param, Tier optimizer, bool bf16, const std::string& dir) {
@@ -160,6 +161,8 @@ Outcome Train(int ranks, Tier param, Tier optimizer, bool bf16) {
   }
   outs[0].grad_copies_to_host = counted[0]->calls(DeviceOp::kCopyDeviceToHost, "zinf-grad");
   outs[0].grad_additions = counted[0]->calls(DeviceOp::kAddInto, "zinf-grad");
+  outs[0].roundings = counted[0]->calls(DeviceOp::kConvertToBf16, "compute") +
+                      counted[0]->calls(DeviceOp::kConvertToBf16, "zinf-grad");
   return outs[0];
 }
 
@@ -236,6 +239,10 @@ TEST(GradientTransfer, Bf16IsTheFp32SumRoundedOncePerMicroStepAndHalfTheBytes) {
       EXPECT_EQ(FirstDifference(b16.master, want16), "") << "bf16 transfer";
       ASSERT_EQ(f32.d2h.size(), static_cast<size_t>(kSteps * kAccum));
       ASSERT_EQ(b16.d2h.size(), f32.d2h.size());
+      // Every micro-step's gradient is rounded once, on the device, before it crosses (also on
+      // the host device, whose link then carries the halved bytes it counts).
+      EXPECT_EQ(f32.roundings, 0);
+      EXPECT_EQ(b16.roundings, kSteps * kAccum);
       for (size_t k = 0; k < f32.d2h.size(); ++k) {
         EXPECT_GE(f32.d2h[k], kNumel * sizeof(float) / ranks) << "micro-step " << k;
         EXPECT_EQ(b16.d2h[k] * 2, f32.d2h[k]) << "micro-step " << k;
