@@ -236,26 +236,33 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
   Stream* compute = device_->ComputeStream();
   // One rank, first gradient of the window: the reduction is the identity.
   const bool one_rank_first = comm_->world_size() == 1 && !flags_[id].seen_this_window;
-  // (Not with bf16 transfer: the general path rounds on the device, so the link carries the
-  // halved bytes it counts.)
-  if (one_rank_first && device_->ComputeRunsInline() && !on_device && !bf16) {
-    // The compute stream is the caller (the host device): the gradient goes straight into
-    // its accumulator (one copy instead of three, and no device scratch).
+  // The gradient straight into its accumulator on the compute stream (one copy, no device
+  // scratch): one rank's first gradient when the accumulator is device memory, or, on the
+  // host device whose compute stream is the caller, host memory. (Not with bf16 transfer: the
+  // general path rounds on the device, so the link carries the halved bytes it counts.)
+  if (one_rank_first && (on_device || (device_->ComputeRunsInline() && !bf16))) {
     ZINF_RETURN_IF_ERROR(EnsureBuffer(gi).WithContext("gradient of '" + p.info.name + "'"));
     float* acc = Acc(id);
-    ZINF_RETURN_IF_ERROR(stats_->TimeCopy(device_, compute, [&] {
-      return device_->CopyDeviceToHost(acc, grad, p.info.numel * sizeof(float), compute);
-    }));
-    MarkReduced(id);
-    if (part > p.info.numel) {
-      std::memset(acc + p.info.numel, 0, (part - p.info.numel) * sizeof(float));
+    const size_t bytes = p.info.numel * sizeof(float);
+    if (on_device) {
+      ZINF_RETURN_IF_ERROR(device_->CopyDeviceToDevice(acc, grad, bytes, compute));
+      if (part > p.info.numel) {
+        ZINF_RETURN_IF_ERROR(device_->CopyHostToDevice(
+            acc + p.info.numel, zeros_, (part - p.info.numel) * sizeof(float), compute));
+      }
+    } else {
+      ZINF_RETURN_IF_ERROR(stats_->TimeCopy(
+          device_, compute, [&] { return device_->CopyDeviceToHost(acc, grad, bytes, compute); }));
+      if (part > p.info.numel) {
+        std::memset(acc + p.info.numel, 0, (part - p.info.numel) * sizeof(float));
+      }
+      stats_->AddD2H(bytes);
     }
+    MarkReduced(id);
     ZINF_RETURN_IF_ERROR(device_->RecordEvent(compute_done_.get(), compute));
     ZINF_RETURN_IF_ERROR(device_->StreamWaitEvent(streams_.grad, compute_done_.get()));
-    ZINF_RETURN_IF_ERROR(
-        device_->LaunchHostFunc(streams_.grad, [this, gi, ready] { board_->Land(gi, ready); }));
-    stats_->AddD2H(p.info.numel * sizeof(float));
-    return Status::OK();
+    return device_->LaunchHostFunc(streams_.grad, [this, gi, ready] { board_->Land(gi, ready); })
+        .WithContext("landing the gradient of '" + p.info.name + "'");
   }
   ZINF_RETURN_IF_ERROR(fetch_->MakeRoom(0, 0, id));
   // Device scratch. One rank's first gradient: the copy out of the caller's buffer (fp32, or
