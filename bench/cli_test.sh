@@ -27,6 +27,7 @@ for b in "$nvme" "$adam" "$engine"; do
 done
 expect 2 "--size 4K is smaller than the block size" -- "$nvme" --dir "$work" --size 4K --block-size 1M
 expect 2 "multiple of 4K" -- "$nvme" --dir "$work" --block-size 1000
+expect 2 "multiple of 4K" -- "$nvme" --dir "$work" --block-size 1M,1000
 expect 2 "not a finite number" -- "$nvme" --dir "$work" --seconds nan
 expect 2 "" -- "$nvme" --dir "$work" --queue-depth 0
 expect 2 "" -- "$nvme" --dir "$work/missing"

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/fio_huge_pages.h"
 #include "common/cli.h"
 #include "nvme/io_queue.h"
 #include "zinf/log.h"
@@ -435,7 +436,8 @@ int Main(int argc, char** argv) {
   app.add_option("--op", f.op,
                  "read, write, both (one after the other) or mixed (reads and writes at once)")
       ->check(CLI::IsMember({"read", "write", "both", "mixed"}));
-  app.add_option("--block-size", f.block_size, "bytes per request (K/M/G suffixes)");
+  app.add_option("--block-size", f.block_size,
+                 "bytes per request (K/M/G suffixes); a comma-separated list runs each");
   app.add_option("--queue-depth", f.queue_depth, "requests in flight")->check(CLI::Range(1, 1024));
   app.add_option("--size", f.size, "bytes per case, over all folders (K/M/G)");
   app.add_option("--dir", f.dirs, "folder for a bench file; repeat to stripe over several")
@@ -460,7 +462,19 @@ int Main(int argc, char** argv) {
   if (int rc = ParseCommandLine(app, argc, argv); rc >= 0) return rc;
 
   if (f.dirs.empty()) f.dirs.push_back(".");
-  Result<uint64_t> block = ParseSize(f.block_size);
+  std::vector<uint64_t> block_list;
+  for (size_t start = 0; start <= f.block_size.size();) {
+    size_t comma = f.block_size.find(',', start);
+    if (comma == std::string::npos) comma = f.block_size.size();
+    Result<uint64_t> b = ParseSize(f.block_size.substr(start, comma - start));
+    if (!b.ok() || *b == 0 || *b % 4096 != 0 || *b > (1ull << 30)) {
+      std::fprintf(stderr, "zinf-nvme-bench: --block-size must be a multiple of 4K up to 1G\n");
+      return 2;
+    }
+    block_list.push_back(*b);
+    start = comma + 1;
+  }
+  Result<uint64_t> block = *std::max_element(block_list.begin(), block_list.end());
   Result<uint64_t> size = ParseSize(f.size);
   Result<IoBackendKind> kind = ParseIoBackendKind(f.backend);
   for (const Status& s : {block.status(), size.status(), kind.status()}) {
@@ -487,7 +501,7 @@ int Main(int argc, char** argv) {
   std::vector<IoOp> ops;
   if (f.op != "write") ops.push_back(IoOp::kRead);
   if (f.op != "read") ops.push_back(IoOp::kWrite);
-  std::vector<uint64_t> blocks = {*block};
+  std::vector<uint64_t> blocks = block_list;
   std::vector<uint32_t> depths = {f.queue_depth};
   if (f.sweep) {
     blocks = {256 << 10, 1016 << 10, 1 << 20, 4 << 20, 8 << 20};
@@ -556,12 +570,31 @@ int Main(int argc, char** argv) {
     std::string name, engine, extra;
   };
   std::vector<FioVariant> fio_variants;
+  FioHugePages fio_huge;
+  std::string fio_huge_why;
   if (f.compare_fio) {
     fio_variants = {
         {"fio-io_uring", "io_uring", ""},
         {"fio-io_uring-fixedbufs", "io_uring", "--fixedbufs"},
         {"fio-io_uring-fixedbufs-registerfiles", "io_uring", "--fixedbufs --registerfiles"},
         {"fio-libaio", "libaio", ""}};
+    // fio at its best: its buffers on huge pages too, as zinf's are (MADV_HUGEPAGE), so that
+    // the disk does not split its requests at 4 KiB page boundaries.
+    uint64_t max_depth = *std::max_element(depths.begin(), depths.end());
+    fio_huge_why = fio_huge.Prepare(*block * max_depth);
+    if (fio_huge_why.empty()) {
+      const std::string iomem = " --iomem=" + fio_huge.iomem();
+      std::fprintf(stderr, "zinf-nvme-bench: fio with huge-page buffers (%s)\n",
+                   fio_huge.summary().c_str());
+      fio_variants.push_back({"fio-io_uring-huge", "io_uring", iomem});
+      fio_variants.push_back({"fio-io_uring-fixedbufs-huge", "io_uring", "--fixedbufs" + iomem});
+      fio_variants.push_back({"fio-libaio-huge", "libaio", iomem});
+    } else {
+      std::fprintf(stderr,
+                   "zinf-nvme-bench: fio runs without huge-page buffers, so it is not at its "
+                   "best: %s\n",
+                   fio_huge_why.c_str());
+    }
   }
 
   // case key -> backend name -> gbps samples
@@ -574,6 +607,26 @@ int Main(int argc, char** argv) {
           std::string key =
               std::string(IoOpName(op)) + " bs=" + SizeLabel(b) + " qd=" + std::to_string(qd);
           if (rep == 0) case_order.push_back(key);
+          // Which tool reads a just-written (host-cached) file first alternates per repeat.
+          const bool fio_first = f.compare_fio && rep % 2 == 1;
+          auto run_fio = [&]() -> bool {
+            for (const FioVariant& v : fio_variants) {
+              Result<CaseResult> fr =
+                  RunFio(f, files, v.engine, v.extra, op, b, qd, *size, f.seconds);
+              if (!fr.ok()) {
+                std::fprintf(stderr, "zinf-nvme-bench: %s: %s\n", v.name.c_str(),
+                             fr.status().ToString().c_str());
+                return false;
+              }
+              json fj = CaseJson(v.name, op, b, qd, *fr);
+              fj["repeat"] = rep;
+              fj["first"] = fio_first ? "fio" : "zinf";
+              Emit(fj);
+              samples[key][v.name].push_back(fr->gbps());
+            }
+            return true;
+          };
+          if (fio_first && !run_fio()) return 1;
           Result<CaseResult> r =
               RunZinf(files, *kind, op, b, qd, *size, registered, huge, f.seconds, f.sqpoll);
           if (!r.ok()) {
@@ -586,21 +639,10 @@ int Main(int argc, char** argv) {
           j["huge_pages"] = huge;
           j["features"] = r->features;
           j["repeat"] = rep;
+          if (f.compare_fio) j["first"] = fio_first ? "fio" : "zinf";
           Emit(j);
           samples[key]["zinf"].push_back(r->gbps());
-          for (const FioVariant& v : fio_variants) {
-            Result<CaseResult> fr =
-                RunFio(f, files, v.engine, v.extra, op, b, qd, *size, f.seconds);
-            if (!fr.ok()) {
-              std::fprintf(stderr, "zinf-nvme-bench: %s: %s\n", v.name.c_str(),
-                           fr.status().ToString().c_str());
-              return 1;
-            }
-            json fj = CaseJson(v.name, op, b, qd, *fr);
-            fj["repeat"] = rep;
-            Emit(fj);
-            samples[key][v.name].push_back(fr->gbps());
-          }
+          if (!fio_first && !run_fio()) return 1;
         }
       }
     }
@@ -614,7 +656,6 @@ int Main(int argc, char** argv) {
       std::string best_name;
       double fio_libaio = Median(by["fio-libaio"]);
       for (const FioVariant& v : fio_variants) {
-        if (v.engine != "io_uring") continue;
         double m = Median(by[v.name]);
         if (m > best) {
           best = m;
@@ -628,6 +669,13 @@ int Main(int argc, char** argv) {
       j["fio_best_gbps"] = std::round(best * 1e3) / 1e3;
       j["fio_best"] = best_name;
       j["fio_libaio_gbps"] = std::round(fio_libaio * 1e3) / 1e3;
+      // Every variant's median, and why fio ran without huge pages ("" when it had them).
+      json variants;
+      for (const FioVariant& v : fio_variants) {
+        variants[v.name] = std::round(Median(by[v.name]) * 1e3) / 1e3;
+      }
+      j["fio_gbps"] = variants;
+      j["fio_huge_pages"] = fio_huge_why.empty() ? "yes" : "no: " + fio_huge_why;
       j["ratio"] = best > 0 ? std::round(zinf / best * 1e3) / 1e3 : 0;
       Emit(j);
     }
