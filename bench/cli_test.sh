@@ -28,6 +28,7 @@ done
 expect 2 "--size 4K is smaller than the block size" -- "$nvme" --dir "$work" --size 4K --block-size 1M
 expect 2 "multiple of 4K" -- "$nvme" --dir "$work" --block-size 1000
 expect 2 "multiple of 4K" -- "$nvme" --dir "$work" --block-size 1M,1000
+expect 2 "take one --block-size" -- "$nvme" --dir "$work" --block-size 1M,8M --op mixed
 expect 2 "not a finite number" -- "$nvme" --dir "$work" --seconds nan
 expect 2 "" -- "$nvme" --dir "$work" --queue-depth 0
 expect 2 "" -- "$nvme" --dir "$work/missing"
@@ -52,6 +53,10 @@ expect 0 "gbps" -- "$nvme" --dir "$work" --size 8M --block-size 1M --seconds 0.2
 # (With --compare-fio the file keeps its name for fio: here a stand-in that just waits.)
 printf '#!/bin/sh\nexec sleep 4\n' > "$work/fio"
 chmod +x "$work/fio"
+# (As root the bench mounts hugetlbfs and reserves huge pages for fio first: SIGTERM must give
+# both back.)
+pages_before=$(cat /proc/sys/vm/nr_hugepages 2>/dev/null || echo none)
+mounts_before=$(grep -c zinf-hugetlbfs /proc/mounts)
 "$nvme" --dir "$work" --size 16M --block-size 1M --seconds 30 --op read --compare-fio --fio "$work/fio" >/dev/null 2>&1 &
 pid=$!
 sleep 2
@@ -59,6 +64,11 @@ kill -TERM $pid
 wait $pid
 rc=$?
 [[ $rc -eq 143 ]] || { echo "FAIL: the bench was not stopped by SIGTERM (exit $rc)"; fails=$((fails + 1)); }
+pages_after=$(cat /proc/sys/vm/nr_hugepages 2>/dev/null || echo none)
+[[ $pages_after == "$pages_before" ]] || {
+  echo "FAIL: SIGTERM left nr_hugepages at $pages_after (was $pages_before)"; fails=$((fails + 1)); }
+[[ $(grep -c zinf-hugetlbfs /proc/mounts) -eq $mounts_before ]] || {
+  echo "FAIL: SIGTERM left a hugetlbfs mount: $(grep zinf-hugetlbfs /proc/mounts)"; fails=$((fails + 1)); }
 sleep 4  # the stand-in fio ends
 if compgen -G "$work/zinf-bench-*" >/dev/null; then
   echo "FAIL: a SIGTERM'ed zinf-nvme-bench left $(ls "$work")"

@@ -1,9 +1,12 @@
 #include "bench/fio_huge_pages.h"
 
+#include <fcntl.h>
 #include <sys/mount.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -66,11 +69,41 @@ std::string FindHugetlbfs(long page_kb) {
   return "";
 }
 
+// What a signal handler must undo, kept in plain buffers (FioHugePages::RestoreFromSignal
+// may only make async-signal-safe calls).
+char g_pages_path[] = "/proc/sys/vm/nr_hugepages";
+char g_old_pages[32];     // "<n>\n" to write back; empty: untouched
+char g_mount_dir[256];    // our mount; empty: none
+char g_buffer_file[320];  // fio's buffer file; empty: none
+
+void CopyTo(char* dst, size_t size, const std::string& src) {
+  std::snprintf(dst, size, "%s", src.c_str());
+}
+
+// Free huge pages not promised to a mapping yet.
+long Available() { return MemInfo("HugePages_Free") - std::max(0L, MemInfo("HugePages_Rsvd")); }
+
 }  // namespace
 
-FioHugePages::~FioHugePages() {
-  // Best effort: the bench is ending, and a failure here leaves the system as a user who set
-  // it up by hand would have it (pages reserved, a mount in /tmp), which the log names.
+void FioHugePages::RestoreFromSignal() {
+  if (g_buffer_file[0] != '\0') unlink(g_buffer_file);
+  if (g_old_pages[0] != '\0') {
+    const int fd = open(g_pages_path, O_WRONLY);
+    if (fd >= 0) {
+      // (Nothing to do if it fails: the process is dying of the signal.)
+      if (write(fd, g_old_pages, std::strlen(g_old_pages)) < 0) g_old_pages[0] = '\0';
+      close(fd);
+    }
+  }
+  if (g_mount_dir[0] != '\0' && umount2(g_mount_dir, MNT_DETACH) == 0) rmdir(g_mount_dir);
+}
+
+FioHugePages::~FioHugePages() { Release(); }
+
+void FioHugePages::Release() {
+  // Best effort: a failure here leaves the system as a user who set it up by hand would have
+  // it (pages reserved, a mount in /tmp), and says so.
+  if (!file_.empty()) unlink(file_.c_str());
   if (old_pages_ >= 0 && !WriteLong(kNrHugePages, old_pages_)) {
     std::fprintf(stderr, "zinf-nvme-bench: could not restore %s to %ld\n", kNrHugePages,
                  old_pages_);
@@ -81,9 +114,19 @@ FioHugePages::~FioHugePages() {
                    mount_dir_.c_str(), std::strerror(errno));
     }
   }
+  old_pages_ = -1;
+  mounted_ = false;
+  file_.clear();
+  g_old_pages[0] = g_mount_dir[0] = g_buffer_file[0] = '\0';
 }
 
 std::string FioHugePages::Prepare(uint64_t bytes) {
+  std::string why = TryPrepare(bytes);
+  if (!why.empty()) Release();  // nothing half set up stays for the run
+  return why;
+}
+
+std::string FioHugePages::TryPrepare(uint64_t bytes) {
   const long page_kb = MemInfo("Hugepagesize");
   if (page_kb <= 0) return "the kernel reports no huge page size (no hugetlb support)";
   const bool root = geteuid() == 0;
@@ -104,35 +147,52 @@ std::string FioHugePages::Prepare(uint64_t bytes) {
     }
     mount_dir_ = dir;
     mounted_ = true;
+    CopyTo(g_mount_dir, sizeof(g_mount_dir), mount_dir_);
     summary_ = "mounted hugetlbfs on " + mount_dir_;
   } else {
     summary_ = "hugetlbfs at " + mount_dir_;
   }
-  // fio maps its buffers (block size x queue depth) in one piece; a few pages spare.
+  // fio maps block size x queue depth (+ 4 KiB for O_DIRECT alignment) in one piece, rounded
+  // up to its --hugepage-size (4 MiB by default): at most two pages of 2 MiB more; a few spare.
   const uint64_t page = static_cast<uint64_t>(page_kb) << 10;
-  const long need = static_cast<long>((bytes + page - 1) / page) + 4;
-  const long free_pages = MemInfo("HugePages_Free");
-  if (free_pages < need) {
-    if (!root) {
-      return std::to_string(need) + " free huge pages needed, " + std::to_string(free_pages) +
-             " free; as root: echo " + std::to_string(need) + " > " + kNrHugePages;
-    }
+  need_ = static_cast<long>((bytes + 4096 + page - 1) / page) + 4;
+  const long avail = Available();
+  if (avail < need_) {
     const long total = ReadLong(kNrHugePages);
     if (total < 0) return std::string("cannot read ") + kNrHugePages;
-    if (!WriteLong(kNrHugePages, total + (need - free_pages))) {
-      return std::string("cannot write ") + kNrHugePages;
+    const long want = total + (need_ - avail);
+    if (!root) {
+      return std::to_string(need_) + " available huge pages needed, " + std::to_string(avail) +
+             " available; as root: echo " + std::to_string(want) + " > " + kNrHugePages;
     }
+    // Recorded before the write, so that a signal right after it still restores the count.
     old_pages_ = total;
-    const long now_free = MemInfo("HugePages_Free");
-    if (now_free < need) {
-      return "the kernel reserved only " + std::to_string(now_free) + " free huge pages of the " +
-             std::to_string(need) + " needed (memory fragmented or short)";
+    CopyTo(g_old_pages, sizeof(g_old_pages), std::to_string(total) + "\n");
+    if (!WriteLong(kNrHugePages, want)) return std::string("cannot write ") + kNrHugePages;
+    if (Available() < need_) {
+      return "the kernel made only " + std::to_string(Available()) + " huge pages available of " +
+             "the " + std::to_string(need_) + " needed (memory fragmented or short)";
     }
-    summary_ += ", reserved " + std::to_string(need - free_pages) + " pages of " +
-                std::to_string(page_kb) + " KiB";
+    summary_ += ", " + std::to_string(need_ - avail) + " more pages of " + std::to_string(page_kb) +
+                " KiB reserved";
   }
-  iomem_ = "mmaphuge:" + mount_dir_ + "/zinf-fio-" + std::to_string(getpid());
+  file_ = mount_dir_ + "/zinf-fio-" + std::to_string(getpid());
+  CopyTo(g_buffer_file, sizeof(g_buffer_file), file_);
+  iomem_ = "mmaphuge:" + file_;
   return "";
+}
+
+bool FioHugePages::WaitForPages(double seconds) {
+  // A file an earlier fio left behind holds pages (fio keeps a file it did not create).
+  unlink(file_.c_str());
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (Available() < need_) {
+    // The pages of the previous fio's registered buffers come back once the kernel has torn
+    // its ring down, after that fio exited.
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    usleep(20 * 1000);
+  }
+  return true;
 }
 
 }  // namespace zinf

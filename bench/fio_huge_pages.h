@@ -25,13 +25,25 @@ class FioHugePages {
   // The --iomem argument for fio ("mmaphuge:<mount>/zinf-fio-<pid>"); valid after Prepare
   // returned "".
   const std::string& iomem() const { return iomem_; }
-  // What Prepare did, for the log ("found /dev/hugepages, reserved 140 pages of 2048 KiB").
+  // What Prepare did, for the log ("mounted hugetlbfs on ..., 132 more pages ... reserved").
   const std::string& summary() const { return summary_; }
+  // Before each fio run with huge pages: removes a buffer file an earlier fio left, then
+  // waits (at most `seconds`) until the pages Prepare counted are available again; false if
+  // they are not.
+  bool WaitForPages(double seconds);
+  // For a SIGINT/SIGTERM handler (async-signal-safe calls only): gives back what Prepare set
+  // up, as the destructor would.
+  static void RestoreFromSignal();
 
  private:
+  std::string TryPrepare(uint64_t bytes);
+  void Release();  // what the destructor does; also after a Prepare that failed part-way
+
   std::string mount_dir_;
   bool mounted_ = false;  // we mounted mount_dir_ (and made the folder)
   long old_pages_ = -1;   // nr_hugepages before we raised it; -1: untouched
+  long need_ = 0;         // huge pages one fio run needs
+  std::string file_;      // fio's buffer file on the mount
   std::string iomem_;
   std::string summary_;
 };

@@ -101,6 +101,7 @@ volatile sig_atomic_t g_named_count = 0;
 
 void RemoveNamedAndDie(int sig) {
   for (int i = 0; i < g_named_count; ++i) unlink(g_named[i]);  // async-signal-safe
+  FioHugePages::RestoreFromSignal();  // the huge pages and mount set up for fio, if any
   signal(sig, SIG_DFL);
   raise(sig);
 }
@@ -292,15 +293,19 @@ Result<CaseResult> RunFio(const Flags& flags, const BenchFiles& files, const std
   std::string names;
   for (const IoFile& f : files.files()) names += (names.empty() ? "" : ":") + f.path;
   uint64_t size = std::min<uint64_t>(total, files.per_file() * files.files().size());
-  char cmd[2048];
-  std::snprintf(cmd, sizeof(cmd),
-                "%s --name=zinf-compare --filename=%s --rw=%s --bs=%llu --iodepth=%u "
-                "--ioengine=%s --direct=1 --size=%llu --runtime=%d --numjobs=1 "
-                "--thread --output-format=json %s 2>&1",
-                flags.fio.c_str(), names.c_str(), op == IoOp::kRead ? "read" : "write",
-                static_cast<unsigned long long>(block), qd, engine.c_str(),
-                static_cast<unsigned long long>(size),
-                std::max(1, static_cast<int>(seconds + 0.999)), extra.c_str());
+  char cmd[4096];
+  const int len =
+      std::snprintf(cmd, sizeof(cmd),
+                    "%s --name=zinf-compare --filename=%s --rw=%s --bs=%llu --iodepth=%u "
+                    "--ioengine=%s --direct=1 --size=%llu --runtime=%d --numjobs=1 "
+                    "--thread --output-format=json %s 2>&1",
+                    flags.fio.c_str(), names.c_str(), op == IoOp::kRead ? "read" : "write",
+                    static_cast<unsigned long long>(block), qd, engine.c_str(),
+                    static_cast<unsigned long long>(size),
+                    std::max(1, static_cast<int>(seconds + 0.999)), extra.c_str());
+  if (len < 0 || static_cast<size_t>(len) >= sizeof(cmd)) {
+    return Status::InvalidArgument("the fio command line is too long (file paths?)");
+  }
   FILE* p = popen(cmd, "r");
   if (p == nullptr) return ErrnoToStatus(errno, "starting fio");
   std::string out;
@@ -471,8 +476,14 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr, "zinf-nvme-bench: --block-size must be a multiple of 4K up to 1G\n");
       return 2;
     }
-    block_list.push_back(*b);
+    if (std::find(block_list.begin(), block_list.end(), *b) == block_list.end()) {
+      block_list.push_back(*b);
+    }
     start = comma + 1;
+  }
+  if (block_list.size() > 1 && (f.op == "mixed" || f.checksum_cost)) {
+    std::fprintf(stderr, "zinf-nvme-bench: --op mixed and --checksum-cost take one --block-size\n");
+    return 2;
   }
   Result<uint64_t> block = *std::max_element(block_list.begin(), block_list.end());
   Result<uint64_t> size = ParseSize(f.size);
@@ -580,8 +591,9 @@ int Main(int argc, char** argv) {
         {"fio-libaio", "libaio", ""}};
     // fio at its best: its buffers on huge pages too, as zinf's are (MADV_HUGEPAGE), so that
     // the disk does not split its requests at 4 KiB page boundaries.
-    uint64_t max_depth = *std::max_element(depths.begin(), depths.end());
-    fio_huge_why = fio_huge.Prepare(*block * max_depth);
+    const uint64_t largest = *std::max_element(blocks.begin(), blocks.end());
+    const uint64_t max_depth = *std::max_element(depths.begin(), depths.end());
+    fio_huge_why = fio_huge.Prepare(largest * max_depth);
     if (fio_huge_why.empty()) {
       const std::string iomem = " --iomem=" + fio_huge.iomem();
       std::fprintf(stderr, "zinf-nvme-bench: fio with huge-page buffers (%s)\n",
@@ -611,8 +623,20 @@ int Main(int argc, char** argv) {
           const bool fio_first = f.compare_fio && rep % 2 == 1;
           auto run_fio = [&]() -> bool {
             for (const FioVariant& v : fio_variants) {
+              const bool on_huge = v.name.size() > 5 && v.name.substr(v.name.size() - 5) == "-huge";
+              if (on_huge && !fio_huge_why.empty()) continue;  // given up on below
               Result<CaseResult> fr =
-                  RunFio(f, files, v.engine, v.extra, op, b, qd, *size, f.seconds);
+                  Status::ResourceExhausted("the huge pages did not come back within 5 s");
+              if (!on_huge || fio_huge.WaitForPages(5.0)) {
+                fr = RunFio(f, files, v.engine, v.extra, op, b, qd, *size, f.seconds);
+              }
+              if (!fr.ok() && on_huge) {
+                // Huge pages are set up by heuristics (another user may hold some): drop
+                // these variants and go on with the others, saying so.
+                fio_huge_why = "gave up after " + v.name + " failed: " + fr.status().ToString();
+                std::fprintf(stderr, "zinf-nvme-bench: %s\n", fio_huge_why.c_str());
+                continue;
+              }
               if (!fr.ok()) {
                 std::fprintf(stderr, "zinf-nvme-bench: %s: %s\n", v.name.c_str(),
                              fr.status().ToString().c_str());
