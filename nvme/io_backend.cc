@@ -54,6 +54,7 @@ struct FaultPlan::State {
   mutable std::mutex mu;
   std::vector<IoFault> faults;  // guarded by mu
   uint64_t requests = 0;        // guarded by mu
+  uint64_t fired = 0;           // guarded by mu
 };
 
 FaultPlan::FaultPlan() : state_(std::make_unique<State>()) {}
@@ -62,6 +63,13 @@ FaultPlan::~FaultPlan() = default;
 void FaultPlan::Add(const IoFault& fault) {
   std::lock_guard<std::mutex> lock(state_->mu);
   state_->faults.push_back(fault);
+}
+
+uint64_t FaultPlan::AddAhead(IoFault fault, uint64_t ahead) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  fault.first = state_->requests + ahead;
+  state_->faults.push_back(fault);
+  return fault.first;
 }
 
 void FaultPlan::Clear() {
@@ -74,12 +82,18 @@ uint64_t FaultPlan::requests() const {
   return state_->requests;
 }
 
+uint64_t FaultPlan::fired() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->fired;
+}
+
 bool FaultPlan::Next(IoOp op, IoFault* fault) {
   std::lock_guard<std::mutex> lock(state_->mu);
   uint64_t index = state_->requests++;
   for (const IoFault& f : state_->faults) {
     if (index >= f.first && index - f.first < f.count && (f.any_op || f.op == op)) {
       *fault = f;
+      ++state_->fired;
       return true;
     }
   }

@@ -14,6 +14,7 @@ struct FaultOutcome {
   std::vector<uint64_t> requests_per_step;  // I/O requests of the clean micro-steps
   uint64_t fault_at = 0;
   uint64_t requests_after = 0;           // requests seen when the faulty steps ended
+  uint64_t fired = 0;                    // requests the fault fired on
   Status fault_error;                    // the first failing call's status once the fault is armed
   bool failed_before_gradients = false;  // fault_error came before any ReduceGradient
   int clean_micro_steps = 0;             // micro-steps that succeeded, before and after the failure
@@ -67,9 +68,7 @@ FaultOutcome RunWithInjectedFault(uint64_t ahead, IoFault fault = IoFault{}, boo
   if (!out.setup.ok()) return out;
   // The error may surface in the call that needs the request or, for a prefetch or a
   // write-back, in a later one.
-  out.fault_at = plan->requests() + ahead;
-  fault.first = out.fault_at;
-  plan->Add(fault);
+  out.fault_at = plan->AddAhead(fault, ahead);
   out.clean_micro_steps = 2;
   for (int attempt = 0; attempt < 3 && out.fault_error.ok(); ++attempt) {
     out.fault_error = trainer.MicroStep(0, kGlobalBatch, false, &loss, &stats);
@@ -78,6 +77,7 @@ FaultOutcome RunWithInjectedFault(uint64_t ahead, IoFault fault = IoFault{}, boo
   out.failed_before_gradients = !out.fault_error.ok() && trainer.gradients_reduced() == 0 &&
                                 out.fault_error.message().rfind("Step", 0) != 0;
   out.requests_after = plan->requests();
+  out.fired = plan->fired();
   plan->Clear();
   if (out.fault_error.ok()) {  // absorbed: the masters after the faulty steps
     out.gather = trainer.GatherAll(&out.params);
@@ -118,7 +118,8 @@ void InjectedIoErrorFailsTheStepAndTheEngineStaysConsistent(bool delayed) {
                std::chrono::seconds(60),
                [&] { f = RunWithInjectedFault(ahead, IoFault{}, false, delayed); });
     ASSERT_TRUE(f.setup.ok()) << f.setup.ToString();
-    ASSERT_GT(f.requests_after, f.fault_at) << "the fault never fired in 3 micro-steps";
+    ASSERT_GT(f.requests_after, f.fault_at) << "the faulted request was never issued";
+    ASSERT_EQ(f.fired, 1u) << "the fault did not fire on request " << f.fault_at;
     ASSERT_FALSE(f.fault_error.ok())
         << "an EIO on request " << f.fault_at << " was not reported by any engine call";
     std::printf("  +%llu: %s\n", static_cast<unsigned long long>(ahead),
@@ -205,9 +206,7 @@ TEST(EngineDurable, ResumeFromTheStoreAfterAFailedStepIsBitIdentical) {
         const uint64_t ahead = per_step * fifth / 5;
         SCOPED_TRACE("EIO on request +" + std::to_string(ahead) + " of " +
                      std::to_string(per_step));
-        IoFault fault;
-        fault.first = plan->requests() + ahead;
-        plan->Add(fault);
+        const uint64_t fault_at = plan->AddAhead(IoFault{}, ahead);
         for (int attempt = 0; attempt < 2 && failed.ok(); ++attempt) {
           failed = trainer.MicroStep(0, kGlobalBatch, false, &loss, &stats);
           if (failed.ok()) ++done;
@@ -215,7 +214,8 @@ TEST(EngineDurable, ResumeFromTheStoreAfterAFailedStepIsBitIdentical) {
         if (failed.ok()) {
           // Rarely (thread timing) the failed request is a read-ahead of a copy that is
           // dropped before use and fetched again: nothing failed, nothing to resume from.
-          ASSERT_GT(plan->requests(), fault.first) << "the faulted request was never issued";
+          ASSERT_GT(plan->requests(), fault_at) << "the faulted request was never issued";
+          ASSERT_EQ(plan->fired(), 1u) << "the fault did not fire";
           std::printf("  EIO at +%llu absorbed (a read-ahead dropped before use)\n",
                       static_cast<unsigned long long>(ahead));
           continue;
@@ -344,11 +344,10 @@ void RunDurableLeg(const RunOptions& o, const std::string& dir, DurableLeg* leg)
             if (leg->before_micro) ZINF_RETURN_IF_ERROR(leg->before_micro(engine->get(), r, m));
             if (r == leg->fail_rank && m == leg->fail_micro) {
               IoFault fault;  // every write from here on: the optimizer's write-backs
-              fault.first = plan->requests();
               fault.count = 1u << 30;
               fault.any_op = false;
               fault.op = IoOp::kWrite;
-              plan->Add(fault);
+              plan->AddAhead(fault, 0);
             }
             double loss;
             StepStats stats;

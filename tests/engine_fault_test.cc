@@ -473,8 +473,7 @@ TEST(EngineFaults, BufferOfAFailedReadIsNeverTakenAndGoesBack) {
     ASSERT_TRUE((*e)->FinishRegistration().ok());
     const size_t used = r.device->MemoryInfo().used;
     IoFault read_error;  // the next request (the fetch's read) fails with EIO
-    read_error.first = hooks.fault_plan->requests();
-    hooks.fault_plan->Add(read_error);
+    hooks.fault_plan->AddAhead(read_error, 0);
     Result<std::vector<void*>> got = (*e)->Acquire({0}, AcquireMode::kInference);
     ASSERT_FALSE(got.ok());
     EXPECT_NE(got.status().message().find("fetching parameter 'w0'"), std::string::npos)
@@ -524,8 +523,7 @@ TEST(EngineFaults, AFailedReadOnOneRankStillTakesPartInTheGather) {
         partition[r] = (*e)->param(0).partition_numel;
         if (r == 0) {
           IoFault read_error;  // rank 0's next request (the fetch's read) fails with EIO
-          read_error.first = hooks.fault_plan->requests();
-          hooks.fault_plan->Add(read_error);
+          hooks.fault_plan->AddAhead(read_error, 0);
         }
         Result<std::vector<void*>> a = (*e)->Acquire({0}, AcquireMode::kInference);
         got[r] = a.status();

@@ -591,12 +591,11 @@ TEST(EngineSemanticsTest, AnOptimizerFailureReachesTheBackwardPromptly) {
   Rig rig;
   MakeTightRig(&rig, plan);
   if (::testing::Test::HasFatalFailure()) return;
-  IoFault fault;
-  fault.first = plan->requests();  // from now on: the optimizer's state reads
+  IoFault fault;  // from now on: the optimizer's state reads
   fault.count = 1000;
   fault.any_op = false;
   fault.op = IoOp::kRead;
-  plan->Add(fault);
+  plan->AddAhead(fault, 0);
   auto t0 = std::chrono::steady_clock::now();
   Status s = HandIn(rig, {5, 4, 2, 1, 0});
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0);

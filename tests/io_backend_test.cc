@@ -131,9 +131,8 @@ TEST_P(IoQueueTest, FaultFailsOnlyItsTransfer) {
   IoFault again;
   again.kind = IoFault::Kind::kError;
   again.errno_value = EAGAIN;
-  again.first = plan->requests();
   again.count = 1000;
-  plan->Add(again);
+  plan->AddAhead(again, 0);
   Status s = Run(q.get(), {IoOp::kRead, 0, 0, b.data(), 4096});
   EXPECT_EQ(EAGAIN, s.sys_errno()) << s.ToString();
 }
@@ -188,6 +187,52 @@ TEST(IoBackendTest, SqpollRoundTripOrFallback) {
   EXPECT_EQ(0, std::memcmp(w.data(), r.data(), w.size()));
   q->reset();
   close(fd);
+}
+
+// A rule armed `ahead` requests from now fires on exactly that request, even while another
+// thread keeps issuing requests: reading requests() and then adding a rule with an absolute
+// first request let a background request slip in between, so that the rule never fired (the
+// engine fault tests flaked on it under the strict device).
+TEST(FaultPlanTest, AddAheadCountsFromTheRequestsSeenUnderItsLock) {
+  FaultPlan plan;
+  IoFault f;
+  IoFault got;
+  for (int i = 0; i < 3; ++i) EXPECT_FALSE(plan.Next(IoOp::kRead, &got));
+  EXPECT_EQ(plan.AddAhead(f, 0), 3u);
+  EXPECT_TRUE(plan.Next(IoOp::kWrite, &got));
+  EXPECT_EQ(got.first, 3u);
+  EXPECT_FALSE(plan.Next(IoOp::kRead, &got));
+  EXPECT_EQ(plan.AddAhead(f, 2), 7u);
+  EXPECT_FALSE(plan.Next(IoOp::kRead, &got));
+  EXPECT_FALSE(plan.Next(IoOp::kRead, &got));
+  EXPECT_TRUE(plan.Next(IoOp::kRead, &got));
+  EXPECT_EQ(plan.fired(), 2u);
+  EXPECT_EQ(plan.requests(), 8u);
+
+  // Against a thread issuing requests all the time: every rule armed fires once.
+  FaultPlan busy;
+  std::atomic<bool> stop{false};
+  std::thread issuer([&] {
+    IoFault unused;
+    while (!stop.load()) (void)busy.Next(IoOp::kRead, &unused);  // counted either way
+  });
+  constexpr uint64_t kRules = 200;
+  uint64_t missed = 0;
+  for (uint64_t k = 1; k <= kRules; ++k) {
+    busy.AddAhead(f, 0);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (busy.fired() < k && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::yield();
+    }
+    if (busy.fired() < k) {
+      ++missed;
+      break;
+    }
+  }
+  stop = true;
+  issuer.join();
+  EXPECT_EQ(missed, 0u) << "a rule armed from now never fired";
+  EXPECT_EQ(busy.fired(), kRules);
 }
 
 TEST(IoBackendTest, ParseAndValidate) {

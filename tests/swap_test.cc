@@ -489,10 +489,7 @@ class SwapFaultTest : public ::testing::TestWithParam<IoBackendKind> {
     EXPECT_EQ(0, std::memcmp(back.data(), other_->data(), kSize));
   }
   // Makes the next request (first = current count + k) fault.
-  void FaultAt(IoFault f, uint64_t k = 0) {
-    f.first = plan_->requests() + k;
-    plan_->Add(f);
-  }
+  void FaultAt(IoFault f, uint64_t k = 0) { plan_->AddAhead(f, k); }
 
   static constexpr uint64_t kSize = 300000;  // 5 chunks of 64 KiB, 10 requests of 32 KiB
   TempDir dir_;
@@ -554,9 +551,8 @@ TEST_P(SwapFaultTest, ShortTransfersAndEagainAreResubmitted) {
   IoFault again;
   again.kind = IoFault::Kind::kError;
   again.errno_value = EAGAIN;
-  again.first = plan_->requests() + 6;
   again.count = 3;
-  plan_->Add(again);
+  plan_->AddAhead(again, 6);
   AlignedBuffer fresh(kSize), back(kSize);
   FillRandom(fresh.data(), kSize, 21);
   Status s = WriteSync("victim", fresh);

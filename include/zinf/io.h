@@ -127,9 +127,16 @@ class FaultPlan {
   FaultPlan& operator=(const FaultPlan&) = delete;
 
   void Add(const IoFault& fault);
+  // Adds `fault` with its first request `ahead` requests after those counted so far, read
+  // under the same lock: a request that another thread issues meanwhile (a prefetch, a
+  // write-back) cannot slip between reading requests() and adding the rule, leaving a rule
+  // whose request has passed. Returns the rule's first request.
+  uint64_t AddAhead(IoFault fault, uint64_t ahead);
   void Clear();
   // Requests seen so far.
   uint64_t requests() const;
+  // Requests a rule fired on so far.
+  uint64_t fired() const;
   // Counts one request of `op`; returns true and fills *fault when a rule fires for it.
   bool Next(IoOp op, IoFault* fault);
 
