@@ -14,6 +14,12 @@
 // The roofline kernel moves 28 B per element, so for fp32 AdamW roofline_ratio is simply the
 // ratio of the two times.
 //
+// --state-dtype fp32,bf16,int8 times the step with its states stored in each type (zinf/
+// cpu_adam.h StateType), interleaved repeat by repeat with the roofline, and counts each
+// state's bytes as stored: 2 B per element read and written for bf16, 1 + 4/256 B for int8
+// (codes and block scales). Each compressed line also gives "ns_vs_fp32": its median time per
+// element over fp32 states' in the same run (when fp32 is in the list).
+//
 // --compare-unfused also times, per thread count, the fused mixed-precision step (bf16
 // gradients in, bf16 parameter copy out, one pass) against the same optimizer with fp32
 // gradients followed by a separate fp32 -> bf16 conversion pass (two passes), and prints
@@ -169,17 +175,32 @@ RooflineFn BestRoofline() {
   return RooflineScalar;
 }
 
-size_t StepBytesPerElement(OptimizerKind kind, GradType grad, ParamCopyType copy) {
+double StepBytesPerElement(OptimizerKind kind, GradType grad, ParamCopyType copy, StateType state,
+                           size_t n) {
   const size_t states = kind == OptimizerKind::kAdam || kind == OptimizerKind::kAdamW ? 2 : 1;
-  return 8 + GradTypeSize(grad) + 8 * states + ParamCopyTypeSize(copy);
+  const double state_bytes = static_cast<double>(StateBytes(state, n)) / static_cast<double>(n);
+  return 8.0 + static_cast<double>(GradTypeSize(grad) + ParamCopyTypeSize(copy)) +
+         2.0 * state_bytes * static_cast<double>(states);
 }
 constexpr size_t kRooflineBytesPerElement = 28;
 
 struct Buffers {
   explicit Buffers(size_t n)
-      : n(n), param(4 * n), grad32(4 * n), grad16(2 * n), m(4 * n), v(4 * n), copy(2 * n) {}
+      : n(n),
+        param(4 * n),
+        grad32(4 * n),
+        grad16(2 * n),
+        m(4 * n),
+        v(4 * n),
+        copy(2 * n),
+        qm(QBytes(n)),
+        qv(QBytes(n)) {}
+  // Room for the states in bf16 or int8.
+  static size_t QBytes(size_t n) {
+    return std::max(StateBytes(StateType::kBf16, n), StateBytes(StateType::kInt8, n));
+  }
   size_t n;
-  HugeBuffer param, grad32, grad16, m, v, copy;
+  HugeBuffer param, grad32, grad16, m, v, copy, qm, qv;
 };
 
 // Fills every buffer through the optimizer's own partition, so each page is faulted in (by
@@ -202,6 +223,9 @@ void Touch(CpuOptimizer& opt, Buffers& b) {
       c[i] = 0;
     }
   });
+  // Compressed states start at zero (all-zero bytes), the first steps fill them.
+  std::memset(b.qm.as<uint8_t>(), 0, Buffers::QBytes(b.n));
+  std::memset(b.qv.as<uint8_t>(), 0, Buffers::QBytes(b.n));
 }
 
 OptimizerHyperParams HyperParams(OptimizerKind kind, int64_t step) {
@@ -217,7 +241,8 @@ OptimizerHyperParams HyperParams(OptimizerKind kind, int64_t step) {
   return hp;
 }
 
-OptimizerTensors Tensors(Buffers& b, OptimizerKind kind, GradType grad, ParamCopyType copy) {
+OptimizerTensors Tensors(Buffers& b, OptimizerKind kind, GradType grad, ParamCopyType copy,
+                         StateType state = StateType::kF32) {
   OptimizerTensors t;
   t.n = b.n;
   t.param = b.param.as<float>();
@@ -232,6 +257,13 @@ OptimizerTensors Tensors(Buffers& b, OptimizerKind kind, GradType grad, ParamCop
   if (kind == OptimizerKind::kAdam || kind == OptimizerKind::kAdamW) t.exp_avg_sq = b.v.as<float>();
   t.param_copy = copy == ParamCopyType::kNone ? nullptr : b.copy.as<uint16_t>();
   t.param_copy_type = copy;
+  if (state != StateType::kF32) {
+    t.exp_avg = t.exp_avg_sq = t.sum = nullptr;
+    t.state_type = state;
+    t.state1 = b.qm.as<uint8_t>();
+    if (kind == OptimizerKind::kAdam || kind == OptimizerKind::kAdamW)
+      t.state2 = b.qv.as<uint8_t>();
+  }
   return t;
 }
 
@@ -258,6 +290,7 @@ struct Flags {
   std::vector<std::string> grad_dtypes{"f32"};
   std::vector<std::string> param_outs{"none"};
   std::vector<std::string> isas{"auto"};
+  std::vector<std::string> state_dtypes{"fp32"};
   int repeats = 11;
   int warmup = 2;
   bool compare_unfused = false;
@@ -298,6 +331,11 @@ std::optional<ParamCopyType> ParseCopy(const std::string& s) {
   }
   return std::nullopt;
 }
+std::optional<StateType> ParseState(const std::string& s) {
+  Result<StateType> t = ParseStateType(s);
+  if (!t.ok()) return std::nullopt;
+  return *t;
+}
 // An --isa value; auto (isa empty) lets SelectCpuIsa choose: ZINF_CPU_ISA or the best.
 struct IsaChoice {
   std::optional<CpuIsa> isa;
@@ -314,6 +352,7 @@ int Run(const Flags& f) {
   const auto grads = ParseAll<GradType>(f.grad_dtypes, ParseGrad, "--grad-dtype");
   const auto copies = ParseAll<ParamCopyType>(f.param_outs, ParseCopy, "--param-out");
   const auto isas = ParseAll<IsaChoice>(f.isas, ParseIsa, "--isa");
+  const auto states = ParseAll<StateType>(f.state_dtypes, ParseState, "--state-dtype");
   const RooflineFn roofline = BestRoofline();
   Buffers b(f.n);
   bool touched = false;
@@ -335,45 +374,60 @@ int Run(const Flags& f) {
       for (OptimizerKind kind : kinds) {
         for (GradType grad : grads) {
           for (ParamCopyType copy : copies) {
-            const OptimizerTensors t = Tensors(b, kind, grad, copy);
-            std::vector<double> step_s, roof_s;
+            // The state types interleaved repeat by repeat, with one roofline run per repeat.
+            std::vector<std::vector<double>> step_s(states.size());
+            std::vector<double> roof_s;
             for (int r = 0; r < f.warmup + f.repeats; ++r) {
               const double roof = TimeRoofline(opt, b, roofline);
-              const auto t0 = Clock::now();
-              CheckOk(opt.Step(HyperParams(kind, step++), t), "step");
-              const double s = Seconds(t0, Clock::now());
-              if (r >= f.warmup) {
-                step_s.push_back(s);
-                roof_s.push_back(roof);
+              if (r >= f.warmup) roof_s.push_back(roof);
+              for (size_t k = 0; k < states.size(); ++k) {
+                if (kind == OptimizerKind::kAdagrad && states[k] == StateType::kInt8) continue;
+                const OptimizerTensors t = Tensors(b, kind, grad, copy, states[k]);
+                const auto t0 = Clock::now();
+                CheckOk(opt.Step(HyperParams(kind, step++), t), "step");
+                if (r >= f.warmup) step_s[k].push_back(Seconds(t0, Clock::now()));
               }
             }
-            const double med = Median(step_s);
             const double roof_med = Median(roof_s);
-            const size_t bytes = StepBytesPerElement(kind, grad, copy);
-            const double gbps = bytes * static_cast<double>(f.n) / med / 1e9;
             const double roof_gbps =
                 kRooflineBytesPerElement * static_cast<double>(f.n) / roof_med / 1e9;
-            nlohmann::json j = {
-                {"optimizer", OptimizerKindName(kind)},
-                {"isa", CpuIsaName(opt.isa())},
-                {"kernel", opt.kernel_name()},
-                {"threads", opt.num_threads()},
-                {"bind", opt.bound_to_cores()},
-                {"n", f.n},
-                {"grad_dtype", GradTypeName(grad)},
-                {"param_out", ParamCopyTypeName(copy)},
-                {"repeats", f.repeats},
-                {"ms_median", med * 1e3},
-                {"ms_min", *std::min_element(step_s.begin(), step_s.end()) * 1e3},
-                {"ns_per_elem", med * 1e9 / static_cast<double>(f.n)},
-                {"bytes_per_elem", bytes},
-                {"gbps", gbps},
-                {"roofline_ms_median", roof_med * 1e3},
-                {"roofline_gbps", roof_gbps},
-                {"roofline_ratio", gbps / roof_gbps},
-            };
-            std::printf("%s\n", j.dump().c_str());
-            std::fflush(stdout);
+            std::optional<double> fp32_med;
+            for (size_t k = 0; k < states.size(); ++k) {
+              if (states[k] == StateType::kF32) fp32_med = Median(step_s[k]);
+            }
+            for (size_t k = 0; k < states.size(); ++k) {
+              if (step_s[k].empty()) {
+                std::fprintf(stderr, "zinf-adam-bench: %s has no int8 states; skipped\n",
+                             OptimizerKindName(kind));
+                continue;
+              }
+              const double med = Median(step_s[k]);
+              const double bytes = StepBytesPerElement(kind, grad, copy, states[k], f.n);
+              const double gbps = bytes * static_cast<double>(f.n) / med / 1e9;
+              nlohmann::json j = {
+                  {"optimizer", OptimizerKindName(kind)},
+                  {"isa", CpuIsaName(opt.isa())},
+                  {"kernel", opt.kernel_name()},
+                  {"threads", opt.num_threads()},
+                  {"bind", opt.bound_to_cores()},
+                  {"n", f.n},
+                  {"grad_dtype", GradTypeName(grad)},
+                  {"param_out", ParamCopyTypeName(copy)},
+                  {"state_dtype", StateTypeName(states[k])},
+                  {"repeats", f.repeats},
+                  {"ms_median", med * 1e3},
+                  {"ms_min", *std::min_element(step_s[k].begin(), step_s[k].end()) * 1e3},
+                  {"ns_per_elem", med * 1e9 / static_cast<double>(f.n)},
+                  {"bytes_per_elem", bytes},
+                  {"gbps", gbps},
+                  {"roofline_ms_median", roof_med * 1e3},
+                  {"roofline_gbps", roof_gbps},
+                  {"roofline_ratio", gbps / roof_gbps},
+              };
+              if (fp32_med && states[k] != StateType::kF32) j["ns_vs_fp32"] = med / *fp32_med;
+              std::printf("%s\n", j.dump().c_str());
+              std::fflush(stdout);
+            }
           }
         }
       }
@@ -459,6 +513,9 @@ int main(int argc, char** argv) {
   app.add_option("--grad-dtype", f.grad_dtypes, "f32, bf16, f16 (comma list)")->delimiter(',');
   app.add_option("--param-out", f.param_outs, "none, bf16, f16 (comma list)")->delimiter(',');
   app.add_option("--isa", f.isas, "auto, scalar, avx2, avx512 (comma list)")->delimiter(',');
+  app.add_option("--state-dtype", f.state_dtypes,
+                 "optimizer states stored as fp32, bf16, int8 (comma list, interleaved)")
+      ->delimiter(',');
   app.add_option("--repeats", f.repeats, "timed repeats (the median is reported)")
       ->check(CLI::Range(1, 100000));
   app.add_option("--warmup", f.warmup, "untimed repeats first")->check(CLI::Range(0, 100000));

@@ -35,6 +35,15 @@ expect 2 "" -- "$nvme" --dir "$work/missing"
 expect 2 "" -- "$adam" --threads 0
 expect 2 "" -- "$adam" --n 0
 expect 2 "unknown value" -- "$adam" --optimizer sgd --n 1024
+expect 2 "unknown value" -- "$adam" --state-dtype fp16 --n 1024
+# Compressed states: the bytes counted are the stored ones (bf16 gradients and copy: 12 B,
+# plus 2 x 2 B bf16 states or 2 x (1 + 4/256) B int8 states), each against fp32 in the run.
+out=$("$adam" --n 70000 --repeats 1 --warmup 0 --grad-dtype bf16 --param-out bf16 \
+  --state-dtype fp32,bf16,int8 2>&1)
+for want in '"state_dtype":"bf16"' '"bytes_per_elem":20.0' '"state_dtype":"int8"' \
+  '"bytes_per_elem":16.0' '"ns_vs_fp32"'; do
+  [[ $out == *"$want"* ]] || { echo "FAIL: zinf-adam-bench --state-dtype: no $want in: $out"; fails=$((fails + 1)); }
+done
 expect 2 "" -- "$engine" --compute-ms nan
 expect 2 "" -- "$engine" --param-tier disk
 expect 2 "" -- "$engine" --layer-elems 0

@@ -69,6 +69,38 @@ const char* ParamCopyTypeName(ParamCopyType type) {
   return "unknown";
 }
 
+const char* StateTypeName(StateType type) {
+  switch (type) {
+    case StateType::kF32:
+      return "fp32";
+    case StateType::kBf16:
+      return "bf16";
+    case StateType::kInt8:
+      return "int8";
+  }
+  return "unknown";
+}
+
+Result<StateType> ParseStateType(std::string_view name) {
+  if (name == "fp32") return StateType::kF32;
+  if (name == "bf16") return StateType::kBf16;
+  if (name == "int8") return StateType::kInt8;
+  return Status::InvalidArgument("unknown optimizer state type \"" + std::string(name) +
+                                 "\"; expected fp32, bf16 or int8");
+}
+
+size_t StateBytes(StateType type, size_t n) {
+  switch (type) {
+    case StateType::kF32:
+      return n * sizeof(float);
+    case StateType::kBf16:
+      return n * sizeof(uint16_t);
+    case StateType::kInt8:
+      return (n + kInt8StateBlock - 1) / kInt8StateBlock * (kInt8StateBlock + sizeof(float));
+  }
+  return 0;
+}
+
 size_t GradTypeSize(GradType type) { return type == GradType::kF32 ? 4 : 2; }
 size_t ParamCopyTypeSize(ParamCopyType type) { return type == ParamCopyType::kNone ? 0 : 2; }
 
@@ -166,18 +198,48 @@ Status ValidateOptimizerStep(const OptimizerHyperParams& hp, const OptimizerTens
       t.param_copy_type != ParamCopyType::kF16) {
     return Status::InvalidArgument(what + ": unknown parameter copy type");
   }
+  if (t.state_type != StateType::kF32 && t.state_type != StateType::kBf16 &&
+      t.state_type != StateType::kInt8) {
+    return Status::InvalidArgument(what + ": unknown optimizer state type");
+  }
+  if (hp.kind == OptimizerKind::kAdagrad && t.state_type == StateType::kInt8) {
+    return Status::InvalidArgument(
+        what +
+        ": int8 states are not supported for Adagrad (its sum of squares only grows, "
+        "and a blockwise 8-bit code cannot follow that); use fp32 or bf16 states");
+  }
+  const bool compressed = t.state_type != StateType::kF32;
+  if (compressed && (t.exp_avg != nullptr || t.exp_avg_sq != nullptr || t.sum != nullptr)) {
+    return Status::InvalidArgument(what + ": with " + StateTypeName(t.state_type) +
+                                   " states the states go in state1/state2; exp_avg, exp_avg_sq "
+                                   "and sum must be null");
+  }
   ZINF_RETURN_IF_ERROR(CheckStreamLength(what, t.n));
   if (t.n == 0) return Status::OK();
+  if (t.state_type == StateType::kInt8) {
+    for (auto [name, q] : {std::pair{"state1", t.state1}, std::pair{"state2", t.state2}}) {
+      if (reinterpret_cast<uintptr_t>(q) % alignof(float) != 0) {
+        return Status::InvalidArgument(what + ": int8 " + name +
+                                       " must be 4-byte aligned (it holds fp32 block scales)");
+      }
+    }
+  }
   NamedBuffer buffers[5];
   int count = 0;
   buffers[count++] = {"param", t.param, t.n * 4};
   buffers[count++] = {"grad", t.grad, t.n * GradTypeSize(t.grad_type)};
+  const size_t state_bytes = StateBytes(t.state_type, t.n);
   if (hp.kind == OptimizerKind::kAdagrad) {
-    buffers[count++] = {"sum", t.sum, t.n * 4};
+    buffers[count++] = compressed ? NamedBuffer{"state1", t.state1, state_bytes}
+                                  : NamedBuffer{"sum", t.sum, state_bytes};
   } else {
-    buffers[count++] = {"exp_avg", t.exp_avg, t.n * 4};
+    buffers[count++] = compressed ? NamedBuffer{"state1", t.state1, state_bytes}
+                                  : NamedBuffer{"exp_avg", t.exp_avg, state_bytes};
   }
-  if (adam_like) buffers[count++] = {"exp_avg_sq", t.exp_avg_sq, t.n * 4};
+  if (adam_like) {
+    buffers[count++] = compressed ? NamedBuffer{"state2", t.state2, state_bytes}
+                                  : NamedBuffer{"exp_avg_sq", t.exp_avg_sq, state_bytes};
+  }
   if (t.param_copy_type != ParamCopyType::kNone) {
     buffers[count++] = {"param_copy", t.param_copy, t.n * ParamCopyTypeSize(t.param_copy_type)};
   }
@@ -228,6 +290,8 @@ StepBuffers BuffersOf(const OptimizerHyperParams& hp, const OptimizerTensors& t)
   b.state1 = hp.kind == OptimizerKind::kAdagrad ? t.sum : t.exp_avg;
   b.state2 = t.exp_avg_sq;
   b.param_copy = t.param_copy;
+  b.q1 = t.state1;
+  b.q2 = t.state2;
   return b;
 }
 
@@ -315,7 +379,8 @@ class CoreBinder final : public tbb::task_scheduler_observer {
   std::atomic<bool> warned_{false};
 };
 
-constexpr size_t kTileAlignment = 64;  // elements: one cache line of fp32, two of bf16
+// Elements: one cache line of fp32, two of bf16, and whole blocks of int8 states.
+constexpr size_t kTileAlignment = std::max<size_t>(64, kInt8StateBlock);
 
 }  // namespace
 

@@ -12,7 +12,13 @@
 // Sign (1, -1, +0 for +-0, NaN for NaN), SumState (sum of squares in double + inf/NaN flag),
 // and the memory hints: kCanStream with StreamBf16Line/StreamF16Line (one 64-byte line of
 // copy from 32 / kWidth vectors, non-temporal) and StreamFence, and kPrefetchElements
-// (software prefetch distance, 0 for none).
+// (software prefetch distance, 0 for none). For compressed states, an integer vector I with
+// Bits/FromBits (reinterpretation), SetI, AddI, SubI, AndI, OrI, MinI, MaxI (signed),
+// SrlI<k>/SllI<k> (logical shifts), SelectLt(a, b, x, y) = a < b ? x : y
+// (float compare, integer result), Abs, Min(a, b) =
+// a < b ? a : b and MaxOf(a, b) = a > b ? a : b (so a NaN in a gives b, as MINPS/MAXPS do),
+// ReduceMax (lanes never NaN), LoadU8/LoadS8/StoreU8 (kWidth bytes, zero- or sign-extended,
+// <-> the low byte of each lane).
 //
 // Not a normal header: no include guard on purpose, everything lands in the per-variant
 // namespace so no symbol is shared between translation units built with different flags.
@@ -21,7 +27,9 @@
 #error "define ZINF_KERNEL_NS and the vector type V before including kernel_body.h"
 #endif
 
+#include <algorithm>
 #include <cstring>
+#include <limits>
 
 namespace zinf::cpu_adam_internal::ZINF_KERNEL_NS {
 
@@ -112,9 +120,9 @@ struct Consts {
 // the same points; the 1 / sqrt(bc2) multiply replaces torch's division by sqrt(bc2)).
 // Returns the updated parameters (already stored to p) for the caller to copy.
 template <OptimizerKind K, GradType G, bool kWeightDecay>
-ZINF_KERNEL_INLINE typename V::F UpdateVector(const Consts& k, float* p,
-                                              const typename GradElem<G>::T* g, float* s1,
-                                              float* s2) {
+ZINF_KERNEL_INLINE typename V::F UpdateInRegisters(const Consts& k, float* p,
+                                                   const typename GradElem<G>::T* g,
+                                                   typename V::F& s1, typename V::F& s2) {
   using F = typename V::F;
   F grad = V::Mul(LoadGrad<G>(g), k.grad_scale);
   F param = V::Load(p);
@@ -126,26 +134,23 @@ ZINF_KERNEL_INLINE typename V::F UpdateVector(const Consts& k, float* p,
     }
   }
   if constexpr (K == OptimizerKind::kAdam || K == OptimizerKind::kAdamW) {
-    F m = V::Load(s1);
-    F v = V::Load(s2);
-    m = V::Fma(k.one_minus_beta1, V::Sub(grad, m), m);
-    v = V::Fma(V::Mul(k.one_minus_beta2, grad), grad, V::Mul(k.beta2, v));
+    const F m = V::Fma(k.one_minus_beta1, V::Sub(grad, s1), s1);
+    const F v = V::Fma(V::Mul(k.one_minus_beta2, grad), grad, V::Mul(k.beta2, s2));
     F denom = V::Fma(V::Sqrt(v), k.inv_bias_correction2_sqrt, k.eps);
     param = V::Fma(k.neg_step_size, V::Div(m, denom), param);
-    V::Store(s1, m);
-    V::Store(s2, v);
+    s1 = m;
+    s2 = v;
   } else if constexpr (K == OptimizerKind::kAdagrad) {
-    F sum = V::Fma(grad, grad, V::Load(s1));
+    const F sum = V::Fma(grad, grad, s1);
     F denom = V::Add(V::Sqrt(sum), k.eps);
     param = V::Fma(k.neg_step_size, V::Div(grad, denom), param);
-    V::Store(s1, sum);
+    s1 = sum;
   } else {
     static_assert(K == OptimizerKind::kLion);
-    F m = V::Load(s1);
+    const F m = s1;
     F c = V::Fma(k.beta1, m, V::Mul(k.one_minus_beta1, grad));
     param = V::Fma(k.neg_step_size, V::Sign(c), param);
-    m = V::Fma(k.beta2, m, V::Mul(k.one_minus_beta2, grad));
-    V::Store(s1, m);
+    s1 = V::Fma(k.beta2, m, V::Mul(k.one_minus_beta2, grad));
   }
   V::Store(p, param);
   return param;
@@ -153,6 +158,20 @@ ZINF_KERNEL_INLINE typename V::F UpdateVector(const Consts& k, float* p,
 
 template <OptimizerKind K>
 inline constexpr bool kHasState2 = K == OptimizerKind::kAdam || K == OptimizerKind::kAdamW;
+
+// The same on states in memory (fp32).
+template <OptimizerKind K, GradType G, bool kWeightDecay>
+ZINF_KERNEL_INLINE typename V::F UpdateVector(const Consts& k, float* p,
+                                              const typename GradElem<G>::T* g, float* s1,
+                                              float* s2) {
+  typename V::F m = V::Load(s1);
+  typename V::F v = m;  // unused without a second state
+  if constexpr (kHasState2<K>) v = V::Load(s2);
+  const typename V::F param = UpdateInRegisters<K, G, kWeightDecay>(k, p, g, m, v);
+  V::Store(s1, m);
+  if constexpr (kHasState2<K>) V::Store(s2, v);
+  return param;
+}
 
 inline constexpr size_t kFloatsPerLine = 64 / sizeof(float);
 // The main loop's step: one 64-byte line of each 16-bit stream, two of each fp32 stream.
@@ -248,6 +267,287 @@ void StepKernel(const StepCoefficients& c, const StepBuffers& b, size_t begin, s
   if (stream) V::StreamFence();
 }
 
+// ---- Compressed states (StateType kBf16, kInt8) -------------------------------------------
+//
+// A block of kInt8StateBlock elements at a time: its states are decoded into two local fp32
+// arrays, StepLoop runs on them exactly as on fp32 states (the same math, bit for bit, given
+// the decoded values), and they are encoded back. The int8 block is one scale and the codes of
+// a small float (4 exponent bits, kMan mantissa bits, bias 15: the largest code is
+// 2 - 2^-kMan, the smallest normal 2^-14, subnormals down to 2^-(14 + kMan)), scaled so that
+// the block's largest magnitude is the largest code.
+
+inline constexpr size_t kQBlock = kInt8StateBlock;
+inline constexpr size_t kQBlockBytes = kQBlock + sizeof(float);  // codes, then the scale
+
+template <int kMan>
+struct SmallFloat {
+  static constexpr float kMax = 2.0f - 1.0f / (1 << kMan);
+  static constexpr float kMinNormal = 1.0f / (1 << 14);
+  static constexpr float kSubScale = static_cast<float>(1u << (14 + kMan));  // code per unit
+  static constexpr int32_t kRebias = (127 - 15) << kMan;  // fp32 exponent bias - ours
+};
+
+// The code of each y in [0, kMax] (not NaN), rounded to nearest even: above the smallest
+// normal by rounding the fp32 bits to kMan mantissa bits (a carry moves to the next binade, as
+// it should); below it by the fp32 adder, which rounds y * 2^(14 + kMan) + 2^23 to an integer.
+template <int kMan>
+ZINF_KERNEL_INLINE typename V::I EncodeMagnitude(typename V::F y) {
+  using C = SmallFloat<kMan>;
+  const typename V::I bits = V::Bits(y);
+  const typename V::I odd = V::AndI(V::template SrlI<23 - kMan>(bits), V::SetI(1));
+  const typename V::I rounded = V::AddI(bits, V::AddI(V::SetI((1 << (22 - kMan)) - 1), odd));
+  const typename V::I normal = V::SubI(V::template SrlI<23 - kMan>(rounded), V::SetI(C::kRebias));
+  // y * 2^(14 + kMan) is exact, so the fma rounds only the sum.
+  const typename V::F shifted = V::Fma(y, V::Set1(C::kSubScale), V::Set1(8388608.0f));
+  const typename V::I sub = V::SubI(V::Bits(shifted), V::SetI(0x4B000000));
+  return V::SelectLt(y, V::Set1(C::kMinNormal), sub, normal);
+}
+
+// The fp32 value of a code whose bits sit in an fp32 word `bits` at the fp32 mantissa's top
+// (exponent field = the code's exponent, mantissa = the code's mantissa bits): read as fp32
+// that is the code's value times 2^-112, an fp32 subnormal exactly when the code is one, so
+// one exact multiply by 2^112 gives the value for normal and subnormal codes alike.
+ZINF_KERNEL_INLINE typename V::F CodeBitsValue(typename V::I bits) {
+  return V::Mul(V::FromBits(bits), V::Set1(0x1p112f));
+}
+
+// Signed states (a first moment): sign + 4 exponent + 3 mantissa bits. Unsigned (a second
+// moment, never negative): 4 + 4 bits, and a positive value never takes the code of zero.
+template <bool kSigned>
+inline constexpr int kManBits = kSigned ? 3 : 4;
+
+// One vector of codes, decoded and multiplied by the block's scale d.
+template <bool kSigned>
+ZINF_KERNEL_INLINE typename V::F DecodeInt8(const uint8_t* codes, typename V::F d) {
+  constexpr int M = kManBits<kSigned>;
+  typename V::I bits;
+  if constexpr (kSigned) {
+    // Sign-extended, shifted: the magnitude lands on bits 20-26 and copies of the sign on
+    // bits 27-31, of which the mask keeps bit 31.
+    bits = V::AndI(V::template SllI<23 - M>(V::LoadS8(codes)),
+                   V::SetI(int32_t(0x80000000u | (0x7fu << (23 - M)))));
+  } else {
+    bits = V::template SllI<23 - M>(V::LoadU8(codes));
+  }
+  return V::Mul(CodeBitsValue(bits), d);
+}
+
+ZINF_KERNEL_INLINE typename V::F BlockScale(const uint8_t* block) {
+  float scale;
+  std::memcpy(&scale, block + kQBlock, sizeof(scale));
+  return V::Set1(scale);
+}
+
+template <bool kSigned>
+ZINF_KERNEL_INLINE void DecodeInt8Block(const uint8_t* block, float* out) {
+  const typename V::F d = BlockScale(block);
+  for (size_t j = 0; j < kQBlock; j += V::kWidth) {
+    V::Store(out + j, DecodeInt8<kSigned>(block + j, d));
+  }
+}
+
+// Encodes a block of values whose largest magnitude (NaN passed over) is `a`.
+template <bool kSigned>
+ZINF_KERNEL_INLINE void EncodeInt8Codes(const float* in, float a, uint8_t* block) {
+  constexpr int M = kManBits<kSigned>;
+  using C = SmallFloat<M>;
+  if (!(a <= std::numeric_limits<float>::max())) a = std::numeric_limits<float>::max();
+  if (!(a >= std::numeric_limits<float>::min())) {
+    std::memset(block, 0, kQBlockBytes);  // zeros (and values too small for any scale)
+    return;
+  }
+  const float scale = a / C::kMax;               // decode: code value * scale
+  const typename V::F r = V::Set1(C::kMax / a);  // encode: |x| * r, at most kMax
+  const typename V::F top = V::Set1(C::kMax);
+  for (size_t j = 0; j < kQBlock; j += V::kWidth) {
+    const typename V::F x = V::Load(in + j);
+    const typename V::F y = V::Min(V::Mul(V::Abs(x), r), top);  // inf and NaN -> kMax
+    typename V::I c = EncodeMagnitude<M>(y);
+    if constexpr (kSigned) {
+      c = V::OrI(c, V::template SrlI<24>(V::AndI(V::Bits(x), V::SetI(int32_t(0x80000000u)))));
+    } else {
+      c = V::MaxI(c, V::MinI(V::Bits(y), V::SetI(1)));  // y > 0: at least code 1
+    }
+    V::StoreU8(block + j, c);
+  }
+  std::memcpy(block + kQBlock, &scale, sizeof(scale));
+}
+
+template <bool kSigned>
+ZINF_KERNEL_INLINE void EncodeInt8Block(const float* in, uint8_t* block) {
+  typename V::F largest = V::Set1(0.0f);
+  for (size_t j = 0; j < kQBlock; j += V::kWidth) {
+    largest = V::MaxOf(V::Abs(V::Load(in + j)), largest);  // a NaN is passed over
+  }
+  EncodeInt8Codes<kSigned>(in, V::ReduceMax(largest), block);
+}
+
+// bf16 states: [0, len) of a block, whole vectors and then a zero-padded one.
+ZINF_KERNEL_INLINE void DecodeBf16(const uint16_t* in, size_t len, float* out) {
+  size_t j = 0;
+  for (; j + V::kWidth <= len; j += V::kWidth) V::Store(out + j, V::LoadBf16(in + j));
+  if (j < len) {
+    alignas(64) uint16_t t[V::kWidth] = {};
+    std::memcpy(t, in + j, (len - j) * sizeof(uint16_t));
+    V::Store(out + j, V::LoadBf16(t));
+  }
+}
+
+ZINF_KERNEL_INLINE void EncodeBf16(const float* in, size_t len, uint16_t* out) {
+  size_t j = 0;
+  for (; j + V::kWidth <= len; j += V::kWidth) V::StoreBf16(out + j, V::Load(in + j));
+  if (j < len) {
+    alignas(64) uint16_t t[V::kWidth];
+    V::StoreBf16(t, V::Load(in + j));
+    std::memcpy(out + j, t, (len - j) * sizeof(uint16_t));
+  }
+}
+
+template <StateType S, bool kSigned>
+ZINF_KERNEL_INLINE void DecodeState(const void* q, size_t at, size_t len, float* out) {
+  if constexpr (S == StateType::kBf16) {
+    DecodeBf16(static_cast<const uint16_t*>(q) + at, len, out);
+  } else {
+    static_assert(S == StateType::kInt8);
+    DecodeInt8Block<kSigned>(static_cast<const uint8_t*>(q) + at / kQBlock * kQBlockBytes, out);
+    // The stored padding of a last, partial block is not trusted: the block's scale comes
+    // from [0, len) only.
+    if (len < kQBlock) std::memset(out + len, 0, (kQBlock - len) * sizeof(float));
+  }
+}
+
+template <StateType S, bool kSigned>
+ZINF_KERNEL_INLINE void EncodeState(const float* in, size_t at, size_t len, void* q) {
+  if constexpr (S == StateType::kBf16) {
+    EncodeBf16(in, len, static_cast<uint16_t*>(q) + at);
+  } else {
+    EncodeInt8Block<kSigned>(in, static_cast<uint8_t*>(q) + at / kQBlock * kQBlockBytes);
+  }
+}
+
+// A whole block in one pass: each vector's states are decoded into registers and updated with
+// the parameters; bf16 states are stored encoded right away, int8 ones are kept in s1/s2 with
+// the block's largest magnitudes and encoded from there once the block is done.
+template <OptimizerKind K, GradType G, ParamCopyType O, StateType S, bool kWeightDecay,
+          bool kStream>
+ZINF_KERNEL_INLINE void CompressedWholeBlock(const Consts& k, const StepBuffers& b, size_t at,
+                                             float* s1, float* s2) {
+  using GT = typename GradElem<G>::T;
+  using F = typename V::F;
+  constexpr size_t W = V::kWidth;
+  constexpr bool kSigned1 = K != OptimizerKind::kAdagrad;
+  float* const p = b.param + at;
+  const GT* const g = static_cast<const GT*>(b.grad) + at;
+  uint16_t* const out =
+      O != ParamCopyType::kNone ? static_cast<uint16_t*>(b.param_copy) + at : nullptr;
+  [[maybe_unused]] uint16_t* h1 = nullptr;
+  [[maybe_unused]] uint16_t* h2 = nullptr;
+  [[maybe_unused]] uint8_t* block1 = nullptr;
+  [[maybe_unused]] uint8_t* block2 = nullptr;
+  [[maybe_unused]] F d1 = V::Set1(0.0f);
+  [[maybe_unused]] F d2 = V::Set1(0.0f);
+  if constexpr (S == StateType::kBf16) {
+    h1 = static_cast<uint16_t*>(b.q1) + at;
+    if constexpr (kHasState2<K>) h2 = static_cast<uint16_t*>(b.q2) + at;
+  } else {
+    block1 = static_cast<uint8_t*>(b.q1) + at / kQBlock * kQBlockBytes;
+    d1 = BlockScale(block1);
+    if constexpr (kHasState2<K>) {
+      block2 = static_cast<uint8_t*>(b.q2) + at / kQBlock * kQBlockBytes;
+      d2 = BlockScale(block2);
+    }
+  }
+  F largest1 = V::Set1(0.0f);
+  F largest2 = V::Set1(0.0f);
+  for (size_t i = 0; i < kQBlock; i += kBlock) {
+    F params[kBlock / W];
+    for (size_t u = 0; u < kBlock / W; ++u) {
+      const size_t j = i + u * W;
+      F m, v;
+      if constexpr (S == StateType::kBf16) {
+        m = V::LoadBf16(h1 + j);
+        v = m;
+        if constexpr (kHasState2<K>) v = V::LoadBf16(h2 + j);
+      } else {
+        m = DecodeInt8<kSigned1>(block1 + j, d1);
+        v = m;
+        if constexpr (kHasState2<K>) v = DecodeInt8<false>(block2 + j, d2);
+      }
+      params[u] = UpdateInRegisters<K, G, kWeightDecay>(k, p + j, g + j, m, v);
+      if constexpr (O != ParamCopyType::kNone && !kStream) StoreCopy<O>(out + j, params[u]);
+      if constexpr (S == StateType::kBf16) {
+        V::StoreBf16(h1 + j, m);
+        if constexpr (kHasState2<K>) V::StoreBf16(h2 + j, v);
+      } else {
+        V::Store(s1 + j, m);
+        largest1 = V::MaxOf(V::Abs(m), largest1);  // a NaN is passed over
+        if constexpr (kHasState2<K>) {
+          V::Store(s2 + j, v);
+          largest2 = V::MaxOf(V::Abs(v), largest2);
+        }
+      }
+    }
+    if constexpr (O != ParamCopyType::kNone && kStream) StreamCopyBlock<O>(out + i, params);
+  }
+  if constexpr (S == StateType::kInt8) {
+    EncodeInt8Codes<kSigned1>(s1, V::ReduceMax(largest1), block1);
+    if constexpr (kHasState2<K>) EncodeInt8Codes<false>(s2, V::ReduceMax(largest2), block2);
+  }
+}
+
+template <OptimizerKind K, GradType G, ParamCopyType O, StateType S, bool kWeightDecay,
+          bool kStream>
+void CompressedStepLoop(const StepCoefficients& c, const StepBuffers& b, size_t begin, size_t end) {
+  using GT = typename GradElem<G>::T;
+  constexpr bool kSigned1 = K != OptimizerKind::kAdagrad;
+  alignas(64) float s1[kQBlock];
+  alignas(64) float s2[kQBlock];
+  const Consts k(c);
+  for (size_t at = begin; at < end; at += kQBlock) {
+    const size_t len = std::min(kQBlock, end - at);
+    if (len == kQBlock) {
+      CompressedWholeBlock<K, G, O, S, kWeightDecay, kStream>(k, b, at, s1, s2);
+      continue;
+    }
+    // The last, partial block: decoded, stepped by StepLoop (which handles the vector tail),
+    // encoded.
+
+    DecodeState<S, kSigned1>(b.q1, at, len, s1);
+    if constexpr (kHasState2<K>) DecodeState<S, false>(b.q2, at, len, s2);
+    StepBuffers local;
+    local.param = b.param + at;
+    local.grad = static_cast<const GT*>(b.grad) + at;
+    local.state1 = s1;
+    local.state2 = s2;
+    if constexpr (O != ParamCopyType::kNone) {
+      local.param_copy = static_cast<uint16_t*>(b.param_copy) + at;
+    }
+    StepLoop<K, G, O, kWeightDecay, kStream>(c, local, 0, len);
+    EncodeState<S, kSigned1>(s1, at, len, b.q1);
+    if constexpr (kHasState2<K>) EncodeState<S, false>(s2, at, len, b.q2);
+  }
+}
+
+template <OptimizerKind K, GradType G, ParamCopyType O, StateType S>
+void CompressedStepKernel(const StepCoefficients& c, const StepBuffers& b, size_t begin,
+                          size_t end) {
+  const bool stream = CanStreamCopy<O>(b.param_copy, begin);
+  if (c.has_weight_decay) {
+    if (stream) {
+      CompressedStepLoop<K, G, O, S, true, true>(c, b, begin, end);
+    } else {
+      CompressedStepLoop<K, G, O, S, true, false>(c, b, begin, end);
+    }
+  } else {
+    if (stream) {
+      CompressedStepLoop<K, G, O, S, false, true>(c, b, begin, end);
+    } else {
+      CompressedStepLoop<K, G, O, S, false, false>(c, b, begin, end);
+    }
+  }
+  if (stream) V::StreamFence();
+}
+
 template <GradType G>
 void SumSquaresKernel(const void* grad, size_t begin, size_t end, double* sum_squares,
                       bool* has_inf_or_nan) {
@@ -314,11 +614,23 @@ void ConvertKernel(const float* src, void* dst, size_t begin, size_t end) {
   }
 }
 
+template <OptimizerKind K, GradType G, ParamCopyType O>
+constexpr void FillStateTypes(KernelTable& t) {
+  auto& slot = t.step[int(K)][int(G)][int(O)];
+  slot[int(StateType::kF32)] = &StepKernel<K, G, O>;
+  slot[int(StateType::kBf16)] = &CompressedStepKernel<K, G, O, StateType::kBf16>;
+  if constexpr (K != OptimizerKind::kAdagrad) {
+    slot[int(StateType::kInt8)] = &CompressedStepKernel<K, G, O, StateType::kInt8>;
+  } else {
+    slot[int(StateType::kInt8)] = nullptr;  // refused by ValidateOptimizerStep
+  }
+}
+
 template <OptimizerKind K, GradType G>
 constexpr void FillCopyTypes(KernelTable& t) {
-  t.step[int(K)][int(G)][int(ParamCopyType::kNone)] = &StepKernel<K, G, ParamCopyType::kNone>;
-  t.step[int(K)][int(G)][int(ParamCopyType::kBf16)] = &StepKernel<K, G, ParamCopyType::kBf16>;
-  t.step[int(K)][int(G)][int(ParamCopyType::kF16)] = &StepKernel<K, G, ParamCopyType::kF16>;
+  FillStateTypes<K, G, ParamCopyType::kNone>(t);
+  FillStateTypes<K, G, ParamCopyType::kBf16>(t);
+  FillStateTypes<K, G, ParamCopyType::kF16>(t);
 }
 
 template <OptimizerKind K>

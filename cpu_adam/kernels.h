@@ -16,6 +16,7 @@ inline constexpr int kNumKernelVariants = 4;
 inline constexpr int kNumOptimizerKinds = 4;
 inline constexpr int kNumGradTypes = 3;
 inline constexpr int kNumParamCopyTypes = 3;
+inline constexpr int kNumStateTypes = 3;
 
 // SelectCpuIsa with the environment value and the CPU features passed in (for tests).
 Result<CpuIsa> SelectCpuIsaFrom(std::optional<CpuIsa> requested, const char* env,
@@ -51,12 +52,15 @@ struct StepCoefficients {
 struct StepBuffers {
   float* param = nullptr;
   const void* grad = nullptr;
-  float* state1 = nullptr;  // exp_avg (Adam, AdamW, Lion) or sum (Adagrad)
-  float* state2 = nullptr;  // exp_avg_sq (Adam, AdamW)
+  float* state1 = nullptr;  // exp_avg (Adam, AdamW, Lion) or sum (Adagrad), fp32 states
+  float* state2 = nullptr;  // exp_avg_sq (Adam, AdamW), fp32 states
   void* param_copy = nullptr;
+  void* q1 = nullptr;  // state1 and state2 in a compressed StateType (see OptimizerTensors)
+  void* q2 = nullptr;
 };
 
-// Updates elements [begin, end).
+// Updates elements [begin, end). With compressed int8 states, begin is a multiple of
+// kInt8StateBlock (tiles are).
 using StepKernelFn = void (*)(const StepCoefficients& c, const StepBuffers& b, size_t begin,
                               size_t end);
 // Adds the squares of grad[begin, end) to *sum_squares (in an order fixed by begin and end)
@@ -68,7 +72,8 @@ using ConvertFn = void (*)(const float* src, void* dst, size_t begin, size_t end
 
 struct KernelTable {
   KernelVariant variant;
-  StepKernelFn step[kNumOptimizerKinds][kNumGradTypes][kNumParamCopyTypes];
+  // [kind][grad][copy][state]; null for a combination that is refused (Adagrad with int8).
+  StepKernelFn step[kNumOptimizerKinds][kNumGradTypes][kNumParamCopyTypes][kNumStateTypes];
   SumSquaresFn sum_squares[kNumGradTypes];
   ConvertFn convert[kNumParamCopyTypes];  // [kNone] is null
 };
@@ -87,7 +92,7 @@ StepBuffers BuffersOf(const OptimizerHyperParams& hp, const OptimizerTensors& t)
 inline StepKernelFn SelectStepKernel(const KernelTable& table, const OptimizerHyperParams& hp,
                                      const OptimizerTensors& t) {
   return table.step[static_cast<int>(hp.kind)][static_cast<int>(t.grad_type)]
-                   [static_cast<int>(t.param_copy_type)];
+                   [static_cast<int>(t.param_copy_type)][static_cast<int>(t.state_type)];
 }
 
 }  // namespace zinf::cpu_adam_internal

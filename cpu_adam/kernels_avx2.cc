@@ -75,6 +75,54 @@ struct V {
     return _mm256_blendv_ps(_mm256_or_ps(pos, neg), a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
   }
 
+  // Integer lanes for the compressed states (kernel_body.h).
+  using I = __m256i;
+  static I Bits(F x) { return _mm256_castps_si256(x); }
+  static F FromBits(I x) { return _mm256_castsi256_ps(x); }
+  static I SetI(int32_t x) { return _mm256_set1_epi32(x); }
+  static I AddI(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I SubI(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I SelectLt(F a, F b, I x, I y) {
+    return _mm256_blendv_epi8(y, x, _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)));
+  }
+  static I AndI(I a, I b) { return _mm256_and_si256(a, b); }
+  static I OrI(I a, I b) { return _mm256_or_si256(a, b); }
+  static I MinI(I a, I b) { return _mm256_min_epi32(a, b); }
+  static I MaxI(I a, I b) { return _mm256_max_epi32(a, b); }
+  template <int k>
+  static I SrlI(I a) {
+    return _mm256_srli_epi32(a, k);
+  }
+  template <int k>
+  static I SllI(I a) {
+    return _mm256_slli_epi32(a, k);
+  }
+  static F Abs(F a) { return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
+  static F Min(F a, F b) { return _mm256_min_ps(a, b); }    // a < b ? a : b
+  static F MaxOf(F a, F b) { return _mm256_max_ps(a, b); }  // a > b ? a : b
+  static float ReduceMax(F a) {
+    alignas(32) float v[8];
+    _mm256_store_ps(v, a);
+    float m = v[0];
+    for (int i = 1; i < 8; ++i) m = v[i] > m ? v[i] : m;
+    return m;
+  }
+  static I LoadU8(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static I LoadS8(const uint8_t* p) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void StoreU8(uint8_t* p, I x) {
+    // The low byte of each lane, per 128-bit half, then the halves side by side.
+    const __m256i pick =
+        _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12,
+                         -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i s = _mm256_shuffle_epi8(x, pick);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p),
+                     _mm_unpacklo_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1)));
+  }
+
   // Four double accumulators (two per vector half); the result depends only on the element
   // order, which is fixed by the caller's range.
   class SumState {

@@ -112,6 +112,34 @@ struct V {
     return 0.0f;
   }
 
+  // Integer lanes for the compressed states (kernel_body.h).
+  using I = int32_t;
+  static I Bits(F x) { return static_cast<I>(FloatBits(x)); }
+  static F FromBits(I x) { return BitsFloat(static_cast<uint32_t>(x)); }
+  static I SetI(int32_t x) { return x; }
+  static I AddI(I a, I b) { return static_cast<I>(static_cast<uint32_t>(a) + uint32_t(b)); }
+  static I SubI(I a, I b) { return static_cast<I>(static_cast<uint32_t>(a) - uint32_t(b)); }
+  static I SelectLt(F a, F b, I x, I y) { return a < b ? x : y; }
+  static I AndI(I a, I b) { return a & b; }
+  static I OrI(I a, I b) { return a | b; }
+  static I MinI(I a, I b) { return a < b ? a : b; }
+  static I MaxI(I a, I b) { return a > b ? a : b; }
+  template <int k>
+  static I SrlI(I a) {
+    return static_cast<I>(static_cast<uint32_t>(a) >> k);
+  }
+  template <int k>
+  static I SllI(I a) {
+    return static_cast<I>(static_cast<uint32_t>(a) << k);
+  }
+  static F Abs(F a) { return BitsFloat(FloatBits(a) & 0x7fffffffu); }
+  static F Min(F a, F b) { return a < b ? a : b; }
+  static F MaxOf(F a, F b) { return a > b ? a : b; }
+  static float ReduceMax(F a) { return a; }
+  static I LoadU8(const uint8_t* p) { return *p; }
+  static I LoadS8(const uint8_t* p) { return static_cast<int8_t>(*p); }
+  static void StoreU8(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
+
   // One double accumulator: a float squared is exact in double, so only the additions round.
   class SumState {
    public:

@@ -80,6 +80,45 @@ struct V {
     return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), a);
   }
 
+  // Integer lanes for the compressed states (kernel_body.h).
+  using I = __m512i;
+  static I Bits(F x) { return _mm512_castps_si512(x); }
+  static F FromBits(I x) { return _mm512_castsi512_ps(x); }
+  static I SetI(int32_t x) { return _mm512_set1_epi32(x); }
+  static I AddI(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I SubI(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I SelectLt(F a, F b, I x, I y) {
+    return _mm512_mask_mov_epi32(y, _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), x);
+  }
+  static I AndI(I a, I b) { return _mm512_and_si512(a, b); }
+  static I OrI(I a, I b) { return _mm512_or_si512(a, b); }
+  static I MinI(I a, I b) { return _mm512_min_epi32(a, b); }
+  static I MaxI(I a, I b) { return _mm512_max_epi32(a, b); }
+  template <int k>
+  static I SrlI(I a) {
+    return _mm512_srli_epi32(a, k);
+  }
+  template <int k>
+  static I SllI(I a) {
+    return _mm512_slli_epi32(a, k);
+  }
+  static F Abs(F a) {
+    return _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7fffffff)));
+  }
+  static F Min(F a, F b) { return _mm512_min_ps(a, b); }           // a < b ? a : b
+  static F MaxOf(F a, F b) { return _mm512_max_ps(a, b); }         // a > b ? a : b
+  static float ReduceMax(F a) { return _mm512_reduce_max_ps(a); }  // no NaN: any order is exact
+  static I LoadU8(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static I LoadS8(const uint8_t* p) {
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void StoreU8(uint8_t* p, I x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
+  }
+
   // Four double accumulators (two per vector half); the result depends only on the element
   // order, which is fixed by the caller's range.
   class SumState {

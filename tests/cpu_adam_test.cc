@@ -833,10 +833,10 @@ TEST(DriverTest, ThreadCountsGiveBitIdenticalResults) {
 TEST(DriverTest, PartitionCoversEveryElementOnceInAlignedTiles) {
   CpuOptimizer::Options o;
   o.num_threads = 2;
-  o.tile_elements = 100;  // rounded up to 128
+  o.tile_elements = 100;  // rounded up to 256 (whole int8 state blocks)
   auto opt = CpuOptimizer::Create(o);
   ASSERT_TRUE(opt.ok());
-  EXPECT_EQ((*opt)->tile_elements(), 128u);
+  EXPECT_EQ((*opt)->tile_elements(), 256u);
   for (size_t n : {size_t{1}, size_t{127}, size_t{128}, size_t{129}, size_t{100000}}) {
     std::mutex mu;
     std::vector<std::pair<size_t, size_t>> ranges;
@@ -849,7 +849,7 @@ TEST(DriverTest, PartitionCoversEveryElementOnceInAlignedTiles) {
     for (auto [b, e] : ranges) {
       EXPECT_EQ(b, next);
       EXPECT_LT(b, e);
-      EXPECT_EQ(b % 128, 0u);
+      EXPECT_EQ(b % 256, 0u);
       next = e;
     }
     EXPECT_EQ(next, n);

@@ -85,6 +85,35 @@ enum class OptimizerKind {
 enum class GradType { kF32, kBf16, kF16 };
 enum class ParamCopyType { kNone, kBf16, kF16 };
 
+// How the optimizer states (Adam's two moments, Lion's momentum, Adagrad's sum) are stored
+// between steps. A step decodes them, updates them and the parameters in fp32 (the parameter
+// update uses the fp32 values), and stores them encoded again, in the same pass.
+enum class StateType {
+  kF32,   // fp32: 4 bytes per element and state
+  kBf16,  // bf16, rounded to nearest even (Fp32ToBf16): 2 bytes
+  kInt8,  // blockwise 8-bit (Adam, AdamW, Lion; Adagrad refuses it): 1 byte plus one fp32
+          // scale per kInt8StateBlock elements. Each block stores codes of a small float
+          // format scaled so that the block's largest magnitude is the largest code: the first
+          // moment as sign + 4 exponent bits + 3 mantissa bits, the second (never negative) as
+          // 4 exponent + 4 mantissa bits, rounded to nearest even, except that a positive
+          // second moment never rounds to zero (it takes the smallest code: a zero there would
+          // divide the first moment by eps alone). Dynamic range: 2^17 below the block's
+          // largest magnitude (first moment), 2^18 (second); relative precision 1/16 and 1/32.
+          // Non-finite values are not representable: a NaN stores as the block's largest
+          // magnitude and an infinity saturates to FLT_MAX, so a scale is never NaN or
+          // infinite; a block whose largest magnitude is below FLT_MIN stores as zeros.
+          // bench/RESULTS.md ("Compressed optimizer states") records why this map and block.
+};
+inline constexpr size_t kInt8StateBlock = 256;
+
+const char* StateTypeName(StateType type);  // "fp32", "bf16", "int8"
+// Parses "fp32", "bf16", "int8". InvalidArgument otherwise.
+Result<StateType> ParseStateType(std::string_view name);
+// Bytes one state of n elements takes in `type`. int8: ceil(n / kInt8StateBlock) blocks of
+// kInt8StateBlock codes, each followed by its fp32 scale (the last block padded to full size),
+// so that a block's codes and scale are read and written together.
+size_t StateBytes(StateType type, size_t n);
+
 const char* OptimizerKindName(OptimizerKind kind);  // "adam", "adamw", "adagrad", "lion"
 const char* GradTypeName(GradType type);            // "f32", "bf16", "f16"
 const char* ParamCopyTypeName(ParamCopyType type);  // "none", "bf16", "f16"
@@ -128,6 +157,13 @@ struct OptimizerTensors {
                                 // not left in the CPU caches: it is meant for a DMA engine)
   ParamCopyType param_copy_type = ParamCopyType::kNone;
   size_t n = 0;
+  // When state_type != kF32 the states are not in exp_avg / exp_avg_sq / sum (which must then
+  // be null) but in state1 (exp_avg, or Adagrad's sum) and state2 (exp_avg_sq), each
+  // StateBytes(state_type, n) bytes (int8: 4-byte aligned). Zero bytes are a zero state in
+  // every type.
+  StateType state_type = StateType::kF32;
+  void* state1 = nullptr;
+  void* state2 = nullptr;
 };
 
 // Checks every argument of a step: pointers (non-null when n > 0, non-overlapping), step >= 1,
@@ -159,7 +195,7 @@ struct GradStats {
 
 // Runs optimizer steps and gradient reductions on a oneTBB arena of its own.
 //
-// Work is split statically: [0, n) is cut into tiles of tile_elements (a multiple of 64
+// Work is split statically: [0, n) is cut into tiles of tile_elements (a multiple of 256
 // elements, so no two threads write the same cache line), and each thread takes one
 // contiguous run of tiles. The step allocates nothing (oneTBB's task objects come from its
 // per-thread pools). Element-wise results do not depend on the thread count; GradSumSquares
@@ -176,7 +212,7 @@ class CpuOptimizer {
     // (cores first, then their SMT siblings); the previous binding is restored when a thread
     // leaves the arena.
     bool bind_to_cores = false;
-    // Elements per tile; rounded up to a multiple of 64.
+    // Elements per tile; rounded up to a multiple of 256 (whole int8 state blocks).
     size_t tile_elements = size_t{1} << 16;
     // Instruction set; nullopt: SelectCpuIsa() (ZINF_CPU_ISA or the best one).
     std::optional<CpuIsa> isa;
