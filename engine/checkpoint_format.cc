@@ -5,6 +5,8 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "zinf/cpu_adam.h"
+
 namespace zinf {
 namespace {
 
@@ -66,6 +68,7 @@ std::string SerializeRankManifest(const RankManifest& m) {
   j["world"] = m.world;
   j["step"] = m.step;
   j["optimizer"] = m.optimizer;
+  j["state_dtype"] = m.state_dtype;
   j["states_file"] = m.states_file;
   j["file_bytes"] = m.file_bytes;
   j["groups"] = json::array();
@@ -99,9 +102,9 @@ Result<RankManifest> ParseRankManifest(const std::string& text, const std::strin
                               "\")");
   }
   ZINF_ASSIGN_OR_RETURN(uint64_t version, U64(j, "version", where));
-  if (version != kCheckpointFormatVersion) {
+  if (version != 2 && version != kCheckpointFormatVersion) {
     return Status::NotSupported(where + ": checkpoint format version " + std::to_string(version) +
-                                " (this build reads version " +
+                                " (this build reads versions 2 and " +
                                 std::to_string(kCheckpointFormatVersion) + ")");
   }
   {
@@ -132,6 +135,16 @@ Result<RankManifest> ParseRankManifest(const std::string& text, const std::strin
   }
   m.step = static_cast<int64_t>(step);
   ZINF_ASSIGN_OR_RETURN(m.optimizer, Str(j, "optimizer", where));
+  StateType state_type = StateType::kF32;
+  if (version >= 3) {
+    ZINF_ASSIGN_OR_RETURN(m.state_dtype, Str(j, "state_dtype", where));
+    Result<StateType> parsed = ParseStateType(m.state_dtype);
+    if (!parsed.ok()) {
+      return Status::Corruption(where + ": state_dtype \"" + m.state_dtype +
+                                "\" is not fp32, bf16 or int8");
+    }
+    state_type = *parsed;
+  }
   ZINF_ASSIGN_OR_RETURN(m.states_file, Str(j, "states_file", where));
   if (m.states_file.empty() || m.states_file.find('/') != std::string::npos ||
       m.states_file == "." || m.states_file == "..") {
@@ -151,7 +164,9 @@ Result<RankManifest> ParseRankManifest(const std::string& text, const std::strin
     CheckpointGroup cg;
     ZINF_ASSIGN_OR_RETURN(cg.numel, U64(g, "numel", gw));
     ZINF_ASSIGN_OR_RETURN(cg.offset, U64(g, "offset", gw));
-    if (cg.numel > kMaxElems || cg.offset > kMaxElems || cg.offset + cg.numel * 12 > m.file_bytes) {
+    if (cg.numel > kMaxElems || cg.offset > kMaxElems ||
+        cg.offset + cg.numel * sizeof(float) + 2 * StateBytes(state_type, cg.numel) >
+            m.file_bytes) {
       return Status::Corruption(gw + ": extends past the end of the states file (" +
                                 std::to_string(m.file_bytes) + " bytes)");
     }

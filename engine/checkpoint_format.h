@@ -12,7 +12,9 @@
 namespace zinf {
 
 // 2: the manifest carries its own checksum ("xxh3" of its compact form without that field).
-inline constexpr int kCheckpointFormatVersion = 2;
+// 3: "state_dtype", how the optimizer states are stored (fp32, bf16, int8); version 2
+// manifests (read too) are fp32.
+inline constexpr int kCheckpointFormatVersion = 3;
 
 struct CheckpointTensor {
   std::string name;
@@ -20,7 +22,7 @@ struct CheckpointTensor {
   uint64_t partition_numel = 0;  // this rank's part
   uint64_t sub_group = 0;
   uint64_t slice_offset = 0;     // elements, inside the sub-group's state arrays
-  uint64_t hash[3] = {0, 0, 0};  // xxh3-64 of master, exp_avg, exp_avg_sq slices
+  uint64_t hash[3] = {0, 0, 0};  // xxh3-64 of the master, state 1 and state 2 slices (bytes)
   // Optimizer updates applied to the tensor (torch's state["step"]); -1 when the manifest
   // predates per-tensor counts (every tensor then has the checkpoint's step).
   int64_t updates = -1;
@@ -28,15 +30,16 @@ struct CheckpointTensor {
 
 struct CheckpointGroup {
   uint64_t numel = 0;   // elements per state array
-  uint64_t offset = 0;  // bytes into the states file of [master | exp_avg | exp_avg_sq]
+  uint64_t offset = 0;  // bytes into the states file of [master | state 1 | state 2]
 };
 
 struct RankManifest {
   int rank = 0;
   int world = 1;
   int64_t step = 0;
-  std::string optimizer;    // type name
-  std::string states_file;  // file name inside the checkpoint folder
+  std::string optimizer;             // type name
+  std::string state_dtype = "fp32";  // StateTypeName of the optimizer states
+  std::string states_file;           // file name inside the checkpoint folder
   uint64_t file_bytes = 0;
   std::vector<CheckpointGroup> groups;
   std::vector<CheckpointTensor> tensors;

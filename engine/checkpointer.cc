@@ -87,6 +87,7 @@ Status Checkpointer::Save(const std::string& dir, const std::string& user_data, 
   man.world = world_;
   man.step = step;
   man.optimizer = OptimizerTypeName(config_->optimizer.type);
+  man.state_dtype = StateTypeName(layout_->state_type());
   man.states_file = "rank" + std::to_string(rank_) + ".states";
   man.user_data = user_data;
   const std::string states_path = incoming + "/" + man.states_file;
@@ -104,7 +105,7 @@ Status Checkpointer::Save(const std::string& dir, const std::string& user_data, 
         s = s.WithContext("reading optimizer states of sub-group " + std::to_string(gi));
         break;
       }
-      const float* f = static_cast<const float*>(buf.data);
+      const char* f = static_cast<const char*>(buf.data);
       for (ParamId id : g.params) {
         const ParamLayout& p = layout_->param(id);
         CheckpointTensor& t = man.tensors[id];
@@ -115,8 +116,7 @@ Status Checkpointer::Save(const std::string& dir, const std::string& user_data, 
         t.slice_offset = p.slice_offset;
         t.updates = states_->updates(id);
         for (int k = 0; k < 3; ++k) {
-          t.hash[k] =
-              XXH3_64bits(f + k * g.numel + p.slice_offset, p.info.partition_numel * sizeof(float));
+          t.hash[k] = XXH3_64bits(f + layout_->SliceOffsetIn(id, k), layout_->SliceBytesIn(id, k));
         }
       }
       s = PwriteAll(fd, buf.data, layout_->GroupStateBytes(gi), offset, states_path);
@@ -166,6 +166,12 @@ Status Checkpointer::Validate(const std::string& folder, RankManifest* man, int*
     return mismatch("optimizer " + man->optimizer + ", this engine runs " +
                     OptimizerTypeName(config_->optimizer.type));
   }
+  if (man->state_dtype != StateTypeName(layout_->state_type())) {
+    return mismatch("optimizer states stored as " + man->state_dtype + ", this engine keeps " +
+                    StateTypeName(layout_->state_type()) +
+                    " (zinf.optimizer_state_dtype; converting between them on load is not "
+                    "supported yet: load with the checkpoint's state dtype)");
+  }
   const size_t num_params = layout_->num_params(), num_groups = layout_->num_groups();
   if (man->tensors.size() != num_params || man->groups.size() != num_groups) {
     return mismatch(std::to_string(man->tensors.size()) + " tensors in " +
@@ -204,13 +210,13 @@ Status Checkpointer::Validate(const std::string& folder, RankManifest* man, int*
     const GroupLayout& g = layout_->group(gi);
     ZINF_RETURN_IF_ERROR(PreadAll(*fd, buf->data, layout_->GroupStateBytes(gi),
                                   man->groups[gi].offset, *states_path, "a torn checkpoint"));
-    const float* f = static_cast<const float*>(buf->data);
+    const char* f = static_cast<const char*>(buf->data);
     static const char* const kState[] = {"master weights", "exp_avg", "exp_avg_sq"};
     for (ParamId id : g.params) {
       const ParamLayout& p = layout_->param(id);
       const CheckpointTensor& t = man->tensors[id];
       for (int k = 0; k < 3; ++k) {
-        if (XXH3_64bits(f + k * g.numel + p.slice_offset, p.info.partition_numel * 4) !=
+        if (XXH3_64bits(f + layout_->SliceOffsetIn(id, k), layout_->SliceBytesIn(id, k)) !=
             t.hash[k]) {
           return Status::Corruption("checkpoint tensor '" + p.info.name + "' (" + kState[k] +
                                     ") in " + *states_path + " does not match its checksum");

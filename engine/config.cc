@@ -65,11 +65,22 @@ constexpr std::string_view kZeroKeys[] = {
     "round_robin_gradients",
 };
 constexpr std::string_view kZinfKeys[] = {
-    "device_budget_bytes", "pinned_budget_bytes",  "nvme_capacity_bytes",
-    "nvme_reserve_bytes",  "delayed_update",       "checksums",
-    "optimizer_threads",   "host_copy_gbps",       "io_backend",
-    "nvme_paths",          "allowed_nvme_roots",   "durable",
-    "durable_overwrite",   "delayed_update_after", "gradient_transfer_dtype",
+    "device_budget_bytes",
+    "pinned_budget_bytes",
+    "nvme_capacity_bytes",
+    "nvme_reserve_bytes",
+    "delayed_update",
+    "checksums",
+    "optimizer_threads",
+    "host_copy_gbps",
+    "io_backend",
+    "nvme_paths",
+    "allowed_nvme_roots",
+    "durable",
+    "durable_overwrite",
+    "delayed_update_after",
+    "gradient_transfer_dtype",
+    "optimizer_state_dtype",
 };
 constexpr std::string_view kAioKeys[] = {
     "block_size", "queue_depth", "thread_count", "single_submit", "overlap_events", "use_gds",
@@ -300,6 +311,10 @@ Status ParseZinf(ObjectReader& r, EngineConfig* config, std::vector<std::string>
   ZINF_RETURN_IF_ERROR(r.ReadEnum<bool>("gradient_transfer_dtype",
                                         {{"fp32", false}, {"bf16", true}},
                                         &config->gradient_transfer_bf16));
+  ZINF_RETURN_IF_ERROR(r.ReadEnum<StateType>(
+      "optimizer_state_dtype",
+      {{"fp32", StateType::kF32}, {"bf16", StateType::kBf16}, {"int8", StateType::kInt8}},
+      &config->optimizer_state_type));
   if (const Json* paths = r.Find("nvme_paths"); paths != nullptr && !paths->is_null()) {
     if (!paths->is_array()) {
       return TypeError(r.PathOf("nvme_paths"), "an array of path strings", *paths);
@@ -520,6 +535,11 @@ Status Validate(const EngineConfig& c) {
   if (!(c.host_copy_gbps >= 0)) {
     return invalid("zinf.host_copy_gbps",
                    "must be >= 0 (0 means memcpy speed), got " + FormatNumber(c.host_copy_gbps));
+  }
+  if (c.optimizer_state_type == StateType::kInt8 && c.optimizer.type == OptimizerType::kAdagrad) {
+    return invalid("zinf.optimizer_state_dtype",
+                   "\"int8\" is not supported with optimizer type Adagrad (its sum of squares only "
+                   "grows, which a blockwise 8-bit code cannot follow); use \"fp32\" or \"bf16\"");
   }
   return Status::OK();
 }

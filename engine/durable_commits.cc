@@ -23,6 +23,7 @@ std::string DurableCommits::Meta(int64_t at_step, int64_t at_visible) const {
   j["world"] = world_;
   j["optimizer"] = OptimizerTypeName(config_->optimizer.type);
   j["storage"] = StorageName(*config_);
+  j["state_dtype"] = StateTypeName(layout_->state_type());
   j["param_tier"] = config_->offload_param.tier == Tier::kNvme ? "nvme" : "memory";
   nlohmann::json ps = nlohmann::json::array();
   for (ParamId id = 0; id < layout_->num_params(); ++id) {
@@ -64,6 +65,12 @@ Status DurableCommits::Check(const std::string& meta, Point* out) const {
     const std::string storage = j.at("storage").get<std::string>();
     if (storage != StorageName(*config_)) {
       return mismatch("parameters stored as " + storage + " (the bf16 setting differs)");
+    }
+    // Commits from before compressed states have none: fp32.
+    const std::string states = j.value("state_dtype", std::string("fp32"));
+    if (states != StateTypeName(layout_->state_type())) {
+      return mismatch("optimizer states stored as " + states + ", this engine keeps " +
+                      StateTypeName(layout_->state_type()) + " (zinf.optimizer_state_dtype)");
     }
     const auto& ps = j.at("params");
     if (ps.size() != params.size()) {

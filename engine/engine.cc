@@ -104,6 +104,14 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
                                   OptimizerTypeName(config.optimizer.type) +
                                   "; step it on the CPU (ratio 1, device cpu or nvme)");
     }
+    if (config.optimizer_state_type != StateType::kF32) {
+      return Status::NotSupported(
+          std::string(what) +
+          ": the GPU kernel keeps fp32 states, not zinf.optimizer_state_dtype \"" +
+          StateTypeName(config.optimizer_state_type) +
+          "\"; step the optimizer on the CPU (offload_optimizer.ratio 1, device cpu or nvme) or "
+          "keep fp32 states");
+    }
   }
   if (config.durable) {
     if (config.offload_optimizer.tier != Tier::kNvme || config.offload_optimizer.ratio < 1) {

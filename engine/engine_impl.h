@@ -36,7 +36,7 @@ struct Engine::Impl {
         hooks(h),
         rank(cm->rank()),
         world(cm->world_size()),
-        layout(world, c.bf16 ? 2 : 4),
+        layout(world, c.bf16 ? 2 : 4, c.optimizer_state_type),
         delayed(c.delayed_update),
         lr(c.optimizer.lr) {}
   ~Impl();

@@ -15,8 +15,10 @@
 namespace zinf {
 
 // Partition slices start at multiples of this many elements inside optimizer buffers, so that
-// both their fp32 and bf16 images are 4 KiB aligned for direct I/O.
+// both their fp32 and bf16 images are 4 KiB aligned for direct I/O, and a slice's compressed
+// states start on a whole int8 block.
 constexpr size_t kSliceAlign = 2048;
+static_assert(kSliceAlign % kInt8StateBlock == 0, "a slice's int8 states must start a block");
 // Partitions are padded to a multiple of this many elements per rank.
 constexpr size_t kPartitionAlign = 16;
 
@@ -49,8 +51,10 @@ const char* OptimizerTypeName(OptimizerType t);
 
 class Layout {
  public:
-  // `elem_size`: bytes per stored parameter element (2 with bf16 storage).
-  Layout(int world, size_t elem_size) : world_(world), elem_size_(elem_size) {}
+  // `elem_size`: bytes per stored parameter element (2 with bf16 storage); `states`: how the
+  // optimizer states are stored (zinf.optimizer_state_dtype).
+  Layout(int world, size_t elem_size, StateType states = StateType::kF32)
+      : world_(world), elem_size_(elem_size), states_(states) {}
 
   // A parameter as it would be added (validated: shape, name, uniqueness); nothing changes.
   Result<ParamLayout> Describe(const std::string& name, const std::vector<int64_t>& shape,
@@ -70,12 +74,39 @@ class Layout {
   const std::vector<GroupLayout>& groups() const { return groups_; }
   int world() const { return world_; }
   size_t elem_size() const { return elem_size_; }
+  StateType state_type() const { return states_; }
 
   // Bytes of the gathered parameter / this rank's partition, in storage dtype.
   size_t FullBytes(ParamId id) const { return params_[id].padded_numel * elem_size_; }
   size_t PartBytes(ParamId id) const { return params_[id].info.partition_numel * elem_size_; }
-  // [master | exp_avg | exp_avg_sq] of a sub-group, and its fp32 gradient accumulators.
-  size_t GroupStateBytes(size_t gi) const { return groups_[gi].numel * 3 * sizeof(float); }
+  // [master | state 1 | state 2] of a sub-group (the fp32 masters, then exp_avg or Lion's
+  // momentum, then exp_avg_sq or Adagrad's sum, each StateBytes(state_type, numel) bytes), and
+  // its fp32 gradient accumulators.
+  size_t GroupStateBytes(size_t gi) const {
+    return groups_[gi].numel * sizeof(float) + 2 * StateBytes(states_, groups_[gi].numel);
+  }
+  // Byte offset of state k (1 or 2) in a sub-group's buffer.
+  size_t StateRegionOffset(size_t gi, int k) const {
+    return groups_[gi].numel * sizeof(float) +
+           static_cast<size_t>(k - 1) * StateBytes(states_, groups_[gi].numel);
+  }
+  // Byte offset of a parameter's slice inside a state region, and the bytes of its states
+  // there (whole int8 blocks: slices start on one, kSliceAlign).
+  size_t SliceStateOffset(ParamId id) const {
+    return StateBytes(states_, params_[id].slice_offset);
+  }
+  size_t SliceStateBytes(ParamId id) const {
+    return StateBytes(states_, params_[id].info.partition_numel);
+  }
+  // Parameter id's slice in region k of its sub-group's buffer (0: the fp32 masters, 1 and 2:
+  // the states): byte offset and length.
+  size_t SliceOffsetIn(ParamId id, int k) const {
+    return k == 0 ? params_[id].slice_offset * sizeof(float)
+                  : StateRegionOffset(params_[id].info.sub_group, k) + SliceStateOffset(id);
+  }
+  size_t SliceBytesIn(ParamId id, int k) const {
+    return k == 0 ? params_[id].info.partition_numel * sizeof(float) : SliceStateBytes(id);
+  }
   size_t GroupGradBytes(size_t gi) const { return groups_[gi].numel * sizeof(float); }
   size_t LargestGroupStateBytes() const;
   // The order the optimizer steps sub-groups in: backward order, last registered first.
@@ -84,6 +115,7 @@ class Layout {
  private:
   int world_;
   size_t elem_size_;
+  StateType states_;
   bool frozen_ = false;
   std::vector<ParamLayout> params_;
   std::vector<GroupLayout> groups_;

@@ -39,7 +39,7 @@ Result<PinnedPlan> PlanPinnedMemory(const Layout& layout, const EngineConfig& co
     max_group_grads = std::max<uint64_t>(max_group_grads, RoundUp(layout.GroupGradBytes(gi), 4096));
   }
   const uint64_t buffers = std::max<uint32_t>(config.offload_optimizer.buffer_count, 3);
-  plan.state_block_bytes = RoundUp(max_group * 3 * sizeof(float), 4096);
+  plan.state_block_bytes = RoundUp(layout.LargestGroupStateBytes(), 4096);
   if (config.offload_optimizer.tier == Tier::kNvme) {
     plan.state_blocks = buffers;
   } else if (kept_on_device > 0 && !device_is_host) {

@@ -179,9 +179,8 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
       if (!b.ok()) return b.status().WithContext("bf16 parameter buffer");
       done.copy = std::move(b).value();
     }
-    Status s =
-        StepGroup(gi, master, master + g.numel, master + 2 * g.numel,
-                  static_cast<uint16_t*>(done.copy.data()), task, coef, with_grad, &done.writes);
+    Status s = StepGroup(gi, master, static_cast<uint16_t*>(done.copy.data()), task, coef,
+                         with_grad, &done.writes);
     if (!s.ok() && first.ok()) first = s;
     // Every gradient of the sub-group has landed and been used: its accumulators can go.
     mark_stepped();
@@ -244,19 +243,34 @@ Status OptimizerPipeline::NonFinite(ParamId id, int64_t step) const {
 }
 
 OptimizerTensors OptimizerPipeline::PartTensors(ParamId id, const OptimizerHyperParams& hp,
-                                                float* master, float* m, float* v,
-                                                const float* grad) const {
-  const ParamLayout& p = m_.layout->param(id);
+                                                float* states, const float* grad) const {
+  const Layout& layout = *m_.layout;
+  const ParamLayout& p = layout.param(id);
+  const size_t gi = p.info.sub_group;
+  char* const bytes = reinterpret_cast<char*>(states);
+  void* const s1 = bytes + layout.StateRegionOffset(gi, 1) + layout.SliceStateOffset(id);
+  void* const s2 = bytes + layout.StateRegionOffset(gi, 2) + layout.SliceStateOffset(id);
   OptimizerTensors t;
-  t.param = master + p.slice_offset;
+  t.param = states + p.slice_offset;
   t.grad = grad;
   t.grad_type = GradType::kF32;
   t.n = p.info.partition_numel;
+  if (layout.state_type() != StateType::kF32) {
+    // Compressed: Adagrad's sum is the kernel's state1, kept in state 2 as with fp32.
+    t.state_type = layout.state_type();
+    if (hp.kind == OptimizerKind::kAdagrad) {
+      t.state1 = s2;
+    } else {
+      t.state1 = s1;
+      if (hp.kind != OptimizerKind::kLion) t.state2 = s2;
+    }
+    return t;
+  }
   if (hp.kind == OptimizerKind::kAdagrad) {
-    t.sum = v + p.slice_offset;
+    t.sum = static_cast<float*>(s2);
   } else {
-    t.exp_avg = m + p.slice_offset;
-    if (hp.kind != OptimizerKind::kLion) t.exp_avg_sq = v + p.slice_offset;
+    t.exp_avg = static_cast<float*>(s1);
+    if (hp.kind != OptimizerKind::kLion) t.exp_avg_sq = static_cast<float*>(s2);
   }
   return t;
 }
@@ -274,8 +288,6 @@ Status OptimizerPipeline::StepGroupOnDevice(size_t gi, const OptimizerTask& task
   // The gradients accumulated in device memory (GradientPath); with clipping the norm's
   // finite check covered them.
   float* master = m_.states->device_states(gi);
-  float* m = master + g.numel;
-  float* v = m + g.numel;
   const float* grads = m_.grads->group_grads(gi);
   if (!m_.grads->on_device(gi) || grads == nullptr) {
     return Status::Internal("sub-group " + std::to_string(gi) +
@@ -303,7 +315,7 @@ Status OptimizerPipeline::StepGroupOnDevice(size_t gi, const OptimizerTask& task
     if (!s.ok()) break;
     const ParamLayout& p = layout.param(id);
     const size_t bytes = layout.PartBytes(id);
-    OptimizerTensors t = PartTensors(id, hp, master, m, v, grads + p.slice_offset);
+    OptimizerTensors t = PartTensors(id, hp, master, grads + p.slice_offset);
     void* dst = m_.params->device_part(id, buf);
     if (!with_grad[p.index_in_group]) {
       // Not updated. Its store buffer for this version must still hold its values: the
@@ -334,8 +346,8 @@ Status OptimizerPipeline::StepGroupOnDevice(size_t gi, const OptimizerTask& task
   return synced.WithContext("device optimizer step of sub-group " + std::to_string(gi));
 }
 
-Status OptimizerPipeline::StepGroup(size_t gi, float* master, float* m, float* v,
-                                    uint16_t* copy_out, const OptimizerTask& task, float coef,
+Status OptimizerPipeline::StepGroup(size_t gi, float* master, uint16_t* copy_out,
+                                    const OptimizerTask& task, float coef,
                                     const std::vector<uint8_t>& with_grad,
                                     std::vector<Ticket>* writes) {
   const Layout& layout = *m_.layout;
@@ -354,7 +366,7 @@ Status OptimizerPipeline::StepGroup(size_t gi, float* master, float* m, float* v
     }
     if (!task.clip)
       ZINF_RETURN_IF_ERROR(CheckFinite(id, task.step));  // (clipping checked the norm)
-    OptimizerTensors t = PartTensors(id, hp, master, m, v, m_.grads->Acc(id));
+    OptimizerTensors t = PartTensors(id, hp, master, m_.grads->Acc(id));
     if (copy_out != nullptr) {
       t.param_copy = copy_out + p.slice_offset;
       t.param_copy_type = ParamCopyType::kBf16;

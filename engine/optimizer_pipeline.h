@@ -61,19 +61,20 @@ class OptimizerPipeline {
   // parameter stores are still written, as their buffer may be stale).
   Status StepGroupOnDevice(size_t gi, const OptimizerTask& task, float coef,
                            const std::vector<uint8_t>& with_grad);
-  Status StepGroup(size_t gi, float* master, float* m, float* v, uint16_t* copy_out,
-                   const OptimizerTask& task, float coef, const std::vector<uint8_t>& with_grad,
-                   std::vector<Ticket>* writes);
+  // `states`: the sub-group's [master | state 1 | state 2] (Layout::GroupStateBytes).
+  Status StepGroup(size_t gi, float* states, uint16_t* copy_out, const OptimizerTask& task,
+                   float coef, const std::vector<uint8_t>& with_grad, std::vector<Ticket>* writes);
   // Refuses a gradient that holds inf or NaN before the optimizer uses it: a non-finite master
   // is never written (the step fails; the engine must be recreated from a checkpoint or the
   // durable store, whose last commit predates the step).
   Status CheckFinite(ParamId id, int64_t step);
   Status NonFinite(ParamId id, int64_t step) const;  // the error CheckFinite returns
-  // The optimizer's view of parameter `id`'s partition inside its sub-group's master and state
-  // buffers (m and v: exp_avg / exp_avg_sq, or the Adagrad sum in v), with fp32 gradients at
-  // `grad`; no parameter copy.
-  OptimizerTensors PartTensors(ParamId id, const OptimizerHyperParams& hp, float* master, float* m,
-                               float* v, const float* grad) const;
+  // The optimizer's view of parameter `id`'s partition inside its sub-group's buffer `states`
+  // ([master | state 1 | state 2]: exp_avg / exp_avg_sq, or Lion's momentum in state 1, or the
+  // Adagrad sum in state 2; fp32 or compressed, zinf.optimizer_state_dtype), with fp32
+  // gradients at `grad`; no parameter copy.
+  OptimizerTensors PartTensors(ParamId id, const OptimizerHyperParams& hp, float* states,
+                               const float* grad) const;
   // Whether the step of window s runs delayed (the trainer does not wait for it).
   bool DelayedStep(int64_t s) const {
     return m_.config->delayed_update && s > static_cast<int64_t>(m_.config->delayed_update_after);

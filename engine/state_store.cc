@@ -41,7 +41,10 @@ Status StateStore::Allocate(size_t gi, float** master, PooledBlock* staging) {
     *master = static_cast<float*>(staging->data());
     g.swap_key = "opt/" + std::to_string(gi);
   } else {
-    ZINF_RETURN_IF_ERROR(g.host.Allocate(layout_->group(gi).numel * 3, "optimizer states"));
+    // Whole floats: the masters, then states of 2 or 4 bytes per element, or int8 blocks of
+    // 260 bytes.
+    ZINF_RETURN_IF_ERROR(
+        g.host.Allocate(layout_->GroupStateBytes(gi) / sizeof(float), "optimizer states"));
     *master = g.host.data;
   }
   return Status::OK();

@@ -1,4 +1,5 @@
-// Optimizer states per sub-group ([master | exp_avg | exp_avg_sq], fp32) on their tier: a
+// Optimizer states per sub-group ([master | state 1 | state 2]: fp32 masters, then the states
+// in zinf.optimizer_state_dtype, see Layout::GroupStateBytes) on their tier: a
 // host mapping (cpu), device memory (kept on the device), or one NVMe swap key; and each
 // parameter's update count (torch's state["step"]).
 #pragma once

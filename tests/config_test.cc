@@ -86,6 +86,7 @@ constexpr char kZeroInfinityConfig[] = R"json({
     "host_copy_gbps": 24.5,
     "io_backend": "libaio",
     "gradient_transfer_dtype": "bf16",
+    "optimizer_state_dtype": "int8",
     "nvme_paths": ["/local_nvme", "/nvme2"]
   }
 })json";
@@ -163,6 +164,7 @@ TEST(ConfigTest, ZeroInfinityConfigParsesEveryField) {
   EXPECT_FALSE(c.durable);
   EXPECT_TRUE(c.checksums);
   EXPECT_TRUE(c.gradient_transfer_bf16);
+  EXPECT_EQ(StateType::kInt8, c.optimizer_state_type);
   EXPECT_EQ(12, c.optimizer_threads);
   EXPECT_DOUBLE_EQ(24.5, c.host_copy_gbps);
 }
@@ -209,6 +211,7 @@ void ExpectDefaults(const EngineConfig& c) {
   EXPECT_FALSE(c.delayed_update);
   EXPECT_FALSE(c.checksums);
   EXPECT_FALSE(c.gradient_transfer_bf16);
+  EXPECT_EQ(StateType::kF32, c.optimizer_state_type);
   EXPECT_EQ(0, c.optimizer_threads);
   EXPECT_DOUBLE_EQ(0.0, c.host_copy_gbps);
 }
@@ -563,6 +566,11 @@ const BadConfig kBadConfigs[] = {
      "zinf.io_backend: expected one of io_uring, libaio, psync, got \"spdk\""},
     {"BadGradientTransfer", R"({"zinf": {"gradient_transfer_dtype": "fp16"}})", kInvalid,
      "zinf.gradient_transfer_dtype: expected one of fp32, bf16, got \"fp16\""},
+    {"BadStateDtype", R"({"zinf": {"optimizer_state_dtype": "fp8"}})", kInvalid,
+     "zinf.optimizer_state_dtype: expected one of fp32, bf16, int8, got \"fp8\""},
+    {"AdagradInt8States",
+     R"({"optimizer": {"type": "Adagrad"}, "zinf": {"optimizer_state_dtype": "int8"}})", kInvalid,
+     "zinf.optimizer_state_dtype: \"int8\" is not supported with optimizer type Adagrad"},
     // What zinf does not implement.
     {"Stage2", R"({"zero_optimization": {"stage": 2}})", kNotSupported,
      "zero_optimization.stage: zinf implements ZeRO stage 3 only, got 2; set \"stage\": 3"},

@@ -414,6 +414,7 @@ struct RunOptions {
   int save_after_step = -1;
   bool load_first = false;
   int first_micro = 0;
+  StateType state_type = StateType::kF32;  // zinf.optimizer_state_dtype
   std::chrono::seconds timeout{120};
 
   std::string Describe() const {
@@ -424,6 +425,7 @@ struct RunOptions {
     if (delayed) os << ", delayed update";
     if (ratio < 1) os << ", optimizer ratio " << ratio;
     if (swapped_micro_step >= 0) os << ", swapped acquire order at " << swapped_micro_step;
+    if (state_type != StateType::kF32) os << ", " << StateTypeName(state_type) << " states";
     return os.str();
   }
 };
@@ -457,6 +459,7 @@ inline EngineConfig MakeConfig(const RunOptions& o, const std::string& nvme_dir)
   c.device_budget_bytes = o.device_budget_bytes;
   c.pinned_budget_bytes = o.pinned_budget_bytes;
   c.optimizer_threads = 1;  // 2-core machines run up to 4 ranks
+  c.optimizer_state_type = o.state_type;
   return c;
 }
 
@@ -686,11 +689,18 @@ inline SimResult Simulate(const RunOptions& o) {
   SimResult sim;
   sim.params.resize(np);
   std::vector<std::vector<float>> m(np), v(np), acc(np);
+  // Compressed states (one rank: a parameter's blocks start at its first element, as in the
+  // engine's sub-group, where every slice starts a block).
+  std::vector<std::vector<uint8_t>> q1(np), q2(np);
+  const bool compressed = o.state_type != StateType::kF32;
+  ZINF_CHECK_MSG(!compressed || o.ranks == 1, "compressed states are simulated for one rank");
   for (int p = 0; p < np; ++p) {
     sim.params[p].resize(shape.numel(p));
     testing::InitParam(shape, p, sim.params[p].data(), shape.numel(p));
     m[p].assign(shape.numel(p), 0.0f);
     v[p].assign(shape.numel(p), 0.0f);
+    q1[p].assign(StateBytes(o.state_type, shape.numel(p)), 0);
+    q2[p].assign(StateBytes(o.state_type, shape.numel(p)), 0);
   }
   std::vector<std::vector<std::vector<float>>> history = {sim.params};  // after 0, 1, ... steps
   for (int step = 0; step < o.steps; ++step) {
@@ -746,8 +756,14 @@ inline SimResult Simulate(const RunOptions& o) {
       t.param = sim.params[p].data();
       t.grad = acc[p].data();
       t.grad_type = GradType::kF32;
-      t.exp_avg = m[p].data();
-      t.exp_avg_sq = v[p].data();
+      if (compressed) {
+        t.state_type = o.state_type;
+        t.state1 = q1[p].data();
+        t.state2 = q2[p].data();
+      } else {
+        t.exp_avg = m[p].data();
+        t.exp_avg_sq = v[p].data();
+      }
       t.n = acc[p].size();
       Status s = OptimizerStep(hp, t, CpuIsa::kScalar);
       ZINF_CHECK_MSG(s.ok(), s.ToString().c_str());

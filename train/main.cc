@@ -74,7 +74,8 @@ struct Flags {
   uint64_t delayed_update_after = 0;
   bool durable = false;
   bool overwrite = false;
-  std::string io_backend;  // "": config's (io_uring, falling back to libaio, then psync)
+  std::string io_backend;   // "": config's (io_uring, falling back to libaio, then psync)
+  std::string state_dtype;  // "": config's zinf.optimizer_state_dtype (fp32)
 };
 
 FILE* out = stdout;  // progress stream (stderr with --json)
@@ -147,6 +148,14 @@ Result<EngineConfig> BuildConfig(const Flags& f) {
                           ParseTier(f.optimizer_tier, "--optimizer-tier"));
   }
   if (f.optimizer_ratio >= 0) c.offload_optimizer.ratio = f.optimizer_ratio;
+  if (!f.state_dtype.empty()) {
+    Result<StateType> t = ParseStateType(f.state_dtype);
+    if (!t.ok()) {
+      return Status::InvalidArgument("--state-dtype: expected fp32, bf16 or int8, got '" +
+                                     f.state_dtype + "'");
+    }
+    c.optimizer_state_type = *t;
+  }
   std::vector<std::string> nvme = f.nvme;
   if (nvme.empty()) {
     for (const OffloadConfig* o : {&c.offload_param, &c.offload_optimizer}) {
@@ -180,12 +189,19 @@ bool UsesNvme(const EngineConfig& c) {
 
 // Creates the swap folders and checks that the model fits on them: one sentence with the fix
 // when it does not.
+// Bytes the optimizer keeps per parameter: the fp32 master and two states as stored (12 with
+// fp32 states, 8 with bf16, about 6.03 with int8).
+double StateBytesPerParam(const EngineConfig& c) {
+  constexpr size_t kN = size_t{1} << 20;
+  return 4.0 + 2.0 * static_cast<double>(StateBytes(c.optimizer_state_type, kN)) / kN;
+}
+
 Status CheckNvme(const EngineConfig& c, uint64_t params) {
   if (!UsesNvme(c)) return Status::OK();
   const std::vector<std::string>& paths = c.offload_optimizer.nvme_paths;
   uint64_t need = 0;
   if (c.offload_param.tier == Tier::kNvme) need += params * (c.bf16 ? 2 : 4);
-  if (c.offload_optimizer.tier == Tier::kNvme) need += params * 12;  // master, m, v in fp32
+  if (c.offload_optimizer.tier == Tier::kNvme) need += StateBytesPerParam(c) * params;
   // The delayed update double-buffers NVMe parameters; durable mode keeps the committed copy
   // of everything while a step writes the next one.
   if (c.delayed_update && c.offload_param.tier == Tier::kNvme) need += params * (c.bf16 ? 2 : 4);
@@ -381,10 +397,12 @@ void PrintBanner(const Flags& f, const RunPlan& plan) {
   std::fprintf(
       out,
       "zinf-train: model %s, %d layers, d_model %d, %d heads: %s parameters (%.3g B)\n"
-      "  parameters on %s (%s), optimizer states on %s, %s; batch %d x seq %d, %d steps\n",
+      "  parameters on %s (%s), optimizer states on %s (%s, %.2f B/param with the master), %s; "
+      "batch %d x seq %d, %d steps\n",
       model.name.c_str(), model.layers, model.d_model, model.heads,
       std::to_string(plan.params).c_str(), plan.params / 1e9, TierName(config.offload_param.tier),
       config.bf16 ? "bf16" : "fp32", TierName(config.offload_optimizer.tier),
+      StateTypeName(config.optimizer_state_type), StateBytesPerParam(config),
       UsesNvme(config) ? ("swap folder " + config.offload_optimizer.nvme_paths.front()).c_str()
                        : "no NVMe",
       f.batch, f.seq, f.steps);
@@ -695,6 +713,8 @@ int Report(const Flags& f, const RunPlan& plan, GptTrainer* trainer, int64_t fir
       {"param_checksum", hash},
       {"param_tier", TierName(plan.config.offload_param.tier)},
       {"optimizer_tier", TierName(plan.config.offload_optimizer.tier)},
+      {"optimizer_state_dtype", StateTypeName(plan.config.optimizer_state_type)},
+      {"state_bytes_per_param", StateBytesPerParam(plan.config)},
   };
   std::printf("%s\n", j.dump().c_str());
   return 0;
@@ -780,6 +800,9 @@ int main(int argc, char** argv) {
   app.add_option("--device-budget", f.device_budget, "device memory budget, e.g. 4G");
   app.add_option("--pinned-budget", f.pinned_budget, "pinned host memory budget, e.g. 2G");
   app.add_flag("--fp32", f.fp32, "store parameters in fp32 (default bf16 with fp32 masters)");
+  app.add_option("--state-dtype", f.state_dtype,
+                 "optimizer states stored as fp32 (default), bf16 or int8 (blockwise 8-bit: "
+                 "about half the bytes of a step's optimizer I/O); the masters stay fp32");
   app.add_flag("--durable", f.durable,
                "commit the NVMe swap store after every step, so that --resume continues from "
                "it after a crash without a checkpoint copy (needs optimizer states on NVMe, and "

@@ -368,6 +368,10 @@ Status AdamStep(const OptimizerHyperParams& hp, const OptimizerTensors& t, Strea
                                 "' has no CUDA kernel (adam and adamw do)");
   }
   ZINF_RETURN_IF_ERROR(ValidateOptimizerStep(hp, t).WithContext("cuda::AdamStep"));
+  if (t.state_type != StateType::kF32) {
+    return Status::NotSupported(std::string("cuda::AdamStep: ") + StateTypeName(t.state_type) +
+                                " optimizer states are not supported on the GPU (fp32 only)");
+  }
   if (t.n == 0) return Status::OK();
   const StepCoefficients c = cpu_adam_internal::ComputeCoefficients(hp);
   if (hp.kind == OptimizerKind::kAdam) {

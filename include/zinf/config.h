@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "zinf/cpu_adam.h"  // StateType
 #include "zinf/status.h"
 
 namespace zinf {
@@ -93,6 +94,11 @@ struct EngineConfig {
   // bytes across the link, at one bf16 rounding (8 significant bits) per micro-step's
   // gradient. With several ranks the reduce-scatter sums in fp32 first.
   bool gradient_transfer_bf16 = false;
+  // zinf.optimizer_state_dtype "fp32" (default), "bf16" or "int8": how the optimizer states
+  // (Adam's two moments, Lion's momentum, Adagrad's sum) are stored on every tier between
+  // steps (zinf/cpu_adam.h StateType: bf16 nearest even; int8 blockwise, 1 + 4/256 bytes per
+  // element). The master parameters stay fp32. Adagrad refuses int8.
+  StateType optimizer_state_type = StateType::kF32;
   int optimizer_threads = 0;  // CPU Adam threads; 0 = all cores
   double host_copy_gbps = 0;  // HostDevice PCIe simulation; 0 = memcpy speed
   // When not empty, every NVMe path must lie inside one of these folders once symbolic links

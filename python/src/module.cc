@@ -593,6 +593,7 @@ PYBIND11_MODULE(_zinf, m) {
         d["gradient_clipping"] = c.gradient_clipping;
         d["durable"] = c.durable;
         d["delayed_update"] = c.delayed_update;
+        d["optimizer_state_dtype"] = StateTypeName(c.optimizer_state_type);
         d["device_budget_bytes"] = c.device_budget_bytes;
         d["pinned_budget_bytes"] = c.pinned_budget_bytes;
         return d;

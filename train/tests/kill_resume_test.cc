@@ -334,6 +334,44 @@ TEST(TrainCli, ModelTooLargeForTheNvmeDiskIsRefusedBeforeWriting) {
   EXPECT_NE(o.stderr_text.find("free space"), std::string::npos) << o.stderr_text;
 }
 
+// The space check counts the optimizer states as stored: 13B parameters on NVMe need 2 B each
+// (bf16) plus 12 (fp32 master and states) or about 6 (int8 states), so the int8 need is
+// (2 + 6.03) / (2 + 12) = 0.57 of the fp32 one.
+TEST(TrainCli, NvmeSpaceCheckCountsTheStateDtype) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  struct statvfs vfs {};
+  ASSERT_EQ(statvfs(dir.path().c_str(), &vfs), 0);
+  if (static_cast<double>(vfs.f_bavail) * vfs.f_frsize > 100e9) {
+    GTEST_SKIP() << "the test folder's disk has room for a 13B model's int8 states";
+  }
+  auto need = [&](const char* dtype) -> double {
+    Outcome o = Spawn(
+        dir.path(),
+        {"--preset", "13B", "--param-tier", "nvme", "--optimizer-tier", "nvme", "--state-dtype",
+         dtype, "--nvme", dir.path() + "/swap", "--steps", "1", "--data", ZINF_SOURCE_DATA},
+        "");
+    EXPECT_EQ(o.exit_code, 1) << o.stderr_text;
+    const std::string key = "optimizer states need about ";
+    const size_t at = o.stderr_text.find(key);
+    if (at == std::string::npos) {
+      ADD_FAILURE() << o.stderr_text;
+      return 0;
+    }
+    char* end = nullptr;
+    const double gib = std::strtod(o.stderr_text.c_str() + at + key.size(), &end);
+    EXPECT_EQ(std::string(end, 4), " GiB") << o.stderr_text;  // both are tens of GiB
+    return gib;
+  };
+  const double fp32 = need("fp32");
+  const double int8 = need("int8");
+  ASSERT_GT(fp32, 0);
+  EXPECT_NEAR(int8 / fp32, (2 + 6.03125) / 14.0, 0.01) << int8 << " vs " << fp32;
+  Outcome bad = Spawn(dir.path(), {"--state-dtype", "fp8", "--steps", "1"}, "");
+  EXPECT_EQ(bad.exit_code, 2) << bad.stderr_text;
+  EXPECT_NE(bad.stderr_text.find("--state-dtype"), std::string::npos) << bad.stderr_text;
+}
+
 TEST(TrainCli, DeviceBudgetTooSmallForALayerNamesTheFlag) {
   TempDir dir;
   ASSERT_TRUE(dir.ok());
