@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -99,6 +100,53 @@ size_t StateBytes(StateType type, size_t n) {
       return (n + kInt8StateBlock - 1) / kInt8StateBlock * (kInt8StateBlock + sizeof(float));
   }
   return 0;
+}
+
+Status ConvertOptimizerState(StateType from, const void* src, StateType to, void* dst, size_t n,
+                             StateRole role) {
+  for (StateType t : {from, to}) {
+    if (t != StateType::kF32 && t != StateType::kBf16 && t != StateType::kInt8) {
+      return Status::InvalidArgument("optimizer state conversion: unknown state type");
+    }
+  }
+  if (n == 0) return Status::OK();
+  if (n > std::numeric_limits<size_t>::max() / 16) {
+    return Status::InvalidArgument("optimizer state conversion: n is too large");
+  }
+  if (src == nullptr || dst == nullptr) {
+    return Status::InvalidArgument("optimizer state conversion: a buffer is NULL");
+  }
+  const auto a = reinterpret_cast<uintptr_t>(src);
+  const auto b = reinterpret_cast<uintptr_t>(dst);
+  if (a < b + StateBytes(to, n) && b < a + StateBytes(from, n)) {
+    return Status::InvalidArgument("optimizer state conversion: the buffers overlap");
+  }
+  for (auto [t, p] : {std::pair{from, a}, std::pair{to, b}}) {
+    if (t != StateType::kBf16 && p % alignof(float) != 0) {
+      return Status::InvalidArgument(std::string("optimizer state conversion: ") +
+                                     StateTypeName(t) + " states must be 4-byte aligned");
+    }
+  }
+  if (from == to) {
+    std::memcpy(dst, src, StateBytes(to, n));
+    return Status::OK();
+  }
+  ZINF_ASSIGN_OR_RETURN(CpuIsa isa, SelectCpuIsa());
+  const KernelTable& table = KernelsFor(BestVariantOf(isa, DetectCpuFeatures()));
+  const int is_signed = role == StateRole::kSigned ? 1 : 0;
+  std::vector<float> fp32;
+  const float* values = static_cast<const float*>(src);
+  if (from != StateType::kF32) {
+    fp32.resize(n);
+    table.decode_state[static_cast<int>(from)][is_signed](src, n, fp32.data());
+    values = fp32.data();
+  }
+  if (to == StateType::kF32) {
+    std::memcpy(dst, values, n * sizeof(float));
+  } else {
+    table.encode_state[static_cast<int>(to)][is_signed](values, n, dst);
+  }
+  return Status::OK();
 }
 
 size_t GradTypeSize(GradType type) { return type == GradType::kF32 ? 4 : 2; }

@@ -548,6 +548,29 @@ void CompressedStepKernel(const StepCoefficients& c, const StepBuffers& b, size_
   if (stream) V::StreamFence();
 }
 
+// A state of n elements (a buffer of its own: its first block starts at element 0) decoded to
+// fp32 / encoded from fp32, as a step decodes and stores it. kSigned: a first moment.
+template <StateType S, bool kSigned>
+void DecodeStateKernel(const void* q, size_t n, float* out) {
+  alignas(64) float block[kQBlock];
+  for (size_t at = 0; at < n; at += kQBlock) {
+    const size_t len = std::min(kQBlock, n - at);
+    DecodeState<S, kSigned>(q, at, len, block);
+    std::memcpy(out + at, block, len * sizeof(float));
+  }
+}
+
+template <StateType S, bool kSigned>
+void EncodeStateKernel(const float* in, size_t n, void* q) {
+  alignas(64) float block[kQBlock];
+  for (size_t at = 0; at < n; at += kQBlock) {
+    const size_t len = std::min(kQBlock, n - at);
+    std::memcpy(block, in + at, len * sizeof(float));
+    if (len < kQBlock) std::memset(block + len, 0, (kQBlock - len) * sizeof(float));
+    EncodeState<S, kSigned>(block, at, len, q);
+  }
+}
+
 template <GradType G>
 void SumSquaresKernel(const void* grad, size_t begin, size_t end, double* sum_squares,
                       bool* has_inf_or_nan) {
@@ -652,6 +675,14 @@ constexpr KernelTable MakeKernelTable(KernelVariant variant) {
   t.sum_squares[int(GradType::kF32)] = &SumSquaresKernel<GradType::kF32>;
   t.sum_squares[int(GradType::kBf16)] = &SumSquaresKernel<GradType::kBf16>;
   t.sum_squares[int(GradType::kF16)] = &SumSquaresKernel<GradType::kF16>;
+  t.decode_state[int(StateType::kBf16)][1] = &DecodeStateKernel<StateType::kBf16, true>;
+  t.decode_state[int(StateType::kBf16)][0] = &DecodeStateKernel<StateType::kBf16, false>;
+  t.decode_state[int(StateType::kInt8)][1] = &DecodeStateKernel<StateType::kInt8, true>;
+  t.decode_state[int(StateType::kInt8)][0] = &DecodeStateKernel<StateType::kInt8, false>;
+  t.encode_state[int(StateType::kBf16)][1] = &EncodeStateKernel<StateType::kBf16, true>;
+  t.encode_state[int(StateType::kBf16)][0] = &EncodeStateKernel<StateType::kBf16, false>;
+  t.encode_state[int(StateType::kInt8)][1] = &EncodeStateKernel<StateType::kInt8, true>;
+  t.encode_state[int(StateType::kInt8)][0] = &EncodeStateKernel<StateType::kInt8, false>;
   t.convert[int(ParamCopyType::kNone)] = nullptr;
   t.convert[int(ParamCopyType::kBf16)] = &ConvertKernel<ParamCopyType::kBf16>;
   t.convert[int(ParamCopyType::kF16)] = &ConvertKernel<ParamCopyType::kF16>;

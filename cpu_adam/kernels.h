@@ -70,12 +70,19 @@ using SumSquaresFn = void (*)(const void* grad, size_t begin, size_t end, double
 // dst[i] = convert(src[i]) for i in [begin, end).
 using ConvertFn = void (*)(const float* src, void* dst, size_t begin, size_t end);
 
+// A compressed state of n elements (starting a block) to fp32 and back.
+using DecodeStateFn = void (*)(const void* q, size_t n, float* out);
+using EncodeStateFn = void (*)(const float* in, size_t n, void* q);
+
 struct KernelTable {
   KernelVariant variant;
   // [kind][grad][copy][state]; null for a combination that is refused (Adagrad with int8).
   StepKernelFn step[kNumOptimizerKinds][kNumGradTypes][kNumParamCopyTypes][kNumStateTypes];
   SumSquaresFn sum_squares[kNumGradTypes];
   ConvertFn convert[kNumParamCopyTypes];  // [kNone] is null
+  // [state type][signed]; [kF32] is null.
+  DecodeStateFn decode_state[kNumStateTypes][2];
+  EncodeStateFn encode_state[kNumStateTypes][2];
 };
 
 // Each defined in its own kernels_<variant>.cc. Calling a getter is always safe; calling a

@@ -5,7 +5,9 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <cstring>
 #include <filesystem>
+#include <optional>
 
 #include "common/file_io.h"
 #include "common/utf8.h"
@@ -166,12 +168,9 @@ Status Checkpointer::Validate(const std::string& folder, RankManifest* man, int*
     return mismatch("optimizer " + man->optimizer + ", this engine runs " +
                     OptimizerTypeName(config_->optimizer.type));
   }
-  if (man->state_dtype != StateTypeName(layout_->state_type())) {
-    return mismatch("optimizer states stored as " + man->state_dtype + ", this engine keeps " +
-                    StateTypeName(layout_->state_type()) +
-                    " (zinf.optimizer_state_dtype; converting between them on load is not "
-                    "supported yet: load with the checkpoint's state dtype)");
-  }
+  // States of another dtype are converted when installed (Load); they are checked here as
+  // stored.
+  ZINF_ASSIGN_OR_RETURN(const StateType file_type, ParseStateType(man->state_dtype));
   const size_t num_params = layout_->num_params(), num_groups = layout_->num_groups();
   if (man->tensors.size() != num_params || man->groups.size() != num_groups) {
     return mismatch(std::to_string(man->tensors.size()) + " tensors in " +
@@ -208,7 +207,7 @@ Status Checkpointer::Validate(const std::string& folder, RankManifest* man, int*
   if (buf->data == nullptr) return Status::ResourceExhausted("checkpoint buffer");
   for (size_t gi = 0; gi < num_groups; ++gi) {
     const GroupLayout& g = layout_->group(gi);
-    ZINF_RETURN_IF_ERROR(PreadAll(*fd, buf->data, layout_->GroupStateBytes(gi),
+    ZINF_RETURN_IF_ERROR(PreadAll(*fd, buf->data, layout_->GroupStateBytes(gi, file_type),
                                   man->groups[gi].offset, *states_path, "a torn checkpoint"));
     const char* f = static_cast<const char*>(buf->data);
     static const char* const kState[] = {"master weights", "exp_avg", "exp_avg_sq"};
@@ -216,11 +215,34 @@ Status Checkpointer::Validate(const std::string& folder, RankManifest* man, int*
       const ParamLayout& p = layout_->param(id);
       const CheckpointTensor& t = man->tensors[id];
       for (int k = 0; k < 3; ++k) {
-        if (XXH3_64bits(f + layout_->SliceOffsetIn(id, k), layout_->SliceBytesIn(id, k)) !=
-            t.hash[k]) {
+        if (XXH3_64bits(f + layout_->SliceOffsetIn(id, k, file_type),
+                        layout_->SliceBytesIn(id, k, file_type)) != t.hash[k]) {
           return Status::Corruption("checkpoint tensor '" + p.info.name + "' (" + kState[k] +
                                     ") in " + *states_path + " does not match its checksum");
         }
+      }
+    }
+  }
+  return Status::OK();
+}
+
+Status Checkpointer::ConvertGroupStates(size_t gi, StateType from, const void* src,
+                                        void* dst) const {
+  const char* in = static_cast<const char*>(src);
+  char* out = static_cast<char*>(dst);
+  // The masters as they are; regions never stepped (Lion's second, Adagrad's first) are zero
+  // in every dtype, as are the gaps between slices.
+  std::memset(out, 0, layout_->GroupStateBytes(gi));
+  std::memcpy(out, in, layout_->group(gi).numel * sizeof(float));
+  for (ParamId id : layout_->group(gi).params) {
+    for (int k = 1; k <= 2; ++k) {
+      Status s = ConvertOptimizerState(from, in + layout_->SliceOffsetIn(id, k, from),
+                                       layout_->state_type(), out + layout_->SliceOffsetIn(id, k),
+                                       layout_->param(id).info.partition_numel,
+                                       k == 1 ? StateRole::kSigned : StateRole::kNonNegative);
+      if (!s.ok()) {
+        return s.WithContext("converting the optimizer states of '" + layout_->param(id).info.name +
+                             "'");
       }
     }
   }
@@ -252,7 +274,9 @@ Status Checkpointer::Load(const std::string& dir, bool fall_back_to_older,
   } else if (listing.latest.empty() && !listing.single) {
     damage = dir + "/latest is missing";
   }
-  AlignedBuffer buf(layout_->LargestGroupStateBytes());
+  // Room for a sub-group as the checkpoint stores it, whatever its state dtype (fp32 is the
+  // largest).
+  AlignedBuffer buf(layout_->LargestGroupStateBytes(StateType::kF32));
   RankManifest man;
   int fd = -1;
   struct FdCloser {
@@ -293,12 +317,33 @@ Status Checkpointer::Load(const std::string& dir, bool fall_back_to_older,
     LogWarning(damage + "; loading " + used + ", the newest complete checkpoint");
   }
 
-  // Pass 2: install.
-  local = begin_install();
+  // Pass 2: install, converting states stored in another dtype (ConvertOptimizerState: as a
+  // step would have decoded and stored them).
+  // (The parser accepted the dtype; every rank's checkpoint has the same one.)
+  const Result<StateType> parsed_type = ParseStateType(man.state_dtype);
+  const StateType file_type = parsed_type.ok() ? *parsed_type : StateType::kF32;
+  const StateType engine_type = layout_->state_type();
+  std::optional<AlignedBuffer> converted;
+  Status prepared;
+  if (file_type != engine_type) {
+    converted.emplace(layout_->LargestGroupStateBytes());
+    if (converted->data == nullptr) {
+      prepared = Status::ResourceExhausted("checkpoint conversion buffer");
+    } else {
+      LogInfo("loading optimizer states stored as " + man.state_dtype + " into " +
+              StateTypeName(engine_type) + " (zinf.optimizer_state_dtype): converting them");
+    }
+  }
+  local = prepared.ok() ? begin_install() : prepared;
   for (size_t gi = 0; gi < layout_->num_groups() && local.ok(); ++gi) {
-    local = PreadAll(fd, buf.data, layout_->GroupStateBytes(gi), man.groups[gi].offset, states_path,
-                     "a torn checkpoint");
-    if (local.ok()) local = install(gi, buf.data, man.step);
+    local = PreadAll(fd, buf.data, layout_->GroupStateBytes(gi, file_type), man.groups[gi].offset,
+                     states_path, "a torn checkpoint");
+    const void* states = buf.data;
+    if (local.ok() && converted) {
+      local = ConvertGroupStates(gi, file_type, buf.data, converted->data);
+      states = converted->data;
+    }
+    if (local.ok()) local = install(gi, states, man.step);
   }
   *install_failed = !local.ok();
   ZINF_RETURN_IF_ERROR(collectives_->Agree(local, "LoadCheckpoint"));

@@ -45,6 +45,9 @@ class Checkpointer {
  private:
   // Rank 0: locks `dir` (with `create`: creates it 0700 and checks it is writable first).
   Status LockDir(const std::string& dir, bool create);
+  // Sub-group gi's [master | state 1 | state 2] with its states stored as `from` (src) into
+  // this engine's state dtype (dst, GroupStateBytes(gi) bytes).
+  Status ConvertGroupStates(size_t gi, StateType from, const void* src, void* dst) const;
   // Pass 1 of a load: parse, match the layout and verify every checksum of `folder`; nothing
   // changes. Leaves the manifest in *man and the open states file in *fd.
   Status Validate(const std::string& folder, RankManifest* man, int* fd, std::string* states_path,

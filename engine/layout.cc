@@ -100,9 +100,11 @@ size_t Layout::Freeze(uint64_t sub_group_size, Tier optimizer_tier, double ratio
   return offloaded;
 }
 
-size_t Layout::LargestGroupStateBytes() const {
+size_t Layout::LargestGroupStateBytes(StateType t) const {
   size_t largest = 0;
-  for (size_t gi = 0; gi < groups_.size(); ++gi) largest = std::max(largest, GroupStateBytes(gi));
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    largest = std::max(largest, GroupStateBytes(gi, t));
+  }
   return largest;
 }
 

@@ -81,34 +81,41 @@ class Layout {
   size_t PartBytes(ParamId id) const { return params_[id].info.partition_numel * elem_size_; }
   // [master | state 1 | state 2] of a sub-group (the fp32 masters, then exp_avg or Lion's
   // momentum, then exp_avg_sq or Adagrad's sum, each StateBytes(state_type, numel) bytes), and
-  // its fp32 gradient accumulators.
-  size_t GroupStateBytes(size_t gi) const {
-    return groups_[gi].numel * sizeof(float) + 2 * StateBytes(states_, groups_[gi].numel);
+  // its fp32 gradient accumulators. The methods taking a StateType give the same for states
+  // stored in another type (a checkpoint's).
+  size_t GroupStateBytes(size_t gi) const { return GroupStateBytes(gi, states_); }
+  size_t GroupStateBytes(size_t gi, StateType t) const {
+    return groups_[gi].numel * sizeof(float) + 2 * StateBytes(t, groups_[gi].numel);
   }
   // Byte offset of state k (1 or 2) in a sub-group's buffer.
-  size_t StateRegionOffset(size_t gi, int k) const {
+  size_t StateRegionOffset(size_t gi, int k) const { return StateRegionOffset(gi, k, states_); }
+  size_t StateRegionOffset(size_t gi, int k, StateType t) const {
     return groups_[gi].numel * sizeof(float) +
-           static_cast<size_t>(k - 1) * StateBytes(states_, groups_[gi].numel);
+           static_cast<size_t>(k - 1) * StateBytes(t, groups_[gi].numel);
   }
   // Byte offset of a parameter's slice inside a state region, and the bytes of its states
   // there (whole int8 blocks: slices start on one, kSliceAlign).
-  size_t SliceStateOffset(ParamId id) const {
-    return StateBytes(states_, params_[id].slice_offset);
+  size_t SliceStateOffset(ParamId id, StateType t) const {
+    return StateBytes(t, params_[id].slice_offset);
   }
-  size_t SliceStateBytes(ParamId id) const {
-    return StateBytes(states_, params_[id].info.partition_numel);
+  size_t SliceStateOffset(ParamId id) const { return SliceStateOffset(id, states_); }
+  size_t SliceStateBytes(ParamId id, StateType t) const {
+    return StateBytes(t, params_[id].info.partition_numel);
   }
   // Parameter id's slice in region k of its sub-group's buffer (0: the fp32 masters, 1 and 2:
   // the states): byte offset and length.
-  size_t SliceOffsetIn(ParamId id, int k) const {
+  size_t SliceOffsetIn(ParamId id, int k) const { return SliceOffsetIn(id, k, states_); }
+  size_t SliceOffsetIn(ParamId id, int k, StateType t) const {
     return k == 0 ? params_[id].slice_offset * sizeof(float)
-                  : StateRegionOffset(params_[id].info.sub_group, k) + SliceStateOffset(id);
+                  : StateRegionOffset(params_[id].info.sub_group, k, t) + SliceStateOffset(id, t);
   }
-  size_t SliceBytesIn(ParamId id, int k) const {
-    return k == 0 ? params_[id].info.partition_numel * sizeof(float) : SliceStateBytes(id);
+  size_t SliceBytesIn(ParamId id, int k) const { return SliceBytesIn(id, k, states_); }
+  size_t SliceBytesIn(ParamId id, int k, StateType t) const {
+    return k == 0 ? params_[id].info.partition_numel * sizeof(float) : SliceStateBytes(id, t);
   }
   size_t GroupGradBytes(size_t gi) const { return groups_[gi].numel * sizeof(float); }
-  size_t LargestGroupStateBytes() const;
+  size_t LargestGroupStateBytes() const { return LargestGroupStateBytes(states_); }
+  size_t LargestGroupStateBytes(StateType t) const;
   // The order the optimizer steps sub-groups in: backward order, last registered first.
   std::vector<size_t> GroupOrder() const;
 

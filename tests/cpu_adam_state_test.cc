@@ -495,6 +495,73 @@ TEST(Int8StateMap, SubnormalBlocksStoreAsZeros) {
   EXPECT_GT(e.v_value[kB], 0.0f);
 }
 
+// ---- Converting a state between types (a checkpoint of another state dtype) ----------------
+
+TEST(ConvertOptimizerStateTest, DecodesAndEncodesAsTheMapDefines) {
+  const size_t n = 3 * kB + 77;  // a partial last block
+  Rng rng(5);
+  for (StateRole role : {StateRole::kSigned, StateRole::kNonNegative}) {
+    const bool is_signed = role == StateRole::kSigned;
+    SCOPED_TRACE(is_signed ? "signed" : "non-negative");
+    std::vector<float> x(n);
+    for (float& v : x) v = rng.Log(-30, 3, is_signed);
+    // fp32 -> int8: each block as the reference encoder stores it.
+    std::vector<uint8_t> q(StateBytes(StateType::kInt8, n));
+    ASSERT_TRUE(
+        ConvertOptimizerState(StateType::kF32, x.data(), StateType::kInt8, q.data(), n, role).ok());
+    for (size_t b = 0; b * kB < n; ++b) {
+      float block[kB] = {};
+      for (size_t i = 0; i < kB && b * kB + i < n; ++i) block[i] = x[b * kB + i];
+      uint8_t want[kBlockBytes];
+      ReferenceEncode(block, is_signed, want);
+      ASSERT_EQ(std::memcmp(q.data() + b * kBlockBytes, want, kBlockBytes), 0) << "block " << b;
+    }
+    // int8 -> fp32: the decoded values.
+    std::vector<float> back(n);
+    ASSERT_TRUE(
+        ConvertOptimizerState(StateType::kInt8, q.data(), StateType::kF32, back.data(), n, role)
+            .ok());
+    EXPECT_EQ(back, ReferenceDecodeInt8(q, n, is_signed));
+    // int8 -> bf16: the decoded values rounded; bf16 -> fp32: widened.
+    std::vector<uint16_t> h(n);
+    ASSERT_TRUE(
+        ConvertOptimizerState(StateType::kInt8, q.data(), StateType::kBf16, h.data(), n, role)
+            .ok());
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(h[i], Fp32ToBf16(back[i])) << i;
+    std::vector<float> wide(n);
+    ASSERT_TRUE(
+        ConvertOptimizerState(StateType::kBf16, h.data(), StateType::kF32, wide.data(), n, role)
+            .ok());
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(wide[i], Bf16ToFp32(h[i])) << i;
+    // The same type: a copy.
+    std::vector<uint8_t> same(q.size());
+    ASSERT_TRUE(
+        ConvertOptimizerState(StateType::kInt8, q.data(), StateType::kInt8, same.data(), n, role)
+            .ok());
+    EXPECT_EQ(same, q);
+  }
+}
+
+TEST(ConvertOptimizerStateTest, RefusesOverlapMisalignmentAndNull) {
+  std::vector<uint8_t> buf(4 * 1024 + 8);
+  const StateRole r = StateRole::kSigned;
+  EXPECT_NE(ConvertOptimizerState(StateType::kF32, buf.data(), StateType::kInt8, buf.data() + 1024,
+                                  1024, r)
+                .message()
+                .find("overlap"),
+            std::string::npos);
+  EXPECT_NE(ConvertOptimizerState(StateType::kBf16, buf.data(), StateType::kInt8,
+                                  buf.data() + 2048 + 1, 256, r)
+                .message()
+                .find("4-byte aligned"),
+            std::string::npos);
+  EXPECT_EQ(
+      ConvertOptimizerState(StateType::kF32, nullptr, StateType::kInt8, buf.data(), 4, r).code(),
+      StatusCode::kInvalidArgument);
+  EXPECT_TRUE(
+      ConvertOptimizerState(StateType::kF32, nullptr, StateType::kInt8, nullptr, 0, r).ok());
+}
+
 // ---- Driver and arguments -----------------------------------------------------------------
 
 TEST(CompressedStateDriver, ThreadCountsAndTilesGiveTheSameBytes) {

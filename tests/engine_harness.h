@@ -415,6 +415,10 @@ struct RunOptions {
   bool load_first = false;
   int first_micro = 0;
   StateType state_type = StateType::kF32;  // zinf.optimizer_state_dtype
+  // Simulate only: the states were kept as `states_before` until this optimizer step (a
+  // checkpoint saved then, loaded by an engine keeping state_type: converted on load).
+  int switch_states_at = -1;
+  StateType states_before = StateType::kF32;
   std::chrono::seconds timeout{120};
 
   std::string Describe() const {
@@ -688,22 +692,37 @@ inline SimResult Simulate(const RunOptions& o) {
   const int np = shape.num_params();
   SimResult sim;
   sim.params.resize(np);
-  std::vector<std::vector<float>> m(np), v(np), acc(np);
-  // Compressed states (one rank: a parameter's blocks start at its first element, as in the
-  // engine's sub-group, where every slice starts a block).
-  std::vector<std::vector<uint8_t>> q1(np), q2(np);
-  const bool compressed = o.state_type != StateType::kF32;
-  ZINF_CHECK_MSG(!compressed || o.ranks == 1, "compressed states are simulated for one rank");
+  std::vector<std::vector<float>> acc(np);
+  // The states, in any StateType (room for fp32, the largest). Compressed ones are simulated
+  // for one rank: a parameter's blocks start at its first element, as in the engine's
+  // sub-group, where every slice starts a block.
+  std::vector<std::vector<uint8_t>> s1(np), s2(np);
+  StateType states = o.switch_states_at > 0 ? o.states_before : o.state_type;
+  ZINF_CHECK_MSG((states == StateType::kF32 && o.state_type == StateType::kF32) || o.ranks == 1,
+                 "compressed states are simulated for one rank");
   for (int p = 0; p < np; ++p) {
     sim.params[p].resize(shape.numel(p));
     testing::InitParam(shape, p, sim.params[p].data(), shape.numel(p));
-    m[p].assign(shape.numel(p), 0.0f);
-    v[p].assign(shape.numel(p), 0.0f);
-    q1[p].assign(StateBytes(o.state_type, shape.numel(p)), 0);
-    q2[p].assign(StateBytes(o.state_type, shape.numel(p)), 0);
+    const size_t room = std::max(StateBytes(StateType::kF32, shape.numel(p)),
+                                 StateBytes(StateType::kInt8, shape.numel(p)));
+    s1[p].assign(room, 0);
+    s2[p].assign(room, 0);
   }
   std::vector<std::vector<std::vector<float>>> history = {sim.params};  // after 0, 1, ... steps
   for (int step = 0; step < o.steps; ++step) {
+    if (step == o.switch_states_at && states != o.state_type) {
+      for (int p = 0; p < np; ++p) {
+        for (auto [buf, role] :
+             {std::pair{&s1[p], StateRole::kSigned}, std::pair{&s2[p], StateRole::kNonNegative}}) {
+          std::vector<uint8_t> to(buf->size(), 0);
+          Status s = ConvertOptimizerState(states, buf->data(), o.state_type, to.data(),
+                                           shape.numel(p), role);
+          ZINF_CHECK_MSG(s.ok(), s.ToString().c_str());
+          *buf = std::move(to);
+        }
+      }
+      states = o.state_type;
+    }
     // Delayed: the parameters after step s - 2, or s - 1 while the delay has not started
     // (the update of window w is delayed when w > delayed_after).
     int version = step > o.delayed_after ? std::max(step - 1, 0) : step;
@@ -756,13 +775,13 @@ inline SimResult Simulate(const RunOptions& o) {
       t.param = sim.params[p].data();
       t.grad = acc[p].data();
       t.grad_type = GradType::kF32;
-      if (compressed) {
-        t.state_type = o.state_type;
-        t.state1 = q1[p].data();
-        t.state2 = q2[p].data();
+      if (states != StateType::kF32) {
+        t.state_type = states;
+        t.state1 = s1[p].data();
+        t.state2 = s2[p].data();
       } else {
-        t.exp_avg = m[p].data();
-        t.exp_avg_sq = v[p].data();
+        t.exp_avg = reinterpret_cast<float*>(s1[p].data());
+        t.exp_avg_sq = reinterpret_cast<float*>(s2[p].data());
       }
       t.n = acc[p].size();
       Status s = OptimizerStep(hp, t, CpuIsa::kScalar);

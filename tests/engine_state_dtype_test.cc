@@ -1,7 +1,8 @@
 // Compressed optimizer states in the engine (zinf.optimizer_state_dtype bf16 / int8): the
 // training is the scalar kernel's on every host tier, the same bits across tiers and ranks'
-// placements, through checkpoints and the durable store; a checkpoint or store of another state
-// dtype is refused by name; the sizes the engine plans with are the compressed ones.
+// placements, through checkpoints and the durable store; a checkpoint of another state dtype is
+// converted on load, a durable store of another one refused by name; the sizes the engine plans
+// with are the compressed ones.
 #include "engine/layout.h"
 #include "tests/engine_harness.h"
 
@@ -63,8 +64,9 @@ TEST(EngineStateDtype, TwoRanksAgreeAcrossPlacements) {
 }
 
 // A checkpoint of int8 states resumes bit for bit; an engine keeping another state dtype
-// refuses it, naming both.
-TEST(EngineStateDtype, CheckpointsResumeBitIdenticalAndAnotherDtypeIsRefused) {
+// converts them on load (ConvertOptimizerState) and goes on exactly as the simulation that
+// converts its states at that step; and back, an fp32 checkpoint into int8 states.
+TEST(EngineStateDtype, CheckpointsResumeBitIdenticalAndConvertBetweenStateDtypes) {
   TempDir ckpt;
   ASSERT_TRUE(ckpt.ok());
   RunOptions o;
@@ -86,13 +88,34 @@ TEST(EngineStateDtype, CheckpointsResumeBitIdenticalAndAnotherDtypeIsRefused) {
   EXPECT_EQ(FirstBitDifference(resumed.params, straight.params), "");
 
   for (StateType other : {StateType::kF32, StateType::kBf16}) {
-    RunOptions wrong = second;
-    wrong.state_type = other;
-    const RunResult refused = RunTraining(wrong);
-    ASSERT_FALSE(refused.status.ok()) << StateTypeName(other);
-    EXPECT_NE(refused.status.message().find("optimizer states stored as int8"), std::string::npos)
-        << refused.status.ToString();
+    RunOptions converted = second;
+    converted.state_type = other;
+    SCOPED_TRACE(std::string("int8 checkpoint into ") + StateTypeName(other) + " states");
+    const RunResult run = RunTraining(converted);
+    ASSERT_TRUE(run.status.ok()) << run.status.ToString();
+    RunOptions sim = o;
+    sim.state_type = other;
+    sim.switch_states_at = 2;
+    sim.states_before = StateType::kInt8;
+    EXPECT_EQ(FirstBitDifference(run.params, Simulate(sim).params), "");
+    EXPECT_NE(FirstBitDifference(run.params, straight.params), "");
   }
+
+  // fp32 states saved, loaded as int8.
+  TempDir ckpt32;
+  ASSERT_TRUE(ckpt32.ok());
+  RunOptions save32 = first;
+  save32.state_type = StateType::kF32;
+  save32.checkpoint_dir = ckpt32.path();
+  ASSERT_TRUE(RunTraining(save32).status.ok());
+  RunOptions load8 = second;
+  load8.checkpoint_dir = ckpt32.path();
+  const RunResult run8 = RunTraining(load8);
+  ASSERT_TRUE(run8.status.ok()) << run8.status.ToString();
+  RunOptions sim8 = o;
+  sim8.switch_states_at = 2;
+  sim8.states_before = StateType::kF32;
+  EXPECT_EQ(FirstBitDifference(run8.params, Simulate(sim8).params), "");
 }
 
 // The durable store: a fresh engine resumes int8 states from it bit for bit, and one keeping

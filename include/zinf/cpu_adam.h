@@ -109,6 +109,18 @@ inline constexpr size_t kInt8StateBlock = 256;
 const char* StateTypeName(StateType type);  // "fp32", "bf16", "int8"
 // Parses "fp32", "bf16", "int8". InvalidArgument otherwise.
 Result<StateType> ParseStateType(std::string_view name);
+// Which state a buffer holds: a first moment (exp_avg, Lion's momentum: signed) or a value
+// that is never negative (exp_avg_sq, Adagrad's sum). Their int8 codes differ.
+enum class StateRole { kSigned, kNonNegative };
+
+// Converts one optimizer state of n elements (a buffer of its own, StateBytes(from, n) bytes)
+// to StateBytes(to, n) bytes of `to`: decoded to fp32 and encoded again exactly as a step
+// decodes and stores states, so that loading a checkpoint of another state dtype continues
+// as if the states had been converted at the step. The buffers must not overlap; int8 ones
+// 4-byte aligned. InvalidArgument otherwise.
+Status ConvertOptimizerState(StateType from, const void* src, StateType to, void* dst, size_t n,
+                             StateRole role);
+
 // Bytes one state of n elements takes in `type`. int8: ceil(n / kInt8StateBlock) blocks of
 // kInt8StateBlock codes, each followed by its fp32 scale (the last block padded to full size),
 // so that a block's codes and scale are read and written together.

@@ -152,18 +152,18 @@ class Engine {
   //
   // SaveCheckpoint writes each rank's optimizer states (fp32 master, exp_avg, exp_avg_sq of
   // every partition, the states in zinf.optimizer_state_dtype, which the manifest records; a
-  // checkpoint of another state dtype is refused on load), the step and update counters, the
+  // checkpoint of another state dtype is converted on load), the step and update counters, the
   // layout and `user_data` (the trainer's own text in UTF-8, e.g. its model shape and data
   // position) under `dir`, with an xxh3 checksum per tensor and one of the manifest itself.
   // The folder is created (0700) if needed and locked for this engine's lifetime (a second
   // engine or run saving there is refused, naming it). The commit is atomic: files go to a
   // new folder (created exclusively, never through a link), are fsync'ed, and replacing
-  // `dir/latest` publishes them; until then the previous checkpoint stays the valid one. Older checkpoints are removed, but never the
-  // newest readable one before the new one. Parameter stores are not saved: they are the
-  // masters converted to the storage dtype, and LoadCheckpoint rebuilds them. Files are
-  // created 0600. With zinf.delayed_update it first finishes the update still running and
-  // makes it visible (the next two steps then run on the saved parameters), so the saving run
-  // and a run resumed from the checkpoint continue identically.
+  // `dir/latest` publishes them; until then the previous checkpoint stays the valid one. Older
+  // checkpoints are removed, but never the newest readable one before the new one. Parameter stores
+  // are not saved: they are the masters converted to the storage dtype, and LoadCheckpoint rebuilds
+  // them. Files are created 0600. With zinf.delayed_update it first finishes the update still
+  // running and makes it visible (the next two steps then run on the saved parameters), so the
+  // saving run and a run resumed from the checkpoint continue identically.
   Status SaveCheckpoint(const std::string& dir, const std::string& user_data = "");
   // Restores the newest committed checkpoint of `dir` (or `dir` itself when it is one
   // checkpoint folder): optimizer states, parameter stores, step and update counters. The
@@ -187,9 +187,9 @@ class Engine {
   // parameter and before anything else, reopens the store at that commit instead of
   // initialising the parameters: it checks that the layout matches (names, sizes,
   // sub-groups, optimizer, storage and optimizer state dtypes), rebuilds the parameter stores
-  // that are not on NVMe from the masters, and sets global_step(). NotFound when the store has no commit.
-  // Collective with several ranks: each rank's store commits separately, so a crash may leave
-  // one rank a step ahead; the stores then retain the commit before the last too, and the
+  // that are not on NVMe from the masters, and sets global_step(). NotFound when the store has no
+  // commit. Collective with several ranks: each rank's store commits separately, so a crash may
+  // leave one rank a step ahead; the stores then retain the commit before the last too, and the
   // ranks agree on the latest commit they all hold, of the same history (a LoadCheckpoint
   // starts a new one); a rank ahead drops its last one. FailedPrecondition on every rank when
   // the stores have no commit in common.
