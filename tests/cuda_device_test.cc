@@ -506,6 +506,18 @@ TEST_F(CudaTest, AdamStepRejectsOtherOptimizersAndBadArguments) {
   hp.kind = OptimizerKind::kAdamW;
   t.n = 16;  // null buffers
   EXPECT_EQ(cuda::AdamStep(hp, t, stream_).code(), StatusCode::kInvalidArgument);
+  // Compressed states (zinf.optimizer_state_dtype): the GPU kernel keeps fp32 states only, and
+  // says so instead of reading the fp32 pointers, which are null then.
+  t.n = 256;
+  t.param = DeviceBuffer<float>(256);
+  float* grad = DeviceBuffer<float>(256);
+  t.grad = grad;
+  t.state_type = StateType::kInt8;
+  t.state1 = DeviceBuffer<float>(StateBytes(StateType::kInt8, 256) / sizeof(float));
+  t.state2 = DeviceBuffer<float>(StateBytes(StateType::kInt8, 256) / sizeof(float));
+  Status s = cuda::AdamStep(hp, t, stream_);
+  EXPECT_EQ(s.code(), StatusCode::kNotSupported) << s.ToString();
+  EXPECT_NE(s.message().find("int8"), std::string::npos) << s.ToString();
 }
 
 // ---- NcclComm, one rank --------------------------------------------------------------------
