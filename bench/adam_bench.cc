@@ -193,14 +193,14 @@ struct Buffers {
         m(4 * n),
         v(4 * n),
         copy(2 * n),
-        qm(QBytes(n)),
-        qv(QBytes(n)) {}
-  // Room for the states in bf16 or int8.
-  static size_t QBytes(size_t n) {
-    return std::max(StateBytes(StateType::kBf16, n), StateBytes(StateType::kInt8, n));
-  }
+        m16(StateBytes(StateType::kBf16, n)),
+        v16(StateBytes(StateType::kBf16, n)),
+        m8(StateBytes(StateType::kInt8, n)),
+        v8(StateBytes(StateType::kInt8, n)) {}
   size_t n;
-  HugeBuffer param, grad32, grad16, m, v, copy, qm, qv;
+  // Each state type has buffers of its own: interleaved steps never decode another type's
+  // bytes.
+  HugeBuffer param, grad32, grad16, m, v, copy, m16, v16, m8, v8;
 };
 
 // Fills every buffer through the optimizer's own partition, so each page is faulted in (by
@@ -224,8 +224,12 @@ void Touch(CpuOptimizer& opt, Buffers& b) {
     }
   });
   // Compressed states start at zero (all-zero bytes), the first steps fill them.
-  std::memset(b.qm.as<uint8_t>(), 0, Buffers::QBytes(b.n));
-  std::memset(b.qv.as<uint8_t>(), 0, Buffers::QBytes(b.n));
+  for (HugeBuffer* q : {&b.m16, &b.v16}) {
+    std::memset(q->as<uint8_t>(), 0, StateBytes(StateType::kBf16, b.n));
+  }
+  for (HugeBuffer* q : {&b.m8, &b.v8}) {
+    std::memset(q->as<uint8_t>(), 0, StateBytes(StateType::kInt8, b.n));
+  }
 }
 
 OptimizerHyperParams HyperParams(OptimizerKind kind, int64_t step) {
@@ -260,9 +264,11 @@ OptimizerTensors Tensors(Buffers& b, OptimizerKind kind, GradType grad, ParamCop
   if (state != StateType::kF32) {
     t.exp_avg = t.exp_avg_sq = t.sum = nullptr;
     t.state_type = state;
-    t.state1 = b.qm.as<uint8_t>();
-    if (kind == OptimizerKind::kAdam || kind == OptimizerKind::kAdamW)
-      t.state2 = b.qv.as<uint8_t>();
+    const bool int8 = state == StateType::kInt8;
+    t.state1 = (int8 ? b.m8 : b.m16).as<uint8_t>();
+    if (kind == OptimizerKind::kAdam || kind == OptimizerKind::kAdamW) {
+      t.state2 = (int8 ? b.v8 : b.v16).as<uint8_t>();
+    }
   }
   return t;
 }

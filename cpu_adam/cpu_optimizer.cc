@@ -70,38 +70,6 @@ const char* ParamCopyTypeName(ParamCopyType type) {
   return "unknown";
 }
 
-const char* StateTypeName(StateType type) {
-  switch (type) {
-    case StateType::kF32:
-      return "fp32";
-    case StateType::kBf16:
-      return "bf16";
-    case StateType::kInt8:
-      return "int8";
-  }
-  return "unknown";
-}
-
-Result<StateType> ParseStateType(std::string_view name) {
-  if (name == "fp32") return StateType::kF32;
-  if (name == "bf16") return StateType::kBf16;
-  if (name == "int8") return StateType::kInt8;
-  return Status::InvalidArgument("unknown optimizer state type \"" + std::string(name) +
-                                 "\"; expected fp32, bf16 or int8");
-}
-
-size_t StateBytes(StateType type, size_t n) {
-  switch (type) {
-    case StateType::kF32:
-      return n * sizeof(float);
-    case StateType::kBf16:
-      return n * sizeof(uint16_t);
-    case StateType::kInt8:
-      return (n + kInt8StateBlock - 1) / kInt8StateBlock * (kInt8StateBlock + sizeof(float));
-  }
-  return 0;
-}
-
 Status ConvertOptimizerState(StateType from, const void* src, StateType to, void* dst, size_t n,
                              StateRole role) {
   for (StateType t : {from, to}) {
@@ -122,9 +90,11 @@ Status ConvertOptimizerState(StateType from, const void* src, StateType to, void
     return Status::InvalidArgument("optimizer state conversion: the buffers overlap");
   }
   for (auto [t, p] : {std::pair{from, a}, std::pair{to, b}}) {
-    if (t != StateType::kBf16 && p % alignof(float) != 0) {
+    const size_t align = t == StateType::kBf16 ? alignof(uint16_t) : alignof(float);
+    if (p % align != 0) {
       return Status::InvalidArgument(std::string("optimizer state conversion: ") +
-                                     StateTypeName(t) + " states must be 4-byte aligned");
+                                     StateTypeName(t) + " states must be " + std::to_string(align) +
+                                     "-byte aligned");
     }
   }
   if (from == to) {
@@ -134,17 +104,26 @@ Status ConvertOptimizerState(StateType from, const void* src, StateType to, void
   ZINF_ASSIGN_OR_RETURN(CpuIsa isa, SelectCpuIsa());
   const KernelTable& table = KernelsFor(BestVariantOf(isa, DetectCpuFeatures()));
   const int is_signed = role == StateRole::kSigned ? 1 : 0;
-  std::vector<float> fp32;
-  const float* values = static_cast<const float*>(src);
-  if (from != StateType::kF32) {
-    fp32.resize(n);
-    table.decode_state[static_cast<int>(from)][is_signed](src, n, fp32.data());
-    values = fp32.data();
-  }
-  if (to == StateType::kF32) {
-    std::memcpy(dst, values, n * sizeof(float));
-  } else {
-    table.encode_state[static_cast<int>(to)][is_signed](values, n, dst);
+  // A block at a time through fp32 (nothing allocated): block k starts StateBytes(t, k * 256)
+  // bytes into a buffer of either type.
+  const auto* in = static_cast<const uint8_t*>(src);
+  auto* out = static_cast<uint8_t*>(dst);
+  alignas(64) float block[kInt8StateBlock];
+  for (size_t at = 0; at < n; at += kInt8StateBlock) {
+    const size_t len = std::min(kInt8StateBlock, n - at);
+    const uint8_t* from_block = in + StateBytes(from, at);
+    uint8_t* to_block = out + StateBytes(to, at);
+    const float* values = block;
+    if (from == StateType::kF32) {
+      values = reinterpret_cast<const float*>(from_block);
+    } else {
+      table.decode_state[static_cast<int>(from)][is_signed](from_block, len, block);
+    }
+    if (to == StateType::kF32) {
+      std::memcpy(to_block, values, len * sizeof(float));
+    } else {
+      table.encode_state[static_cast<int>(to)][is_signed](values, len, to_block);
+    }
   }
   return Status::OK();
 }
@@ -262,13 +241,21 @@ Status ValidateOptimizerStep(const OptimizerHyperParams& hp, const OptimizerTens
                                    " states the states go in state1/state2; exp_avg, exp_avg_sq "
                                    "and sum must be null");
   }
+  if (!compressed && (t.state1 != nullptr || t.state2 != nullptr)) {
+    return Status::InvalidArgument(what +
+                                   ": state1/state2 are for compressed states (state_type bf16 "
+                                   "or int8); fp32 states go in exp_avg, exp_avg_sq or sum");
+  }
   ZINF_RETURN_IF_ERROR(CheckStreamLength(what, t.n));
   if (t.n == 0) return Status::OK();
-  if (t.state_type == StateType::kInt8) {
+  if (compressed) {
+    const size_t align = t.state_type == StateType::kInt8 ? alignof(float) : alignof(uint16_t);
     for (auto [name, q] : {std::pair{"state1", t.state1}, std::pair{"state2", t.state2}}) {
-      if (reinterpret_cast<uintptr_t>(q) % alignof(float) != 0) {
-        return Status::InvalidArgument(what + ": int8 " + name +
-                                       " must be 4-byte aligned (it holds fp32 block scales)");
+      if (reinterpret_cast<uintptr_t>(q) % align != 0) {
+        return Status::InvalidArgument(
+            what + ": " + StateTypeName(t.state_type) + " " + name + " must be " +
+            std::to_string(align) + "-byte aligned" +
+            (t.state_type == StateType::kInt8 ? " (it holds fp32 block scales)" : ""));
       }
     }
   }

@@ -27,6 +27,8 @@
 #error "define ZINF_KERNEL_NS and the vector type V before including kernel_body.h"
 #endif
 
+#include <xmmintrin.h>
+
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -79,7 +81,7 @@ ZINF_KERNEL_INLINE void StreamCopyBlock(uint16_t* out, const typename V::F* para
 }
 
 // Whether the copy of [begin, ...) can be streamed: the variant can, and the block starts
-// are 64-byte aligned (tiles start on multiples of 64 elements, so this holds whenever the
+// are 64-byte aligned (tiles start on multiples of 256 elements, so this holds whenever the
 // buffer itself is).
 template <ParamCopyType O>
 ZINF_KERNEL_INLINE bool CanStreamCopy(const void* out, size_t begin) {
@@ -528,9 +530,31 @@ void CompressedStepLoop(const StepCoefficients& c, const StepBuffers& b, size_t 
   }
 }
 
+// The int8 decode reads subnormal codes as fp32 subnormals (CodeBitsValue), and small
+// scales may be subnormal: a thread with denormals-are-zero or flush-to-zero set (by
+// torch.set_flush_denormal, or a library built with -ffast-math) would decode them as 0, and
+// a second moment of 0 divides the first by eps alone. The compressed kernels clear both
+// MXCSR bits while they run and restore them after (MXCSR is per thread).
+class ExactSubnormals {
+ public:
+  ExactSubnormals() : saved_(_mm_getcsr()) {
+    if ((saved_ & kFlushBits) != 0) _mm_setcsr(saved_ & ~kFlushBits);
+  }
+  ~ExactSubnormals() {
+    if ((saved_ & kFlushBits) != 0) _mm_setcsr(saved_);
+  }
+  ExactSubnormals(const ExactSubnormals&) = delete;
+  ExactSubnormals& operator=(const ExactSubnormals&) = delete;
+
+ private:
+  static constexpr unsigned kFlushBits = 0x8040;  // FTZ (bit 15), DAZ (bit 6)
+  const unsigned saved_;
+};
+
 template <OptimizerKind K, GradType G, ParamCopyType O, StateType S>
 void CompressedStepKernel(const StepCoefficients& c, const StepBuffers& b, size_t begin,
                           size_t end) {
+  const ExactSubnormals exact;
   const bool stream = CanStreamCopy<O>(b.param_copy, begin);
   if (c.has_weight_decay) {
     if (stream) {
@@ -552,6 +576,7 @@ void CompressedStepKernel(const StepCoefficients& c, const StepBuffers& b, size_
 // fp32 / encoded from fp32, as a step decodes and stores it. kSigned: a first moment.
 template <StateType S, bool kSigned>
 void DecodeStateKernel(const void* q, size_t n, float* out) {
+  const ExactSubnormals exact;
   alignas(64) float block[kQBlock];
   for (size_t at = 0; at < n; at += kQBlock) {
     const size_t len = std::min(kQBlock, n - at);
@@ -562,6 +587,7 @@ void DecodeStateKernel(const void* q, size_t n, float* out) {
 
 template <StateType S, bool kSigned>
 void EncodeStateKernel(const float* in, size_t n, void* q) {
+  const ExactSubnormals exact;
   alignas(64) float block[kQBlock];
   for (size_t at = 0; at < n; at += kQBlock) {
     const size_t len = std::min(kQBlock, n - at);

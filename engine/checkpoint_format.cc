@@ -63,12 +63,14 @@ Result<uint64_t> ParseHex(const json& v, const std::string& where) {
 std::string SerializeRankManifest(const RankManifest& m) {
   json j;
   j["format"] = kFormatName;
-  j["version"] = kCheckpointFormatVersion;
+  // fp32 states: version 2, which builds from before compressed states read too.
+  const bool fp32_states = m.state_dtype == "fp32";
+  j["version"] = fp32_states ? 2 : kCheckpointFormatVersion;
   j["rank"] = m.rank;
   j["world"] = m.world;
   j["step"] = m.step;
   j["optimizer"] = m.optimizer;
-  j["state_dtype"] = m.state_dtype;
+  if (!fp32_states) j["state_dtype"] = m.state_dtype;
   j["states_file"] = m.states_file;
   j["file_bytes"] = m.file_bytes;
   j["groups"] = json::array();
@@ -140,8 +142,9 @@ Result<RankManifest> ParseRankManifest(const std::string& text, const std::strin
     ZINF_ASSIGN_OR_RETURN(m.state_dtype, Str(j, "state_dtype", where));
     Result<StateType> parsed = ParseStateType(m.state_dtype);
     if (!parsed.ok()) {
-      return Status::Corruption(where + ": state_dtype \"" + m.state_dtype +
-                                "\" is not fp32, bf16 or int8");
+      return Status::NotSupported(where + ": optimizer states stored as \"" + m.state_dtype +
+                                  "\", which this build does not know (fp32, bf16, int8): "
+                                  "written by a newer zinf?");
     }
     state_type = *parsed;
   }

@@ -12,8 +12,8 @@
 namespace zinf {
 
 // 2: the manifest carries its own checksum ("xxh3" of its compact form without that field).
-// 3: "state_dtype", how the optimizer states are stored (fp32, bf16, int8); version 2
-// manifests (read too) are fp32.
+// 3: "state_dtype", how the optimizer states are stored (bf16, int8). Checkpoints of fp32
+// states are written as version 2 (no such field), which older builds read too.
 inline constexpr int kCheckpointFormatVersion = 3;
 
 struct CheckpointTensor {

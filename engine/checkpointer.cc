@@ -334,7 +334,10 @@ Status Checkpointer::Load(const std::string& dir, bool fall_back_to_older,
               StateTypeName(engine_type) + " (zinf.optimizer_state_dtype): converting them");
     }
   }
-  local = prepared.ok() ? begin_install() : prepared;
+  // Nothing is installed yet: a rank that cannot convert stops every rank here, the engine
+  // untouched.
+  ZINF_RETURN_IF_ERROR(collectives_->Agree(prepared, "LoadCheckpoint"));
+  local = begin_install();
   for (size_t gi = 0; gi < layout_->num_groups() && local.ok(); ++gi) {
     local = PreadAll(fd, buf.data, layout_->GroupStateBytes(gi, file_type), man.groups[gi].offset,
                      states_path, "a torn checkpoint");

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "engine/checkpoint_format.h"
+#include "zinf/cpu_adam.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string text(reinterpret_cast<const char*>(data), size);
@@ -14,8 +15,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (m.status().message().empty()) __builtin_trap();
     return 0;
   }
+  // The states as the manifest says they are stored (fp32, bf16 or int8).
+  zinf::Result<zinf::StateType> states = zinf::ParseStateType(m->state_dtype);
+  if (!states.ok()) __builtin_trap();
   for (const zinf::CheckpointGroup& g : m->groups) {
-    if (g.offset + g.numel * 12 > m->file_bytes) __builtin_trap();
+    if (g.offset + g.numel * 4 + 2 * zinf::StateBytes(*states, g.numel) > m->file_bytes) {
+      __builtin_trap();
+    }
   }
   for (const zinf::CheckpointTensor& t : m->tensors) {
     if (t.sub_group >= m->groups.size()) __builtin_trap();

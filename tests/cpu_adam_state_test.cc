@@ -4,6 +4,7 @@
 // bounds, and the blocks that are easy to get wrong (zeros, one huge value, NaN and inf,
 // subnormals).
 #include <gtest/gtest.h>
+#include <xmmintrin.h>
 
 #include <cmath>
 #include <cstdint>
@@ -493,6 +494,46 @@ TEST(Int8StateMap, SubnormalBlocksStoreAsZeros) {
   // v = tiny^2 underflows to zero in fp32 itself: stays zero.
   EXPECT_EQ(e.v_value[kB + 1], 0.0f);
   EXPECT_GT(e.v_value[kB], 0.0f);
+}
+
+// A caller with denormals-are-zero and flush-to-zero set (torch.set_flush_denormal(True), a
+// -ffast-math library) gets the same bytes: subnormal codes decode as fp32 subnormals, which
+// DAZ would read as 0 (a second moment of 0 divides by eps alone). Its MXCSR is given back.
+TEST(CompressedStateMxcsr, FlushToZeroInTheCallerChangesNothing) {
+  const size_t n = 3 * kB + 19;
+  const std::vector<uint16_t> grad = RandomBf16Grads(n, 9);
+  const OptimizerHyperParams hp = Hp(OptimizerKind::kAdamW, 3);
+  State plain = RandomState(OptimizerKind::kAdamW, StateType::kInt8, n, 21);
+  State flushed = plain;
+  ASSERT_TRUE(
+      OptimizerStep(hp, Tensors(plain, grad, StateType::kInt8, OptimizerKind::kAdamW), BestCpuIsa())
+          .ok());
+  std::vector<float> decoded_plain(n), decoded_flushed(n);
+  ASSERT_TRUE(ConvertOptimizerState(StateType::kInt8, plain.q2.data(), StateType::kF32,
+                                    decoded_plain.data(), n, StateRole::kNonNegative)
+                  .ok());
+  const unsigned csr = _mm_getcsr();
+  _mm_setcsr(csr | 0x8040);  // FTZ | DAZ
+  const Status step = OptimizerStep(
+      hp, Tensors(flushed, grad, StateType::kInt8, OptimizerKind::kAdamW), BestCpuIsa());
+  const Status convert = ConvertOptimizerState(StateType::kInt8, plain.q2.data(), StateType::kF32,
+                                               decoded_flushed.data(), n, StateRole::kNonNegative);
+  const unsigned after = _mm_getcsr();
+  _mm_setcsr(csr);
+  ASSERT_TRUE(step.ok() && convert.ok());
+  EXPECT_EQ(after, csr | 0x8040) << "the caller's MXCSR was not given back";
+  EXPECT_EQ(flushed.q1, plain.q1);
+  EXPECT_EQ(flushed.q2, plain.q2);
+  EXPECT_EQ(std::memcmp(flushed.param.data(), plain.param.data(), n * 4), 0);
+  EXPECT_EQ(std::memcmp(decoded_flushed.data(), decoded_plain.data(), n * 4), 0);
+  size_t subnormal = 0;  // second-moment codes with exponent 0 and a mantissa
+  for (size_t b = 0; b < (n + kB - 1) / kB; ++b) {
+    for (size_t i = 0; i < kB; ++i) {
+      const uint8_t c = plain.q2[b * kBlockBytes + i];
+      subnormal += c > 0 && c < 16;
+    }
+  }
+  EXPECT_GT(subnormal, 0u) << "no subnormal codes: the test does not reach the case";
 }
 
 // ---- Converting a state between types (a checkpoint of another state dtype) ----------------

@@ -837,7 +837,7 @@ TEST(DriverTest, PartitionCoversEveryElementOnceInAlignedTiles) {
   auto opt = CpuOptimizer::Create(o);
   ASSERT_TRUE(opt.ok());
   EXPECT_EQ((*opt)->tile_elements(), 256u);
-  for (size_t n : {size_t{1}, size_t{127}, size_t{128}, size_t{129}, size_t{100000}}) {
+  for (size_t n : {size_t{1}, size_t{255}, size_t{256}, size_t{257}, size_t{513}, size_t{100000}}) {
     std::mutex mu;
     std::vector<std::pair<size_t, size_t>> ranges;
     (*opt)->ParallelFor(n, [&](size_t b, size_t e) {

@@ -414,7 +414,8 @@ struct RunOptions {
   int save_after_step = -1;
   bool load_first = false;
   int first_micro = 0;
-  StateType state_type = StateType::kF32;  // zinf.optimizer_state_dtype
+  StateType state_type = StateType::kF32;           // zinf.optimizer_state_dtype
+  OptimizerType optimizer = OptimizerType::kAdamW;  // Simulate: AdamW only
   // Simulate only: the states were kept as `states_before` until this optimizer step (a
   // checkpoint saved then, loaded by an engine keeping state_type: converted on load).
   int switch_states_at = -1;
@@ -448,7 +449,7 @@ inline EngineConfig MakeConfig(const RunOptions& o, const std::string& nvme_dir)
   // Prefetch up to ~4 layers ahead (elements), sized for this model like the buffers above.
   c.prefetch_bucket_size = 40000;
   c.param_persistence_threshold = kPersistenceThreshold;
-  c.optimizer.type = OptimizerType::kAdamW;
+  c.optimizer.type = o.optimizer;
   c.optimizer.lr = kLr;
   c.optimizer.beta1 = kBeta1;
   c.optimizer.beta2 = kBeta2;
@@ -697,6 +698,7 @@ inline SimResult Simulate(const RunOptions& o) {
   // for one rank: a parameter's blocks start at its first element, as in the engine's
   // sub-group, where every slice starts a block.
   std::vector<std::vector<uint8_t>> s1(np), s2(np);
+  ZINF_CHECK_MSG(o.optimizer == OptimizerType::kAdamW, "the simulation runs AdamW");
   StateType states = o.switch_states_at > 0 ? o.states_before : o.state_type;
   ZINF_CHECK_MSG((states == StateType::kF32 && o.state_type == StateType::kF32) || o.ranks == 1,
                  "compressed states are simulated for one rank");

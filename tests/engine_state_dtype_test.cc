@@ -51,6 +51,8 @@ TEST(EngineStateDtype, TwoRanksAgreeAcrossPlacements) {
   const RunResult first = RunTraining(base);
   ASSERT_TRUE(first.status.ok()) << first.status.ToString();
   EXPECT_TRUE(first.ranks_agree);
+  EXPECT_NE(FirstBitDifference(first.params, Reference(2).params), "")
+      << "int8 states trained exactly as fp32 ones: nothing was compressed";
   for (auto [param_tier, optimizer_tier] :
        {std::pair{Tier::kNvme, Tier::kNvme}, std::pair{Tier::kCpu, Tier::kDevice}}) {
     RunOptions o = base;
@@ -60,6 +62,61 @@ TEST(EngineStateDtype, TwoRanksAgreeAcrossPlacements) {
     const RunResult run = RunTraining(o);
     ASSERT_TRUE(run.status.ok()) << run.status.ToString();
     EXPECT_EQ(FirstBitDifference(run.params, first.params), "");
+  }
+}
+
+// Lion (one state, the signed momentum, in state 1) with int8 states and Adagrad (its sum in
+// state 2, the kernel's state1) with bf16 states: the same bits on every host tier, not those
+// of fp32 states, and their checkpoints resume bit for bit and convert to fp32 on load.
+TEST(EngineStateDtype, LionAndAdagradKeepTheirStatesInTheirRegions) {
+  for (auto [optimizer, type] : {std::pair{OptimizerType::kLion, StateType::kInt8},
+                                 std::pair{OptimizerType::kAdagrad, StateType::kBf16}}) {
+    RunOptions base;
+    base.optimizer = optimizer;
+    base.state_type = type;
+    base.optimizer_tier = Tier::kCpu;
+    SCOPED_TRACE(std::string(OptimizerTypeName(optimizer)) + ", " + StateTypeName(type));
+    const RunResult cpu = RunTraining(base);
+    ASSERT_TRUE(cpu.status.ok()) << cpu.status.ToString();
+    EXPECT_TRUE(AllFinite(cpu.params));
+    RunOptions fp32 = base;
+    fp32.state_type = StateType::kF32;
+    const RunResult plain = RunTraining(fp32);
+    ASSERT_TRUE(plain.status.ok()) << plain.status.ToString();
+    EXPECT_NE(FirstBitDifference(cpu.params, plain.params), "");
+    RunOptions nvme = base;
+    nvme.param_tier = Tier::kNvme;
+    nvme.optimizer_tier = Tier::kNvme;
+    const RunResult on_nvme = RunTraining(nvme);
+    ASSERT_TRUE(on_nvme.status.ok()) << on_nvme.status.ToString();
+    EXPECT_EQ(FirstBitDifference(on_nvme.params, cpu.params), "");
+
+    TempDir ckpt;
+    ASSERT_TRUE(ckpt.ok());
+    RunOptions save = base;
+    save.checkpoint_dir = ckpt.path();
+    save.save_after_step = 2;
+    ASSERT_TRUE(RunTraining(save).status.ok());
+    RunOptions load = base;
+    load.checkpoint_dir = ckpt.path();
+    load.load_first = true;
+    load.first_micro = 2;
+    const RunResult resumed = RunTraining(load);
+    ASSERT_TRUE(resumed.status.ok()) << resumed.status.ToString();
+    EXPECT_EQ(FirstBitDifference(resumed.params, cpu.params), "");
+    // Into fp32 states: decoded with their roles. The step after the load then uses the same
+    // decoded states as the straight run's (which only encodes its result again), so after
+    // that one step the parameters are the same bits; a state decoded with the wrong role or
+    // from the wrong region would change them.
+    RunOptions three = base;
+    three.steps = 3;
+    const RunResult straight3 = RunTraining(three);
+    ASSERT_TRUE(straight3.status.ok()) << straight3.status.ToString();
+    load.state_type = StateType::kF32;
+    load.steps = 3;
+    const RunResult converted = RunTraining(load);
+    ASSERT_TRUE(converted.status.ok()) << converted.status.ToString();
+    EXPECT_EQ(FirstBitDifference(converted.params, straight3.params), "");
   }
 }
 

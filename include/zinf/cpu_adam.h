@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <type_traits>
 
@@ -106,9 +107,27 @@ enum class StateType {
 };
 inline constexpr size_t kInt8StateBlock = 256;
 
-const char* StateTypeName(StateType type);  // "fp32", "bf16", "int8"
+// "fp32", "bf16", "int8". (Inline, as ParseStateType and StateBytes: the checkpoint format
+// uses them without the optimizer library.)
+inline const char* StateTypeName(StateType type) {
+  switch (type) {
+    case StateType::kF32:
+      return "fp32";
+    case StateType::kBf16:
+      return "bf16";
+    case StateType::kInt8:
+      return "int8";
+  }
+  return "unknown";
+}
 // Parses "fp32", "bf16", "int8". InvalidArgument otherwise.
-Result<StateType> ParseStateType(std::string_view name);
+inline Result<StateType> ParseStateType(std::string_view name) {
+  if (name == "fp32") return StateType::kF32;
+  if (name == "bf16") return StateType::kBf16;
+  if (name == "int8") return StateType::kInt8;
+  return Status::InvalidArgument("unknown optimizer state type \"" + std::string(name) +
+                                 "\"; expected fp32, bf16 or int8");
+}
 // Which state a buffer holds: a first moment (exp_avg, Lion's momentum: signed) or a value
 // that is never negative (exp_avg_sq, Adagrad's sum). Their int8 codes differ.
 enum class StateRole { kSigned, kNonNegative };
@@ -124,7 +143,17 @@ Status ConvertOptimizerState(StateType from, const void* src, StateType to, void
 // Bytes one state of n elements takes in `type`. int8: ceil(n / kInt8StateBlock) blocks of
 // kInt8StateBlock codes, each followed by its fp32 scale (the last block padded to full size),
 // so that a block's codes and scale are read and written together.
-size_t StateBytes(StateType type, size_t n);
+inline size_t StateBytes(StateType type, size_t n) {
+  switch (type) {
+    case StateType::kF32:
+      return n * sizeof(float);
+    case StateType::kBf16:
+      return n * sizeof(uint16_t);
+    case StateType::kInt8:
+      return (n + kInt8StateBlock - 1) / kInt8StateBlock * (kInt8StateBlock + sizeof(float));
+  }
+  return 0;
+}
 
 const char* OptimizerKindName(OptimizerKind kind);  // "adam", "adamw", "adagrad", "lion"
 const char* GradTypeName(GradType type);            // "f32", "bf16", "f16"
