@@ -18,7 +18,8 @@
 // (float compare, integer result), Abs, Min(a, b) =
 // a < b ? a : b and MaxOf(a, b) = a > b ? a : b (so a NaN in a gives b, as MINPS/MAXPS do),
 // ReduceMax (lanes never NaN), LoadU8/LoadS8/StoreU8 (kWidth bytes, zero- or sign-extended,
-// <-> the low byte of each lane).
+// <-> the low byte of each lane), and kF16Codes: whether CodeValues<kSigned>(bytes) decodes
+// kWidth codes through fp16 (see DecodeInt8).
 //
 // Not a normal header: no include guard on purpose, everything lands in the per-variant
 // namespace so no symbol is shared between translation units built with different flags.
@@ -319,8 +320,15 @@ template <bool kSigned>
 inline constexpr int kManBits = kSigned ? 3 : 4;
 
 // One vector of codes, decoded and multiplied by the block's scale d.
-template <bool kSigned>
+//
+// The SIMD variants (V::kF16Codes) place the same bits on an fp16 instead (sign on bit 15, the
+// exponent on bits 13-10, the mantissa below it): the fp16 exponent bias is 15 and its
+// subnormals are 0.m * 2^-14, so that fp16 has the code's value, and VCVTPH2PS converts it
+// exactly. The result is the same; the fp16 path only avoids fp32 subnormal inputs, which cost
+// microcode on some CPUs.
+template <bool kSigned, typename VV = V>  // VV: CodeValues is looked up only when it exists
 ZINF_KERNEL_INLINE typename V::F DecodeInt8(const uint8_t* codes, typename V::F d) {
+  if constexpr (VV::kF16Codes) return V::Mul(VV::template CodeValues<kSigned>(codes), d);
   constexpr int M = kManBits<kSigned>;
   typename V::I bits;
   if constexpr (kSigned) {
@@ -348,31 +356,57 @@ ZINF_KERNEL_INLINE void DecodeInt8Block(const uint8_t* block, float* out) {
   }
 }
 
-// Encodes a block of values whose largest magnitude (NaN passed over) is `a`.
+// How a block of values whose largest magnitude (NaN passed over) is `a` is encoded: its
+// scale and the factor that maps |x| onto [0, kMax]. `zero`: every code and the scale are 0
+// (a is 0, or too small for any scale).
+struct Int8Encoder {
+  bool zero;
+  float scale;      // decode: code value * scale
+  typename V::F r;  // encode: |x| * r, at most kMax
+};
+
 template <bool kSigned>
-ZINF_KERNEL_INLINE void EncodeInt8Codes(const float* in, float a, uint8_t* block) {
-  constexpr int M = kManBits<kSigned>;
-  using C = SmallFloat<M>;
+ZINF_KERNEL_INLINE Int8Encoder MakeInt8Encoder(float a) {
+  using C = SmallFloat<kManBits<kSigned>>;
   if (!(a <= std::numeric_limits<float>::max())) a = std::numeric_limits<float>::max();
-  if (!(a >= std::numeric_limits<float>::min())) {
+  if (!(a >= std::numeric_limits<float>::min())) return {true, 0.0f, V::Set1(0.0f)};
+  return {false, a / C::kMax, V::Set1(C::kMax / a)};
+}
+
+// The codes of in[0, kWidth) into codes[0, kWidth). With a zero encoder they are garbage that
+// FinishInt8Block overwrites.
+template <bool kSigned>
+ZINF_KERNEL_INLINE void EncodeInt8Vector(const Int8Encoder& e, const float* in, uint8_t* codes) {
+  constexpr int M = kManBits<kSigned>;
+  const typename V::F x = V::Load(in);
+  const typename V::F y =
+      V::Min(V::Mul(V::Abs(x), e.r), V::Set1(SmallFloat<M>::kMax));  // inf, NaN -> kMax
+  typename V::I c = EncodeMagnitude<M>(y);
+  if constexpr (kSigned) {
+    c = V::OrI(c, V::template SrlI<24>(V::AndI(V::Bits(x), V::SetI(int32_t(0x80000000u)))));
+  } else {
+    c = V::MaxI(c, V::MinI(V::Bits(y), V::SetI(1)));  // y > 0: at least code 1
+  }
+  V::StoreU8(codes, c);
+}
+
+// Stores the block's scale once its codes are encoded (a zero block: codes and scale are 0).
+ZINF_KERNEL_INLINE void FinishInt8Block(const Int8Encoder& e, uint8_t* block) {
+  if (e.zero) {
     std::memset(block, 0, kQBlockBytes);  // zeros (and values too small for any scale)
     return;
   }
-  const float scale = a / C::kMax;               // decode: code value * scale
-  const typename V::F r = V::Set1(C::kMax / a);  // encode: |x| * r, at most kMax
-  const typename V::F top = V::Set1(C::kMax);
-  for (size_t j = 0; j < kQBlock; j += V::kWidth) {
-    const typename V::F x = V::Load(in + j);
-    const typename V::F y = V::Min(V::Mul(V::Abs(x), r), top);  // inf and NaN -> kMax
-    typename V::I c = EncodeMagnitude<M>(y);
-    if constexpr (kSigned) {
-      c = V::OrI(c, V::template SrlI<24>(V::AndI(V::Bits(x), V::SetI(int32_t(0x80000000u)))));
-    } else {
-      c = V::MaxI(c, V::MinI(V::Bits(y), V::SetI(1)));  // y > 0: at least code 1
-    }
-    V::StoreU8(block + j, c);
+  std::memcpy(block + kQBlock, &e.scale, sizeof(e.scale));
+}
+
+// Encodes a block of values whose largest magnitude (NaN passed over) is `a`.
+template <bool kSigned>
+ZINF_KERNEL_INLINE void EncodeInt8Codes(const float* in, float a, uint8_t* block) {
+  const Int8Encoder e = MakeInt8Encoder<kSigned>(a);
+  if (!e.zero) {
+    for (size_t j = 0; j < kQBlock; j += V::kWidth) EncodeInt8Vector<kSigned>(e, in + j, block + j);
   }
-  std::memcpy(block + kQBlock, &scale, sizeof(scale));
+  FinishInt8Block(e, block);
 }
 
 template <bool kSigned>
@@ -427,13 +461,49 @@ ZINF_KERNEL_INLINE void EncodeState(const float* in, size_t at, size_t len, void
   }
 }
 
+// An int8 block updated but not yet encoded: its new states (in the loop's s1/s2 buffers) and
+// their encoders, encoded vector by vector while the next block updates.
+template <OptimizerKind K>
+struct PendingInt8Block {
+  uint8_t* block1 = nullptr;  // nullptr: nothing pending
+  uint8_t* block2 = nullptr;
+  const float* s1 = nullptr;
+  const float* s2 = nullptr;
+  Int8Encoder e1{};
+  Int8Encoder e2{};
+};
+
+template <OptimizerKind K>
+ZINF_KERNEL_INLINE void EncodePendingVector(const PendingInt8Block<K>& q, size_t j) {
+  EncodeInt8Vector<K != OptimizerKind::kAdagrad>(q.e1, q.s1 + j, q.block1 + j);
+  if constexpr (kHasState2<K>) EncodeInt8Vector<false>(q.e2, q.s2 + j, q.block2 + j);
+}
+
+template <OptimizerKind K>
+ZINF_KERNEL_INLINE void FinishPending(PendingInt8Block<K>* q) {
+  FinishInt8Block(q->e1, q->block1);
+  if constexpr (kHasState2<K>) FinishInt8Block(q->e2, q->block2);
+  q->block1 = nullptr;
+}
+
+template <OptimizerKind K>
+ZINF_KERNEL_INLINE void FlushPending(PendingInt8Block<K>* q) {
+  if (q->block1 == nullptr) return;
+  for (size_t j = 0; j < kQBlock; j += V::kWidth) EncodePendingVector(*q, j);
+  FinishPending(q);
+}
+
 // A whole block in one pass: each vector's states are decoded into registers and updated with
-// the parameters; bf16 states are stored encoded right away, int8 ones are kept in s1/s2 with
-// the block's largest magnitudes and encoded from there once the block is done.
+// the parameters; bf16 states are stored encoded right away. int8 ones are kept in s1/s2 with
+// the block's largest magnitudes, and are encoded during the next block's pass (`pending`):
+// the update is bound by the divider, the encoding by the integer units, and interleaved they
+// run side by side instead of one after the other. The order of the stores to different
+// blocks changes, not their values.
 template <OptimizerKind K, GradType G, ParamCopyType O, StateType S, bool kWeightDecay,
           bool kStream>
 ZINF_KERNEL_INLINE void CompressedWholeBlock(const Consts& k, const StepBuffers& b, size_t at,
-                                             float* s1, float* s2) {
+                                             float* s1, float* s2,
+                                             [[maybe_unused]] PendingInt8Block<K>* pending) {
   using GT = typename GradElem<G>::T;
   using F = typename V::F;
   constexpr size_t W = V::kWidth;
@@ -448,6 +518,7 @@ ZINF_KERNEL_INLINE void CompressedWholeBlock(const Consts& k, const StepBuffers&
   [[maybe_unused]] uint8_t* block2 = nullptr;
   [[maybe_unused]] F d1 = V::Set1(0.0f);
   [[maybe_unused]] F d2 = V::Set1(0.0f);
+  [[maybe_unused]] bool encode_pending = false;
   if constexpr (S == StateType::kBf16) {
     h1 = static_cast<uint16_t*>(b.q1) + at;
     if constexpr (kHasState2<K>) h2 = static_cast<uint16_t*>(b.q2) + at;
@@ -458,6 +529,7 @@ ZINF_KERNEL_INLINE void CompressedWholeBlock(const Consts& k, const StepBuffers&
       block2 = static_cast<uint8_t*>(b.q2) + at / kQBlock * kQBlockBytes;
       d2 = BlockScale(block2);
     }
+    encode_pending = pending->block1 != nullptr;
   }
   F largest1 = V::Set1(0.0f);
   F largest2 = V::Set1(0.0f);
@@ -487,13 +559,19 @@ ZINF_KERNEL_INLINE void CompressedWholeBlock(const Consts& k, const StepBuffers&
           V::Store(s2 + j, v);
           largest2 = V::MaxOf(V::Abs(v), largest2);
         }
+        if (encode_pending) EncodePendingVector(*pending, j);
       }
     }
     if constexpr (O != ParamCopyType::kNone && kStream) StreamCopyBlock<O>(out + i, params);
   }
   if constexpr (S == StateType::kInt8) {
-    EncodeInt8Codes<kSigned1>(s1, V::ReduceMax(largest1), block1);
-    if constexpr (kHasState2<K>) EncodeInt8Codes<false>(s2, V::ReduceMax(largest2), block2);
+    if (encode_pending) FinishPending(pending);
+    pending->block1 = block1;
+    pending->block2 = block2;
+    pending->s1 = s1;
+    pending->s2 = s2;
+    pending->e1 = MakeInt8Encoder<kSigned1>(V::ReduceMax(largest1));
+    if constexpr (kHasState2<K>) pending->e2 = MakeInt8Encoder<false>(V::ReduceMax(largest2));
   }
 }
 
@@ -502,32 +580,39 @@ template <OptimizerKind K, GradType G, ParamCopyType O, StateType S, bool kWeigh
 void CompressedStepLoop(const StepCoefficients& c, const StepBuffers& b, size_t begin, size_t end) {
   using GT = typename GradElem<G>::T;
   constexpr bool kSigned1 = K != OptimizerKind::kAdagrad;
-  alignas(64) float s1[kQBlock];
-  alignas(64) float s2[kQBlock];
+  // Two sets of state buffers: one block's new states wait in one while the next updates into
+  // the other.
+  alignas(64) float s1[2][kQBlock];
+  alignas(64) float s2[2][kQBlock];
+  PendingInt8Block<K> pending;
+  int buffer = 0;
   const Consts k(c);
   for (size_t at = begin; at < end; at += kQBlock) {
     const size_t len = std::min(kQBlock, end - at);
     if (len == kQBlock) {
-      CompressedWholeBlock<K, G, O, S, kWeightDecay, kStream>(k, b, at, s1, s2);
+      CompressedWholeBlock<K, G, O, S, kWeightDecay, kStream>(k, b, at, s1[buffer], s2[buffer],
+                                                              &pending);
+      buffer ^= 1;
       continue;
     }
+    if constexpr (S == StateType::kInt8) FlushPending(&pending);
     // The last, partial block: decoded, stepped by StepLoop (which handles the vector tail),
     // encoded.
-
-    DecodeState<S, kSigned1>(b.q1, at, len, s1);
-    if constexpr (kHasState2<K>) DecodeState<S, false>(b.q2, at, len, s2);
+    DecodeState<S, kSigned1>(b.q1, at, len, s1[0]);
+    if constexpr (kHasState2<K>) DecodeState<S, false>(b.q2, at, len, s2[0]);
     StepBuffers local;
     local.param = b.param + at;
     local.grad = static_cast<const GT*>(b.grad) + at;
-    local.state1 = s1;
-    local.state2 = s2;
+    local.state1 = s1[0];
+    local.state2 = s2[0];
     if constexpr (O != ParamCopyType::kNone) {
       local.param_copy = static_cast<uint16_t*>(b.param_copy) + at;
     }
     StepLoop<K, G, O, kWeightDecay, kStream>(c, local, 0, len);
-    EncodeState<S, kSigned1>(s1, at, len, b.q1);
-    if constexpr (kHasState2<K>) EncodeState<S, false>(s2, at, len, b.q2);
+    EncodeState<S, kSigned1>(s1[0], at, len, b.q1);
+    if constexpr (kHasState2<K>) EncodeState<S, false>(s2[0], at, len, b.q2);
   }
+  if constexpr (S == StateType::kInt8) FlushPending(&pending);
 }
 
 // The int8 decode reads subnormal codes as fp32 subnormals (CodeBitsValue), and small

@@ -113,6 +113,20 @@ struct V {
   static I LoadS8(const uint8_t* p) {
     return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   }
+  // kWidth int8 state codes as fp32 code values (unscaled), through fp16 (see vec_avx512.h).
+  static constexpr bool kF16Codes = true;
+  template <bool kSigned>
+  static F CodeValues(const uint8_t* p) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    __m128i h;
+    if constexpr (kSigned) {
+      h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(bytes), 7),
+                        _mm_set1_epi16(int16_t(0xBF80)));
+    } else {
+      h = _mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 6);
+    }
+    return _mm256_cvtph_ps(h);
+  }
   static void StoreU8(uint8_t* p, I x) {
     // The low byte of each lane, per 128-bit half, then the halves side by side.
     const __m256i pick =

@@ -92,6 +92,7 @@ struct V {
   // false; they exist so that it compiles).
   static constexpr size_t kPrefetchElements = 0;  // none in the reference
   static constexpr bool kCanStream = false;
+  static constexpr bool kF16Codes = false;  // int8 codes decode through CodeBitsValue
   static void StreamBf16Line(uint16_t* p, const F* x) {
     for (int i = 0; i < 32; ++i) StoreBf16(p + i, x[i]);
   }

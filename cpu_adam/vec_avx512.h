@@ -118,6 +118,22 @@ struct V {
   static void StoreU8(uint8_t* p, I x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
   }
+  // kWidth int8 state codes as fp32 code values (unscaled), through fp16: a code's bits are
+  // placed on an fp16's sign, exponent and mantissa (kernel_body.h, DecodeInt8) and VCVTPH2PS
+  // converts them exactly, subnormal codes included, without an fp32 subnormal.
+  static constexpr bool kF16Codes = true;
+  template <bool kSigned>
+  static F CodeValues(const uint8_t* p) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    __m256i h;
+    if constexpr (kSigned) {
+      h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
+                           _mm256_set1_epi16(int16_t(0xBF80)));
+    } else {
+      h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 6);
+    }
+    return _mm512_cvtph_ps(h);
+  }
 
   // Four double accumulators (two per vector half); the result depends only on the element
   // order, which is fixed by the caller's range.

@@ -539,6 +539,7 @@ class TrainingLoop {
         log_every_(f.log_every > 0 ? f.log_every : std::max(1, f.steps / 40)),
         warmup_(f.warmup >= 0 ? f.warmup : std::min(100, f.steps / 10)),
         tty_(isatty(fileno(out))),
+        state_bytes_per_param_(StateBytesPerParam(plan.config)),
         tokens_(tokens_per_micro_),
         targets_(tokens_per_micro_) {}
 
@@ -622,9 +623,10 @@ class TrainingLoop {
       std::fprintf(out,
                    "%sstep %5" PRId64
                    "/%d  loss %.4f  %8.0f tok/s  %.3f TFLOPS  nvme r %.2f w %.2f "
-                   "GB/s  overlap %.2f  stall %.2f s%s",
+                   "GB/s  overlap %.2f  stall %.2f s  state %.2f B/param%s",
                    tty_ ? "\r" : "", r.step, f_.steps, r.loss, r.tokens_per_s, r.tflops,
-                   r.read_gbps, r.write_gbps, r.overlap, r.stall, keep ? "\n" : "");
+                   r.read_gbps, r.write_gbps, r.overlap, r.stall, state_bytes_per_param_,
+                   keep ? "\n" : "");
       std::fflush(out);
     }
   }
@@ -640,6 +642,7 @@ class TrainingLoop {
   const int log_every_;
   const int warmup_;                       // steps of linear learning-rate warmup
   const bool tty_;                         // progress on a terminal
+  const double state_bytes_per_param_;     // master + states as stored
   std::vector<int32_t> tokens_, targets_;  // one micro-step's batch
 };
 

@@ -372,6 +372,29 @@ TEST(TrainCli, NvmeSpaceCheckCountsTheStateDtype) {
   EXPECT_NE(bad.stderr_text.find("--state-dtype"), std::string::npos) << bad.stderr_text;
 }
 
+// Each progress line and the JSON summary give the optimizer's bytes per parameter as stored:
+// the fp32 master (4) and two int8 states of 1 + 4/256 bytes each.
+TEST(TrainCli, ProgressLinesShowTheStateBytesPerParameter) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  Outcome o = Spawn(dir.path(),
+                    {"--preset", "tiny", "--steps", "2", "--batch", "4", "--seq", "32",
+                     "--log-every", "1", "--state-dtype", "int8", "--nvme", dir.path() + "/swap",
+                     "--data", ZINF_SOURCE_DATA, "--json"},
+                    "");
+  ASSERT_EQ(o.exit_code, 0) << o.stderr_text;
+  int lines = 0;
+  std::istringstream progress(o.stderr_text);
+  for (std::string line; std::getline(progress, line);) {
+    if (line.rfind("step ", 0) != 0) continue;
+    ++lines;
+    EXPECT_NE(line.find("  state 6.03 B/param"), std::string::npos) << line;
+  }
+  EXPECT_EQ(lines, 2) << o.stderr_text;
+  EXPECT_NE(o.stdout_text.find("\"state_bytes_per_param\":6.03125"), std::string::npos)
+      << o.stdout_text;
+}
+
 TEST(TrainCli, DeviceBudgetTooSmallForALayerNamesTheFlag) {
   TempDir dir;
   ASSERT_TRUE(dir.ok());
