@@ -58,6 +58,49 @@ expect 0 "gbps" -- "$nvme" --dir "$work" --size 8M --block-size 1M --seconds 0.2
 [[ -f $work/zinf-bench-0.dat ]] || { echo "FAIL: --keep-files removed the file"; fails=$((fails + 1)); }
 expect 0 "gbps" -- "$nvme" --dir "$work" --size 8M --block-size 1M --seconds 0.2 --op read
 [[ ! -e $work/zinf-bench-0.dat ]] || { echo "FAIL: the kept file outlived a plain run"; fails=$((fails + 1)); }
+# --fio-variants: known names only, with --compare-fio.
+expect 2 "unknown variant 'fio-nope'" -- "$nvme" --dir "$work" --compare-fio --fio-variants fio-libaio,fio-nope
+expect 2 "needs --compare-fio" -- "$nvme" --dir "$work" --fio-variants fio-libaio
+# The paired ratio is the median of each repeat's zinf / fio, not the ratio of the medians:
+# a stand-in fio reports 1, 1, 4, 4 GB/s in turn (1 MB in 1 or 0.25 ms), so that with zinf
+# at Z the first is about 0.625 Z and the second 0.4 Z. Only the variant asked for runs (no
+# huge pages are set up for it), and the order alternates: zinf first in repeats 0 and 2.
+cat > "$work/fio" <<'SH'
+#!/bin/sh
+n=$(cat "$0.count" 2>/dev/null || echo 0)
+echo $((n + 1)) > "$0.count"
+if [ "$n" -lt 2 ]; then ms=1; else ms=0.25; fi
+echo "{\"jobs\":[{\"read\":{\"io_bytes\":1000000,\"runtime\":$ms}}]}"
+SH
+chmod +x "$work/fio"
+out=$("$nvme" --dir "$work" --size 8M --block-size 1M --seconds 0.2 --op read --repeats 4 \
+  --compare-fio --fio-variants fio-libaio --fio "$work/fio" 2>&1)
+if ! /usr/bin/python3 - "$out" <<'PY'; then
+import json, statistics, sys
+lines = [json.loads(l) for l in sys.argv[1].splitlines() if l.startswith("{")]
+runs = [j for j in lines if "repeat" in j]
+zinf = {j["repeat"]: j["gbps"] for j in runs if j["backend"] == "io_uring"}
+fio = {j["repeat"]: j["gbps"] for j in runs if j["backend"] == "fio-libaio"}
+assert fio == {0: 1.0, 1: 1.0, 2: 4.0, 3: 4.0}, fio
+assert len(zinf) == 4, zinf
+for j in runs:
+    zinf_first = j["repeat"] % 2 == 0
+    assert j["first"] == ("zinf" if zinf_first else "fio-libaio"), j
+    assert j["position"] == (0 if zinf_first == (j["backend"] == "io_uring") else 1), j
+(summary,) = [j for j in lines if "case" in j]
+assert list(summary["fio_gbps"]) == ["fio-libaio"], summary
+tol = lambda x: 2e-3 * x + 1e-3
+want = statistics.median(zinf[r] / fio[r] for r in range(4))
+got = summary["paired_ratio"]["fio-libaio"]
+assert abs(got - want) <= tol(want), (got, want, zinf, fio)
+assert summary["paired_ratio_vs_best"] == got, summary
+of_medians = statistics.median(zinf.values()) / 2.5
+assert abs(summary["ratio"] - of_medians) <= tol(of_medians), (summary, of_medians)
+PY
+  echo "FAIL: --fio-variants / paired_ratio / the run order: $out"
+  fails=$((fails + 1))
+fi
+rm -f "$work/fio.count"
 # SIGTERM in the middle of a long write run: nothing left.
 # (With --compare-fio the file keeps its name for fio: here a stand-in that just waits.)
 printf '#!/bin/sh\nexec sleep 4\n' > "$work/fio"

@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -21,6 +22,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench/fio_huge_pages.h"
@@ -74,6 +76,46 @@ double Median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+// The median of samples kept by repeat.
+double Median(const std::map<int, double>& by_repeat) {
+  std::vector<double> v;
+  for (const auto& [rep, x] : by_repeat) v.push_back(x);
+  return Median(std::move(v));
+}
+
+// The median over repeats of a / b, each pair measured in the same repeat, seconds apart: the
+// disk's drift from repeat to repeat (the host's cache, other guests) cancels within a pair. 0 when
+// no repeat has both.
+double PairedRatio(const std::map<int, double>& a, const std::map<int, double>& b) {
+  std::vector<double> r;
+  for (const auto& [rep, x] : a) {
+    auto it = b.find(rep);
+    if (it != b.end() && it->second > 0) r.push_back(x / it->second);
+  }
+  return Median(std::move(r));
+}
+
+// The fio peers --compare-fio runs. `huge`: buffers on hugetlbfs pages (--iomem=mmaphuge:...,
+// added once the pages are set up), as zinf's own buffers are on huge pages.
+struct FioVariant {
+  std::string name, engine, extra;
+  bool huge = false;
+};
+const FioVariant kFioVariants[] = {
+    {"fio-io_uring", "io_uring", "", false},
+    {"fio-io_uring-fixedbufs", "io_uring", "--fixedbufs", false},
+    {"fio-io_uring-fixedbufs-registerfiles", "io_uring", "--fixedbufs --registerfiles", false},
+    {"fio-libaio", "libaio", "", false},
+    {"fio-io_uring-huge", "io_uring", "", true},
+    {"fio-io_uring-fixedbufs-huge", "io_uring", "--fixedbufs", true},
+    {"fio-libaio-huge", "libaio", "", true},
+};
+
+// Whether --fio-variants asks for `name` (an empty list asks for all).
+bool Wanted(const std::vector<std::string>& wanted, const std::string& name) {
+  return wanted.empty() || std::find(wanted.begin(), wanted.end(), name) != wanted.end();
+}
+
 struct Flags {
   std::string backend = "io_uring";
   std::string op = "both";
@@ -91,6 +133,8 @@ struct Flags {
   bool sqpoll = false;
   bool keep_files = false;
   std::string fio = "fio";
+  std::string fio_variants;  // comma-separated names; empty: every variant
+  double settle = 0;         // seconds of quiet before each run
 };
 
 // The bench files still named in a folder (kept only while fio needs their paths), removed by
@@ -177,9 +221,18 @@ class BenchFiles {
 struct CaseResult {
   uint64_t bytes = 0;
   double seconds = 0;
+  double cpu_seconds = -1;  // user + system CPU the tool spent (all its threads); < 0: unknown
   std::string features;
   double gbps() const { return seconds > 0 ? bytes / seconds / 1e9 : 0; }
 };
+
+// User + system CPU seconds of this process so far (every thread); -1 if getrusage fails.
+double ProcessCpuSeconds() {
+  rusage u{};
+  if (getrusage(RUSAGE_SELF, &u) != 0) return -1;
+  auto sec = [](const timeval& t) { return t.tv_sec + t.tv_usec / 1e6; };
+  return sec(u.ru_utime) + sec(u.ru_stime);
+}
 
 // Streams `total` bytes through the IoQueue at `qd` transfers of `block` bytes each, striped
 // round-robin over the files; stops early after `seconds`. `mixed`: half the slots read the
@@ -265,6 +318,7 @@ Result<CaseResult> RunZinf(BenchFiles& files, IoBackendKind kind, IoOp op, uint6
       issue(slot);
     });
   };
+  const double cpu0 = ProcessCpuSeconds();
   auto t0 = Clock::now();
   {
     std::lock_guard<std::mutex> lock(mu);
@@ -276,8 +330,10 @@ Result<CaseResult> RunZinf(BenchFiles& files, IoBackendKind kind, IoOp op, uint6
     cv.wait(lock, [&] { return live == 0; });
   }
   double elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
+  const double cpu1 = ProcessCpuSeconds();
   if (!first_error.ok()) return first_error;
   CaseResult r;
+  if (cpu0 >= 0 && cpu1 >= 0) r.cpu_seconds = cpu1 - cpu0;
   r.bytes = done_bytes.load();
   if (read_bytes != nullptr) *read_bytes = done_read.load();
   r.seconds = elapsed;
@@ -325,6 +381,12 @@ Result<CaseResult> RunFio(const Flags& flags, const BenchFiles& files, const std
   r.bytes = job.value("io_bytes", uint64_t{0});
   r.seconds = job.value("runtime", 0.0) / 1000.0;
   if (r.seconds <= 0 || r.bytes == 0) return Status::Internal("fio reported no I/O");
+  // fio reports its job's CPU as percentages of the job's run time.
+  const json& all = j["jobs"][0];
+  if (all.contains("usr_cpu") && all.contains("sys_cpu") && all.contains("job_runtime")) {
+    r.cpu_seconds = (all.value("usr_cpu", 0.0) + all.value("sys_cpu", 0.0)) / 100.0 *
+                    all.value("job_runtime", 0.0) / 1000.0;
+  }
   r.features = engine + " " + extra;
   return r;
 }
@@ -414,6 +476,10 @@ json CaseJson(const std::string& backend, IoOp op, uint64_t block, uint32_t qd,
   j["bytes"] = r.bytes;
   j["seconds"] = std::round(r.seconds * 1e4) / 1e4;
   j["gbps"] = std::round(r.gbps() * 1e3) / 1e3;
+  // CPU time per GB moved: what a request costs the host, apart from the disk's own noise.
+  if (r.cpu_seconds >= 0 && r.bytes > 0) {
+    j["cpu_ms_per_gb"] = std::round(r.cpu_seconds * 1e3 / (r.bytes / 1e9) * 100) / 100;
+  }
   return j;
 }
 
@@ -454,11 +520,19 @@ int Main(int argc, char** argv) {
   app.add_option("--seconds", f.seconds, "time limit per case")
       ->check(FiniteNumber())
       ->check(CLI::Range(0.01, 1e6));
+  app.add_option("--settle", f.settle,
+                 "seconds to wait before each run, so that the disk (and a host's write "
+                 "cache) is quiet when it starts; default 0")
+      ->check(FiniteNumber())
+      ->check(CLI::Range(0.0, 600.0));
   app.add_option("--repeats", f.repeats, "runs per case (interleaved; medians reported)")
       ->check(CLI::Range(1, 100));
   app.add_flag("--sweep", f.sweep, "try block sizes x queue depths; print the best as config");
   app.add_flag("--compare-fio", f.compare_fio, "run fio on the same pattern, interleaved");
   app.add_option("--fio", f.fio, "fio binary");
+  app.add_option("--fio-variants", f.fio_variants,
+                 "with --compare-fio: only these fio variants (comma-separated names, e.g. "
+                 "fio-io_uring-huge,fio-libaio-huge); default: all seven");
   app.add_flag("--sqpoll", f.sqpoll, "io_uring kernel submission thread (costs a core)");
   app.add_flag("--keep-files", f.keep_files,
                "keep the bench files for the next run (default: removed at exit)");
@@ -506,6 +580,31 @@ int Main(int argc, char** argv) {
                  f.size.c_str(), *size < *block ? "smaller than" : "far beyond",
                  f.block_size.c_str());
     return 2;
+  }
+  // --fio-variants: known names only, checked before any file is made.
+  std::vector<std::string> wanted_fio;
+  if (!f.fio_variants.empty()) {
+    if (!f.compare_fio) {
+      std::fprintf(stderr, "zinf-nvme-bench: --fio-variants needs --compare-fio\n");
+      return 2;
+    }
+    for (size_t start = 0; start <= f.fio_variants.size();) {
+      size_t comma = f.fio_variants.find(',', start);
+      if (comma == std::string::npos) comma = f.fio_variants.size();
+      std::string name = f.fio_variants.substr(start, comma - start);
+      if (std::none_of(std::begin(kFioVariants), std::end(kFioVariants),
+                       [&](const FioVariant& v) { return v.name == name; })) {
+        std::string list;
+        for (const FioVariant& v : kFioVariants) list += (list.empty() ? "" : ", ") + v.name;
+        std::fprintf(stderr, "zinf-nvme-bench: --fio-variants: unknown variant '%s' (known: %s)\n",
+                     name.c_str(), list.c_str());
+        return 2;
+      }
+      if (std::find(wanted_fio.begin(), wanted_fio.end(), name) == wanted_fio.end()) {
+        wanted_fio.push_back(name);
+      }
+      start = comma + 1;
+    }
   }
   signal(SIGINT, RemoveNamedAndDie);
   signal(SIGTERM, RemoveNamedAndDie);
@@ -577,40 +676,53 @@ int Main(int argc, char** argv) {
           {"write_gbps_median", std::round(Median(writes) * 1e3) / 1e3}});
     return 0;
   }
-  struct FioVariant {
-    std::string name, engine, extra;
-  };
   std::vector<FioVariant> fio_variants;
   FioHugePages fio_huge;
   std::string fio_huge_why;
   if (f.compare_fio) {
-    fio_variants = {
-        {"fio-io_uring", "io_uring", ""},
-        {"fio-io_uring-fixedbufs", "io_uring", "--fixedbufs"},
-        {"fio-io_uring-fixedbufs-registerfiles", "io_uring", "--fixedbufs --registerfiles"},
-        {"fio-libaio", "libaio", ""}};
+    bool want_huge = false;
+    for (const FioVariant& v : kFioVariants) {
+      if (Wanted(wanted_fio, v.name)) want_huge = want_huge || v.huge;
+    }
     // fio at its best: its buffers on huge pages too, as zinf's are (MADV_HUGEPAGE), so that
     // the disk does not split its requests at 4 KiB page boundaries.
     const uint64_t largest = *std::max_element(blocks.begin(), blocks.end());
     const uint64_t max_depth = *std::max_element(depths.begin(), depths.end());
-    fio_huge_why = fio_huge.Prepare(largest * max_depth);
-    if (fio_huge_why.empty()) {
-      const std::string iomem = " --iomem=" + fio_huge.iomem();
+    fio_huge_why = want_huge ? fio_huge.Prepare(largest * max_depth) : "not asked for";
+    if (want_huge && fio_huge_why.empty()) {
       std::fprintf(stderr, "zinf-nvme-bench: fio with huge-page buffers (%s)\n",
                    fio_huge.summary().c_str());
-      fio_variants.push_back({"fio-io_uring-huge", "io_uring", iomem});
-      fio_variants.push_back({"fio-io_uring-fixedbufs-huge", "io_uring", "--fixedbufs" + iomem});
-      fio_variants.push_back({"fio-libaio-huge", "libaio", iomem});
-    } else {
+    } else if (want_huge) {
       std::fprintf(stderr,
                    "zinf-nvme-bench: fio runs without huge-page buffers, so it is not at its "
                    "best: %s\n",
                    fio_huge_why.c_str());
     }
+    for (FioVariant v : kFioVariants) {
+      if (!Wanted(wanted_fio, v.name) || (v.huge && !fio_huge_why.empty())) continue;
+      if (v.huge)
+        v.extra += (v.extra.empty() ? "" : " ") + std::string("--iomem=") + fio_huge.iomem();
+      fio_variants.push_back(v);
+    }
+    if (fio_variants.empty()) {
+      std::fprintf(stderr,
+                   "zinf-nvme-bench: none of --fio-variants %s can run (the huge-page "
+                   "variants need huge pages: %s)\n",
+                   f.fio_variants.c_str(), fio_huge_why.c_str());
+      return 1;
+    }
+    const size_t tools = 1 + fio_variants.size();
+    if (f.repeats % tools != 0) {
+      std::fprintf(stderr,
+                   "zinf-nvme-bench: the run order rotates over %zu tools; --repeats %d is not a "
+                   "multiple of %zu, so some run first more often than others (on a disk "
+                   "that caches writes, the order moves the figures)\n",
+                   tools, f.repeats, tools);
+    }
   }
 
-  // case key -> backend name -> gbps samples
-  std::map<std::string, std::map<std::string, std::vector<double>>> samples;
+  // case key -> backend name -> repeat -> gbps
+  std::map<std::string, std::map<std::string, std::map<int, double>>> samples;
   std::vector<std::string> case_order;
   for (int rep = 0; rep < f.repeats; ++rep) {
     for (IoOp op : ops) {
@@ -619,54 +731,71 @@ int Main(int argc, char** argv) {
           std::string key =
               std::string(IoOpName(op)) + " bs=" + SizeLabel(b) + " qd=" + std::to_string(qd);
           if (rep == 0) case_order.push_back(key);
-          // Which tool reads a just-written (host-cached) file first alternates per repeat.
-          const bool fio_first = f.compare_fio && rep % 2 == 1;
-          auto run_fio = [&]() -> bool {
-            for (const FioVariant& v : fio_variants) {
-              const bool on_huge = v.name.size() > 5 && v.name.substr(v.name.size() - 5) == "-huge";
-              if (on_huge && !fio_huge_why.empty()) continue;  // given up on below
-              Result<CaseResult> fr =
-                  Status::ResourceExhausted("the huge pages did not come back within 5 s");
-              if (!on_huge || fio_huge.WaitForPages(5.0)) {
-                fr = RunFio(f, files, v.engine, v.extra, op, b, qd, *size, f.seconds);
-              }
-              if (!fr.ok() && on_huge) {
-                // Huge pages are set up by heuristics (another user may hold some): drop
-                // these variants and go on with the others, saying so.
-                fio_huge_why = "gave up after " + v.name + " failed: " + fr.status().ToString();
-                std::fprintf(stderr, "zinf-nvme-bench: %s\n", fio_huge_why.c_str());
-                continue;
-              }
-              if (!fr.ok()) {
-                std::fprintf(stderr, "zinf-nvme-bench: %s: %s\n", v.name.c_str(),
-                             fr.status().ToString().c_str());
-                return false;
-              }
-              json fj = CaseJson(v.name, op, b, qd, *fr);
-              fj["repeat"] = rep;
-              fj["first"] = fio_first ? "fio" : "zinf";
-              Emit(fj);
-              samples[key][v.name].push_back(fr->gbps());
+          // The tools run one after the other, and on this kind of disk the order matters
+          // (the host caches what was just written and is still flushing it when the next
+          // tool writes). So the order rotates from repeat to repeat: zinf and each fio
+          // variant take every position equally often when --repeats is a multiple of the
+          // number of tools, and with one variant that is the two alternating.
+          const size_t tools = 1 + fio_variants.size();  // 0: zinf, i: fio_variants[i - 1]
+          const std::string first = rep % tools == 0 ? "zinf" : fio_variants[rep % tools - 1].name;
+          auto run_fio = [&](const FioVariant& v, size_t position) -> bool {
+            const bool on_huge = v.huge;
+            if (on_huge && !fio_huge_why.empty()) return true;  // given up on below
+            Result<CaseResult> fr =
+                Status::ResourceExhausted("the huge pages did not come back within 5 s");
+            if (!on_huge || fio_huge.WaitForPages(5.0)) {
+              fr = RunFio(f, files, v.engine, v.extra, op, b, qd, *size, f.seconds);
             }
+            if (!fr.ok() && on_huge) {
+              // Huge pages are set up by heuristics (another user may hold some): drop
+              // these variants and go on with the others, saying so.
+              fio_huge_why = "gave up after " + v.name + " failed: " + fr.status().ToString();
+              std::fprintf(stderr, "zinf-nvme-bench: %s\n", fio_huge_why.c_str());
+              return true;
+            }
+            if (!fr.ok()) {
+              std::fprintf(stderr, "zinf-nvme-bench: %s: %s\n", v.name.c_str(),
+                           fr.status().ToString().c_str());
+              return false;
+            }
+            json fj = CaseJson(v.name, op, b, qd, *fr);
+            fj["repeat"] = rep;
+            fj["first"] = first;
+            fj["position"] = position;
+            Emit(fj);
+            samples[key][v.name][rep] = fr->gbps();
             return true;
           };
-          if (fio_first && !run_fio()) return 1;
-          Result<CaseResult> r =
-              RunZinf(files, *kind, op, b, qd, *size, registered, huge, f.seconds, f.sqpoll);
-          if (!r.ok()) {
-            std::fprintf(stderr, "zinf-nvme-bench: %s: %s\n", key.c_str(),
-                         r.status().ToString().c_str());
-            return 1;
+          auto run_zinf = [&](size_t position) -> bool {
+            Result<CaseResult> r =
+                RunZinf(files, *kind, op, b, qd, *size, registered, huge, f.seconds, f.sqpoll);
+            if (!r.ok()) {
+              std::fprintf(stderr, "zinf-nvme-bench: %s: %s\n", key.c_str(),
+                           r.status().ToString().c_str());
+              return false;
+            }
+            json j = CaseJson(f.backend, op, b, qd, *r);
+            j["registered"] = registered;
+            j["huge_pages"] = huge;
+            j["features"] = r->features;
+            j["repeat"] = rep;
+            if (f.compare_fio) {
+              j["first"] = first;
+              j["position"] = position;
+            }
+            Emit(j);
+            samples[key]["zinf"][rep] = r->gbps();
+            return true;
+          };
+          for (size_t position = 0; position < tools; ++position) {
+            const size_t tool = (rep + position) % tools;
+            if (f.settle > 0) {
+              std::this_thread::sleep_for(std::chrono::duration<double>(f.settle));
+            }
+            if (!(tool == 0 ? run_zinf(position) : run_fio(fio_variants[tool - 1], position))) {
+              return 1;
+            }
           }
-          json j = CaseJson(f.backend, op, b, qd, *r);
-          j["registered"] = registered;
-          j["huge_pages"] = huge;
-          j["features"] = r->features;
-          j["repeat"] = rep;
-          if (f.compare_fio) j["first"] = fio_first ? "fio" : "zinf";
-          Emit(j);
-          samples[key]["zinf"].push_back(r->gbps());
-          if (!fio_first && !run_fio()) return 1;
         }
       }
     }
@@ -692,15 +821,22 @@ int Main(int argc, char** argv) {
       j["zinf_gbps"] = std::round(zinf * 1e3) / 1e3;
       j["fio_best_gbps"] = std::round(best * 1e3) / 1e3;
       j["fio_best"] = best_name;
-      j["fio_libaio_gbps"] = std::round(fio_libaio * 1e3) / 1e3;
-      // Every variant's median, and why fio ran without huge pages ("" when it had them).
-      json variants;
+      if (by.count("fio-libaio")) j["fio_libaio_gbps"] = std::round(fio_libaio * 1e3) / 1e3;
+      // Every variant's median and zinf's paired ratio to it, and why fio ran without huge
+      // pages ("yes" when it had them).
+      json variants, paired;
       for (const FioVariant& v : fio_variants) {
         variants[v.name] = std::round(Median(by[v.name]) * 1e3) / 1e3;
+        paired[v.name] = std::round(PairedRatio(by["zinf"], by[v.name]) * 1e3) / 1e3;
       }
       j["fio_gbps"] = variants;
       j["fio_huge_pages"] = fio_huge_why.empty() ? "yes" : "no: " + fio_huge_why;
+      // The ratio of medians, against the variant with the best median (a best-of-N, which
+      // favours fio), and the median of the per-repeat ratios against that same variant.
       j["ratio"] = best > 0 ? std::round(zinf / best * 1e3) / 1e3 : 0;
+      j["paired_ratio"] = paired;
+      j["paired_ratio_vs_best"] =
+          best > 0 ? std::round(PairedRatio(by["zinf"], by[best_name]) * 1e3) / 1e3 : 0;
       Emit(j);
     }
   } else if (f.repeats > 1 || f.sweep) {
