@@ -101,6 +101,33 @@ PY
   fails=$((fails + 1))
 fi
 rm -f "$work/fio.count"
+# Three tools: in repeat r the k-th run is tool (r + k) mod 3 (zinf, fio-io_uring,
+# fio-io_uring-fixedbufs), each repeat's lines name its first tool, every variant ran 3
+# repeats, and with no fio-libaio and no huge-page variant asked for, neither is reported.
+printf '#!/bin/sh\necho "{\\"jobs\\":[{\\"read\\":{\\"io_bytes\\":1000000,\\"runtime\\":1}}]}"\n' > "$work/fio"
+out=$("$nvme" --dir "$work" --size 8M --block-size 1M --seconds 0.2 --op read --repeats 3 \
+  --compare-fio --fio-variants fio-io_uring-fixedbufs,fio-io_uring --fio "$work/fio" 2>&1)
+if ! /usr/bin/python3 - "$out" <<'PY'; then
+import json, sys
+lines = [json.loads(l) for l in sys.argv[1].splitlines() if l.startswith("{")]
+tools = ["io_uring", "fio-io_uring", "fio-io_uring-fixedbufs"]
+runs = [j for j in lines if "repeat" in j]
+assert len(runs) == 9, runs
+for r in range(3):
+    order = [j["backend"] for j in runs if j["repeat"] == r]
+    assert order == [tools[(r + k) % 3] for k in range(3)], (r, order)
+    for k, j in enumerate(j for j in runs if j["repeat"] == r):
+        assert j["position"] == k, j
+        assert j["first"] == ("zinf" if order[0] == "io_uring" else order[0]), j
+(summary,) = [j for j in lines if "case" in j]
+assert "fio_libaio_gbps" not in summary, summary
+assert summary["fio_repeats"] == {"fio-io_uring": 3, "fio-io_uring-fixedbufs": 3}, summary
+assert summary["fio_huge_pages"].startswith("no: not asked for"), summary
+PY
+  echo "FAIL: three-tool rotation / summary fields: $out"
+  fails=$((fails + 1))
+fi
+expect 2 "not mixed" -- "$nvme" --dir "$work" --compare-fio --op mixed --fio-variants fio-libaio
 # SIGTERM in the middle of a long write run: nothing left.
 # (With --compare-fio the file keeps its name for fio: here a stand-in that just waits.)
 printf '#!/bin/sh\nexec sleep 4\n' > "$work/fio"

@@ -83,9 +83,9 @@ double Median(const std::map<int, double>& by_repeat) {
   return Median(std::move(v));
 }
 
-// The median over repeats of a / b, each pair measured in the same repeat, seconds apart: the
-// disk's drift from repeat to repeat (the host's cache, other guests) cancels within a pair. 0 when
-// no repeat has both.
+// The median over repeats of a / b, each pair measured in the same repeat: the disk's drift
+// from repeat to repeat (the host's cache, other guests) cancels within a pair. 0 when no
+// repeat has both.
 double PairedRatio(const std::map<int, double>& a, const std::map<int, double>& b) {
   std::vector<double> r;
   for (const auto& [rep, x] : a) {
@@ -521,8 +521,8 @@ int Main(int argc, char** argv) {
       ->check(FiniteNumber())
       ->check(CLI::Range(0.01, 1e6));
   app.add_option("--settle", f.settle,
-                 "seconds to wait before each run, so that the disk (and a host's write "
-                 "cache) is quiet when it starts; default 0")
+                 "seconds to wait before each run of a read or write case, so that the disk "
+                 "(and a host's write cache) is quiet when it starts; default 0")
       ->check(FiniteNumber())
       ->check(CLI::Range(0.0, 600.0));
   app.add_option("--repeats", f.repeats, "runs per case (interleaved; medians reported)")
@@ -584,8 +584,10 @@ int Main(int argc, char** argv) {
   // --fio-variants: known names only, checked before any file is made.
   std::vector<std::string> wanted_fio;
   if (!f.fio_variants.empty()) {
-    if (!f.compare_fio) {
-      std::fprintf(stderr, "zinf-nvme-bench: --fio-variants needs --compare-fio\n");
+    if (!f.compare_fio || f.op == "mixed" || f.checksum_cost) {
+      std::fprintf(stderr,
+                   "zinf-nvme-bench: --fio-variants needs --compare-fio, which runs with "
+                   "--op read, write or both (not mixed, not --checksum-cost)\n");
       return 2;
     }
     for (size_t start = 0; start <= f.fio_variants.size();) {
@@ -688,7 +690,8 @@ int Main(int argc, char** argv) {
     // the disk does not split its requests at 4 KiB page boundaries.
     const uint64_t largest = *std::max_element(blocks.begin(), blocks.end());
     const uint64_t max_depth = *std::max_element(depths.begin(), depths.end());
-    fio_huge_why = want_huge ? fio_huge.Prepare(largest * max_depth) : "not asked for";
+    fio_huge_why =
+        want_huge ? fio_huge.Prepare(largest * max_depth) : "not asked for (--fio-variants)";
     if (want_huge && fio_huge_why.empty()) {
       std::fprintf(stderr, "zinf-nvme-bench: fio with huge-page buffers (%s)\n",
                    fio_huge.summary().c_str());
@@ -697,6 +700,14 @@ int Main(int argc, char** argv) {
                    "zinf-nvme-bench: fio runs without huge-page buffers, so it is not at its "
                    "best: %s\n",
                    fio_huge_why.c_str());
+    }
+    if (!wanted_fio.empty() && want_huge && !fio_huge_why.empty()) {
+      // A peer named before the run does not quietly drop out of it.
+      std::fprintf(stderr,
+                   "zinf-nvme-bench: --fio-variants names a huge-page variant, and huge pages "
+                   "cannot be set up: %s\n",
+                   fio_huge_why.c_str());
+      return 1;
     }
     for (FioVariant v : kFioVariants) {
       if (!Wanted(wanted_fio, v.name) || (v.huge && !fio_huge_why.empty())) continue;
@@ -735,12 +746,17 @@ int Main(int argc, char** argv) {
           // (the host caches what was just written and is still flushing it when the next
           // tool writes). So the order rotates from repeat to repeat: zinf and each fio
           // variant take every position equally often when --repeats is a multiple of the
-          // number of tools, and with one variant that is the two alternating.
+          // number of tools, and with one variant that is the two alternating. Which tool
+          // runs just before another still follows the cycle (with three or more tools):
+          // --settle is what lets the host finish the previous tool's writes.
           const size_t tools = 1 + fio_variants.size();  // 0: zinf, i: fio_variants[i - 1]
-          const std::string first = rep % tools == 0 ? "zinf" : fio_variants[rep % tools - 1].name;
+          // Variants given up on (huge pages lost mid-run) take no slot.
+          auto live = [&](size_t tool) {
+            return tool == 0 || !fio_variants[tool - 1].huge || fio_huge_why.empty();
+          };
+          std::string first;
           auto run_fio = [&](const FioVariant& v, size_t position) -> bool {
             const bool on_huge = v.huge;
-            if (on_huge && !fio_huge_why.empty()) return true;  // given up on below
             Result<CaseResult> fr =
                 Status::ResourceExhausted("the huge pages did not come back within 5 s");
             if (!on_huge || fio_huge.WaitForPages(5.0)) {
@@ -787,14 +803,18 @@ int Main(int argc, char** argv) {
             samples[key]["zinf"][rep] = r->gbps();
             return true;
           };
-          for (size_t position = 0; position < tools; ++position) {
-            const size_t tool = (rep + position) % tools;
+          size_t position = 0;  // runs so far in this case and repeat
+          for (size_t k = 0; k < tools; ++k) {
+            const size_t tool = (rep + k) % tools;
+            if (!live(tool)) continue;
+            if (first.empty()) first = tool == 0 ? "zinf" : fio_variants[tool - 1].name;
             if (f.settle > 0) {
               std::this_thread::sleep_for(std::chrono::duration<double>(f.settle));
             }
             if (!(tool == 0 ? run_zinf(position) : run_fio(fio_variants[tool - 1], position))) {
               return 1;
             }
+            ++position;
           }
         }
       }
@@ -804,10 +824,10 @@ int Main(int argc, char** argv) {
   if (f.compare_fio) {
     for (const std::string& key : case_order) {
       auto& by = samples[key];
-      double zinf = Median(by["zinf"]);
+      const std::map<int, double>& zs = by["zinf"];
+      double zinf = Median(zs);
       double best = 0;
       std::string best_name;
-      double fio_libaio = Median(by["fio-libaio"]);
       for (const FioVariant& v : fio_variants) {
         double m = Median(by[v.name]);
         if (m > best) {
@@ -821,22 +841,28 @@ int Main(int argc, char** argv) {
       j["zinf_gbps"] = std::round(zinf * 1e3) / 1e3;
       j["fio_best_gbps"] = std::round(best * 1e3) / 1e3;
       j["fio_best"] = best_name;
-      if (by.count("fio-libaio")) j["fio_libaio_gbps"] = std::round(fio_libaio * 1e3) / 1e3;
-      // Every variant's median and zinf's paired ratio to it, and why fio ran without huge
-      // pages ("yes" when it had them).
-      json variants, paired;
+      if (auto it = by.find("fio-libaio"); it != by.end() && !it->second.empty()) {
+        j["fio_libaio_gbps"] = std::round(Median(it->second) * 1e3) / 1e3;
+      }
+      // Every variant's median, how many repeats it ran (fewer than zinf's when its huge
+      // pages were lost mid-run), zinf's paired ratio to it (null with no common repeat),
+      // and why fio ran without huge pages ("yes" when it had them).
+      json variants, counts, paired;
       for (const FioVariant& v : fio_variants) {
-        variants[v.name] = std::round(Median(by[v.name]) * 1e3) / 1e3;
-        paired[v.name] = std::round(PairedRatio(by["zinf"], by[v.name]) * 1e3) / 1e3;
+        const std::map<int, double>& vs = by[v.name];
+        variants[v.name] = std::round(Median(vs) * 1e3) / 1e3;
+        counts[v.name] = vs.size();
+        const double pr = PairedRatio(zs, vs);
+        paired[v.name] = pr > 0 ? json(std::round(pr * 1e3) / 1e3) : json(nullptr);
       }
       j["fio_gbps"] = variants;
+      j["fio_repeats"] = counts;
       j["fio_huge_pages"] = fio_huge_why.empty() ? "yes" : "no: " + fio_huge_why;
       // The ratio of medians, against the variant with the best median (a best-of-N, which
       // favours fio), and the median of the per-repeat ratios against that same variant.
       j["ratio"] = best > 0 ? std::round(zinf / best * 1e3) / 1e3 : 0;
       j["paired_ratio"] = paired;
-      j["paired_ratio_vs_best"] =
-          best > 0 ? std::round(PairedRatio(by["zinf"], by[best_name]) * 1e3) / 1e3 : 0;
+      j["paired_ratio_vs_best"] = best > 0 ? paired[best_name] : json(nullptr);
       Emit(j);
     }
   } else if (f.repeats > 1 || f.sweep) {
