@@ -120,6 +120,7 @@ int zinf_swap_open(const zinf_swap_options* options, zinf_swap_store** out) {
     }
     o.checksums = options->checksums != 0;
     o.reopen = options->reopen != 0;
+    o.overwrite = options->overwrite != 0;
     zinf::Result<std::unique_ptr<zinf::SwapStore>> store = zinf::SwapStore::Open(o);
     if (!store.ok()) return FromStatus(store.status());
     auto* handle = new (std::nothrow) zinf_swap_store;

@@ -90,20 +90,53 @@ Status ReplaceFile(const std::string& path, std::string_view text) {
   return ReplaceFile(path, text.data(), text.size());
 }
 
-Result<std::string> ReadSmallFile(const std::string& path, size_t limit) {
-  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoToStatus(errno, "opening " + path);
+namespace {
+const char* FileKind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a folder";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+}  // namespace
+
+Result<int> OpenRegularFile(const std::string& path, const std::string& what, uint64_t* size) {
+  if (path.find('\0') != std::string::npos) {
+    return Status::InvalidArgument(what + ": the path holds a NUL character; give a plain path");
+  }
+  int fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return ErrnoToStatus(errno, what + ": opening " + path);
   struct stat st {};
   if (fstat(fd, &st) != 0) {
     int err = errno;
     close(fd);
-    return ErrnoToStatus(err, "stat of " + path);
+    return ErrnoToStatus(err, what + ": stat of " + path);
   }
-  if (!S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) > limit) {
+  if (!S_ISREG(st.st_mode)) {
     close(fd);
-    return Status::Corruption(path + " is not a regular file of at most " + FormatBytes(limit));
+    return Status::InvalidArgument(what + ": " + path + " is " + FileKind(st.st_mode) +
+                                   ", not a regular file; give a file");
   }
-  std::string text(static_cast<size_t>(st.st_size), '\0');
+  const int flags = fcntl(fd, F_GETFL);
+  if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    int err = errno;
+    close(fd);
+    return ErrnoToStatus(err, what + ": fcntl of " + path);
+  }
+  if (size != nullptr) *size = static_cast<uint64_t>(st.st_size);
+  return fd;
+}
+
+Result<std::string> ReadSmallFile(const std::string& path, size_t limit) {
+  uint64_t size = 0;
+  ZINF_ASSIGN_OR_RETURN(int fd, OpenRegularFile(path, "reading", &size));
+  if (size > limit) {
+    close(fd);
+    return Status::Corruption(path + " holds " + FormatBytes(size) + ", more than the " +
+                              FormatBytes(limit) + " such a file may hold");
+  }
+  std::string text(static_cast<size_t>(size), '\0');
   Status s = PreadAll(fd, text.data(), text.size(), 0, path, "it changed while being read");
   close(fd);
   ZINF_RETURN_IF_ERROR(s);

@@ -46,7 +46,14 @@ Status ReplaceFile(const std::string& path, const void* data, size_t n,
                    const ReplaceFileOptions& options = {});
 // The same for a text.
 Status ReplaceFile(const std::string& path, std::string_view text);
-// A regular file's contents, at most `limit` bytes (Corruption otherwise).
+// Opens `path` for reading without ever blocking on a FIFO or a device (O_NONBLOCK until
+// fstat has shown a regular file; cleared before returning). Anything but a regular file is
+// InvalidArgument naming `what` ("--data", "checkpoint manifest"), the path and its kind.
+// *size (optional) gets the file's size. Returns the fd; the caller closes it.
+Result<int> OpenRegularFile(const std::string& path, const std::string& what,
+                            uint64_t* size = nullptr);
+// A regular file's contents, at most `limit` bytes (Corruption otherwise; InvalidArgument for a
+// FIFO, a device or a folder, never a blocking read).
 Result<std::string> ReadSmallFile(const std::string& path, size_t limit);
 
 }  // namespace zinf

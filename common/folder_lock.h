@@ -28,6 +28,7 @@ class FolderLock {
   FolderLock& operator=(const FolderLock&) = delete;
 
   const std::string& path() const { return path_; }
+  bool exclusive() const { return !shared_; }
 
  private:
   FolderLock(int fd, std::string path, std::string dir, std::string what, bool shared)

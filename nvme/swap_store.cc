@@ -10,7 +10,6 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -21,9 +20,11 @@
 
 #include "common/file_io.h"
 #include "common/folder_lock.h"
+#include "common/json_seal.h"
 #include "common/utf8.h"
 #include "nvme/io_queue.h"
 #include "nvme/range_allocator.h"
+#include "nvme/swap_folders.h"
 #include "zinf/crash_point.h"
 #include "zinf/log.h"
 #include "zinf/swap.h"
@@ -31,15 +32,15 @@
 namespace zinf {
 namespace {
 
-constexpr const char* kIndexName = "zinf-swap.index.json";
-// Durable stores that retain two commits: the one before the last.
-constexpr const char* kPrevIndexName = "zinf-swap.index.prev.json";
-constexpr const char* kLockName = "zinf-swap.lock";
-constexpr int kIndexVersion = 1;
-
-std::string SwapFileName(const std::string& dir, size_t i) {
-  return dir + "/zinf-swap-" + std::to_string(i) + ".bin";
-}
+using swap_folders::kIndexName;
+using swap_folders::kLockName;
+using swap_folders::kPrevIndexName;
+using swap_folders::SwapFileName;
+// 2: the index carries its own checksum ("xxh3"), the store's id and its folders (resolved,
+// in order). 1 (no checksum, no folders) is still read, with a warning.
+constexpr int kIndexVersion = 2;
+// Largest index read back (a few hundred bytes per tensor).
+constexpr size_t kMaxIndexBytes = size_t{1} << 30;
 
 // A tensor's home on one file: a contiguous run holding its chunks f, f+N, f+2N, ...
 struct Extent {
@@ -141,12 +142,54 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// Reads the index file at `path` as JSON and checks what every reader checks first: its own
+// checksum (version 2; version 1, from before, has none and is read with a warning), and that
+// `folders` are the ones it records, in its order. *store_id gets the store's id ("" for
+// version 1).
+Result<nlohmann::json> ReadIndexFile(const std::string& path,
+                                     const std::vector<swap_folders::Survey>& folders,
+                                     std::string* store_id) {
+  ZINF_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, kMaxIndexBytes));
+  auto bad = [&](const std::string& why) {
+    return Status::Corruption("swap index " + path + ": " + why +
+                              "; the store cannot be reopened (start a fresh one)");
+  };
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return bad("not valid JSON");
+  const auto version = j.find("version");
+  if (version == j.end() || !version->is_number_integer()) return bad("no version");
+  const int v = version->get<int>();
+  if (v != 1 && v != kIndexVersion) return bad("unknown version " + std::to_string(v));
+  ZINF_RETURN_IF_ERROR(CheckJsonSeal(j, "swap index " + path, /*required=*/v >= 2));
+  store_id->clear();
+  std::vector<std::string> paths;
+  if (v == 1) {
+    LogWarning("the swap index " + path +
+               " was written by an older zinf: it carries no checksum of its own and does not "
+               "record its folders' order; the next commit or flush writes one that does");
+  } else {
+    try {
+      *store_id = j.at("store").get<std::string>();
+      paths = j.at("folders").get<std::vector<std::string>>();
+    } catch (const nlohmann::json::exception& e) {
+      return bad(std::string("missing or mistyped field (") + e.what() + ")");
+    }
+  }
+  ZINF_RETURN_IF_ERROR(swap_folders::VerifyFolders(folders, *store_id, paths));
+  return j;
+}
+
 }  // namespace
 
 struct SwapStore::Impl {
   // One per folder, taken before anything in it is read or written (destroyed last).
   std::vector<std::unique_ptr<FolderLock>> locks;
   SwapStoreOptions options;
+  // What the folders held at Open (their marks; names of the files), and this store's id:
+  // stores that are kept (not remove_on_close) mark every folder with it.
+  std::vector<swap_folders::Survey> folders;
+  std::string store_id;
+  bool marks_committed = false;  // the marks say the store wrote an index
   uint64_t alignment = 4096;
   bool direct_io = true;
   std::vector<IoFile> files;
@@ -382,6 +425,27 @@ struct SwapStore::Impl {
   // Reopen: loads the index to continue from (durable stores: the last or the previous
   // commit, dropping the other one).
   Status Reopen();
+  // Reopen, before any file is opened: the first folder holds the index, or Open fails saying
+  // what the folders hold instead (nothing, a store that never committed, another order, a
+  // lost index).
+  // After a reopen: every folder carries this store's mark, saying it committed (written for
+  // a store from before marks, or where a mark was lost).
+  Status EnsureMarks();
+  Status CheckBeforeReopen() const {
+    if (folders[0].HoldsIndex()) {
+      // Its checksum and its folders before any swap file is opened (so that a folder given
+      // in the wrong place is named as such, not as a missing file). Read again to load it.
+      std::string id;
+      const std::string index =
+          options.paths[0] + "/" + (folders[0].index ? kIndexName : kPrevIndexName);
+      return ReadIndexFile(index, folders, &id).status();
+    }
+    bool uncommitted = false;
+    ZINF_RETURN_IF_ERROR(swap_folders::ClassifyWithoutIndex(folders, &uncommitted));
+    return Status::NotFound("cannot reopen the swap store in " + options.paths[0] +
+                            ": it never wrote an index (its run stopped while initialising), "
+                            "so it holds nothing to reopen");
+  }
 };
 
 SwapStore::SwapStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
@@ -464,22 +528,43 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
                           FolderLock::Acquire(dir, kLockName, "swap folder"));
     impl->locks.push_back(std::move(lock));
   }
+  // What the folders hold decides what Open may do: a fresh store never replaces another one
+  // (unless told to), a reopened one must find its own folders in its order.
+  ZINF_ASSIGN_OR_RETURN(impl->folders, swap_folders::SurveyFolders(options.paths));
+  const bool keep = !options.remove_on_close;
+  if (options.reopen) {
+    ZINF_RETURN_IF_ERROR(impl->CheckBeforeReopen());
+  } else {
+    if (!options.overwrite) {
+      Status refused = swap_folders::RefuseToReplace(impl->folders);
+      if (!refused.ok()) {
+        return Status(refused.code(), refused.message() +
+                                          ": reopen that store, give other folders, or replace "
+                                          "it (SwapStoreOptions::overwrite)");
+      }
+    }
+    ZINF_RETURN_IF_ERROR(swap_folders::ClearFolders(impl->folders));
+    if (keep) {
+      ZINF_ASSIGN_OR_RETURN(impl->store_id, swap_folders::NewStoreId());
+      ZINF_RETURN_IF_ERROR(
+          swap_folders::WriteMarks(impl->folders, impl->store_id, /*committed=*/false));
+    }
+  }
   for (size_t i = 0; i < options.paths.size(); ++i) {
     const std::string& dir = options.paths[i];
     struct stat st {};
-    if (i == 0 && !options.reopen) {
-      // A fresh store: an index left by an earlier store in this folder must not outlive the
-      // files it describes (which are truncated below); a later reopen would trust it.
-      const std::string index = options.paths[0] + "/" + kIndexName;
-      const std::string prev = options.paths[0] + "/" + kPrevIndexName;
-      for (const std::string& f : {index, index + ".tmp", prev})
-        ZINF_RETURN_IF_ERROR(RemoveFile(f));
-      ZINF_RETURN_IF_ERROR(SyncFolder(options.paths[0]));
-    }
     std::string path = SwapFileName(dir, i);
-    int flags = O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | (options.reopen ? 0 : O_TRUNC);
+    // A reopened store's files must be there (a missing one is damage, not a new file).
+    int flags = O_RDWR | O_CLOEXEC | O_NOFOLLOW | (options.reopen ? 0 : O_CREAT | O_TRUNC);
     int fd = -1;
     bool direct = options.direct_io;
+    auto open_failed = [&](int err) {
+      if (options.reopen && err == ENOENT) {
+        return Status::Corruption("swap file " + path +
+                                  " of the store is missing: the store cannot be reopened");
+      }
+      return ErrnoToStatus(err, "opening swap file " + path);
+    };
     if (direct) {
       fd = open(path.c_str(), flags | O_DIRECT, 0600);
       if (fd < 0 && errno == EINVAL) {
@@ -491,24 +576,31 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
           warned_buffered = true;
         }
       } else if (fd < 0) {
-        return ErrnoToStatus(errno, "opening swap file " + path);
+        return open_failed(errno);
       }
     }
     if (fd < 0) {
       fd = open(path.c_str(), flags, 0600);
-      if (fd < 0) return ErrnoToStatus(errno, "opening swap file " + path);
+      if (fd < 0) return open_failed(errno);
     }
     if (!direct) impl->direct_io = false;
     impl->files.push_back({fd, path});
     if (fchmod(fd, 0600) != 0) return ErrnoToStatus(errno, "fchmod 0600 " + path);
     if (fstat(fd, &st) != 0) return ErrnoToStatus(errno, "fstat " + path);
     if (!S_ISREG(st.st_mode)) return Status::InvalidArgument(path + " is not a regular file");
+    // A store nobody reopens keeps its files only as long as they are open: a run killed at
+    // any point leaves nothing behind.
+    if (!keep && unlink(path.c_str()) != 0) return ErrnoToStatus(errno, "unlinking " + path);
     impl->file_size.push_back(options.reopen ? static_cast<uint64_t>(st.st_size) : 0);
     impl->space.emplace_back();
+  }
+  if (!keep) {
+    for (const std::string& dir : options.paths) ZINF_RETURN_IF_ERROR(SyncFolder(dir));
   }
 
   if (options.reopen) {
     ZINF_RETURN_IF_ERROR(impl->Reopen());
+    ZINF_RETURN_IF_ERROR(impl->EnsureMarks());
   }
   for (size_t f = 0; f < impl->files.size(); ++f) {
     impl->stats.file_bytes += impl->file_size[f];
@@ -946,6 +1038,17 @@ Status SwapStore::Impl::WriteIndex(const std::string* commit_meta, bool* renamed
       jt[key] = {{"size", e.size}, {"extents", ext}, {"checksums", e.checksums}};
     }
     j["tensors"] = jt;
+    j["store"] = store_id;
+    nlohmann::json jd = nlohmann::json::array();
+    for (const swap_folders::Survey& f : folders) jd.push_back(f.canonical);
+    j["folders"] = jd;
+  }
+  SealJson(&j);
+  // The marks say "this store holds data" before the first index can say it: a store whose
+  // index is lost later is then never taken for one that never committed.
+  if (!options.remove_on_close && !marks_committed) {
+    ZINF_RETURN_IF_ERROR(swap_folders::WriteMarks(folders, store_id, /*committed=*/true));
+    marks_committed = true;
   }
   const std::string dir = options.paths[0];
   const std::string final_path = dir + "/" + kIndexName;
@@ -1000,33 +1103,49 @@ Status SwapStore::Impl::Reopen() {
   return Status::OK();
 }
 
-Result<std::vector<std::string>> SwapStore::ListCommits(const std::string& first_path) {
+Result<std::vector<std::string>> SwapStore::ListCommits(const std::vector<std::string>& paths) {
+  if (paths.empty()) return Status::InvalidArgument("ListCommits: no swap folder given");
+  ZINF_ASSIGN_OR_RETURN(std::vector<swap_folders::Survey> folders,
+                        swap_folders::SurveyFolders(paths));
   std::vector<std::string> metas;
+  if (!folders[0].HoldsIndex()) {
+    bool uncommitted = false;
+    ZINF_RETURN_IF_ERROR(swap_folders::ClassifyWithoutIndex(folders, &uncommitted));
+    return metas;  // a store that never committed
+  }
   for (const char* name : {kIndexName, kPrevIndexName}) {
-    const std::string path = first_path + "/" + name;
-    if (access(path.c_str(), F_OK) != 0) {
-      if (errno == ENOENT) continue;
-      return ErrnoToStatus(errno, "looking for " + path);
-    }
-    std::ifstream in(path);
-    if (!in) return Status::IoError("cannot read " + path);
-    nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded() || !j.is_object() || !j.contains("meta") || !j.at("meta").is_string()) {
+    if (!(name == kIndexName ? folders[0].index : folders[0].prev)) continue;
+    const std::string path = paths[0] + "/" + name;
+    std::string store_id;
+    ZINF_ASSIGN_OR_RETURN(nlohmann::json j, ReadIndexFile(path, folders, &store_id));
+    if (!j.contains("meta") || !j.at("meta").is_string()) {
       return Status::Corruption("swap index " + path + " is not a durable store's commit record");
     }
     metas.push_back(j.at("meta").get<std::string>());
   }
-  if (metas.empty()) {
-    return Status::NotFound("no durable swap store commit in " + first_path + " (no " + kIndexName +
-                            ")");
-  }
   return metas;
+}
+
+Status SwapStore::Impl::EnsureMarks() {
+  if (options.remove_on_close) return Status::OK();
+  bool marked = !store_id.empty();
+  for (const swap_folders::Survey& f : folders) {
+    marked =
+        marked && f.has_mark && f.mark_status.ok() && f.mark.store == store_id && f.mark.committed;
+  }
+  if (!marked) {
+    if (store_id.empty()) {
+      ZINF_ASSIGN_OR_RETURN(store_id, swap_folders::NewStoreId());
+    }
+    ZINF_RETURN_IF_ERROR(swap_folders::WriteMarks(folders, store_id, /*committed=*/true));
+  }
+  marks_committed = true;
+  return Status::OK();
 }
 
 Status SwapStore::Impl::LoadIndex(const char* name) {
   const std::string path = options.paths[0] + "/" + name;
-  std::ifstream in(path);
-  if (!in) {
+  if (access(path.c_str(), F_OK) != 0 && errno == ENOENT) {
     return Status::NotFound("cannot reopen the swap store: no index at " + path +
                             " (it is written by Close/Flush)");
   }
@@ -1034,10 +1153,8 @@ Status SwapStore::Impl::LoadIndex(const char* name) {
     return Status::Corruption("swap index " + path + ": " + why +
                               "; the store cannot be reopened (start a fresh one)");
   };
-  nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) return bad("not valid JSON");
+  ZINF_ASSIGN_OR_RETURN(nlohmann::json j, ReadIndexFile(path, folders, &store_id));
   try {
-    if (j.at("version").get<int>() != kIndexVersion) return bad("unknown version");
     if (j.at("alignment").get<uint64_t>() != alignment) return bad("alignment differs");
     if (j.at("chunk_size").get<uint64_t>() != options.chunk_size) {
       return bad("it was written with chunk size " +

@@ -324,19 +324,44 @@ TEST_P(SwapStoreTest, DurableReopenSeesTheLastCommit) {
   read_equals(store->get(), "b", v1);
   read_equals(store->get(), "c", c);
   ASSERT_TRUE((*store)->Close().ok());
-  // A fresh (not reopened) store in the same folder removes the old index at once: a crash
-  // before its first commit must not leave an index describing truncated files.
+  // A fresh (not reopened) store in the same folder is refused: it would replace a store that
+  // committed data. Nothing is changed by the refusal.
   o.reopen = false;
+  {
+    auto refused = SwapStore::Open(o);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), StatusCode::kAlreadyExists) << refused.status().ToString();
+    EXPECT_NE(refused.status().message().find(o.paths[0]), std::string::npos);
+    o.reopen = true;
+    auto still = SwapStore::Open(o);
+    ASSERT_TRUE(still.ok()) << still.status().ToString();
+    EXPECT_EQ((*still)->committed_meta(), "step 12");
+    read_equals(still->get(), "c", c);
+    o.reopen = false;
+  }
+  // Told to overwrite, it removes the old index at once: a crash before its first commit must
+  // not leave an index describing truncated files.
+  o.overwrite = true;
   {
     auto fresh = SwapStore::Open(o);
     ASSERT_TRUE(fresh.ok()) << fresh.status().ToString();
     write(fresh->get(), "a", v1);
     ASSERT_TRUE((*fresh)->Close().ok());  // durable: no commit
   }
+  // That store never committed: nothing to reopen (NotFound), and nothing to keep (a fresh
+  // store replaces it without being told to).
   o.reopen = true;
   auto none = SwapStore::Open(o);
   ASSERT_FALSE(none.ok());
   EXPECT_EQ(none.status().code(), StatusCode::kNotFound) << none.status().ToString();
+  EXPECT_NE(none.status().message().find("never wrote an index"), std::string::npos)
+      << none.status().ToString();
+  auto listed = SwapStore::ListCommits(o.paths);
+  ASSERT_TRUE(listed.ok()) << listed.status().ToString();
+  EXPECT_TRUE(listed->empty());
+  o.reopen = false;
+  o.overwrite = false;
+  EXPECT_TRUE(SwapStore::Open(o).ok());
 }
 
 // Durable mode retaining two commits (ranks one commit apart agree on the earlier one): the
@@ -359,7 +384,7 @@ TEST_P(SwapStoreTest, DurableRetainsThePreviousCommit) {
     ExpectReads(st, key, &back, want, size);
   };
   auto commits = [&] {
-    auto l = SwapStore::ListCommits(o.paths[0]);
+    auto l = SwapStore::ListCommits(o.paths);
     return l.ok() ? *l : std::vector<std::string>{l.status().ToString()};
   };
   using Metas = std::vector<std::string>;

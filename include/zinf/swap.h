@@ -93,7 +93,8 @@ struct SwapStoreOptions {
   // at the call, naming the numbers). UINT64_MAX: 2 % of the filesystem, at most 4 GiB.
   uint64_t reserve_bytes = UINT64_MAX;
   // Delete the swap files (and any index) at Close: for a store nobody reopens (the engine's
-  // when it is not durable), so nothing is left on the disk after the run.
+  // when it is not durable), so nothing is left on the disk after the run. Such a store's
+  // files are unlinked as soon as they are open, so a killed run leaves nothing either.
   bool remove_on_close = false;
   uint64_t chunk_size = 1 << 20;  // stripe unit; tensor chunk i lives on path i % N
   uint32_t block_size = 1 << 20;  // largest I/O request
@@ -101,7 +102,18 @@ struct SwapStoreOptions {
   IoBackendOptions backend_options;
   bool direct_io = true;   // O_DIRECT; refused (tmpfs) -> buffered I/O with one warning
   bool checksums = false;  // xxh3-64 per chunk, verified on read
-  bool reopen = false;     // load the index a previous Close() wrote, keep the data
+  // Load the index a previous Close() (or Commit()) wrote, keep the data. The folders must be
+  // the store's, in its order: each folder of a store that can be reopened carries a mark
+  // (zinf-swap.folder.json: the store's id and the folder's position) and the index records
+  // them; other folders, another order, or a store whose index is lost are refused, naming
+  // the order to give (FailedPrecondition) or the damage (Corruption).
+  bool reopen = false;
+  // A fresh store (reopen false) never replaces another one: when a folder holds a store's
+  // index, a mark of a store that wrote one, or swap files without a mark, Open fails with
+  // AlreadyExists naming it, and nothing is changed. With overwrite that store's files (in
+  // every folder given) are removed first. A store that never wrote an index holds nothing
+  // to keep and is replaced either way.
+  bool overwrite = false;
   // Durable (crash-consistent) mode: a write never overwrites the committed version of a
   // tensor. The first write of a tensor after a Commit() goes to fresh extents (later ones
   // overwrite those in place); Commit() publishes every write since the last one atomically
@@ -180,10 +192,17 @@ class SwapStore {
   // The `meta` of the last commit ("" when none): the one the store was reopened at, or the
   // last Commit() since.
   std::string committed_meta() const;
-  // The `meta` of each commit a durable store in `first_path` (its first path) could reopen
-  // at, the last one first (two when the store retains two commits). NotFound when there is
-  // none; Corruption when an index cannot be read. Reads only the index files.
-  static Result<std::vector<std::string>> ListCommits(const std::string& first_path);
+  // The `meta` of each commit a durable store in `paths` (its folders, in order) could reopen
+  // at, the last one first (two when the store retains two commits); empty for a store that
+  // never committed (its run stopped while initialising). NotFound when the folders hold no
+  // store; Corruption when an index cannot be read or is lost; FailedPrecondition when the
+  // folders are not the store's, in its order (as Open with reopen). Reads only the small
+  // files (indexes, marks) and the folders' listings; changes nothing.
+  static Result<std::vector<std::string>> ListCommits(const std::vector<std::string>& paths);
+  // The same for a store of one folder.
+  static Result<std::vector<std::string>> ListCommits(const std::string& first_path) {
+    return ListCommits(std::vector<std::string>{first_path});
+  }
   // Flush(), then closes; the store is unusable afterwards.
   Status Close();
 

@@ -44,6 +44,7 @@ typedef struct zinf_swap_options {
   const char* backend;            /* "io_uring" (NULL = default), "libaio" or "psync" */
   int checksums;                  /* 1: per-chunk xxhash written and verified on read */
   int reopen;                     /* 1: load the index left by a previous zinf_swap_close */
+  int overwrite; /* 1: a new store (reopen 0) replaces one the folders hold; 0: that is refused */
 } zinf_swap_options;
 
 /* Fills *options with the defaults (no paths). */
