@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -10,23 +11,66 @@
 #include <filesystem>
 
 #include "common/file_io.h"
+#include "engine/checkpoint_format.h"
 #include "zinf/crash_point.h"
 #include "zinf/log.h"
 
 namespace zinf::checkpoint_folder {
 namespace {
 
-// step-NNNNNNNNN[.k] -> (step, k); false for other names.
+// Digits only, 1 to 18 of them (no sign, no space: what %lld would also accept is not a name
+// zinf writes).
+bool ParseDigits(const std::string& s, size_t min_digits, long long* out) {
+  if (s.size() < min_digits || s.size() > 18) return false;
+  long long v = 0;
+  for (char c : s) {
+    if (c < '0' || c > '9') return false;
+    v = v * 10 + (c - '0');
+  }
+  *out = v;
+  return true;
+}
+
+// step-NNNNNNNNN[.k] (what Commit names, at least nine digits; k from 1, no leading zero)
+// -> (step, k); false for any other name.
 bool ParseStepName(const std::string& name, long long* step, long long* k) {
   if (name.rfind("step-", 0) != 0) return false;
-  char tail = 0;
+  const std::string rest = name.substr(5);
+  const size_t dot = rest.find('.');
   *k = 0;
-  if (std::sscanf(name.c_str() + 5, "%lld%c", step, &tail) == 1) return *step >= 0;
-  return std::sscanf(name.c_str() + 5, "%lld.%lld%c", step, k, &tail) == 2 && *step >= 0 && *k > 0;
+  if (!ParseDigits(rest.substr(0, dot), 9, step)) return false;
+  if (dot == std::string::npos) return true;
+  const std::string suffix = rest.substr(dot + 1);
+  return !suffix.empty() && suffix[0] != '0' && ParseDigits(suffix, 1, k);
 }
 
 bool ValidName(const std::string& name) {
   return !name.empty() && name.find('/') == std::string::npos && name[0] != '.';
+}
+
+std::string NameSum(const std::string& name) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx",
+                static_cast<unsigned long long>(XXH3_64bits(name.data(), name.size())));
+  return buf;
+}
+
+// `latest`: the folder's name on the first line, "xxh3 <16 hex digits of the name>" on the
+// second (a flipped digit must not name another, older checkpoint). Files from builds before
+// the checksum hold the name alone.
+std::string LatestText(const std::string& name) { return name + "\nxxh3 " + NameSum(name) + "\n"; }
+
+Result<std::string> ParseLatest(const std::string& text, const std::string& where) {
+  const size_t nl = text.find('\n');
+  std::string name = text.substr(0, nl);
+  std::string rest = nl == std::string::npos ? "" : text.substr(nl + 1);
+  while (!rest.empty() && (rest.back() == '\n' || rest.back() == ' ')) rest.pop_back();
+  while (!name.empty() && name.back() == ' ') name.pop_back();
+  if (!ValidName(name)) return Status::Corruption(where + " does not name a checkpoint folder");
+  if (!rest.empty() && rest != "xxh3 " + NameSum(name)) {
+    return Status::Corruption(where + " does not match its own checksum (edited or damaged)");
+  }
+  return name;
 }
 
 // mkdir -p with 0700 for the components it creates (existing ones keep their mode).
@@ -66,12 +110,11 @@ Result<Listing> List(const std::string& dir) {
     if (!name.ok()) {
       l.latest_status = name.status();
     } else {
-      std::string n = *name;
-      while (!n.empty() && (n.back() == '\n' || n.back() == ' ')) n.pop_back();
-      if (!ValidName(n)) {
-        l.latest_status = Status::Corruption(dir + "/latest does not name a checkpoint folder");
+      Result<std::string> n = ParseLatest(*name, dir + "/" + kLatest);
+      if (!n.ok()) {
+        l.latest_status = n.status();
       } else {
-        l.latest = n;
+        l.latest = *n;
       }
     }
   }
@@ -100,14 +143,62 @@ std::vector<std::string> Candidates(const std::string& dir, const Listing& listi
   return out;
 }
 
+bool IsZinfCheckpoint(const std::string& dir, const std::string& name) {
+  long long step = 0, k = 0;
+  if (!ParseStepName(name, &step, &k)) return false;
+  const std::string folder = dir + "/" + name;
+  struct stat st {};
+  if (lstat(folder.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return false;
+  if (lstat((folder + "/" + kMark).c_str(), &st) == 0 && S_ISREG(st.st_mode)) return true;
+  Result<std::string> text = ReadSmallFile(folder + "/rank0.json", 1 << 30);
+  return text.ok() && ParseRankManifest(*text, folder + "/rank0.json").ok();
+}
+
+Result<std::vector<std::string>> ZinfEntries(const std::string& dir) {
+  ZINF_ASSIGN_OR_RETURN(Listing l, List(dir));
+  std::vector<std::string> out;
+  if (!l.exists) return out;
+  struct stat st {};
+  for (const char* name : {kLatest, kIncoming}) {
+    if (lstat((dir + "/" + name).c_str(), &st) == 0) out.push_back(name);
+  }
+  for (const std::string& s : l.steps) {
+    if (IsZinfCheckpoint(dir, s)) out.push_back(s);
+  }
+  return out;
+}
+
+Status RemoveZinfEntries(const std::string& dir) {
+  namespace fs = std::filesystem;
+  ZINF_ASSIGN_OR_RETURN(std::vector<std::string> entries, ZinfEntries(dir));
+  for (const std::string& name : entries) {
+    std::error_code ec;
+    fs::remove_all(dir + "/" + name, ec);
+    if (ec) return Status::IoError("removing " + dir + "/" + name + ": " + ec.message());
+  }
+  return FsyncPath(dir, /*directory=*/true);
+}
+
+Status MarkIncoming(const std::string& dir) {
+  return ReplaceFile(dir + "/" + kIncoming + "/" + kMark, "zinf checkpoint\n");
+}
+
 Status Prepare(const std::string& dir, std::unique_ptr<FolderLock>* lock) {
   ZINF_RETURN_IF_ERROR(MakeFolders(dir));
   const std::string probe = dir + "/.zinf-probe-" + std::to_string(getpid());
   Result<int> fd = CreateExclusive(probe);
   if (!fd.ok()) {
-    return fd.status().WithContext("checkpoint folder " + dir +
-                                   " is not writable (checkpoints go there; pick a writable "
-                                   "folder)");
+    const int err = fd.status().sys_errno();
+    if (err == EACCES || err == EPERM || err == EROFS) {
+      return fd.status().WithContext("checkpoint folder " + dir +
+                                     " is not writable (checkpoints go there; pick a writable "
+                                     "folder)");
+    }
+    // Not a property of the folder (EMFILE, ENOSPC, EIO...): the errno says what.
+    return fd.status().WithContext("checkpoint folder " + dir + ": cannot create a file in it" +
+                                   (err == EMFILE || err == ENFILE
+                                        ? " (too many open files: raise the limit, ulimit -n)"
+                                        : ""));
   }
   close(*fd);
   unlink(probe.c_str());
@@ -132,7 +223,7 @@ Result<std::string> Commit(const std::string& dir, int64_t step) {
     return ErrnoToStatus(errno, "renaming " + incoming + " to " + dir + "/" + name);
   }
   CrashPoint("checkpoint.renamed");
-  ZINF_RETURN_IF_ERROR(ReplaceFile(dir + "/" + kLatest, name + "\n"));
+  ZINF_RETURN_IF_ERROR(ReplaceFile(dir + "/" + kLatest, LatestText(name)));
   CrashPoint("checkpoint.latest");
   return name;
 }
@@ -154,6 +245,7 @@ void Prune(const std::string& dir, const std::string& newest,
       kept = readable(dir + "/" + s);
       continue;
     }
+    if (!IsZinfCheckpoint(dir, s)) continue;  // named like one, not written by zinf: the user's
     std::error_code ec;
     fs::remove_all(dir + "/" + s, ec);
     if (ec) LogWarning("could not remove old checkpoint " + dir + "/" + s + ": " + ec.message());

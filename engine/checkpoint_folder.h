@@ -20,6 +20,9 @@ namespace zinf::checkpoint_folder {
 inline constexpr const char* kLatest = "latest";
 inline constexpr const char* kIncoming = ".incoming";
 inline constexpr const char* kLockName = "zinf-checkpoint.lock";
+// Inside every checkpoint folder zinf writes: what makes a step folder zinf's (and so
+// removable by pruning or an overwrite); names alone never do.
+inline constexpr const char* kMark = "zinf-checkpoint.mark";
 
 struct Listing {
   bool exists = false;             // the folder exists
@@ -37,6 +40,22 @@ Result<Listing> List(const std::string& dir);
 // names, then the other step folders by step. Paths, not names.
 std::vector<std::string> Candidates(const std::string& dir, const Listing& listing);
 
+// Whether `dir`/`name` is a checkpoint zinf wrote: a step folder name (step-NNNNNNNNN with
+// at least nine digits, optionally .k) holding kMark, or, from builds before the mark, a
+// rank0.json that parses as a zinf manifest.
+bool IsZinfCheckpoint(const std::string& dir, const std::string& name);
+
+// The entries of `dir` that zinf wrote and an overwrite removes: `latest`, `.incoming`, and
+// the step folders IsZinfCheckpoint accepts, newest first. Nothing else (user files named
+// like checkpoints included). Empty for a missing folder.
+Result<std::vector<std::string>> ZinfEntries(const std::string& dir);
+
+// Removes ZinfEntries(dir); the caller holds the folder's lock.
+Status RemoveZinfEntries(const std::string& dir);
+
+// Writes kMark into the folder being committed (`dir`/.incoming).
+Status MarkIncoming(const std::string& dir);
+
 // Makes the folder usable for saving: created (missing components 0700), a folder, writable
 // (a probe file is created and removed), and locked for this process (the lock goes into
 // *lock). Errors name the folder and the fix.
@@ -49,7 +68,8 @@ Result<std::string> Commit(const std::string& dir, int64_t step);
 
 // After a commit of `newest`: removes the step folders older than the newest other one that
 // `readable` accepts (so the newest readable checkpoint before `newest` always stays, and
-// damaged folders newer than it stay for inspection). Failures are logged, not returned.
+// damaged folders newer than it stay for inspection), only those IsZinfCheckpoint accepts.
+// Failures are logged, not returned.
 void Prune(const std::string& dir, const std::string& newest,
            bool (*readable)(const std::string& folder));
 

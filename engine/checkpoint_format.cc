@@ -5,6 +5,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "common/json_seal.h"
 #include "zinf/cpu_adam.h"
 
 namespace zinf {
@@ -88,9 +89,7 @@ std::string SerializeRankManifest(const RankManifest& m) {
     if (t.updates >= 0) j["tensors"].back()["updates"] = t.updates;
   }
   j["user_data"] = m.user_data;
-  // The manifest's own checksum: of its compact form without this field (a parser rebuilds
-  // that form from what it read, so whitespace does not matter, every value does).
-  j["xxh3"] = Hex(XXH3_64bits(j.dump().data(), j.dump().size()));
+  SealJson(&j);  // the manifest's own checksum
   return j.dump(1) + "\n";
 }
 
@@ -109,19 +108,7 @@ Result<RankManifest> ParseRankManifest(const std::string& text, const std::strin
                                 " (this build reads versions 2 and " +
                                 std::to_string(kCheckpointFormatVersion) + ")");
   }
-  {
-    auto sum = j.find("xxh3");
-    if (sum == j.end()) return Status::Corruption(where + ": the manifest's checksum is missing");
-    ZINF_ASSIGN_OR_RETURN(uint64_t want, ParseHex(*sum, where + ": xxh3"));
-    json body = j;
-    body.erase("xxh3");
-    const std::string text = body.dump();
-    if (XXH3_64bits(text.data(), text.size()) != want) {
-      return Status::Corruption(where +
-                                ": the manifest does not match its checksum (edited or "
-                                "damaged)");
-    }
-  }
+  ZINF_RETURN_IF_ERROR(CheckJsonSeal(j, where, /*required=*/true));
   RankManifest m;
   ZINF_ASSIGN_OR_RETURN(uint64_t world, U64(j, "world", where));
   ZINF_ASSIGN_OR_RETURN(uint64_t rank, U64(j, "rank", where));

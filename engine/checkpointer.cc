@@ -143,9 +143,12 @@ Status Checkpointer::Save(const std::string& dir, const std::string& user_data, 
   // Rank 0 commits: the staging folder gets its final name, then `latest` names it; then the
   // checkpoints older than the newest readable one before it go.
   if (rank_ == 0) {
-    Result<std::string> name = checkpoint_folder::Commit(dir, step);
-    local = name.status();
-    if (name.ok()) checkpoint_folder::Prune(dir, *name, &ReadableCheckpoint);
+    local = checkpoint_folder::MarkIncoming(dir);
+    if (local.ok()) {
+      Result<std::string> name = checkpoint_folder::Commit(dir, step);
+      local = name.status();
+      if (name.ok()) checkpoint_folder::Prune(dir, *name, &ReadableCheckpoint);
+    }
   }
   return collectives_->Agree(local, "SaveCheckpoint");
 }
@@ -195,31 +198,34 @@ Status Checkpointer::Validate(const std::string& folder, RankManifest* man, int*
     }
   }
   *states_path = folder + "/" + man->states_file;
-  *fd = open(states_path->c_str(), O_RDONLY | O_CLOEXEC);
-  if (*fd < 0) return ErrnoToStatus(errno, "opening " + *states_path);
-  struct stat st {};
-  if (fstat(*fd, &st) != 0) return ErrnoToStatus(errno, "stat of " + *states_path);
-  if (static_cast<uint64_t>(st.st_size) != man->file_bytes) {
-    return Status::Corruption(*states_path + " has " + std::to_string(st.st_size) +
+  uint64_t file_size = 0;
+  ZINF_ASSIGN_OR_RETURN(*fd, OpenRegularFile(*states_path, "checkpoint states", &file_size));
+  if (file_size != man->file_bytes) {
+    return Status::Corruption(*states_path + " has " + std::to_string(file_size) +
                               " bytes, its manifest says " + std::to_string(man->file_bytes) +
                               " (a torn checkpoint)");
   }
   if (buf->data == nullptr) return Status::ResourceExhausted("checkpoint buffer");
   for (size_t gi = 0; gi < num_groups; ++gi) {
-    const GroupLayout& g = layout_->group(gi);
-    ZINF_RETURN_IF_ERROR(PreadAll(*fd, buf->data, layout_->GroupStateBytes(gi, file_type),
-                                  man->groups[gi].offset, *states_path, "a torn checkpoint"));
-    const char* f = static_cast<const char*>(buf->data);
-    static const char* const kState[] = {"master weights", "exp_avg", "exp_avg_sq"};
-    for (ParamId id : g.params) {
-      const ParamLayout& p = layout_->param(id);
-      const CheckpointTensor& t = man->tensors[id];
-      for (int k = 0; k < 3; ++k) {
-        if (XXH3_64bits(f + layout_->SliceOffsetIn(id, k, file_type),
-                        layout_->SliceBytesIn(id, k, file_type)) != t.hash[k]) {
-          return Status::Corruption("checkpoint tensor '" + p.info.name + "' (" + kState[k] +
-                                    ") in " + *states_path + " does not match its checksum");
-        }
+    ZINF_RETURN_IF_ERROR(ReadGroup(*fd, gi, file_type, *man, *states_path, buf->data));
+  }
+  return Status::OK();
+}
+
+Status Checkpointer::ReadGroup(int fd, size_t gi, StateType file_type, const RankManifest& man,
+                               const std::string& states_path, void* buf) const {
+  ZINF_RETURN_IF_ERROR(PreadAll(fd, buf, layout_->GroupStateBytes(gi, file_type),
+                                man.groups[gi].offset, states_path, "a torn checkpoint"));
+  const char* f = static_cast<const char*>(buf);
+  static const char* const kState[] = {"master weights", "exp_avg", "exp_avg_sq"};
+  for (ParamId id : layout_->group(gi).params) {
+    const CheckpointTensor& t = man.tensors[id];
+    for (int k = 0; k < 3; ++k) {
+      if (XXH3_64bits(f + layout_->SliceOffsetIn(id, k, file_type),
+                      layout_->SliceBytesIn(id, k, file_type)) != t.hash[k]) {
+        return Status::Corruption("checkpoint tensor '" + layout_->param(id).info.name + "' (" +
+                                  kState[k] + ") in " + states_path +
+                                  " does not match its checksum");
       }
     }
   }
@@ -337,10 +343,12 @@ Status Checkpointer::Load(const std::string& dir, bool fall_back_to_older,
   // Nothing is installed yet: a rank that cannot convert stops every rank here, the engine
   // untouched.
   ZINF_RETURN_IF_ERROR(collectives_->Agree(prepared, "LoadCheckpoint"));
+  if (validated_) validated_(used);
   local = begin_install();
   for (size_t gi = 0; gi < layout_->num_groups() && local.ok(); ++gi) {
-    local = PreadAll(fd, buf.data, layout_->GroupStateBytes(gi, file_type), man.groups[gi].offset,
-                     states_path, "a torn checkpoint");
+    // The bytes installed are the bytes verified: this read is checked again (the file may
+    // have changed since the validation pass, or the disk returned something else).
+    local = ReadGroup(fd, gi, file_type, man, states_path, buf.data);
     const void* states = buf.data;
     if (local.ok() && converted) {
       local = ConvertGroupStates(gi, file_type, buf.data, converted->data);

@@ -22,13 +22,23 @@ namespace zinf {
 class Checkpointer {
  public:
   Checkpointer(const Layout* layout, const EngineConfig* config, HostCollectives* collectives,
-               int rank, int world)
-      : layout_(layout), config_(config), collectives_(collectives), rank_(rank), world_(world) {}
+               int rank, int world, std::function<void(const std::string&)> validated = nullptr)
+      : layout_(layout),
+        config_(config),
+        collectives_(collectives),
+        rank_(rank),
+        world_(world),
+        validated_(std::move(validated)) {}
   // At placement: the states to save and load.
   void Attach(StateStore* states) { states_ = states; }
 
   // Rank 0 creates and locks `dir`; every rank learns the result. A collective.
   Status Prepare(const std::string& dir);
+  // Rank 0: whether this engine holds `dir`'s lock exclusively (Prepare or Save took it).
+  bool HoldsLock(const std::string& dir) const {
+    auto it = locks_.find(dir);
+    return it != locks_.end() && it->second != nullptr && it->second->exclusive();
+  }
   // Writes the states of every sub-group as step `step`. A collective; the optimizer must be
   // idle.
   Status Save(const std::string& dir, const std::string& user_data, int64_t step);
@@ -48,6 +58,10 @@ class Checkpointer {
   // Sub-group gi's [master | state 1 | state 2] with its states stored as `from` (src) into
   // this engine's state dtype (dst, GroupStateBytes(gi) bytes).
   Status ConvertGroupStates(size_t gi, StateType from, const void* src, void* dst) const;
+  // Reads sub-group gi's [master | state 1 | state 2] (stored as `file_type`) from the states
+  // file into `buf` and verifies every slice against the manifest's checksums.
+  Status ReadGroup(int fd, size_t gi, StateType file_type, const RankManifest& man,
+                   const std::string& states_path, void* buf) const;
   // Pass 1 of a load: parse, match the layout and verify every checksum of `folder`; nothing
   // changes. Leaves the manifest in *man and the open states file in *fd.
   Status Validate(const std::string& folder, RankManifest* man, int* fd, std::string* states_path,
@@ -59,6 +73,7 @@ class Checkpointer {
   HostCollectives* const collectives_;
   const int rank_;
   const int world_;
+  const std::function<void(const std::string&)> validated_;  // EngineHooks::checkpoint_validated
   // Checkpoint folders this engine saved to or loaded from, locked for its lifetime (rank 0).
   std::map<std::string, std::unique_ptr<FolderLock>> locks_;
 };

@@ -18,6 +18,7 @@
 #include <string_view>
 #include <utility>
 
+#include "common/file_io.h"
 #include "engine/json_reader.h"
 #include "zinf/log.h"
 
@@ -528,6 +529,17 @@ Status Validate(const EngineConfig& c) {
                    "must be in 1..1024, got " + std::to_string(c.aio.thread_count));
   }
 
+  if (c.optimizer_threads < 0 || c.optimizer_threads > 4096) {
+    return invalid("zinf.optimizer_threads",
+                   "must be in 0..4096 (0: every CPU), got " + std::to_string(c.optimizer_threads));
+  }
+  if (c.nvme_capacity_bytes != 0 &&
+      (c.nvme_capacity_bytes % 4096 != 0 || c.nvme_capacity_bytes < (uint64_t{1} << 20))) {
+    return invalid("zinf.nvme_capacity_bytes",
+                   "must be 0 (no limit) or a multiple of 4096 bytes of at least 1 MiB (the swap "
+                   "file's growth limit per folder, e.g. \"64G\"), got " +
+                       std::to_string(c.nvme_capacity_bytes));
+  }
   if (c.pinned_budget_bytes == 0) {
     return invalid("zinf.pinned_budget_bytes",
                    "must be positive (pinned host memory for transfers), e.g. \"1G\"; got 0");
@@ -584,22 +596,10 @@ Result<EngineConfig> LoadEngineConfig(const std::string& path, std::vector<std::
                                    "(e.g. " +
                                    path + "/ds_config.json)");
   }
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoToStatus(errno, "open config file " + path);
-  std::string text;
-  char buf[65536];
-  while (true) {
-    ssize_t n = ::read(fd, buf, sizeof(buf));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      int err = errno;
-      ::close(fd);
-      return ErrnoToStatus(err, "read config file " + path);
-    }
-    if (n == 0) break;
-    text.append(buf, static_cast<size_t>(n));
-  }
-  ::close(fd);
+  // A regular file only (a FIFO or a device would block or never end), of a sane size.
+  Result<std::string> read = ReadSmallFile(path, 64 << 20);
+  if (!read.ok()) return read.status().WithContext("config file " + path);
+  std::string text = std::move(read).value();
 
   std::vector<std::string> local_warnings;
   Result<EngineConfig> config = ParseEngineConfig(text, &local_warnings);

@@ -32,6 +32,7 @@ std::string DurableCommits::Meta(int64_t at_step, int64_t at_visible) const {
                   p.slice_offset, states_->updates(id)});
   }
   j["params"] = ps;
+  if (!user_data_.empty()) j["user_data"] = user_data_;
   return j.dump();
 }
 
@@ -94,6 +95,7 @@ Status DurableCommits::Check(const std::string& meta, Point* out) const {
     out->visible = j.value("visible", out->step);
     out->lineage = j.value("lineage", uint64_t{0});
     out->param_keys = j.at("param_tier").get<std::string>() == "nvme";
+    out->user_data = j.value("user_data", std::string());
     if (out->step < 0) return mismatch("negative step");
     if (out->visible > out->step || out->visible < out->step - 1 || out->visible < 0) {
       return mismatch("parameter version " + std::to_string(out->visible) + " at step " +
@@ -128,12 +130,13 @@ void DurableCommits::NewLineage(int64_t step) {
   lineage_ = XXH3_64bits_withSeed(parts, sizeof(parts), 0x7a696e66) | 1;
 }
 
-Result<bool> DurableCommits::AgreeOnCommit(const std::string& first_path) {
+Result<DurableCommits::Agreement> DurableCommits::AgreeOnCommit(
+    const std::vector<std::string>& paths) {
   // This rank's last and previous commits as (step, lineage); step -1: none; a step below
   // -100 encodes the StatusCode of a store this rank cannot read.
   int64_t mine[4] = {-1, 0, -1, 0};
   Status local;
-  Result<std::vector<std::string>> metas = SwapStore::ListCommits(first_path);
+  Result<std::vector<std::string>> metas = SwapStore::ListCommits(paths);
   if (!metas.ok()) local = metas.status();
   for (size_t i = 0; local.ok() && i < std::min<size_t>(2, metas->size()); ++i) {
     Point point;
@@ -151,14 +154,25 @@ Result<bool> DurableCommits::AgreeOnCommit(const std::string& first_path) {
                                                  "ResumeFromStore: agreeing on a commit with the "
                                                  "other ranks"));
   }
-  ZINF_RETURN_IF_ERROR(local.WithContext("ResumeFromStore: the swap store in " + first_path));
+  ZINF_RETURN_IF_ERROR(local.WithContext("ResumeFromStore"));
+  Agreement a;
+  bool none = true;  // no rank holds a commit (and none failed: checked in ChooseCommit)
+  for (int r = 0; r < world_; ++r) none = none && all[4 * r] == -1;
+  if (none) {
+    LogInfo("rank " + std::to_string(rank_) + ": the durable swap store in " + paths[0] +
+            " never committed a step (its run stopped while initialising): nothing to keep, "
+            "starting at step 0");
+    a.fresh = true;
+    return a;
+  }
   ZINF_ASSIGN_OR_RETURN(CommitChoice choice, ChooseCommit(all, rank_));
   if (choice.previous) {
     LogInfo("rank " + std::to_string(rank_) + ": resuming at step " + std::to_string(choice.step) +
             ", the commit before its last (step " + std::to_string(all[4 * rank_]) +
             "), which every rank holds");
   }
-  return choice.previous;
+  a.previous = choice.previous;
+  return a;
 }
 
 Result<CommitChoice> ChooseCommit(const std::vector<int64_t>& all, int rank) {
@@ -209,19 +223,22 @@ Result<CommitChoice> ChooseCommit(const std::vector<int64_t>& all, int rank) {
   return choice;
 }
 
-Status DurableCommits::RefuseOverwrite(const std::string& first_path) const {
-  if (!config_->durable || config_->durable_overwrite) return Status::OK();
-  Result<std::vector<std::string>> commits = SwapStore::ListCommits(first_path);
+Status DurableCommits::ExplainExisting(const std::vector<std::string>& paths) const {
+  std::string held;
+  Result<std::vector<std::string>> commits = SwapStore::ListCommits(paths);
   if (commits.ok() && !commits->empty()) {
     nlohmann::json j = nlohmann::json::parse(commits->front(), nullptr, false);
-    const std::string step =
-        j.is_object() && j.contains("step") ? j["step"].dump() : std::string("?");
-    return Status::FailedPrecondition(
-        "the swap folder " + first_path + " holds a durable store committed at step " + step +
-        ": resume it (Engine::ResumeFromStore; zinf-train --resume) or allow replacing it "
-        "(zinf.durable_overwrite; zinf-train --overwrite)");
+    if (j.is_object() && j.contains("step")) {
+      held = "a durable store committed at step " + j["step"].dump();
+    }
+  } else if (!commits.ok()) {
+    held = "a store that cannot be reopened (" + commits.status().message() + ")";
   }
-  return Status::OK();
+  return Status::AlreadyExists(
+      "the swap folders (" + paths[0] + (paths.size() > 1 ? ", ..." : "") + ") hold " +
+      (held.empty() ? std::string("another swap store") : held) +
+      "; nothing was changed: resume it (Engine::ResumeFromStore; zinf-train --resume) or "
+      "replace it (zinf.durable_overwrite; zinf-train --overwrite)");
 }
 
 }  // namespace zinf

@@ -49,6 +49,7 @@ class DurableCommits {
     bool param_keys = false;  // the commit holds NVMe parameter stores
     uint64_t lineage = 0;
     std::vector<int64_t> updates;  // each parameter's update count
+    std::string user_data;         // the trainer's record (SetCommitUserData)
   };
   Status Check(const std::string& meta, Point* point) const;
   // Publishes the swap store's writes as step `at_step` (no-op unless durable). Called by the
@@ -56,18 +57,26 @@ class DurableCommits {
   // thread once the step's update is written (the next one has not begun).
   Status Commit(int64_t at_step, int64_t at_visible);
 
-  // ResumeFromStore: the commit every rank reopens at. Each rank's store holds its last
-  // commit and, with more than one rank, the one before; ranks commit at most one step apart,
-  // so the earliest last commit is held by all. Returns whether this rank reopens at its
-  // previous one. A collective.
-  Result<bool> AgreeOnCommit(const std::string& first_path);
-  // A fresh durable store would replace one that holds committed steps: refused unless
-  // zinf.durable_overwrite.
-  Status RefuseOverwrite(const std::string& first_path) const;
+  // ResumeFromStore: the commit every rank reopens at. Each rank's store (in `paths`, its
+  // folders in order) holds its last commit and, with more than one rank, the one before;
+  // ranks commit at most one step apart, so the earliest last commit is held by all.
+  // `previous`: this rank reopens at its previous one. `fresh`: no rank's store ever
+  // committed (the run stopped while initialising): there is nothing to keep, the engine
+  // starts at step 0. NotFound when a rank's folders hold no store. A collective.
+  struct Agreement {
+    bool previous = false;
+    bool fresh = false;
+  };
+  Result<Agreement> AgreeOnCommit(const std::vector<std::string>& paths);
+  // A fresh store was refused (AlreadyExists) because `paths` hold one: what they hold, with
+  // the step that store committed when it can be read, and the engine's ways out.
+  Status ExplainExisting(const std::vector<std::string>& paths) const;
 
   // Durable: which history the commits belong to. 0 for a fresh start; every checkpoint load
   // or set of new values derives a new one (the same on every rank), so that a resume never
   // mixes a rank's commit from before it with another's from after it at the same step.
+  // The trainer's text recorded with every commit (Engine::SetCommitUserData).
+  void set_user_data(std::string text) { user_data_ = std::move(text); }
   uint64_t lineage() const { return lineage_; }
   void set_lineage(uint64_t l) { lineage_ = l; }
   void NewLineage(int64_t step);
@@ -81,6 +90,7 @@ class DurableCommits {
   const int world_;
   SwapStore* swap_ = nullptr;
   uint64_t lineage_ = 0;
+  std::string user_data_;
 };
 
 }  // namespace zinf

@@ -153,8 +153,8 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
       std::vector<Stream*>{m.comm_stream, m.copy_stream, m.grad_stream});
   ZINF_ASSIGN_OR_RETURN(m.collectives,
                         HostCollectives::Create(device, comm, m.budget.get(), m.comm_stream));
-  m.checkpointer =
-      std::make_unique<Checkpointer>(&m.layout, &m.config, m.collectives.get(), m.rank, m.world);
+  m.checkpointer = std::make_unique<Checkpointer>(&m.layout, &m.config, m.collectives.get(), m.rank,
+                                                  m.world, hooks.checkpoint_validated);
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
 
@@ -259,6 +259,7 @@ Status Engine::Impl::Place() {
   ZINF_RETURN_IF_ERROR(grads->Init());
   durable = std::make_unique<DurableCommits>(&layout, &config, states.get(), collectives.get(),
                                              rank, world);
+  durable->set_user_data(commit_user_data);
   checkpointer->Attach(states.get());
   OptimizerPipeline::Parts parts;
   parts.layout = &layout;
@@ -279,15 +280,24 @@ Status Engine::Impl::Place() {
     ZINF_ASSIGN_OR_RETURN(SwapStoreOptions so,
                           SwapStoreOptionsFor(config, rank, world, *arena, hooks));
     so.reopen = resume_store;
+    // A fresh store never replaces another one (the store refuses, AlreadyExists) unless
+    // zinf.durable_overwrite says to.
+    so.overwrite = config.durable_overwrite;
     if (resume_store) {
-      ZINF_ASSIGN_OR_RETURN(so.reopen_previous, durable->AgreeOnCommit(so.paths[0]));
-    } else {
-      ZINF_RETURN_IF_ERROR(durable->RefuseOverwrite(so.paths[0]));
+      ZINF_ASSIGN_OR_RETURN(DurableCommits::Agreement a, durable->AgreeOnCommit(so.paths));
+      so.reopen_previous = a.previous;
+      if (a.fresh) {  // nothing was ever committed: a fresh start replaces nothing of value
+        resume_store = false;
+        so.reopen = false;
+      }
     }
     Result<std::unique_ptr<SwapStore>> opened = SwapStore::Open(so);
     if (!opened.ok() && resume_store) {
       return opened.status().WithContext("ResumeFromStore: reopening the swap store in " +
                                          so.paths[0]);
+    }
+    if (!opened.ok() && opened.status().code() == StatusCode::kAlreadyExists) {
+      return durable->ExplainExisting(so.paths);
     }
     ZINF_ASSIGN_OR_RETURN(swap, std::move(opened));
   }
@@ -307,6 +317,8 @@ Status Engine::Impl::InitStores() {
     DurableCommits::Point point;
     ZINF_RETURN_IF_ERROR(durable->Check(swap->committed_meta(), &point));
     durable->set_lineage(point.lineage);
+    resumed_user_data = point.user_data;
+    reopened_store = true;
     for (ParamId id = 0; id < layout.num_params(); ++id) states->set_updates(id, point.updates[id]);
     resume.active = true;
     resume.stored_params = point.param_keys;
@@ -368,7 +380,23 @@ Status Engine::Impl::InitStores() {
   return durable->Commit(0, 0);
 }
 
-Status Engine::ResumeFromStore() {
+Status Engine::SetCommitUserData(const std::string& user_data) {
+  Impl& m = *impl_;
+  if (!IsValidUtf8(user_data)) {
+    return Status::InvalidArgument(
+        "SetCommitUserData: the text is not valid UTF-8 (it goes into the store's JSON index); "
+        "encode it, e.g. as base64");
+  }
+  if (m.registered) {
+    return Status::FailedPrecondition(
+        "SetCommitUserData must come before the first Acquire, Step or FinishRegistration (the "
+        "initial commit records it)");
+  }
+  m.commit_user_data = user_data;  // the commits' component exists from placement on
+  return Status::OK();
+}
+
+Status Engine::ResumeFromStore(StoreResume* resumed) {
   Impl& m = *impl_;
   if (!m.config.durable) {
     return Status::FailedPrecondition(
@@ -380,11 +408,18 @@ Status Engine::ResumeFromStore() {
         "Acquire, Step or FinishRegistration");
   }
   m.resume_store = true;
+  m.reopened_store = false;
   Status s = FinishRegistration();
   m.resume_store = false;
   if (!s.ok()) {
     m.broken = Status::FailedPrecondition("ResumeFromStore failed (" + s.message() +
                                           "); recreate the engine");
+    return s;
+  }
+  if (resumed != nullptr) {
+    resumed->reopened = m.reopened_store;
+    resumed->step = m.step;
+    resumed->user_data = m.resumed_user_data;
   }
   return s;
 }

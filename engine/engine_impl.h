@@ -75,7 +75,10 @@ struct Engine::Impl {
   std::unique_ptr<Checkpointer> checkpointer;
   std::unique_ptr<OptimizerPipeline> pipeline;
   bool registered = false;
-  bool resume_store = false;  // ResumeFromStore: InitStores reopens instead of initialising
+  bool resume_store = false;      // ResumeFromStore: InitStores reopens instead of initialising
+  std::string resumed_user_data;  // ResumeFromStore: the commit's SetCommitUserData text
+  bool reopened_store = false;    // ResumeFromStore: a commit was reopened
+  std::string commit_user_data;   // SetCommitUserData's text, for the commits
 
   int64_t step = 0;
   int64_t micro = 0;  // micro-steps taken

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "common/utf8.h"
+#include "engine/checkpoint_folder.h"
 #include "engine/engine_impl.h"
 #include "zinf/log.h"
 
@@ -58,6 +59,23 @@ Status Engine::Impl::WriteGroupStates(size_t gi, const void* buf, int buf_index)
 
 Status Engine::PrepareCheckpointDir(const std::string& dir) {
   return impl_->checkpointer->Prepare(dir);
+}
+
+Result<std::vector<std::string>> Engine::ListCheckpoints(const std::string& dir) {
+  return checkpoint_folder::ZinfEntries(dir);
+}
+
+Status Engine::RemoveCheckpoints(const std::string& dir) {
+  Impl& m = *impl_;
+  Status local;
+  if (m.rank == 0) {
+    local = m.checkpointer->HoldsLock(dir)
+                ? checkpoint_folder::RemoveZinfEntries(dir)
+                : Status::FailedPrecondition("RemoveCheckpoints(" + dir +
+                                             "): prepare the folder first (PrepareCheckpointDir "
+                                             "locks it for this engine)");
+  }
+  return m.collectives->Agree(local, "RemoveCheckpoints");
 }
 
 Status Engine::SaveCheckpoint(const std::string& dir, const std::string& user_data) {

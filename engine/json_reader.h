@@ -192,6 +192,12 @@ class ObjectReader {
                                        ": empty path; give a directory on an NVMe drive, such "
                                        "as \"/local_nvme\"");
       }
+      if (s.find('\0') != std::string::npos) {
+        // The system would see the path cut at it: another folder than the one written.
+        return Status::InvalidArgument(item_path +
+                                       ": the path holds a NUL character (\\u0000); give a "
+                                       "plain path");
+      }
       if (std::find(out->begin(), out->end(), s) == out->end()) out->push_back(s);
       *present = true;
       return Status::OK();

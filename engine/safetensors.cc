@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -145,16 +146,29 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
+// A weight that is NaN or infinite would train into NaN and reach every checkpoint: refused,
+// naming the tensor, the first such element and how many there are.
+Status CheckFinite(const TensorInfo& t, const std::string& path, const float* v) {
+  uint64_t bad = 0, first = 0;
+  for (uint64_t i = 0; i < t.numel; ++i) {
+    if (!std::isfinite(v[i])) {
+      if (bad++ == 0) first = i;
+    }
+  }
+  if (bad == 0) return Status::OK();
+  return Status::InvalidArgument(
+      "tensor '" + t.name + "' in " + path + " holds " + std::to_string(bad) +
+      " non-finite value(s) (element " + std::to_string(first) + " is " +
+      (std::isnan(v[first]) ? "NaN" : (v[first] > 0 ? "inf" : "-inf")) +
+      "); a model trained from it would compute NaN: repair or re-export the checkpoint");
+}
+
 }  // namespace
 
 Result<FileHeader> ReadHeader(const std::string& path) {
   Fd f;
-  f.fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (f.fd < 0) return ErrnoToStatus(errno, "opening " + path);
-  struct stat st {};
-  if (fstat(f.fd, &st) != 0) return ErrnoToStatus(errno, "stat of " + path);
-  if (!S_ISREG(st.st_mode)) return Status::InvalidArgument(path + " is not a regular file");
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  uint64_t size = 0;
+  ZINF_ASSIGN_OR_RETURN(f.fd, OpenRegularFile(path, "safetensors file", &size));
   if (size < 8) {
     return Status::Corruption(path + ": " + std::to_string(size) +
                               " bytes, too short for a safetensors header (a truncated file)");
@@ -256,24 +270,26 @@ Status ReadTensorF32(const Checkpoint& ckpt, const TensorInfo& t, float* out, si
   if (t.file >= ckpt.files.size()) return Status::InvalidArgument("tensor of another checkpoint");
   const std::string& path = ckpt.files[t.file].path;
   Fd f;
-  f.fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (f.fd < 0) return ErrnoToStatus(errno, "opening " + path);
+  ZINF_ASSIGN_OR_RETURN(f.fd, OpenRegularFile(path, "safetensors file"));
   const size_t esize = DTypeSize(t.dtype);
   if (t.dtype == DType::kF32) {
-    return PreadAll(f.fd, out, t.bytes, t.offset, path, "a truncated file").WithContext("tensor '" + t.name + "'");
+    ZINF_RETURN_IF_ERROR(PreadAll(f.fd, out, t.bytes, t.offset, path, "a truncated file")
+                             .WithContext("tensor '" + t.name + "'"));
+    return CheckFinite(t, path, out);
   }
   const size_t per_block = std::max<size_t>(block_bytes / esize, 1);
   std::vector<uint16_t> block(std::min<uint64_t>(per_block, t.numel));
   for (uint64_t done = 0; done < t.numel;) {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(per_block, t.numel - done));
-    ZINF_RETURN_IF_ERROR(PreadAll(f.fd, block.data(), n * esize, t.offset + done * esize, path, "a truncated file")
-                             .WithContext("tensor '" + t.name + "'"));
+    ZINF_RETURN_IF_ERROR(
+        PreadAll(f.fd, block.data(), n * esize, t.offset + done * esize, path, "a truncated file")
+            .WithContext("tensor '" + t.name + "'"));
     for (size_t i = 0; i < n; ++i) {
       out[done + i] = t.dtype == DType::kBF16 ? Bf16ToFp32(block[i]) : Fp16ToFp32(block[i]);
     }
     done += n;
   }
-  return Status::OK();
+  return CheckFinite(t, path, out);
 }
 
 Status LoadIntoEngine(Engine* engine, const Checkpoint& ckpt,

@@ -28,7 +28,24 @@ The faults (the `kind` column):
                 reason) that fills at a random point; what it left is resumed on a disk with
                 room;
   concurrent    two runs on the same swap and/or checkpoint folder at once (the first frozen
-                mid-run while the second runs).
+                mid-run while the second runs);
+  folder-order  a durable store over two folders, resumed with the folders in the other
+                order: refused, nothing changed; then in its order: identical;
+  index-loss    a durable store (two folders, checkpoints every step) whose index is removed
+                after a kill: a resume is refused, nothing changed; with --overwrite it resumes
+                from the newest checkpoint (saying so): identical;
+  takeover      a fresh durable run through one folder of another durable store (its second,
+                its first, or both reversed): refused, the store unchanged and still resumable;
+  index-edit    one digit of the durable index changed after a kill: the resume is refused by
+                the index's own checksum, nothing changed;
+  ckpt-fallback the durable store's folders emptied (a replaced disk) after a kill, with
+                checkpoints every step: the resume falls back to the newest checkpoint, saying
+                so, and ends identical (a restart from step 0 is silent-wrong);
+  fifo          --data or --config is a FIFO or a device: refused at once (a hang is a crash).
+
+A run that ends with exit 0 but did not do what was asked counts as silent-wrong even when its
+parameters match: a resume that restarted from step 0 while a commit or a checkpoint held a
+later step, or one that should have been refused.
 
 The table goes to stdout; one line per case to stderr. Exit status: 0 when no case is
 silent-wrong, data-loss or crash, 1 otherwise, 2 on a usage or setup error.
@@ -41,6 +58,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -52,7 +70,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6
 CLASSES = ["identical", "clear-error", "silent-wrong", "data-loss", "crash", "skipped"]
 BAD = {"silent-wrong", "data-loss", "crash"}
-KINDS = ["kill-time", "kill-point", "flip", "truncate", "remove", "disk-full", "concurrent"]
+KINDS = ["kill-time", "kill-point", "flip", "truncate", "remove", "disk-full", "concurrent",
+         "folder-order", "index-loss", "takeover", "index-edit", "ckpt-fallback", "fifo"]
 # Named kill points and how many times each fires in a 6-step run (roughly): a point that
 # never fires leaves an uninterrupted run, which must then be identical.
 CRASH_POINTS = {
@@ -80,6 +99,18 @@ class Run:
                 except ValueError:
                     return None
         return None
+
+    @property
+    def summary(self):
+        """The final JSON line, or {}."""
+        for line in reversed(self.out.splitlines()):
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    return json.loads(line)
+                except ValueError:
+                    return {}
+        return {}
 
     @property
     def killed(self):
@@ -112,17 +143,20 @@ class Campaign:
 
     # ---- running zinf-train ----
 
-    def argv(self, mode, swap, ckpt, steps=STEPS, resume=False):
+    def argv(self, mode, swap, ckpt, steps=STEPS, resume=False, extra=()):
+        """`swap`: a folder or a list of folders (--nvme each, in order). Mode "durable+ckpt":
+        durable with a checkpoint every step too."""
         a = [self.train, "--preset", "tiny", "--steps", str(steps), "--batch", "4", "--seq",
-             "32", "--warmup", "2", "--param-tier", "nvme", "--data", self.data, "--json",
-             "--nvme", swap]
-        if mode == "durable":
+             "32", "--warmup", "2", "--param-tier", "nvme", "--data", self.data, "--json"]
+        for folder in ([swap] if isinstance(swap, str) else swap):
+            a += ["--nvme", folder]
+        if mode.startswith("durable"):
             a.append("--durable")
-        else:
+        if mode != "durable":
             a += ["--save-every", "1", "--checkpoint-dir", ckpt]
         if resume:
             a.append("--resume")
-        return a
+        return a + list(extra)
 
     def start(self, argv, crash=None):
         env = dict(self.env)
@@ -222,14 +256,55 @@ class Campaign:
         if subprocess.run(["umount", "-l", mnt], capture_output=True).returncode != 0:
             raise SystemExit("chaos: cannot unmount %s; unmount it by hand" % mnt)
 
+    # ---- what was there to resume ----
+
+    @staticmethod
+    def committed_step(swap):
+        """The step a durable store's index (in its first folder) records, or None."""
+        first = swap if isinstance(swap, str) else swap[0]
+        try:
+            with open(os.path.join(first, "zinf-swap.index.json")) as f:
+                return json.loads(json.load(f)["meta"])["step"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    @staticmethod
+    def checkpoint_step(ckpt):
+        """The newest step of a checkpoint folder zinf wrote (step-N holding its mark)."""
+        best = None
+        try:
+            names = os.listdir(ckpt)
+        except OSError:
+            return None
+        for n in names:
+            m = re.fullmatch(r"step-(\d{9,})(\.[1-9]\d*)?", n)
+            if m and os.path.exists(os.path.join(ckpt, n, "zinf-checkpoint.mark")):
+                best = max(best or 0, int(m.group(1)))
+        return best
+
+    def held_step(self, mode, swap, ckpt):
+        """The latest step a resume could continue from (None: nothing known)."""
+        steps = []
+        if mode.startswith("durable"):
+            steps.append(self.committed_step(swap))
+        if mode != "durable" and ckpt:
+            steps.append(self.checkpoint_step(ckpt))
+        steps = [x for x in steps if x is not None]
+        return max(steps) if steps else None
+
     # ---- the cases ----
 
-    def classify_resume(self, resumed, before, swap, ckpt, mode):
-        """After a fault and a --resume: identical, or a clear error that changed nothing."""
+    def classify_resume(self, resumed, before, swap, ckpt, mode, held=None):
+        """After a fault and a --resume: identical, or a clear error that changed nothing.
+        `held`: the step the store or checkpoints held before the resume (None: unknown); a
+        resume that finished from step 0 while a later step was held restarted silently."""
         if resumed.timed_out or (resumed.rc not in (0, 1, 2)):
             return "crash", "resume: rc %s%s: %s" % (resumed.rc, " (hang)" if resumed.timed_out
                                                      else "", resumed.last_error())
         if resumed.rc == 0:
+            first = resumed.summary.get("first_step")
+            if held and first == 0:
+                return "silent-wrong", "resumed from step 0 although step %d was held" % held
             if resumed.checksum == self.reference:
                 return "identical", ""
             return "silent-wrong", "resume ended on %s, not %s" % (resumed.checksum,
@@ -267,8 +342,9 @@ class Campaign:
                 return what, "silent-wrong", "uninterrupted run ended on %s" % first.checksum
             return what, "crash", "rc %s: %s" % (first.rc, first.last_error())
         before = self.snapshot(swap, ckpt)
+        held = self.held_step(mode, swap, ckpt)
         resumed = self.run(self.argv(mode, swap, ckpt, resume=True))
-        cls, detail = self.classify_resume(resumed, before, swap, ckpt, mode)
+        cls, detail = self.classify_resume(resumed, before, swap, ckpt, mode, held)
         return what, cls, detail
 
     def case_damage(self, rng, work, kind):
@@ -309,8 +385,9 @@ class Campaign:
             os.remove(target)
             what += ", %s removed" % rel
         before = self.snapshot(swap, ckpt)
+        held = self.held_step(mode, swap, ckpt)
         resumed = self.run(self.argv(mode, swap, ckpt, resume=True))
-        cls, detail = self.classify_resume(resumed, before, swap, ckpt, mode)
+        cls, detail = self.classify_resume(resumed, before, swap, ckpt, mode, held)
         return what, cls, detail
 
     def case_disk_full(self, rng, work):
@@ -384,6 +461,177 @@ class Campaign:
             return what, "clear-error", refused[0].last_error()
         return what, "identical", "both finished (one after the other)"
 
+    # ---- store identity: folders, indexes, fallbacks, inputs ----
+
+    def interrupted_store(self, rng, work, mode):
+        """A durable run over two folders (with checkpoints when `mode` is durable+ckpt),
+        killed at a named point or stopped after a few steps. Returns (folders, ckpt, what) or
+        a (what, class, detail) triple when the first run itself went wrong."""
+        swap, ckpt = [work + "/a", work + "/b"], work + "/ckpt"
+        if rng.random() < 0.5:
+            name, hits = rng.choice(CRASH_POINTS["durable"])
+            point = "%s:%d" % (name, rng.randint(1, hits))
+            first = self.run(self.argv(mode, swap, ckpt), crash=point)
+            what = "%s, ZINF_CRASH_AT=%s" % (mode, point)
+        else:
+            k = rng.randint(1, STEPS - 1)
+            first = self.run(self.argv(mode, swap, ckpt, steps=k))
+            what = "%s, %d of %d steps" % (mode, k, STEPS)
+        if not (first.killed or first.rc == 0):
+            return None, None, (what, "crash", "first run: rc %s: %s" % (first.rc,
+                                                                         first.last_error()))
+        return swap, ckpt, what
+
+    def must_refuse(self, run, before, dirs, what, ok_cls="clear-error"):
+        """A run that had to be refused: exit 0 is silent-wrong; a hang or an unclear exit a
+        crash; any change to `dirs` data-loss."""
+        if run.timed_out or run.rc not in (0, 1, 2):
+            return what, "crash", "rc %s%s: %s" % (run.rc, " (hang)" if run.timed_out else "",
+                                                   run.last_error())
+        if run.rc == 0:
+            return what, "silent-wrong", "it ran (exit 0, first step %s) instead of refusing" % (
+                run.summary.get("first_step"))
+        if not run.clear_error():
+            return what, "crash", "exit %d without a clear message: %s" % (run.rc,
+                                                                          run.last_error())
+        after = self.snapshot(*dirs)
+        changed = [p for p in before if after.get(p) != before[p]]
+        if changed:
+            return what, "data-loss", "the refused run changed or removed %s" % (
+                os.path.relpath(changed[0], self.base))
+        return what, ok_cls, run.last_error()
+
+    def then_resumes(self, result, mode, swap, ckpt, extra=(), expect=None):
+        """After a correct refusal: the store (or checkpoint) still resumes to the reference."""
+        what, cls, detail = result
+        if cls != "clear-error":
+            return result
+        held = self.held_step(mode, swap, ckpt)
+        resumed = self.run(self.argv(mode, swap, ckpt, resume=True, extra=extra))
+        if resumed.rc != 0:
+            return what, "data-loss", "the store no longer resumes: " + resumed.last_error()
+        if held and resumed.summary.get("first_step") == 0:
+            return what, "silent-wrong", "resumed from step 0 although step %d was held" % held
+        if expect and expect not in resumed.err:
+            return what, "silent-wrong", "the resume did not say '%s'" % expect
+        if resumed.checksum != self.reference:
+            return what, "silent-wrong", "resumed to %s, not %s" % (resumed.checksum,
+                                                                   self.reference)
+        return what, "clear-error", detail
+
+    def case_folder_order(self, rng, work):
+        swap, ckpt, what = self.interrupted_store(rng, work, "durable")
+        if swap is None:
+            return what
+        before = self.snapshot(*swap)
+        reversed_run = self.run(self.argv("durable", swap[::-1], ckpt, resume=True))
+        result = self.must_refuse(reversed_run, before, swap, what + ", resumed as b, a")
+        return self.then_resumes(result, "durable", swap, ckpt)
+
+    def case_index_loss(self, rng, work):
+        swap, ckpt, what = self.interrupted_store(rng, work, "durable+ckpt")
+        if swap is None:
+            return what
+        index = os.path.join(swap[0], "zinf-swap.index.json")
+        if not os.path.exists(index):
+            return what + ", no index yet", "skipped", "the store never committed"
+        os.remove(index)
+        what += ", index removed"
+        before = self.snapshot(*(swap + [ckpt]))
+        asked = self.run(self.argv("durable+ckpt", swap, ckpt, resume=True))
+        result = self.must_refuse(asked, before, swap + [ckpt], what)
+        if self.checkpoint_step(ckpt) is None:
+            return result  # nothing to fall back to: the refusal is the whole answer
+        # Told to replace the store: it resumes from the newest checkpoint, saying so.
+        return self.then_resumes(result, "durable+ckpt", swap, ckpt, extra=["--overwrite"],
+                                 expect="resuming from the newest checkpoint")
+
+    def case_takeover(self, rng, work):
+        swap, ckpt, what = self.interrupted_store(rng, work, "durable")
+        if swap is None:
+            return what
+        if self.committed_step(swap) is None:
+            return what + ", no commit", "skipped", "the store never committed"
+        variant = rng.choice([[work + "/z", swap[1]], [swap[1]], [swap[0]], swap[::-1]])
+        what += ", a fresh run on " + ", ".join(os.path.basename(p) for p in variant)
+        before = self.snapshot(*swap)
+        mode = rng.choice(["durable", "checkpoint"])  # a scratch store must not take it either
+        fresh = self.run(self.argv(mode, variant, work + "/ckpt2"))
+        result = self.must_refuse(fresh, before, swap, what + " (%s)" % mode)
+        if result[1] == "silent-wrong":
+            result = (result[0], "data-loss", "a fresh run took over the store's folder")
+        return self.then_resumes(result, "durable", swap, ckpt)
+
+    def case_index_edit(self, rng, work):
+        swap, ckpt, what = self.interrupted_store(rng, work, "durable")
+        if swap is None:
+            return what
+        index = os.path.join(swap[0], "zinf-swap.index.json")
+        if not os.path.exists(index):
+            return what + ", no index yet", "skipped", "the store never committed"
+        with open(index) as f:
+            text = f.read()
+        digits = [i for i, c in enumerate(text) if c.isdigit()]
+        at = rng.choice(digits)
+        new = str((int(text[at]) + rng.randint(1, 9)) % 10)
+        with open(index, "w") as f:
+            f.write(text[:at] + new + text[at + 1:])
+        what += ", index digit %d: %s -> %s" % (at, text[at], new)
+        before = self.snapshot(*swap)
+        resumed = self.run(self.argv("durable", swap, ckpt, resume=True))
+        return self.must_refuse(resumed, before, swap, what)
+
+    def case_ckpt_fallback(self, rng, work):
+        swap, ckpt, what = self.interrupted_store(rng, work, "durable+ckpt")
+        if swap is None:
+            return what
+        for folder in swap:
+            shutil.rmtree(folder, ignore_errors=True)
+        what += ", swap folders emptied"
+        held = self.checkpoint_step(ckpt)
+        before = self.snapshot(ckpt)
+        resumed = self.run(self.argv("durable+ckpt", swap, ckpt, resume=True))
+        if held is None:
+            # Nothing to resume from anywhere: refused (a fresh start needs no --resume).
+            return self.must_refuse(resumed, before, [ckpt], what + ", no checkpoint")
+        if resumed.timed_out or resumed.rc not in (0, 1, 2):
+            return what, "crash", "rc %s: %s" % (resumed.rc, resumed.last_error())
+        if resumed.rc != 0:
+            return what, "data-loss", "the checkpoints do not resume: " + resumed.last_error()
+        if resumed.summary.get("first_step") == 0:
+            return what, "silent-wrong", "restarted from step 0 with checkpoints at step %d" % held
+        if "resuming from the newest checkpoint" not in resumed.err:
+            return what, "silent-wrong", "the fallback to the checkpoints was not said"
+        if resumed.checksum != self.reference:
+            return what, "silent-wrong", "ended on %s" % resumed.checksum
+        return what, "identical", "resumed from the checkpoint at step %s" % (
+            resumed.summary.get("first_step"))
+
+    def case_fifo(self, rng, work):
+        fifo = os.path.join(work, rng.choice(["data.txt", "ds_config.json", "model.safetensors"]))
+        os.mkfifo(fifo)
+        flag = rng.choice(["--data", "--config"])
+        # (--config takes an existing file: a folder is CLI11's usage error before zinf runs.)
+        target = rng.choice([fifo, "/dev/zero", "/dev/null"] + ([work] if flag == "--data" else []))
+        argv = self.argv("checkpoint", work + "/swap", work + "/ckpt", steps=1)
+        if flag == "--data":
+            argv[argv.index("--data") + 1] = target
+        else:
+            argv += ["--config", target]
+        what = "%s %s" % (flag, os.path.relpath(target, work) if target.startswith(work)
+                          else target)
+        t0 = time.time()
+        run = self.finish(self.start(argv), t0, kill_after=None)
+        if run.timed_out:
+            return what, "crash", "hang"
+        if run.rc == 0:
+            if flag == "--config" and target == "/dev/null":
+                return what, "silent-wrong", "an empty device read as a config"
+            return what, "silent-wrong", "it ran on a %s" % target
+        if run.rc != 2 or not run.clear_error():
+            return what, "crash", "rc %s: %s" % (run.rc, run.last_error())
+        return what, "clear-error", run.last_error()
+
     # ---- the campaign ----
 
     def prepare(self):
@@ -418,8 +666,10 @@ class Campaign:
             what, cls, detail = self.case_damage(rng, work, kind)
         elif kind == "disk-full":
             what, cls, detail = self.case_disk_full(rng, work)
-        else:
+        elif kind == "concurrent":
             what, cls, detail = self.case_concurrent(rng, work)
+        else:
+            what, cls, detail = getattr(self, "case_" + kind.replace("-", "_"))(rng, work)
         if cls in BAD and self.args.keep:
             print("  kept %s" % work, file=sys.stderr)
         else:

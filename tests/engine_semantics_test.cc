@@ -10,6 +10,7 @@
 // placement, delayed or not, must end bit-identical to the simulation. What each micro-step
 // reads (the acquired values) is checked against the simulated version it should see.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -235,12 +236,12 @@ struct Rig {
   std::unique_ptr<Engine> engine;
   std::vector<ParamId> ids;
 
-  Status Create(const EngineConfig& config, bool finish = true) {
+  Status Create(const EngineConfig& config, bool finish = true, const EngineHooks& hooks = {}) {
     HostDeviceOptions ho;
     ho.memory_budget = 64ull << 20;
     device = NewHostDevice(ho);
     ZINF_ASSIGN_OR_RETURN(comms, NewLocalComms({device.get()}));
-    ZINF_ASSIGN_OR_RETURN(engine, Engine::Create(config, device.get(), comms[0].get()));
+    ZINF_ASSIGN_OR_RETURN(engine, Engine::Create(config, device.get(), comms[0].get(), hooks));
     ZINF_RETURN_IF_ERROR(RegisterDefs(engine.get(), &ids));
     return finish ? engine->FinishRegistration() : Status::OK();
   }
@@ -823,6 +824,110 @@ TEST_F(CheckpointDamage, AnEditedManifestIsRefusedByItsChecksum) {
   Status s = Load(false);
   EXPECT_EQ(s.code(), StatusCode::kCorruption) << s.ToString();
   EXPECT_NE(s.message().find("checksum"), std::string::npos) << s.ToString();
+}
+
+// The bytes installed are the bytes verified: a states file that changes after the
+// validation pass (another process, a disk returning other data) is caught by the read that
+// installs it, never installed unverified.
+TEST_F(CheckpointDamage, DataChangedAfterValidationIsNotInstalled) {
+  EngineHooks hooks;
+  bool flipped = false;
+  hooks.checkpoint_validated = [&](const std::string& folder) {
+    const std::string states = folder + "/rank0.states";
+    std::fstream f(states, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(100);
+    char c = 0;
+    f.get(c);
+    f.seekp(100);
+    f.put(static_cast<char>(c ^ 0x5a));
+    flipped = f.good();
+  };
+  Rig reader;
+  ASSERT_TRUE(reader.Create(MakeConfig(Placement{}, dir.path()), true, hooks).ok());
+  Status s = reader.engine->LoadCheckpoint(ckpt);
+  ASSERT_TRUE(flipped);
+  EXPECT_EQ(s.code(), StatusCode::kCorruption) << s.ToString();
+  EXPECT_NE(s.message().find("does not match its checksum"), std::string::npos) << s.ToString();
+  // Installing had begun: the engine refuses to train on states it may hold in part.
+  EXPECT_FALSE(reader.engine->Acquire(reader.ids).ok());
+}
+
+// `latest` carries a checksum of the name it holds: a changed digit naming another (older)
+// checkpoint is damage, not a silent load of an older step.
+TEST_F(CheckpointDamage, AnEditedLatestIsDamageNotAnOlderCheckpoint) {
+  std::string text;
+  {
+    std::ifstream f(ckpt + "/latest");
+    text.assign(std::istreambuf_iterator<char>(f), {});
+  }
+  ASSERT_EQ(text.rfind("step-000000003\nxxh3 ", 0), 0u) << text;
+  text[13] = '2';  // names step-000000002, which exists
+  std::ofstream(ckpt + "/latest", std::ios::trunc) << text;
+  // Damaged `latest`: the newest complete checkpoint loads (step 3, as a missing `latest`
+  // does), with a warning naming the damage; before the checksum it loaded step 2 silently.
+  LogCapture logs;
+  int64_t step = 0;
+  Status s = Load(false, nullptr, &step);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(step, 3);
+  bool warned = false;
+  for (const std::string& w : logs.warnings()) {
+    warned |= w.find("latest does not match its own checksum") != std::string::npos;
+  }
+  EXPECT_TRUE(warned);
+}
+
+// Only what zinf wrote is a checkpoint: a user's folder named like one (without zinf's mark or
+// manifest) and files named step-* are never listed, pruned or removed.
+TEST_F(CheckpointDamage, OnlyWhatZinfWroteIsListedPrunedOrRemoved) {
+  ASSERT_EQ(mkdir((ckpt + "/step-000000001").c_str(), 0700), 0);  // pruned earlier: the user's now
+  std::ofstream(ckpt + "/step-000000001/notes.txt") << "mine";
+  std::ofstream(ckpt + "/step-notes.txt") << "mine too";
+  ASSERT_EQ(mkdir((ckpt + "/step-7").c_str(), 0700), 0);
+  Result<std::vector<std::string>> listed = Engine::ListCheckpoints(ckpt);
+  ASSERT_TRUE(listed.ok()) << listed.status().ToString();
+  EXPECT_EQ(*listed, (std::vector<std::string>{"latest", "step-000000003", "step-000000002"}));
+  Rig again;
+  ASSERT_TRUE(again.Create(MakeConfig(Placement{}, dir.path())).ok());
+  TrainAndSave(again, 0, 2, ckpt);  // two more saves prune the zinf checkpoints before them
+  EXPECT_TRUE(std::filesystem::exists(ckpt + "/step-000000001/notes.txt"));
+  EXPECT_TRUE(std::filesystem::exists(ckpt + "/step-notes.txt"));
+  EXPECT_TRUE(std::filesystem::exists(ckpt + "/step-7"));
+  ASSERT_TRUE(again.engine->PrepareCheckpointDir(ckpt).ok());
+  ASSERT_TRUE(again.engine->RemoveCheckpoints(ckpt).ok());
+  listed = Engine::ListCheckpoints(ckpt);
+  ASSERT_TRUE(listed.ok());
+  EXPECT_TRUE(listed->empty()) << (*listed)[0];
+  EXPECT_TRUE(std::filesystem::exists(ckpt + "/step-000000001/notes.txt"));
+  EXPECT_TRUE(std::filesystem::exists(ckpt + "/step-notes.txt"));
+  EXPECT_TRUE(std::filesystem::exists(ckpt + "/step-7"));
+  // Removing needs the folder's lock: an engine that did not prepare it is refused.
+  Rig other;
+  ASSERT_TRUE(other.Create(MakeConfig(Placement{}, dir.path())).ok());
+  EXPECT_EQ(other.engine->RemoveCheckpoints(ckpt).code(), StatusCode::kFailedPrecondition);
+}
+
+// Running out of file descriptors is said as such, not as a folder that is not writable.
+TEST_F(CheckpointDamage, ADescriptorLimitIsNotCalledAReadOnlyFolder) {
+  Rig rig;
+  ASSERT_TRUE(rig.Create(MakeConfig(Placement{}, dir.path())).ok());
+  struct rlimit old {};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &old), 0);
+  int highest = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    highest = std::max(highest, std::atoi(e.path().filename().c_str()));
+  }
+  struct rlimit low = old;
+  low.rlim_cur = static_cast<rlim_t>(highest + 8);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<int> filler;  // every descriptor number below the limit taken
+  for (int fd; (fd = dup(0)) >= 0;) filler.push_back(fd);
+  Status s = rig.engine->PrepareCheckpointDir(dir.path() + "/fresh");
+  for (int fd : filler) close(fd);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &old), 0);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.message().find("not writable"), std::string::npos) << s.ToString();
+  EXPECT_NE(s.message().find("too many open files"), std::string::npos) << s.ToString();
 }
 
 TEST_F(CheckpointDamage, PruningKeepsTheNewestReadableCheckpoint) {

@@ -360,3 +360,42 @@ TEST(SafetensorsEngine, AnExportNeverReplacesACheckpointZinfDidNotWrite) {
 
 }  // namespace
 }  // namespace zinf::safetensors
+
+namespace zinf::safetensors {
+namespace {
+
+// A weight that is NaN or infinite would train into NaN and reach every checkpoint: the load
+// is refused naming the tensor, the element and what it holds (it used to load silently).
+TEST(SafetensorsEngine, NonFiniteValuesAreRefusedNamingTheTensor) {
+  TempDir dir;
+  Rig dst(dir.path(), false, 0.25f);
+  for (float bad : {std::nanf(""), INFINITY, -INFINITY}) {
+    std::vector<float> values(20, 0.5f);
+    values[7] = bad;
+    const std::string path = dir.path() + "/bad.safetensors";
+    WriteRaw(path, R"({"m.1":{"dtype":"F32","shape":[20],"data_offsets":[0,80]}})", Bytes(values));
+    Result<Checkpoint> ck = OpenCheckpoint(path);
+    ASSERT_TRUE(ck.ok()) << ck.status().ToString();
+    Status s = LoadIntoEngine(dst.engine.get(), *ck, {{dst.ids[1], "m.1"}});
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+    EXPECT_NE(s.message().find("'m.1'"), std::string::npos) << s.ToString();
+    EXPECT_NE(s.message().find("element 7"), std::string::npos) << s.ToString();
+    EXPECT_NE(s.message().find(std::isnan(bad) ? "NaN" : (bad > 0 ? "is inf" : "-inf")),
+              std::string::npos)
+        << s.ToString();
+  }
+}
+
+// A FIFO named like a safetensors file is refused at once, never read (a read would block).
+TEST(SafetensorsHeader, AFifoIsRefusedNotReadFrom) {
+  TempDir dir;
+  const std::string fifo = dir.path() + "/model.safetensors";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  Result<Checkpoint> ck = OpenCheckpoint(fifo);
+  ASSERT_FALSE(ck.ok());
+  EXPECT_EQ(ck.status().code(), StatusCode::kInvalidArgument) << ck.status().ToString();
+  EXPECT_NE(ck.status().message().find("FIFO"), std::string::npos) << ck.status().ToString();
+}
+
+}  // namespace
+}  // namespace zinf::safetensors

@@ -11,6 +11,15 @@
 
 namespace zinf::train {
 
+// The trainer's record kept with its checkpoints and durable commits: the model's shape and the
+// seed (JSON).
+std::string RunRecord(const GptConfig& model, uint64_t seed);
+// Checks a record read back from `where` (a checkpoint, a durable store) against this run:
+// another model shape is FailedPrecondition naming the flag and both values; another seed is a
+// warning (the batches then differ from the run that wrote it); no record, a warning.
+Status CheckRunRecord(const std::string& where, const std::string& record, const GptConfig& model,
+                      uint64_t seed);
+
 Status SaveCheckpoint(const std::string& dir, const GptConfig& model, uint64_t seed,
                       Engine* engine);
 // Returns the step to continue from. A checkpoint of another model shape is refused with a

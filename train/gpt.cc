@@ -4,6 +4,7 @@
 #include <tbb/parallel_for.h>
 
 #include <cmath>
+#include <cstdio>
 
 namespace zinf::train {
 namespace {
@@ -65,7 +66,32 @@ Status Validate(const GptConfig& c) {
   if (c.max_seq < 1 || c.vocab < 1) {
     return Status::InvalidArgument("the position table and vocabulary need at least one row");
   }
+  // The count in checked arithmetic: every size derived from it (bytes per tier, the space
+  // check, budgets) is then a product of it by a small factor, far from 2^64.
+  uint64_t count = 0;
+  if (!CheckedParamCount(c, &count) || count > kMaxParams) {
+    char have[64];
+    std::snprintf(
+        have, sizeof(have), "%.3g",
+        static_cast<double>(c.layers) * (12.0 * c.d_model * c.d_model + 13.0 * c.d_model));
+    return Status::InvalidArgument("--layers " + std::to_string(c.layers) + " with --d-model " +
+                                   std::to_string(c.d_model) + " gives about " + have +
+                                   " parameters, more than zinf-train handles (2^50, about 1.1e15: "
+                                   "petabytes of optimizer states); pick a smaller model");
+  }
   return Status::OK();
+}
+
+bool CheckedParamCount(const GptConfig& c, uint64_t* out) {
+  if (c.layers < 0 || c.d_model < 0 || c.vocab < 0 || c.max_seq < 0) return false;
+  const uint64_t C = static_cast<uint64_t>(c.d_model);
+  uint64_t cc = 0, block = 0, blocks = 0, embed = 0, total = 0;
+  return !__builtin_mul_overflow(C, C, &cc) && !__builtin_mul_overflow(cc, uint64_t{12}, &block) &&
+         !__builtin_add_overflow(block, 13 * C, &block) &&
+         !__builtin_mul_overflow(block, static_cast<uint64_t>(c.layers), &blocks) &&
+         !__builtin_mul_overflow(static_cast<uint64_t>(c.vocab) + c.max_seq, C, &embed) &&
+         !__builtin_add_overflow(blocks, embed, &total) &&
+         !__builtin_add_overflow(total, 2 * C, out);
 }
 
 size_t GptParam::numel() const {

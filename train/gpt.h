@@ -26,8 +26,12 @@ struct GptConfig {
 // embedding), ParamCount says by how much.
 std::vector<std::string> PresetNames();
 Result<GptConfig> Preset(const std::string& name);
-// Checks the shape: positive sizes, d_model divisible by heads. The message names the flag.
+// Checks the shape: positive sizes, d_model divisible by heads, at most kMaxParams
+// parameters (counted without overflow). The message names the flag.
 Status Validate(const GptConfig& c);
+inline constexpr uint64_t kMaxParams = uint64_t{1} << 50;
+// ParamCount in checked arithmetic: false when it does not fit 64 bits.
+bool CheckedParamCount(const GptConfig& c, uint64_t* out);
 
 // One parameter tensor of the model, in registration (layer) order.
 struct GptParam {

@@ -105,19 +105,6 @@ std::string DefaultData() {
 #endif
 }
 
-// The checkpoints a folder holds: `latest` and the step folders (names), newest first.
-std::vector<std::string> CheckpointsIn(const std::string& dir) {
-  std::vector<std::string> out;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
-    if (n.rfind("step-", 0) == 0) out.push_back(n);
-  }
-  std::sort(out.rbegin(), out.rend());
-  if (std::filesystem::exists(dir + "/latest", ec)) out.insert(out.begin(), "latest");
-  return out;
-}
-
 // The engine configuration: --config (DeepSpeed-style JSON) or the embedded defaults, then
 // the placement flags on top.
 Result<EngineConfig> BuildConfig(const Flags& f) {
@@ -199,12 +186,16 @@ double StateBytesPerParam(const EngineConfig& c) {
 Status CheckNvme(const EngineConfig& c, uint64_t params) {
   if (!UsesNvme(c)) return Status::OK();
   const std::vector<std::string>& paths = c.offload_optimizer.nvme_paths;
-  uint64_t need = 0;
-  if (c.offload_param.tier == Tier::kNvme) need += params * (c.bf16 ? 2 : 4);
-  if (c.offload_optimizer.tier == Tier::kNvme) need += StateBytesPerParam(c) * params;
+  // In 128 bits: a count beyond any disk must not wrap into one that fits.
+  unsigned __int128 need = 0;
+  const unsigned __int128 n = params;
+  if (c.offload_param.tier == Tier::kNvme) need += n * (c.bf16 ? 2 : 4);
+  if (c.offload_optimizer.tier == Tier::kNvme) {
+    need += static_cast<unsigned __int128>(StateBytesPerParam(c) * static_cast<double>(params));
+  }
   // The delayed update double-buffers NVMe parameters; durable mode keeps the committed copy
   // of everything while a step writes the next one.
-  if (c.delayed_update && c.offload_param.tier == Tier::kNvme) need += params * (c.bf16 ? 2 : 4);
+  if (c.delayed_update && c.offload_param.tier == Tier::kNvme) need += n * (c.bf16 ? 2 : 4);
   if (c.durable) need *= 2;
   need = need + need / 50;  // alignment and padding
   uint64_t free_bytes = 0;
@@ -237,8 +228,10 @@ Status CheckNvme(const EngineConfig& c, uint64_t params) {
     }
     std::filesystem::create_directories(p, ec);
     if (ec) {
-      return Status::IoError("cannot create the NVMe swap folder " + p + ": " + ec.message() +
-                             "; give --nvme a writable folder");
+      return Status(StatusCode::kIoError,
+                    "cannot create the NVMe swap folder " + p + ": " + ec.message() +
+                        "; give --nvme a writable folder",
+                    ec.value());
     }
     struct statvfs vfs {};
     if (statvfs(p.c_str(), &vfs) != 0) {
@@ -247,11 +240,12 @@ Status CheckNvme(const EngineConfig& c, uint64_t params) {
     free_bytes += static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
   }
   if (need > free_bytes) {
+    const uint64_t shown = need > UINT64_MAX ? UINT64_MAX : static_cast<uint64_t>(need);
     return Status::ResourceExhausted(
         "not enough space on the NVMe path" + std::string(paths.size() > 1 ? "s" : "") + " (" +
         paths.front() + (paths.size() > 1 ? ", ..." : "") + "): this model's " +
         (c.offload_param.tier == Tier::kNvme ? "parameters and " : "") +
-        "optimizer states need about " + FormatBytes(need) + " but " + FormatBytes(free_bytes) +
+        "optimizer states need about " + FormatBytes(shown) + " but " + FormatBytes(free_bytes) +
         " is free; free space, add --nvme paths on other disks, or pick a smaller model");
   }
   return Status::OK();
@@ -285,6 +279,31 @@ struct StepRow {
 int Fail(const std::string& what, const Status& s) {
   std::fprintf(stderr, "zinf-train: %s: %s\n", what.c_str(), Explain(s).message().c_str());
   return 1;
+}
+
+// The exit code of a failure before the first step: 2 when it refuses what was asked (a flag,
+// the configuration, a folder, the environment: its code says so, or its errno is a permission,
+// a read-only filesystem or a descriptor limit), 1 when something failed (I/O, space, damaged
+// state, a device).
+int SetupExitCode(const Status& s) {
+  switch (s.code()) {
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kNotFound:
+    case StatusCode::kAlreadyExists:
+    case StatusCode::kFailedPrecondition:
+    case StatusCode::kNotSupported:
+      return 2;
+    default:
+      break;
+  }
+  const int e = s.sys_errno();
+  return e == EACCES || e == EPERM || e == EROFS || e == EMFILE || e == ENFILE ? 2 : 1;
+}
+
+// Fail, before training: the same line, the exit code SetupExitCode gives.
+int FailSetup(const std::string& what, const Status& s) {
+  Fail(what, s);
+  return SetupExitCode(s);
 }
 
 // What the flags and files decide before any device or engine exists.
@@ -339,13 +358,13 @@ int PlanRun(Flags* f, RunPlan* plan) {
   plan->params = ParamCount(plan->model);
   if (Status s = CheckNvme(plan->config, plan->params); !s.ok()) {
     std::fprintf(stderr, "zinf-train: %s\n", s.message().c_str());
-    return s.code() == StatusCode::kInvalidArgument ? 2 : 1;
+    return SetupExitCode(s);
   }
   const std::string data_path = f->data.empty() ? DefaultData() : f->data;
   Result<TextData> data = TextData::Load(data_path, f->seq);
   if (!data.ok()) {
     std::fprintf(stderr, "zinf-train: %s\n", data.status().message().c_str());
-    return 2;
+    return SetupExitCode(data.status());
   }
   plan->data = std::move(data).value();
   return 0;
@@ -361,8 +380,16 @@ int OpenDevice(const Flags& f, const RunPlan& plan, SingleRank* rank) {
     // memory (activations, one layer's gradients, scratch), which the engine does not plan.
     copt.memory_budget = config.device_budget_bytes;
     if (copt.memory_budget != 0) {
-      copt.memory_budget +=
-          GptTrainer::DeviceBytes(plan.model, f.batch, f.seq, config.bf16) + (size_t{1} << 20);
+      const size_t trainer = GptTrainer::DeviceBytes(plan.model, f.batch, f.seq, config.bf16);
+      if (trainer > (size_t{1} << 56) ||
+          __builtin_add_overflow(copt.memory_budget, trainer + (size_t{1} << 20),
+                                 &copt.memory_budget)) {
+        std::fprintf(stderr,
+                     "zinf-train: the trainer's activations for --batch %d x --seq %d are larger "
+                     "than any device; lower --batch or --seq\n",
+                     f.batch, f.seq);
+        return 2;
+      }
     }
     Result<SingleRank> cuda = NewCudaSingleRank(copt);
     if (!cuda.ok()) {
@@ -416,45 +443,105 @@ struct Session {
   std::unique_ptr<GptTrainer> trainer;
 };
 
-// Creates the engine on `rank` and the trainer, which registers the model's parameters.
-int OpenSession(const Flags& f, const RunPlan& plan, const SingleRank& rank, Session* s) {
+// Creates the engine on `rank` (with `config`: the plan's, or one allowed to replace the
+// durable store) and the trainer, which registers the model's parameters.
+int OpenSession(const Flags& f, const RunPlan& plan, const EngineConfig& config,
+                const SingleRank& rank, Session* s) {
   Result<std::unique_ptr<Engine>> engine =
-      Engine::Create(plan.config, rank.device.get(), rank.comm.get());
-  if (!engine.ok()) return Fail("creating the engine", engine.status());
+      Engine::Create(config, rank.device.get(), rank.comm.get());
+  if (!engine.ok()) return FailSetup("creating the engine", engine.status());
   s->engine = std::move(engine).value();
+  // Durable commits carry the run's record, so that a resume checks the model and the seed.
+  if (Status st = s->engine->SetCommitUserData(RunRecord(plan.model, f.seed)); !st.ok()) {
+    return FailSetup("creating the engine", st);
+  }
   Result<std::unique_ptr<GptTrainer>> trainer = GptTrainer::Create(
       plan.model, f.batch, f.seq, f.seed, s->engine.get(), {}, rank.device.get());
-  if (!trainer.ok()) return Fail("building the model", trainer.status());
+  if (!trainer.ok()) return FailSetup("building the model", trainer.status());
   s->trainer = std::move(trainer).value();
   return 0;
 }
 
+// Whether --checkpoint-dir holds a checkpoint to fall back to.
+bool HasCheckpoints(const Flags& f) {
+  if (f.checkpoint_dir.empty()) return false;
+  Result<std::vector<std::string>> names = Engine::ListCheckpoints(f.checkpoint_dir);
+  return names.ok() && !names->empty();
+}
+
 // Gives the parameters their values: with --durable --resume those of the swap store's last
-// committed step, else their initial values placed in their tiers. Sets *first_step.
+// committed step, else their initial values placed in their tiers. Sets *first_step. When the
+// store holds no usable commit, *from_checkpoint says to resume from --checkpoint-dir instead
+// (the engine then starts a fresh store); a resume never silently starts over.
 int PlaceOrResumeDurable(const Flags& f, const RunPlan& plan, const SingleRank& rank, Session* s,
-                         int64_t* first_step) {
+                         int64_t* first_step, bool* from_checkpoint) {
   auto t_init = Clock::now();
   *first_step = 0;
+  *from_checkpoint = false;
   if (f.resume && plan.config.durable) {
     // Durable: the swap store itself holds the last completed step.
-    Status st = s->engine->ResumeFromStore();
-    if (st.code() == StatusCode::kNotFound) {
-      // Nothing committed yet (the first run died while initialising): start over, on an
-      // engine that has not tried to resume.
-      std::fprintf(out, "  no committed step in the swap store yet: starting from step 0\n");
+    const std::string folders =
+        plan.config.offload_optimizer.nvme_paths.front() +
+        (plan.config.offload_optimizer.nvme_paths.size() > 1 ? ", ..." : "");
+    Engine::StoreResume resumed;
+    Status st = s->engine->ResumeFromStore(&resumed);
+    if (st.ok()) {
+      *first_step = resumed.step;
+      if (resumed.reopened) {
+        if (Status c = CheckRunRecord("the durable store in " + folders, resumed.user_data,
+                                      plan.model, f.seed);
+            !c.ok()) {
+          return FailSetup("resuming from the swap store", c);
+        }
+        std::fprintf(out, "  resumed from the durable swap store at step %" PRId64 "\n",
+                     *first_step);
+      } else {
+        std::fprintf(out,
+                     "  the durable swap store never committed a step (its run stopped while "
+                     "initialising): starting from step 0\n");
+      }
+    } else {
+      // No usable commit. NotFound: the folders hold no store (a replaced disk, other --nvme
+      // folders); Corruption: the store lost its index or a file; anything else (another
+      // order of the folders, another model) is only refused.
+      const bool no_store = st.code() == StatusCode::kNotFound;
+      const bool damaged = st.code() == StatusCode::kCorruption;
+      if (!(no_store || damaged) || !HasCheckpoints(f)) {
+        std::string fix;
+        if (no_store) {
+          fix =
+              "; give the --nvme folders that hold it, in their order, or start afresh without "
+              "--resume";
+        }
+        return FailSetup("--resume: the durable swap store cannot be resumed",
+                         Status(st.code(), st.message() + fix, st.sys_errno()));
+      }
+      if (damaged && !f.overwrite) {
+        std::fprintf(stderr,
+                     "zinf-train: --resume: the durable swap store cannot be resumed: %s; "
+                     "--checkpoint-dir %s holds checkpoints: add --overwrite to replace the "
+                     "store and resume from the newest of them\n",
+                     st.message().c_str(), f.checkpoint_dir.c_str());
+        return 1;
+      }
+      std::fprintf(out,
+                   "  the durable swap store cannot be resumed (%s): resuming from the "
+                   "newest checkpoint in %s%s\n",
+                   st.message().c_str(), f.checkpoint_dir.c_str(),
+                   damaged ? "; --overwrite: the store is replaced" : "");
+      *from_checkpoint = true;
+      // A fresh engine (the failed one refuses to train), allowed to replace a damaged store
+      // only with --overwrite (checked above).
       s->trainer.reset();
       s->engine.reset();
-      if (int rc = OpenSession(f, plan, rank, s); rc != 0) return rc;
-    } else if (!st.ok()) {
-      return Fail("resuming from the swap store", st);
-    } else {
-      *first_step = s->engine->global_step();
-      std::fprintf(out, "  resumed from the durable swap store at step %" PRId64 "\n", *first_step);
+      EngineConfig config = plan.config;
+      config.durable_overwrite = config.durable_overwrite || damaged;
+      if (int rc = OpenSession(f, plan, config, rank, s); rc != 0) return rc;
     }
   }
   if (*first_step == 0) {
     if (Status st = s->engine->FinishRegistration(); !st.ok()) {
-      return Fail("placing the parameters", st);
+      return FailSetup("placing the parameters", st);
     }
   }
   std::fprintf(out, "  initialised and placed in %.1f s\n", Seconds(Clock::now() - t_init));
@@ -462,30 +549,27 @@ int PlaceOrResumeDurable(const Flags& f, const RunPlan& plan, const SingleRank& 
 }
 
 // The checkpoint folder: usable (created, writable, locked) before any step is spent, and
-// not another run's checkpoints unless resuming or told to overwrite them.
-int PrepareCheckpointFolder(const Flags& f, Engine* engine) {
+// not another run's checkpoints unless resuming or told to overwrite them. Only what zinf
+// wrote there counts (and goes with --overwrite); the user's other files stay.
+int PrepareCheckpointFolder(const Flags& f, Engine* engine, bool resuming) {
   if (Status s = engine->PrepareCheckpointDir(f.checkpoint_dir); !s.ok()) {
-    return Fail("the checkpoint folder", s);
+    return FailSetup("the checkpoint folder", s);
   }
-  std::vector<std::string> existing = CheckpointsIn(f.checkpoint_dir);
-  if (!existing.empty() && !f.resume && !f.overwrite) {
+  Result<std::vector<std::string>> existing = Engine::ListCheckpoints(f.checkpoint_dir);
+  if (!existing.ok()) return FailSetup("the checkpoint folder", existing.status());
+  if (!existing->empty() && !resuming && !f.overwrite) {
     std::fprintf(stderr,
                  "zinf-train: %s holds checkpoints (%s): pass --resume to continue from the "
                  "newest, or --overwrite to remove them and start afresh\n",
-                 f.checkpoint_dir.c_str(), existing.front().c_str());
+                 f.checkpoint_dir.c_str(), existing->front().c_str());
     return 2;
   }
-  if (!existing.empty() && f.overwrite && !f.resume) {
-    for (const std::string& name : existing) {
-      std::error_code ec;
-      std::filesystem::remove_all(f.checkpoint_dir + "/" + name, ec);
-      if (ec) {
-        return Fail("--overwrite", Status::IoError("removing " + f.checkpoint_dir + "/" + name +
-                                                   ": " + ec.message()));
-      }
+  if (!existing->empty() && f.overwrite && !resuming) {
+    if (Status s = engine->RemoveCheckpoints(f.checkpoint_dir); !s.ok()) {
+      return Fail("--overwrite", s);
     }
-    std::fprintf(out, "  --overwrite: removed %zu checkpoint(s) from %s\n", existing.size(),
-                 f.checkpoint_dir.c_str());
+    std::fprintf(out, "  --overwrite: removed %zu checkpoint entr%s from %s (other files kept)\n",
+                 existing->size(), existing->size() == 1 ? "y" : "ies", f.checkpoint_dir.c_str());
   }
   return 0;
 }
@@ -506,7 +590,7 @@ int ResumeFromCheckpoint(const Flags& f, const RunPlan& plan, Engine* engine, in
     std::fprintf(out, "  no checkpoint in %s yet: starting from step 0\n",
                  f.checkpoint_dir.c_str());
   } else if (!step.ok()) {
-    return Fail("resuming from " + f.checkpoint_dir, step.status());
+    return FailSetup("resuming from " + f.checkpoint_dir, step.status());
   } else {
     *first_step = *step;
     std::fprintf(out, "  resumed from %s at step %" PRId64 "\n", f.checkpoint_dir.c_str(),
@@ -679,6 +763,11 @@ int Report(const Flags& f, const RunPlan& plan, GptTrainer* trainer, int64_t fir
   const double rgbps = median([](const StepRow& r) { return r.read_gbps; });
   const double wgbps = median([](const StepRow& r) { return r.write_gbps; });
   const double stall = median([](const StepRow& r) { return r.stall; });
+  const bool ran = !rows.empty();
+  if (!ran) {
+    std::fprintf(out, "  no step to run: resumed at step %" PRId64 ", --steps is %d\n", first_step,
+                 f.steps);
+  }
   const uint64_t rss = PeakRssBytes();
   char hash[17];
   std::snprintf(hash, sizeof(hash), "%016" PRIx64, *checksum);
@@ -688,10 +777,10 @@ int Report(const Flags& f, const RunPlan& plan, GptTrainer* trainer, int64_t fir
                "  %-22s %.2f / %.2f GB/s\n  %-22s %.2f\n  %-22s %.2f s\n  %-22s %s\n"
                "  %-22s %.1f s\n  %-22s %s\n",
                "parameters", std::to_string(plan.params).c_str(), "loss (first -> last)",
-               log.loss_first, log.loss_last, "tokens/s (median)", tok_s, "model TFLOPS", tflops,
-               "NVMe read / write", rgbps, wgbps, "overlap efficiency", overlap, "stall per step",
-               stall, "peak RSS", FormatBytes(rss).c_str(), "train time", log.total_seconds,
-               "param checksum", hash);
+               ran ? log.loss_first : NAN, ran ? log.loss_last : NAN, "tokens/s (median)", tok_s,
+               "model TFLOPS", tflops, "NVMe read / write", rgbps, wgbps, "overlap efficiency",
+               overlap, "stall per step", stall, "peak RSS", FormatBytes(rss).c_str(), "train time",
+               log.total_seconds, "param checksum", hash);
   nlohmann::json j = {
       {"model", model.name},
       {"params", plan.params},
@@ -701,8 +790,9 @@ int Report(const Flags& f, const RunPlan& plan, GptTrainer* trainer, int64_t fir
       {"first_step", first_step},
       {"batch", f.batch},
       {"seq", f.seq},
-      {"loss_first", log.loss_first},
-      {"loss_last", log.loss_last},
+      // null when no step ran (a resume at or past --steps): there is no loss to report.
+      {"loss_first", ran ? nlohmann::json(log.loss_first) : nlohmann::json(nullptr)},
+      {"loss_last", ran ? nlohmann::json(log.loss_last) : nlohmann::json(nullptr)},
       {"tokens_per_s", tok_s},
       {"model_tflops", tflops},
       {"nvme_read_gbps", rgbps},
@@ -732,13 +822,17 @@ int Run(Flags f) {
   if (int rc = OpenDevice(f, plan, &rank); rc != 0) return rc;
   PrintBanner(f, plan);
   Session session;
-  if (int rc = OpenSession(f, plan, rank, &session); rc != 0) return rc;
+  if (int rc = OpenSession(f, plan, plan.config, rank, &session); rc != 0) return rc;
   int64_t first_step = 0;
-  if (int rc = PlaceOrResumeDurable(f, plan, rank, &session, &first_step); rc != 0) return rc;
-  if (!f.checkpoint_dir.empty()) {
-    if (int rc = PrepareCheckpointFolder(f, session.engine.get()); rc != 0) return rc;
+  bool from_checkpoint = false;
+  if (int rc = PlaceOrResumeDurable(f, plan, rank, &session, &first_step, &from_checkpoint);
+      rc != 0) {
+    return rc;
   }
-  if (f.resume && !plan.config.durable) {
+  if (!f.checkpoint_dir.empty()) {
+    if (int rc = PrepareCheckpointFolder(f, session.engine.get(), f.resume); rc != 0) return rc;
+  }
+  if (f.resume && (!plan.config.durable || from_checkpoint)) {
     if (int rc = ResumeFromCheckpoint(f, plan, session.engine.get(), &first_step); rc != 0) {
       return rc;
     }

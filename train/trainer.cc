@@ -92,38 +92,53 @@ struct GptTrainer::Impl {
   // counter for DeviceBytes).
   template <typename Floats, typename Ints>
   Status AllocateBuffers(const Floats& floats, const Ints& ints) {
-    const size_t n = N, nc = n * C;
-    auto get = [&](float** p, size_t count) -> Status {
+    const size_t n = N;
+    // Element counts as checked products of the shape: a product that does not fit (absurd
+    // --batch / --seq / --d-model) is refused here, never allocated at its wrapped size.
+    auto get = [&](float** p, std::initializer_list<size_t> factors) -> Status {
+      size_t count = 1;
+      for (size_t f : factors) {
+        if (__builtin_mul_overflow(count, f, &count) || count > (SIZE_MAX >> 4)) {
+          return Status::InvalidArgument("the trainer's buffers for --batch " + std::to_string(B) +
+                                         " x --seq " + std::to_string(T) + " at --d-model " +
+                                         std::to_string(C) +
+                                         " are larger than any memory; lower --batch or --seq");
+        }
+      }
       ZINF_ASSIGN_OR_RETURN(*p, floats(count));
       return Status::OK();
     };
+    const size_t c = static_cast<size_t>(C);
     acts.resize(L);
     for (BlockActs& a : acts) {
-      for (float** p : {&a.x, &a.ln1, &a.atty, &a.xmid, &a.ln2}) ZINF_RETURN_IF_ERROR(get(p, nc));
-      for (float** p : {&a.ln1_mean, &a.ln1_rstd, &a.ln2_mean, &a.ln2_rstd}) {
-        ZINF_RETURN_IF_ERROR(get(p, n));
+      for (float** p : {&a.x, &a.ln1, &a.atty, &a.xmid, &a.ln2}) {
+        ZINF_RETURN_IF_ERROR(get(p, {n, c}));
       }
-      ZINF_RETURN_IF_ERROR(get(&a.qkv, 3 * nc));
-      ZINF_RETURN_IF_ERROR(get(&a.att, static_cast<size_t>(B) * NH * T * T));
-      ZINF_RETURN_IF_ERROR(get(&a.fch, 4 * nc));
-      ZINF_RETURN_IF_ERROR(get(&a.fcg, 4 * nc));
+      for (float** p : {&a.ln1_mean, &a.ln1_rstd, &a.ln2_mean, &a.ln2_rstd}) {
+        ZINF_RETURN_IF_ERROR(get(p, {n}));
+      }
+      ZINF_RETURN_IF_ERROR(get(&a.qkv, {3, n, c}));
+      ZINF_RETURN_IF_ERROR(get(&a.att, {static_cast<size_t>(B), static_cast<size_t>(NH),
+                                        static_cast<size_t>(T), static_cast<size_t>(T)}));
+      ZINF_RETURN_IF_ERROR(get(&a.fch, {4, n, c}));
+      ZINF_RETURN_IF_ERROR(get(&a.fcg, {4, n, c}));
     }
     for (float** p : {&x_final, &lnf, &dres, &dxmid, &dln, &datty, &tmp}) {
-      ZINF_RETURN_IF_ERROR(get(p, nc));
+      ZINF_RETURN_IF_ERROR(get(p, {n, c}));
     }
-    ZINF_RETURN_IF_ERROR(get(&lnf_mean, n));
-    ZINF_RETURN_IF_ERROR(get(&lnf_rstd, n));
-    ZINF_RETURN_IF_ERROR(get(&logits, n * V));
-    ZINF_RETURN_IF_ERROR(get(&dlogits, n * V));
-    if (bf16) ZINF_RETURN_IF_ERROR(get(&wconv, LargestGroup()));
+    ZINF_RETURN_IF_ERROR(get(&lnf_mean, {n}));
+    ZINF_RETURN_IF_ERROR(get(&lnf_rstd, {n}));
+    ZINF_RETURN_IF_ERROR(get(&logits, {n, static_cast<size_t>(V)}));
+    ZINF_RETURN_IF_ERROR(get(&dlogits, {n, static_cast<size_t>(V)}));
+    if (bf16) ZINF_RETURN_IF_ERROR(get(&wconv, {LargestGroup()}));
     size_t block = 0;
     for (int k = 0; k < kBlockParams; ++k) block += list[BlockIndex(0, k)].numel();
-    ZINF_RETURN_IF_ERROR(get(&grads, block));
-    ZINF_RETURN_IF_ERROR(get(&dqkv, 3 * nc));
-    ZINF_RETURN_IF_ERROR(get(&dfch, 4 * nc));
-    ZINF_RETURN_IF_ERROR(get(&dfcg, 4 * nc));
-    ZINF_RETURN_IF_ERROR(get(&dwte, list[0].numel()));
-    ZINF_RETURN_IF_ERROR(get(&dwpe, list[1].numel()));
+    ZINF_RETURN_IF_ERROR(get(&grads, {block}));
+    ZINF_RETURN_IF_ERROR(get(&dqkv, {3, n, c}));
+    ZINF_RETURN_IF_ERROR(get(&dfch, {4, n, c}));
+    ZINF_RETURN_IF_ERROR(get(&dfcg, {4, n, c}));
+    ZINF_RETURN_IF_ERROR(get(&dwte, {list[0].numel()}));
+    ZINF_RETURN_IF_ERROR(get(&dwpe, {list[1].numel()}));
     ZINF_ASSIGN_OR_RETURN(tokens, ints(n));
     ZINF_ASSIGN_OR_RETURN(targets, ints(n));
     return Status::OK();
@@ -441,18 +456,27 @@ size_t GptTrainer::DeviceBytes(const GptConfig& model, int batch, int seq, bool 
   size_t bytes = 0;
   static float dummy_float;
   static int32_t dummy_int;
-  auto round = [](size_t b) { return (b + 255) / 256 * 256; };
+  // Saturating: a shape whose bytes do not fit 64 bits counts as SIZE_MAX (more than any
+  // memory), which Create refuses.
+  bool overflow = false;
+  auto add = [&](size_t n, size_t elem) {
+    size_t b = 0;
+    overflow = overflow || __builtin_mul_overflow(n, elem, &b) || b > SIZE_MAX - 255 ||
+               __builtin_add_overflow(bytes, (b + 255) / 256 * 256, &bytes);
+  };
   Status s = m.AllocateBuffers(
       [&](size_t n) -> Result<float*> {
-        bytes += round(n * sizeof(float));
+        add(n, sizeof(float));
         return &dummy_float;
       },
       [&](size_t n) -> Result<int32_t*> {
-        bytes += round(n * sizeof(int32_t));
+        add(n, sizeof(int32_t));
         return &dummy_int;
       });
-  (void)s;  // the counters never fail
-  return bytes + CudaModelOpsScratchBytes(m.Dims());
+  // The counters never fail; AllocateBuffers fails only for an element count that overflows.
+  if (!s.ok() || overflow) return SIZE_MAX;
+  const size_t scratch = CudaModelOpsScratchBytes(m.Dims());
+  return bytes > SIZE_MAX - scratch ? SIZE_MAX : bytes + scratch;
 }
 
 Status GptTrainer::MasterValues(size_t index, std::vector<float>* out) {

@@ -84,8 +84,10 @@ struct EngineConfig {
   // twice the NVMe space of the states (three times with several ranks, whose stores retain
   // two commits).
   bool durable = false;
-  // A fresh engine (no ResumeFromStore) may replace a durable store that holds commits in its
-  // folder; false: refused, naming the committed step (zinf.durable_overwrite).
+  // A fresh engine (no ResumeFromStore), durable or not, may replace a swap store that any of
+  // its NVMe folders holds (a durable store's commits, an index, swap files without a mark);
+  // false: refused (AlreadyExists), naming the folder and the committed step
+  // (zinf.durable_overwrite).
   bool durable_overwrite = false;
   bool checksums = false;  // per-chunk checksums in the swap store
   // zinf.gradient_transfer_dtype "bf16" (default "fp32"): each gradient partition is rounded

@@ -95,6 +95,9 @@ class FaultPlan;  // zinf/io.h
 struct EngineHooks {
   // Wraps the swap store's I/O backend in a FaultyBackend driven by this plan.
   std::shared_ptr<FaultPlan> fault_plan;
+  // Tests: called by LoadCheckpoint once the checkpoint (its folder path given) has validated
+  // and before its states are installed (a test changes the files there).
+  std::function<void(const std::string& folder)> checkpoint_validated;
 };
 
 class Engine {
@@ -180,6 +183,15 @@ class Engine {
   // writable (probed), locked for this engine. A trainer calls it first, so that a bad folder
   // or a second run on it is refused before any step is spent.
   Status PrepareCheckpointDir(const std::string& dir);
+  // What `dir` holds of zinf's checkpoints: the names zinf wrote there (`latest`, an unfinished
+  // `.incoming`, and the step folders step-NNNNNNNNN[.k] that carry zinf's mark or manifest),
+  // newest first; empty when there are none or `dir` does not exist. Anything else in `dir`
+  // is the user's, never listed and never removed (user notes named "step-..." included).
+  static Result<std::vector<std::string>> ListCheckpoints(const std::string& dir);
+  // Collective: removes what ListCheckpoints lists, nothing else (a trainer told to start
+  // afresh over earlier checkpoints). `dir` must be prepared first (PrepareCheckpointDir: this
+  // engine holds its lock).
+  Status RemoveCheckpoints(const std::string& dir);
 
   // Durable mode (zinf.durable): every optimizer step ends with a commit of the NVMe swap
   // store (its writes go to fresh extents until then), so after a crash the store itself
@@ -193,7 +205,24 @@ class Engine {
   // ranks agree on the latest commit they all hold, of the same history (a LoadCheckpoint
   // starts a new one); a rank ahead drops its last one. FailedPrecondition on every rank when
   // the stores have no commit in common.
-  Status ResumeFromStore();
+  //
+  // What the swap folders hold decides, never a guess: NotFound when they hold no store at all
+  // (another disk, other folders); Corruption when the store lost its index or a file;
+  // FailedPrecondition when the folders are another store's, or its own in another order
+  // (the message names the order), or the store is of another model. A store that never
+  // committed (its run stopped while initialising) holds nothing to resume: ResumeFromStore
+  // then places the initial values (as FinishRegistration) and global_step() is 0. On
+  // success `*resumed` (optional) says which it was and what the commit recorded.
+  struct StoreResume {
+    bool reopened = false;  // a commit was reopened (false: the store never committed)
+    int64_t step = 0;       // the step it holds (global_step())
+    std::string user_data;  // SetCommitUserData's text of the run that committed ("" if none)
+  };
+  Status ResumeFromStore(StoreResume* resumed = nullptr);
+  // Durable mode: the trainer's own text (UTF-8; e.g. its seed and data position) recorded
+  // with every commit from now on, returned by a later ResumeFromStore. Before the first
+  // Acquire (the initial commit records it too).
+  Status SetCommitUserData(const std::string& user_data);
 
   // Collective (every rank calls it): the full fp32 master values of a parameter, gathered from
   // all ranks into `out` (numel floats, host memory). Waits for a delayed update still running.

@@ -19,76 +19,20 @@
 #include <vector>
 
 #include "tests/test_util.h"
+#include "train/tests/spawn.h"
 #include "zinf/cuda.h"
 
 extern char** environ;
 
 namespace {
 
+using zinf::testing::Checksum;
+using zinf::testing::Outcome;
+using zinf::testing::ReadFile;
+using zinf::testing::Spawn;
 using zinf::testing::TempDir;
 
 constexpr int kSteps = 6;
-
-struct Outcome {
-  bool killed = false;  // ended by SIGKILL
-  int exit_code = -1;   // when it exited
-  std::string stdout_text, stderr_text;
-};
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-// Runs zinf-train with `args` (after the binary), stdout and stderr into files under `work`;
-// `crash` arms ZINF_CRASH_AT; `as_limit_kib` (when not 0) is the address-space limit it runs
-// under (ulimit -v, through /bin/sh).
-Outcome Spawn(const std::string& work, std::vector<std::string> args, const std::string& crash,
-              uint64_t as_limit_kib = 0) {
-  args.insert(args.begin(), ZINF_TRAIN_BIN);
-  if (as_limit_kib != 0) {
-    args.insert(
-        args.begin(),
-        {"/bin/sh", "-c", "ulimit -v " + std::to_string(as_limit_kib) + " && exec \"$0\" \"$@\""});
-  }
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  std::vector<std::string> env_store;
-  for (char** e = environ; *e != nullptr; ++e) {
-    if (std::string(*e).rfind("ZINF_CRASH_AT=", 0) != 0) env_store.emplace_back(*e);
-  }
-  if (!crash.empty()) env_store.push_back("ZINF_CRASH_AT=" + crash);
-  // One BLAS thread: the result must not depend on how many the machine has.
-  env_store.push_back("OPENBLAS_NUM_THREADS=1");
-  std::vector<char*> envp;
-  for (std::string& e : env_store) envp.push_back(e.data());
-  envp.push_back(nullptr);
-
-  const std::string out_path = work + "/stdout", err_path = work + "/stderr";
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-  posix_spawn_file_actions_addopen(&fa, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-  pid_t pid;
-  Outcome o;
-  int rc = posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), envp.data());
-  posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) {
-    o.stderr_text = "posix_spawn failed: " + std::string(strerror(rc));
-    return o;
-  }
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  o.killed = WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL;
-  if (WIFEXITED(status)) o.exit_code = WEXITSTATUS(status);
-  o.stdout_text = ReadFile(out_path);
-  o.stderr_text = ReadFile(err_path);
-  return o;
-}
 
 // The tiny model with checkpoints every step, parameters and states on NVMe.
 Outcome RunTrain(const std::string& work, bool resume, const std::string& crash) {
@@ -100,14 +44,6 @@ Outcome RunTrain(const std::string& work, bool resume, const std::string& crash)
   // clang-format on
   if (resume) args.push_back("--resume");
   return Spawn(work, args, crash);
-}
-
-// The "param_checksum" of the final JSON line.
-std::string Checksum(const std::string& out) {
-  const std::string key = "\"param_checksum\":\"";
-  size_t at = out.rfind(key);
-  if (at == std::string::npos) return "";
-  return out.substr(at + key.size(), 16);
 }
 
 const std::string& Reference() {
@@ -495,8 +431,8 @@ TEST(TrainCli, AFreshRunNeverReplacesCheckpointsOrADurableStoreSilently) {
                                       "--durable", "--data", ZINF_SOURCE_DATA, "--json"};
   ASSERT_EQ(Spawn(dir.path(), durable, "").exit_code, 0);
   Outcome fresh = Spawn(dir.path(), durable, "");
-  EXPECT_EQ(fresh.exit_code, 1) << fresh.stderr_text;
-  EXPECT_NE(fresh.stderr_text.find("holds a durable store committed at step 2"), std::string::npos)
+  EXPECT_EQ(fresh.exit_code, 2) << fresh.stderr_text;
+  EXPECT_NE(fresh.stderr_text.find("hold a durable store committed at step 2"), std::string::npos)
       << fresh.stderr_text;
   durable.push_back("--overwrite");
   EXPECT_EQ(Spawn(dir.path(), durable, "").exit_code, 0);
@@ -547,7 +483,7 @@ TEST(TrainCli, TwoRunsOnOneSwapFolderOrCheckpointFolderAreRefused) {
                                   "4",        "--seq", "32",      "--data", ZINF_SOURCE_DATA};
     a.insert(a.end(), extra.begin(), extra.end());
     Outcome o = Spawn(dir.path(), a, "");
-    EXPECT_EQ(o.exit_code, 1) << o.stderr_text;
+    EXPECT_EQ(o.exit_code, 2) << "a folder in use: refused before anything ran\n" << o.stderr_text;
     EXPECT_NE(o.stderr_text.find(expect), std::string::npos) << o.stderr_text;
   }
   kill(first, SIGKILL);
