@@ -111,7 +111,9 @@ Result<EngineConfig> BuildConfig(const Flags& f) {
   EngineConfig c;
   if (!f.config.empty()) {
     std::vector<std::string> warnings;
-    ZINF_ASSIGN_OR_RETURN(c, LoadEngineConfig(f.config, &warnings));
+    Result<EngineConfig> loaded = LoadEngineConfig(f.config, &warnings);
+    if (!loaded.ok()) return loaded.status().WithContext("--config");
+    c = std::move(loaded).value();
     for (const std::string& w : warnings) LogWarning(w);
   } else {
     // Embedded defaults: bf16 parameters in pinned host memory, fp32 master weights and Adam
@@ -351,7 +353,7 @@ int PlanRun(Flags* f, RunPlan* plan) {
   if (int rc = ChooseModel(f, &plan->model); rc != 0) return rc;
   Result<EngineConfig> config = BuildConfig(*f);
   if (!config.ok()) {
-    std::fprintf(stderr, "zinf-train: %s\n", config.status().ToString().c_str());
+    std::fprintf(stderr, "zinf-train: %s\n", config.status().message().c_str());
     return 2;
   }
   plan->config = std::move(config).value();
