@@ -84,54 +84,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
   // The configuration's own checks (the same as for a parsed config), then what depends on
   // the device and the ranks.
   ZINF_RETURN_IF_ERROR(ValidateEngineConfig(config));
-  // Sub-groups stepped on the device: all of them (offload_optimizer.device none) or those
-  // beyond offload_optimizer.ratio.
-  const bool device_optimizer =
-      config.offload_optimizer.tier == Tier::kDevice || config.offload_optimizer.ratio < 1;
-  if (device_optimizer && !device->IsHost()) {
-    const char* what = config.offload_optimizer.tier == Tier::kDevice
-                           ? "offload_optimizer.device none (the optimizer on the GPU)"
-                           : "offload_optimizer.ratio below 1 (part of the optimizer on the GPU)";
-    if (config.offload_param.tier != Tier::kDevice) {
-      return Status::NotSupported(
-          std::string(what) +
-          " needs offload_param.device none: the GPU writes the updated parameters straight "
-          "into their device stores; set offload_optimizer.ratio 1 and device cpu or nvme");
-    }
-    if (config.optimizer.type != OptimizerType::kAdam &&
-        config.optimizer.type != OptimizerType::kAdamW) {
-      return Status::NotSupported(std::string(what) + ": the GPU kernel runs Adam and AdamW, not " +
-                                  OptimizerTypeName(config.optimizer.type) +
-                                  "; step it on the CPU (ratio 1, device cpu or nvme)");
-    }
-    if (config.optimizer_state_type != StateType::kF32) {
-      return Status::NotSupported(
-          std::string(what) +
-          ": the GPU kernel keeps fp32 states, not zinf.optimizer_state_dtype \"" +
-          StateTypeName(config.optimizer_state_type) +
-          "\"; step the optimizer on the CPU (offload_optimizer.ratio 1, device cpu or nvme) or "
-          "keep fp32 states");
-    }
-  }
-  if (config.durable) {
-    if (config.offload_optimizer.tier != Tier::kNvme || config.offload_optimizer.ratio < 1) {
-      return Status::InvalidArgument(
-          "zinf.durable needs offload_optimizer.device nvme and offload_optimizer.ratio 1 (the "
-          "states to resume from live in the swap store)");
-    }
-    if (config.delayed_update && comm->world_size() > 1) {
-      return Status::NotSupported(
-          "zinf.durable with zinf.delayed_update and more than one rank is not supported: each "
-          "rank's optimizer commits on its own, so ranks can end up more than the one retained "
-          "commit apart; turn one off");
-    }
-    if (config.delayed_update && config.offload_param.tier != Tier::kNvme) {
-      return Status::InvalidArgument(
-          "zinf.durable with zinf.delayed_update needs offload_param.device nvme: a resume "
-          "needs the parameters one step behind the states, which only the NVMe parameter "
-          "store keeps");
-    }
-  }
+  ZINF_RETURN_IF_ERROR(CheckFeasible(config, device->Caps(), comm->world_size()));
   // NVMe paths: folders, inside zinf.allowed_nvme_roots when set (again when the swap store
   // opens at placement).
   for (const OffloadConfig* o : {&config.offload_param, &config.offload_optimizer}) {

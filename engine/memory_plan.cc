@@ -84,6 +84,74 @@ Result<PinnedPlan> PlanPinnedMemory(const Layout& layout, const EngineConfig& co
   return plan;
 }
 
+OptimizerKind OptimizerKindFor(OptimizerType type) {
+  switch (type) {
+    case OptimizerType::kAdam:
+      return OptimizerKind::kAdam;
+    case OptimizerType::kAdamW:
+      return OptimizerKind::kAdamW;
+    case OptimizerType::kAdagrad:
+      return OptimizerKind::kAdagrad;
+    case OptimizerType::kLion:
+      return OptimizerKind::kLion;
+  }
+  return OptimizerKind::kAdamW;
+}
+
+Status CheckFeasible(const EngineConfig& config, const DeviceCaps& caps, int world) {
+  // Sub-groups stepped on the device: all of them (offload_optimizer.device none) or those
+  // beyond offload_optimizer.ratio.
+  const bool device_optimizer =
+      config.offload_optimizer.tier == Tier::kDevice || config.offload_optimizer.ratio < 1;
+  if (device_optimizer) {
+    const char* what =
+        config.offload_optimizer.tier == Tier::kDevice
+            ? "offload_optimizer.device none (the optimizer on the device)"
+            : "offload_optimizer.ratio below 1 (part of the optimizer on the device)";
+    if (caps.step_needs_device_params && config.offload_param.tier != Tier::kDevice) {
+      return Status::NotSupported(
+          std::string(what) +
+          " needs offload_param.device none: the device writes the updated parameters straight "
+          "into their device stores; set offload_optimizer.ratio 1 and device cpu or nvme");
+    }
+    if (!caps.Steps(OptimizerKindFor(config.optimizer.type))) {
+      return Status::NotSupported(std::string(what) +
+                                  ": this device's optimizer kernel does not run " +
+                                  OptimizerTypeName(config.optimizer.type) +
+                                  " (a GPU runs Adam and AdamW); step it on the CPU (ratio 1, "
+                                  "device cpu or nvme)");
+    }
+    if (config.optimizer_state_type != StateType::kF32 && !caps.step_compressed_states) {
+      return Status::NotSupported(
+          std::string(what) +
+          ": this device's optimizer kernel keeps fp32 states, not zinf.optimizer_state_dtype \"" +
+          StateTypeName(config.optimizer_state_type) +
+          "\"; step the optimizer on the CPU (offload_optimizer.ratio 1, device cpu or nvme) or "
+          "keep fp32 states");
+    }
+  }
+  if (config.durable) {
+    if (config.offload_optimizer.tier != Tier::kNvme || config.offload_optimizer.ratio < 1) {
+      return Status::InvalidArgument(
+          "zinf.durable needs offload_optimizer.device nvme and offload_optimizer.ratio 1 (the "
+          "states to resume from live in the swap store)");
+    }
+    if (config.delayed_update && world > 1) {
+      return Status::NotSupported(
+          "zinf.durable with zinf.delayed_update and more than one rank is not supported: each "
+          "rank's optimizer commits on its own, so ranks can end up more than the one retained "
+          "commit apart; turn one off");
+    }
+    if (config.delayed_update && config.offload_param.tier != Tier::kNvme) {
+      return Status::InvalidArgument(
+          "zinf.durable with zinf.delayed_update needs offload_param.device nvme: a resume "
+          "needs the parameters one step behind the states, which only the NVMe parameter "
+          "store keeps");
+    }
+  }
+  return Status::OK();
+}
+
 Status CheckNvmePaths(const std::vector<std::string>& paths,
                       const std::vector<std::string>& allowed_roots) {
   std::vector<std::string> roots;

@@ -8,6 +8,7 @@
 
 #include "engine/layout.h"
 #include "zinf/config.h"
+#include "zinf/device.h"
 #include "zinf/engine.h"
 #include "zinf/swap.h"
 
@@ -31,6 +32,16 @@ struct PinnedPlan {
 // the pinned budget is too small. `device_is_host`: device-kept states need no host staging.
 Result<PinnedPlan> PlanPinnedMemory(const Layout& layout, const EngineConfig& config,
                                     bool device_is_host);
+
+// The CPU optimizer kind of the configured optimizer.
+OptimizerKind OptimizerKindFor(OptimizerType type);
+
+// Whether `config` can run on a device with `caps` over `world` ranks, before anything is
+// allocated: the optimizer sub-groups stepped on the device need a device that steps this
+// optimizer and state dtype (and, on a GPU, parameters in device memory); durable mode needs
+// its states on NVMe (and, with the delayed update, one rank and NVMe parameters).
+// NotSupported / InvalidArgument naming the keys to change. Pure.
+Status CheckFeasible(const EngineConfig& config, const DeviceCaps& caps, int world);
 
 // Every NVMe path must be a writable folder and, when `allowed_roots` is not empty, inside
 // one of them after resolving symbolic links.

@@ -4,6 +4,7 @@
 #include <deque>
 #include <functional>
 
+#include "engine/memory_plan.h"
 #include "zinf/crash_point.h"
 
 namespace zinf {
@@ -203,20 +204,7 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
 OptimizerHyperParams OptimizerPipeline::HyperParams(const OptimizerTask& task, float coef) const {
   const EngineConfig& config = *m_.config;
   OptimizerHyperParams hp;
-  switch (config.optimizer.type) {
-    case OptimizerType::kAdam:
-      hp.kind = OptimizerKind::kAdam;
-      break;
-    case OptimizerType::kAdamW:
-      hp.kind = OptimizerKind::kAdamW;
-      break;
-    case OptimizerType::kAdagrad:
-      hp.kind = OptimizerKind::kAdagrad;
-      break;
-    case OptimizerType::kLion:
-      hp.kind = OptimizerKind::kLion;
-      break;
-  }
+  hp.kind = OptimizerKindFor(config.optimizer.type);
   hp.step = task.step;
   hp.lr = task.lr;
   hp.beta1 = config.optimizer.beta1;

@@ -171,6 +171,57 @@ struct CommitCase {
   std::vector<bool> previous;
 };
 
+// What a device can do decides what runs, from its capabilities alone: a GPU-like device (the
+// CUDA backend's caps) refuses the device-stepped optimizer without device parameters, other
+// optimizers than Adam/AdamW and compressed states; a host device runs them all. Tested here,
+// without a GPU, for every refusal the CUDA backend relies on.
+TEST(CheckFeasibleTest, TheDevicesCapabilitiesDecideNotItsKind) {
+  DeviceCaps gpu;
+  gpu.step_kinds = DeviceCaps::Kind(OptimizerKind::kAdam) | DeviceCaps::Kind(OptimizerKind::kAdamW);
+  gpu.step_needs_device_params = true;
+  DeviceCaps host;
+  host.host_memory = true;
+  host.step_kinds = ~0u;
+  host.step_compressed_states = true;
+  EngineConfig c;
+  c.offload_optimizer.tier = Tier::kDevice;
+  c.offload_param.tier = Tier::kCpu;
+  Status s = CheckFeasible(c, gpu, 1);
+  EXPECT_EQ(s.code(), StatusCode::kNotSupported) << s.ToString();
+  EXPECT_NE(s.message().find("offload_param.device none"), std::string::npos) << s.ToString();
+  EXPECT_TRUE(CheckFeasible(c, host, 1).ok());
+  c.offload_param.tier = Tier::kDevice;
+  EXPECT_TRUE(CheckFeasible(c, gpu, 1).ok());
+  c.optimizer.type = OptimizerType::kLion;
+  s = CheckFeasible(c, gpu, 1);
+  EXPECT_EQ(s.code(), StatusCode::kNotSupported);
+  EXPECT_NE(s.message().find("lion"), std::string::npos) << s.ToString();
+  EXPECT_TRUE(CheckFeasible(c, host, 1).ok());
+  c.optimizer.type = OptimizerType::kAdamW;
+  c.optimizer_state_type = StateType::kInt8;
+  s = CheckFeasible(c, gpu, 1);
+  EXPECT_NE(s.message().find("zinf.optimizer_state_dtype"), std::string::npos) << s.ToString();
+  EXPECT_TRUE(CheckFeasible(c, host, 1).ok());
+  // offload_optimizer.ratio below 1 is the same question for part of the sub-groups.
+  c.optimizer_state_type = StateType::kF32;
+  c.offload_optimizer.tier = Tier::kCpu;
+  c.offload_optimizer.ratio = 0.5;
+  c.offload_param.tier = Tier::kCpu;
+  EXPECT_EQ(CheckFeasible(c, gpu, 1).code(), StatusCode::kNotSupported);
+  c.offload_optimizer.ratio = 1;
+  EXPECT_TRUE(CheckFeasible(c, gpu, 1).ok());  // everything on the CPU: any device
+  // Durable mode, whatever the device.
+  c.durable = true;
+  EXPECT_EQ(CheckFeasible(c, host, 1).code(), StatusCode::kInvalidArgument);  // states on cpu
+  c.offload_optimizer.tier = Tier::kNvme;
+  EXPECT_TRUE(CheckFeasible(c, host, 2).ok());
+  c.delayed_update = true;
+  EXPECT_EQ(CheckFeasible(c, host, 2).code(), StatusCode::kNotSupported);
+  EXPECT_EQ(CheckFeasible(c, host, 1).code(), StatusCode::kInvalidArgument);  // params not nvme
+  c.offload_param.tier = Tier::kNvme;
+  EXPECT_TRUE(CheckFeasible(c, host, 1).ok());
+}
+
 TEST(ChooseCommitTest, LatestCommitEveryRankHolds) {
   const std::vector<CommitCase> cases = {
       {"one rank, one commit", {7, 1, -1, 0}, 7, {false}},

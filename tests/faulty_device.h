@@ -54,8 +54,7 @@ class FaultyDevice : public Device {
   }
 
   std::string Name() const override { return "faulty " + inner_->Name(); }
-  bool IsHost() const override { return inner_->IsHost(); }
-  bool ComputeRunsInline() const override { return inner_->ComputeRunsInline(); }
+  DeviceCaps Caps() const override { return inner_->Caps(); }
   Result<void*> Alloc(size_t bytes) override { return inner_->Alloc(bytes); }
   void Free(void* ptr) override { inner_->Free(ptr); }
   DeviceMemoryInfo MemoryInfo() const override { return inner_->MemoryInfo(); }

@@ -34,7 +34,14 @@ class CudaDevice final : public Device {
   CudaDevice& operator=(const CudaDevice&) = delete;
 
   std::string Name() const override;
-  bool IsHost() const override { return false; }
+  DeviceCaps Caps() const override {
+    DeviceCaps c;
+    // cuda::AdamStep: Adam and AdamW with fp32 states; it writes the updated parameters into
+    // their device stores.
+    c.step_kinds = DeviceCaps::Kind(OptimizerKind::kAdam) | DeviceCaps::Kind(OptimizerKind::kAdamW);
+    c.step_needs_device_params = true;
+    return c;
+  }
   int ordinal() const { return ordinal_; }
 
   // `bytes` (exactly) count against the budget; Alloc(0) returns a unique pointer counting

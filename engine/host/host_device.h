@@ -77,8 +77,17 @@ class HostDevice final : public Device {
   HostDevice& operator=(const HostDevice&) = delete;
 
   std::string Name() const override;
-  bool IsHost() const override { return true; }
-  bool ComputeRunsInline() const override { return !options_.strict; }
+  DeviceCaps Caps() const override {
+    DeviceCaps c;
+    c.host_memory = true;
+    c.compute_inline = !options_.strict;
+    // The CPU kernels, every optimizer and state dtype; parameters anywhere.
+    c.step_kinds =
+        DeviceCaps::Kind(OptimizerKind::kAdam) | DeviceCaps::Kind(OptimizerKind::kAdamW) |
+        DeviceCaps::Kind(OptimizerKind::kAdagrad) | DeviceCaps::Kind(OptimizerKind::kLion);
+    c.step_compressed_states = true;
+    return c;
+  }
   bool strict() const { return options_.strict; }
 
   // `bytes` (exactly, not rounded to the alignment) count against the budget. Alloc(0)

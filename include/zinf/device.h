@@ -29,6 +29,27 @@ class Event {
   virtual ~Event() = default;
 };
 
+// What a backend can do. The engine decides from these (CheckFeasible, the shorter paths of a
+// host device), never from which backend it is (ggml-backend's supports_op).
+struct DeviceCaps {
+  // Device memory is ordinary host memory: host code may read it once the work producing it
+  // has completed.
+  bool host_memory = false;
+  // Work issued on the compute stream has run when the call returns (HostDevice outside
+  // strict mode): the engine may take the shorter paths a GPU's compute stream would stall.
+  bool compute_inline = false;
+  // Device::OptimizerStep: the optimizers it runs (a bit per OptimizerKind), whether it keeps
+  // compressed states (StateType bf16 / int8), and whether the sub-groups it steps need their
+  // parameters in device memory (a GPU writes the updated parameters straight into their
+  // device stores).
+  uint32_t step_kinds = 0;
+  bool step_compressed_states = false;
+  bool step_needs_device_params = false;
+
+  bool Steps(OptimizerKind kind) const { return (step_kinds >> static_cast<int>(kind)) & 1u; }
+  static constexpr uint32_t Kind(OptimizerKind kind) { return 1u << static_cast<int>(kind); }
+};
+
 struct DeviceMemoryInfo {
   size_t budget = 0;  // bytes the device may allocate in all
   size_t used = 0;
@@ -41,13 +62,12 @@ class Device {
   virtual ~Device() = default;
 
   virtual std::string Name() const = 0;
-  // True when device memory is ordinary host memory (HostDevice): host code may read it
-  // directly once the producing work has completed.
-  virtual bool IsHost() const = 0;
-  // True when work issued on the compute stream has run when the call returns (HostDevice
-  // outside strict mode): the engine may then take the shorter paths that a compute stream
-  // running behind the host (a GPU) would stall on.
-  virtual bool ComputeRunsInline() const { return false; }
+  // What this backend can do (tests/device_contract_test.cc checks each against the
+  // behaviour).
+  virtual DeviceCaps Caps() const = 0;
+  // Caps().host_memory and Caps().compute_inline.
+  bool IsHost() const { return Caps().host_memory; }
+  bool ComputeRunsInline() const { return Caps().compute_inline; }
 
   // Device memory. ResourceExhausted (naming budget and use) when the budget is exceeded.
   virtual Result<void*> Alloc(size_t bytes) = 0;
@@ -105,10 +125,11 @@ class Device {
 
   // One optimizer step ordered on `stream`, every pointer of `t` in this device's memory (the
   // engine steps the sub-groups whose states stay on the device with it). Bit-identical to
-  // the CPU scalar reference (zinf/cpu_adam.h). HostDevice: the CPU kernel (ZINF_CPU_ISA or
-  // the best instruction set) on the stream's thread, any optimizer; CudaDevice: the GPU
-  // kernel (cuda::AdamStep), Adam and AdamW only (others NotSupported). Argument errors are
-  // returned; failures while running become the stream's error.
+  // the CPU scalar reference (zinf/cpu_adam.h). The optimizers and state dtypes Caps() names
+  // (HostDevice: the CPU kernel, ZINF_CPU_ISA or the best instruction set, on the stream's
+  // thread, every optimizer and dtype; CudaDevice: the GPU kernel cuda::AdamStep, Adam and
+  // AdamW with fp32 states); others NotSupported. Argument errors are returned; failures
+  // while running become the stream's error.
   virtual Status OptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t,
                                Stream* stream) = 0;
 };
