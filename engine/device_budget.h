@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/thread_annotations.h"
+#include "common/thread_annotations.h"
 #include "zinf/device.h"
 
 namespace zinf {

@@ -19,7 +19,7 @@
 #include "engine/host_memory.h"
 #include "engine/layout.h"
 #include "engine/stats_recorder.h"
-#include "engine/thread_annotations.h"
+#include "common/thread_annotations.h"
 #include "zinf/comm.h"
 #include "zinf/config.h"
 #include "zinf/cpu_adam.h"

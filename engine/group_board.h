@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "engine/layout.h"
-#include "engine/thread_annotations.h"
+#include "common/thread_annotations.h"
 #include "zinf/status.h"
 
 namespace zinf {

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/thread_annotations.h"
+#include "common/thread_annotations.h"
 #include "zinf/status.h"
 #include "zinf/swap.h"
 

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <functional>
 
-#include "engine/thread_annotations.h"
+#include "common/thread_annotations.h"
 #include "zinf/device.h"
 
 namespace zinf {

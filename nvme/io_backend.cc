@@ -1,10 +1,10 @@
 #include <algorithm>
 #include <chrono>
 #include <deque>
-#include <mutex>
 #include <thread>
 #include <unordered_map>
 
+#include "common/thread_annotations.h"
 #include "zinf/io.h"
 
 namespace zinf {
@@ -51,44 +51,44 @@ Result<std::unique_ptr<IoBackend>> NewIoBackend(IoBackendKind kind,
 // ---- FaultPlan / FaultyBackend ----
 
 struct FaultPlan::State {
-  mutable std::mutex mu;
-  std::vector<IoFault> faults;  // guarded by mu
-  uint64_t requests = 0;        // guarded by mu
-  uint64_t fired = 0;           // guarded by mu
+  mutable Mutex mu;
+  std::vector<IoFault> faults GUARDED_BY(mu);
+  uint64_t requests GUARDED_BY(mu) = 0;
+  uint64_t fired GUARDED_BY(mu) = 0;
 };
 
 FaultPlan::FaultPlan() : state_(std::make_unique<State>()) {}
 FaultPlan::~FaultPlan() = default;
 
 void FaultPlan::Add(const IoFault& fault) {
-  std::lock_guard<std::mutex> lock(state_->mu);
+  MutexLock lock(&state_->mu);
   state_->faults.push_back(fault);
 }
 
 uint64_t FaultPlan::AddAhead(IoFault fault, uint64_t ahead) {
-  std::lock_guard<std::mutex> lock(state_->mu);
+  MutexLock lock(&state_->mu);
   fault.first = state_->requests + ahead;
   state_->faults.push_back(fault);
   return fault.first;
 }
 
 void FaultPlan::Clear() {
-  std::lock_guard<std::mutex> lock(state_->mu);
+  MutexLock lock(&state_->mu);
   state_->faults.clear();
 }
 
 uint64_t FaultPlan::requests() const {
-  std::lock_guard<std::mutex> lock(state_->mu);
+  MutexLock lock(&state_->mu);
   return state_->requests;
 }
 
 uint64_t FaultPlan::fired() const {
-  std::lock_guard<std::mutex> lock(state_->mu);
+  MutexLock lock(&state_->mu);
   return state_->fired;
 }
 
 bool FaultPlan::Next(IoOp op, IoFault* fault) {
-  std::lock_guard<std::mutex> lock(state_->mu);
+  MutexLock lock(&state_->mu);
   uint64_t index = state_->requests++;
   for (const IoFault& f : state_->faults) {
     if (index >= f.first && index - f.first < f.count && (f.any_op || f.op == op)) {

@@ -54,11 +54,11 @@ IoQueue::IoQueue(std::unique_ptr<IoBackend> backend, std::vector<IoFile> files,
 
 IoQueue::~IoQueue() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
     if (in_reap_) backend_->Wake();
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   if (thread_.joinable()) thread_.join();
 }
 
@@ -66,18 +66,18 @@ void IoQueue::Submit(const Transfer& t, TransferDone done) {
   auto job = std::make_unique<Job>();
   job->t = t;
   job->done = std::move(done);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   ZINF_CHECK_MSG(!stopping_, "IoQueue::Submit after destruction began");
   incoming_.push_back(std::move(job));
   if (in_reap_) {
     backend_->Wake();
   } else {
-    cv_.notify_one();
+    cv_.NotifyOne();
   }
 }
 
 IoQueueStats IoQueue::Stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return stats_;
 }
 
@@ -98,8 +98,10 @@ void IoQueue::ThreadMain(std::promise<Status>* started) {
 bool IoQueue::TakeIncoming(bool block) {
   std::vector<std::unique_ptr<Job>> empty_jobs;
   {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (block) cv_.wait(lock, [this] { return stopping_ || !incoming_.empty(); });
+    MutexLock lock(&mu_);
+    if (block) {
+      while (!stopping_ && incoming_.empty()) cv_.Wait(&mu_);
+    }
     if (incoming_.empty()) return !(stopping_ && block);
     while (!incoming_.empty()) {
       auto& job = incoming_.front();
@@ -150,14 +152,14 @@ void IoQueue::Loop() {
     }
     if (backend_->InFlight() == 0) continue;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (!incoming_.empty()) continue;  // new work first: fill the queue before waiting
       in_reap_ = true;
     }
     Result<int> n = backend_->Reap(completions.data(), static_cast<int>(completions.size()),
                                    /*wait=*/true);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       in_reap_ = false;
     }
     if (!n.ok()) {
@@ -230,7 +232,7 @@ Status IoQueue::FillQueue() {
   }
   // Whatever the backend could not take now goes first next time.
   for (size_t i = reqs.size(); i > done; --i) resubmit_.push_front(ids[i - 1]);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   stats_.requests += done;
   return Status::OK();
 }
@@ -254,7 +256,7 @@ void IoQueue::OnCompletion(const IoCompletion& c) {
     if ((err == EAGAIN || err == EINTR) && p->retries < options_.max_retries) {
       ++p->retries;
       resubmit_.push_back(static_cast<uint32_t>(c.tag));
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       ++stats_.retries;
       return;
     }
@@ -278,7 +280,7 @@ void IoQueue::OnCompletion(const IoCompletion& c) {
     return;
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     (job->t.op == IoOp::kRead ? stats_.bytes_read : stats_.bytes_written) += res;
     if (res < p->len) ++stats_.short_resubmits;
   }

@@ -8,16 +8,15 @@
 // in-flight requests, then reports.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <future>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <vector>
 
+#include "common/thread_annotations.h"
 #include "zinf/io.h"
 
 namespace zinf {
@@ -100,12 +99,12 @@ class IoQueue {
   std::deque<uint32_t> resubmit_;  // pieces to issue again (short or EAGAIN)
   Status fatal_;                   // a backend failure: everything after fails
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::unique_ptr<Job>> incoming_;  // guarded by mu_
-  bool stopping_ = false;                      // guarded by mu_
-  bool in_reap_ = false;                       // guarded by mu_: the thread may block in Reap
-  IoQueueStats stats_;                         // guarded by mu_
+  mutable Mutex mu_;
+  CondVar cv_;
+  std::deque<std::unique_ptr<Job>> incoming_ GUARDED_BY(mu_);
+  bool stopping_ GUARDED_BY(mu_) = false;
+  bool in_reap_ GUARDED_BY(mu_) = false;  // the thread may block in Reap
+  IoQueueStats stats_ GUARDED_BY(mu_);
 };
 
 }  // namespace zinf

@@ -4,8 +4,8 @@
 #include <cerrno>
 #include <cstring>
 #include <map>
-#include <mutex>
 
+#include "common/thread_annotations.h"
 #include "nvme/range_allocator.h"
 #include "zinf/align.h"
 #include "zinf/log.h"
@@ -14,10 +14,10 @@
 namespace zinf {
 
 struct PinnedArena::State {
-  std::mutex mu;
-  RangeAllocator free;  // guarded by mu
-  size_t used = 0;      // guarded by mu
-  size_t peak = 0;      // guarded by mu
+  Mutex mu;
+  RangeAllocator free GUARDED_BY(mu);
+  size_t used GUARDED_BY(mu) = 0;
+  size_t peak GUARDED_BY(mu) = 0;
 };
 
 PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& other) noexcept {
@@ -66,7 +66,10 @@ Result<std::unique_ptr<PinnedArena>> PinnedArena::Create(const PinnedArenaOption
   arena->capacity_ = bytes;
   arena->alignment_ = options.alignment;
   arena->state_ = std::make_unique<State>();
-  arena->state_->free.Add(0, bytes);
+  {
+    MutexLock lock(&arena->state_->mu);  // not shared yet; the lock keeps the analysis exact
+    arena->state_->free.Add(0, bytes);
+  }
 
   if (options.huge_pages && madvise(arena->base_, bytes, MADV_HUGEPAGE) != 0) {
     LogWarning("pinned arena: MADV_HUGEPAGE refused (" + std::string(strerror(errno)) +
@@ -100,7 +103,7 @@ PinnedArena::~PinnedArena() {
 
 Result<PinnedBuffer> PinnedArena::Allocate(size_t bytes) {
   size_t need = RoundUp(bytes == 0 ? 1 : bytes, alignment_);
-  std::lock_guard<std::mutex> lock(state_->mu);
+  MutexLock lock(&state_->mu);
   if (std::optional<uint64_t> offset = state_->free.Allocate(need)) {
     state_->used += need;
     state_->peak = std::max(state_->peak, state_->used);
@@ -114,18 +117,18 @@ Result<PinnedBuffer> PinnedArena::Allocate(size_t bytes) {
 
 void PinnedArena::Free(void* data, size_t capacity) {
   size_t offset = static_cast<char*>(data) - static_cast<char*>(base_);
-  std::lock_guard<std::mutex> lock(state_->mu);
+  MutexLock lock(&state_->mu);
   state_->free.Free(offset, capacity);
   state_->used -= capacity;
 }
 
 size_t PinnedArena::used() const {
-  std::lock_guard<std::mutex> lock(state_->mu);
+  MutexLock lock(&state_->mu);
   return state_->used;
 }
 
 size_t PinnedArena::peak_used() const {
-  std::lock_guard<std::mutex> lock(state_->mu);
+  MutexLock lock(&state_->mu);
   return state_->peak;
 }
 

@@ -4,12 +4,11 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <condition_variable>
 #include <deque>
-#include <mutex>
 #include <thread>
 #include <vector>
 
+#include "common/thread_annotations.h"
 #include "zinf/io.h"
 
 namespace zinf {
@@ -21,10 +20,10 @@ class PsyncBackend final : public IoBackend {
 
   ~PsyncBackend() override {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       stop_ = true;
     }
-    work_cv_.notify_all();
+    work_cv_.NotifyAll();
     for (auto& t : workers_) t.join();
   }
 
@@ -47,17 +46,19 @@ class PsyncBackend final : public IoBackend {
     int count = std::min(n, room);
     if (count <= 0) return 0;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       for (int i = 0; i < count; ++i) queue_.push_back(reqs[i]);
     }
     in_flight_ += count;
-    work_cv_.notify_all();
+    work_cv_.NotifyAll();
     return count;
   }
 
   Result<int> Reap(IoCompletion* out, int max, bool wait) override {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (wait) done_cv_.wait(lock, [this] { return !done_.empty() || woken_; });
+    MutexLock lock(&mu_);
+    if (wait) {
+      while (done_.empty() && !woken_) done_cv_.Wait(&mu_);
+    }
     woken_ = false;
     int got = 0;
     while (got < max && !done_.empty()) {
@@ -70,10 +71,10 @@ class PsyncBackend final : public IoBackend {
 
   void Wake() override {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       woken_ = true;
     }
-    done_cv_.notify_all();
+    done_cv_.NotifyAll();
   }
 
  private:
@@ -81,8 +82,8 @@ class PsyncBackend final : public IoBackend {
     for (;;) {
       IoRequest r;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        work_cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+        MutexLock lock(&mu_);
+        while (!stop_ && queue_.empty()) work_cv_.Wait(&mu_);
         if (queue_.empty()) return;  // stop_ and drained
         r = queue_.front();
         queue_.pop_front();
@@ -92,10 +93,10 @@ class PsyncBackend final : public IoBackend {
                        : pwrite(fds_[r.file], r.buf, r.len, static_cast<off_t>(r.offset));
       IoCompletion c{r.tag, rc < 0 ? -static_cast<int64_t>(errno) : static_cast<int64_t>(rc)};
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         done_.push_back(c);
       }
-      done_cv_.notify_one();
+      done_cv_.NotifyOne();
     }
   }
 
@@ -104,13 +105,13 @@ class PsyncBackend final : public IoBackend {
   std::vector<std::thread> workers_;
   int in_flight_ = 0;  // I/O thread only
 
-  std::mutex mu_;
-  std::condition_variable work_cv_;
-  std::condition_variable done_cv_;
-  std::deque<IoRequest> queue_;    // guarded by mu_
-  std::deque<IoCompletion> done_;  // guarded by mu_
-  bool woken_ = false;             // guarded by mu_
-  bool stop_ = false;              // guarded by mu_
+  Mutex mu_;
+  CondVar work_cv_;
+  CondVar done_cv_;
+  std::deque<IoRequest> queue_ GUARDED_BY(mu_);
+  std::deque<IoCompletion> done_ GUARDED_BY(mu_);
+  bool woken_ GUARDED_BY(mu_) = false;
+  bool stop_ GUARDED_BY(mu_) = false;
 };
 
 }  // namespace

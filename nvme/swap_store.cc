@@ -1,30 +1,28 @@
+// SwapStore: the folders (swap_folders.h: marks, survey, order), the space on the files
+// (swap_space.h), the requests in flight and their hashes (swap_tickets.h) and the index
+// (swap_index.h) composed behind one lock.
 #include <fcntl.h>
 #include <sys/stat.h>
-#include <sys/statvfs.h>
 #include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
-#include <deque>
 #include <functional>
-#include <map>
-#include <mutex>
-#include <nlohmann/json.hpp>
 #include <system_error>
-#include <thread>
 #include <unordered_map>
 
 #include "common/file_io.h"
 #include "common/folder_lock.h"
-#include "common/json_seal.h"
+#include "common/thread_annotations.h"
 #include "common/utf8.h"
 #include "nvme/io_queue.h"
-#include "nvme/range_allocator.h"
 #include "nvme/swap_folders.h"
+#include "nvme/swap_index.h"
+#include "nvme/swap_space.h"
+#include "nvme/swap_tickets.h"
 #include "zinf/crash_point.h"
 #include "zinf/log.h"
 #include "zinf/swap.h"
@@ -36,18 +34,8 @@ using swap_folders::kIndexName;
 using swap_folders::kLockName;
 using swap_folders::kPrevIndexName;
 using swap_folders::SwapFileName;
-// 2: the index carries its own checksum ("xxh3"), the store's id and its folders (resolved,
-// in order). 1 (no checksum, no folders) is still read, with a warning.
-constexpr int kIndexVersion = 2;
 // Largest index read back (a few hundred bytes per tensor).
 constexpr size_t kMaxIndexBytes = size_t{1} << 30;
-
-// A tensor's home on one file: a contiguous run holding its chunks f, f+N, f+2N, ...
-struct Extent {
-  uint32_t file = 0;
-  uint64_t offset = 0;
-  uint64_t len = 0;
-};
 
 struct Entry {
   uint64_t size = 0;
@@ -70,68 +58,7 @@ struct ChunkCheck {
   uint64_t offset;
 };
 
-struct TicketState {
-  int remaining = 0;  // chunk transfers, and chunk hashes, not yet done
-  Status status;
-  std::string key;
-};
-
-// Checksums off the callers' and the I/O thread's paths: one thread hashes written chunks
-// while they are being written and verifies read chunks as they land, so that hashing
-// overlaps the I/O instead of adding to it (a ticket ends when its transfers and its hashes
-// are done). Read checks go first (a trainer or the optimizer waits on them; a write's hash
-// only delays the end of its ticket), each lane FIFO; drained and joined at destruction.
-class HashWorker {
- public:
-  HashWorker() : thread_([this] { Loop(); }) {}
-  ~HashWorker() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_one();
-    thread_.join();
-  }
-  void Post(std::function<void()> task, bool read_check) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      (read_check ? reads_ : writes_).push_back(std::move(task));
-    }
-    cv_.notify_one();
-  }
-
- private:
-  void Loop() {
-    for (;;) {
-      std::function<void()> task;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !reads_.empty() || !writes_.empty(); });
-        if (reads_.empty() && writes_.empty()) return;  // stopping, and drained
-        std::deque<std::function<void()>>& lane = reads_.empty() ? writes_ : reads_;
-        task = std::move(lane.front());
-        lane.pop_front();
-      }
-      task();
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> reads_, writes_;  // guarded by mu_
-  bool stop_ = false;                                 // guarded by mu_
-  std::thread thread_;                                // last: starts once the rest is ready
-};
-
-// fsync of a folder, so that renames and removals in it are durable.
-Status SyncFolder(const std::string& dir) {
-  int dfd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0) return ErrnoToStatus(errno, "opening folder " + dir);
-  int rc = fsync(dfd);
-  int err = errno;
-  close(dfd);
-  if (rc != 0) return ErrnoToStatus(err, "fsync folder " + dir);
-  return Status::OK();
-}
+Status SyncFolder(const std::string& dir) { return FsyncPath(dir, /*directory=*/true); }
 
 Status RemoveFile(const std::string& path) {
   if (unlink(path.c_str()) != 0 && errno != ENOENT) return ErrnoToStatus(errno, "removing " + path);
@@ -142,41 +69,20 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// Reads the index file at `path` as JSON and checks what every reader checks first: its own
-// checksum (version 2; version 1, from before, has none and is read with a warning), and that
-// `folders` are the ones it records, in its order. *store_id gets the store's id ("" for
-// version 1).
-Result<nlohmann::json> ReadIndexFile(const std::string& path,
-                                     const std::vector<swap_folders::Survey>& folders,
-                                     std::string* store_id) {
+// Reads the index file at `path` and checks what every reader checks first: its own checksum
+// (version 2; version 1, from before, has none and is read with a warning) and that `folders`
+// are the ones it records, in its order.
+Result<SwapIndex> ReadIndexFile(const std::string& path,
+                                const std::vector<swap_folders::Survey>& folders) {
   ZINF_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, kMaxIndexBytes));
-  auto bad = [&](const std::string& why) {
-    return Status::Corruption("swap index " + path + ": " + why +
-                              "; the store cannot be reopened (start a fresh one)");
-  };
-  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) return bad("not valid JSON");
-  const auto version = j.find("version");
-  if (version == j.end() || !version->is_number_integer()) return bad("no version");
-  const int v = version->get<int>();
-  if (v != 1 && v != kIndexVersion) return bad("unknown version " + std::to_string(v));
-  ZINF_RETURN_IF_ERROR(CheckJsonSeal(j, "swap index " + path, /*required=*/v >= 2));
-  store_id->clear();
-  std::vector<std::string> paths;
-  if (v == 1) {
+  ZINF_ASSIGN_OR_RETURN(SwapIndex index, ParseSwapIndex(text, path));
+  if (index.version == 1) {
     LogWarning("the swap index " + path +
                " was written by an older zinf: it carries no checksum of its own and does not "
                "record its folders' order; the next commit or flush writes one that does");
-  } else {
-    try {
-      *store_id = j.at("store").get<std::string>();
-      paths = j.at("folders").get<std::vector<std::string>>();
-    } catch (const nlohmann::json::exception& e) {
-      return bad(std::string("missing or mistyped field (") + e.what() + ")");
-    }
   }
-  ZINF_RETURN_IF_ERROR(swap_folders::VerifyFolders(folders, *store_id, paths));
-  return j;
+  ZINF_RETURN_IF_ERROR(swap_folders::VerifyFolders(folders, index.store, index.folders));
+  return index;
 }
 
 }  // namespace
@@ -189,32 +95,28 @@ struct SwapStore::Impl {
   // stores that are kept (not remove_on_close) mark every folder with it.
   std::vector<swap_folders::Survey> folders;
   std::string store_id;
-  bool marks_committed = false;  // the marks say the store wrote an index
+  bool marks_committed = false;  // the marks say the store wrote an index (trainer thread)
   uint64_t alignment = 4096;
   bool direct_io = true;
-  std::vector<IoFile> files;
+  std::vector<IoFile> files;  // fixed after Open
   std::unique_ptr<IoQueue> queue;
-  std::unique_ptr<HashWorker> hasher;  // with checksums
+  std::unique_ptr<HashWorker> hasher;
 
-  mutable std::mutex mu;
-  std::condition_variable cv;
-  std::vector<RangeAllocator> space;                 // guarded by mu: free extents per file
-  std::vector<uint64_t> file_size;                   // guarded by mu
-  std::unordered_map<std::string, Entry> entries;    // guarded by mu
-  std::unordered_map<Ticket, TicketState> tickets;   // guarded by mu
-  Ticket next_ticket = 1;                            // guarded by mu
-  int in_flight = 0;                                 // guarded by mu: tickets not yet ended
-  std::chrono::steady_clock::time_point busy_since;  // guarded by mu
-  SwapStoreStats stats;                              // guarded by mu
-  bool closed = false;                               // guarded by mu
-  // Durable mode, guarded by mu: committed extents superseded since the last commit (freed
-  // once the next commit is published; with two retained commits, once the one after it is),
-  // the extents only the retained previous commit still refers to, and the meta of the last
-  // commit (loaded at reopen).
-  std::vector<Extent> superseded;
-  std::vector<Extent> retired;
-  std::string meta;
-  bool committing = false;  // Commit in progress: Write and Remove are refused
+  mutable Mutex mu;
+  CondVar cv;  // a ticket ended (in_flight may have dropped)
+  std::unique_ptr<SwapSpace> space GUARDED_BY(mu);
+  std::unordered_map<std::string, Entry> entries GUARDED_BY(mu);
+  TicketTable tickets GUARDED_BY(mu);
+  SwapStoreStats stats GUARDED_BY(mu);  // counters; file and allocation bytes from `space`
+  bool closed GUARDED_BY(mu) = false;
+  // Durable mode: committed extents superseded since the last commit (freed once the next
+  // commit is published; with two retained commits, once the one after it is), the extents only
+  // the retained previous commit still refers to, and the meta of the last commit (loaded at
+  // reopen).
+  std::vector<Extent> superseded GUARDED_BY(mu);
+  std::vector<Extent> retired GUARDED_BY(mu);
+  std::string meta GUARDED_BY(mu);
+  bool committing GUARDED_BY(mu) = false;  // Commit in progress: Write and Remove are refused
 
   ~Impl() {
     queue.reset();   // drains (its completions may still post hashes)
@@ -222,166 +124,45 @@ struct SwapStore::Impl {
     for (const IoFile& f : files) close(f.fd);
   }
 
-  uint64_t NumChunks(uint64_t padded) const {
-    return (padded + options.chunk_size - 1) / options.chunk_size;
-  }
-
-  // File, offset and length of chunk `i` of an entry.
-  Transfer ChunkTransfer(const Entry& e, uint64_t i, IoOp op, char* buf) const {
-    uint64_t padded = RoundUp(e.size, alignment);
-    size_t n = files.size();
-    const Extent& x = e.extents[i % n];
-    Transfer t;
-    t.op = op;
-    t.file = x.file;
-    t.offset = x.offset + (i / n) * options.chunk_size;
-    t.buf = buf + i * options.chunk_size;
-    t.len = std::min<uint64_t>(options.chunk_size, padded - i * options.chunk_size);
-    return t;
-  }
-
   uint64_t ChunkLogicalBytes(const Entry& e, uint64_t i) const {
-    uint64_t start = i * options.chunk_size;
+    const uint64_t start = i * options.chunk_size;
     return std::min<uint64_t>(options.chunk_size, e.size - start);
   }
 
-  // Bytes the extent on file slot f needs for a tensor of `padded` bytes.
-  uint64_t ExtentBytes(uint64_t padded, size_t f) const {
-    uint64_t chunks = NumChunks(padded);
-    size_t n = files.size();
-    if (f >= chunks) return 0;
-    uint64_t count = (chunks - f + n - 1) / n;  // chunks f, f+n, ...
-    uint64_t last = f + (count - 1) * n;
-    return (count - 1) * options.chunk_size +
-           std::min<uint64_t>(options.chunk_size, padded - last * options.chunk_size);
-  }
-
-  // REQUIRES: mu held. Grows file f so that `len` more bytes fit at its end: by what is needed,
-  // or a quarter of the file when that is more (1 MiB .. growth_step), never past the
-  // per-path limit nor into the filesystem's reserve; a failed fallocate gives back what it
-  // took.
-  Status Grow(size_t f, uint64_t len, const std::string& key) {
-    uint64_t tail = space[f].FreeTailLength(file_size[f]);
-    uint64_t need = RoundUp(len - std::min(len, tail), alignment);
-    uint64_t step = std::clamp<uint64_t>(file_size[f] / 4, 1ull << 20,
-                                         std::max<uint64_t>(options.growth_step, 1ull << 20));
-    uint64_t grow = RoundUp(std::max(need, step), alignment);
-    uint64_t limit = options.max_capacity_per_path;
-    if (limit != 0 && file_size[f] + grow > limit) {
-      grow = limit > file_size[f] ? need : 0;
-      if (grow == 0 || file_size[f] + grow > limit) {
-        return Status::ResourceExhausted(
-            "swap store full: tensor '" + key + "' needs " + FormatBytes(len) + " more on " +
-            files[f].path + ", which reached its capacity limit of " + FormatBytes(limit) +
-            "; raise the per-path capacity, add another nvme path or offload less");
-      }
-    }
-    struct statvfs vfs {};
-    if (fstatvfs(files[f].fd, &vfs) != 0) {
-      return ErrnoToStatus(errno, "statvfs of " + files[f].path);
-    }
-    const uint64_t free_bytes = uint64_t(vfs.f_bavail) * vfs.f_frsize;
-    const uint64_t fs_bytes = uint64_t(vfs.f_blocks) * vfs.f_frsize;
-    const uint64_t reserve = options.reserve_bytes != UINT64_MAX
-                                 ? options.reserve_bytes
-                                 : std::min<uint64_t>(fs_bytes / 50, 4ull << 30);
-    const uint64_t usable = free_bytes > reserve ? free_bytes - reserve : 0;
-    if (grow > usable) grow = need;  // the step is a convenience, the need is not
-    if (grow > usable) {
-      return Status(StatusCode::kResourceExhausted,
-                    "no space left for tensor '" + key + "': it needs " + FormatBytes(need) +
-                        " more in " + files[f].path + ", and the filesystem has " +
-                        FormatBytes(free_bytes) + " free, of which " + FormatBytes(reserve) +
-                        " stay in reserve; free space there, add another nvme path or offload "
-                        "less",
-                    ENOSPC);
-    }
-    int rc = fallocate(files[f].fd, 0, static_cast<off_t>(file_size[f]), static_cast<off_t>(grow));
-    if (rc != 0) {
-      int err = errno;
-      // Blocks a failed fallocate took stay allocated (beyond the size or not): give them back.
-      if (ftruncate(files[f].fd, static_cast<off_t>(file_size[f])) != 0) {
-        LogWarning("could not give back the space of a failed growth of " + files[f].path + ": " +
-                   ErrnoToStatus(errno, "ftruncate").message());
-      }
-      if (err == ENOSPC || err == EDQUOT) {
-        return Status(
-            StatusCode::kResourceExhausted,
-            "no space left for tensor '" + key + "': growing " + files[f].path + " by " +
-                FormatBytes(grow) + " failed (" +
-                FormatBytes(fstatvfs(files[f].fd, &vfs) == 0 ? uint64_t(vfs.f_bavail) * vfs.f_frsize
-                                                             : 0) +
-                " free on that filesystem); free space there, add another nvme path "
-                "or offload less",
-            err);
-      }
-      return ErrnoToStatus(err, "fallocate " + files[f].path + " for tensor '" + key + "'");
-    }
-    space[f].Add(file_size[f], grow);
-    file_size[f] += grow;
-    stats.file_bytes += grow;
-    return Status::OK();
-  }
-
-  // REQUIRES: mu held. Allocates extents for `size` bytes; on failure frees what it took.
-  Result<std::vector<Extent>> AllocateExtents(uint64_t size, const std::string& key) {
-    uint64_t padded = RoundUp(size, alignment);
-    std::vector<Extent> extents;
-    for (size_t f = 0; f < files.size(); ++f) {
-      uint64_t len = ExtentBytes(padded, f);
-      if (len == 0) break;
-      std::optional<uint64_t> off = space[f].Allocate(len);
-      if (!off) {
-        Status s = Grow(f, len, key);
-        if (s.ok()) off = space[f].Allocate(len);
-        if (!off) {
-          for (const Extent& x : extents) space[x.file].Free(x.offset, x.len);
-          return s.ok() ? Status::Internal("extent allocation failed after growth") : s;
-        }
-      }
-      extents.push_back({static_cast<uint32_t>(f), *off, len});
-    }
-    return extents;
-  }
-
-  // REQUIRES: mu held.
-  void FreeExtents(Entry& e) {
-    for (const Extent& x : e.extents) space[x.file].Free(x.offset, x.len);
-    for (const Extent& x : e.extents) stats.bytes_allocated -= x.len;
+  void FreeExtents(Entry& e) REQUIRES(mu) {
+    for (const Extent& x : e.extents) space->Free(x);
     e.extents.clear();
   }
 
-  Ticket NewTicket(int parts) {  // REQUIRES: mu held
-    Ticket t = next_ticket++;
-    tickets[t].remaining = parts;
-    if (in_flight++ == 0) busy_since = std::chrono::steady_clock::now();
-    return t;
+  void WaitIdle() REQUIRES(mu) {
+    while (tickets.in_flight() > 0) cv.Wait(&mu);
   }
 
-  // Called once per finished part (chunk). Runs on the I/O thread or the caller.
-  void PartDone(Ticket t, const Status& s, const std::string& key, bool is_write) {
-    std::lock_guard<std::mutex> lock(mu);
-    TicketState& ts = tickets[t];
-    if (!s.ok() && ts.status.ok()) {
-      ts.status = s.WithContext(std::string("swap ") + (is_write ? "write" : "read") +
-                                " of tensor '" + key + "'");
-    }
-    if (--ts.remaining > 0) return;
+  // Called once per finished part (chunk transfer or hash). Runs on the I/O thread, the hash
+  // thread or the caller.
+  void PartDone(Ticket t, const Status& s, const std::string& key, bool is_write) EXCLUDES(mu) {
+    MutexLock lock(&mu);
+    const Status part = s.ok()
+                            ? s
+                            : s.WithContext(std::string("swap ") + (is_write ? "write" : "read") +
+                                            " of tensor '" + key + "'");
+    if (!tickets.PartDone(t, part)) return;
+    // The ticket ended: its entry takes the outcome (the first error of its parts).
+    const Status& outcome = tickets.status(t);
     auto it = entries.find(key);
     if (it != entries.end()) {
       Entry& e = it->second;
       if (is_write) {
         e.writing = false;
-        e.valid = ts.status.ok();
-        e.last_error = ts.status.ok() ? "" : ts.status.message();
-        if (ts.status.ok()) stats.bytes_written += RoundUp(e.size, alignment);
+        e.valid = outcome.ok();
+        e.last_error = outcome.ok() ? "" : outcome.message();
+        if (outcome.ok()) stats.bytes_written += RoundUp(e.size, alignment);
       } else {
         --e.readers;
-        if (ts.status.ok()) stats.bytes_read += RoundUp(e.size, alignment);
+        if (outcome.ok()) stats.bytes_read += RoundUp(e.size, alignment);
       }
     }
-    if (--in_flight == 0) stats.busy_seconds += SecondsSince(busy_since);
-    cv.notify_all();
+    cv.NotifyAll();
   }
 
   Status CheckBuffer(const std::string& key, const void* buf, uint64_t size,
@@ -417,28 +198,27 @@ struct SwapStore::Impl {
     return Status::OK();
   }
 
-  // `meta`: durable mode's commit description (written as "meta").
-  // `renamed` (optional): set once the new index has replaced the old one.
-  Status WriteIndex(const std::string* meta = nullptr, bool* renamed = nullptr);
-  // Loads the index file `name` in the first path.
-  Status LoadIndex(const char* name);
+  // `meta`: durable mode's commit description. `renamed` (optional): set once the new index
+  // has replaced the old one.
+  Status WriteIndex(const std::string* meta = nullptr, bool* renamed = nullptr) EXCLUDES(mu);
+  // Loads the index file `name` in the first path into the entries and the space.
+  Status LoadIndex(const char* name) EXCLUDES(mu);
   // Reopen: loads the index to continue from (durable stores: the last or the previous
   // commit, dropping the other one).
-  Status Reopen();
-  // Reopen, before any file is opened: the first folder holds the index, or Open fails saying
-  // what the folders hold instead (nothing, a store that never committed, another order, a
-  // lost index).
+  Status Reopen() EXCLUDES(mu);
   // After a reopen: every folder carries this store's mark, saying it committed (written for
   // a store from before marks, or where a mark was lost).
   Status EnsureMarks();
+  // Reopen, before any file is opened: the first folder holds the index, or Open fails saying
+  // what the folders hold instead (nothing, a store that never committed, another order, a
+  // lost index).
   Status CheckBeforeReopen() const {
     if (folders[0].HoldsIndex()) {
       // Its checksum and its folders before any swap file is opened (so that a folder given
       // in the wrong place is named as such, not as a missing file). Read again to load it.
-      std::string id;
       const std::string index =
           options.paths[0] + "/" + (folders[0].index ? kIndexName : kPrevIndexName);
-      return ReadIndexFile(index, folders, &id).status();
+      return ReadIndexFile(index, folders).status();
     }
     bool uncommitted = false;
     ZINF_RETURN_IF_ERROR(swap_folders::ClassifyWithoutIndex(folders, &uncommitted));
@@ -457,7 +237,7 @@ SwapStore::~SwapStore() {
   if (!impl_) return;
   bool closed;
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
+    MutexLock lock(&impl_->mu);
     closed = impl_->closed;
   }
   if (!closed) {
@@ -492,9 +272,7 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
   if (options.reopen_previous && !(options.durable && options.reopen)) {
     return Status::InvalidArgument("swap store: reopen_previous needs durable and reopen");
   }
-  bool warned_buffered = false;
-  for (size_t i = 0; i < options.paths.size(); ++i) {
-    const std::string& dir = options.paths[i];
+  for (const std::string& dir : options.paths) {
     if (!IsValidUtf8(dir)) {
       return Status::InvalidArgument("nvme path '" + dir +
                                      "' is not valid UTF-8 (the swap index records it); use a "
@@ -502,7 +280,7 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
     }
     struct stat st {};
     if (stat(dir.c_str(), &st) != 0) {
-      int err = errno;
+      const int err = errno;
       if (err == ENOENT) {
         return Status::NotFound("nvme path '" + dir +
                                 "' does not exist: create the folder or pass another path");
@@ -550,12 +328,12 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
           swap_folders::WriteMarks(impl->folders, impl->store_id, /*committed=*/false));
     }
   }
+  bool warned_buffered = false;
+  std::vector<uint64_t> sizes;
   for (size_t i = 0; i < options.paths.size(); ++i) {
-    const std::string& dir = options.paths[i];
-    struct stat st {};
-    std::string path = SwapFileName(dir, i);
+    const std::string path = SwapFileName(options.paths[i], i);
     // A reopened store's files must be there (a missing one is damage, not a new file).
-    int flags = O_RDWR | O_CLOEXEC | O_NOFOLLOW | (options.reopen ? 0 : O_CREAT | O_TRUNC);
+    const int flags = O_RDWR | O_CLOEXEC | O_NOFOLLOW | (options.reopen ? 0 : O_CREAT | O_TRUNC);
     int fd = -1;
     bool direct = options.direct_io;
     auto open_failed = [&](int err) {
@@ -585,33 +363,36 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
     }
     if (!direct) impl->direct_io = false;
     impl->files.push_back({fd, path});
+    struct stat st {};
     if (fchmod(fd, 0600) != 0) return ErrnoToStatus(errno, "fchmod 0600 " + path);
     if (fstat(fd, &st) != 0) return ErrnoToStatus(errno, "fstat " + path);
     if (!S_ISREG(st.st_mode)) return Status::InvalidArgument(path + " is not a regular file");
     // A store nobody reopens keeps its files only as long as they are open: a run killed at
     // any point leaves nothing behind.
     if (!keep && unlink(path.c_str()) != 0) return ErrnoToStatus(errno, "unlinking " + path);
-    impl->file_size.push_back(options.reopen ? static_cast<uint64_t>(st.st_size) : 0);
-    impl->space.emplace_back();
+    sizes.push_back(options.reopen ? static_cast<uint64_t>(st.st_size) : 0);
   }
   if (!keep) {
     for (const std::string& dir : options.paths) ZINF_RETURN_IF_ERROR(SyncFolder(dir));
   }
-
+  SwapSpaceOptions so;
+  so.chunk_size = options.chunk_size;
+  so.alignment = impl->alignment;
+  so.growth_step = options.growth_step;
+  so.max_capacity_per_path = options.max_capacity_per_path;
+  so.reserve_bytes = options.reserve_bytes;
+  {
+    MutexLock lock(&impl->mu);
+    impl->space = std::make_unique<SwapSpace>(so, impl->files, std::move(sizes));
+  }
   if (options.reopen) {
     ZINF_RETURN_IF_ERROR(impl->Reopen());
     ZINF_RETURN_IF_ERROR(impl->EnsureMarks());
   }
-  for (size_t f = 0; f < impl->files.size(); ++f) {
-    impl->stats.file_bytes += impl->file_size[f];
-    if (impl->file_size[f] < options.capacity_per_path) {
-      uint64_t grow = options.capacity_per_path - impl->file_size[f];
-      SwapStoreOptions& o = impl->options;
-      uint64_t step = o.growth_step;
-      o.growth_step = grow;  // preallocate exactly the requested capacity
-      Status s = impl->Grow(f, grow, "(preallocation)");
-      o.growth_step = step;
-      ZINF_RETURN_IF_ERROR(s);
+  {
+    MutexLock lock(&impl->mu);
+    for (size_t f = 0; f < impl->files.size(); ++f) {
+      ZINF_RETURN_IF_ERROR(impl->space->Preallocate(f, options.capacity_per_path));
     }
   }
 
@@ -662,15 +443,16 @@ Result<Ticket> SwapStore::Write(const std::string& key, const void* buf, uint64_
   Impl& m = *impl_;
   ZINF_RETURN_IF_ERROR(m.CheckBuffer(key, buf, size, capacity));
   const uint64_t padded = RoundUp(size, m.alignment);
-  const uint64_t chunks = m.NumChunks(padded);
-
-  // With checksums each chunk is hashed by the hash worker while it is being written (the
-  // buffer is the caller's and stays unchanged until the ticket is waited for).
-  const bool hashed = m.options.checksums && chunks > 0;
   std::vector<Transfer> transfers;
+  uint64_t chunks = 0;
+  bool hashed = false;
   Ticket ticket;
   {
-    std::lock_guard<std::mutex> lock(m.mu);
+    MutexLock lock(&m.mu);
+    chunks = m.space->NumChunks(padded);
+    // With checksums each chunk is hashed by the hash worker while it is being written (the
+    // buffer is the caller's and stays unchanged until the ticket is waited for).
+    hashed = m.options.checksums && chunks > 0;
     if (m.closed) return Status::FailedPrecondition("swap store is closed");
     if (m.committing) {
       return Status::FailedPrecondition("write of tensor '" + key +
@@ -685,13 +467,13 @@ Result<Ticket> SwapStore::Write(const std::string& key, const void* buf, uint64_
     }
     // Durable: the committed version stays where it is until the next commit.
     const bool keep_old = m.options.durable && it != m.entries.end() && it->second.committed;
-    bool reuse = it != m.entries.end() && RoundUp(it->second.size, m.alignment) == padded &&
-                 !it->second.extents.empty() && !keep_old;
+    const bool reuse = it != m.entries.end() && RoundUp(it->second.size, m.alignment) == padded &&
+                       !it->second.extents.empty() && !keep_old;
     if (!reuse && (padded > 0 || keep_old)) {
       // Allocate before freeing the old extents: a full disk leaves the old tensor intact.
       std::vector<Extent> extents;
       if (padded > 0) {
-        ZINF_ASSIGN_OR_RETURN(extents, m.AllocateExtents(size, key));
+        ZINF_ASSIGN_OR_RETURN(extents, m.space->Allocate(size, key));
       }
       if (keep_old) {
         Entry& old = it->second;
@@ -701,9 +483,7 @@ Result<Ticket> SwapStore::Write(const std::string& key, const void* buf, uint64_
       } else if (it != m.entries.end()) {
         m.FreeExtents(it->second);
       }
-      for (const Extent& x : extents) m.stats.bytes_allocated += x.len;
-      Entry& e = m.entries[key];
-      e.extents = std::move(extents);
+      m.entries[key].extents = std::move(extents);
     }
     Entry& e = m.entries[key];
     if (it == m.entries.end()) ++m.stats.tensors;
@@ -713,37 +493,35 @@ Result<Ticket> SwapStore::Write(const std::string& key, const void* buf, uint64_
     e.writing = true;
     e.valid = false;
     for (uint64_t i = 0; i < chunks; ++i) {
-      transfers.push_back(
-          m.ChunkTransfer(e, i, IoOp::kWrite, static_cast<char*>(const_cast<void*>(buf))));
+      transfers.push_back(m.space->ChunkTransfer(e.extents, padded, i, IoOp::kWrite,
+                                                 static_cast<char*>(const_cast<void*>(buf))));
     }
-    ticket = m.NewTicket(static_cast<int>(std::max<uint64_t>(chunks, 1) * (hashed ? 2 : 1)));
+    ticket = m.tickets.Open(static_cast<int>(std::max<uint64_t>(chunks, 1) * (hashed ? 2 : 1)));
   }
+  auto done = [&m, ticket, key](const Status& s) { m.PartDone(ticket, s, key, /*is_write=*/true); };
   if (chunks == 0) {
-    m.PartDone(ticket, Status::OK(), key, /*is_write=*/true);
+    done(Status::OK());
     return ticket;
   }
-  for (const Transfer& t : transfers) {
-    m.queue->Submit(
-        t, [&m, ticket, key](const Status& s) { m.PartDone(ticket, s, key, /*is_write=*/true); });
-  }
+  for (const Transfer& t : transfers) m.queue->Submit(t, done);
   if (hashed) {
     const uint64_t chunk_size = m.options.chunk_size;
     for (uint64_t i = 0; i < chunks; ++i) {
       m.hasher->Post(
-          [&m, ticket, key, buf, size, chunk_size, i] {
+          [&m, done, key, buf, size, chunk_size, i] {
             auto t0 = std::chrono::steady_clock::now();
             const uint64_t start = i * chunk_size;
             const uint64_t sum = XXH3_64bits(static_cast<const char*>(buf) + start,
                                              std::min<uint64_t>(chunk_size, size - start));
             {
-              std::lock_guard<std::mutex> lock(m.mu);
+              MutexLock lock(&m.mu);
               auto it = m.entries.find(key);  // kept while it is being written
               if (it != m.entries.end() && i < it->second.checksums.size()) {
                 it->second.checksums[i] = sum;
               }
               m.stats.checksum_seconds += SecondsSince(t0);
             }
-            m.PartDone(ticket, Status::OK(), key, /*is_write=*/true);
+            done(Status::OK());
           },
           /*read_check=*/false);
     }
@@ -758,7 +536,7 @@ Result<Ticket> SwapStore::Read(const std::string& key, void* buf, uint64_t capac
   std::vector<ChunkCheck> checks;
   Ticket ticket;
   {
-    std::lock_guard<std::mutex> lock(m.mu);
+    MutexLock lock(&m.mu);
     if (m.closed) return Status::FailedPrecondition("swap store is closed");
     auto it = m.entries.find(key);
     if (it == m.entries.end()) {
@@ -775,86 +553,81 @@ Result<Ticket> SwapStore::Read(const std::string& key, void* buf, uint64_t capac
                                         "last write failed (" + e.last_error +
                                         "); write it again before reading");
     }
-    uint64_t chunks = m.NumChunks(RoundUp(e.size, m.alignment));
+    const uint64_t padded = RoundUp(e.size, m.alignment);
+    const uint64_t chunks = m.space->NumChunks(padded);
     for (uint64_t i = 0; i < chunks; ++i) {
-      transfers.push_back(m.ChunkTransfer(e, i, IoOp::kRead, static_cast<char*>(buf)));
+      transfers.push_back(
+          m.space->ChunkTransfer(e.extents, padded, i, IoOp::kRead, static_cast<char*>(buf)));
       transfers.back().urgent = urgent;
     }
     ++e.readers;
-    ticket = m.NewTicket(static_cast<int>(std::max<uint64_t>(chunks, 1)));
-    m.tickets[ticket].key = key;
+    ticket = m.tickets.Open(static_cast<int>(std::max<uint64_t>(chunks, 1)));
     for (uint64_t i = 0; i < e.checksums.size(); ++i) {
       const Transfer& t = transfers[i];
       checks.push_back({static_cast<const char*>(t.buf), m.ChunkLogicalBytes(e, i), e.checksums[i],
                         i, t.file, t.offset});
     }
   }
+  auto done = [&m, ticket, key](const Status& s) {
+    m.PartDone(ticket, s, key, /*is_write=*/false);
+  };
   if (transfers.empty()) {
-    m.PartDone(ticket, Status::OK(), key, /*is_write=*/false);
+    done(Status::OK());
     return ticket;
   }
   for (size_t i = 0; i < transfers.size(); ++i) {
-    if (i < checks.size()) {
-      // Verified by the hash worker as soon as it lands; the chunk counts as done after.
-      const ChunkCheck c = checks[i];
-      m.queue->Submit(transfers[i], [&m, ticket, key, c](const Status& s) {
-        if (!s.ok()) {
-          m.PartDone(ticket, s, key, /*is_write=*/false);
-          return;
-        }
-        m.hasher->Post(
-            [&m, ticket, key, c] {
-              auto t0 = std::chrono::steady_clock::now();
-              const uint64_t got = XXH3_64bits(c.data, c.len);
-              Status v;
-              if (got != c.expected) {
-                v = Status::Corruption("checksum mismatch in chunk " + std::to_string(c.chunk) +
-                                       " (" + m.files[c.file].path + " offset " +
-                                       std::to_string(c.offset) + "): stored " +
-                                       std::to_string(c.expected) + ", read " +
-                                       std::to_string(got) + "; the data on disk is damaged");
-              }
-              {
-                std::lock_guard<std::mutex> lock(m.mu);
-                m.stats.checksum_seconds += SecondsSince(t0);
-              }
-              m.PartDone(ticket, v, key, /*is_write=*/false);
-            },
-            /*read_check=*/true);
-      });
-    } else {
-      m.queue->Submit(transfers[i], [&m, ticket, key](const Status& s) {
-        m.PartDone(ticket, s, key, /*is_write=*/false);
-      });
+    if (i >= checks.size()) {
+      m.queue->Submit(transfers[i], done);
+      continue;
     }
+    // Verified by the hash worker as soon as it lands; the chunk counts as done after.
+    const ChunkCheck c = checks[i];
+    m.queue->Submit(transfers[i], [&m, done, c](const Status& s) {
+      if (!s.ok()) {
+        done(s);
+        return;
+      }
+      m.hasher->Post(
+          [&m, done, c] {
+            auto t0 = std::chrono::steady_clock::now();
+            const uint64_t got = XXH3_64bits(c.data, c.len);
+            Status v;
+            if (got != c.expected) {
+              v = Status::Corruption("checksum mismatch in chunk " + std::to_string(c.chunk) +
+                                     " (" + m.files[c.file].path + " offset " +
+                                     std::to_string(c.offset) + "): stored " +
+                                     std::to_string(c.expected) + ", read " + std::to_string(got) +
+                                     "; the data on disk is damaged");
+            }
+            {
+              MutexLock lock(&m.mu);
+              m.stats.checksum_seconds += SecondsSince(t0);
+            }
+            done(v);
+          },
+          /*read_check=*/true);
+    });
   }
   return ticket;
 }
 
 Status SwapStore::Wait(Ticket ticket) {
   Impl& m = *impl_;
-  std::unique_lock<std::mutex> lock(m.mu);
-  auto it = m.tickets.find(ticket);
-  if (it == m.tickets.end()) {
-    return Status::InvalidArgument("unknown swap ticket " + std::to_string(ticket) +
-                                   " (never issued, or already waited for)");
-  }
-  m.cv.wait(lock, [&] { return m.tickets[ticket].remaining == 0; });
+  MutexLock lock(&m.mu);
+  if (!m.tickets.Known(ticket)) return m.tickets.Take(ticket);  // InvalidArgument, naming it
+  while (!m.tickets.Ended(ticket)) m.cv.Wait(&m.mu);
   // (Read chunks were verified as they landed: a mismatch is the ticket's status.)
-  Status result = std::move(m.tickets[ticket].status);
-  m.tickets.erase(ticket);
-  return result;
+  return m.tickets.Take(ticket);
 }
 
 bool SwapStore::Done(Ticket ticket) const {
   const Impl& m = *impl_;
-  std::lock_guard<std::mutex> lock(m.mu);
-  auto it = m.tickets.find(ticket);
-  return it == m.tickets.end() || it->second.remaining == 0;
+  MutexLock lock(&m.mu);
+  return m.tickets.Ended(ticket);
 }
 
 Result<uint64_t> SwapStore::Size(const std::string& key) const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(&impl_->mu);
   auto it = impl_->entries.find(key);
   if (it == impl_->entries.end()) {
     return Status::NotFound("tensor '" + key + "' is not in the swap store");
@@ -863,12 +636,12 @@ Result<uint64_t> SwapStore::Size(const std::string& key) const {
 }
 
 bool SwapStore::Contains(const std::string& key) const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(&impl_->mu);
   return impl_->entries.count(key) != 0;
 }
 
 std::vector<std::string> SwapStore::Keys() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(&impl_->mu);
   std::vector<std::string> keys;
   for (const auto& [k, e] : impl_->entries) keys.push_back(k);
   std::sort(keys.begin(), keys.end());
@@ -877,7 +650,7 @@ std::vector<std::string> SwapStore::Keys() const {
 
 Status SwapStore::Remove(const std::string& key) {
   Impl& m = *impl_;
-  std::lock_guard<std::mutex> lock(m.mu);
+  MutexLock lock(&m.mu);
   if (m.committing) {
     return Status::FailedPrecondition("removing tensor '" + key + "' during a Commit");
   }
@@ -907,8 +680,8 @@ Status SwapStore::Flush() {
         "Flush on a durable swap store: its index is written by Commit only");
   }
   {
-    std::unique_lock<std::mutex> lock(m.mu);
-    m.cv.wait(lock, [&] { return m.in_flight == 0; });
+    MutexLock lock(&m.mu);
+    m.WaitIdle();
   }
   for (const IoFile& f : m.files) {
     if (fdatasync(f.fd) != 0) return ErrnoToStatus(errno, "fdatasync " + f.path);
@@ -922,9 +695,9 @@ Status SwapStore::Commit(const std::string& meta) {
     return Status::FailedPrecondition("Commit on a swap store not opened in durable mode");
   }
   {
-    std::unique_lock<std::mutex> lock(m.mu);
+    MutexLock lock(&m.mu);
     if (m.committing) return Status::FailedPrecondition("Commit while another one runs");
-    m.cv.wait(lock, [&] { return m.in_flight == 0; });
+    m.WaitIdle();
     if (m.closed) return Status::FailedPrecondition("swap store is closed");
     for (const auto& [key, e] : m.entries) {
       if (!e.valid) {
@@ -938,7 +711,7 @@ Status SwapStore::Commit(const std::string& meta) {
   struct Unmark {
     Impl& m;
     ~Unmark() {
-      std::lock_guard<std::mutex> lock(m.mu);
+      MutexLock lock(&m.mu);
       m.committing = false;
     }
   } unmark{m};
@@ -952,14 +725,11 @@ Status SwapStore::Commit(const std::string& meta) {
   // rename (the folder's fsync): the superseded extents are not referenced any more.
   if (!renamed) return written;
   CrashPoint("swap.committed");
-  std::lock_guard<std::mutex> lock(m.mu);
+  MutexLock lock(&m.mu);
   // Free what no retained commit refers to any more: the extents this commit superseded, or,
   // when the previous commit stays loadable, those only the commit before it referred to.
   std::vector<Extent>& unused = m.options.retained_commits == 2 ? m.retired : m.superseded;
-  for (const Extent& x : unused) {
-    m.space[x.file].Free(x.offset, x.len);
-    m.stats.bytes_allocated -= x.len;
-  }
+  for (const Extent& x : unused) m.space->Free(x);
   unused.clear();
   if (m.options.retained_commits == 2) std::swap(m.retired, m.superseded);
   for (auto& [key, e] : m.entries) e.committed = true;
@@ -968,7 +738,7 @@ Status SwapStore::Commit(const std::string& meta) {
 }
 
 std::string SwapStore::committed_meta() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(&impl_->mu);
   return impl_->meta;
 }
 
@@ -977,12 +747,12 @@ Status SwapStore::Close() {
   if (impl_->options.durable || impl_->options.remove_on_close) {
     // No commit (durable): the last one stays the state a reopen sees. Removed at close:
     // nothing to sync or index.
-    std::unique_lock<std::mutex> lock(impl_->mu);
-    impl_->cv.wait(lock, [&] { return impl_->in_flight == 0; });
+    MutexLock lock(&impl_->mu);
+    impl_->WaitIdle();
   } else {
     s = Flush();
   }
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(&impl_->mu);
   impl_->closed = true;
   if (impl_->options.remove_on_close) {
     for (const IoFile& f : impl_->files) {
@@ -991,7 +761,9 @@ Status SwapStore::Close() {
       }
     }
     for (const char* name : {kIndexName, kPrevIndexName}) {
-      unlink((impl_->options.paths[0] + "/" + name).c_str());  // ENOENT is the usual case
+      // ENOENT is the usual case (nothing to remove); anything else leaves a file nobody
+      // reopens, and the store is gone either way.
+      (void)RemoveFile(impl_->options.paths[0] + "/" + name);
     }
   }
   // Nothing more is written: the folders may be another store's from now on.
@@ -1010,40 +782,36 @@ std::vector<std::string> SwapStore::file_paths() const {
 }
 
 SwapStoreStats SwapStore::stats() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->stats;
+  MutexLock lock(&impl_->mu);
+  SwapStoreStats s = impl_->stats;
+  s.bytes_allocated = impl_->space->allocated_bytes();
+  s.file_bytes = impl_->space->file_bytes();
+  s.busy_seconds = impl_->tickets.busy_seconds();
+  return s;
 }
 
 // ---- Index -----------------------------------------------------------------------------------
 
 Status SwapStore::Impl::WriteIndex(const std::string* commit_meta, bool* renamed) {
-  nlohmann::json j;
+  SwapIndex index;
   {
-    std::lock_guard<std::mutex> lock(mu);
-    j["version"] = kIndexVersion;
-    if (commit_meta != nullptr) j["meta"] = *commit_meta;
-    j["alignment"] = alignment;
-    j["chunk_size"] = options.chunk_size;
-    j["checksums"] = options.checksums;
-    nlohmann::json jf = nlohmann::json::array();
+    MutexLock lock(&mu);
+    index.has_meta = commit_meta != nullptr;
+    if (commit_meta != nullptr) index.meta = *commit_meta;
+    index.alignment = alignment;
+    index.chunk_size = options.chunk_size;
+    index.checksums = options.checksums;
     for (size_t f = 0; f < files.size(); ++f) {
-      jf.push_back({{"path", files[f].path}, {"size", file_size[f]}});
+      index.files.push_back({files[f].path, space->file_size(f)});
     }
-    j["files"] = jf;
-    nlohmann::json jt = nlohmann::json::object();
     for (const auto& [key, e] : entries) {
       if (!e.valid) continue;  // nothing trustworthy to reopen
-      nlohmann::json ext = nlohmann::json::array();
-      for (const Extent& x : e.extents) ext.push_back({x.file, x.offset, x.len});
-      jt[key] = {{"size", e.size}, {"extents", ext}, {"checksums", e.checksums}};
+      index.tensors[key] = {e.size, e.extents, e.checksums};
     }
-    j["tensors"] = jt;
-    j["store"] = store_id;
-    nlohmann::json jd = nlohmann::json::array();
-    for (const swap_folders::Survey& f : folders) jd.push_back(f.canonical);
-    j["folders"] = jd;
+    index.store = store_id;
+    for (const swap_folders::Survey& f : folders) index.folders.push_back(f.canonical);
   }
-  SealJson(&j);
+  const std::string text = SerializeSwapIndex(index);
   // The marks say "this store holds data" before the first index can say it: a store whose
   // index is lost later is then never taken for one that never committed.
   if (!options.remove_on_close && !marks_committed) {
@@ -1052,7 +820,6 @@ Status SwapStore::Impl::WriteIndex(const std::string* commit_meta, bool* renamed
   }
   const std::string dir = options.paths[0];
   const std::string final_path = dir + "/" + kIndexName;
-  const std::string text = j.dump();
   // Through kIndexName.tmp, fsync'ed, renamed over kIndexName, the folder fsync'ed.
   ReplaceFileOptions replace;
   replace.renamed = renamed;
@@ -1078,8 +845,8 @@ Status SwapStore::Impl::Reopen() {
   const std::string index = dir + "/" + kIndexName;
   const std::string prev = dir + "/" + kPrevIndexName;
   if (!options.durable) return LoadIndex(kIndexName);
-  const bool has_index = access(index.c_str(), F_OK) == 0;
-  const bool has_prev = access(prev.c_str(), F_OK) == 0;
+  const bool has_index = folders[0].index;
+  const bool has_prev = folders[0].prev;
   if (options.reopen_previous && !(has_index && has_prev)) {
     return Status::NotFound("cannot reopen the swap store in " + dir +
                             " at its previous commit: it holds " +
@@ -1116,12 +883,11 @@ Result<std::vector<std::string>> SwapStore::ListCommits(const std::vector<std::s
   for (const char* name : {kIndexName, kPrevIndexName}) {
     if (!(name == kIndexName ? folders[0].index : folders[0].prev)) continue;
     const std::string path = paths[0] + "/" + name;
-    std::string store_id;
-    ZINF_ASSIGN_OR_RETURN(nlohmann::json j, ReadIndexFile(path, folders, &store_id));
-    if (!j.contains("meta") || !j.at("meta").is_string()) {
+    ZINF_ASSIGN_OR_RETURN(SwapIndex index, ReadIndexFile(path, folders));
+    if (!index.has_meta) {
       return Status::Corruption("swap index " + path + " is not a durable store's commit record");
     }
-    metas.push_back(j.at("meta").get<std::string>());
+    metas.push_back(index.meta);
   }
   return metas;
 }
@@ -1153,57 +919,50 @@ Status SwapStore::Impl::LoadIndex(const char* name) {
     return Status::Corruption("swap index " + path + ": " + why +
                               "; the store cannot be reopened (start a fresh one)");
   };
-  ZINF_ASSIGN_OR_RETURN(nlohmann::json j, ReadIndexFile(path, folders, &store_id));
-  try {
-    if (j.at("alignment").get<uint64_t>() != alignment) return bad("alignment differs");
-    if (j.at("chunk_size").get<uint64_t>() != options.chunk_size) {
-      return bad("it was written with chunk size " +
-                 std::to_string(j.at("chunk_size").get<uint64_t>()) + ", not " +
-                 std::to_string(options.chunk_size));
+  ZINF_ASSIGN_OR_RETURN(SwapIndex index, ReadIndexFile(path, folders));
+  store_id = index.store;
+  if (index.alignment != alignment) return bad("alignment differs");
+  if (index.chunk_size != options.chunk_size) {
+    return bad("it was written with chunk size " + std::to_string(index.chunk_size) + ", not " +
+               std::to_string(options.chunk_size));
+  }
+  if (index.files.size() != files.size()) {
+    return bad("it lists " + std::to_string(index.files.size()) + " swap files but " +
+               std::to_string(files.size()) + " paths were given");
+  }
+  MutexLock lock(&mu);
+  for (size_t f = 0; f < files.size(); ++f) {
+    if (index.files[f].size > space->file_size(f)) {
+      return bad(files[f].path + " is shorter (" + std::to_string(space->file_size(f)) +
+                 " bytes) than recorded (" + std::to_string(index.files[f].size) + ")");
     }
-    const auto& jf = j.at("files");
-    if (jf.size() != files.size()) {
-      return bad("it lists " + std::to_string(jf.size()) + " swap files but " +
-                 std::to_string(files.size()) + " paths were given");
-    }
-    for (size_t f = 0; f < files.size(); ++f) {
-      uint64_t size = jf[f].at("size").get<uint64_t>();
-      if (size > file_size[f]) {
-        return bad(files[f].path + " is shorter (" + std::to_string(file_size[f]) +
-                   " bytes) than recorded (" + std::to_string(size) + ")");
+  }
+  space->FreeAll();
+  if (index.has_meta) meta = index.meta;
+  for (auto& [key, t] : index.tensors) {
+    Entry e;
+    e.size = t.size;
+    e.valid = true;
+    e.committed = true;
+    for (const Extent& x : t.extents) {
+      if (!space->Reserve(x)) {
+        return bad("tensor '" + key + "' has an extent outside its file or overlapping another");
       }
-      space[f].Add(0, file_size[f]);
     }
-    bool had_checksums = j.at("checksums").get<bool>();
-    if (j.contains("meta")) meta = j.at("meta").get<std::string>();
-    for (const auto& [key, jt] : j.at("tensors").items()) {
-      Entry e;
-      e.size = jt.at("size").get<uint64_t>();
-      e.valid = true;
-      e.committed = true;
-      for (const auto& x : jt.at("extents")) {
-        Extent ext{x.at(0).get<uint32_t>(), x.at(1).get<uint64_t>(), x.at(2).get<uint64_t>()};
-        if (ext.file >= files.size() || !space[ext.file].Reserve(ext.offset, ext.len)) {
-          return bad("tensor '" + key + "' has an extent outside its file or overlapping another");
-        }
-        stats.bytes_allocated += ext.len;
-        e.extents.push_back(ext);
-      }
-      uint64_t padded = RoundUp(e.size, alignment);
-      size_t expect = std::min<uint64_t>(NumChunks(padded), files.size());
-      if (e.extents.size() != expect) return bad("tensor '" + key + "' has the wrong extent count");
-      if (had_checksums) {
-        e.checksums = jt.at("checksums").get<std::vector<uint64_t>>();
-        if (e.checksums.size() != NumChunks(padded)) {
-          return bad("tensor '" + key + "' has the wrong checksum count");
-        }
-      }
-      ++stats.tensors;
-      stats.bytes_stored += e.size;
-      entries.emplace(key, std::move(e));
+    e.extents = std::move(t.extents);
+    const uint64_t padded = RoundUp(e.size, alignment);
+    if (e.extents.size() != space->ExtentCount(padded)) {
+      return bad("tensor '" + key + "' has the wrong extent count");
     }
-  } catch (const nlohmann::json::exception& ex) {
-    return bad(std::string("missing or mistyped field (") + ex.what() + ")");
+    if (index.checksums) {
+      if (t.checksums.size() != space->NumChunks(padded)) {
+        return bad("tensor '" + key + "' has the wrong checksum count");
+      }
+      e.checksums = std::move(t.checksums);
+    }
+    ++stats.tensors;
+    stats.bytes_stored += e.size;
+    entries.emplace(key, std::move(e));
   }
   return Status::OK();
 }

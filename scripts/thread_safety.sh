@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The clang thread-safety analysis of the engine: every source under engine/ compiled with
-# -Wthread-safety -Werror (syntax only, no objects), with the include paths of the main build.
+# The clang thread-safety analysis: every source of the engine (engine/) and of the NVMe layer
+# (nvme/) compiled with -Wthread-safety -Werror (syntax only, no objects), with the include
+# paths of the main build.
 # Fails on any field marked GUARDED_BY touched without its lock, or a REQUIRES not met.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ CXX=${ZINF_TSA_CXX:-clang++}
 INCLUDES=(-I. -Iinclude -I"$BUILD" -I"$BUILD/include")
 status=0
 n=0
-for src in engine/*.cc; do
+for src in engine/*.cc nvme/*.cc; do
   n=$((n + 1))
   if ! "$CXX" -std=c++20 -fsyntax-only -Wthread-safety -Wthread-safety-beta -Werror \
       "${INCLUDES[@]}" "$src"; then
@@ -19,5 +20,5 @@ for src in engine/*.cc; do
     status=1
   fi
 done
-[ $status -eq 0 ] && echo "thread-safety: $n engine sources pass clang -Wthread-safety"
+[ $status -eq 0 ] && echo "thread-safety: $n sources (engine/, nvme/) pass clang -Wthread-safety"
 exit $status

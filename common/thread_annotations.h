@@ -68,6 +68,7 @@ class CondVar {
     return woken;
   }
   void NotifyAll() { cv_.notify_all(); }
+  void NotifyOne() { cv_.notify_one(); }
 
  private:
   std::condition_variable cv_;
