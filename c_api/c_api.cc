@@ -2,12 +2,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <mutex>
 #include <new>
 #include <string>
 #include <utility>
 
 #include "c_api/c_api_internal.h"
+#include "common/thread_annotations.h"
 #include "zinf/swap.h"
 #include "zinf/zinf.h"
 
@@ -34,9 +34,9 @@ int Succeed() {
 void RetireHandle(void* shell, void (*free_shell)(void*)) {
   // Never destroyed (like leveldb's NoDestructor): the kept shells stay reachable until the
   // process ends, so they are neither freed under a late caller nor reported as leaks.
-  static std::mutex* mu = new std::mutex;
-  static auto* kept = new std::deque<std::pair<void*, void (*)(void*)>>;
-  std::lock_guard<std::mutex> lock(*mu);
+  static Mutex* mu = new Mutex;
+  static auto* kept = new std::deque<std::pair<void*, void (*)(void*)>>;  // under *mu
+  MutexLock lock(mu);
   kept->emplace_back(shell, free_shell);
   while (kept->size() > 4096) {
     kept->front().second(kept->front().first);

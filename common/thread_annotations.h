@@ -21,6 +21,7 @@
 #define ACQUIRE(...) ZINF_THREAD_ANNOTATION(acquire_capability(__VA_ARGS__))
 #define RELEASE(...) ZINF_THREAD_ANNOTATION(release_capability(__VA_ARGS__))
 #define EXCLUDES(...) ZINF_THREAD_ANNOTATION(locks_excluded(__VA_ARGS__))
+#define TRY_ACQUIRE(...) ZINF_THREAD_ANNOTATION(try_acquire_capability(__VA_ARGS__))
 #define NO_THREAD_SAFETY_ANALYSIS ZINF_THREAD_ANNOTATION(no_thread_safety_analysis)
 
 namespace zinf {
@@ -34,6 +35,7 @@ class CAPABILITY("mutex") Mutex {
   Mutex& operator=(const Mutex&) = delete;
   void Lock() ACQUIRE() { mu_.lock(); }
   void Unlock() RELEASE() { mu_.unlock(); }
+  bool TryLock() TRY_ACQUIRE(true) { return mu_.try_lock(); }
 
  private:
   friend class CondVar;

@@ -8,12 +8,12 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
 
+#include "common/thread_annotations.h"
 #include "nvme/range_allocator.h"
 #include "zinf/align.h"
 #include "zinf/device.h"
@@ -34,14 +34,14 @@ class DevicePool {
 
   // The reserved range (once, before any Allocate).
   void SetRange(char* base, size_t bytes) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     base_ = base;
     ranges_.Add(0, bytes);
   }
 
   // No range could be reserved: every Allocate fails with `why` (not as fragmentation).
   void SetUnavailable(std::string why) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     unavailable_ = std::move(why);
   }
 
@@ -50,7 +50,7 @@ class DevicePool {
   Result<void*> Allocate(size_t bytes) {
     // Under the lock from check to insertion, so concurrent calls never overshoot the budget
     // and the peak is exact.
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (!unavailable_.empty()) {
       return Status::ResourceExhausted(owner_ + ": cannot allocate " + Text(bytes) + ": " +
                                        unavailable_);
@@ -84,7 +84,7 @@ class DevicePool {
   // handed out again, to overwrite it.
   void Free(void* ptr, const std::function<void(void*, size_t)>& poison = nullptr) {
     if (ptr == nullptr) return;
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = allocations_.find(ptr);
     ZINF_CHECK_MSG(
         it != allocations_.end(),
@@ -96,7 +96,7 @@ class DevicePool {
   }
 
   DeviceMemoryInfo Info() const {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     DeviceMemoryInfo info;
     info.budget = budget_;
     info.used = used_;
@@ -117,13 +117,13 @@ class DevicePool {
 
   const std::string owner_, budget_option_;
   const size_t budget_, alignment_;
-  mutable std::mutex mu_;
-  char* base_ = nullptr;                               // guarded by mu_
-  std::string unavailable_;                            // guarded by mu_
-  RangeAllocator ranges_;                              // guarded by mu_
-  std::unordered_map<void*, Allocation> allocations_;  // guarded by mu_
-  size_t used_ = 0;                                    // guarded by mu_
-  size_t peak_ = 0;                                    // guarded by mu_
+  mutable Mutex mu_;
+  char* base_ GUARDED_BY(mu_) = nullptr;
+  std::string unavailable_ GUARDED_BY(mu_);
+  RangeAllocator ranges_ GUARDED_BY(mu_);
+  std::unordered_map<void*, Allocation> allocations_ GUARDED_BY(mu_);
+  size_t used_ GUARDED_BY(mu_) = 0;
+  size_t peak_ GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace zinf

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The clang thread-safety analysis: every source of the engine (engine/) and of the NVMe layer
-# (nvme/) compiled with -Wthread-safety -Werror (syntax only, no objects), with the include
-# paths of the main build.
+# The clang thread-safety analysis: every source of the engine (engine/), the NVMe layer
+# (nvme/), the device backends (host; CUDA where its headers are installed) and the C API
+# compiled with -Wthread-safety -Werror (syntax only, no objects), with the include paths of
+# the main build.
 # Fails on any field marked GUARDED_BY touched without its lock, or a REQUIRES not met.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,9 +11,18 @@ BUILD=${ZINF_BUILD_DIR:-build}
 [ -f "$BUILD/build.ninja" ] || scripts/build.sh
 CXX=${ZINF_TSA_CXX:-clang++}
 INCLUDES=(-I. -Iinclude -I"$BUILD" -I"$BUILD/include")
+SOURCES=(engine/*.cc nvme/*.cc engine/host/*.cc c_api/*.cc)
+# The CUDA backend's C++ (not the kernels) where the toolkit's headers are installed.
+CUDA_INCLUDE=${CUDA_HOME:-/usr/local/cuda}/include
+if [ -f "$CUDA_INCLUDE/cuda_runtime.h" ] && [ -f "$CUDA_INCLUDE/nccl.h" ]; then
+  SOURCES+=(engine/cuda/cuda_device.cc engine/cuda/nccl_comm.cc)
+  INCLUDES+=(-DZINF_HAVE_CUDA=1 -I"$CUDA_INCLUDE")
+else
+  echo "thread-safety: no CUDA headers under $CUDA_INCLUDE: the CUDA backend is not analysed"
+fi
 status=0
 n=0
-for src in engine/*.cc nvme/*.cc; do
+for src in "${SOURCES[@]}"; do
   n=$((n + 1))
   if ! "$CXX" -std=c++20 -fsyntax-only -Wthread-safety -Wthread-safety-beta -Werror \
       "${INCLUDES[@]}" "$src"; then
@@ -20,5 +30,5 @@ for src in engine/*.cc nvme/*.cc; do
     status=1
   fi
 done
-[ $status -eq 0 ] && echo "thread-safety: $n sources (engine/, nvme/) pass clang -Wthread-safety"
+[ $status -eq 0 ] && echo "thread-safety: $n sources (engine/, nvme/, the device backends, the C API) pass clang -Wthread-safety"
 exit $status

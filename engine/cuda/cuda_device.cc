@@ -197,7 +197,7 @@ Status CudaDevice::Init(const CudaDeviceOptions& options) {
 
 CudaDevice::~CudaDevice() {
   {
-    std::lock_guard<std::mutex> lock(streams_mu_);
+    MutexLock lock(&streams_mu_);
     streams_.clear();  // each synchronizes, then is destroyed
   }
   compute_stream_.reset();
@@ -221,7 +221,7 @@ Result<Stream*> CudaDevice::CreateStream(const std::string& name) {
   ZINF_RETURN_IF_ERROR(MakeCurrent(ordinal_));
   auto stream = std::make_unique<CudaStream>(this, ordinal_, name);
   ZINF_RETURN_IF_ERROR(stream->Init().WithContext("CudaDevice: creating stream '" + name + "'"));
-  std::lock_guard<std::mutex> lock(streams_mu_);
+  MutexLock lock(&streams_mu_);
   streams_.push_back(std::move(stream));
   return static_cast<Stream*>(streams_.back().get());
 }

@@ -12,6 +12,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/thread_annotations.h"
 #include "engine/cuda/cuda_internal.h"
 #include "engine/device_pool.h"
 #include "zinf/cuda.h"
@@ -101,8 +102,8 @@ class CudaDevice final : public Device {
   DevicePool pool_;
 
   std::unique_ptr<cuda_internal::CudaStream> compute_stream_;
-  std::mutex streams_mu_;
-  std::vector<std::unique_ptr<cuda_internal::CudaStream>> streams_;  // guarded by streams_mu_
+  Mutex streams_mu_;
+  std::vector<std::unique_ptr<cuda_internal::CudaStream>> streams_ GUARDED_BY(streams_mu_);
 };
 
 }  // namespace zinf

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <string>
 
+#include "common/thread_annotations.h"
 #include "zinf/device.h"
 #include "zinf/status.h"
 
@@ -55,11 +56,11 @@ class CudaStream final : public Stream {
   // The sticky error of host functions (an exception escaping LaunchHostFunc's function, a
   // failed LaunchHostTask, a collective the NCCL watchdog aborted): the first one is kept.
   void SetError(const Status& s) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (error_.ok() && !s.ok()) error_ = s.WithContext("stream '" + name_ + "'");
   }
   Status error() const {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     return error_;
   }
 
@@ -71,8 +72,8 @@ class CudaStream final : public Stream {
   bool owned_ = true;
   ReduceScratch* scratch_ = nullptr;
   ReduceScratch* staging_ = nullptr;
-  mutable std::mutex mu_;
-  Status error_;  // guarded by mu_
+  mutable Mutex mu_;
+  Status error_ GUARDED_BY(mu_);
 };
 
 // `stream` as a CudaStream, or InvalidArgument naming `what` (the calling operation).

@@ -16,7 +16,6 @@
 
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <deque>
@@ -27,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/thread_annotations.h"
 #include "engine/cuda/cuda_device.h"
 #include "engine/cuda/cuda_internal.h"
 #include "zinf/cuda.h"
@@ -114,12 +114,13 @@ class NcclComm final : public Communicator {
   NcclComm(CudaDevice* device, const NcclCommOptions& options)
       : device_(device), options_(options) {}
 
-  ~NcclComm() override {
+  // (After the watchdog is joined no other thread touches the fields: no analysis.)
+  ~NcclComm() override NO_THREAD_SAFETY_ANALYSIS {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       stopping_ = true;
     }
-    cv_.notify_all();
+    cv_.NotifyAll();
     if (watchdog_.joinable()) watchdog_.join();
     if (!MakeCurrent(device_->ordinal()).ok()) return;
     for (const Pending& p : pending_) (void)cudaEventDestroy(p.event);
@@ -254,7 +255,7 @@ class NcclComm final : public Communicator {
         break;
       }
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         if (!broken_.ok()) result = broken_;
       }
       if (result.ok() && Clock::now() >= deadline) {
@@ -303,25 +304,25 @@ class NcclComm final : public Communicator {
 
   // Breaks the group: aborts the communicator (once) and fails every pending collective's
   // stream. Returns the group's Status.
-  Status Fail(const std::string& why) {
-    std::lock_guard<std::mutex> lock(mu_);
+  Status Fail(const std::string& why) EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
     return FailLocked(why);
   }
-  Status FailLocked(const std::string& why) {
+  Status FailLocked(const std::string& why) REQUIRES(mu_) {
     if (!broken_.ok()) return broken_;
     broken_ = Status::FailedPrecondition(Prefix() + why + " (world size " +
                                          std::to_string(options_.world_size) +
                                          "). The communicator was aborted; the group is unusable.");
     {
       // Waits for an enqueue in flight on another thread (it is polled, so it ends).
-      std::lock_guard<std::mutex> comm_lock(comm_mu_);
+      MutexLock comm_lock(&comm_mu_);
       if (comm_ != nullptr && !aborted_) {
         aborted_ = true;
         (void)ncclCommAbort(comm_);
       }
     }
     for (const Pending& p : pending_) p.stream->SetError(broken_);
-    cv_.notify_all();
+    cv_.NotifyAll();
     return broken_;
   }
 
@@ -330,7 +331,7 @@ class NcclComm final : public Communicator {
   Status Issue(const std::string& what, Stream* stream,
                const std::function<ncclResult_t(cudaStream_t)>& enqueue) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (!broken_.ok()) return broken_;
     }
     ZINF_ASSIGN_OR_RETURN(CudaStream * cs,
@@ -338,7 +339,7 @@ class NcclComm final : public Communicator {
     ncclResult_t r = ncclSuccess;
     bool was_aborted = false;
     {
-      std::lock_guard<std::mutex> comm_lock(comm_mu_);
+      MutexLock comm_lock(&comm_mu_);
       was_aborted = aborted_;
       if (!was_aborted) {
         r = enqueue(cs->handle());
@@ -346,7 +347,7 @@ class NcclComm final : public Communicator {
       }
     }
     if (was_aborted) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       return broken_;
     }
     if (r != ncclSuccess) {
@@ -354,7 +355,7 @@ class NcclComm final : public Communicator {
                                                     SecondsText(options_.timeout_seconds)
                                               : " failed: " + NcclErrorText(r, comm_)));
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     cudaEvent_t event = nullptr;
     if (!free_events_.empty()) {
       event = free_events_.back();
@@ -369,16 +370,16 @@ class NcclComm final : public Communicator {
                                            __LINE__);
     }
     pending_.push_back(Pending{event, cs, what, Clock::now() + Seconds(options_.timeout_seconds)});
-    cv_.notify_all();
+    cv_.NotifyAll();
     return Status::OK();
   }
 
-  void WatchdogMain() {
+  void WatchdogMain() EXCLUDES(mu_, comm_mu_) {
     const bool current = MakeCurrent(device_->ordinal()).ok();
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     while (!stopping_) {
       if (pending_.empty() || !broken_.ok()) {
-        cv_.wait(lock, [&] { return stopping_ || (!pending_.empty() && broken_.ok()); });
+        while (!(stopping_ || (!pending_.empty() && broken_.ok()))) cv_.Wait(&mu_);
         continue;
       }
       // Completed collectives leave in order; stop at the first one still running.
@@ -390,12 +391,13 @@ class NcclComm final : public Communicator {
       }
       // try_lock: an enqueue being settled on the issuing thread holds comm_mu_ (and polls the
       // same error); the deadline is still checked.
-      std::unique_lock<std::mutex> comm_lock(comm_mu_, std::try_to_lock);
       if (!pending_.empty()) {
         ncclResult_t state = ncclSuccess;
         ncclResult_t r = ncclSuccess;
-        if (comm_lock.owns_lock() && !aborted_) r = ncclCommGetAsyncError(comm_, &state);
-        if (comm_lock.owns_lock()) comm_lock.unlock();
+        if (comm_mu_.TryLock()) {
+          if (!aborted_) r = ncclCommGetAsyncError(comm_, &state);
+          comm_mu_.Unlock();
+        }
         if (r != ncclSuccess || (state != ncclSuccess && state != ncclInProgress)) {
           const ncclResult_t bad = r != ncclSuccess ? r : state;
           (void)FailLocked(pending_.front().what +
@@ -407,7 +409,7 @@ class NcclComm final : public Communicator {
                            "orders");
         }
       }
-      cv_.wait_for(lock, std::chrono::milliseconds(1));
+      cv_.WaitUntil(&mu_, Clock::now() + std::chrono::milliseconds(1));
     }
   }
 
@@ -417,16 +419,16 @@ class NcclComm final : public Communicator {
   CudaStream* barrier_stream_ = nullptr;  // owned by device_
   void* barrier_buf_ = nullptr;           // one float, cudaMalloc'ed at creation
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Pending> pending_;           // guarded by mu_: collectives not yet seen complete
-  std::vector<cudaEvent_t> free_events_;  // guarded by mu_
-  Status broken_;                         // guarded by mu_
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<Pending> pending_ GUARDED_BY(mu_);  // collectives not yet seen complete
+  std::vector<cudaEvent_t> free_events_ GUARDED_BY(mu_);
+  Status broken_ GUARDED_BY(mu_);
   // Lock order: mu_, then comm_mu_. comm_mu_ is held around every use of comm_ that may race
   // with ncclCommAbort (which frees it): enqueue + settle, the watchdog's error poll, abort.
-  std::mutex comm_mu_;
-  bool aborted_ = false;   // guarded by comm_mu_
-  bool stopping_ = false;  // guarded by mu_
+  Mutex comm_mu_;
+  bool aborted_ GUARDED_BY(comm_mu_) = false;
+  bool stopping_ GUARDED_BY(mu_) = false;
   std::thread watchdog_;
 };
 

@@ -29,36 +29,36 @@ namespace {
 // generation recorded at the time it is issued and is not confused by a later record (still
 // pending) or by an earlier one (completing late).
 struct EventState {
-  std::mutex mu;
-  std::condition_variable cv;
-  uint64_t last_recorded = 0;  // guarded by mu; 0 = never recorded
-  std::set<uint64_t> pending;  // guarded by mu: recorded, marker not yet run
-  Status status;               // guarded by mu: of the most recently completed record
+  Mutex mu;
+  CondVar cv;
+  uint64_t last_recorded GUARDED_BY(mu) = 0;  // 0 = never recorded
+  std::set<uint64_t> pending GUARDED_BY(mu);  // recorded, marker not yet run
+  Status status GUARDED_BY(mu);               // of the most recently completed record
 
-  uint64_t Record() {
-    std::lock_guard<std::mutex> lock(mu);
+  uint64_t Record() EXCLUDES(mu) {
+    MutexLock lock(&mu);
     pending.insert(++last_recorded);
     return last_recorded;
   }
-  void Complete(uint64_t generation, Status record_status) {
+  void Complete(uint64_t generation, Status record_status) EXCLUDES(mu) {
     {
-      std::lock_guard<std::mutex> lock(mu);
+      MutexLock lock(&mu);
       pending.erase(generation);
       status = std::move(record_status);
     }
-    cv.notify_all();
+    cv.NotifyAll();
   }
-  uint64_t Latest() {
-    std::lock_guard<std::mutex> lock(mu);
+  uint64_t Latest() EXCLUDES(mu) {
+    MutexLock lock(&mu);
     return last_recorded;
   }
-  bool Done(uint64_t generation) {
-    std::lock_guard<std::mutex> lock(mu);
+  bool Done(uint64_t generation) EXCLUDES(mu) {
+    MutexLock lock(&mu);
     return pending.count(generation) == 0;
   }
-  Status Wait(uint64_t generation) {
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return pending.count(generation) == 0; });
+  Status Wait(uint64_t generation) EXCLUDES(mu) {
+    MutexLock lock(&mu);
+    while (pending.count(generation) != 0) cv.Wait(&mu);
     return status;
   }
 };
@@ -81,10 +81,10 @@ class HostFuncRunner {
   HostFuncRunner() : thread_([this] { Main(); }) {}
   ~HostFuncRunner() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       stopping_ = true;
     }
-    cv_.notify_all();
+    cv_.NotifyAll();
     thread_.join();
   }
   HostFuncRunner(const HostFuncRunner&) = delete;
@@ -94,46 +94,53 @@ class HostFuncRunner {
 
   // Runs `fn` on the runner thread and waits for it; an exception escaping `fn` is rethrown
   // here (the stream's worker turns it into the stream's error).
-  void RunAndWait(const std::function<void()>& fn) {
+  void RunAndWait(const std::function<void()>& fn) EXCLUDES(mu_) {
     Job job{&fn, nullptr, false};
-    std::unique_lock<std::mutex> lock(mu_);
-    queue_.push_back(&job);
-    cv_.notify_all();
-    cv_.wait(lock, [&] { return job.done; });
+    {
+      MutexLock lock(&mu_);
+      queue_.push_back(&job);
+    }
+    cv_.NotifyAll();
+    MutexLock lock(&mu_);
+    while (!job.done) cv_.Wait(&mu_);
     if (job.error) std::rethrow_exception(job.error);
   }
 
  private:
   struct Job {
     const std::function<void()>* fn;
-    std::exception_ptr error;
-    bool done = false;  // guarded by mu_
+    std::exception_ptr error;  // written by the runner before `done`, read by the submitter after
+    bool done;                 // under mu_
   };
 
-  void Main() {
-    std::unique_lock<std::mutex> lock(mu_);
+  void Main() EXCLUDES(mu_) {
     for (;;) {
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      Job* job = queue_.front();
-      queue_.pop_front();
-      lock.unlock();
+      Job* job = nullptr;
+      {
+        MutexLock lock(&mu_);
+        while (!stopping_ && queue_.empty()) cv_.Wait(&mu_);
+        if (queue_.empty()) return;
+        job = queue_.front();
+        queue_.pop_front();
+      }
       try {
         (*job->fn)();
       } catch (...) {
         job->error = std::current_exception();
       }
-      lock.lock();
-      job->done = true;
-      cv_.notify_all();
+      {
+        MutexLock lock(&mu_);
+        job->done = true;
+      }
+      cv_.NotifyAll();
     }
   }
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Job*> queue_;  // guarded by mu_; each waited for by its submitter
-  bool stopping_ = false;   // guarded by mu_
-  std::thread thread_;      // last: started once the rest is initialised
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<Job*> queue_ GUARDED_BY(mu_);  // each waited for by its submitter
+  bool stopping_ GUARDED_BY(mu_) = false;
+  std::thread thread_;  // last: started once the rest is initialised
 };
 
 // A FIFO of tasks run by one worker thread, or (the compute stream, unless strict) the
@@ -158,12 +165,12 @@ class HostStream final : public Stream {
     thread_ = std::thread([this] { WorkerMain(); });
   }
   // Asks the worker to exit once its queue is empty; does not wait.
-  void RequestStop() {
+  void RequestStop() EXCLUDES(mu_) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       stopping_ = true;
     }
-    work_cv_.notify_one();
+    work_cv_.NotifyOne();
   }
   void Stop() {
     RequestStop();
@@ -178,32 +185,32 @@ class HostStream final : public Stream {
   // Inline (compute) stream: runs `task` now and returns its Status. Worker stream: queues it
   // and returns OK; a failure becomes the sticky error, which strict mode returns from every
   // later Submit (nothing is queued then).
-  Status Submit(Task task) {
+  Status Submit(Task task) EXCLUDES(mu_) {
     if (inline_) return RunTask(task);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       ZINF_CHECK_MSG(!stopping_, "work submitted to a HostDevice stream being destroyed");
       if (strict_ && !error_.ok()) return error_;
       queue_.push_back(std::move(task));
       ++submitted_;
     }
-    work_cv_.notify_one();
+    work_cv_.NotifyOne();
     return Status::OK();
   }
 
-  Status Synchronize() {
+  Status Synchronize() EXCLUDES(mu_) {
     if (inline_) return Status::OK();
     // A task that waits for its own stream would wait forever.
     ZINF_CHECK_MSG(std::this_thread::get_id() != thread_.get_id(),
                    "SynchronizeStream called from a task of the same stream");
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     const uint64_t target = submitted_;
-    done_cv_.wait(lock, [&] { return completed_ >= target; });
+    while (completed_ < target) done_cv_.Wait(&mu_);
     return error_;
   }
 
-  Status error() const {
-    std::lock_guard<std::mutex> lock(mu_);
+  Status error() const EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
     return error_;
   }
 
@@ -238,21 +245,25 @@ class HostStream final : public Stream {
     }
   }
 
-  void WorkerMain() {
-    std::unique_lock<std::mutex> lock(mu_);
+  void WorkerMain() EXCLUDES(mu_) {
     for (;;) {
-      work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, and drained
-      Task task = std::move(queue_.front());
-      queue_.pop_front();
-      lock.unlock();
+      Task task;
+      {
+        MutexLock lock(&mu_);
+        while (!stopping_ && queue_.empty()) work_cv_.Wait(&mu_);
+        if (queue_.empty()) return;  // stopping, and drained
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
       if (strict_) StrictDelay();
       Status s = RunTask(task);
       task = nullptr;  // release what the task captured before reporting completion
-      lock.lock();
-      if (!s.ok() && error_.ok()) error_ = s.WithContext("stream '" + name_ + "'");
-      ++completed_;
-      done_cv_.notify_all();
+      {
+        MutexLock lock(&mu_);
+        if (!s.ok() && error_.ok()) error_ = s.WithContext("stream '" + name_ + "'");
+        ++completed_;
+      }
+      done_cv_.NotifyAll();
     }
   }
 
@@ -263,14 +274,14 @@ class HostStream final : public Stream {
   std::mt19937_64 rng_;  // worker thread only: the strict mode's delays
   std::thread thread_;   // owned; joined by Stop
 
-  mutable std::mutex mu_;
-  std::condition_variable work_cv_;  // the worker waits for tasks or stopping_
-  std::condition_variable done_cv_;  // Synchronize waits for completed_
-  std::deque<Task> queue_;           // guarded by mu_
-  uint64_t submitted_ = 0;           // guarded by mu_
-  uint64_t completed_ = 0;           // guarded by mu_
-  bool stopping_ = false;            // guarded by mu_
-  Status error_;                     // guarded by mu_: the first failure, sticky
+  mutable Mutex mu_;
+  CondVar work_cv_;  // the worker waits for tasks or stopping_
+  CondVar done_cv_;  // Synchronize waits for completed_
+  std::deque<Task> queue_ GUARDED_BY(mu_);
+  uint64_t submitted_ GUARDED_BY(mu_) = 0;
+  uint64_t completed_ GUARDED_BY(mu_) = 0;
+  bool stopping_ GUARDED_BY(mu_) = false;
+  Status error_ GUARDED_BY(mu_);  // the first failure, sticky
 };
 
 namespace {
@@ -295,7 +306,7 @@ CopyLink::CopyLink(double gbps)
 CopyLink::Clock::time_point CopyLink::Reserve(size_t bytes, Clock::time_point now) {
   const auto duration = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(static_cast<double>(bytes) / bytes_per_second_));
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   free_at_ = std::max(now, free_at_) + duration;
   return free_at_;
 }
@@ -373,7 +384,7 @@ HostDevice::HostDevice(const HostDeviceOptions& options)
 
 HostDevice::~HostDevice() {
   {
-    std::lock_guard<std::mutex> lock(streams_mu_);
+    MutexLock lock(&streams_mu_);
     // Let all streams drain concurrently (one may wait on another's event), then join.
     compute_stream_->RequestStop();
     for (auto& s : streams_) s->RequestStop();
@@ -419,7 +430,7 @@ Result<Stream*> HostDevice::CreateStream(const std::string& name) {
     return Status::ResourceExhausted("HostDevice: cannot start a thread for stream '" + name +
                                      "': " + e.what());
   }
-  std::lock_guard<std::mutex> lock(streams_mu_);
+  MutexLock lock(&streams_mu_);
   streams_.push_back(std::move(stream));
   return static_cast<Stream*>(streams_.back().get());
 }
@@ -523,7 +534,7 @@ Status HostDevice::SumSquares(const float* x, size_t n, GradStats* out_host, Str
   }
   CpuOptimizer* sums = nullptr;
   {
-    std::lock_guard<std::mutex> lock(sums_mu_);
+    MutexLock lock(&sums_mu_);
     if (sums_ == nullptr) {
       CpuOptimizer::Options o;
       o.num_threads = 1;

@@ -13,18 +13,17 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
+#include "common/thread_annotations.h"
 #include "engine/device_pool.h"
 #include "zinf/device.h"
 #include "zinf/status.h"
@@ -58,8 +57,8 @@ class CopyLink {
  private:
   const double bytes_per_second_;
   const size_t chunk_bytes_;
-  std::mutex mu_;
-  Clock::time_point free_at_;  // guarded by mu_: end of the last reservation
+  Mutex mu_;
+  Clock::time_point free_at_ GUARDED_BY(mu_);  // end of the last reservation
 };
 
 class HostStream;
@@ -170,12 +169,12 @@ class HostDevice final : public Device {
 
   std::unique_ptr<HostFuncRunner> runner_;  // strict mode only: runs every host function
   // SumSquares's kernel (one thread; made at the first call).
-  std::mutex sums_mu_;
-  std::unique_ptr<CpuOptimizer> sums_;  // guarded by sums_mu_ until made, then constant
+  Mutex sums_mu_;
+  std::unique_ptr<CpuOptimizer> sums_ GUARDED_BY(sums_mu_);  // made on first use
   std::unique_ptr<HostStream> compute_stream_;
   std::atomic<uint64_t> next_stream_index_{1};  // strict mode's seeds (0: compute)
-  std::mutex streams_mu_;
-  std::vector<std::unique_ptr<HostStream>> streams_;  // guarded by streams_mu_
+  Mutex streams_mu_;
+  std::vector<std::unique_ptr<HostStream>> streams_ GUARDED_BY(streams_mu_);
 };
 
 }  // namespace zinf

@@ -2,16 +2,15 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <string>
 #include <utility>
 
+#include "common/thread_annotations.h"
 #include "engine/host/host_device.h"
 
 namespace zinf {
@@ -98,14 +97,14 @@ class Hub {
 
   // Called instead of Run by a rank that rejected its arguments: collective `seq` fails on
   // every rank at once (instead of the peers timing out), and the group stays usable.
-  void Abandon(uint64_t seq, int rank, const Call& call, const Status& why) {
-    std::lock_guard<std::mutex> lock(mu_);
+  void Abandon(uint64_t seq, int rank, const Call& call, const Status& why) EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
     if (!broken_.ok()) return;
     Slot& slot = GetSlot(seq, call, rank);
     slot.abandoned = Status::FailedPrecondition(
         "LocalComm: " + call.ToString() + " #" + std::to_string(seq) + " was abandoned by rank " +
         std::to_string(rank) + ", which rejected its arguments: " + why.ToString());
-    cv_.notify_all();
+    cv_.NotifyAll();
     LeaveLocked(seq, slot);
   }
 
@@ -121,7 +120,7 @@ class Hub {
     Status abandoned;
   };
 
-  Slot& GetSlot(uint64_t seq, const Call& call, int rank) {
+  Slot& GetSlot(uint64_t seq, const Call& call, int rank) REQUIRES(mu_) {
     auto [it, inserted] = slots_.try_emplace(seq);
     Slot& slot = it->second;
     if (inserted) {
@@ -133,8 +132,8 @@ class Hub {
     return slot;
   }
 
-  Status Join(uint64_t seq, int rank, const Call& call, Posted posted, Slot** out) {
-    std::unique_lock<std::mutex> lock(mu_);
+  Status Join(uint64_t seq, int rank, const Call& call, Posted posted, Slot** out) EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
     if (!broken_.ok()) return broken_;
     // std::map nodes do not move: the pointer stays valid until the slot is erased, which
     // waits for this rank's Leave.
@@ -149,30 +148,29 @@ class Hub {
           std::to_string(rank) + " issued " + call.ToString() +
           "; every rank must issue the same collectives in the same order. The group is "
           "unusable.");
-      cv_.notify_all();
+      cv_.NotifyAll();
       return broken_;
     }
     slot.posted[rank] = posted;
-    return Rendezvous(seq, rank, slot, 0, lock);
+    return Rendezvous(seq, rank, slot, 0);
   }
 
-  Status Barrier(uint64_t seq, int rank, Slot& slot, int point) {
-    std::unique_lock<std::mutex> lock(mu_);
-    return Rendezvous(seq, rank, slot, point, lock);
+  Status Barrier(uint64_t seq, int rank, Slot& slot, int point) EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
+    return Rendezvous(seq, rank, slot, point);
   }
 
   // A generation-counted barrier: waits until every rank has reached rendezvous point
   // `point` of the slot, the slot is abandoned, the group breaks, or the timeout expires
   // (which breaks the group).
-  Status Rendezvous(uint64_t seq, int rank, Slot& slot, int point,
-                    std::unique_lock<std::mutex>& lock) {
+  Status Rendezvous(uint64_t seq, int rank, Slot& slot, int point) REQUIRES(mu_) {
     if (!broken_.ok()) return broken_;
     if (!slot.abandoned.ok()) return slot.abandoned;
     slot.reached[rank] = point + 1;
     if (++slot.arrived == world_size_) {
       slot.arrived = 0;
       slot.completed = point + 1;
-      cv_.notify_all();
+      cv_.NotifyAll();
       return Status::OK();
     }
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
@@ -180,10 +178,10 @@ class Hub {
       if (slot.completed > point) return Status::OK();
       if (!broken_.ok()) return broken_;
       if (!slot.abandoned.ok()) return slot.abandoned;
-      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && slot.completed <= point &&
-          broken_.ok() && slot.abandoned.ok()) {
+      if (!cv_.WaitUntil(&mu_, deadline) && slot.completed <= point && broken_.ok() &&
+          slot.abandoned.ok()) {
         broken_ = TimeoutStatus(seq, rank, slot, point);
-        cv_.notify_all();
+        cv_.NotifyAll();
         return broken_;
       }
     }
@@ -208,11 +206,11 @@ class Hub {
         "is unusable.");
   }
 
-  void Leave(uint64_t seq, Slot& slot) {
-    std::lock_guard<std::mutex> lock(mu_);
+  void Leave(uint64_t seq, Slot& slot) EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
     LeaveLocked(seq, slot);
   }
-  void LeaveLocked(uint64_t seq, Slot& slot) {
+  void LeaveLocked(uint64_t seq, Slot& slot) REQUIRES(mu_) {
     // After a failure some ranks never come: the slot stays until the hub goes, which is
     // harmless since a failed group is not used further (or, when abandoned, only leaks
     // while a rank that never arrives is missing).
@@ -221,12 +219,12 @@ class Hub {
 
   const int world_size_;
   const std::chrono::milliseconds timeout_;
-  std::mutex mu_;
+  Mutex mu_;
   // One condition variable for every slot: collectives in flight at once are few, and a
   // spurious wake-up only re-checks a predicate.
-  std::condition_variable cv_;
-  std::map<uint64_t, Slot> slots_;  // guarded by mu_: collectives some rank has joined
-  Status broken_;                   // guarded by mu_: once set, every collective fails with it
+  CondVar cv_;
+  std::map<uint64_t, Slot> slots_ GUARDED_BY(mu_);  // collectives some rank has joined
+  Status broken_ GUARDED_BY(mu_);                   // once set, every collective fails with it
 };
 
 // out[i] = ((in[0][i] + in[1][i]) + in[2][i]) + ... in float, for i < n. Works through a
