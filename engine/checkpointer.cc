@@ -7,7 +7,6 @@
 
 #include <cstring>
 #include <filesystem>
-#include <optional>
 
 #include "common/file_io.h"
 #include "common/utf8.h"
@@ -64,7 +63,8 @@ Status Checkpointer::Prepare(const std::string& dir) {
   return collectives_->Agree(local, "PrepareCheckpointDir");
 }
 
-Status Checkpointer::Save(const std::string& dir, const std::string& user_data, int64_t step) {
+Status Checkpointer::Save(const std::string& dir, const std::string& user_data, int64_t step,
+                          StateStore* states) {
   namespace fs = std::filesystem;
   const std::string incoming = dir + "/" + checkpoint_folder::kIncoming;
   // Rank 0 makes sure of the folder (created 0700, writable, locked) and prepares an empty
@@ -102,7 +102,7 @@ Status Checkpointer::Save(const std::string& dir, const std::string& user_data, 
     man.tensors.resize(layout_->num_params());
     for (size_t gi = 0; gi < layout_->num_groups() && s.ok(); ++gi) {
       const GroupLayout& g = layout_->group(gi);
-      s = states_->Read(gi, buf.data);
+      s = states->Read(gi, buf.data);
       if (!s.ok()) {
         s = s.WithContext("reading optimizer states of sub-group " + std::to_string(gi));
         break;
@@ -116,7 +116,7 @@ Status Checkpointer::Save(const std::string& dir, const std::string& user_data, 
         t.partition_numel = p.info.partition_numel;
         t.sub_group = gi;
         t.slice_offset = p.slice_offset;
-        t.updates = states_->updates(id);
+        t.updates = states->updates(id);
         for (int k = 0; k < 3; ++k) {
           t.hash[k] = XXH3_64bits(f + layout_->SliceOffsetIn(id, k), layout_->SliceBytesIn(id, k));
         }
@@ -255,11 +255,21 @@ Status Checkpointer::ConvertGroupStates(size_t gi, StateType from, const void* s
   return Status::OK();
 }
 
-Status Checkpointer::Load(const std::string& dir, bool fall_back_to_older,
-                          const std::function<Status()>& begin_install,
-                          const std::function<Status(size_t, const void*, int64_t)>& install,
-                          RankManifest* out, bool* install_failed) {
-  *install_failed = false;
+CheckpointReader::~CheckpointReader() {
+  if (fd_ >= 0) close(fd_);
+}
+
+Result<const void*> CheckpointReader::ReadGroup(size_t gi) {
+  // The bytes installed are the bytes verified: this read is checked again (the file may have
+  // changed since the validation pass, or the disk returned something else).
+  ZINF_RETURN_IF_ERROR(owner_->ReadGroup(fd_, gi, file_type_, man_, states_path_, buf_.data));
+  if (!converted_) return static_cast<const void*>(buf_.data);
+  ZINF_RETURN_IF_ERROR(owner_->ConvertGroupStates(gi, file_type_, buf_.data, converted_->data));
+  return static_cast<const void*>(converted_->data);
+}
+
+Result<std::unique_ptr<CheckpointReader>> Checkpointer::Open(const std::string& dir,
+                                                             bool fall_back_to_older) {
   Status local = rank_ == 0 ? LockDir(dir, /*create=*/false) : Status::OK();
   ZINF_RETURN_IF_ERROR(collectives_->Agree(local, "LoadCheckpoint"));
   // Which checkpoints there are: "none yet" only for a folder that holds none at all; a
@@ -282,23 +292,16 @@ Status Checkpointer::Load(const std::string& dir, bool fall_back_to_older,
   }
   // Room for a sub-group as the checkpoint stores it, whatever its state dtype (fp32 is the
   // largest).
-  AlignedBuffer buf(layout_->LargestGroupStateBytes(StateType::kF32));
-  RankManifest man;
-  int fd = -1;
-  struct FdCloser {
-    int* fd;
-    ~FdCloser() {
-      if (*fd >= 0) close(*fd);
-    }
-  } closer{&fd};
-  std::string states_path, used;
+  std::unique_ptr<CheckpointReader> reader(
+      new CheckpointReader(this, layout_->LargestGroupStateBytes(StateType::kF32)));
+  std::string used;
   std::vector<std::string> tried;
   for (const std::string& folder : candidates) {
-    if (fd >= 0) {
-      close(fd);
-      fd = -1;
+    if (reader->fd_ >= 0) {
+      close(reader->fd_);
+      reader->fd_ = -1;
     }
-    local = Validate(folder, &man, &fd, &states_path, &buf);
+    local = Validate(folder, &reader->man_, &reader->fd_, &reader->states_path_, &reader->buf_);
     Status agreed = collectives_->Agree(local, "LoadCheckpoint");
     if (agreed.ok()) {
       used = folder;
@@ -323,43 +326,26 @@ Status Checkpointer::Load(const std::string& dir, bool fall_back_to_older,
     LogWarning(damage + "; loading " + used + ", the newest complete checkpoint");
   }
 
-  // Pass 2: install, converting states stored in another dtype (ConvertOptimizerState: as a
-  // step would have decoded and stored them).
-  // (The parser accepted the dtype; every rank's checkpoint has the same one.)
-  const Result<StateType> parsed_type = ParseStateType(man.state_dtype);
-  const StateType file_type = parsed_type.ok() ? *parsed_type : StateType::kF32;
+  // States stored in another dtype are converted when read (ConvertOptimizerState: as a step
+  // would have decoded and stored them). (The parser accepted the dtype; every rank's
+  // checkpoint has the same one.)
+  const Result<StateType> parsed_type = ParseStateType(reader->man_.state_dtype);
+  reader->file_type_ = parsed_type.ok() ? *parsed_type : StateType::kF32;
   const StateType engine_type = layout_->state_type();
-  std::optional<AlignedBuffer> converted;
   Status prepared;
-  if (file_type != engine_type) {
-    converted.emplace(layout_->LargestGroupStateBytes());
-    if (converted->data == nullptr) {
+  if (reader->file_type_ != engine_type) {
+    reader->converted_.emplace(layout_->LargestGroupStateBytes());
+    if (reader->converted_->data == nullptr) {
       prepared = Status::ResourceExhausted("checkpoint conversion buffer");
     } else {
-      LogInfo("loading optimizer states stored as " + man.state_dtype + " into " +
+      LogInfo("loading optimizer states stored as " + reader->man_.state_dtype + " into " +
               StateTypeName(engine_type) + " (zinf.optimizer_state_dtype): converting them");
     }
   }
-  // Nothing is installed yet: a rank that cannot convert stops every rank here, the engine
-  // untouched.
+  // Nothing is read for installing yet: a rank that cannot convert stops every rank here.
   ZINF_RETURN_IF_ERROR(collectives_->Agree(prepared, "LoadCheckpoint"));
   if (validated_) validated_(used);
-  local = begin_install();
-  for (size_t gi = 0; gi < layout_->num_groups() && local.ok(); ++gi) {
-    // The bytes installed are the bytes verified: this read is checked again (the file may
-    // have changed since the validation pass, or the disk returned something else).
-    local = ReadGroup(fd, gi, file_type, man, states_path, buf.data);
-    const void* states = buf.data;
-    if (local.ok() && converted) {
-      local = ConvertGroupStates(gi, file_type, buf.data, converted->data);
-      states = converted->data;
-    }
-    if (local.ok()) local = install(gi, states, man.step);
-  }
-  *install_failed = !local.ok();
-  ZINF_RETURN_IF_ERROR(collectives_->Agree(local, "LoadCheckpoint"));
-  *out = std::move(man);
-  return Status::OK();
+  return reader;
 }
 
 }  // namespace zinf

@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "common/folder_lock.h"
@@ -19,8 +20,39 @@
 
 namespace zinf {
 
+class Checkpointer;
+
+// A checkpoint chosen and validated in full on every rank (its layout and every checksum):
+// nothing has changed yet. Its sub-groups are read one at a time for installing, each
+// verified again in the same read.
+class CheckpointReader {
+ public:
+  ~CheckpointReader();
+  CheckpointReader(const CheckpointReader&) = delete;
+  CheckpointReader& operator=(const CheckpointReader&) = delete;
+
+  const RankManifest& manifest() const { return man_; }
+  // Sub-group gi's [master | state 1 | state 2] in this engine's state dtype: read once,
+  // verified against the manifest's checksums, then converted when stored in another dtype.
+  // Valid until the next call.
+  Result<const void*> ReadGroup(size_t gi);
+
+ private:
+  friend class Checkpointer;
+  CheckpointReader(const Checkpointer* owner, size_t buf_bytes) : owner_(owner), buf_(buf_bytes) {}
+  const Checkpointer* const owner_;
+  RankManifest man_;
+  int fd_ = -1;
+  std::string states_path_;
+  StateType file_type_ = StateType::kF32;
+  AlignedBuffer buf_;                       // one sub-group as stored
+  std::optional<AlignedBuffer> converted_;  // and converted to this engine's dtype
+};
+
 class Checkpointer {
  public:
+  // `validated` (tests, EngineHooks::checkpoint_validated): called with the folder of a
+  // checkpoint once it has validated, before anything is read for installing.
   Checkpointer(const Layout* layout, const EngineConfig* config, HostCollectives* collectives,
                int rank, int world, std::function<void(const std::string&)> validated = nullptr)
       : layout_(layout),
@@ -29,8 +61,6 @@ class Checkpointer {
         rank_(rank),
         world_(world),
         validated_(std::move(validated)) {}
-  // At placement: the states to save and load.
-  void Attach(StateStore* states) { states_ = states; }
 
   // Rank 0 creates and locks `dir`; every rank learns the result. A collective.
   Status Prepare(const std::string& dir);
@@ -39,20 +69,16 @@ class Checkpointer {
     auto it = locks_.find(dir);
     return it != locks_.end() && it->second != nullptr && it->second->exclusive();
   }
-  // Writes the states of every sub-group as step `step`. A collective; the optimizer must be
-  // idle.
-  Status Save(const std::string& dir, const std::string& user_data, int64_t step);
-  // Finds and validates the checkpoint to load; then `begin_install()`, and
-  // `install(gi, buf, step)` for each sub-group with its [master | m | v] in `buf`, `step` the
-  // checkpoint's. *man gets the manifest. On an
-  // error after installing began, *install_failed is set (the states are partly replaced).
-  // A collective.
-  Status Load(const std::string& dir, bool fall_back_to_older,
-              const std::function<Status()>& begin_install,
-              const std::function<Status(size_t, const void*, int64_t)>& install, RankManifest* man,
-              bool* install_failed);
+  // Writes the states of every sub-group of `states` as step `step`. A collective; the
+  // optimizer must be idle.
+  Status Save(const std::string& dir, const std::string& user_data, int64_t step,
+              StateStore* states);
+  // Finds the checkpoint to load (the newest, or with `fall_back_to_older` the newest readable
+  // one) and validates it in full. A collective; nothing changes.
+  Result<std::unique_ptr<CheckpointReader>> Open(const std::string& dir, bool fall_back_to_older);
 
  private:
+  friend class CheckpointReader;
   // Rank 0: locks `dir` (with `create`: creates it 0700 and checks it is writable first).
   Status LockDir(const std::string& dir, bool create);
   // Sub-group gi's [master | state 1 | state 2] with its states stored as `from` (src) into
@@ -69,7 +95,6 @@ class Checkpointer {
 
   const Layout* const layout_;
   const EngineConfig* const config_;
-  StateStore* states_ = nullptr;
   HostCollectives* const collectives_;
   const int rank_;
   const int world_;

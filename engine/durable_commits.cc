@@ -13,13 +13,15 @@ namespace {
 const char* StorageName(const EngineConfig& c) { return c.bf16 ? "bf16" : "fp32"; }
 }  // namespace
 
-std::string DurableCommits::Meta(int64_t at_step, int64_t at_visible) const {
+std::string CommitRecord::Meta(int64_t at_step, int64_t at_visible, uint64_t lineage,
+                               const std::vector<int64_t>& updates,
+                               const std::string& user_data) const {
   nlohmann::json j;
   j["format"] = "zinf-durable-1";
   j["step"] = at_step;
   j["visible"] = at_visible;
   j["delayed"] = config_->delayed_update;
-  j["lineage"] = lineage_;
+  j["lineage"] = lineage;
   j["world"] = world_;
   j["optimizer"] = OptimizerTypeName(config_->optimizer.type);
   j["storage"] = StorageName(*config_);
@@ -29,14 +31,14 @@ std::string DurableCommits::Meta(int64_t at_step, int64_t at_visible) const {
   for (ParamId id = 0; id < layout_->num_params(); ++id) {
     const ParamLayout& p = layout_->param(id);
     ps.push_back({p.info.name, p.info.numel, p.info.partition_numel, p.info.sub_group,
-                  p.slice_offset, states_->updates(id)});
+                  p.slice_offset, updates[id]});
   }
   j["params"] = ps;
-  if (!user_data_.empty()) j["user_data"] = user_data_;
+  if (!user_data.empty()) j["user_data"] = user_data;
   return j.dump();
 }
 
-Status DurableCommits::Check(const std::string& meta, Point* out) const {
+Status CommitRecord::Check(const std::string& meta, Point* out) const {
   if (meta.empty()) {
     return Status::NotFound("ResumeFromStore: the swap store has no commit to resume from");
   }
@@ -121,7 +123,9 @@ Status DurableCommits::Check(const std::string& meta, Point* out) const {
 
 Status DurableCommits::Commit(int64_t at_step, int64_t at_visible) {
   if (!config_->durable) return Status::OK();
-  return swap_->Commit(Meta(at_step, at_visible))
+  std::vector<int64_t> updates(record_.num_params());
+  for (ParamId id = 0; id < updates.size(); ++id) updates[id] = states_->updates(id);
+  return swap_->Commit(record_.Meta(at_step, at_visible, lineage_, updates, user_data_))
       .WithContext("committing the durable swap store at step " + std::to_string(at_step));
 }
 
@@ -130,8 +134,8 @@ void DurableCommits::NewLineage(int64_t step) {
   lineage_ = XXH3_64bits_withSeed(parts, sizeof(parts), 0x7a696e66) | 1;
 }
 
-Result<DurableCommits::Agreement> DurableCommits::AgreeOnCommit(
-    const std::vector<std::string>& paths) {
+Result<CommitRecord::Agreement> CommitRecord::AgreeOnCommit(
+    HostCollectives* collectives, int rank, const std::vector<std::string>& paths) const {
   // This rank's last and previous commits as (step, lineage); step -1: none; a step below
   // -100 encodes the StatusCode of a store this rank cannot read.
   int64_t mine[4] = {-1, 0, -1, 0};
@@ -150,25 +154,25 @@ Result<DurableCommits::Agreement> DurableCommits::AgreeOnCommit(
     std::copy(mine, mine + 4, all.begin());
   } else {
     // Every rank takes part, a failed one too, so that none waits for it.
-    ZINF_RETURN_IF_ERROR(collectives_->AllGather(mine, all.data(), sizeof(mine),
-                                                 "ResumeFromStore: agreeing on a commit with the "
-                                                 "other ranks"));
+    ZINF_RETURN_IF_ERROR(collectives->AllGather(mine, all.data(), sizeof(mine),
+                                                "ResumeFromStore: agreeing on a commit with the "
+                                                "other ranks"));
   }
   ZINF_RETURN_IF_ERROR(local.WithContext("ResumeFromStore"));
   Agreement a;
   bool none = true;  // no rank holds a commit (and none failed: checked in ChooseCommit)
   for (int r = 0; r < world_; ++r) none = none && all[4 * r] == -1;
   if (none) {
-    LogInfo("rank " + std::to_string(rank_) + ": the durable swap store in " + paths[0] +
+    LogInfo("rank " + std::to_string(rank) + ": the durable swap store in " + paths[0] +
             " never committed a step (its run stopped while initialising): nothing to keep, "
             "starting at step 0");
     a.fresh = true;
     return a;
   }
-  ZINF_ASSIGN_OR_RETURN(CommitChoice choice, ChooseCommit(all, rank_));
+  ZINF_ASSIGN_OR_RETURN(CommitChoice choice, ChooseCommit(all, rank));
   if (choice.previous) {
-    LogInfo("rank " + std::to_string(rank_) + ": resuming at step " + std::to_string(choice.step) +
-            ", the commit before its last (step " + std::to_string(all[4 * rank_]) +
+    LogInfo("rank " + std::to_string(rank) + ": resuming at step " + std::to_string(choice.step) +
+            ", the commit before its last (step " + std::to_string(all[4 * rank]) +
             "), which every rank holds");
   }
   a.previous = choice.previous;
@@ -223,7 +227,7 @@ Result<CommitChoice> ChooseCommit(const std::vector<int64_t>& all, int rank) {
   return choice;
 }
 
-Status DurableCommits::ExplainExisting(const std::vector<std::string>& paths) const {
+Status CommitRecord::ExplainExisting(const std::vector<std::string>& paths) {
   std::string held;
   Result<std::vector<std::string>> commits = SwapStore::ListCommits(paths);
   if (commits.ok() && !commits->empty()) {

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/engine_context.h"
 #include "engine/host_collectives.h"
 #include "engine/layout.h"
 #include "engine/state_store.h"
@@ -27,21 +28,18 @@ struct CommitChoice {
 };
 Result<CommitChoice> ChooseCommit(const std::vector<int64_t>& all, int rank);
 
-class DurableCommits {
+// What a durable commit records (the step, the parameter version the next micro-step reads,
+// the layout, each parameter's update count, the history, the trainer's text) and its check
+// against this engine; and, before a store is reopened, the commit every rank agrees on.
+// Over the layout and the configuration only: usable before the swap store exists.
+class CommitRecord {
  public:
-  DurableCommits(const Layout* layout, const EngineConfig* config, const StateStore* states,
-                 HostCollectives* collectives, int rank, int world)
-      : layout_(layout),
-        config_(config),
-        states_(states),
-        collectives_(collectives),
-        rank_(rank),
-        world_(world) {}
-  void Attach(SwapStore* swap) { swap_ = swap; }
+  CommitRecord(const Layout* layout, const EngineConfig* config, int world)
+      : layout_(layout), config_(config), world_(world) {}
 
-  // What a commit at `at_step` records; `at_visible`: the parameter version the micro-step
-  // after that step reads (one behind with the delayed update).
-  std::string Meta(int64_t at_step, int64_t at_visible) const;
+  // The record of a commit at `at_step` whose next micro-step reads version `at_visible`.
+  std::string Meta(int64_t at_step, int64_t at_visible, uint64_t lineage,
+                   const std::vector<int64_t>& updates, const std::string& user_data) const;
   // What the commit `meta` holds, checked against this engine's layout and configuration.
   struct Point {
     int64_t step = 0;
@@ -52,10 +50,6 @@ class DurableCommits {
     std::string user_data;         // the trainer's record (SetCommitUserData)
   };
   Status Check(const std::string& meta, Point* point) const;
-  // Publishes the swap store's writes as step `at_step` (no-op unless durable). Called by the
-  // trainer thread at Step() (or between steps), or, for a delayed step, by the optimizer
-  // thread once the step's update is written (the next one has not begun).
-  Status Commit(int64_t at_step, int64_t at_visible);
 
   // ResumeFromStore: the commit every rank reopens at. Each rank's store (in `paths`, its
   // folders in order) holds its last commit and, with more than one rank, the one before;
@@ -67,28 +61,48 @@ class DurableCommits {
     bool previous = false;
     bool fresh = false;
   };
-  Result<Agreement> AgreeOnCommit(const std::vector<std::string>& paths);
+  Result<Agreement> AgreeOnCommit(HostCollectives* collectives, int rank,
+                                  const std::vector<std::string>& paths) const;
   // A fresh store was refused (AlreadyExists) because `paths` hold one: what they hold, with
   // the step that store committed when it can be read, and the engine's ways out.
-  Status ExplainExisting(const std::vector<std::string>& paths) const;
-
-  // Durable: which history the commits belong to. 0 for a fresh start; every checkpoint load
-  // or set of new values derives a new one (the same on every rank), so that a resume never
-  // mixes a rank's commit from before it with another's from after it at the same step.
-  // The trainer's text recorded with every commit (Engine::SetCommitUserData).
-  void set_user_data(std::string text) { user_data_ = std::move(text); }
-  uint64_t lineage() const { return lineage_; }
-  void set_lineage(uint64_t l) { lineage_ = l; }
-  void NewLineage(int64_t step);
+  static Status ExplainExisting(const std::vector<std::string>& paths);
+  size_t num_params() const { return layout_->num_params(); }
 
  private:
   const Layout* const layout_;
   const EngineConfig* const config_;
-  const StateStore* const states_;
-  HostCollectives* const collectives_;
-  const int rank_;
   const int world_;
-  SwapStore* swap_ = nullptr;
+};
+
+// The durable mode's commits of this engine's swap store.
+class DurableCommits {
+ public:
+  DurableCommits(const EngineContext& ctx, const StateStore* states)
+      : record_(ctx.layout, ctx.config, ctx.comm->world_size()),
+        config_(ctx.config),
+        states_(states),
+        swap_(ctx.swap) {}
+
+  const CommitRecord& record() const { return record_; }
+  // Publishes the swap store's writes as step `at_step` (no-op unless durable). Called by the
+  // trainer thread at Step() (or between steps), or, for a delayed step, by the optimizer
+  // thread once the step's update is written (the next one has not begun).
+  Status Commit(int64_t at_step, int64_t at_visible);
+
+  // Durable: which history the commits belong to. 0 for a fresh start; every checkpoint load
+  // or set of new values derives a new one (the same on every rank), so that a resume never
+  // mixes a rank's commit from before it with another's from after it at the same step.
+  uint64_t lineage() const { return lineage_; }
+  void set_lineage(uint64_t l) { lineage_ = l; }
+  void NewLineage(int64_t step);
+  // The trainer's text recorded with every commit (Engine::SetCommitUserData).
+  void set_user_data(std::string text) { user_data_ = std::move(text); }
+
+ private:
+  const CommitRecord record_;
+  const EngineConfig* const config_;
+  const StateStore* const states_;
+  SwapStore* const swap_;
   uint64_t lineage_ = 0;
   std::string user_data_;
 };

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <system_error>
 
 #include "common/utf8.h"
 #include "engine/engine_impl.h"
@@ -39,8 +40,8 @@ Engine::Impl::~Impl() {
   if (board) {
     // Delayed update: the last step's optimizer may still run; between micro-steps it needs
     // nothing more from the trainer, so let it finish and report a failure nobody saw.
-    const bool drain = delayed && registered && !in_micro && broken.ok();
-    Status unseen = board->Stop(drain ? step : -1);
+    const bool drain = clock.delayed() && registered && !clock.in_micro() && broken.ok();
+    Status unseen = board->Stop(drain ? clock.step() : -1);
     if (!unseen.ok()) {
       LogWarning("the last optimizer step failed and was not reported: " + unseen.ToString());
     }
@@ -49,7 +50,7 @@ Engine::Impl::~Impl() {
   // The compute stream too: buffers whose free waits for it (evicted parameters) go back with
   // the budget below.
   for (Stream* s :
-       {device->ComputeStream(), copy_stream, comm_stream, update_stream, grad_stream}) {
+       {device->ComputeStream(), streams.copy, streams.comm, streams.update, streams.grad}) {
     if (s == nullptr) continue;
     Status synced = device->SynchronizeStream(s);
     if (!synced.ok()) LogWarning("closing the engine: " + synced.ToString());
@@ -58,6 +59,7 @@ Engine::Impl::~Impl() {
   pipeline.reset();
   grads.reset();
   fetch.reset();
+  adder.reset();  // after the gradient path and the fetch scheduler (they drain it)
   checkpointer.reset();
   durable.reset();
   param_store.reset();
@@ -97,15 +99,15 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
   CpuOptimizer::Options oo;
   oo.num_threads = config.optimizer_threads;
   ZINF_ASSIGN_OR_RETURN(m.optimizer, CpuOptimizer::Create(oo));
-  ZINF_ASSIGN_OR_RETURN(m.copy_stream, device->CreateStream("zinf-copy"));
-  ZINF_ASSIGN_OR_RETURN(m.comm_stream, device->CreateStream("zinf-comm"));
-  ZINF_ASSIGN_OR_RETURN(m.update_stream, device->CreateStream("zinf-update"));
-  ZINF_ASSIGN_OR_RETURN(m.grad_stream, device->CreateStream("zinf-grad"));
+  ZINF_ASSIGN_OR_RETURN(m.streams.copy, device->CreateStream("zinf-copy"));
+  ZINF_ASSIGN_OR_RETURN(m.streams.comm, device->CreateStream("zinf-comm"));
+  ZINF_ASSIGN_OR_RETURN(m.streams.update, device->CreateStream("zinf-update"));
+  ZINF_ASSIGN_OR_RETURN(m.streams.grad, device->CreateStream("zinf-grad"));
   m.budget = std::make_unique<DeviceBudget>(
       device, config.device_budget_bytes,
-      std::vector<Stream*>{m.comm_stream, m.copy_stream, m.grad_stream});
+      std::vector<Stream*>{m.streams.comm, m.streams.copy, m.streams.grad});
   ZINF_ASSIGN_OR_RETURN(m.collectives,
-                        HostCollectives::Create(device, comm, m.budget.get(), m.comm_stream));
+                        HostCollectives::Create(device, comm, m.budget.get(), m.streams.comm));
   m.checkpointer = std::make_unique<Checkpointer>(&m.layout, &m.config, m.collectives.get(), m.rank,
                                                   m.world, hooks.checkpoint_validated);
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
@@ -157,8 +159,9 @@ Status Engine::FinishRegistration() {
   ZINF_RETURN_IF_ERROR(m.pipeline->Start());
   m.registered = true;
   m.BeginMicroStep();
-  m.swap_base = m.swap ? m.swap->stats() : SwapStoreStats{};
-  m.step_start = Clock::now();
+  // The statistics of the first step start here (its swap traffic after the initialisation).
+  StepStats unused;
+  m.stats.FinishStep({0, 0, 0, m.swap.get()}, &unused);
   return Status::OK();
 }
 
@@ -196,48 +199,18 @@ Status Engine::Impl::Place() {
                                         "gradient accumulators"));
   }
 
-  // The components over the frozen layout.
-  board = std::make_unique<GroupBoard>(&layout);
-  param_store = std::make_unique<ParamStore>(&layout, &config, device, budget.get(), &stats,
-                                             copy_stream, update_stream);
-  states = std::make_unique<StateStore>(&layout, &config, device, budget.get(), copy_stream,
-                                        update_stream);
-  fetch = std::make_unique<FetchScheduler>(
-      &layout, &config, device, comm, budget.get(), &stats, param_store.get(), &trace,
-      FetchScheduler::Streams{copy_stream, comm_stream, grad_stream});
-  ZINF_RETURN_IF_ERROR(fetch->Init());
-  grads = std::make_unique<GradientPath>(&layout, &config, device, comm, budget.get(), &stats,
-                                         board.get(), fetch.get(),
-                                         GradientPath::Streams{comm_stream, grad_stream});
-  ZINF_RETURN_IF_ERROR(grads->Init());
-  durable = std::make_unique<DurableCommits>(&layout, &config, states.get(), collectives.get(),
-                                             rank, world);
-  durable->set_user_data(commit_user_data);
-  checkpointer->Attach(states.get());
-  OptimizerPipeline::Parts parts;
-  parts.layout = &layout;
-  parts.config = &config;
-  parts.device = device;
-  parts.update_stream = update_stream;
-  parts.budget = budget.get();
-  parts.stats = &stats;
-  parts.board = board.get();
-  parts.states = states.get();
-  parts.params = param_store.get();
-  parts.grads = grads.get();
-  parts.durable = durable.get();
-  parts.optimizer = optimizer.get();
-  pipeline = std::make_unique<OptimizerPipeline>(parts);
-
+  // The swap store first: every component gets it at construction.
   if (config.offload_param.tier == Tier::kNvme || config.offload_optimizer.tier == Tier::kNvme) {
     ZINF_ASSIGN_OR_RETURN(SwapStoreOptions so,
-                          SwapStoreOptionsFor(config, rank, world, *arena, hooks));
+                          SwapStoreOptionsFor(config, rank, world, *arena, hooks.fault_plan));
     so.reopen = resume_store;
     // A fresh store never replaces another one (the store refuses, AlreadyExists) unless
     // zinf.durable_overwrite says to.
     so.overwrite = config.durable_overwrite;
     if (resume_store) {
-      ZINF_ASSIGN_OR_RETURN(DurableCommits::Agreement a, durable->AgreeOnCommit(so.paths));
+      const CommitRecord record(&layout, &config, world);
+      ZINF_ASSIGN_OR_RETURN(CommitRecord::Agreement a,
+                            record.AgreeOnCommit(collectives.get(), rank, so.paths));
       so.reopen_previous = a.previous;
       if (a.fresh) {  // nothing was ever committed: a fresh start replaces nothing of value
         resume_store = false;
@@ -250,16 +223,49 @@ Status Engine::Impl::Place() {
                                          so.paths[0]);
     }
     if (!opened.ok() && opened.status().code() == StatusCode::kAlreadyExists) {
-      return durable->ExplainExisting(so.paths);
+      return CommitRecord::ExplainExisting(so.paths);
     }
     ZINF_ASSIGN_OR_RETURN(swap, std::move(opened));
   }
-  states->Attach(swap.get(), &state_pool);
-  fetch->Attach(arena.get(), swap.get());
-  grads->Attach(arena.get(), &grad_pool, plan.stream_grads);
-  fetch->SetGradientDrain([g = grads.get()] { g->Drain(); });
-  durable->Attach(swap.get());
-  return pipeline->Attach(swap.get(), &state_pool, &copy_pool);
+
+  // The components over the frozen layout, once, in dependency order.
+  board = std::make_unique<GroupBoard>(&layout);
+  EngineContext ctx;
+  ctx.layout = &layout;
+  ctx.config = &config;
+  ctx.device = device;
+  ctx.comm = comm;
+  ctx.streams = streams;
+  ctx.budget = budget.get();
+  ctx.stats = &stats;
+  ctx.board = board.get();
+  ctx.arena = arena.get();
+  ctx.swap = swap.get();
+  param_store = std::make_unique<ParamStore>(ctx);
+  states = std::make_unique<StateStore>(ctx, &state_pool);
+  try {
+    adder = std::make_unique<GradientAdder>();
+  } catch (const std::system_error& e) {  // no thread could be started
+    return Status::ResourceExhausted(std::string("starting the gradient adder thread: ") +
+                                     e.what());
+  }
+  fetch = std::make_unique<FetchScheduler>(ctx, param_store.get(), &trace, adder.get());
+  ZINF_RETURN_IF_ERROR(fetch->Init());
+  grads =
+      std::make_unique<GradientPath>(ctx, fetch.get(), adder.get(), &grad_pool, plan.stream_grads);
+  ZINF_RETURN_IF_ERROR(grads->Init());
+  durable = std::make_unique<DurableCommits>(ctx, states.get());
+  durable->set_user_data(commit_user_data);
+  OptimizerPipeline::Parts parts;
+  parts.states = states.get();
+  parts.params = param_store.get();
+  parts.grads = grads.get();
+  parts.durable = durable.get();
+  parts.optimizer = optimizer.get();
+  parts.state_pool = &state_pool;
+  parts.copy_pool = &copy_pool;
+  pipeline = std::make_unique<OptimizerPipeline>(ctx, parts);
+  return Status::OK();
 }
 
 Status Engine::Impl::InitStores() {
@@ -267,8 +273,8 @@ Status Engine::Impl::InitStores() {
   // written in the same dtype; everything else is rebuilt from the masters.
   ParamStore::Resume resume;
   if (resume_store) {
-    DurableCommits::Point point;
-    ZINF_RETURN_IF_ERROR(durable->Check(swap->committed_meta(), &point));
+    CommitRecord::Point point;
+    ZINF_RETURN_IF_ERROR(durable->record().Check(swap->committed_meta(), &point));
     durable->set_lineage(point.lineage);
     resumed_user_data = point.user_data;
     reopened_store = true;
@@ -315,17 +321,14 @@ Status Engine::Impl::InitStores() {
       } else {
         std::memcpy(image.data(), part, layout.PartBytes(id));
       }
-      ZINF_RETURN_IF_ERROR(
-          param_store->Init(id, std::move(image), arena.get(), swap.get(), resume));
+      ZINF_RETURN_IF_ERROR(param_store->Init(id, std::move(image), resume));
       if (world == 1 && config.offload_param.tier == Tier::kDevice) fetch->Alias(id);
     }
     if (!resume.active) ZINF_RETURN_IF_ERROR(states->Publish(gi, master, staging.capacity()));
     ZINF_RETURN_IF_ERROR(grads->AllocateGroup(gi));
   }
   if (resume.active) {
-    step = resume.step;
-    visible = resume.visible;
-    micro = resume.step * std::max(1, config.gradient_accumulation_steps);
+    clock.Reset(resume.step, resume.visible);
     board->ResetTo(resume.step);
     return Status::OK();
   }
@@ -371,7 +374,7 @@ Status Engine::ResumeFromStore(StoreResume* resumed) {
   }
   if (resumed != nullptr) {
     resumed->reopened = m.reopened_store;
-    resumed->step = m.step;
+    resumed->step = m.clock.step();
     resumed->user_data = m.resumed_user_data;
   }
   return s;
@@ -399,14 +402,14 @@ Result<std::vector<void*>> Engine::Acquire(const std::vector<ParamId>& ids, Acqu
     if (id >= m.layout.num_params()) {
       return Status::InvalidArgument("Acquire: unknown parameter id " + std::to_string(id));
     }
-    if (m.fetch->AcquiredStale(id, m.visible)) {
+    if (m.fetch->AcquiredStale(id, m.clock.visible())) {
       return Status::FailedPrecondition(
           "Acquire('" + m.layout.param(id).info.name +
           "'): it is still acquired from before the optimizer step "
           "that changed it (its memory holds the old values); release it first");
     }
   }
-  if (!training && m.boundary_micro && m.grads->reduced_this_micro()) {
+  if (!training && m.clock.boundary() && m.grads->reduced_this_micro()) {
     // The optimizer may be rewriting the parameter stores of sub-groups whose gradients are
     // complete: an inference fetch now could read a half-written buffer.
     return Status::FailedPrecondition(
@@ -414,7 +417,7 @@ Result<std::vector<void*>> Engine::Acquire(const std::vector<ParamId>& ids, Acqu
         "optimizer may be rewriting the parameters; evaluate between optimizer steps");
   }
   if (training) m.KickTask();
-  return m.fetch->Acquire(ids, m.visible, training, m.Rewriting());
+  return m.fetch->Acquire(ids, m.clock.visible(), training, m.Rewriting());
 }
 
 Status Engine::Release(const std::vector<ParamId>& ids) {
@@ -422,7 +425,7 @@ Status Engine::Release(const std::vector<ParamId>& ids) {
   if (!m.registered) {
     return Status::FailedPrecondition("Release before any Acquire");
   }
-  return m.fetch->Release(ids, m.visible, m.Rewriting());
+  return m.fetch->Release(ids, m.clock.visible(), m.Rewriting());
 }
 
 Status Engine::ReduceGradient(ParamId id, const float* grad) {
@@ -445,7 +448,7 @@ Status Engine::ReduceGradient(ParamId id, const float* grad) {
   }
   // The optimizer step this micro-step completes (0: none); the sub-group's accumulators must
   // be free of the previous window's step (delayed update) before this gradient goes in.
-  const int64_t ready = m.boundary_micro ? m.step + 1 : 0;
+  const int64_t ready = m.clock.boundary() ? m.clock.step() + 1 : 0;
   ZINF_RETURN_IF_ERROR(m.WaitStepped(p.info.sub_group));
   Status s = m.grads->Reduce(id, grad, ready);
   if (!s.ok()) {
@@ -463,7 +466,7 @@ Result<StepStats> Engine::Step() {
   if (!m.broken.ok()) return m.broken;
   if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
   m.KickTask();
-  const bool boundary = m.boundary_micro;
+  const bool boundary = m.clock.boundary();
   // Gradients of this micro-step must have landed before the next one starts: the streams'
   // part, then the sums of the adder thread.
   Status s = m.budget->ReclaimScratch();
@@ -481,6 +484,7 @@ Result<StepStats> Engine::Step() {
                    "; recreate it (from a checkpoint) to continue");
   };
   if (boundary) {
+    const int64_t next = m.clock.step() + 1;
     // Parameters that got no gradient in the whole window: the optimizer skips them (their
     // has_grad flag is unset); their host accumulators are zeroed so that the clipping norm
     // reads zeros, not the last window's values (device accumulators are not read for them).
@@ -489,89 +493,49 @@ Result<StepStats> Engine::Step() {
     // have final accumulators already: count them as landed.
     // (Streaming accumulators: a sub-group none of whose parameters has a gradient holds no
     // block, and nothing reads its accumulators, so there is nothing to zero.)
-    s = m.grads->CompleteWindow(m.step + 1, [&m](size_t gi) { return m.WaitStepped(gi); });
+    s = m.grads->CompleteWindow(next);
     if (!s.ok()) return fail_boundary(s);
     if (m.config.gradient_clipping > 0) {
-      // Wait-for-norm: every sub-group waits for the global norm, computed here once all
-      // gradients have landed (they have: the streams were synchronized above).
-      Result<double> local = m.grads->LocalSumSquares(m.optimizer.get());
-      if (!local.ok()) return fail_boundary(local.status());
-      float total = static_cast<float>(*local);
-      s = m.collectives->AllReduceSum(&total, 1, m.device->ComputeStream(), "gradient norm");
-      if (!s.ok()) return fail_boundary(s);
-      const double norm = std::sqrt(static_cast<double>(total));
-      st.grad_norm = norm;
-      if (!std::isfinite(norm)) {
-        // No sub-group has been stepped (they wait for the norm): nothing non-finite is
-        // written, and the step is refused as a whole.
-        return fail_boundary(Status::FailedPrecondition(
-            "the gradient norm of step " + std::to_string(m.step + 1) +
-            " is not finite (a gradient holds inf or NaN): no parameter was updated; lower the "
-            "learning rate or look at the loss, then resume from the last checkpoint"));
-      }
-      float coef = 1.0f;
-      if (norm > m.config.gradient_clipping) {
-        coef = static_cast<float>(m.config.gradient_clipping / (norm + 1e-6));
-      }
-      m.board->SetClipCoef(m.step + 1, coef);
+      // Wait-for-norm: every sub-group waits for the global norm, computed once all gradients
+      // have landed (they have: the streams were synchronized above).
+      Result<float> coef =
+          m.grads->ClipCoefficient(next, m.optimizer.get(), m.collectives.get(), &st.grad_norm);
+      if (!coef.ok()) return fail_boundary(coef.status());
+      m.board->SetClipCoef(next, *coef);
     }
     // Without the delayed update, this window's optimizer step must be done: the next
     // micro-step reads its parameters. With it, the next micro-step reads the previous step's
-    // (version m.step), and this one runs on while the trainer goes on.
-    Status opt = m.board->WaitDone(m.DelayedStep(m.step + 1) ? m.step : m.step + 1);
+    // (version next - 1), and this one runs on while the trainer goes on.
+    Status opt = m.board->WaitDone(m.clock.DelayedStep(next) ? next - 1 : next);
     if (!opt.ok()) {
       return m.Break("the optimizer failed", opt,
                      "; parameters may be partly updated: recreate the engine from a checkpoint");
     }
-    ++m.step;
-    m.visible = m.DelayedStep(m.step) ? std::max(m.visible, m.step - 1) : m.step;
+    m.clock.AdvanceStep();
     m.grads->EndWindow();
     st.optimizer_ran = true;
     // Durable: the step's writes are complete (the optimizer waited for them): publish them.
     // A delayed step is committed by the optimizer thread once its update is written.
-    s = m.DelayedStep(m.step) ? Status::OK() : m.durable->Commit(m.step, m.visible);
+    s = m.clock.DelayedStep(m.clock.step()) ? Status::OK()
+                                            : m.durable->Commit(m.clock.step(), m.clock.visible());
     if (!s.ok()) {
-      return m.Break("the durable swap store could not commit step " + std::to_string(m.step), s,
-                     "; resume from its last commit");
+      return m.Break(
+          "the durable swap store could not commit step " + std::to_string(m.clock.step()), s,
+          "; resume from its last commit");
     }
   }
   const double opt_wait = Since(wait0);
-  ++m.micro;
+  m.clock.EndMicroStep();
   m.BeginMicroStep();
-  m.in_micro = false;
   m.trace.EndMicroStep();
   // The updated parameters are in their stores: start fetching the next micro-step's first
   // ones now, while the trainer prepares its next batch.
-  m.fetch->Prefetch(m.visible, m.Rewriting());
+  m.fetch->Prefetch(m.clock.visible(), m.Rewriting());
 
-  // Statistics.
-  st.step = m.step;
-  st.step_seconds = Since(m.step_start);
+  st.step = m.clock.step();
   st.trace_valid = m.trace.valid();
-  const StatsRecorder::Counters c = m.stats.Take();
-  st.h2d_bytes = c.h2d;
-  st.d2h_bytes = c.d2h;
-  st.copy_busy_seconds = c.copy_busy;
-  st.optimizer_busy_seconds = c.optimizer_busy;
-  st.acquire_wait_seconds = c.acquire_wait;
-  st.optimizer_wait_seconds = opt_wait + c.optimizer_wait;
-  st.prefetch_hits = c.hits;
-  st.prefetch_misses = c.misses;
-  st.peak_device_bytes = m.budget->TakePeak();
-  if (m.swap) {
-    SwapStoreStats now = m.swap->stats();
-    st.nvme_read_bytes = now.bytes_read - m.swap_base.bytes_read;
-    st.nvme_write_bytes = now.bytes_written - m.swap_base.bytes_written;
-    st.nvme_busy_seconds = now.busy_seconds - m.swap_base.busy_seconds;
-    st.nvme_bytes = now.file_bytes;
-    m.swap_base = now;
-  }
-  st.peak_pinned_bytes = m.arena ? m.arena->peak_used() : 0;
-  const double compute = st.step_seconds - st.acquire_wait_seconds - st.optimizer_wait_seconds;
-  const double busiest = std::max({st.nvme_busy_seconds, st.copy_busy_seconds,
-                                   st.optimizer_busy_seconds, std::max(compute, 0.0)});
-  st.overlap_efficiency = st.step_seconds > 0 ? std::min(1.0, busiest / st.step_seconds) : 0;
-  m.step_start = Clock::now();
+  m.stats.FinishStep(
+      {opt_wait, m.budget->TakePeak(), m.arena ? m.arena->peak_used() : 0, m.swap.get()}, &st);
   return st;
 }
 

@@ -12,7 +12,9 @@
 #include "engine/checkpointer.h"
 #include "engine/device_budget.h"
 #include "engine/durable_commits.h"
+#include "engine/engine_context.h"
 #include "engine/fetch_scheduler.h"
+#include "engine/gradient_adder.h"
 #include "engine/gradient_path.h"
 #include "engine/group_board.h"
 #include "engine/host_collectives.h"
@@ -22,6 +24,7 @@
 #include "engine/param_store.h"
 #include "engine/state_store.h"
 #include "engine/stats_recorder.h"
+#include "engine/step_clock.h"
 #include "zinf/cpu_adam.h"
 #include "zinf/engine.h"
 #include "zinf/swap.h"
@@ -37,7 +40,7 @@ struct Engine::Impl {
         rank(cm->rank()),
         world(cm->world_size()),
         layout(world, c.bf16 ? 2 : 4, c.optimizer_state_type),
-        delayed(c.delayed_update),
+        clock(config),
         lr(c.optimizer.lr) {}
   ~Impl();
 
@@ -50,10 +53,7 @@ struct Engine::Impl {
   Layout layout;
   std::vector<std::function<void(float*, size_t)>> inits;  // until the stores are initialised
 
-  Stream* copy_stream = nullptr;
-  Stream* comm_stream = nullptr;
-  Stream* update_stream = nullptr;
-  Stream* grad_stream = nullptr;  // gradient partitions device -> host, then accumulation
+  EngineStreams streams;
   std::unique_ptr<CpuOptimizer> optimizer;
   std::unique_ptr<DeviceBudget> budget;
   StatsRecorder stats;
@@ -69,6 +69,7 @@ struct Engine::Impl {
   std::unique_ptr<GroupBoard> board;
   std::unique_ptr<ParamStore> param_store;
   std::unique_ptr<StateStore> states;
+  std::unique_ptr<GradientAdder> adder;
   std::unique_ptr<FetchScheduler> fetch;
   std::unique_ptr<GradientPath> grads;
   std::unique_ptr<DurableCommits> durable;
@@ -80,75 +81,47 @@ struct Engine::Impl {
   bool reopened_store = false;    // ResumeFromStore: a commit was reopened
   std::string commit_user_data;   // SetCommitUserData's text, for the commits
 
-  int64_t step = 0;
-  int64_t micro = 0;  // micro-steps taken
-  // One-step delayed update (zinf.delayed_update): the optimizer step for window s runs while
-  // the trainer computes window s + 1, which reads the parameters of step s - 1.
-  const bool delayed;
-  // The version (optimizer step) of the parameters Acquire returns. Equal to `step` without
-  // the delayed update; `step - 1` with it (or `step` after a checkpoint).
-  int64_t visible = 0;
-  // Whether the optimizer step of window s runs delayed (zinf.delayed_update_after: the first
-  // steps do not). Undelayed steps use the two buffers too: step s writes buffer s % 2 while
-  // the trainer reads s - 1's, and Step() waits for it.
-  bool DelayedStep(int64_t s) const {
-    return delayed && s > static_cast<int64_t>(config.delayed_update_after);
-  }
-  bool task_due = false;        // the boundary micro-step's task is not handed over yet
-  bool boundary_micro = false;  // this micro-step ends a window
-  float lr;                     // the learning rate of the next task
-  bool in_micro = false;        // the micro-step has started (KickTask)
-  Status broken;                // once set, every call fails with it
+  StepClock clock;  // steps, micro-steps, the version read, the window's boundary
+  float lr;         // the learning rate of the next task
+  Status broken;    // once set, every call fails with it
   // GatherMasterParameter's copy of one sub-group's states.
   std::unique_ptr<AlignedBuffer> gather_states;
   size_t gather_group = 0;
-  SwapStoreStats swap_base;
-  std::chrono::steady_clock::time_point step_start = std::chrono::steady_clock::now();
 
   Status Place();
   Status InitStores();
   // A parameter the optimizer may be rewriting now (delayed update: its gradient was reduced
   // in this boundary micro-step).
   FetchScheduler::Rewriting Rewriting() const {
-    return [this](ParamId id) { return delayed && boundary_micro && grads->reduced(id); };
+    return [this](ParamId id) { return clock.delayed() && clock.boundary() && grads->reduced(id); };
   }
   // Delayed update: waits until the previous window's optimizer step is done with sub-group
   // `gi`, whose accumulators the trainer is about to write. No-op otherwise.
-  Status WaitStepped(size_t gi) {
-    if (!delayed) return Status::OK();
-    double waited = 0;
-    Status s = board->WaitStepped(gi, step, &waited);
-    if (waited > 0) stats.AddOptimizerWait(waited);
-    return s;
-  }
+  Status WaitStepped(size_t gi) { return grads->WaitStepped(gi, clock.step()); }
   // At the start of a micro-step: resets the gradient flags; a micro-step that ends a window
   // hands the optimizer its task at its first call (KickTask).
   void BeginMicroStep() {
-    const bool boundary = (micro + 1) % std::max(1, config.gradient_accumulation_steps) == 0;
+    const bool boundary = clock.PrepareMicroStep();
     grads->BeginMicroStep();
-    board->BeginMicroStep(boundary, step);
-    task_due = boundary;
-    boundary_micro = boundary;
+    board->BeginMicroStep(boundary, clock.step());
   }
   // Hands the optimizer thread the task of a boundary micro-step, at the micro-step's first
   // Acquire, ReduceGradient or Step (so that between steps the optimizer is idle and a
   // checkpoint can be saved or loaded). Its read-ahead of NVMe states overlaps the forward.
   void KickTask() {
-    in_micro = true;
     gather_states.reset();
-    if (!task_due) return;
-    task_due = false;
-    board->Push({step + 1, config.gradient_clipping > 0, lr});
+    if (!clock.StartMicroStep()) return;
+    board->Push({clock.step() + 1, config.gradient_clipping > 0, lr});
   }
   // Between steps: waits for the optimizer step still running (delayed update) and makes its
   // parameters the ones the next micro-step reads, as a checkpoint resume would.
   Status FinishPendingUpdate() {
-    ZINF_RETURN_IF_ERROR(board->WaitDone(step));
-    if (visible != step) {
-      visible = step;
+    ZINF_RETURN_IF_ERROR(board->WaitDone(clock.step()));
+    if (clock.visible() != clock.step()) {
+      clock.MakeVisible();
       gather_states.reset();
       // Durable: a resume must read what the next micro-step reads (the optimizer is idle).
-      return durable->Commit(step, visible);
+      return durable->Commit(clock.step(), clock.visible());
     }
     return Status::OK();
   }

@@ -15,7 +15,7 @@ namespace zinf {
 
 Status Engine::Impl::CheckBetweenSteps(const char* what) const {
   if (!broken.ok()) return broken;
-  if (in_micro || micro % std::max(1, config.gradient_accumulation_steps) != 0) {
+  if (!clock.BetweenSteps()) {
     return Status::FailedPrecondition(std::string(what) +
                                       " must be called between optimizer steps (after Step() at "
                                       "an accumulation boundary, before the next Acquire)");
@@ -46,10 +46,10 @@ Status Engine::Impl::WriteGroupStates(size_t gi, const void* buf, int buf_index)
   }
   const uint16_t* copy_out = copy ? static_cast<const uint16_t*>(copy->data) : nullptr;
   if (config.offload_param.tier != Tier::kNvme) {
-    return param_store->WriteGroup(gi, master, copy_out, buf_index, swap.get(), nullptr);
+    return param_store->WriteGroup(gi, master, copy_out, buf_index, nullptr);
   }
   std::vector<Ticket> writes;
-  Status s = param_store->WriteGroup(gi, master, copy_out, buf_index, swap.get(), &writes);
+  Status s = param_store->WriteGroup(gi, master, copy_out, buf_index, &writes);
   for (Ticket t : writes) {
     Status w = swap->Wait(t);
     if (s.ok()) s = w;
@@ -89,7 +89,7 @@ Status Engine::SaveCheckpoint(const std::string& dir, const std::string& user_da
   }
   ZINF_RETURN_IF_ERROR(m.budget->ReclaimScratch());
   ZINF_RETURN_IF_ERROR(m.collectives->Agree(m.FinishPendingUpdate(), "SaveCheckpoint"));
-  return m.checkpointer->Save(dir, user_data, m.step);
+  return m.checkpointer->Save(dir, user_data, m.clock.step(), m.states.get());
 }
 
 Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data,
@@ -99,35 +99,32 @@ Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data,
   ZINF_RETURN_IF_ERROR(m.CheckBetweenSteps("LoadCheckpoint"));
   ZINF_RETURN_IF_ERROR(m.budget->ReclaimScratch());
   ZINF_RETURN_IF_ERROR(m.collectives->Agree(m.FinishPendingUpdate(), "LoadCheckpoint"));
-  RankManifest man;
-  bool install_failed = false;
-  Status s = m.checkpointer->Load(
-      dir, fall_back_to_older,
-      [&] {
-        // Fetched parameter copies are stale from here on.
-        m.gather_states.reset();
-        return m.EvictAll();
-      },
-      [&](size_t gi, const void* buf, int64_t version) {
-        return m.WriteGroupStates(gi, buf, m.param_store->Buf(version));
-      },
-      &man, &install_failed);
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
+                        m.checkpointer->Open(dir, fall_back_to_older));
+  const RankManifest& man = reader->manifest();
+  // Install: fetched parameter copies are stale from here on; each sub-group is read once,
+  // verified in that read, and written into the stores.
+  m.gather_states.reset();
+  Status local = m.EvictAll();
+  const int buf = m.param_store->Buf(man.step);
+  for (size_t gi = 0; gi < m.layout.num_groups() && local.ok(); ++gi) {
+    Result<const void*> states = reader->ReadGroup(gi);
+    local = states.ok() ? m.WriteGroupStates(gi, *states, buf) : states.status();
+  }
+  Status s = m.collectives->Agree(local, "LoadCheckpoint");
   if (!s.ok()) {
-    if (install_failed) {
-      m.broken = Status::FailedPrecondition("LoadCheckpoint failed while installing states (" +
-                                            s.message() + "); recreate the engine");
-    }
+    // Installing had begun: the states may be partly replaced.
+    m.broken = Status::FailedPrecondition("LoadCheckpoint failed while installing states (" +
+                                          s.message() + "); recreate the engine");
     return s;
   }
-  m.step = man.step;
-  m.visible = man.step;
+  m.clock.Reset(man.step, man.step);
   for (ParamId id = 0; id < m.layout.num_params(); ++id) {
     m.states->set_updates(id, man.tensors[id].updates >= 0 ? man.tensors[id].updates : man.step);
   }
   // A new history (the same value on every rank: they load the same checkpoint).
   m.durable->NewLineage(man.step);
   m.board->ResetTo(man.step);
-  m.micro = man.step * std::max(1, m.config.gradient_accumulation_steps);
   m.BeginMicroStep();
   if (user_data != nullptr) *user_data = man.user_data;
   return Status::OK();
@@ -142,7 +139,7 @@ Status Engine::GatherMasterParameter(ParamId id, float* out) {
     return Status::InvalidArgument("GatherMasterParameter: bad id or null output");
   }
   // The optimizer steps of finished windows (delayed update: the last one may still run).
-  ZINF_RETURN_IF_ERROR(m.board->WaitDone(m.step));
+  ZINF_RETURN_IF_ERROR(m.board->WaitDone(m.clock.step()));
   const ParamLayout& p = m.layout.param(id);
   const size_t gi = p.info.sub_group;
   const size_t part = p.info.partition_numel;
@@ -242,7 +239,7 @@ Status Engine::SetParameterValues(const std::vector<ParamId>& ids,
       }
       if (local.ok()) {
         changed = true;
-        local = m.WriteGroupStates(gi, master, m.param_store->Buf(m.visible));
+        local = m.WriteGroupStates(gi, master, m.param_store->Buf(m.clock.visible()));
       }
     }
   }
@@ -257,8 +254,8 @@ Status Engine::SetParameterValues(const std::vector<ParamId>& ids,
     return agreed;
   }
   // Durable: the new values are a new history, committed at once.
-  m.durable->NewLineage(m.step);
-  Status committed = m.durable->Commit(m.step, m.visible);
+  m.durable->NewLineage(m.clock.step());
+  Status committed = m.durable->Commit(m.clock.step(), m.clock.visible());
   if (!committed.ok()) {
     return m.Break("the durable swap store could not commit the loaded values", committed,
                    "; resume from its last commit");
@@ -273,7 +270,8 @@ int64_t Engine::param_updates(ParamId id) const {
   // The optimizer thread counts the updates of a step still running (delayed update): wait
   // for it. A failed step's count is what it reached; that failure is reported by the calls
   // that run steps, so it is not repeated here.
-  (void)m.board->WaitDone(m.step);  // safe: the failure is the step-running calls' to report
+  (void)m.board->WaitDone(
+      m.clock.step());  // safe: the failure is the step-running calls' to report
   return m.states->updates(id);
 }
 
@@ -285,7 +283,7 @@ Status Engine::SetLearningRate(float lr) {
   return Status::OK();
 }
 
-int64_t Engine::global_step() const { return impl_->step; }
+int64_t Engine::global_step() const { return impl_->clock.step(); }
 int Engine::rank() const { return impl_->rank; }
 int Engine::world_size() const { return impl_->world; }
 size_t Engine::num_params() const { return impl_->layout.num_params(); }

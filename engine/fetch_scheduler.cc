@@ -11,20 +11,22 @@ namespace zinf {
 
 using Clock = std::chrono::steady_clock;
 
-FetchScheduler::FetchScheduler(const Layout* layout, const EngineConfig* config, Device* device,
-                               Communicator* comm, DeviceBudget* budget, StatsRecorder* stats,
-                               const ParamStore* store, AcquireTrace* trace, Streams streams)
-    : layout_(layout),
-      config_(config),
-      device_(device),
-      comm_(comm),
-      budget_(budget),
-      stats_(stats),
+FetchScheduler::FetchScheduler(const EngineContext& ctx, const ParamStore* store,
+                               AcquireTrace* trace, GradientAdder* adder)
+    : layout_(ctx.layout),
+      config_(ctx.config),
+      device_(ctx.device),
+      comm_(ctx.comm),
+      budget_(ctx.budget),
+      stats_(ctx.stats),
       store_(store),
       trace_(trace),
-      streams_(streams),
-      res_(layout->num_params()),
-      fetch_status_(layout->num_params()) {}
+      adder_(adder),
+      streams_(ctx.streams),
+      arena_(ctx.arena),
+      swap_(ctx.swap),
+      res_(ctx.layout->num_params()),
+      fetch_status_(ctx.layout->num_params()) {}
 
 FetchScheduler::~FetchScheduler() {
   // The engine synchronised every stream before this: nothing uses the buffers any more. A
@@ -163,7 +165,7 @@ Status FetchScheduler::Fetch(ParamId id, int64_t visible, bool prefetch) {
       }
       ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(streams_.copy));
       ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(streams_.grad));
-      if (drain_gradients_) drain_gradients_();
+      adder_->Drain();
       buf = arena_->Allocate(layout_->PartBytes(id));
     }
     if (!buf.ok()) return buf.status().WithContext("staging parameter '" + p.info.name + "'");

@@ -18,6 +18,8 @@
 
 #include "engine/acquire_trace.h"
 #include "engine/device_budget.h"
+#include "engine/engine_context.h"
+#include "engine/gradient_adder.h"
 #include "engine/layout.h"
 #include "engine/param_store.h"
 #include "engine/stats_recorder.h"
@@ -30,25 +32,16 @@ namespace zinf {
 
 class FetchScheduler {
  public:
-  struct Streams {
-    Stream* copy = nullptr;  // reads' copies to the device
-    Stream* comm = nullptr;  // the all-gathers
-    Stream* grad = nullptr;  // gradient landing (gives staging back)
-  };
-  FetchScheduler(const Layout* layout, const EngineConfig* config, Device* device,
-                 Communicator* comm, DeviceBudget* budget, StatsRecorder* stats,
-                 const ParamStore* store, AcquireTrace* trace, Streams streams);
+  // Reads' copies go to the device on the copy stream, the all-gathers on the comm stream;
+  // staging comes from the context's arena, and a demand fetch short of it waits for the
+  // copies in flight, the gradient landings (grad stream) and `adder`'s jobs to give theirs
+  // back.
+  FetchScheduler(const EngineContext& ctx, const ParamStore* store, AcquireTrace* trace,
+                 GradientAdder* adder);
   ~FetchScheduler();
   FetchScheduler(const FetchScheduler&) = delete;
   FetchScheduler& operator=(const FetchScheduler&) = delete;
   Status Init();  // its events
-  void Attach(PinnedArena* arena, SwapStore* swap) {
-    arena_ = arena;
-    swap_ = swap;
-  }
-  // Waits until the gradient path's staging blocks in use are back (GradientPath::Drain): a
-  // demand fetch short of pinned staging calls it.
-  void SetGradientDrain(std::function<void()> drain) { drain_gradients_ = std::move(drain); }
   // One rank on the device tier: the partition is the full parameter (the buffer of the
   // visible version; a fetch points it there).
   void Alias(ParamId id) { res_[id].aliased = true; }
@@ -138,10 +131,10 @@ class FetchScheduler {
   StatsRecorder* const stats_;
   const ParamStore* const store_;
   AcquireTrace* const trace_;
-  const Streams streams_;
-  PinnedArena* arena_ = nullptr;
-  SwapStore* swap_ = nullptr;
-  std::function<void()> drain_gradients_;
+  GradientAdder* const adder_;
+  const EngineStreams streams_;
+  PinnedArena* const arena_;
+  SwapStore* const swap_;
   std::unique_ptr<Event> copy_done_;
   std::vector<Resident> res_;
   std::deque<ParamId> reading_;  // the kReading parameters, in the order their reads were issued

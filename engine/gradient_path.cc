@@ -1,5 +1,6 @@
 #include "engine/gradient_path.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -45,68 +46,26 @@ void AddWidened(float* acc, const uint16_t* add, size_t n) {
 
 }  // namespace
 
-GradientPath::GradientPath(const Layout* layout, const EngineConfig* config, Device* device,
-                           Communicator* comm, DeviceBudget* budget, StatsRecorder* stats,
-                           GroupBoard* board, FetchScheduler* fetch, Streams streams)
-    : layout_(layout),
-      config_(config),
-      device_(device),
-      comm_(comm),
-      budget_(budget),
-      stats_(stats),
-      board_(board),
+GradientPath::GradientPath(const EngineContext& ctx, FetchScheduler* fetch, GradientAdder* adder,
+                           BlockPool* grad_pool, bool streaming)
+    : layout_(ctx.layout),
+      config_(ctx.config),
+      device_(ctx.device),
+      comm_(ctx.comm),
+      budget_(ctx.budget),
+      stats_(ctx.stats),
+      board_(ctx.board),
       fetch_(fetch),
-      streams_(streams),
-      flags_(layout->num_params()),
-      groups_(layout->num_groups()) {}
-
-GradientPath::Adder::Adder() : thread_([this] { Main(); }) {}
-
-GradientPath::Adder::~Adder() {
-  {
-    MutexLock lock(&mu_);
-    stopping_ = true;
-  }
-  cv_.NotifyAll();
-  thread_.join();
-}
-
-void GradientPath::Adder::Push(std::function<void()> job) {
-  {
-    MutexLock lock(&mu_);
-    jobs_.push_back(std::move(job));
-    ++pushed_;
-  }
-  cv_.NotifyAll();
-}
-
-void GradientPath::Adder::Drain() {
-  MutexLock lock(&mu_);
-  const uint64_t target = pushed_;
-  while (done_ < target) cv_.Wait(&mu_);
-}
-
-void GradientPath::Adder::Main() {
-  for (;;) {
-    std::function<void()> job;
-    {
-      MutexLock lock(&mu_);
-      while (!stopping_ && jobs_.empty()) cv_.Wait(&mu_);
-      if (jobs_.empty()) return;  // stopping, and every job has run
-      job = std::move(jobs_.front());
-      jobs_.pop_front();
-    }
-    job();
-    job = nullptr;  // what it captured (the staging block) goes back before it counts as done
-    {
-      MutexLock lock(&mu_);
-      ++done_;
-    }
-    cv_.NotifyAll();
-  }
-}
+      adder_(adder),
+      streams_(ctx.streams),
+      arena_(ctx.arena),
+      grad_pool_(grad_pool),
+      streaming_(streaming),
+      flags_(ctx.layout->num_params()),
+      groups_(ctx.layout->num_groups()) {}
 
 GradientPath::~GradientPath() {
+  adder_->Drain();  // its queued jobs write into this object's accumulators
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     if (groups_[gi].on_device) budget_->Free(groups_[gi].data, layout_->GroupGradBytes(gi));
   }
@@ -358,7 +317,7 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
       if (!buf.ok()) {
         // The blocks of gradients in flight come back once copied and summed: wait for them.
         ZINF_OR_FAIL(device_->SynchronizeStream(streams_.grad));
-        adder_.Drain();
+        adder_->Drain();
         buf = arena_->Allocate(link_bytes);
       }
       if (!buf.ok())
@@ -379,7 +338,7 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
                          streams_.grad,
                          [this, scratch, scratch_bytes, n, bf16, acc, staging, gi, ready] {
                            budget_->Free(scratch, scratch_bytes);
-                           adder_.Push([this, n, bf16, acc, staging, gi, ready] {
+                           adder_->Push([this, n, bf16, acc, staging, gi, ready] {
                              if (staging == nullptr) {
                                WidenInPlace(acc, n);
                              } else if (bf16) {
@@ -399,14 +358,13 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
   return Status::OK();
 }
 
-Status GradientPath::CompleteWindow(int64_t ready,
-                                    const std::function<Status(size_t)>& wait_stepped) {
+Status GradientPath::CompleteWindow(int64_t ready) {
   for (ParamId id = 0; id < flags_.size(); ++id) {
     const ParamLayout& p = layout_->param(id);
     if (flags_[id].reduced_this_micro || !p.info.trainable) continue;
     const size_t gi = p.info.sub_group;
     if (!flags_[id].seen_this_window) {
-      Status s = wait_stepped(gi);
+      Status s = WaitStepped(gi, ready - 1);
       if (!s.ok()) return s.WithContext("zero gradient of '" + p.info.name + "'");
       if (groups_[gi].data != nullptr && !groups_[gi].on_device) {
         std::memset(Acc(id), 0, p.info.partition_numel * sizeof(float));
@@ -415,6 +373,34 @@ Status GradientPath::CompleteWindow(int64_t ready,
     board_->Land(gi, ready);
   }
   return Status::OK();
+}
+
+Status GradientPath::WaitStepped(size_t gi, int64_t step) {
+  if (!config_->delayed_update) return Status::OK();
+  double waited = 0;
+  Status s = board_->WaitStepped(gi, step, &waited);
+  if (waited > 0) stats_->AddOptimizerWait(waited);
+  return s;
+}
+
+Result<float> GradientPath::ClipCoefficient(int64_t step, CpuOptimizer* optimizer,
+                                            HostCollectives* collectives, double* norm) {
+  ZINF_ASSIGN_OR_RETURN(const double local, LocalSumSquares(optimizer));
+  float total = static_cast<float>(local);
+  ZINF_RETURN_IF_ERROR(
+      collectives->AllReduceSum(&total, 1, device_->ComputeStream(), "gradient norm"));
+  *norm = std::sqrt(static_cast<double>(total));
+  if (!std::isfinite(*norm)) {
+    // No sub-group has been stepped (they wait for the norm): nothing non-finite is written,
+    // and the step is refused as a whole.
+    return Status::FailedPrecondition(
+        "the gradient norm of step " + std::to_string(step) +
+        " is not finite (a gradient holds inf or NaN): no parameter was updated; lower the "
+        "learning rate or look at the loss, then resume from the last checkpoint");
+  }
+  return *norm > config_->gradient_clipping
+             ? static_cast<float>(config_->gradient_clipping / (*norm + 1e-6))
+             : 1.0f;
 }
 
 Result<double> GradientPath::LocalSumSquares(CpuOptimizer* optimizer) {

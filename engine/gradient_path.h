@@ -13,13 +13,16 @@
 #include <thread>
 #include <vector>
 
+#include "common/thread_annotations.h"
 #include "engine/device_budget.h"
+#include "engine/engine_context.h"
 #include "engine/fetch_scheduler.h"
+#include "engine/gradient_adder.h"
 #include "engine/group_board.h"
+#include "engine/host_collectives.h"
 #include "engine/host_memory.h"
 #include "engine/layout.h"
 #include "engine/stats_recorder.h"
-#include "common/thread_annotations.h"
 #include "zinf/comm.h"
 #include "zinf/config.h"
 #include "zinf/cpu_adam.h"
@@ -29,24 +32,15 @@ namespace zinf {
 
 class GradientPath {
  public:
-  struct Streams {
-    Stream* comm = nullptr;  // the reduce-scatters
-    Stream* grad = nullptr;  // partitions to the host, accumulation, landing
-  };
-  GradientPath(const Layout* layout, const EngineConfig* config, Device* device, Communicator* comm,
-               DeviceBudget* budget, StatsRecorder* stats, GroupBoard* board, FetchScheduler* fetch,
-               Streams streams);
-  ~GradientPath();
+  // Staging comes from the context's arena; the accumulators, streaming, from `grad_pool`,
+  // else AllocateGroup gives each sub-group its own. Later micro-steps' gradients are summed
+  // by `adder`. The reduce-scatters run on the comm stream, the landing on the grad stream.
+  GradientPath(const EngineContext& ctx, FetchScheduler* fetch, GradientAdder* adder,
+               BlockPool* grad_pool, bool streaming);
+  ~GradientPath();  // drains the adder first: its jobs use this object
   GradientPath(const GradientPath&) = delete;
   GradientPath& operator=(const GradientPath&) = delete;
   Status Init();  // its events and the registered zeros
-  // After placement: where staging and the accumulators come from. Streaming: `grad_pool`
-  // holds the blocks; otherwise AllocateGroup gives each sub-group its accumulators.
-  void Attach(PinnedArena* arena, BlockPool* grad_pool, bool streaming) {
-    arena_ = arena;
-    grad_pool_ = grad_pool;
-    streaming_ = streaming;
-  }
   Status AllocateGroup(size_t gi);
 
   // ---- Trainer thread ----
@@ -57,9 +51,19 @@ class GradientPath {
   // A micro-step starts: no gradient reduced in it yet.
   void BeginMicroStep();
   // At the boundary Step: parameters not reduced in this micro-step have final accumulators
-  // (zeroed when they got no gradient in the window): they count as landed for step `ready`.
-  // `wait_stepped(gi)`: waits until the previous step is done with sub-group gi.
-  Status CompleteWindow(int64_t ready, const std::function<Status(size_t)>& wait_stepped);
+  // (zeroed when they got no gradient in the window): they count as landed for step `ready`,
+  // once the previous step is done with their sub-group (WaitStepped).
+  Status CompleteWindow(int64_t ready);
+  // Delayed update: waits until the optimizer step of window `step` (the one before the
+  // current) is done with sub-group `gi`, whose accumulators the trainer is about to write;
+  // the wait counts as optimizer wait. No-op otherwise.
+  Status WaitStepped(size_t gi, int64_t step);
+  // Clipping (wait-for-norm) at the end of window `step`: the global gradient norm (this
+  // rank's sum of squares, all-reduced over `collectives`) into *norm, and the coefficient the
+  // optimizer scales the gradients with (1 below gradient_clipping). FailedPrecondition when
+  // the norm is not finite (nothing is stepped then). REQUIRES: Drain() since the last Reduce.
+  Result<float> ClipCoefficient(int64_t step, CpuOptimizer* optimizer, HostCollectives* collectives,
+                                double* norm);
   // The window's optimizer step is taken: the next window starts with no gradients.
   void EndWindow();
   // Clipping: this rank's sum of squares of every accumulator (those on the device summed
@@ -67,7 +71,7 @@ class GradientPath {
   Result<double> LocalSumSquares(CpuOptimizer* optimizer);
   // Waits until every gradient added onto an earlier one (in the accumulation thread) is in
   // its accumulator. The streams' part must be done first (DeviceBudget::ReclaimScratch).
-  void Drain() { adder_.Drain(); }
+  void Drain() { adder_->Drain(); }
 
   bool reduced_this_micro() const { return reduced_this_micro_; }
   bool reduced(ParamId id) const { return flags_[id].reduced_this_micro; }
@@ -86,29 +90,6 @@ class GradientPath {
   struct Flags {
     bool reduced_this_micro = false;
     bool seen_this_window = false;
-  };
-  // The thread that adds a later micro-step's gradient onto its accumulator and lands it. The
-  // gradient stream's host function only hands the job over (it never runs the loop): CUDA
-  // may run every stream's host functions on one thread, and a loop over a large partition
-  // there would hold up every other stream's callbacks. Jobs run in the order pushed.
-  class Adder {
-   public:
-    Adder();
-    ~Adder();  // runs the jobs still queued, then joins
-    Adder(const Adder&) = delete;
-    Adder& operator=(const Adder&) = delete;
-    void Push(std::function<void()> job) EXCLUDES(mu_);
-    void Drain() EXCLUDES(mu_);
-
-   private:
-    void Main() EXCLUDES(mu_);
-    Mutex mu_;
-    CondVar cv_;
-    std::deque<std::function<void()>> jobs_ GUARDED_BY(mu_);
-    uint64_t pushed_ GUARDED_BY(mu_) = 0;
-    uint64_t done_ GUARDED_BY(mu_) = 0;
-    bool stopping_ GUARDED_BY(mu_) = false;
-    std::thread thread_;  // last: started once the rest is initialised
   };
   struct Group {
     PinnedBuffer grads;      // not streaming
@@ -132,10 +113,11 @@ class GradientPath {
   StatsRecorder* const stats_;
   GroupBoard* const board_;
   FetchScheduler* const fetch_;
-  const Streams streams_;
-  PinnedArena* arena_ = nullptr;
-  BlockPool* grad_pool_ = nullptr;
-  bool streaming_ = false;
+  GradientAdder* const adder_;
+  const EngineStreams streams_;
+  PinnedArena* const arena_;
+  BlockPool* const grad_pool_;
+  const bool streaming_;
   std::unique_ptr<Event> compute_done_;
   std::unique_ptr<Event> comm_done_;
   // The padding source for gradient scratch: page-aligned, page-padded and registered with
@@ -146,7 +128,6 @@ class GradientPath {
   std::vector<Flags> flags_;  // trainer thread only
   std::vector<Group> groups_;
   bool reduced_this_micro_ = false;  // trainer thread only
-  Adder adder_;                      // last: its jobs use the members above
 };
 
 }  // namespace zinf

@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/layout.h"
 #include "common/thread_annotations.h"
+#include "engine/layout.h"
 #include "zinf/status.h"
 
 namespace zinf {

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "zinf/config.h"
-#include "zinf/engine.h"
+#include "zinf/engine_types.h"
 
 namespace zinf {
 

@@ -196,7 +196,8 @@ Status CheckNvmePaths(const std::vector<std::string>& paths,
 }
 
 Result<SwapStoreOptions> SwapStoreOptionsFor(const EngineConfig& config, int rank, int world,
-                                             const PinnedArena& arena, const EngineHooks& hooks) {
+                                             const PinnedArena& arena,
+                                             std::shared_ptr<FaultPlan> fault_plan) {
   SwapStoreOptions so;
   so.paths = config.offload_optimizer.tier == Tier::kNvme ? config.offload_optimizer.nvme_paths
                                                           : config.offload_param.nvme_paths;
@@ -229,7 +230,7 @@ Result<SwapStoreOptions> SwapStoreOptionsFor(const EngineConfig& config, int ran
   so.checksums = config.checksums || config.durable;
   so.max_capacity_per_path = config.nvme_capacity_bytes;
   so.registered_regions = {arena.region()};
-  so.fault_plan = hooks.fault_plan;
+  so.fault_plan = std::move(fault_plan);
   so.durable = config.durable;
   // A store only a durable engine reopens: otherwise its files go when the engine does.
   so.remove_on_close = !config.durable;

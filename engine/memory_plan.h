@@ -3,13 +3,14 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "engine/layout.h"
 #include "zinf/config.h"
 #include "zinf/device.h"
-#include "zinf/engine.h"
+#include "zinf/engine_types.h"
 #include "zinf/swap.h"
 
 namespace zinf {
@@ -52,6 +53,7 @@ Status CheckNvmePaths(const std::vector<std::string>& paths,
 // one, created here), backend, chunking, checksums and durability. The reopen fields are the
 // caller's (see DurableCommits).
 Result<SwapStoreOptions> SwapStoreOptionsFor(const EngineConfig& config, int rank, int world,
-                                             const PinnedArena& arena, const EngineHooks& hooks);
+                                             const PinnedArena& arena,
+                                             std::shared_ptr<FaultPlan> fault_plan);
 
 }  // namespace zinf

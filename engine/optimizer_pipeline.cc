@@ -19,12 +19,8 @@ double Since(Clock::time_point t0) {
 
 OptimizerPipeline::~OptimizerPipeline() { Join(); }
 
-Status OptimizerPipeline::Attach(SwapStore* swap, BlockPool* state_pool, BlockPool* copy_pool) {
-  swap_ = swap;
-  state_pool_ = state_pool;
-  copy_pool_ = copy_pool;
-  return Status::OK();
-}
+OptimizerPipeline::OptimizerPipeline(const EngineContext& ctx, const Parts& parts)
+    : ctx_(ctx), m_(parts) {}
 
 Status OptimizerPipeline::Start() {
   try {
@@ -41,24 +37,24 @@ void OptimizerPipeline::Join() {
 
 void OptimizerPipeline::Loop() {
   OptimizerTask task;
-  while (m_.board->NextTask(&task)) {
+  while (ctx_.board->NextTask(&task)) {
     Status s = Run(task);
     // A delayed step's commit: its writes are complete and the next task's have not begun.
     // The micro-step after it reads the version before it. Never after a failed task: the
     // states it left (sub-groups not stepped) must not be published by a later one.
-    if (s.ok() && m_.config->durable && DelayedStep(task.step)) {
-      s = m_.board->failed() ? Status::FailedPrecondition(
-                                   "not committing step " + std::to_string(task.step) +
-                                   " of the durable store: an earlier optimizer step failed")
-                             : m_.durable->Commit(task.step, task.step - 1);
+    if (s.ok() && ctx_.config->durable && StepClock::DelayedStep(*ctx_.config, task.step)) {
+      s = ctx_.board->failed() ? Status::FailedPrecondition(
+                                     "not committing step " + std::to_string(task.step) +
+                                     " of the durable store: an earlier optimizer step failed")
+                               : m_.durable->Commit(task.step, task.step - 1);
     }
-    m_.board->FinishTask(task.step, s);
+    ctx_.board->FinishTask(task.step, s);
   }
 }
 
 Status OptimizerPipeline::Run(const OptimizerTask& task) {
-  const Layout& layout = *m_.layout;
-  const EngineConfig& config = *m_.config;
+  const Layout& layout = *ctx_.layout;
+  const EngineConfig& config = *ctx_.config;
   const std::vector<size_t> order = layout.GroupOrder();
   const size_t buffers = std::max<uint32_t>(config.offload_optimizer.buffer_count, 3);
   // Pipeline (NVMe states): reads run ahead up to `buffers - 1` sub-groups; each sub-group's
@@ -86,9 +82,9 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
         continue;
       }
       Slot slot;
-      ZINF_ASSIGN_OR_RETURN(slot.states, state_pool_->Take());
-      ZINF_ASSIGN_OR_RETURN(slot.read, swap_->Read(m_.states->swap_key(gi), slot.states.data(),
-                                                   slot.states.capacity()));
+      ZINF_ASSIGN_OR_RETURN(slot.states, m_.state_pool->Take());
+      ZINF_ASSIGN_OR_RETURN(slot.read, ctx_.swap->Read(m_.states->swap_key(gi), slot.states.data(),
+                                                       slot.states.capacity()));
       slot.reading = true;
       window.push_back(std::move(slot));
       ++next_read;
@@ -100,13 +96,13 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
   // parameters with CPU states, from the states themselves): wait for them before reuse.
   auto sync_updates = [&] {
     if (!device_params) return;
-    Status s = m_.device->SynchronizeStream(m_.update_stream);
+    Status s = ctx_.device->SynchronizeStream(ctx_.streams.update);
     if (!s.ok() && first.ok()) first = s.WithContext("copying updated parameters to the device");
   };
   auto retire_oldest = [&] {
     sync_updates();
     for (Ticket t : retiring.front().writes) {
-      Status s = swap_->Wait(t);
+      Status s = ctx_.swap->Wait(t);
       if (!s.ok() && first.ok()) first = s;
     }
     retiring.pop_front();
@@ -127,7 +123,7 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
     for (Slot& slot : window) {
       // Only waits so that the buffer is free; nobody uses the states of a sub-group never
       // reached, and the failure that stopped the task is the one reported.
-      if (slot.reading) (void)swap_->Wait(slot.read);
+      if (slot.reading) (void)ctx_.swap->Wait(slot.read);
     }
     window.clear();
   }};
@@ -140,12 +136,12 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
     // Wait for this sub-group's gradients (and, with clipping, the global norm).
     float coef = 1.0f;
     std::vector<uint8_t> with_grad;  // the parameters this step updates (the others skip it)
-    ZINF_RETURN_IF_ERROR(m_.board->WaitGroupReady(gi, task, &coef, &with_grad));
+    ZINF_RETURN_IF_ERROR(ctx_.board->WaitGroupReady(gi, task, &coef, &with_grad));
     // Done with sub-group gi (stepped, or failed and left as it was): the trainer may put
     // the next window's gradients into its accumulators.
     auto mark_stepped = [&] {
       m_.grads->ReleaseBuffer(gi);
-      m_.board->MarkStepped(gi, task.step);
+      ctx_.board->MarkStepped(gi, task.step);
     };
     if (g.on_device && device_params) {
       // The device steps it and writes the parameters straight into their device stores.
@@ -160,7 +156,7 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
     if (nvme) {
       Slot slot = std::move(window.front());
       window.pop_front();
-      Status s = swap_->Wait(slot.read);
+      Status s = ctx_.swap->Wait(slot.read);
       if (!s.ok()) {
         if (first.ok()) {
           first = s.WithContext("reading optimizer states of sub-group " + std::to_string(gi));
@@ -176,7 +172,7 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
       master = m_.states->host_states(gi);
     }
     if (config.bf16) {
-      Result<PooledBlock> b = copy_pool_->Take();
+      Result<PooledBlock> b = m_.copy_pool->Take();
       if (!b.ok()) return b.status().WithContext("bf16 parameter buffer");
       done.copy = std::move(b).value();
     }
@@ -187,8 +183,8 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
     mark_stepped();
     CrashPoint("optimizer.group");
     if (nvme && s.ok()) {
-      Result<Ticket> w = swap_->Write(m_.states->swap_key(gi), done.states.data(),
-                                      layout.GroupStateBytes(gi), done.states.capacity());
+      Result<Ticket> w = ctx_.swap->Write(m_.states->swap_key(gi), done.states.data(),
+                                          layout.GroupStateBytes(gi), done.states.capacity());
       if (w.ok()) {
         done.writes.push_back(*w);
       } else if (first.ok()) {
@@ -202,7 +198,7 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
 }
 
 OptimizerHyperParams OptimizerPipeline::HyperParams(const OptimizerTask& task, float coef) const {
-  const EngineConfig& config = *m_.config;
+  const EngineConfig& config = *ctx_.config;
   OptimizerHyperParams hp;
   hp.kind = OptimizerKindFor(config.optimizer.type);
   hp.step = task.step;
@@ -216,7 +212,7 @@ OptimizerHyperParams OptimizerPipeline::HyperParams(const OptimizerTask& task, f
 }
 
 Status OptimizerPipeline::CheckFinite(ParamId id, int64_t step) {
-  const ParamLayout& p = m_.layout->param(id);
+  const ParamLayout& p = ctx_.layout->param(id);
   Result<GradStats> gs =
       m_.optimizer->GradSumSquares(m_.grads->Acc(id), GradType::kF32, p.info.partition_numel);
   ZINF_RETURN_IF_ERROR(gs.status());
@@ -225,14 +221,14 @@ Status OptimizerPipeline::CheckFinite(ParamId id, int64_t step) {
 
 Status OptimizerPipeline::NonFinite(ParamId id, int64_t step) const {
   return Status::FailedPrecondition(
-      "the gradient of '" + m_.layout->param(id).info.name + "' in step " + std::to_string(step) +
+      "the gradient of '" + ctx_.layout->param(id).info.name + "' in step " + std::to_string(step) +
       " holds inf or NaN: the optimizer stopped before writing it; lower the learning rate or "
       "look at the loss, then resume from the last checkpoint");
 }
 
 OptimizerTensors OptimizerPipeline::PartTensors(ParamId id, const OptimizerHyperParams& hp,
                                                 float* states, const float* grad) const {
-  const Layout& layout = *m_.layout;
+  const Layout& layout = *ctx_.layout;
   const ParamLayout& p = layout.param(id);
   const size_t gi = p.info.sub_group;
   char* const bytes = reinterpret_cast<char*>(states);
@@ -265,11 +261,11 @@ OptimizerTensors OptimizerPipeline::PartTensors(ParamId id, const OptimizerHyper
 
 Status OptimizerPipeline::StepGroupOnDevice(size_t gi, const OptimizerTask& task, float coef,
                                             const std::vector<uint8_t>& with_grad) {
-  const Layout& layout = *m_.layout;
+  const Layout& layout = *ctx_.layout;
   const GroupLayout& g = layout.group(gi);
-  Device* device = m_.device;
-  Stream* stream = m_.update_stream;
-  const bool copies = m_.config->bf16;
+  Device* device = ctx_.device;
+  Stream* stream = ctx_.streams.update;
+  const bool copies = ctx_.config->bf16;
   OptimizerHyperParams hp = HyperParams(task, coef);
   const int buf = Buf(task.step);
   const auto t0 = Clock::now();
@@ -329,7 +325,7 @@ Status OptimizerPipeline::StepGroupOnDevice(size_t gi, const OptimizerTask& task
   }
   // Whatever was queued finishes before the gradients' buffer is reused.
   Status synced = device->SynchronizeStream(stream);
-  m_.stats->AddOptimizerBusy(Since(t0));
+  ctx_.stats->AddOptimizerBusy(Since(t0));
   ZINF_RETURN_IF_ERROR(s);
   return synced.WithContext("device optimizer step of sub-group " + std::to_string(gi));
 }
@@ -338,7 +334,7 @@ Status OptimizerPipeline::StepGroup(size_t gi, float* master, uint16_t* copy_out
                                     const OptimizerTask& task, float coef,
                                     const std::vector<uint8_t>& with_grad,
                                     std::vector<Ticket>* writes) {
-  const Layout& layout = *m_.layout;
+  const Layout& layout = *ctx_.layout;
   OptimizerHyperParams hp = HyperParams(task, coef);
   const auto t0 = Clock::now();
   for (ParamId id : layout.group(gi).params) {
@@ -364,8 +360,8 @@ Status OptimizerPipeline::StepGroup(size_t gi, float* master, uint16_t* copy_out
     if (!s.ok()) return s.WithContext("optimizer step of '" + p.info.name + "'");
     m_.states->CountUpdate(id);
   }
-  m_.stats->AddOptimizerBusy(Since(t0));
-  return m_.params->WriteGroup(gi, master, copy_out, Buf(task.step), swap_, writes);
+  ctx_.stats->AddOptimizerBusy(Since(t0));
+  return m_.params->WriteGroup(gi, master, copy_out, Buf(task.step), writes);
 }
 
 }  // namespace zinf

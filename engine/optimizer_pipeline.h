@@ -9,6 +9,7 @@
 
 #include "engine/device_budget.h"
 #include "engine/durable_commits.h"
+#include "engine/engine_context.h"
 #include "engine/gradient_path.h"
 #include "engine/group_board.h"
 #include "engine/host_memory.h"
@@ -16,6 +17,7 @@
 #include "engine/param_store.h"
 #include "engine/state_store.h"
 #include "engine/stats_recorder.h"
+#include "engine/step_clock.h"
 #include "zinf/config.h"
 #include "zinf/cpu_adam.h"
 #include "zinf/device.h"
@@ -25,27 +27,22 @@ namespace zinf {
 
 class OptimizerPipeline {
  public:
+  // What it steps: the stores, the gradients, the commits of a delayed step, the CPU
+  // optimizer, and the pools of state and parameter-copy buffers (NVMe states).
   struct Parts {
-    const Layout* layout = nullptr;
-    const EngineConfig* config = nullptr;
-    Device* device = nullptr;
-    Stream* update_stream = nullptr;
-    DeviceBudget* budget = nullptr;
-    StatsRecorder* stats = nullptr;
-    GroupBoard* board = nullptr;
     StateStore* states = nullptr;
     ParamStore* params = nullptr;
     GradientPath* grads = nullptr;
     DurableCommits* durable = nullptr;
     CpuOptimizer* optimizer = nullptr;
+    BlockPool* state_pool = nullptr;
+    BlockPool* copy_pool = nullptr;
   };
-  explicit OptimizerPipeline(const Parts& parts) : m_(parts) {}
+  OptimizerPipeline(const EngineContext& ctx, const Parts& parts);
   ~OptimizerPipeline();  // joins the thread (the board must have been stopped)
   OptimizerPipeline(const OptimizerPipeline&) = delete;
   OptimizerPipeline& operator=(const OptimizerPipeline&) = delete;
 
-  // After placement: the swap store and the pools of state and parameter-copy buffers.
-  Status Attach(SwapStore* swap, BlockPool* state_pool, BlockPool* copy_pool);
   Status Start();
   void Join();
 
@@ -75,16 +72,10 @@ class OptimizerPipeline {
   // gradients at `grad`; no parameter copy.
   OptimizerTensors PartTensors(ParamId id, const OptimizerHyperParams& hp, float* states,
                                const float* grad) const;
-  // Whether the step of window s runs delayed (the trainer does not wait for it).
-  bool DelayedStep(int64_t s) const {
-    return m_.config->delayed_update && s > static_cast<int64_t>(m_.config->delayed_update_after);
-  }
   int Buf(int64_t version) const { return m_.params->Buf(version); }
 
+  const EngineContext ctx_;
   const Parts m_;
-  SwapStore* swap_ = nullptr;
-  BlockPool* state_pool_ = nullptr;
-  BlockPool* copy_pool_ = nullptr;
   std::thread thread_;
 };
 

@@ -4,18 +4,18 @@
 
 namespace zinf {
 
-ParamStore::ParamStore(const Layout* layout, const EngineConfig* config, Device* device,
-                       DeviceBudget* budget, StatsRecorder* stats, Stream* copy_stream,
-                       Stream* update_stream)
-    : layout_(layout),
-      config_(config),
-      device_(device),
-      budget_(budget),
-      stats_(stats),
-      copy_stream_(copy_stream),
-      update_stream_(update_stream),
-      delayed_(config->delayed_update),
-      homes_(layout->num_params()) {}
+ParamStore::ParamStore(const EngineContext& ctx)
+    : layout_(ctx.layout),
+      config_(ctx.config),
+      device_(ctx.device),
+      budget_(ctx.budget),
+      stats_(ctx.stats),
+      copy_stream_(ctx.streams.copy),
+      update_stream_(ctx.streams.update),
+      arena_(ctx.arena),
+      swap_(ctx.swap),
+      delayed_(ctx.config->delayed_update),
+      homes_(ctx.layout->num_params()) {}
 
 ParamStore::~ParamStore() {
   for (ParamId id = 0; id < homes_.size(); ++id) {
@@ -25,8 +25,7 @@ ParamStore::~ParamStore() {
   }
 }
 
-Status ParamStore::Init(ParamId id, PinnedBuffer image, PinnedArena* arena, SwapStore* swap,
-                        const Resume& resume) {
+Status ParamStore::Init(ParamId id, PinnedBuffer image, const Resume& resume) {
   Home& h = homes_[id];
   const ParamLayout& p = layout_->param(id);
   const size_t bytes = layout_->PartBytes(id);
@@ -47,7 +46,7 @@ Status ParamStore::Init(ParamId id, PinnedBuffer image, PinnedArena* arena, Swap
     }
     case Tier::kCpu:
       if (delayed_) {
-        ZINF_ASSIGN_OR_RETURN(h.host_part[1], arena->Allocate(bytes));
+        ZINF_ASSIGN_OR_RETURN(h.host_part[1], arena_->Allocate(bytes));
         std::memcpy(h.host_part[1].data(), image.data(), bytes);
       }
       h.host_part[0] = std::move(image);
@@ -61,7 +60,7 @@ Status ParamStore::Init(ParamId id, PinnedBuffer image, PinnedArena* arena, Swap
         // delayed update the next micro-step reads the version before them.
         bool stored = true;
         for (int64_t v : {resume.step, resume.visible}) {
-          Result<uint64_t> size = swap->Size(h.swap_key[Buf(v)]);
+          Result<uint64_t> size = swap_->Size(h.swap_key[Buf(v)]);
           stored = stored && size.ok() && *size == bytes;
         }
         if (stored) return Status::OK();
@@ -73,15 +72,15 @@ Status ParamStore::Init(ParamId id, PinnedBuffer image, PinnedArena* arena, Swap
       }
       // Version 0, or at a resume the masters' version.
       const std::string& key = h.swap_key[Buf(resume.active ? resume.step : 0)];
-      ZINF_ASSIGN_OR_RETURN(Ticket t, swap->Write(key, image.data(), bytes, image.capacity()));
-      return swap->Wait(t);
+      ZINF_ASSIGN_OR_RETURN(Ticket t, swap_->Write(key, image.data(), bytes, image.capacity()));
+      return swap_->Wait(t);
     }
   }
   return Status::Internal("unknown parameter tier");
 }
 
 Status ParamStore::WriteGroup(size_t gi, const float* master, const uint16_t* copy_out, int buf,
-                              SwapStore* swap, std::vector<Ticket>* writes) {
+                              std::vector<Ticket>* writes) {
   Status first;
   for (ParamId id : layout_->group(gi).params) {
     const ParamLayout& p = layout_->param(id);
@@ -101,7 +100,7 @@ Status ParamStore::WriteGroup(size_t gi, const float* master, const uint16_t* co
         break;
       case Tier::kNvme: {
         // Slices are 4 KiB aligned and padded inside the sub-group buffer.
-        Result<Ticket> t = swap->Write(h.swap_key[buf], src, bytes, RoundUp(bytes, 4096));
+        Result<Ticket> t = swap_->Write(h.swap_key[buf], src, bytes, RoundUp(bytes, 4096));
         if (t.ok()) writes->push_back(*t);
         first = t.status();
         break;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "engine/device_budget.h"
+#include "engine/engine_context.h"
 #include "engine/layout.h"
 #include "engine/stats_recorder.h"
 #include "zinf/config.h"
@@ -19,8 +20,9 @@ namespace zinf {
 
 class ParamStore {
  public:
-  ParamStore(const Layout* layout, const EngineConfig* config, Device* device, DeviceBudget* budget,
-             StatsRecorder* stats, Stream* copy_stream, Stream* update_stream);
+  // Device copies on the context's copy stream (initialisation) and update stream (the
+  // optimizer's writes); host homes from its arena, NVMe homes in its swap store.
+  explicit ParamStore(const EngineContext& ctx);
   ~ParamStore();
   ParamStore(const ParamStore&) = delete;
   ParamStore& operator=(const ParamStore&) = delete;
@@ -36,15 +38,14 @@ class ParamStore {
   };
   // Stores `image` (this rank's partition in storage dtype, pinned) as parameter `id`'s value
   // at version 0, or at a resume the masters' version (skipped when the store holds it).
-  Status Init(ParamId id, PinnedBuffer image, PinnedArena* arena, SwapStore* swap,
-              const Resume& resume);
+  Status Init(ParamId id, PinnedBuffer image, const Resume& resume);
 
   // Writes sub-group `gi`'s parameters (from the masters, or their storage-dtype copy) into
   // buffer `buf`. With `writes` (the optimizer's pipeline) the NVMe writes' tickets go there
   // and device copies are left in flight on the update stream; without, it returns when
   // everything is written.
   Status WriteGroup(size_t gi, const float* master, const uint16_t* copy_out, int buf,
-                    SwapStore* swap, std::vector<Ticket>* writes);
+                    std::vector<Ticket>* writes);
 
   void* device_part(ParamId id, int buf) const { return homes_[id].device_part[buf]; }
   const void* host_part(ParamId id, int buf) const { return homes_[id].host_part[buf].data(); }
@@ -63,6 +64,8 @@ class ParamStore {
   StatsRecorder* const stats_;
   Stream* const copy_stream_;
   Stream* const update_stream_;
+  PinnedArena* const arena_;
+  SwapStore* const swap_;
   const bool delayed_;
   std::vector<Home> homes_;
 };

@@ -4,16 +4,17 @@
 
 namespace zinf {
 
-StateStore::StateStore(const Layout* layout, const EngineConfig* config, Device* device,
-                       DeviceBudget* budget, Stream* copy_stream, Stream* update_stream)
-    : layout_(layout),
-      config_(config),
-      device_(device),
-      budget_(budget),
-      copy_stream_(copy_stream),
-      update_stream_(update_stream),
-      groups_(layout->num_groups()),
-      updates_(layout->num_params(), 0) {}
+StateStore::StateStore(const EngineContext& ctx, BlockPool* state_pool)
+    : layout_(ctx.layout),
+      config_(ctx.config),
+      device_(ctx.device),
+      budget_(ctx.budget),
+      copy_stream_(ctx.streams.copy),
+      update_stream_(ctx.streams.update),
+      swap_(ctx.swap),
+      state_pool_(state_pool),
+      groups_(ctx.layout->num_groups()),
+      updates_(ctx.layout->num_params(), 0) {}
 
 StateStore::~StateStore() {
   for (size_t gi = 0; gi < groups_.size(); ++gi) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "engine/device_budget.h"
+#include "engine/engine_context.h"
 #include "engine/host_memory.h"
 #include "engine/layout.h"
 #include "zinf/config.h"
@@ -19,17 +20,12 @@ namespace zinf {
 
 class StateStore {
  public:
-  StateStore(const Layout* layout, const EngineConfig* config, Device* device, DeviceBudget* budget,
-             Stream* copy_stream, Stream* update_stream);
+  // NVMe states in the context's swap store; staging blocks from `state_pool`; device copies
+  // on its copy and update streams.
+  StateStore(const EngineContext& ctx, BlockPool* state_pool);
   ~StateStore();
   StateStore(const StateStore&) = delete;
   StateStore& operator=(const StateStore&) = delete;
-
-  // After placement: the swap store (NVMe states) and the pool of state buffers.
-  void Attach(SwapStore* swap, BlockPool* state_pool) {
-    swap_ = swap;
-    state_pool_ = state_pool;
-  }
 
   // Allocates sub-group `gi`'s states on their tier. *master gets host memory holding
   // [master | m | v] to initialise: the states themselves (cpu; device on a host device), or
@@ -67,8 +63,8 @@ class StateStore {
   DeviceBudget* const budget_;
   Stream* const copy_stream_;
   Stream* const update_stream_;
-  SwapStore* swap_ = nullptr;
-  BlockPool* state_pool_ = nullptr;
+  SwapStore* const swap_;
+  BlockPool* const state_pool_;
   std::vector<Group> groups_;
   std::vector<int64_t> updates_;
 };

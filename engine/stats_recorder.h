@@ -2,11 +2,14 @@
 // by the trainer thread, stream callbacks and the optimizer thread; taken by Step().
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 
 #include "common/thread_annotations.h"
 #include "zinf/device.h"
+#include "zinf/engine_types.h"
+#include "zinf/swap.h"
 
 namespace zinf {
 
@@ -32,9 +35,25 @@ class StatsRecorder {
   // the copy busy time. The first failure (a launch or the issue) is returned.
   Status TimeCopy(Device* device, Stream* stream, const std::function<Status()>& issue);
 
+  // The statistics of the micro-step that ends now (Step): the counters taken, the step's
+  // wall time since the last one ended, the optimizer wait Step itself measured, the device's
+  // and the arena's peaks, and the swap store's traffic since the last one (`swap` may be
+  // null); the overlap efficiency from them. `st` has the step's own fields set (step,
+  // optimizer_ran, grad_norm, trace_valid). Trainer thread.
+  struct StepSources {
+    double optimizer_wait = 0;       // Step's own wait for the optimizer
+    uint64_t peak_device_bytes = 0;  // since the last step
+    uint64_t peak_pinned_bytes = 0;
+    const SwapStore* swap = nullptr;
+  };
+  void FinishStep(const StepSources& sources, StepStats* st) EXCLUDES(mu_);
+
  private:
   Mutex mu_;
   Counters c_ GUARDED_BY(mu_);
+  // Trainer thread only (FinishStep).
+  std::chrono::steady_clock::time_point step_start_ = std::chrono::steady_clock::now();
+  SwapStoreStats swap_base_;
 };
 
 }  // namespace zinf

@@ -24,70 +24,10 @@
 #include "zinf/comm.h"
 #include "zinf/config.h"
 #include "zinf/device.h"
+#include "zinf/engine_types.h"
 #include "zinf/status.h"
 
 namespace zinf {
-
-using ParamId = uint32_t;
-
-struct ParamSpec {
-  std::string name;
-  std::vector<int64_t> shape;
-  // Fills the full fp32 tensor (numel elements) with its initial values. Called once per rank
-  // when registration ends (FinishRegistration), in registration order; every rank must produce
-  // the same values.
-  std::function<void(float* data, size_t numel)> init;
-  // false: a frozen parameter. It is stored and fetched like the others, but never gets a
-  // gradient (ReduceGradient refuses it) and the optimizer never changes it.
-  bool trainable = true;
-};
-
-// What the engine knows of a registered parameter.
-struct ParamInfo {
-  std::string name;
-  std::vector<int64_t> shape;
-  size_t numel = 0;
-  size_t partition_numel = 0;  // elements each rank owns (numel padded to world_size parts)
-  size_t sub_group = 0;        // optimizer sub-group
-  bool persistent = false;     // small enough to stay on the device once fetched
-  bool trainable = true;       // ParamSpec::trainable
-};
-
-// Acquire's purpose. kTraining acquires make up the micro-step: they start it (the optimizer
-// gets its epoch at a boundary), the first step's are recorded as the prefetch trace, and later
-// steps are checked against it. kInference acquires (a forward pass without gradients, e.g. an
-// evaluation between steps) do none of that: they neither start a micro-step nor record or
-// invalidate the trace, and may come between optimizer steps (before SaveCheckpoint, say).
-enum class AcquireMode { kTraining, kInference };
-
-// Figures for one Step() call (one micro-step; optimizer figures when it ran).
-struct StepStats {
-  int64_t step = 0;            // global optimizer steps taken so far
-  bool optimizer_ran = false;  // this micro-step ended an accumulation boundary
-  double step_seconds = 0;     // since the previous Step() returned
-  // Bytes per link.
-  uint64_t nvme_read_bytes = 0;
-  uint64_t nvme_write_bytes = 0;
-  uint64_t h2d_bytes = 0;
-  uint64_t d2h_bytes = 0;
-  // Busy time per resource (seconds within this step).
-  double nvme_busy_seconds = 0;       // time with at least one swap request in flight
-  double copy_busy_seconds = 0;       // host<->device copies
-  double optimizer_busy_seconds = 0;  // CPU optimizer kernels
-  double acquire_wait_seconds = 0;    // the trainer blocked in Acquire
-  double optimizer_wait_seconds = 0;  // Step() blocked waiting for the optimizer
-  // Peaks over the step.
-  uint64_t peak_device_bytes = 0;
-  uint64_t peak_pinned_bytes = 0;
-  uint64_t nvme_bytes = 0;        // swap store size
-  double overlap_efficiency = 0;  // max(busy) / step_seconds
-  double grad_norm = 0;           // global L2 norm before clipping (when clipping is on)
-  // Training acquires (AcquireMode::kTraining) whose data was already fetched or in flight,
-  // and the others; inference acquires count in neither.
-  uint64_t prefetch_hits = 0;
-  uint64_t prefetch_misses = 0;
-  bool trace_valid = false;
-};
 
 class FaultPlan;  // zinf/io.h
 
