@@ -45,6 +45,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "common/cli.h"
 #include "zinf/align.h"
 #include "zinf/cpu_adam.h"
@@ -58,11 +59,7 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t k = v.size();
-  return k % 2 ? v[k / 2] : 0.5 * (v[k / 2 - 1] + v[k / 2]);
-}
+using bench::Median;
 
 // One 2 MiB-aligned block per buffer, transparent huge pages requested, so the pass is not
 // paying TLB misses (and a fresh 4 KiB page costs ~12 us to fault in on this VM).

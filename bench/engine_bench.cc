@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "common/cli.h"
 #include "engine/host/single_rank.h"
 #include "zinf/comm.h"
@@ -363,10 +364,7 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "zinf-engine-bench: %s\n", s.ToString().c_str());
     return 1;
   }
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[v.size() / 2];
-  };
+  const auto median = bench::Median;
   nlohmann::json j;
   j["median_step_seconds"] = median(step_secs);
   // The engine's own resources, to read the overlap figure against: the trainer's time

@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "bench/fio_huge_pages.h"
 #include "common/cli.h"
 #include "nvme/io_queue.h"
@@ -35,45 +36,14 @@ namespace zinf {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using bench::Median;
 using nlohmann::json;
-
-Result<uint64_t> ParseSize(const std::string& text) {
-  if (text.empty()) return Status::InvalidArgument("empty size");
-  size_t pos = 0;
-  double value = 0;
-  try {
-    value = std::stod(text, &pos);
-  } catch (...) {
-    return Status::InvalidArgument("bad size '" + text + "': use a number with K, M or G");
-  }
-  std::string unit = text.substr(pos);
-  uint64_t mult = 1;
-  if (unit == "" || unit == "B")
-    mult = 1;
-  else if (unit == "K" || unit == "k" || unit == "KiB")
-    mult = 1ull << 10;
-  else if (unit == "M" || unit == "m" || unit == "MiB")
-    mult = 1ull << 20;
-  else if (unit == "G" || unit == "g" || unit == "GiB")
-    mult = 1ull << 30;
-  else
-    return Status::InvalidArgument("bad size unit in '" + text + "': use K, M or G");
-  if (value <= 0) return Status::InvalidArgument("size '" + text + "' must be positive");
-  return static_cast<uint64_t>(value * static_cast<double>(mult));
-}
 
 std::string SizeLabel(uint64_t n) {
   if (n % (1ull << 30) == 0) return std::to_string(n >> 30) + "G";
   if (n % (1ull << 20) == 0) return std::to_string(n >> 20) + "M";
   if (n % (1ull << 10) == 0) return std::to_string(n >> 10) + "K";
   return std::to_string(n);
-}
-
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 // The median of samples kept by repeat.
@@ -545,7 +515,8 @@ int Main(int argc, char** argv) {
   for (size_t start = 0; start <= f.block_size.size();) {
     size_t comma = f.block_size.find(',', start);
     if (comma == std::string::npos) comma = f.block_size.size();
-    Result<uint64_t> b = ParseSize(f.block_size.substr(start, comma - start));
+    Result<uint64_t> b =
+        bench::ParsePositiveSize(f.block_size.substr(start, comma - start), "--block-size");
     if (!b.ok() || *b == 0 || *b % 4096 != 0 || *b > (1ull << 30)) {
       std::fprintf(stderr, "zinf-nvme-bench: --block-size must be a multiple of 4K up to 1G\n");
       return 2;
@@ -560,7 +531,7 @@ int Main(int argc, char** argv) {
     return 2;
   }
   Result<uint64_t> block = *std::max_element(block_list.begin(), block_list.end());
-  Result<uint64_t> size = ParseSize(f.size);
+  Result<uint64_t> size = bench::ParsePositiveSize(f.size, "--size");
   Result<IoBackendKind> kind = ParseIoBackendKind(f.backend);
   for (const Status& s : {block.status(), size.status(), kind.status()}) {
     if (!s.ok() && s.code() != StatusCode::kInternal) {
