@@ -23,12 +23,12 @@
 
 #include "bench/bench_util.h"
 #include "common/cli.h"
-#include "engine/host/single_rank.h"
 #include "zinf/comm.h"
 #include "zinf/cuda.h"
 #include "zinf/device.h"
 #include "zinf/engine.h"
 #include "zinf/log.h"
+#include "zinf/runtime.h"
 #include "zinf/swap.h"
 
 namespace zinf {
@@ -221,9 +221,9 @@ int Main(int argc, char** argv) {
   c.pinned_budget_bytes = RoundUp(f.layers * f.layer_elems * 4 + 4 * f.sub_group_elems * 14 +
                                       f.prefetch_elems * elem + 64 * f.layer_elems + (256u << 20),
                                   2u << 20);
-  Result<SingleRank> rank = Status::Internal("no device");
+  Result<Runtime> rank = Status::Internal("no device");
   if (f.device == "cuda") {
-    rank = NewCudaSingleRank(CudaDeviceOptions{});
+    rank = NewCudaRuntime(CudaDeviceOptions{});
     if (!rank.ok()) {
       std::fprintf(stderr, "zinf-engine-bench: --device cuda: %s\n",
                    rank.status().ToString().c_str());
@@ -233,7 +233,7 @@ int Main(int argc, char** argv) {
     HostDeviceOptions ho;
     ho.memory_budget = size_t{64} << 30;
     ho.copy_gbps = f.copy_gbps;
-    rank = NewHostSingleRank(ho);
+    rank = NewHostRuntime(ho);
     if (!rank.ok()) {
       std::fprintf(stderr, "zinf-engine-bench: %s\n", rank.status().ToString().c_str());
       return 1;

@@ -7,11 +7,11 @@
 #include <vector>
 
 #include "c_api/c_api_internal.h"
-#include "engine/host/single_rank.h"
 #include "zinf/comm.h"
 #include "zinf/device.h"
 #include "zinf/engine.h"
 #include "zinf/log.h"
+#include "zinf/runtime.h"
 #include "zinf/zinf.h"
 
 using zinf::capi::Fail;
@@ -20,7 +20,7 @@ using zinf::capi::Succeed;
 
 struct zinf_engine {
   uint64_t magic = zinf::capi::kEngineMagic;
-  zinf::SingleRank rank;                 // the host device and its one-rank communicator
+  zinf::Runtime rank;                    // the host device and its one-rank communicator
   std::unique_ptr<zinf::Engine> engine;  // destroyed first (declared last)
 };
 
@@ -57,7 +57,7 @@ int zinf_engine_create(const char* config_json, zinf_engine** out) {
     zinf::HostDeviceOptions ho;
     ho.memory_budget = *budget;
     ho.copy_gbps = config->host_copy_gbps;
-    zinf::Result<zinf::SingleRank> rank = zinf::NewHostSingleRank(ho);
+    zinf::Result<zinf::Runtime> rank = zinf::NewHostRuntime(ho);
     if (!rank.ok()) return FromStatus(rank.status());
     handle->rank = std::move(rank).value();
     auto engine = zinf::Engine::Create(*config, handle->rank.device.get(), handle->rank.comm.get());

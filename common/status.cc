@@ -38,7 +38,16 @@ std::string Status::ToString() const {
 
 Status Status::WithContext(std::string_view context) const {
   if (ok()) return *this;
-  return Status(code_, std::string(context) + ": " + message_, sys_errno_);
+  Status s(code_, std::string(context) + ": " + message_, sys_errno_);
+  s.key_ = key_;
+  return s;
+}
+
+Status Status::WithKey(std::string key) const {
+  if (ok()) return *this;
+  Status s = *this;
+  s.key_ = std::move(key);
+  return s;
 }
 
 Status ErrnoToStatus(int err, std::string_view what) {

@@ -441,7 +441,7 @@ Status ParseRoot(ObjectReader& root, EngineConfig* config, ParseContext* ctx) {
 
 Status Validate(const EngineConfig& c) {
   auto invalid = [](const std::string& path, const std::string& what) {
-    return Status::InvalidArgument(path + ": " + what);
+    return Status::InvalidArgument(path + ": " + what).WithKey(path);
   };
   const std::pair<const OffloadConfig*, const char*> offloads[] = {
       {&c.offload_param, kOffloadParam}, {&c.offload_optimizer, kOffloadOptimizer}};

@@ -33,7 +33,8 @@ Result<void*> DeviceBudget::Alloc(size_t bytes, const std::string& what) {
       return Status::ResourceExhausted("device budget exhausted allocating " + FormatBytes(bytes) +
                                        " for " + what + " (budget " + FormatBytes(budget_) +
                                        ", in use " + FormatBytes(allocated_) +
-                                       "); raise zinf.device_budget_bytes");
+                                       "); raise zinf.device_budget_bytes")
+          .WithKey("zinf.device_budget_bytes");
     }
     Result<void*> p = device_->Alloc(bytes);
     if (p.ok()) return p;

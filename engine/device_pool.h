@@ -59,7 +59,8 @@ class DevicePool {
       return Status::ResourceExhausted(owner_ + ": cannot allocate " + Text(bytes) +
                                        ": the device memory budget is " + Text(budget_) + " and " +
                                        Text(used_) + " are in use; raise " + budget_option_ +
-                                       " or free device buffers first");
+                                       " or free device buffers first")
+          .WithKey("zinf.device_budget_bytes");
     }
     if (bytes > std::numeric_limits<size_t>::max() - alignment_) {
       return Status::ResourceExhausted(owner_ + ": cannot allocate " + Text(bytes) +

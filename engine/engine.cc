@@ -132,12 +132,14 @@ Result<ParamId> Engine::RegisterParameter(const ParamSpec& spec) {
                                      "budget of " +
                                      FormatBytes(m.config.device_budget_bytes) +
                                      "; raise zinf.device_budget_bytes to at least " +
-                                     FormatBytes(need));
+                                     FormatBytes(need))
+        .WithKey("zinf.device_budget_bytes");
   }
   if (need > m.device->MemoryInfo().budget) {
     return Status::ResourceExhausted("parameter '" + spec.name + "' needs " + FormatBytes(need) +
                                      " of device memory but the device budget is " +
-                                     FormatBytes(m.device->MemoryInfo().budget));
+                                     FormatBytes(m.device->MemoryInfo().budget))
+        .WithKey("zinf.device_budget_bytes");
   }
   m.inits.push_back(spec.init);
   return m.layout.Add(std::move(p));

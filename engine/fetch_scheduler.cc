@@ -125,12 +125,13 @@ Status FetchScheduler::MakeRoom(uint64_t elems, uint64_t bytes, ParamId for_id) 
     }
     if (victim == UINT32_MAX) {
       return Status::ResourceExhausted(
-          "device budget too small to fetch parameter '" + target.info.name +
-          "' while the acquired ones stay resident (budget " +
-          FormatBytes(config_->device_budget_bytes) + ", max_live_parameters " +
-          std::to_string(config_->max_live_parameters) +
-          "); raise zinf.device_budget_bytes / stage3_max_live_parameters or acquire fewer "
-          "parameters at once");
+                 "device budget too small to fetch parameter '" + target.info.name +
+                 "' while the acquired ones stay resident (budget " +
+                 FormatBytes(config_->device_budget_bytes) + ", max_live_parameters " +
+                 std::to_string(config_->max_live_parameters) +
+                 "); raise zinf.device_budget_bytes / stage3_max_live_parameters or acquire fewer "
+                 "parameters at once")
+          .WithKey("zinf.device_budget_bytes");
     }
     ZINF_RETURN_IF_ERROR(Evict(victim));
   }

@@ -121,21 +121,24 @@ Status GroupBoard::WaitForGradBlock(const std::function<bool()>& try_take,
     }
     if (!missing.empty()) {
       return Status::ResourceExhausted(
-          "every streaming gradient block (" + FormatBytes(block_bytes) +
-          " each) is taken by sub-groups the optimizer reaches only after sub-group " +
-          std::to_string(waiting_group_) + ", which still waits for the gradient of '" + missing +
-          "'; the optimizer steps sub-groups in reverse registration order. Raise "
-          "zinf.pinned_budget_bytes (more blocks), lower sub_group_size, or register "
-          "parameters so that their gradients come in reverse registration order");
+                 "every streaming gradient block (" + FormatBytes(block_bytes) +
+                 " each) is taken by sub-groups the optimizer reaches only after sub-group " +
+                 std::to_string(waiting_group_) + ", which still waits for the gradient of '" +
+                 missing +
+                 "'; the optimizer steps sub-groups in reverse registration order. Raise "
+                 "zinf.pinned_budget_bytes (more blocks), lower sub_group_size, or register "
+                 "parameters so that their gradients come in reverse registration order")
+          .WithKey("zinf.pinned_budget_bytes");
     }
     if (!cv_.WaitUntil(&mu_, deadline)) {
       if (grad_releases_ == seen) {
         return Status::ResourceExhausted(
-            "waited " + std::to_string(no_progress.count()) +
-            " s for the optimizer to free gradient accumulators (every block of " +
-            FormatBytes(block_bytes) +
-            " is taken); is the backward order far from the registration order? raise "
-            "zinf.pinned_budget_bytes or lower sub_group_size");
+                   "waited " + std::to_string(no_progress.count()) +
+                   " s for the optimizer to free gradient accumulators (every block of " +
+                   FormatBytes(block_bytes) +
+                   " is taken); is the backward order far from the registration order? raise "
+                   "zinf.pinned_budget_bytes or lower sub_group_size")
+            .WithKey("zinf.pinned_budget_bytes");
       }
       seen = grad_releases_;
       deadline = Clock::now() + no_progress;

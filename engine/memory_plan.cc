@@ -1,14 +1,17 @@
 #include "engine/memory_plan.h"
 
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
+#include <filesystem>
 
 #include "zinf/io.h"
 #include "zinf/log.h"
+#include "zinf/runtime.h"
 
 namespace zinf {
 
@@ -71,10 +74,11 @@ Result<PinnedPlan> PlanPinnedMemory(const Layout& layout, const EngineConfig& co
   plan.fixed = pinned;
   if (pinned + plan.grads_min > config.pinned_budget_bytes) {
     return Status::ResourceExhausted(
-        "the pinned host budget of " + FormatBytes(config.pinned_budget_bytes) +
-        " is too small: this model needs about " + FormatBytes(pinned + plan.grads_min) +
-        " (gradient partitions, cpu-tier parameters, optimizer swap buffers and staging); "
-        "raise zinf.pinned_budget_bytes or lower sub_group_size");
+               "the pinned host budget of " + FormatBytes(config.pinned_budget_bytes) +
+               " is too small: this model needs about " + FormatBytes(pinned + plan.grads_min) +
+               " (gradient partitions, cpu-tier parameters, optimizer swap buffers and staging); "
+               "raise zinf.pinned_budget_bytes or lower sub_group_size")
+        .WithKey("zinf.pinned_budget_bytes");
   }
   if (plan.stream_grads) {
     const uint64_t spare = config.pinned_budget_bytes - pinned;
@@ -237,6 +241,109 @@ Result<SwapStoreOptions> SwapStoreOptionsFor(const EngineConfig& config, int ran
   so.reserve_bytes = config.nvme_reserve_bytes;
   so.retained_commits = world > 1 ? 2 : 1;
   return so;
+}
+
+// ---- The NVMe plan (zinf/runtime.h) -----------------------------------------------------------
+
+namespace {
+
+bool UsesNvme(const EngineConfig& c) {
+  return c.offload_param.tier == Tier::kNvme || c.offload_optimizer.tier == Tier::kNvme;
+}
+
+// The swap folders a store of `config` uses (the optimizer's, then the parameters' others).
+std::vector<std::string> NvmeFolders(const EngineConfig& config) {
+  std::vector<std::string> paths = config.offload_optimizer.tier == Tier::kNvme
+                                       ? config.offload_optimizer.nvme_paths
+                                       : config.offload_param.nvme_paths;
+  for (const std::string& extra : config.offload_param.nvme_paths) {
+    if (config.offload_param.tier == Tier::kNvme &&
+        std::find(paths.begin(), paths.end(), extra) == paths.end()) {
+      paths.push_back(extra);
+    }
+  }
+  return paths;
+}
+
+}  // namespace
+
+uint64_t NvmeBytesNeeded(const EngineConfig& c, uint64_t params) {
+  // In 128 bits: a count beyond any disk must not wrap into one that fits.
+  unsigned __int128 need = 0;
+  const unsigned __int128 n = params;
+  const unsigned __int128 param_bytes = n * (c.bf16 ? 2 : 4);
+  if (c.offload_param.tier == Tier::kNvme) need += param_bytes;
+  if (c.offload_optimizer.tier == Tier::kNvme) {
+    // The fp32 master and two states as stored (12 bytes with fp32 states, 8 bf16, ~6 int8).
+    constexpr size_t kN = size_t{1} << 20;
+    need += n * 4 + n * 2 * StateBytes(c.optimizer_state_type, kN) / kN;
+  }
+  // The delayed update double-buffers NVMe parameters; durable mode keeps the committed copy
+  // of everything while a step writes the next one.
+  if (c.delayed_update && c.offload_param.tier == Tier::kNvme) need += param_bytes;
+  if (c.durable) need *= 2;
+  need += need / 50;  // alignment and padding
+  return need > UINT64_MAX ? UINT64_MAX : static_cast<uint64_t>(need);
+}
+
+Status PrepareNvmeFolders(const EngineConfig& c, uint64_t params) {
+  if (!UsesNvme(c)) return Status::OK();
+  const std::vector<std::string> paths = NvmeFolders(c);
+  const uint64_t need = NvmeBytesNeeded(c, params);
+  uint64_t free_bytes = 0;
+  for (size_t i = 0; i < paths.size(); ++i) {
+    const std::string& p = paths[i];
+    // A swap file already there is reused (resume) or replaced (--overwrite): its space counts.
+    struct stat st {};
+    const std::string swap_file = SwapStore::FileName(p, i);
+    if (stat(swap_file.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+      free_bytes += static_cast<uint64_t>(st.st_blocks) * 512;
+    }
+    std::error_code ec;
+    if (!c.allowed_nvme_roots.empty()) {
+      // Refused before anything is created: the existing part of the path resolved (links
+      // followed), the rest taken as written.
+      const std::filesystem::path resolved = std::filesystem::weakly_canonical(p, ec);
+      bool inside = false;
+      for (const std::string& r : c.allowed_nvme_roots) {
+        std::error_code rec;
+        const std::filesystem::path root = std::filesystem::canonical(r, rec);
+        if (rec) continue;
+        const auto rel = resolved.lexically_relative(root);
+        inside = inside || (!rel.empty() && *rel.begin() != "..");
+      }
+      if (ec || !inside) {
+        return Status::InvalidArgument("the NVMe swap folder " + p +
+                                       " is outside zinf.allowed_nvme_roots (nothing was "
+                                       "created): give a folder inside one of them")
+            .WithKey("zinf.allowed_nvme_roots");
+      }
+    }
+    std::filesystem::create_directories(p, ec);
+    if (ec) {
+      return Status(StatusCode::kIoError,
+                    "cannot create the NVMe swap folder " + p + ": " + ec.message() +
+                        "; give a writable folder",
+                    ec.value())
+          .WithKey("nvme_path");
+    }
+    struct statvfs vfs {};
+    if (statvfs(p.c_str(), &vfs) != 0) {
+      return ErrnoToStatus(errno, "statvfs on the NVMe swap folder " + p).WithKey("nvme_path");
+    }
+    free_bytes += static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+  }
+  if (need > free_bytes) {
+    return Status::ResourceExhausted(
+               "not enough space on the NVMe path" + std::string(paths.size() > 1 ? "s" : "") +
+               " (" + paths.front() + (paths.size() > 1 ? ", ..." : "") + "): this model's " +
+               (c.offload_param.tier == Tier::kNvme ? "parameters and " : "") +
+               "optimizer states need about " + FormatBytes(need) + " but " +
+               FormatBytes(free_bytes) +
+               " is free; free space, add NVMe paths on other disks, or pick a smaller model")
+        .WithKey("nvme_path");
+  }
+  return Status::OK();
 }
 
 }  // namespace zinf

@@ -892,6 +892,10 @@ Result<std::vector<std::string>> SwapStore::ListCommits(const std::vector<std::s
   return metas;
 }
 
+std::string SwapStore::FileName(const std::string& dir, size_t index) {
+  return SwapFileName(dir, index);
+}
+
 Status SwapStore::Impl::EnsureMarks() {
   if (options.remove_on_close) return Status::OK();
   bool marked = !store_id.empty();

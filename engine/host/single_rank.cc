@@ -1,5 +1,3 @@
-#include "engine/host/single_rank.h"
-
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -8,11 +6,12 @@
 #include <vector>
 
 #include "zinf/log.h"
+#include "zinf/runtime.h"
 
 namespace zinf {
 
-Result<SingleRank> NewHostSingleRank(const HostDeviceOptions& options) {
-  SingleRank rank;
+Result<Runtime> NewHostRuntime(const HostDeviceOptions& options) {
+  Runtime rank;
   rank.device = NewHostDevice(options);
   ZINF_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Communicator>> comms,
                         NewLocalComms({rank.device.get()}));

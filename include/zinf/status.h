@@ -60,13 +60,20 @@ class [[nodiscard]] Status {
   const std::string& message() const { return message_; }
   // "IoError: <message>" or "OK".
   std::string ToString() const;
-  // A copy whose message starts with `context`: "context: message". OK stays OK.
+  // A copy whose message starts with `context`: "context: message". OK stays OK. The key
+  // and errno stay.
   Status WithContext(std::string_view context) const;
+  // The configuration key the failure is about, when there is one ("zinf.pinned_budget_bytes"):
+  // a front end names its own flag for it without reading the message. "" when none.
+  const std::string& key() const { return key_; }
+  // A copy naming `key` (see key()). OK stays OK.
+  Status WithKey(std::string key) const;
 
  private:
   StatusCode code_ = StatusCode::kOk;
   int sys_errno_ = 0;
   std::string message_;
+  std::string key_;
 };
 
 // The one place where an errno value becomes a Status. `what` names the operation and its

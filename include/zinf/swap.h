@@ -199,6 +199,8 @@ class SwapStore {
   // folders are not the store's, in its order (as Open with reopen). Reads only the small
   // files (indexes, marks) and the folders' listings; changes nothing.
   static Result<std::vector<std::string>> ListCommits(const std::vector<std::string>& paths);
+  // The swap file of folder `index` of a store over `dir` (zinf-swap-<index>.bin inside it).
+  static std::string FileName(const std::string& dir, size_t index);
   // The same for a store of one folder.
   static Result<std::vector<std::string>> ListCommits(const std::string& first_path) {
     return ListCommits(std::vector<std::string>{first_path});

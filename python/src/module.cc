@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "engine/host/local_comm.h"
-#include "engine/host/single_rank.h"
+#include "zinf/runtime.h"
 #include "zinf/comm.h"
 #include "zinf/config.h"
 #include "zinf/cpu_adam.h"
@@ -277,7 +277,7 @@ class PyEngine {
       names.device = "device_memory (zinf.device_budget_bytes)";
       ho.memory_budget = Take(HostDeviceBudget(device_memory, config.pinned_budget_bytes, names));
       ho.copy_gbps = config.host_copy_gbps;
-      SingleRank rank = Take(NewHostSingleRank(ho));
+      Runtime rank = Take(NewHostRuntime(ho));
       core_->device = std::move(rank.device);
       core_->comms.push_back(std::move(rank.comm));
     } else if (device == "cuda") {

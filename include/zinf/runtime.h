@@ -1,0 +1,87 @@
+// What a program needs around its Engine, decided here once for every front end (zinf-train,
+// the C API, the benches, the Python module): a device and the communicator of its rank, the
+// host device's budget rule, and the NVMe plan (the space a model needs on its swap folders,
+// the folders prepared and checked before anything is written). Libraries: NewHostRuntime and
+// HostDeviceBudget in zinf::host_backends, NewRuntime and NewCudaRuntime in zinf::runtime
+// (which links the CUDA backends), the NVMe plan in zinf::engine.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "zinf/comm.h"
+#include "zinf/config.h"
+#include "zinf/cuda.h"
+#include "zinf/device.h"
+#include "zinf/status.h"
+
+namespace zinf {
+
+// A device and the communicator of this process's rank on it (rank 0 of 1: one rank per
+// process, more ranks only as threads, NewLocalComms). Members are destroyed in
+// reverse order: the communicator before the device it uses. Whoever creates an Engine on them
+// destroys it first.
+struct Runtime {
+  std::unique_ptr<Device> device;
+  std::unique_ptr<Communicator> comm;
+};
+
+// A HostDevice made with `options` and its one-rank LocalComm. Fails only when the
+// communicator cannot be made.
+Result<Runtime> NewHostRuntime(const HostDeviceOptions& options);
+
+// The CUDA device `options` describes and a one-rank NCCL communicator on it; the status of
+// whichever failed first (NotSupported in a build without CUDA). In zinf::runtime.
+Result<Runtime> NewCudaRuntime(const CudaDeviceOptions& options);
+
+// The names a user sets the two budgets by, for the messages of HostDeviceBudget: the config
+// keys by default, a program's own flags where it has them.
+struct BudgetNames {
+  std::string device = "zinf.device_budget_bytes";
+  std::string pinned = "zinf.pinned_budget_bytes";
+};
+
+// The host device's memory budget for an engine whose config asks for `device_budget_bytes`
+// (EngineConfig::device_budget_bytes) beside a pinned arena of `pinned_budget_bytes`; the one
+// rule for "0 = whatever the device reports" on a host device (zinf-train, the C API):
+//   - not 0: that budget;
+//   - 0: the machine's physical memory (the host device stands for a GPU in host memory).
+// Under an address-space limit (ulimit -v) the budgets must fit in it (the host device
+// reserves twice its budget of address space, the pinned arena its budget, the program about
+// 3 GiB): an explicit budget that does not is InvalidArgument, with the numbers and the fix,
+// before anything is allocated; the default one is lowered to fit, with a warning.
+Result<uint64_t> HostDeviceBudget(uint64_t device_budget_bytes, uint64_t pinned_budget_bytes,
+                                  const BudgetNames& names = {});
+
+// The device a program asked for, with its budgets, by the rules above: the host device
+// (budget HostDeviceBudget) or GPU `cuda_ordinal` (budget: device_budget_bytes plus
+// `extra_device_bytes`, the program's own device memory beside the engine's, or 90 % of the free
+// memory when device_budget_bytes is 0). In zinf::runtime.
+struct RuntimeOptions {
+  bool cuda = false;
+  int cuda_ordinal = 0;
+  uint64_t device_budget_bytes = 0;  // EngineConfig::device_budget_bytes
+  uint64_t pinned_budget_bytes = 0;  // EngineConfig::pinned_budget_bytes
+  uint64_t extra_device_bytes = 0;   // a trainer's activations (GPU)
+  BudgetNames names;
+  HostDeviceOptions host;  // its memory_budget is decided here
+};
+Result<Runtime> NewRuntime(const RuntimeOptions& options);
+
+// ---- The NVMe plan (in zinf::engine) ----------------------------------------------------------
+
+// Bytes the NVMe tiers of `config` need for a model of `params` parameters: the parameters in
+// their storage dtype and the optimizer's master and states as stored (the delayed update's
+// second parameter buffer, durable mode's committed copy, 2 % for alignment). Saturates at
+// UINT64_MAX for counts beyond any disk.
+uint64_t NvmeBytesNeeded(const EngineConfig& config, uint64_t params);
+
+// Prepares the swap folders of `config` for a model of `params` parameters, before anything is
+// written: each inside zinf.allowed_nvme_roots (checked before a folder is created), created
+// when missing, and room for NvmeBytesNeeded on them (the swap files a run will reuse count as
+// free). InvalidArgument naming the folder and the key; ResourceExhausted with the size needed
+// and the free space; the errno of a folder that cannot be created. No-op without NVMe tiers.
+Status PrepareNvmeFolders(const EngineConfig& config, uint64_t params);
+
+}  // namespace zinf

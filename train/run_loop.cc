@@ -1,0 +1,259 @@
+// zinf-train's training loop and report (train/run.h).
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "train/checkpoint.h"
+#include "train/run.h"
+#include "zinf/log.h"
+
+namespace zinf::train {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+uint64_t PeakRssBytes() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<uint64_t>(ru.ru_maxrss) * 1024;
+}
+
+struct StepRow {
+  int64_t step = 0;
+  double loss = 0, seconds = 0, tokens_per_s = 0, tflops = 0;
+  double read_gbps = 0, write_gbps = 0, overlap = 0, stall = 0;
+};
+
+// What the training loop measured, for the report.
+struct TrainLog {
+  std::vector<StepRow> rows;
+  double loss_first = 0, loss_last = 0;
+  uint64_t read_bytes = 0, write_bytes = 0;
+  double total_seconds = 0;
+};
+
+// Steps first_step + 1 .. --steps: each step's micro-steps, its progress line and, with
+// --save-every, its checkpoint.
+class TrainingLoop {
+ public:
+  TrainingLoop(const Flags& f, const RunPlan& plan, const Session& s, int64_t first_step)
+      : f_(f),
+        plan_(plan),
+        engine_(s.engine.get()),
+        trainer_(s.trainer.get()),
+        first_step_(first_step),
+        accum_(std::max(1, plan.config.gradient_accumulation_steps)),
+        tokens_per_micro_(f.batch * f.seq),
+        flops_per_token_(FlopsPerToken(plan.model, f.seq)),
+        log_every_(f.log_every > 0 ? f.log_every : std::max(1, f.steps / 40)),
+        warmup_(f.warmup >= 0 ? f.warmup : std::min(100, f.steps / 10)),
+        tty_(isatty(fileno(out))),
+        state_bytes_per_param_(StateBytesPerParam(plan.config)),
+        tokens_(tokens_per_micro_),
+        targets_(tokens_per_micro_) {}
+
+  int Run(TrainLog* log) {
+    for (int64_t step = first_step_; step < f_.steps; ++step) {
+      auto t0 = Clock::now();
+      double loss = 0;
+      StepStats agg;
+      if (int rc = Step(step, &loss, &agg); rc != 0) return rc;
+      if (!std::isfinite(loss)) {
+        // Training on would only spread it (and save it); the last checkpoint or durable
+        // commit stays the one to resume from.
+        std::fprintf(stderr,
+                     "zinf-train: the loss of step %" PRId64
+                     " is not finite (%g): stopping; lower "
+                     "--lr or check the model and data, then resume from the last checkpoint\n",
+                     step + 1, loss);
+        return 1;
+      }
+      Record(step, loss, agg, Seconds(Clock::now() - t0), log);
+      if (!f_.checkpoint_dir.empty() && f_.save_every > 0 && (step + 1) % f_.save_every == 0) {
+        auto tc = Clock::now();
+        if (Status s = SaveCheckpoint(f_.checkpoint_dir, plan_.model, f_.seed, engine_); !s.ok()) {
+          return Fail("saving a checkpoint to " + f_.checkpoint_dir, s);
+        }
+        std::fprintf(out, "  checkpoint at step %" PRId64 " saved to %s in %.1f s\n", step + 1,
+                     f_.checkpoint_dir.c_str(), Seconds(Clock::now() - tc));
+      }
+    }
+    return 0;
+  }
+
+ private:
+  // One optimizer step: its learning rate, then its micro-steps. *loss: their mean; *agg:
+  // their NVMe traffic and waits summed, the overlap of the last (the optimizer's).
+  int Step(int64_t step, double* loss, StepStats* agg) {
+    // Linear warmup, then the base rate (Adam's first steps on a fresh model are large).
+    const double lr_scale = warmup_ > 0 ? std::min(1.0, (step + 1.0) / warmup_) : 1.0;
+    if (Status s =
+            engine_->SetLearningRate(static_cast<float>(plan_.config.optimizer.lr * lr_scale));
+        !s.ok()) {
+      return Fail("setting the learning rate", s);
+    }
+    for (int micro = 0; micro < accum_; ++micro) {
+      plan_.data.Batch(f_.seed, step * accum_ + micro, f_.batch, f_.seq, tokens_.data(),
+                       targets_.data());
+      StepStats st;
+      Result<double> l = trainer_->MicroStep(tokens_.data(), targets_.data(), 1.0f / accum_, &st);
+      if (!l.ok()) return Fail("step " + std::to_string(step + 1), l.status());
+      *loss += *l / accum_;
+      agg->nvme_read_bytes += st.nvme_read_bytes;
+      agg->nvme_write_bytes += st.nvme_write_bytes;
+      agg->acquire_wait_seconds += st.acquire_wait_seconds;
+      agg->optimizer_wait_seconds += st.optimizer_wait_seconds;
+      agg->overlap_efficiency = st.overlap_efficiency;  // of the optimizer micro-step
+    }
+    return 0;
+  }
+
+  // Adds the step to the log and prints its progress line: kept every --log-every steps and
+  // at the first and last; on a terminal the others are shown in place.
+  void Record(int64_t step, double loss, const StepStats& agg, double secs, TrainLog* log) {
+    StepRow r;
+    r.step = step + 1;
+    r.loss = loss;
+    r.seconds = secs;
+    r.tokens_per_s = tokens_per_micro_ * accum_ / secs;
+    r.tflops = r.tokens_per_s * flops_per_token_ / 1e12;
+    r.read_gbps = agg.nvme_read_bytes / secs / 1e9;
+    r.write_gbps = agg.nvme_write_bytes / secs / 1e9;
+    r.overlap = agg.overlap_efficiency;
+    r.stall = agg.acquire_wait_seconds + agg.optimizer_wait_seconds;
+    log->rows.push_back(r);
+    if (step == first_step_) log->loss_first = loss;
+    log->loss_last = loss;
+    log->read_bytes += agg.nvme_read_bytes;
+    log->write_bytes += agg.nvme_write_bytes;
+    log->total_seconds += secs;
+    const bool keep = (step + 1) % log_every_ == 0 || step == first_step_ || step + 1 == f_.steps;
+    if (keep || tty_) {
+      std::fprintf(out,
+                   "%sstep %5" PRId64
+                   "/%d  loss %.4f  %8.0f tok/s  %.3f TFLOPS  nvme r %.2f w %.2f "
+                   "GB/s  overlap %.2f  stall %.2f s  state %.2f B/param%s",
+                   tty_ ? "\r" : "", r.step, f_.steps, r.loss, r.tokens_per_s, r.tflops,
+                   r.read_gbps, r.write_gbps, r.overlap, r.stall, state_bytes_per_param_,
+                   keep ? "\n" : "");
+      std::fflush(out);
+    }
+  }
+
+  const Flags& f_;
+  const RunPlan& plan_;
+  Engine* const engine_;
+  GptTrainer* const trainer_;
+  const int64_t first_step_;
+  const int accum_;  // micro-steps per optimizer step
+  const int tokens_per_micro_;
+  const double flops_per_token_;
+  const int log_every_;
+  const int warmup_;                       // steps of linear learning-rate warmup
+  const bool tty_;                         // progress on a terminal
+  const double state_bytes_per_param_;     // master + states as stored
+  std::vector<int32_t> tokens_, targets_;  // one micro-step's batch
+};
+
+// The final checkpoint, unless --save-every just wrote it or no step ran.
+int SaveFinalCheckpoint(const Flags& f, const RunPlan& plan, Engine* engine, int64_t first_step) {
+  if (f.checkpoint_dir.empty() || (f.save_every != 0 && f.steps % f.save_every == 0) ||
+      f.steps <= first_step) {
+    return 0;
+  }
+  if (Status s = SaveCheckpoint(f.checkpoint_dir, plan.model, f.seed, engine); !s.ok()) {
+    return Fail("saving the final checkpoint to " + f.checkpoint_dir, s);
+  }
+  return 0;
+}
+
+// The summary table on the progress stream and the JSON line on stdout: medians over the
+// steps after the first (which pays for warm-up), and the parameters' checksum, by which two
+// runs are compared.
+int Report(const Flags& f, const RunPlan& plan, GptTrainer* trainer, int64_t first_step,
+           const TrainLog& log) {
+  Result<uint64_t> checksum = trainer->ParamChecksum();
+  if (!checksum.ok()) return Fail("checksumming the parameters", checksum.status());
+  const std::vector<StepRow>& rows = log.rows;
+  auto median = [&](auto field) {
+    std::vector<double> v;
+    for (size_t i = rows.size() > 1 ? 1 : 0; i < rows.size(); ++i) v.push_back(field(rows[i]));
+    if (v.empty()) return 0.0;
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const double tok_s = median([](const StepRow& r) { return r.tokens_per_s; });
+  const double tflops = median([](const StepRow& r) { return r.tflops; });
+  const double overlap = median([](const StepRow& r) { return r.overlap; });
+  const double rgbps = median([](const StepRow& r) { return r.read_gbps; });
+  const double wgbps = median([](const StepRow& r) { return r.write_gbps; });
+  const double stall = median([](const StepRow& r) { return r.stall; });
+  const bool ran = !rows.empty();
+  if (!ran) {
+    std::fprintf(out, "  no step to run: resumed at step %" PRId64 ", --steps is %d\n", first_step,
+                 f.steps);
+  }
+  const uint64_t rss = PeakRssBytes();
+  char hash[17];
+  std::snprintf(hash, sizeof(hash), "%016" PRIx64, *checksum);
+  const GptConfig& model = plan.model;
+  std::fprintf(out,
+               "\n  %-22s %s\n  %-22s %.4f -> %.4f\n  %-22s %.0f\n  %-22s %.3f\n"
+               "  %-22s %.2f / %.2f GB/s\n  %-22s %.2f\n  %-22s %.2f s\n  %-22s %s\n"
+               "  %-22s %.1f s\n  %-22s %s\n",
+               "parameters", std::to_string(plan.params).c_str(), "loss (first -> last)",
+               ran ? log.loss_first : NAN, ran ? log.loss_last : NAN, "tokens/s (median)", tok_s,
+               "model TFLOPS", tflops, "NVMe read / write", rgbps, wgbps, "overlap efficiency",
+               overlap, "stall per step", stall, "peak RSS", FormatBytes(rss).c_str(), "train time",
+               log.total_seconds, "param checksum", hash);
+  nlohmann::json j = {
+      {"model", model.name},
+      {"params", plan.params},
+      {"layers", model.layers},
+      {"d_model", model.d_model},
+      {"steps", f.steps},
+      {"first_step", first_step},
+      {"batch", f.batch},
+      {"seq", f.seq},
+      // null when no step ran (a resume at or past --steps): there is no loss to report.
+      {"loss_first", ran ? nlohmann::json(log.loss_first) : nlohmann::json(nullptr)},
+      {"loss_last", ran ? nlohmann::json(log.loss_last) : nlohmann::json(nullptr)},
+      {"tokens_per_s", tok_s},
+      {"model_tflops", tflops},
+      {"nvme_read_gbps", rgbps},
+      {"nvme_write_gbps", wgbps},
+      {"nvme_read_bytes", log.read_bytes},
+      {"nvme_write_bytes", log.write_bytes},
+      {"overlap_efficiency", overlap},
+      {"stall_seconds", stall},
+      {"train_seconds", log.total_seconds},
+      {"peak_rss_bytes", rss},
+      {"param_checksum", hash},
+      {"param_tier", TierName(plan.config.offload_param.tier)},
+      {"optimizer_tier", TierName(plan.config.offload_optimizer.tier)},
+      {"optimizer_state_dtype", StateTypeName(plan.config.optimizer_state_type)},
+      {"state_bytes_per_param", StateBytesPerParam(plan.config)},
+  };
+  std::printf("%s\n", j.dump().c_str());
+  return 0;
+}
+
+}  // namespace
+
+int TrainAndReport(const Flags& f, const RunPlan& plan, const Session& s, int64_t first_step) {
+  TrainLog log;
+  if (int rc = TrainingLoop(f, plan, s, first_step).Run(&log); rc != 0) return rc;
+  if (int rc = SaveFinalCheckpoint(f, plan, s.engine.get(), first_step); rc != 0) return rc;
+  return Report(f, plan, s.trainer.get(), first_step, log);
+}
+
+}  // namespace zinf::train
