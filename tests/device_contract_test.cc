@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/device_test_util.h"
 #include "tests/faulty_device.h"
 #include "zinf/cpu_adam.h"
 #include "zinf/device.h"
@@ -93,59 +94,27 @@ class DeviceContract : public ::testing::TestWithParam<Backend> {
     Result<Stream*> s = device_->CreateStream("contract");
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     stream_ = *s;
+    buffers_.Reset(device_.get(), stream_);
   }
-  void TearDown() override {
-    for (void* p : allocated_) device_->Free(p);
-  }
-
   template <typename T>
   T* Buffer(size_t n) {
-    Result<void*> p = device_->Alloc(std::max<size_t>(n, 1) * sizeof(T));
-    EXPECT_TRUE(p.ok()) << p.status().ToString();
-    if (!p.ok()) return nullptr;
-    allocated_.push_back(*p);
-    return static_cast<T*>(*p);
+    return buffers_.Buffer<T>(n);
   }
-  // A copy reads its source when it runs: Upload waits for it, so the caller may change
-  // `host` right after.
   template <typename T>
   T* Upload(const std::vector<T>& host) {
-    T* d = Buffer<T>(host.size());
-    EXPECT_TRUE(device_->CopyHostToDevice(d, host.data(), host.size() * sizeof(T), stream_).ok());
-    EXPECT_TRUE(device_->SynchronizeStream(stream_).ok());
-    return d;
+    return buffers_.Upload(host);
   }
   template <typename T>
   std::vector<T> Download(const T* d, size_t n) {
-    std::vector<T> host(n);
-    EXPECT_TRUE(device_->CopyDeviceToHost(host.data(), d, n * sizeof(T), stream_).ok());
-    Status s = device_->SynchronizeStream(stream_);
-    EXPECT_TRUE(s.ok()) << s.ToString();
-    return host;
+    return buffers_.Download(d, n);
   }
 
   std::unique_ptr<Device> device_;
   Stream* stream_ = nullptr;
-  std::vector<void*> allocated_;
+  testing::DeviceBuffers buffers_;  // after device_: freed before it goes
 };
 
-// A host function that blocks its stream until Open() (deterministic "slow work").
-class Gate {
- public:
-  Gate() : future_(promise_.get_future().share()) {}
-  ~Gate() { Open(); }
-  std::function<void()> Task() const {
-    return [f = future_] { f.wait(); };
-  }
-  void Open() {
-    if (!opened_.exchange(true)) promise_.set_value();
-  }
-
- private:
-  std::promise<void> promise_;
-  std::shared_future<void> future_;
-  std::atomic<bool> opened_{false};
-};
+using testing::Gate;
 
 TEST_P(DeviceContract, CapabilitiesAreConsistent) {
   const DeviceCaps caps = device_->Caps();

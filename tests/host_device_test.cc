@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/device_test_util.h"
 #include "tests/test_util.h"
 #include "zinf/cpu_adam.h"
 #include "zinf/device.h"
@@ -43,23 +44,7 @@ Stream* MustCreateStream(Device* device, const std::string& name) {
   return s.ok() ? *s : nullptr;
 }
 
-// A host task that blocks its stream until Open(): makes "slow work" deterministic.
-class Gate {
- public:
-  Gate() : future_(promise_.get_future().share()) {}
-  ~Gate() { Open(); }  // never leave a stream blocked behind a failed assertion
-  std::function<void()> Task() const {
-    return [f = future_] { f.wait(); };
-  }
-  void Open() {
-    if (!opened_.exchange(true)) promise_.set_value();
-  }
-
- private:
-  std::promise<void> promise_;
-  std::shared_future<void> future_;
-  std::atomic<bool> opened_{false};
-};
+using testing::Gate;
 
 // A flag set by one host task; WaitFor gives up after a while instead of hanging the test.
 // The task shares the flag's state, so it may outlive the Flag.
