@@ -1,14 +1,14 @@
 """Configuration: a dict or a DeepSpeed-style JSON file, parsed by zinf's C++ parser.
 
 Blocks that belong to the Python layer are taken out before the engine's parser sees the
-rest (PYTHON_BLOCKS).
+rest: "scheduler" (DeepSpeed's learning-rate schedules, _schedulers.py).
 """
 import json
 import os
 
 from . import _zinf
 
-PYTHON_BLOCKS = ()
+PYTHON_BLOCKS = ("scheduler",)
 
 
 def config_text(config):

@@ -4,7 +4,7 @@ import warnings
 
 import torch
 
-from . import _zinf
+from . import _schedulers, _zinf
 from ._config import Config
 from ._engine import ZinfEngine
 from ._optim import error
@@ -110,6 +110,10 @@ def build(model, config, device=None, scale_wrt_gas=True, engine_class=ZinfEngin
         torch_device = "cuda:%d" % index
     else:
         raise ZinfError("device %s: cpu or cuda" % device)
+    block = cfg.blocks.get("scheduler")
+    if block is not None:
+        # The config's schedule wins over one passed in (as in DeepSpeed).
+        lr_scheduler = lambda optimizer: _schedulers.from_config(block, optimizer)  # noqa: E731
     engine = engine_class(model, core, torch_device, scale_wrt_gas=scale_wrt_gas,
                           hyper=hyperparameters(cfg), client_optimizer=client_optimizer,
                           lr_scheduler=lr_scheduler, trained=trained)
