@@ -613,6 +613,11 @@ class ActivationSwap {
       if (!s.ok()) LogWarning("closing the activation swap store: " + s.ToString());
     }
   }
+  // Closes the store (its swap files are removed); later calls are refused.
+  void Close() {
+    std::unique_ptr<SwapStore> store = std::move(store_);
+    if (store) WithoutGil([&] { return store->Close(); });
+  }
 
   // A block of at least `bytes` (rounded up to the alignment) as a capsule, or None when the
   // arena has no room now (the caller waits for a transfer and asks again).
@@ -641,23 +646,36 @@ class ActivationSwap {
     return py::capsule(&block->managed, "dltensor", &CapsuleDestructor);
   }
   Ticket Write(const std::string& key, uintptr_t ptr, uint64_t size, uint64_t capacity) {
+    Open();
     return WithoutGil(
         [&] { return store_->Write(key, reinterpret_cast<const void*>(ptr), size, capacity); });
   }
   Ticket Read(const std::string& key, uintptr_t ptr, uint64_t capacity, bool urgent) {
+    Open();
     return WithoutGil(
         [&] { return store_->Read(key, reinterpret_cast<void*>(ptr), capacity, urgent); });
   }
   void Wait(Ticket ticket) {
+    Open();
     WithoutGil([&] { return store_->Wait(ticket); });
   }
-  bool Done(Ticket ticket) const { return store_->Done(ticket); }
-  void Remove(const std::string& key) { Check(store_->Remove(key)); }
-  uint64_t alignment() const { return store_->alignment(); }
+  bool Done(Ticket ticket) {
+    Open();
+    return store_->Done(ticket);
+  }
+  void Remove(const std::string& key) {
+    Open();
+    Check(store_->Remove(key));
+  }
+  uint64_t alignment() {
+    Open();
+    return store_->alignment();
+  }
   uint64_t capacity() const { return arena_->capacity(); }
   uint64_t used() const { return arena_->used(); }
   uint64_t peak_used() const { return arena_->peak_used(); }
-  py::dict Stats() const {
+  py::dict Stats() {
+    Open();
     const SwapStoreStats st = store_->stats();
     py::dict d;
     d["bytes_written"] = st.bytes_written;
@@ -668,6 +686,9 @@ class ActivationSwap {
   }
 
  private:
+  void Open() const {
+    if (!store_) Throw(Status::FailedPrecondition("the activation swap store was closed"));
+  }
   struct Block {
     std::shared_ptr<PinnedArena> arena;  // declared first: outlives the buffer
     PinnedBuffer buffer;
@@ -804,6 +825,7 @@ PYBIND11_MODULE(_zinf, m) {
       .def("done", &ActivationSwap::Done, py::arg("ticket"))
       .def("remove", &ActivationSwap::Remove, py::arg("key"))
       .def("stats", &ActivationSwap::Stats)
+      .def("close", &ActivationSwap::Close)
       .def_property_readonly("alignment", &ActivationSwap::alignment)
       .def_property_readonly("capacity", &ActivationSwap::capacity)
       .def_property_readonly("used", &ActivationSwap::used)

@@ -5,7 +5,6 @@ needs when the machine has it (said in an info line) and refuses only when it do
 save_safetensors writes the persistent buffers (BatchNorm's statistics) and load_safetensors
 reads them back, so an exported model evaluates the same elsewhere.
 """
-import copy
 import json
 import threading
 

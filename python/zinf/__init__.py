@@ -18,8 +18,9 @@ the config's "optimizer"), not torch's. See the README's "Using zinf from PyTorc
 """
 import torch
 
-from . import _deepspeed, _initialize, _zinf
+from . import _deepspeed, _initialize, _zinf, checkpointing
 from ._access import Snapshot, ZinfParameter
+from ._activations import checkpoint
 from ._config import config_text
 from ._deepspeed import DeepSpeedEngine, add_config_arguments, init_distributed
 from ._engine import ZinfEngine, ZinfError
@@ -30,8 +31,8 @@ from ._schedulers import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 __version__ = "0.1.0"
 
 __all__ = ["initialize", "Init", "ZinfEngine", "DeepSpeedEngine", "ZinfError", "ZinfParameter",
-           "Snapshot", "load_safetensors", "save_safetensors", "cuda_available",
-           "add_config_arguments", "init_distributed", "WarmupLR",
+           "Snapshot", "load_safetensors", "save_safetensors", "cuda_available", "checkpoint",
+           "checkpointing", "add_config_arguments", "init_distributed", "WarmupLR",
            "WarmupDecayLR", "WarmupCosineLR", "OneCycle"]
 
 cuda_available = _initialize.cuda_available
@@ -52,7 +53,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
 
     config: a dict, the path of a DeepSpeed-style JSON file, or None (defaults: parameters and
       optimizer states in memory, AdamW). The same keys as zinf-train's --config, plus the
-      Python layer's "scheduler" block (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle).
+      Python layer's "scheduler" (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle) and
+      "activation_checkpointing" (zinf.checkpoint) blocks.
     device: "cpu" (zinf's host device: the model computes on the CPU), "cuda" / "cuda:N"
       (the engine on that GPU, ordered against torch's current stream), or None (cuda when
       zinf and torch both see a GPU, else cpu).

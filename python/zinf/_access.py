@@ -29,7 +29,7 @@ import weakref
 
 import torch
 
-from ._autograd import ChainedHooks, innermost
+from ._autograd import ChainedHooks
 from ._optim import error
 
 _DISABLE = torch._C.DisableTorchFunction

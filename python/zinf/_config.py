@@ -1,14 +1,15 @@
 """Configuration: a dict or a DeepSpeed-style JSON file, parsed by zinf's C++ parser.
 
-Blocks that belong to the Python layer are taken out before the engine's parser sees the
-rest: "scheduler" (DeepSpeed's learning-rate schedules, _schedulers.py).
+Two blocks belong to the Python layer and are taken out before the engine's parser sees the
+rest: "scheduler" (DeepSpeed's learning-rate schedules, _schedulers.py) and
+"activation_checkpointing" (zinf.checkpoint, _activations.py).
 """
 import json
 import os
 
 from . import _zinf
 
-PYTHON_BLOCKS = ("scheduler",)
+PYTHON_BLOCKS = ("scheduler", "activation_checkpointing")
 
 
 def config_text(config):

@@ -4,7 +4,7 @@ import warnings
 
 import torch
 
-from . import _schedulers, _zinf
+from . import _activations, _schedulers, _zinf
 from ._config import Config
 from ._engine import ZinfEngine
 from ._optim import error
@@ -114,10 +114,14 @@ def build(model, config, device=None, scale_wrt_gas=True, engine_class=ZinfEngin
     if block is not None:
         # The config's schedule wins over one passed in (as in DeepSpeed).
         lr_scheduler = lambda optimizer: _schedulers.from_config(block, optimizer)  # noqa: E731
+    activations = _activations.Settings.from_config(cfg.blocks.get("activation_checkpointing"),
+                                                    cfg.summary["nvme_paths"])
     engine = engine_class(model, core, torch_device, scale_wrt_gas=scale_wrt_gas,
                           hyper=hyperparameters(cfg), client_optimizer=client_optimizer,
                           lr_scheduler=lr_scheduler, trained=trained)
     if stream is not None:
         engine._stream = stream
     engine.config = cfg
+    if activations is not None:
+        _activations.configure(activations, engine)
     return engine
