@@ -84,9 +84,8 @@ Result<PinnedPlan> PlanPinnedMemory(const Layout& layout, const EngineConfig& co
   return plan;
 }
 
-Result<uint64_t> PinnedBytesNeeded(const EngineConfig& config,
-                                   const std::vector<ParamSpec>& params, int world_size,
-                                   bool device_is_host) {
+Result<uint64_t> PinnedBytesNeeded(const EngineConfig& config, const std::vector<ParamSpec>& params,
+                                   int world_size, bool device_is_host) {
   if (world_size < 1) return Status::InvalidArgument("PinnedBytesNeeded: world_size must be >= 1");
   // The layout the engine builds for these parameters (Engine::Impl and RegisterParameter),
   // planned under an unlimited budget: what the plan takes is what the budget must hold.

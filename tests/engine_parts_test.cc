@@ -173,8 +173,8 @@ TEST(PinnedPlanTest, PinnedBytesNeededIsWhatThePlanTakes) {
   c.sub_group_size = 4096;
   c.param_persistence_threshold = 1000;
   std::vector<ParamSpec> specs;
-  for (const auto& [name, n] : std::vector<std::pair<std::string, int64_t>>{
-           {"a", 5000}, {"b", 100}, {"c", 9000}}) {
+  for (const auto& [name, n] :
+       std::vector<std::pair<std::string, int64_t>>{{"a", 5000}, {"b", 100}, {"c", 9000}}) {
     ParamSpec s;
     s.name = name;
     s.shape = {n};

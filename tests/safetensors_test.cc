@@ -298,8 +298,8 @@ TEST(SafetensorsEngine, HostTensorsAreWrittenAfterTheParametersAsTheyAre) {
   EXPECT_EQ(back, 7);
   // A name used twice (a buffer named like a parameter) is refused before anything is written.
   extra[0].name = "m.1";
-  s = SaveFromEngine(src.engine.get(), src.Mapping(), dir.path() + "/twice", 2500, DType::kF32,
-                     {}, extra);
+  s = SaveFromEngine(src.engine.get(), src.Mapping(), dir.path() + "/twice", 2500, DType::kF32, {},
+                     extra);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_FALSE(std::filesystem::exists(dir.path() + "/twice"));
 }

@@ -103,9 +103,8 @@ struct EngineHooks {
 // buffers, staging). A trainer can size the budget with it before creating the engine. Reads
 // only each spec's name, shape and trainable flag; InvalidArgument for a parameter
 // RegisterParameter would refuse. `device_is_host`: the host device (Device::IsHost()).
-Result<uint64_t> PinnedBytesNeeded(const EngineConfig& config,
-                                   const std::vector<ParamSpec>& params, int world_size,
-                                   bool device_is_host);
+Result<uint64_t> PinnedBytesNeeded(const EngineConfig& config, const std::vector<ParamSpec>& params,
+                                   int world_size, bool device_is_host);
 
 class Engine {
  public:

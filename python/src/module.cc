@@ -702,9 +702,9 @@ class ActivationSwap {
 // A safetensors dtype by its name in the format ("F32", "I64", ...).
 safetensors::DType ParseDType(const std::string& name) {
   using safetensors::DType;
-  for (DType d : {DType::kBool, DType::kU8, DType::kI8, DType::kF8E5M2, DType::kF8E4M3,
-                  DType::kI16, DType::kU16, DType::kF16, DType::kBF16, DType::kI32, DType::kU32,
-                  DType::kF32, DType::kF64, DType::kI64, DType::kU64}) {
+  for (DType d : {DType::kBool, DType::kU8, DType::kI8, DType::kF8E5M2, DType::kF8E4M3, DType::kI16,
+                  DType::kU16, DType::kF16, DType::kBF16, DType::kI32, DType::kU32, DType::kF32,
+                  DType::kF64, DType::kI64, DType::kU64}) {
     if (name == safetensors::DTypeName(d)) return d;
   }
   Throw(Status::InvalidArgument("safetensors dtype '" + name + "' is not one of the format's"));
@@ -763,11 +763,10 @@ PYBIND11_MODULE(_zinf, m) {
         d["nvme_paths"] = paths;
         d["bf16"] = c.bf16;
         d["lr"] = c.optimizer.lr;
-        d["optimizer_type"] = std::string(c.optimizer.type == OptimizerType::kAdam    ? "Adam"
-                                          : c.optimizer.type == OptimizerType::kAdamW ? "AdamW"
-                                          : c.optimizer.type == OptimizerType::kAdagrad
-                                              ? "Adagrad"
-                                              : "Lion");
+        d["optimizer_type"] = std::string(c.optimizer.type == OptimizerType::kAdam      ? "Adam"
+                                          : c.optimizer.type == OptimizerType::kAdamW   ? "AdamW"
+                                          : c.optimizer.type == OptimizerType::kAdagrad ? "Adagrad"
+                                                                                        : "Lion");
         d["betas"] = py::make_tuple(c.optimizer.beta1, c.optimizer.beta2);
         d["eps"] = c.optimizer.eps;
         d["weight_decay"] = c.optimizer.weight_decay;
@@ -885,10 +884,9 @@ PYBIND11_MODULE(_zinf, m) {
            py::arg("mapping"), py::arg("allow_reshape") = false)
       .def("save_safetensors", &PyEngine::SaveSafetensors, py::arg("dir"), py::arg("mapping"),
            py::arg("shard_bytes"), py::arg("dtype"), py::arg("metadata"),
-           py::arg("extra") = std::vector<
-               std::tuple<std::string, std::string, std::vector<int64_t>, uintptr_t>>{})
-      .def("set_parameter_values", &PyEngine::SetParameterValues, py::arg("ids"),
-           py::arg("fill"))
+           py::arg("extra") =
+               std::vector<std::tuple<std::string, std::string, std::vector<int64_t>, uintptr_t>>{})
+      .def("set_parameter_values", &PyEngine::SetParameterValues, py::arg("ids"), py::arg("fill"))
       .def("set_lr", [](PyEngine& e, float lr) { Check(e.engine().SetLearningRate(lr)); })
       .def_property_readonly("global_step", [](PyEngine& e) { return e.engine().global_step(); })
       .def("param_updates",
