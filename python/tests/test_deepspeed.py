@@ -315,7 +315,8 @@ def test_deepspeed_initialize_returns_its_tuple_and_engine_methods(scratch):
     assert isinstance(engine, zinf.DeepSpeedEngine) and engine.module is model
     assert scheduler is None and isinstance(optimizer, torch.optim.Optimizer)
     assert [len(b[0]) for b in loader] == [4, 4, 2]
-    assert engine.train_micro_batch_size_per_gpu() == 4 and engine.gradient_accumulation_steps() == 1
+    assert engine.train_micro_batch_size_per_gpu() == 4
+    assert engine.gradient_accumulation_steps() == 1
     ids, tgt = next(iter(loader))
     engine.zero_grad()
     engine.backward(engine(ids, tgt))

@@ -1,7 +1,8 @@
 """Threads, buffers and the mistakes a trainer makes, each with what zinf does about it: a
-second thread driving an engine gets one clear error and changes nothing; a backward without engine.step() says to call it; inf/NaN from
-loaded values is not blamed on the learning rate; the pinned budget defaults to what the model
-needs when the machine has it (said in an info line) and refuses only when it does not;
+second thread driving an engine gets one clear error and changes nothing; a backward without
+engine.step() says to call it; inf/NaN from loaded values is not blamed on the learning rate;
+the pinned budget defaults to what the model needs when the machine has it (said in an info
+line) and refuses only when it does not;
 save_safetensors writes the persistent buffers (BatchNorm's statistics) and load_safetensors
 reads them back, so an exported model evaluates the same elsewhere.
 """

@@ -475,7 +475,7 @@ class ZinfEngine:
         while self._stack:
             self._close_frame(self._stack.pop())
 
-    # ---- Autograd ---------------------------------------------------------------------------------
+    # ---- Autograd -------------------------------------------------------------------------------
 
     def _pack(self, t):
         """A reference for a saved tensor in a parameter's memory; None for anything else."""
