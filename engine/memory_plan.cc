@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "zinf/engine.h"
 #include "zinf/io.h"
 #include "zinf/log.h"
 #include "zinf/runtime.h"
@@ -154,6 +155,26 @@ Status CheckFeasible(const EngineConfig& config, const DeviceCaps& caps, int wor
     }
   }
   return Status::OK();
+}
+
+Result<uint64_t> PinnedBytesNeeded(const EngineConfig& config, const std::vector<ParamSpec>& params,
+                                   int world_size, bool device_is_host) {
+  if (world_size < 1) return Status::InvalidArgument("PinnedBytesNeeded: world_size must be >= 1");
+  // The layout the engine builds for these parameters (Engine::Impl and RegisterParameter),
+  // planned under an unlimited budget: what the plan takes is what the budget must hold.
+  Layout layout(world_size, config.bf16 ? 2 : 4, config.optimizer_state_type);
+  for (const ParamSpec& spec : params) {
+    ZINF_ASSIGN_OR_RETURN(ParamLayout p, layout.Describe(spec.name, spec.shape, spec.trainable,
+                                                         config.param_persistence_threshold));
+    layout.Add(std::move(p));
+  }
+  if (layout.num_params() == 0) return uint64_t{0};
+  layout.Freeze(config.sub_group_size, config.offload_optimizer.tier,
+                config.offload_optimizer.ratio);
+  EngineConfig unlimited = config;
+  unlimited.pinned_budget_bytes = UINT64_MAX;
+  ZINF_ASSIGN_OR_RETURN(PinnedPlan plan, PlanPinnedMemory(layout, unlimited, device_is_host));
+  return plan.fixed + plan.grads_min;
 }
 
 Status CheckNvmePaths(const std::vector<std::string>& paths,

@@ -331,7 +331,8 @@ Status LoadIntoEngine(Engine* engine, const Checkpoint& ckpt,
 
 Status SaveFromEngine(Engine* engine, const std::vector<std::pair<ParamId, std::string>>& mapping,
                       const std::string& dir, uint64_t shard_bytes, DType dtype,
-                      const std::map<std::string, std::string>& metadata) {
+                      const std::map<std::string, std::string>& metadata,
+                      const std::vector<HostTensor>& extra) {
   namespace fs = std::filesystem;
   if (engine == nullptr) return Status::InvalidArgument("SaveFromEngine: no engine");
   if (dtype != DType::kF32 && dtype != DType::kBF16) {
@@ -340,7 +341,8 @@ Status SaveFromEngine(Engine* engine, const std::vector<std::pair<ParamId, std::
   }
   if (shard_bytes == 0) return Status::InvalidArgument("the shard size must be positive");
   const size_t esize = DTypeSize(dtype);
-  // Shards: consecutive tensors up to shard_bytes of data each.
+  // Shards: consecutive tensors up to shard_bytes of data each. Entry i < mapping.size() is
+  // a parameter, the rest are the `extra` host tensors.
   struct Shard {
     std::vector<size_t> entries;
     uint64_t bytes = 0;
@@ -348,16 +350,32 @@ Status SaveFromEngine(Engine* engine, const std::vector<std::pair<ParamId, std::
   std::vector<Shard> shards;
   std::set<std::string> names;
   size_t largest = 0;
-  for (size_t i = 0; i < mapping.size(); ++i) {
-    const auto& [id, name] = mapping[i];
-    if (id >= engine->num_params()) {
-      return Status::InvalidArgument("unknown parameter id " + std::to_string(id));
+  auto numel_of = [](const std::vector<int64_t>& shape) {
+    uint64_t n = 1;
+    for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+    return n;
+  };
+  for (const HostTensor& t : extra) {
+    for (int64_t d : t.shape) {
+      if (d < 0) return Status::InvalidArgument("tensor '" + t.name + "': a negative dimension");
+    }
+    if (t.data == nullptr && numel_of(t.shape) > 0) {
+      return Status::InvalidArgument("tensor '" + t.name + "': no data");
+    }
+  }
+  for (size_t i = 0; i < mapping.size() + extra.size(); ++i) {
+    const bool param = i < mapping.size();
+    const std::string& name = param ? mapping[i].second : extra[i - mapping.size()].name;
+    if (param && mapping[i].first >= engine->num_params()) {
+      return Status::InvalidArgument("unknown parameter id " + std::to_string(mapping[i].first));
     }
     if (name.empty() || name == "__metadata__" || !names.insert(name).second) {
       return Status::InvalidArgument("tensor name '" + name + "' is empty, reserved or repeated");
     }
-    const uint64_t bytes = engine->param(id).numel * esize;
-    largest = std::max<size_t>(largest, engine->param(id).numel);
+    const HostTensor* host = param ? nullptr : &extra[i - mapping.size()];
+    const uint64_t bytes = param ? engine->param(mapping[i].first).numel * esize
+                                 : numel_of(host->shape) * DTypeSize(host->dtype);
+    if (param) largest = std::max<size_t>(largest, engine->param(mapping[i].first).numel);
     if (shards.empty() ||
         (shards.back().bytes + bytes > shard_bytes && !shards.back().entries.empty())) {
       shards.emplace_back();
@@ -394,6 +412,15 @@ Status SaveFromEngine(Engine* engine, const std::vector<std::pair<ParamId, std::
       header["__metadata__"][kExportMarker] = "1";
       uint64_t at = 0;
       for (size_t i : shards[k].entries) {
+        if (i >= mapping.size()) {
+          const HostTensor& t = extra[i - mapping.size()];
+          const uint64_t bytes = numel_of(t.shape) * DTypeSize(t.dtype);
+          header[t.name] = {{"dtype", DTypeName(t.dtype)},
+                            {"shape", t.shape},
+                            {"data_offsets", {at, at + bytes}}};
+          at += bytes;
+          continue;
+        }
         const ParamInfo& p = engine->param(mapping[i].first);
         header[mapping[i].second] = {{"dtype", DTypeName(dtype)},
                                      {"shape", p.shape},
@@ -418,6 +445,14 @@ Status SaveFromEngine(Engine* engine, const std::vector<std::pair<ParamId, std::
     }
     uint64_t at = data_start;
     for (size_t i : shards[k].entries) {
+      if (i >= mapping.size()) {
+        const HostTensor& t = extra[i - mapping.size()];
+        const uint64_t bytes = numel_of(t.shape) * DTypeSize(t.dtype);
+        if (!writer || !local.ok()) continue;
+        if (bytes > 0) local = PwriteAll(out.fd(), t.data, bytes, at, out.tmp());
+        at += bytes;
+        continue;
+      }
       const auto& [id, name] = mapping[i];
       const size_t n = engine->param(id).numel;
       // Collective: every rank gathers, whatever happened to rank 0's file.
@@ -441,7 +476,11 @@ Status SaveFromEngine(Engine* engine, const std::vector<std::pair<ParamId, std::
     index["metadata"] = {{"total_size", total}};
     index["weight_map"] = json::object();
     for (size_t k = 0; k < shards.size(); ++k) {
-      for (size_t i : shards[k].entries) index["weight_map"][mapping[i].second] = files[k];
+      for (size_t i : shards[k].entries) {
+        const std::string& name =
+            i < mapping.size() ? mapping[i].second : extra[i - mapping.size()].name;
+        index["weight_map"][name] = files[k];
+      }
     }
     AtomicFile out;
     std::string text;

@@ -161,6 +161,39 @@ TEST(PinnedPlanTest, StreamingAccumulatorsGetWhatTheBudgetLeaves) {
   EXPECT_EQ(plan->grad_blocks, 2u);
 }
 
+TEST(PinnedPlanTest, PinnedBytesNeededIsWhatThePlanTakes) {
+  // The same three parameters through the public function: its answer is the plan's least
+  // need, so a budget of exactly that passes and one byte less is refused.
+  EngineConfig c;
+  c.offload_param.tier = Tier::kNvme;
+  c.offload_optimizer.tier = Tier::kNvme;
+  c.offload_optimizer.buffer_count = 4;
+  c.prefetch_bucket_size = 1000;
+  c.gradient_accumulation_steps = 2;
+  c.sub_group_size = 4096;
+  c.param_persistence_threshold = 1000;
+  std::vector<ParamSpec> specs;
+  for (const auto& [name, n] :
+       std::vector<std::pair<std::string, int64_t>>{{"a", 5000}, {"b", 100}, {"c", 9000}}) {
+    ParamSpec s;
+    s.name = name;
+    s.shape = {n};
+    specs.push_back(s);
+  }
+  Result<uint64_t> need = PinnedBytesNeeded(c, specs, 1, /*device_is_host=*/true);
+  ASSERT_TRUE(need.ok()) << need.status().ToString();
+  EXPECT_EQ(*need, 4 * 122880u + 4 * 36864u + 4096u + (6144u + 2048u + 10240u) * 4);
+  Layout l = ThreeParams(1);
+  l.Freeze(4096, Tier::kNvme, 1.0);
+  c.pinned_budget_bytes = *need;
+  EXPECT_TRUE(PlanPinnedMemory(l, c, true).ok());
+  c.pinned_budget_bytes = *need - 1;
+  EXPECT_EQ(PlanPinnedMemory(l, c, true).status().code(), StatusCode::kResourceExhausted);
+  // A parameter RegisterParameter would refuse is refused here too.
+  specs[1].shape = {0};
+  EXPECT_EQ(PinnedBytesNeeded(c, specs, 1, true).status().code(), StatusCode::kInvalidArgument);
+}
+
 // What each rank holds -> the commit all resume at. Each row: per rank (last step, lineage,
 // previous step, lineage); the expected step (-1: refused) and which ranks go back to their
 // previous commit.

@@ -265,6 +265,45 @@ TEST(SafetensorsEngine, ExportShardsAndLoadBackExactly) {
   EXPECT_EQ(got, want);
 }
 
+TEST(SafetensorsEngine, HostTensorsAreWrittenAfterTheParametersAsTheyAre) {
+  // A model's buffers: an F32 running mean and an I64 counter, in the shard after the last
+  // parameter; the header keeps their dtypes and the bytes are the ones given.
+  TempDir dir;
+  Rig src(dir.path());
+  const std::string out = dir.path() + "/export";
+  std::vector<float> mean = {0.5f, -1.25f, 3.0f};
+  int64_t count = 7;
+  std::vector<HostTensor> extra = {{"bn.running_mean", DType::kF32, {3}, mean.data()},
+                                   {"bn.num_batches_tracked", DType::kI64, {}, &count}};
+  Status s = SaveFromEngine(src.engine.get(), src.Mapping(), out, 2500, DType::kF32, {}, extra);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  Result<Checkpoint> ck = OpenCheckpoint(out);
+  ASSERT_TRUE(ck.ok()) << ck.status().ToString();
+  const TensorInfo& m = ck->tensors.at("bn.running_mean");
+  const TensorInfo& c = ck->tensors.at("bn.num_batches_tracked");
+  EXPECT_EQ(m.dtype, DType::kF32);
+  EXPECT_EQ(c.dtype, DType::kI64);
+  EXPECT_TRUE(c.shape.empty());
+  // After the last parameter: p3 (4,000 bytes) fills a shard, so the buffers get the fourth.
+  EXPECT_EQ(ck->files[m.file].path, out + "/model-00004-of-00004.safetensors");
+  EXPECT_EQ(ck->files[c.file].path, out + "/model-00004-of-00004.safetensors");
+  std::vector<float> got(3);
+  ASSERT_TRUE(ReadTensorF32(*ck, m, got.data()).ok());
+  EXPECT_EQ(got, mean);
+  int64_t back = 0;
+  const int fd = open(ck->files[c.file].path.c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(pread(fd, &back, 8, static_cast<off_t>(c.offset)), 8);
+  close(fd);
+  EXPECT_EQ(back, 7);
+  // A name used twice (a buffer named like a parameter) is refused before anything is written.
+  extra[0].name = "m.1";
+  s = SaveFromEngine(src.engine.get(), src.Mapping(), dir.path() + "/twice", 2500, DType::kF32, {},
+                     extra);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/twice"));
+}
+
 TEST(SafetensorsEngine, BadCheckpointsAreOneErrorAndChangeNothing) {
   TempDir dir;
   Rig src(dir.path());

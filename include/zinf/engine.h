@@ -40,6 +40,15 @@ struct EngineHooks {
   std::function<void(const std::string& folder)> checkpoint_validated;
 };
 
+// The pinned host memory (zinf.pinned_budget_bytes) that an engine with `config` needs for
+// these parameters, in registration order, on `world_size` ranks: what FinishRegistration's
+// plan takes from the budget (cpu-tier partitions, gradient accumulators, optimizer swap
+// buffers, staging). A trainer can size the budget with it before creating the engine. Reads
+// only each spec's name, shape and trainable flag; InvalidArgument for a parameter
+// RegisterParameter would refuse. `device_is_host`: the host device (Device::IsHost()).
+Result<uint64_t> PinnedBytesNeeded(const EngineConfig& config, const std::vector<ParamSpec>& params,
+                                   int world_size, bool device_is_host);
+
 class Engine {
  public:
   // `device` and `comm` must outlive the engine. One engine per rank, each on its own thread.

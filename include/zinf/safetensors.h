@@ -118,8 +118,17 @@ Status LoadIntoEngine(Engine* engine, const Checkpoint& ckpt,
 // no index over mixed files, and its shards that the new export does not overwrite are
 // removed at the end. Only rank 0 writes (the others gather with it; with several ranks a
 // write failure is reported by rank 0's call only). Host memory: one tensor at a time.
+// `extra`: tensors in host memory written after the parameters, as they are (their own
+// dtype, little-endian bytes): a model's buffers (BatchNorm's running statistics, counters).
+struct HostTensor {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;  // numel x DTypeSize(dtype) bytes, valid during the call
+};
 Status SaveFromEngine(Engine* engine, const std::vector<std::pair<ParamId, std::string>>& mapping,
                       const std::string& dir, uint64_t shard_bytes, DType dtype,
-                      const std::map<std::string, std::string>& metadata = {});
+                      const std::map<std::string, std::string>& metadata = {},
+                      const std::vector<HostTensor>& extra = {});
 
 }  // namespace zinf::safetensors

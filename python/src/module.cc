@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <unordered_map>
 #include <utility>
@@ -36,6 +37,7 @@
 #include "zinf/engine.h"
 #include "zinf/log.h"
 #include "zinf/safetensors.h"
+#include "zinf/swap.h"
 
 namespace py = pybind11;
 
@@ -209,6 +211,8 @@ class Spill {
   int fd_ = -1;
   uint64_t size_ = 0;
 };
+
+safetensors::DType ParseDType(const std::string& name);
 
 // ---- The engine and what torch holds of it ----------------------------------------------------
 
@@ -489,10 +493,14 @@ class PyEngine {
     WithoutGil(
         [&] { return safetensors::LoadIntoEngine(&engine(), ckpt, mapping, allow_reshape); });
   }
-  void SaveSafetensors(const std::string& dir,
-                       const std::vector<std::pair<ParamId, std::string>>& mapping,
-                       uint64_t shard_bytes, const std::string& dtype,
-                       const std::map<std::string, std::string>& metadata) {
+  // `extra`: (name, safetensors dtype, shape, pointer) of host tensors written after the
+  // parameters as they are (the model's buffers); the caller keeps them alive.
+  void SaveSafetensors(
+      const std::string& dir, const std::vector<std::pair<ParamId, std::string>>& mapping,
+      uint64_t shard_bytes, const std::string& dtype,
+      const std::map<std::string, std::string>& metadata,
+      const std::vector<std::tuple<std::string, std::string, std::vector<int64_t>, uintptr_t>>&
+          extra) {
     CheckUsable();
     Drain();
     safetensors::DType d = safetensors::DType::kF32;
@@ -501,9 +509,48 @@ class PyEngine {
     } else if (dtype != "F32") {
       Throw(Status::InvalidArgument("export dtype " + dtype + ": F32 or BF16"));
     }
+    std::vector<safetensors::HostTensor> host;
+    for (const auto& [name, type, shape, ptr] : extra) {
+      safetensors::HostTensor t;
+      t.name = name;
+      t.dtype = ParseDType(type);
+      t.shape = shape;
+      t.data = reinterpret_cast<const void*>(ptr);
+      host.push_back(std::move(t));
+    }
     WithoutGil([&] {
-      return safetensors::SaveFromEngine(&engine(), mapping, dir, shard_bytes, d, metadata);
+      return safetensors::SaveFromEngine(&engine(), mapping, dir, shard_bytes, d, metadata, host);
     });
+  }
+
+  // Replaces the values of parameters `ids` between optimizer steps (Engine::SetParameterValues):
+  // `fill(id, ptr)` writes the parameter's numel fp32 values at ptr. A Python exception in
+  // `fill` is raised again here; the caller checks its sources first (a fill failing after a
+  // sub-group was written stops the engine, as the C++ contract says).
+  void SetParameterValues(const std::vector<ParamId>& ids, const py::function& fill) {
+    CheckUsable();
+    Drain();
+    std::unique_ptr<py::error_already_set> raised;
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = engine().SetParameterValues(ids, [&](ParamId id, float* data) -> Status {
+        py::gil_scoped_acquire gil;
+        try {
+          fill(id, reinterpret_cast<uintptr_t>(data));
+        } catch (py::error_already_set& e) {
+          if (!raised) raised = std::make_unique<py::error_already_set>(std::move(e));
+          return Status::InvalidArgument("the Python values could not be produced");
+        }
+        return Status::OK();
+      });
+    }
+    if (raised && !s.ok() && failed_.ok()) {
+      // Nothing changed unless the engine says it stopped (then the next call reports it).
+      raised->restore();
+      throw py::error_already_set();
+    }
+    Check(s);
   }
 
   py::dict Param(ParamId id) {
@@ -535,6 +582,133 @@ class PyEngine {
   std::vector<std::string> warnings_;
   Status failed_;
 };
+
+// ---- Saved activations on NVMe (zinf.checkpoint with nvme_checkpointing) ----------------------
+
+// A pinned arena (the staging budget) and a swap store of its own in a folder the caller
+// made: zinf.checkpoint writes each segment's boundary activations through it in forward and
+// reads them back ahead of use in backward. Blocks of the arena reach torch as DLPack uint8
+// tensors; a block returns to the arena when torch frees the tensor. Thread-safe (the store
+// and the arena are).
+class ActivationSwap {
+ public:
+  ActivationSwap(const std::vector<std::string>& paths, uint64_t buffer_bytes,
+                 const std::string& backend, uint32_t block_size, uint32_t queue_depth) {
+    PinnedArenaOptions ao;
+    ao.bytes = buffer_bytes;
+    arena_ = std::shared_ptr<PinnedArena>(Take(PinnedArena::Create(ao)));
+    SwapStoreOptions so;
+    so.paths = paths;
+    so.remove_on_close = true;
+    so.backend = Take(ParseIoBackendKind(backend));
+    so.backend_options.queue_depth = queue_depth;
+    so.block_size = block_size;
+    so.chunk_size = std::max<uint64_t>(RoundUp(block_size, 4096), 4096);
+    so.registered_regions = {arena_->region()};
+    store_ = Take(SwapStore::Open(so));
+  }
+  ~ActivationSwap() {
+    if (store_) {
+      Status s = store_->Close();
+      if (!s.ok()) LogWarning("closing the activation swap store: " + s.ToString());
+    }
+  }
+  // Closes the store (its swap files are removed); later calls are refused.
+  void Close() {
+    std::unique_ptr<SwapStore> store = std::move(store_);
+    if (store) WithoutGil([&] { return store->Close(); });
+  }
+
+  // A block of at least `bytes` (rounded up to the alignment) as a capsule, or None when the
+  // arena has no room now (the caller waits for a transfer and asks again).
+  py::object Buffer(uint64_t bytes) {
+    Result<PinnedBuffer> got = arena_->Allocate(std::max<uint64_t>(bytes, 1));
+    if (!got.ok()) {
+      if (got.status().code() == StatusCode::kResourceExhausted) return py::none();
+      Throw(got.status());
+    }
+    auto* block = new Block;
+    block->arena = arena_;
+    block->buffer = std::move(got).value();
+    block->shape[0] = static_cast<int64_t>(block->buffer.capacity());
+    DLTensor& t = block->managed.dl_tensor;
+    t.data = block->buffer.data();
+    t.device = {1, 0};
+    t.ndim = 1;
+    t.dtype = DLDataType{1, 8, 1};  // kDLUInt
+    t.shape = block->shape;
+    t.strides = nullptr;
+    t.byte_offset = 0;
+    block->managed.manager_ctx = block;
+    block->managed.deleter = [](DLManagedTensor* self) {
+      delete static_cast<Block*>(self->manager_ctx);  // the block returns to the arena
+    };
+    return py::capsule(&block->managed, "dltensor", &CapsuleDestructor);
+  }
+  Ticket Write(const std::string& key, uintptr_t ptr, uint64_t size, uint64_t capacity) {
+    Open();
+    return WithoutGil(
+        [&] { return store_->Write(key, reinterpret_cast<const void*>(ptr), size, capacity); });
+  }
+  Ticket Read(const std::string& key, uintptr_t ptr, uint64_t capacity, bool urgent) {
+    Open();
+    return WithoutGil(
+        [&] { return store_->Read(key, reinterpret_cast<void*>(ptr), capacity, urgent); });
+  }
+  void Wait(Ticket ticket) {
+    Open();
+    WithoutGil([&] { return store_->Wait(ticket); });
+  }
+  bool Done(Ticket ticket) {
+    Open();
+    return store_->Done(ticket);
+  }
+  void Remove(const std::string& key) {
+    Open();
+    Check(store_->Remove(key));
+  }
+  uint64_t alignment() {
+    Open();
+    return store_->alignment();
+  }
+  uint64_t capacity() const { return arena_->capacity(); }
+  uint64_t used() const { return arena_->used(); }
+  uint64_t peak_used() const { return arena_->peak_used(); }
+  py::dict Stats() {
+    Open();
+    const SwapStoreStats st = store_->stats();
+    py::dict d;
+    d["bytes_written"] = st.bytes_written;
+    d["bytes_read"] = st.bytes_read;
+    d["file_bytes"] = st.file_bytes;
+    d["tensors"] = st.tensors;
+    return d;
+  }
+
+ private:
+  void Open() const {
+    if (!store_) Throw(Status::FailedPrecondition("the activation swap store was closed"));
+  }
+  struct Block {
+    std::shared_ptr<PinnedArena> arena;  // declared first: outlives the buffer
+    PinnedBuffer buffer;
+    int64_t shape[1] = {0};
+    DLManagedTensor managed{};
+  };
+  std::shared_ptr<PinnedArena> arena_;
+  std::unique_ptr<SwapStore> store_;
+};
+
+// A safetensors dtype by its name in the format ("F32", "I64", ...).
+safetensors::DType ParseDType(const std::string& name) {
+  using safetensors::DType;
+  for (DType d : {DType::kBool, DType::kU8, DType::kI8, DType::kF8E5M2, DType::kF8E4M3, DType::kI16,
+                  DType::kU16, DType::kF16, DType::kBF16, DType::kI32, DType::kU32, DType::kF32,
+                  DType::kF64, DType::kI64, DType::kU64}) {
+    if (name == safetensors::DTypeName(d)) return d;
+  }
+  Throw(Status::InvalidArgument("safetensors dtype '" + name + "' is not one of the format's"));
+}
 
 py::dict InspectCheckpoint(const safetensors::Checkpoint& ckpt) {
   py::dict out;
@@ -589,6 +763,15 @@ PYBIND11_MODULE(_zinf, m) {
         d["nvme_paths"] = paths;
         d["bf16"] = c.bf16;
         d["lr"] = c.optimizer.lr;
+        d["optimizer_type"] = std::string(c.optimizer.type == OptimizerType::kAdam      ? "Adam"
+                                          : c.optimizer.type == OptimizerType::kAdamW   ? "AdamW"
+                                          : c.optimizer.type == OptimizerType::kAdagrad ? "Adagrad"
+                                                                                        : "Lion");
+        d["betas"] = py::make_tuple(c.optimizer.beta1, c.optimizer.beta2);
+        d["eps"] = c.optimizer.eps;
+        d["weight_decay"] = c.optimizer.weight_decay;
+        d["train_micro_batch_size_per_gpu"] = c.train_micro_batch_size_per_gpu;
+        d["train_batch_size"] = c.train_batch_size;
         d["gradient_accumulation_steps"] = c.gradient_accumulation_steps;
         d["gradient_clipping"] = c.gradient_clipping;
         d["durable"] = c.durable;
@@ -602,6 +785,50 @@ PYBIND11_MODULE(_zinf, m) {
   m.def("parse_byte_size", [](const std::string& text, const std::string& what) {
     return Take(ParseByteSize(text, what));
   });
+
+  m.def(
+      "pinned_bytes_needed",
+      [](const std::string& json,
+         const std::vector<std::tuple<std::string, std::vector<int64_t>, bool>>& params,
+         bool device_is_host) {
+        std::vector<std::string> warnings;
+        EngineConfig c = Take(ParseEngineConfig(json, &warnings));
+        std::vector<ParamSpec> specs;
+        specs.reserve(params.size());
+        for (const auto& [name, shape, trainable] : params) {
+          ParamSpec spec;
+          spec.name = name;
+          spec.shape = shape;
+          spec.trainable = trainable;
+          specs.push_back(std::move(spec));
+        }
+        return Take(PinnedBytesNeeded(c, specs, 1, device_is_host));
+      },
+      py::arg("json"), py::arg("params"), py::arg("device_is_host"),
+      "the pinned host bytes an engine with this config needs for [(name, shape, trainable)]");
+  m.def("log_info", [](const std::string& line) { LogInfo(line); });
+  m.def("log_warning", [](const std::string& line) { LogWarning(line); });
+  m.def("format_bytes", [](uint64_t n) { return FormatBytes(n); });
+
+  py::class_<ActivationSwap, std::shared_ptr<ActivationSwap>>(m, "ActivationSwap")
+      .def(py::init<const std::vector<std::string>&, uint64_t, const std::string&, uint32_t,
+                    uint32_t>(),
+           py::arg("paths"), py::arg("buffer_bytes"), py::arg("backend") = "io_uring",
+           py::arg("block_size") = 1 << 20, py::arg("queue_depth") = 32)
+      .def("buffer", &ActivationSwap::Buffer, py::arg("bytes"))
+      .def("write", &ActivationSwap::Write, py::arg("key"), py::arg("ptr"), py::arg("size"),
+           py::arg("capacity"))
+      .def("read", &ActivationSwap::Read, py::arg("key"), py::arg("ptr"), py::arg("capacity"),
+           py::arg("urgent") = false)
+      .def("wait", &ActivationSwap::Wait, py::arg("ticket"))
+      .def("done", &ActivationSwap::Done, py::arg("ticket"))
+      .def("remove", &ActivationSwap::Remove, py::arg("key"))
+      .def("stats", &ActivationSwap::Stats)
+      .def("close", &ActivationSwap::Close)
+      .def_property_readonly("alignment", &ActivationSwap::alignment)
+      .def_property_readonly("capacity", &ActivationSwap::capacity)
+      .def_property_readonly("used", &ActivationSwap::used)
+      .def_property_readonly("peak_used", &ActivationSwap::peak_used);
 
   py::class_<Spill, std::shared_ptr<Spill>>(m, "Spill")
       .def(py::init<const std::string&>(), py::arg("dir"))
@@ -623,7 +850,16 @@ PYBIND11_MODULE(_zinf, m) {
              auto it = c.tensors.find(name);
              if (it == c.tensors.end()) Throw(Status::NotFound("no tensor '" + name + "'"));
              Check(safetensors::ReadTensorF32(c, it->second, reinterpret_cast<float*>(out)));
-           });
+           })
+      .def(
+          "location",
+          [](const safetensors::Checkpoint& c, const std::string& name) {
+            auto it = c.tensors.find(name);
+            if (it == c.tensors.end()) Throw(Status::NotFound("no tensor '" + name + "'"));
+            return py::make_tuple(c.files[it->second.file].path, it->second.offset,
+                                  it->second.bytes);
+          },
+          "(file, offset, bytes) of a tensor's data (checked against its file's size)");
 
   py::class_<PyEngine>(m, "Engine")
       .def(py::init<const std::string&, const std::string&, int, bool, uintptr_t, uint64_t>(),
@@ -647,7 +883,10 @@ PYBIND11_MODULE(_zinf, m) {
       .def("load_safetensors", &PyEngine::LoadSafetensors, py::arg("checkpoint"),
            py::arg("mapping"), py::arg("allow_reshape") = false)
       .def("save_safetensors", &PyEngine::SaveSafetensors, py::arg("dir"), py::arg("mapping"),
-           py::arg("shard_bytes"), py::arg("dtype"), py::arg("metadata"))
+           py::arg("shard_bytes"), py::arg("dtype"), py::arg("metadata"),
+           py::arg("extra") =
+               std::vector<std::tuple<std::string, std::string, std::vector<int64_t>, uintptr_t>>{})
+      .def("set_parameter_values", &PyEngine::SetParameterValues, py::arg("ids"), py::arg("fill"))
       .def("set_lr", [](PyEngine& e, float lr) { Check(e.engine().SetLearningRate(lr)); })
       .def_property_readonly("global_step", [](PyEngine& e) { return e.engine().global_step(); })
       .def("param_updates",

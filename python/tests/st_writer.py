@@ -66,6 +66,9 @@ def read_file(path):
             t = torch.frombuffer(raw, dtype=torch.int16).view(torch.bfloat16)
         elif info["dtype"] == "F16":
             t = torch.frombuffer(raw, dtype=torch.int16).view(torch.float16)
+        elif info["dtype"] == "I64":
+            t = torch.frombuffer(raw, dtype=torch.int64) if raw else \
+                torch.zeros(0, dtype=torch.int64)
         else:
             raise ValueError(info["dtype"])
         out[name] = t.reshape(info["shape"]).clone()

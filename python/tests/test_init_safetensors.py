@@ -1,10 +1,12 @@
 """zinf.Init and Hugging Face safetensors checkpoints: a model built partition by partition and
 loaded tensor by tensor stays within a bounded host memory; loads are exact; exports round
-trip exactly; a bad checkpoint is one clear error that changes nothing."""
+trip exactly; a bad checkpoint is one clear error that changes nothing; zinf.Init intercepts
+only the modules its own thread builds."""
 import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -207,3 +209,30 @@ def test_init_keeps_constructor_initialisation_and_refuses_later_changes(scratch
     changed.shared.weight.data.fill_(0.5)  # through .data: no version change, still caught
     with pytest.raises(zinf.ZinfError, match="'shared.weight' was changed in place"):
         zinf.initialize(changed, cfg)
+
+
+def test_init_leaves_modules_other_threads_build_alone(scratch):
+    started, go, built = threading.Event(), threading.Event(), {}
+
+    def other_thread():
+        started.set()
+        go.wait()
+        torch.manual_seed(3)
+        built["module"] = torch.nn.Linear(8, 8)
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    started.wait()
+    with zinf.Init(make_config(), spill_dir=scratch) as init:
+        go.set()
+        t.join()  # built while this thread's Init is entered
+        mine = torch.nn.Linear(8, 8)
+    torch.manual_seed(3)
+    want = torch.nn.Linear(8, 8)
+    other = built["module"]
+    assert torch.equal(other.weight, want.weight) and torch.equal(other.bias, want.bias)
+    assert other.weight.stride() == (8, 1), "an ordinary module, with memory of its own"
+    assert init.parameters == 2, "only this thread's Linear was spilled"
+    assert mine.weight.stride() == (0, 0)
+    assert torch.nn.Linear.__init__ is torch.nn.Linear.__dict__["__init__"]
+    assert not hasattr(torch.nn.Linear.__init__, "__wrapped__"), "unpatched after the exit"

@@ -7,73 +7,88 @@
         engine.backward(loss)
         engine.step()
 
+or, for a trainer written for DeepSpeed, `import zinf as deepspeed`:
+
+    engine, optimizer, loader, scheduler = deepspeed.initialize(
+        args=args, model=model, model_parameters=model.parameters())
+
 The parameters, gradients and optimizer states live in zinf's tiers (device, pinned host
 memory, NVMe) as the config says; the optimizer is zinf's (Adam, AdamW, Adagrad or Lion from
 the config's "optimizer"), not torch's. See the README's "Using zinf from PyTorch".
 """
-import warnings
-
 import torch
 
-from . import _zinf
+from . import _deepspeed, _initialize, _zinf, checkpointing
+from ._access import Snapshot, ZinfParameter
+from ._activations import checkpoint
 from ._config import config_text
+from ._deepspeed import DeepSpeedEngine, add_config_arguments, init_distributed
 from ._engine import ZinfEngine, ZinfError
 from ._init import Init
 from ._safetensors import load_safetensors, save_safetensors
+from ._schedulers import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 __version__ = "0.1.0"
 
-__all__ = ["initialize", "Init", "ZinfEngine", "ZinfError", "load_safetensors",
-           "save_safetensors", "cuda_available"]
+__all__ = ["initialize", "Init", "ZinfEngine", "DeepSpeedEngine", "ZinfError", "ZinfParameter",
+           "Snapshot", "load_safetensors", "save_safetensors", "cuda_available", "checkpoint",
+           "checkpointing", "add_config_arguments", "init_distributed", "WarmupLR",
+           "WarmupDecayLR", "WarmupCosineLR", "OneCycle"]
+
+cuda_available = _initialize.cuda_available
 
 
-def cuda_available():
-    """Whether zinf was built with CUDA and sees a device (and torch does too)."""
-    return _zinf.cuda_device_count() > 0 and torch.cuda.is_available()
+def initialize(args=None, model=None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, distributed_port=None, mpu=None,
+               dist_init_required=None, collate_fn=None, config=None, config_params=None,
+               device=None, scale_wrt_gas=True):
+    """Hands a model's parameters to a new zinf engine. Two forms:
 
-
-def initialize(model, config=None, device=None, scale_wrt_gas=True):
-    """Hands `model`'s parameters to a new zinf engine and returns the engine.
+    zinf's:      engine = zinf.initialize(model, config=None, device=None, scale_wrt_gas=True)
+    DeepSpeed's: engine, optimizer, training_dataloader, lr_scheduler = zinf.initialize(
+                     args=None, model=..., optimizer=None, model_parameters=None,
+                     training_data=None, lr_scheduler=None, config=... or config_params=...)
+                 (the model as a keyword, or args first; the config may also come from
+                 args.deepspeed_config). Returns a DeepSpeedEngine.
 
     config: a dict, the path of a DeepSpeed-style JSON file, or None (defaults: parameters and
-      optimizer states in memory, AdamW). The same keys as zinf-train's --config.
+      optimizer states in memory, AdamW). The same keys as zinf-train's --config, plus the
+      Python layer's "scheduler" (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle) and
+      "activation_checkpointing" (zinf.checkpoint) blocks.
     device: "cpu" (zinf's host device: the model computes on the CPU), "cuda" / "cuda:N"
       (the engine on that GPU, ordered against torch's current stream), or None (cuda when
       zinf and torch both see a GPU, else cpu).
     scale_wrt_gas: engine.backward(loss) divides the loss by gradient_accumulation_steps.
+    optimizer (DeepSpeed form): a torch Adam/AdamW/Adagrad (or a factory of the parameters)
+      whose type and hyperparameters zinf's optimizer takes; its param_groups stay the ones a
+      scheduler moves. model_parameters: the parameters to train (others are stored, never
+      stepped). lr_scheduler: a torch scheduler (or a factory of the optimizer), stepped after
+      every optimizer step; a config "scheduler" block wins over it, as in DeepSpeed.
 
-    Every parameter becomes a placeholder until a module that owns it runs inside engine(...);
-    requires_grad=False parameters are stored but never stepped. Model buffers stay in torch,
-    moved to the engine's device.
+    Every parameter becomes a ZinfParameter whose values live in the engine (reads fetch
+    them, writes go through the engine: see _access.py); requires_grad=False parameters are
+    stored but never stepped. Model buffers stay in torch, moved to the engine's device.
     """
-    text = config_text(config)
-    summary = _zinf.parse_config(text)
-    for w in summary["warnings"]:
-        warnings.warn("zinf config: " + w, stacklevel=2)
-    if device is None:
-        device = "cuda" if cuda_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cpu":
-        core = _zinf.Engine(text, "cpu")
-        torch_device = "cpu"
-    elif dev.type == "cuda":
-        if _zinf.cuda_device_count() == 0:
-            raise ZinfError("device %s: zinf was built without CUDA or sees no GPU" % device)
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        budget = summary["device_budget_bytes"]
-        if budget == 0:
-            # Beside torch's caching allocator: a quarter of the GPU unless the config says.
-            budget = torch.cuda.get_device_properties(index).total_memory // 4
-            warnings.warn("zinf: zinf.device_budget_bytes not set; the engine reserves %.1f GiB "
-                          "on cuda:%d (a quarter of the GPU) beside torch's allocator"
-                          % (budget / 2**30, index), stacklevel=2)
-        with torch.cuda.device(index):
-            stream = torch.cuda.current_stream(index).cuda_stream
-        core = _zinf.Engine(text, "cuda", index, True, stream, budget)
-        torch_device = "cuda:%d" % index
-    else:
-        raise ZinfError("device %s: cpu or cuda" % device)
-    engine = ZinfEngine(model, core, torch_device, scale_wrt_gas=scale_wrt_gas)
-    if dev.type == "cuda":
-        engine._stream = stream
-    return engine
+    if isinstance(args, torch.nn.Module):
+        if model is not None and config is None and not isinstance(model, torch.nn.Module):
+            config = model  # initialize(model, config)
+        if isinstance(optimizer, (str, torch.device)) and device is None:
+            device = optimizer  # initialize(model, config, device)
+            optimizer = None
+        if optimizer is not None or model_parameters is not None or training_data is not None \
+                or lr_scheduler is not None:
+            raise TypeError("zinf.initialize(model, config): the optimizer, model_parameters, "
+                            "training_data and lr_scheduler arguments belong to the DeepSpeed "
+                            "form initialize(model=..., ...)")
+        return _initialize.build(args, config if config is not None else config_params, device,
+                                 scale_wrt_gas)
+    if model is None:
+        raise TypeError("zinf.initialize: pass the model: initialize(model, config) or "
+                        "initialize(args=..., model=..., config=...)")
+    return _deepspeed.initialize(args=args, model=model, optimizer=optimizer,
+                                 model_parameters=model_parameters, training_data=training_data,
+                                 lr_scheduler=lr_scheduler, distributed_port=distributed_port,
+                                 mpu=mpu, dist_init_required=dist_init_required,
+                                 collate_fn=collate_fn, config=config,
+                                 config_params=config_params, device=device,
+                                 scale_wrt_gas=scale_wrt_gas)

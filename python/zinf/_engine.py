@@ -3,38 +3,46 @@
 How a parameter is used (every nn.Module that owns parameters gets forward hooks):
 
 - Outside the engine's forward and backward a parameter's data is a placeholder: a tensor of
-  the parameter's shape and dtype over one NaN (stride 0). Shape queries work; computing with
-  it gives NaN; writing to it in place fails.
+  the parameter's shape and dtype over one NaN (stride 0). The parameter is a ZinfParameter:
+  shape queries work, and any other torch call on it reads its real values or writes through
+  the engine (_access.py); nothing computes with the placeholder.
 - Forward: before a module runs, its own parameters are acquired (fetched to the engine's
   device, gathered) and `param.data` becomes a tensor over the engine's memory; after the
   module returns they go back to the placeholder and are released. A parameter read through
   another module (a tied head reading `self.wte.weight`) is acquired on that access and
   released when the module that read it returns.
-- Autograd: inside `engine(...)`, every tensor autograd saves that lies in a parameter's
-  memory (the weight a linear layer saves, a transposed view of it) is saved as a reference
-  to the parameter, not as memory. In backward the reference acquires the parameter again and
-  hands autograd a view of the memory it has now; the parameter is released once every
-  reference to it is gone. So backward always reads the parameter's current memory, never
-  memory the engine has reused.
+- Autograd: while a module of the engine runs with gradients enabled (engine(...), a direct
+  call of the model, a checkpointed segment recomputed in backward), every tensor autograd
+  saves that lies in a parameter's memory (the weight a linear layer saves, a transposed view
+  of it) is saved as a reference to the parameter, not as memory. In backward the reference
+  acquires the parameter again and hands autograd a view of the memory it has now; the
+  parameter is released once every reference to it is gone. So backward always reads the
+  parameter's current memory, never memory the engine has reused. The hooks chain to other
+  saved-tensor hooks (torch.utils.checkpoint, save_on_cpu, zinf.checkpoint): _autograd.py.
 - The engine's memory is released only when torch holds no tensor over it any more (a view
   kept by the trainer keeps it acquired; step() then refuses to run, naming the parameter).
 - Gradients: a parameter's gradient, summed over every use in the backward, goes to the
   engine (reduce-scatter, fp32 accumulators) and `param.grad` is cleared; the optimizer is
-  zinf's, run by step() at accumulation boundaries.
+  zinf's, run by step() at accumulation boundaries. One gradient per parameter per micro-step:
+  a second one (a backward without step()) is refused with what to do.
 - Forward passes without gradients (torch.no_grad(), or eval()) acquire in inference mode:
   they neither record nor invalidate the prefetch trace and may come between steps.
+- One thread drives an engine (the first that calls it); a call from another thread is
+  refused before it changes anything.
 """
 import base64
 import collections
 import io
 import json
-import math
+import threading
 import weakref
 
 import torch
 from torch.utils import dlpack
 
-from . import _zinf
+from . import _autograd, _zinf
+from ._access import ParamAccess, ZinfParameter, base_data, set_base_data, storage_ptr
+from ._optim import ZinfOptimizer, error
 
 ZinfError = _zinf.ZinfError
 
@@ -44,13 +52,6 @@ FLOAT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 def placeholder(shape, dtype, device):
     """A tensor of `shape` over one NaN (stride 0): what a parameter is between uses."""
     return torch.full((), float("nan"), dtype=dtype, device=device).expand(shape)
-
-
-def storage_ptr(t):
-    try:
-        return t.untyped_storage().data_ptr()
-    except AttributeError:  # torch < 2.0
-        return t.storage().data_ptr()
 
 
 def _all_named_parameters(module, prefix=""):
@@ -69,9 +70,9 @@ class _Param:
 
     __slots__ = ("id", "param", "names", "shape", "numel", "dtype", "placeholder", "trainable",
                  "fwd_live", "fwd_holders", "bwd_flat", "saved_refs", "grad_node", "source",
-                 "live_ptr")
+                 "live_ptr", "engine")
 
-    def __init__(self, pid, param, names, dtype, device):
+    def __init__(self, pid, param, names, dtype, device, engine):
         self.id = pid
         self.param = param
         self.names = names
@@ -87,6 +88,7 @@ class _Param:
         self.grad_node = None  # its AccumulateGrad node (kept alive: the hook lives there)
         self.source = None  # its initial values until registration ends
         self.live_ptr = None  # the storage pointer torch sees while acquired
+        self.engine = weakref.ref(engine)
 
 
 class _SavedRef:
@@ -108,6 +110,40 @@ class _SavedRef:
         engine = self.engine()
         if engine is not None and self.p.saved_refs == 0 and self.p.bwd_flat is not None:
             engine._deferred.append(self.p)
+
+
+class _Frame:
+    """A module call in the engine's forward: the parameters it holds, and the saved-tensor
+    hooks it pushed when it was the outermost one."""
+
+    __slots__ = ("params", "hooks")
+
+    def __init__(self):
+        self.params = []
+        self.hooks = None
+
+
+class _Driver:
+    """The one thread that drives an engine: the first to call it, until it ends."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._thread = None
+
+    def check(self, what):
+        current = threading.current_thread()
+        if isinstance(current, threading._DummyThread):
+            return  # a thread torch started (autograd's device threads run our hooks)
+        with self._lock:
+            owner = self._thread
+            if owner is None or owner is current or not owner.is_alive():
+                self._thread = current
+                return
+        raise error("FailedPrecondition",
+                    "%s from thread %r: this zinf engine is driven by thread %r (one thread "
+                    "runs an engine's forward, backward and step; nothing was done). Call it "
+                    "from that thread, or give each thread its own engine"
+                    % (what, current.name, owner.name))
 
 
 def _weak_hook(engine, method):
@@ -143,7 +179,8 @@ class _ParameterDict(collections.OrderedDict):
 class ZinfEngine:
     """A model trained by zinf. Create it with zinf.initialize(model, config)."""
 
-    def __init__(self, model, core, device, scale_wrt_gas=True):
+    def __init__(self, model, core, device, scale_wrt_gas=True, hyper=None,
+                 client_optimizer=None, lr_scheduler=None, trained=None):
         self.module = model
         self.device = torch.device(device)
         self._core = core
@@ -153,20 +190,45 @@ class ZinfEngine:
         self._params = []
         self._by_obj = {}  # id(torch parameter) -> _Param
         self._live = {}  # storage pointer -> _Param (memory currently handed to torch)
-        self._stack = []  # forward frames: parameters each running module call holds
+        self._stack = []  # forward frames (_Frame): the module calls running now
         self._traced = True
         self._deferred = []  # parameters whose last saved reference died
         self._registered = False
         self._closed = False
         self._handles = []
         self._micro = 0
+        self._micro_started = False  # a training forward or a gradient since the last step
+        self._reduced = set()  # parameters that got their gradient in this micro-step
+        self._backwards = 0  # engine.backward calls completed in this micro-step
+        self._in_backward = False  # inside engine.backward's loss.backward()
+        self._losses = []  # this window's losses (detached), looked at only if a step fails
+        self._updates_since_values = 0  # optimizer steps since values were set or loaded
         self._stream = None  # the CUDA stream handle the engine orders against
-        self._register(model)
+        self._driver = _Driver()
+        self._access = ParamAccess(self)
+        self._lr_pushed = None
+        _autograd.install()
+        self._register(model, trained)
         self._install_hooks(model)
+        self._adopt(model)
+        hyper = hyper or {}
+        trainable = [p.param for p in self._params if p.trainable]
+        self.optimizer = ZinfOptimizer(trainable or [self._params[0].param],
+                                       hyper.get("type", "AdamW"), hyper.get("lr", 1e-3),
+                                       hyper.get("betas", (0.9, 0.999)), hyper.get("eps", 1e-8),
+                                       hyper.get("weight_decay", 0.0))
+        if client_optimizer is not None:
+            # One set of groups: a scheduler made on the trainer's own optimizer moves zinf's
+            # learning rate (DeepSpeed's wrapper shares them the same way).
+            self.optimizer.param_groups = client_optimizer.param_groups
+        # A factory (DeepSpeed accepts one) gets the optimizer.
+        self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) else \
+            lr_scheduler
+        self._sync_lr()
 
     # ---- Setup --------------------------------------------------------------------------------
 
-    def _register(self, model):
+    def _register(self, model, trained):
         names = collections.defaultdict(list)
         for name, param in _all_named_parameters(model):
             names[id(param)].append(name)
@@ -175,9 +237,15 @@ class ZinfEngine:
         for name, param in model.named_parameters():
             if getattr(param, "_zinf_engine", None) is not None:
                 raise ZinfError("parameter '%s' already belongs to another zinf engine" % name)
+            if param.__dict__.get("_zinf_rec") is not None:
+                raise error("FailedPrecondition",
+                            "parameter '%s' belonged to a zinf engine that was closed without "
+                            "handing its values back; it holds no values (close the engine "
+                            "with restore=True, or build the model again)" % name)
             if param.dtype not in FLOAT_DTYPES:
                 raise ZinfError("parameter '%s' is %s; zinf manages float32, bfloat16 and "
                                 "float16 parameters" % (name, param.dtype))
+            trainable = param.requires_grad and (trained is None or id(param) in trained)
             spill = getattr(param, "_zinf_spill", None)
             if spill is not None:
                 spill_file, offset, version = spill
@@ -191,7 +259,7 @@ class ZinfEngine:
                         "zinf.Init (its values were already handed to zinf): initialise it in "
                         "its module's constructor, or load values with zinf.load_safetensors"
                         % name)
-                pid = self._core.register(name, list(param.shape), param.requires_grad,
+                pid = self._core.register(name, list(param.shape), trainable,
                                           spill=spill_file, spill_offset=offset)
                 source = None
             else:
@@ -200,9 +268,10 @@ class ZinfEngine:
                     raise ZinfError("parameter '%s' is on the meta device: build the model "
                                     "under zinf.Init (or on the CPU) so it has values" % name)
                 source = source.to("cpu").contiguous()
-                pid = self._core.register(name, list(param.shape), param.requires_grad,
+                pid = self._core.register(name, list(param.shape), trainable,
                                           ptr=source.data_ptr(), dtype=FLOAT_DTYPES[param.dtype])
-            p = _Param(pid, param, names[id(param)], self._dtype, self.device)
+            p = _Param(pid, param, names[id(param)], self._dtype, self.device, self)
+            p.trainable = trainable
             p.source = source
             self._params.append(p)
             self._by_obj[id(param)] = p
@@ -228,11 +297,26 @@ class ZinfEngine:
             self._handles.append(module.register_forward_hook(_weak_hook(self, "_post_hook")))
         with torch.enable_grad():
             for p in self._params:
-                if not p.trainable:
+                if not p.param.requires_grad:
                     continue
                 node = p.param.expand_as(p.param).grad_fn.next_functions[0][0]
                 node.register_hook(self._grad_hook(p))
                 p.grad_node = node
+
+    def _adopt(self, model):
+        """Every managed parameter becomes a ZinfParameter (reads and writes outside the hooks
+        go through _access.py), and model.load_state_dict loads through the engine."""
+        for p in self._params:
+            p.param.__class__ = ZinfParameter
+            p.param._zinf_rec = p
+        access = self._access
+        original = type(model).load_state_dict.__get__(model)
+
+        def load_state_dict(state_dict, strict=True):
+            return access.load_state_dict(original, state_dict, strict)
+
+        load_state_dict.__doc__ = original.__doc__
+        model.__dict__["load_state_dict"] = load_state_dict
 
     def _ensure_registered(self):
         if self._registered:
@@ -242,15 +326,25 @@ class ZinfEngine:
         for p in self._params:
             p.source = None
 
+    def _enter(self, what):
+        """The checks every entry point makes before changing anything."""
+        if self._closed:
+            raise error("FailedPrecondition",
+                        "%s: this zinf engine was closed (its parameters hold no values unless "
+                        "it was closed with restore=True)" % what)
+        self._driver.check(what)
+        self._ensure_registered()
+
+    def _check_open(self):
+        if self._closed:
+            raise error("FailedPrecondition", "this zinf engine was closed")
+        self._driver.check("a call")
+
     # ---- Forward --------------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
-        self._check_open()
-        self._ensure_registered()
+        self._enter("engine(...)")
         try:
-            if torch.is_grad_enabled():
-                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                    return self.module(*args, **kwargs)
             return self.module(*args, **kwargs)
         except BaseException:
             self._unwind()
@@ -263,12 +357,21 @@ class ZinfEngine:
             return
         if module is self.module and self._stack:
             self._unwind()  # a forward that raised left its frames
+        frame = _Frame()
         if not self._stack:
-            self._ensure_registered()
+            self._enter("the model's forward")
             self._flush()
             self._check_parameters()
             self._traced = torch.is_grad_enabled() and self.module.training
-        frame = []
+            if self._traced:
+                self._sync_lr()
+                self._micro_started = True
+            if torch.is_grad_enabled():
+                # Every tensor autograd saves inside this call that lies in a parameter's
+                # memory is saved as a reference (engine(...), a direct call of the model, a
+                # checkpointed segment recomputed in backward).
+                frame.hooks = _autograd.ChainedHooks(self._pack_hook, self._unpack_hook)
+                frame.hooks.__enter__()
         self._stack.append(frame)
         owned = self._direct.get(module)
         if owned:
@@ -279,7 +382,7 @@ class ZinfEngine:
         .half() or .cuda() after initialize would detach them from the gradient hooks), and on a
         GPU torch still computes on the stream the engine orders its copies against."""
         for p in self._params:
-            data = p.param.data
+            data = base_data(p.param)
             if data.dtype != p.dtype or data.device != self.device or data.shape != p.shape:
                 raise ZinfError(
                     "parameter '%s' is now %s on %s, the engine keeps it as %s on %s: the model's "
@@ -296,7 +399,15 @@ class ZinfEngine:
     def _post_hook(self, module, inputs, output):
         if self._closed or not self._stack:
             return
-        self._release_forward(self._stack.pop())
+        self._close_frame(self._stack.pop())
+
+    def _close_frame(self, frame):
+        try:
+            self._release_forward(frame)
+        finally:
+            if frame.hooks is not None:
+                hooks, frame.hooks = frame.hooks, None
+                hooks.__exit__(None, None, None)
 
     def _touch(self, param):
         """A parameter read during forward (through a module's _parameters)."""
@@ -304,24 +415,31 @@ class ZinfEngine:
         if p is not None and p.fwd_live is None:
             self._acquire_forward([p], self._stack[-1])
 
-    def _acquire_forward(self, owned, frame):
+    def _new_frame(self):
+        return _Frame()
+
+    def _acquire_forward(self, owned, frame, inference=None):
+        if inference is None:
+            inference = not self._traced
         need = []
         for p in owned:
             if p.fwd_live is None and p not in need:
                 need.append(p)
         if need:
-            capsules = self._core.acquire([p.id for p in need], inference=not self._traced)
+            if not inference:
+                self._micro_started = True
+            capsules = self._core.acquire([p.id for p in need], inference=inference)
             done = []
             try:
                 for p, capsule in zip(need, capsules):
                     flat = dlpack.from_dlpack(capsule)
                     p.fwd_live = flat.view(p.shape)
-                    p.param.data = p.fwd_live
+                    set_base_data(p.param, p.fwd_live)
                     self._add_live(p, flat)
                     done.append(p)
             except BaseException:
                 for p in done:
-                    p.param.data = p.placeholder
+                    set_base_data(p.param, p.placeholder)
                     p.fwd_live = None
                     self._drop_live(p)
                 del capsules
@@ -329,18 +447,19 @@ class ZinfEngine:
                 raise
         for p in owned:
             p.fwd_holders += 1
-            frame.append(p)
+            frame.params.append(p)
 
     def _release_forward(self, frame):
         done = []
-        for p in frame:
+        for p in frame.params:
             p.fwd_holders -= 1
             if p.fwd_holders == 0:
-                p.param.data = p.placeholder
+                set_base_data(p.param, p.placeholder)
                 p.fwd_live = None
                 if p.bwd_flat is None:
                     self._drop_live(p)
                 done.append(p.id)
+        frame.params = []
         if done:
             self._core.release(done)
 
@@ -354,14 +473,17 @@ class ZinfEngine:
 
     def _unwind(self):
         while self._stack:
-            self._release_forward(self._stack.pop())
+            self._close_frame(self._stack.pop())
 
-    # ---- Autograd ---------------------------------------------------------------------------------
+    # ---- Autograd -------------------------------------------------------------------------------
 
     def _pack(self, t):
-        p = self._live.get(storage_ptr(t)) if t.device == self.device else None
+        """A reference for a saved tensor in a parameter's memory; None for anything else."""
+        if t.device != self.device:
+            return None
+        p = self._live.get(storage_ptr(t))
         if p is None:
-            return t
+            return None
         return _SavedRef(self, p, t)
 
     def _unpack(self, saved):
@@ -378,6 +500,24 @@ class ZinfEngine:
         if saved.dtype != base.dtype:
             base = base.view(saved.dtype)
         return base.as_strided(saved.size, saved.stride, saved.offset)
+
+    @property
+    def _pack_hook(self):
+        hook = _weak_hook(self, "_pack")
+        hook.zinf_engine = weakref.ref(self)
+        return hook
+
+    @property
+    def _unpack_hook(self):
+        return _weak_hook(self, "_unpack")
+
+    def _own_hooks_innermost(self):
+        """Whether the saved-tensor hooks autograd calls now are this engine's."""
+        top = _autograd.innermost()
+        if top is None:
+            return False
+        ref = getattr(getattr(top[0], "zinf_owner", None), "zinf_engine", None)
+        return ref is not None and ref() is self
 
     def _flush(self):
         """Releases the parameters backward no longer needs (their saved references died)."""
@@ -404,9 +544,10 @@ class ZinfEngine:
             self_ = engine()
             if self_ is None or self_._closed:  # the node outlives the engine: torch's again
                 return
-            grad = p.param.grad
-            p.param.grad = None
-            if grad is not None:
+            with torch._C.DisableTorchFunction():
+                grad = p.param.grad
+                p.param.grad = None
+            if grad is not None and p.trainable:
                 self_._reduce(p, grad)
 
         return hook
@@ -418,21 +559,45 @@ class ZinfEngine:
         if grad.shape != p.shape:
             raise ZinfError("parameter '%s': gradient of shape %s for a parameter of shape %s"
                             % (p.names[0], tuple(grad.shape), tuple(p.shape)))
+        if p.id in self._reduced:
+            if self._backwards > 0:
+                cause = ("engine.backward ran %d time(s) since the last engine.step()"
+                         % self._backwards)
+            else:
+                cause = ("two backward passes reached it in this micro-step: loss.backward() "
+                         "called twice, or a reentrant torch.utils.checkpoint segment that shares "
+                         "it with code outside the segment (use_reentrant=False or "
+                         "zinf.checkpoint avoid that)")
+            raise error("FailedPrecondition",
+                        "parameter '%s' got a second gradient in one micro-step (%s): call "
+                        "engine.step() after every backward; to accumulate gradients over "
+                        "several micro-batches, set gradient_accumulation_steps and call "
+                        "backward then step for each (step runs the optimizer at the boundary)"
+                        % (p.names[0], cause))
         g = grad.detach()
         if g.dtype != torch.float32 or g.device != self.device or not g.is_contiguous():
             g = g.to(device=self.device, dtype=torch.float32).contiguous()
+        self._micro_started = True
         self._core.reduce_gradient(p.id, g.data_ptr())
+        self._reduced.add(p.id)
         self._flush()
 
     def backward(self, loss, retain_graph=False):
         """loss.backward(), with the loss divided by gradient_accumulation_steps (gradients are
         summed over an accumulation window; pass scale_wrt_gas=False to initialize to keep the
         loss as is). One backward per micro-step."""
-        self._check_open()
+        self._enter("engine.backward")
+        self._sync_lr()
+        self._losses.append(loss.detach())
         if self._scale_wrt_gas and self._gas > 1:
             loss = loss / self._gas
-        loss.backward(retain_graph=retain_graph)
+        self._in_backward = True
+        try:
+            loss.backward(retain_graph=retain_graph)
+        finally:
+            self._in_backward = False
         self._end_backward()
+        self._backwards += 1
 
     def _end_backward(self):
         self._flush()
@@ -445,11 +610,11 @@ class ZinfEngine:
 
     # ---- Steps --------------------------------------------------------------------------------
 
-    def step(self):
+    def step(self, lr_kwargs=None):
         """Ends a micro-step; at an accumulation boundary zinf's optimizer updates every
-        parameter that got a gradient. Returns the step's statistics (a dict)."""
-        self._check_open()
-        self._ensure_registered()
+        parameter that got a gradient, then the learning-rate scheduler (if any) steps.
+        Returns the step's statistics (a dict)."""
+        self._enter("engine.step")
         self._unwind()
         self._end_backward()
         self._core.drain()
@@ -461,15 +626,88 @@ class ZinfEngine:
                 "forward (a parameter, or a view of it, was kept: in a list, as an output, or by "
                 "a graph built outside engine(...)); zinf cannot update memory torch still "
                 "reads: drop the reference, or keep a .clone()" % names)
-        stray = [p.names[0] for p in self._params if p.param.grad is not None]
+        with torch._C.DisableTorchFunction():
+            stray = [p.names[0] for p in self._params if p.param.grad is not None]
         if stray:
             raise ZinfError(
                 "parameter(s) %s hold a .grad that never reached zinf (the gradient hook is "
                 "detached: was a parameter converted or replaced after zinf.initialize?)"
                 % ", ".join("'%s'" % n for n in stray[:8]))
-        stats = self._core.step()
+        self._sync_lr()
+        try:
+            stats = self._core.step()
+        except ZinfError as e:
+            raise self._explain_step_failure(e) from e
         self._micro += 1
+        self._micro_started = False
+        self._reduced = set()
+        self._backwards = 0
+        if stats["optimizer_ran"]:
+            self._losses = []
+            self._updates_since_values += 1
+            if self.lr_scheduler is not None:
+                # torch's schedulers count optimizer.step() calls and warn when they see none;
+                # zinf's optimizer step ran inside this call.
+                opt = getattr(self.lr_scheduler, "optimizer", None)
+                if opt is not None and hasattr(opt, "_step_count"):
+                    opt._step_count += 1
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+                self._sync_lr()
         return stats
+
+    def _explain_step_failure(self, err):
+        """A failed step with the cause the Python side can tell. The engine's advice for an inf
+        or NaN gradient (lower the learning rate) fits a run that diverged; when no optimizer
+        update has run since the parameters' values were set (initialize, a checkpoint,
+        zinf.load_safetensors, a write) and the loss was already not finite, the learning rate
+        cannot be the cause: the values (or the inputs) are."""
+        if getattr(err, "code", None) != "FailedPrecondition" or self._updates_since_values:
+            return err
+        bad = [i for i, l in enumerate(self._losses) if not bool(torch.isfinite(l).all())]
+        if not bad:
+            return err
+        return error("FailedPrecondition",
+                     "the optimizer step stopped on inf or NaN gradients, and the loss was "
+                     "already %s in micro-step %d of the first optimizer step after the "
+                     "parameters' values were set (zinf.initialize, load_checkpoint, "
+                     "load_safetensors, load_state_dict or a write): no update has run since, so "
+                     "the learning rate is not the cause. The values the model starts from (or "
+                     "its inputs) hold or produce inf/NaN: check what was loaded or written, "
+                     "then recreate the engine (the engine's own message is this error's "
+                     "__cause__)" % (self._losses[bad[0]].item(), bad[0]))
+
+    def _values_set(self):
+        """Parameter values were set or loaded: the next optimizer step is the first on them."""
+        self._updates_since_values = 0
+        self._losses = []
+
+    def _warn_nonfinite(self, p):
+        _zinf.log_warning("parameter '%s' is being set to values that hold inf or NaN; the next "
+                          "optimizer step will stop on them" % p.names[0])
+
+    def _check_writable(self, p, what):
+        if self._stack or self._micro_started or p.fwd_live is not None:
+            raise error("FailedPrecondition",
+                        "parameter '%s': %s during a micro-step (between engine(...) and "
+                        "engine.step()) is refused: the optimizer owns the values then, and the "
+                        "write would be lost; write parameters before the forward or after "
+                        "engine.step() (nothing was written)" % (p.names[0], what))
+
+    def _check_inference_read(self, p):
+        if self._reduced and self.is_gradient_accumulation_boundary():
+            raise error("FailedPrecondition",
+                        "parameter '%s' read after this step's backward began and before "
+                        "engine.step(): the optimizer may be rewriting it; read it after "
+                        "engine.step() (or inside the forward)" % p.names[0])
+
+    def zero_grad(self):
+        """DeepSpeed's engine.zero_grad(): zinf keeps gradients in its own accumulators (an
+        accumulation window's are summed until the optimizer runs, then cleared by it), so
+        this only drops any .grad torch left on a parameter."""
+        self._check_open()
+        with torch._C.DisableTorchFunction():
+            for p in self._params:
+                p.param.grad = None
 
     def is_gradient_accumulation_boundary(self):
         """Whether the next step() ends an accumulation window (runs the optimizer)."""
@@ -477,11 +715,35 @@ class ZinfEngine:
 
     def set_lr(self, lr):
         """The learning rate of the optimizer steps from the next micro-step on."""
-        self._core.set_lr(float(lr))
+        for group in self.optimizer.param_groups:
+            group["lr"] = float(lr)
+        self._sync_lr()
+
+    def get_lr(self):
+        """[the learning rate of the next optimizer step] (DeepSpeed's list shape)."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def _sync_lr(self):
+        """Hands the optimizer groups' learning rate to zinf's optimizer when it changed (a
+        scheduler, or a trainer writing param_groups[i]["lr"])."""
+        lrs = {float(g["lr"]) for g in self.optimizer.param_groups}
+        if len(lrs) != 1:
+            raise error("InvalidArgument",
+                        "the optimizer's param groups hold different learning rates %s; zinf's "
+                        "optimizer has one" % sorted(lrs))
+        lr = lrs.pop()
+        if lr != self._lr_pushed:
+            self._core.set_lr(lr)
+            self._lr_pushed = lr
 
     @property
     def global_step(self):
         """Optimizer steps taken (accumulation boundaries)."""
+        return self._core.global_step
+
+    @property
+    def global_steps(self):
+        """DeepSpeed's name for global_step."""
         return self._core.global_step
 
     def param_updates(self, param):
@@ -507,27 +769,46 @@ class ZinfEngine:
         return out
 
     def save_checkpoint(self, save_dir, client_state=None):
-        """Saves the optimizer states, the step counters, the model's persistent buffers and
-        `client_state` (JSON-serialisable: data position, scheduler state...) into `save_dir`
-        (atomically: the previous checkpoint stays valid until this one is complete)."""
-        self._check_open()
-        self._ensure_registered()
-        buffers = io.BytesIO()
-        torch.save({k: v.detach().cpu() for k, v in self._persistent_buffers().items()}, buffers)
+        """Saves the optimizer states, the step counters, the learning rate and scheduler, the
+        model's persistent buffers and `client_state` (JSON-serialisable: data position...)
+        into `save_dir` (atomically: the previous checkpoint stays valid until this one is
+        complete)."""
+        self._enter("save_checkpoint")
+        self._save(str(save_dir), client_state)
+
+    def _save(self, path, client_state, extra=None):
+        def blob(obj):
+            out = io.BytesIO()
+            torch.save(obj, out)
+            return base64.b64encode(out.getvalue()).decode("ascii")
+
+        doc = {"format": "zinf-python-1", "client_state": client_state,
+               "buffers": blob({k: v.detach().cpu() for k, v in
+                                self._persistent_buffers().items()}),
+               "names": [p.names[0] for p in self._params],
+               "lr": self.get_lr()[0]}
+        if self.lr_scheduler is not None:
+            doc["lr_scheduler"] = blob(self.lr_scheduler.state_dict())
+        doc.update(extra or {})
         try:
-            user = json.dumps({"format": "zinf-python-1", "client_state": client_state,
-                               "buffers": base64.b64encode(buffers.getvalue()).decode("ascii"),
-                               "names": [p.names[0] for p in self._params]})
+            user = json.dumps(doc)
         except (TypeError, ValueError) as e:
             raise ZinfError("save_checkpoint: client_state must be JSON-serialisable (%s)" % e)
-        self._core.save_checkpoint(str(save_dir), user)
+        self._core.save_checkpoint(path, user)
 
     def load_checkpoint(self, load_dir):
         """Restores the newest checkpoint in `load_dir`; returns its client_state."""
-        self._check_open()
-        self._ensure_registered()
-        raw = self._core.load_checkpoint(str(load_dir))
+        self._enter("load_checkpoint")
+        user = self._load(str(load_dir))
+        return None if user is None else user.get("client_state")
+
+    def _load(self, path):
+        raw = self._core.load_checkpoint(path)
+        self._values_set()
         self._micro = self._core.global_step * self._gas
+        self._micro_started = False
+        self._reduced = set()
+        self._backwards = 0
         try:
             user = json.loads(raw.decode("utf-8")) if raw else {}
         except ValueError:
@@ -541,7 +822,15 @@ class ZinfEngine:
                 if name in saved:
                     with torch.no_grad():
                         buf.copy_(saved[name])
-        return user.get("client_state")
+        if self.lr_scheduler is not None and user.get("lr_scheduler"):
+            state = torch.load(io.BytesIO(base64.b64decode(user["lr_scheduler"])),
+                               weights_only=True)
+            self.lr_scheduler.load_state_dict(state)
+        if user.get("lr") is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = user["lr"]
+        self._sync_lr()
+        return user
 
     def resume_from_store(self):
         """With zinf.durable: continue from the swap store's last committed step (instead of
@@ -565,7 +854,7 @@ class ZinfEngine:
 
     def gather(self, param, dtype=torch.float32):
         """A parameter's full fp32 master values (a new CPU tensor, in `dtype`)."""
-        self._ensure_registered()
+        self._enter("gather")
         p = self._managed(param)
         out = torch.empty(p.shape, dtype=torch.float32)
         self._core.gather_master(p.id, out.data_ptr())
@@ -576,8 +865,7 @@ class ZinfEngine:
         `dtype`) on the CPU, tied parameters under each of their names, buffers as they are.
         Holds the whole model in host memory: for large models export with
         zinf.save_safetensors instead."""
-        self._check_open()
-        self._ensure_registered()
+        self._enter("full_state_dict")
         gathered = {}
         out = collections.OrderedDict()
         for key, value in self.module.state_dict(keep_vars=True).items():
@@ -597,22 +885,27 @@ class ZinfEngine:
     def close(self, restore=False):
         """Detaches the hooks and destroys the engine. With `restore`, every parameter first
         gets its fp32 master values back as ordinary torch memory (the whole model in host
-        memory, in the parameter's dtype, on the engine's device), so the model can go on
-        without zinf; otherwise the parameters stay placeholders."""
+        memory, in the parameter's dtype, on the engine's device) and is an ordinary
+        nn.Parameter again, so the model can go on without zinf; otherwise the parameters hold
+        no values (any use of them is refused, naming them)."""
         if self._closed:
             return
+        self._driver.check("close")
         self._unwind()
         self._end_backward()
         if restore:
             self._ensure_registered()
             for p in self._params:
-                p.param.data = self.gather(p.param).to(device=self.device, dtype=p.dtype)
+                set_base_data(p.param, self.gather(p.param).to(device=self.device, dtype=p.dtype))
+                p.param.__class__ = torch.nn.Parameter
+                del p.param._zinf_rec
         for h in self._handles:
             h.remove()
         self._handles = []
         for module in self.module.modules():
             if isinstance(module._parameters, _ParameterDict):
                 module._parameters = collections.OrderedDict(module._parameters.items())
+        self.module.__dict__.pop("load_state_dict", None)
         for p in self._params:
             p.param._zinf_engine = None
         self._closed = True
@@ -625,7 +918,3 @@ class ZinfEngine:
                     h.remove()
         except Exception:  # interpreter shutdown: nothing left to detach
             pass
-
-    def _check_open(self):
-        if self._closed:
-            raise ZinfError("this zinf engine was closed")

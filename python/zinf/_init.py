@@ -11,6 +11,11 @@ a module's constructor is kept. Initialisation run after a constructor returns (
 re-initialises its children, Hugging Face's post_init) cannot reach values already handed to
 zinf: an in-place change of a placeholder fails (or, for fill_/zero_, is detected by
 zinf.initialize); load pretrained values with zinf.load_safetensors instead.
+
+Only modules constructed on the thread that entered the Init are intercepted: another thread
+building a module meanwhile gets an ordinary module with its values (torch.nn.Module's
+constructors are patched process-wide while any Init is entered, and each call looks at its
+own thread's Inits).
 """
 import functools
 import os
@@ -21,8 +26,21 @@ import torch
 from . import _config, _zinf
 from ._engine import FLOAT_DTYPES, ZinfError, placeholder
 
+# The patch of torch.nn.Module constructors is process-wide (class attributes), so it is
+# installed once while any Init is entered and consults the constructing thread's own stack of
+# entered Inits: a module another thread builds meanwhile is an ordinary module.
 _lock = threading.Lock()
-_active = []  # the Init contexts entered (innermost last)
+_tls = threading.local()
+_entered = 0  # Init contexts entered, every thread
+_patched = {}  # class -> its own __init__, while patched
+_prev_init_subclass = None
+
+
+def _thread_inits():
+    stack = getattr(_tls, "inits", None)
+    if stack is None:
+        stack = _tls.inits = []
+    return stack
 
 
 def _subclasses(cls):
@@ -36,20 +54,74 @@ def _subclasses(cls):
     return out
 
 
+def _wrap(cls):
+    original = cls.__dict__.get("__init__")
+    if original is None or cls in _patched:
+        return
+
+    @functools.wraps(original)
+    def __init__(module, *args, **kwargs):
+        inits = _thread_inits()
+        if not inits:
+            return original(module, *args, **kwargs)  # not this thread's Init
+        init = inits[-1]
+        key = id(module)
+        depth = init._building.get(key, 0)
+        init._building[key] = depth + 1
+        try:
+            original(module, *args, **kwargs)
+        finally:
+            if depth == 0:
+                del init._building[key]
+            else:
+                init._building[key] = depth
+        if depth == 0:
+            init._spill_module(module)
+
+    _patched[cls] = original
+    cls.__init__ = __init__
+
+
+def _install():
+    global _prev_init_subclass
+    for cls in [torch.nn.Module] + _subclasses(torch.nn.Module):
+        _wrap(cls)
+    _prev_init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
+
+    def init_subclass(cls, **kwargs):
+        super(torch.nn.Module, cls).__init_subclass__(**kwargs)
+        with _lock:
+            if _entered:
+                _wrap(cls)
+
+    torch.nn.Module.__init_subclass__ = classmethod(init_subclass)
+
+
+def _uninstall():
+    for cls, original in _patched.items():
+        cls.__init__ = original
+    _patched.clear()
+    if _prev_init_subclass is None:
+        del torch.nn.Module.__init_subclass__
+    else:
+        torch.nn.Module.__init_subclass__ = _prev_init_subclass
+
+
 class Init:
-    """Context manager: modules constructed inside hand their parameters to a spill file."""
+    """Context manager: modules constructed inside, on this thread, hand their parameters to a
+    spill file. Modules other threads construct meanwhile are not touched."""
 
     def __init__(self, config=None, spill_dir=None, enabled=True):
         self.enabled = enabled
         self.spill_dir = spill_dir
         self._config = config
         self._spill = None
-        self._patched = {}
         self._building = {}
         self.parameters = 0  # parameters spilled
         self.bytes = 0
 
     def __enter__(self):
+        global _entered
         if not self.enabled:
             return self
         if self.spill_dir is None:
@@ -58,58 +130,26 @@ class Init:
             self.spill_dir = paths[0] if paths else os.environ.get("TMPDIR", "/var/tmp")
         self._spill = _zinf.Spill(str(self.spill_dir))
         with _lock:
-            _active.append(self)
-            for cls in [torch.nn.Module] + _subclasses(torch.nn.Module):
-                self._wrap(cls)
-            self._prev_init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
-            init = self
-
-            def init_subclass(cls, **kwargs):
-                super(torch.nn.Module, cls).__init_subclass__(**kwargs)
-                init._wrap(cls)
-
-            torch.nn.Module.__init_subclass__ = classmethod(init_subclass)
+            if _entered == 0:
+                _install()
+            _entered += 1
+        _thread_inits().append(self)
         return self
 
     def __exit__(self, *exc):
+        global _entered
         if not self.enabled:
             return False
+        inits = _thread_inits()
+        if self in inits:
+            inits.remove(self)
         with _lock:
-            for cls, original in self._patched.items():
-                cls.__init__ = original
-            self._patched = {}
-            if self._prev_init_subclass is None:
-                del torch.nn.Module.__init_subclass__
-            else:
-                torch.nn.Module.__init_subclass__ = self._prev_init_subclass
-            _active.remove(self)
+            _entered -= 1
+            if _entered == 0:
+                _uninstall()
         # The parameters built inside hold the spill until the engine has read them.
         self._spill = None
         return False
-
-    def _wrap(self, cls):
-        original = cls.__dict__.get("__init__")
-        if original is None or cls in self._patched:
-            return
-        init = self
-
-        @functools.wraps(original)
-        def __init__(module, *args, **kwargs):
-            key = id(module)
-            depth = init._building.get(key, 0)
-            init._building[key] = depth + 1
-            try:
-                original(module, *args, **kwargs)
-            finally:
-                if depth == 0:
-                    del init._building[key]
-                else:
-                    init._building[key] = depth
-            if depth == 0:
-                init._spill_module(module)
-
-        self._patched[cls] = original
-        cls.__init__ = __init__
 
     def _spill_module(self, module):
         params = module.__dict__.get("_parameters")

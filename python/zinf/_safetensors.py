@@ -1,9 +1,18 @@
 """Hugging Face safetensors checkpoints into and out of a ZinfEngine (the format is read and
 written by zinf's C++ code: no Python dependency, one tensor in host memory at a time)."""
+import os
+
 import torch
 
 from . import _zinf
 from ._engine import ZinfError
+
+
+# torch dtype <-> the format's dtype names (little-endian bytes, as torch keeps them here).
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+_FLOAT_NAMES = ("F32", "BF16", "F16")
 
 
 def _mapper(name_map):
@@ -29,8 +38,7 @@ def load_safetensors(engine, path, name_map=None, strict=True, allow_reshape=Fal
     damaged header is an error naming the file. Optimizer states are left as they are.
     Returns {"loaded": [...], "missing": [...], "unexpected": [...]}.
     """
-    engine._check_open()
-    engine._ensure_registered()
+    engine._enter("load_safetensors")
     ckpt = _zinf.Safetensors(str(path))
     tensors = ckpt.tensors()
     to_file = _mapper(name_map)
@@ -54,10 +62,15 @@ def load_safetensors(engine, path, name_map=None, strict=True, allow_reshape=Fal
         if f is None or f not in tensors:
             continue
         dtype, shape, _ = tensors[f]
-        if list(shape) != list(buf.shape) or dtype not in ("F32", "BF16", "F16"):
-            raise ZinfError("tensor '%s' (%s %s) does not fit buffer '%s' (%s %s)"
-                            % (f, dtype, list(shape), name, buf.dtype, list(buf.shape)))
-        buffers.append((buf, f))
+        # A float tensor loads into a float buffer (converted); any other dtype only into a
+        # buffer of that very dtype (BatchNorm's I64 num_batches_tracked), byte for byte.
+        fits = list(shape) == list(buf.shape) and (
+            (dtype in _FLOAT_NAMES and buf.is_floating_point()) or
+            _ST_DTYPES.get(buf.dtype) == dtype)
+        if not fits:
+            raise ZinfError("tensor '%s' (%s %s) does not fit buffer '%s' (%s %s); nothing was "
+                            "loaded" % (f, dtype, list(shape), name, buf.dtype, list(buf.shape)))
+        buffers.append((buf, f, dtype))
         used.add(f)
     unexpected = sorted(set(tensors) - used)
     if strict and (missing or unexpected):
@@ -71,22 +84,47 @@ def load_safetensors(engine, path, name_map=None, strict=True, allow_reshape=Fal
         raise ZinfError("load_safetensors(%s): %s; nothing was loaded (pass name_map, or "
                         "strict=False)" % (path, "; ".join(what)))
     engine._core.load_safetensors(ckpt, mapping, allow_reshape)
-    for buf, f in buffers:
-        values = torch.empty(buf.shape, dtype=torch.float32)
-        ckpt.read_f32(f, values.data_ptr())
+    engine._values_set()
+    for buf, f, dtype in buffers:
+        if dtype in _FLOAT_NAMES:
+            values = torch.empty(buf.shape, dtype=torch.float32)
+            ckpt.read_f32(f, values.data_ptr())
+        else:
+            values = _read_raw(ckpt, f, buf.dtype, buf.shape)
         with torch.no_grad():
             buf.copy_(values)
     return {"loaded": loaded, "missing": missing, "unexpected": unexpected}
 
 
-def save_safetensors(engine, save_dir, shard_size="5G", dtype=torch.float32, metadata=None):
+def _read_raw(ckpt, name, dtype, shape):
+    """A tensor's bytes as they are in its file (a dtype the float reader does not convert)."""
+    path, offset, nbytes = ckpt.location(name)
+    out = torch.empty(shape, dtype=dtype)
+    if out.numel() * out.element_size() != nbytes:
+        raise ZinfError("tensor '%s' in %s: %d bytes for a %s tensor of shape %s"
+                        % (name, path, nbytes, dtype, list(shape)))
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.pread(fd, nbytes, offset)
+    finally:
+        os.close(fd)
+    if len(data) != nbytes:
+        raise ZinfError("tensor '%s' in %s: the file ends inside its data" % (name, path))
+    out.view(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    return out
+
+
+def save_safetensors(engine, save_dir, shard_size="5G", dtype=torch.float32, metadata=None,
+                     buffers=True):
     """Exports the parameters' fp32 masters (or bf16, rounded to nearest even) as
     model.safetensors, or as model-0000i-of-0000K.safetensors shards of at most `shard_size`
     bytes ("5G", "500M" or a number) with model.safetensors.index.json, under each parameter's
-    first name (tied parameters once). One tensor in host memory at a time; every file is
-    written to a temporary name and renamed, the index last. Buffers are not exported."""
-    engine._check_open()
-    engine._ensure_registered()
+    first name (tied parameters once). With `buffers` (the default) the model's persistent
+    buffers follow under their state_dict names, as state_dict() has them (BatchNorm's running
+    statistics: a model exported and loaded elsewhere evaluates the same); float buffers in
+    `dtype`, others (num_batches_tracked) as they are. One tensor in host memory at a time;
+    every file is written to a temporary name and renamed, the index last."""
+    engine._enter("save_safetensors")
     if isinstance(shard_size, str):
         shard_bytes = _zinf.parse_byte_size(shard_size, "shard_size")
     else:
@@ -97,4 +135,18 @@ def save_safetensors(engine, save_dir, shard_size="5G", dtype=torch.float32, met
     meta = {"format": "pt"}
     meta.update(metadata or {})
     mapping = [(p.id, p.names[0]) for p in engine._params]
-    engine._core.save_safetensors(str(save_dir), mapping, shard_bytes, names[dtype], meta)
+    extra, keep = [], []
+    if buffers:
+        for name, buf in engine._persistent_buffers().items():
+            t = buf.detach()
+            if t.is_floating_point():
+                t = t.to(dtype)
+            if t.dtype not in _ST_DTYPES:
+                raise ZinfError("save_safetensors: buffer '%s' is %s, which safetensors has no "
+                                "name for (pass buffers=False to leave buffers out)"
+                                % (name, t.dtype))
+            t = t.to("cpu").contiguous()
+            keep.append(t)
+            extra.append((name, _ST_DTYPES[t.dtype], list(t.shape), t.data_ptr()))
+    engine._core.save_safetensors(str(save_dir), mapping, shard_bytes, names[dtype], meta, extra)
+    del keep

@@ -1,0 +1,234 @@
+"""DeepSpeed's surface over zinf, so that a trainer written for DeepSpeed runs with
+`import zinf as deepspeed`:
+
+    model_engine, optimizer, loader, scheduler = deepspeed.initialize(
+        args=args, model=model, model_parameters=model.parameters(), training_data=dataset)
+
+initialize() called this way (the model as a keyword, or args first) returns DeepSpeed's
+4-tuple and a DeepSpeedEngine: a ZinfEngine whose save_checkpoint / load_checkpoint take
+DeepSpeed's arguments (tags: one checkpoint folder per tag under the directory, and a
+`latest` file naming the newest) and return its shapes, plus DeepSpeed's accessors.
+"""
+import argparse
+import logging
+import os
+
+import torch
+
+from . import _initialize, _optim
+from ._config import Config
+from ._engine import ZinfEngine
+from ._optim import error
+
+logger = logging.getLogger("zinf")
+
+
+class DeepSpeedEngine(ZinfEngine):
+    """A ZinfEngine with DeepSpeed's checkpoint signatures and accessors."""
+
+    training_dataloader = None
+    local_rank = 0
+    global_rank = 0
+    world_size = 1
+    dp_world_size = 1
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False):
+        """DeepSpeed's save: the checkpoint goes to save_dir/<tag> (tag: "global_step<N>" by
+        default), and save_dir/latest names it. Each tag folder is a zinf checkpoint folder
+        (written atomically, locked while this engine lives). Returns True."""
+        self._enter("save_checkpoint")
+        if exclude_frozen_parameters:
+            raise error("NotSupported", "save_checkpoint(exclude_frozen_parameters=True): zinf's "
+                                        "checkpoints hold every parameter")
+        if tag is None:
+            tag = "global_step%d" % self.global_steps
+        tag = str(tag)
+        if not tag or os.sep in tag or tag in (".", ".."):
+            raise error("InvalidArgument", "save_checkpoint: tag %r is not a folder name" % tag)
+        os.makedirs(save_dir, exist_ok=True)
+        self._save(os.path.join(save_dir, tag), {} if client_state is None else client_state,
+                   extra={"tag": tag})
+        if save_latest:
+            _write_latest(save_dir, tag)
+        return True
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
+                        load_optimizer_states=True, load_lr_scheduler_states=True,
+                        load_module_only=False, custom_load_fn=None):
+        """DeepSpeed's load: load_dir/<tag>, or the tag load_dir/latest names. Returns
+        (load_path, client_state), or (None, None) with a warning when load_dir has no
+        `latest` (and no tag was given), as DeepSpeed does."""
+        self._enter("load_checkpoint")
+        if load_module_only or not load_optimizer_states or custom_load_fn is not None:
+            raise error("NotSupported",
+                        "load_checkpoint: zinf restores a checkpoint whole (parameters, "
+                        "optimizer states, counters); load_module_only, "
+                        "load_optimizer_states=False and custom_load_fn are not supported "
+                        "(to load weights alone, use zinf.load_safetensors or "
+                        "model.load_state_dict)")
+        if tag is None:
+            latest = os.path.join(load_dir, "latest")
+            if not os.path.isfile(latest):
+                logger.warning("zinf: no checkpoint to load: %s does not exist (pass a tag)",
+                               latest)
+                return None, None
+            with open(latest, "r", encoding="utf-8") as f:
+                tag = f.read().strip()
+            if not tag:
+                raise error("Corruption", "%s is empty: it should name the newest checkpoint "
+                                          "folder" % latest)
+        path = os.path.join(load_dir, str(tag))
+        scheduler = self.lr_scheduler
+        if not load_lr_scheduler_states:
+            self.lr_scheduler = None
+        try:
+            user = self._load(path)
+        finally:
+            self.lr_scheduler = scheduler
+        client = None if user is None else user.get("client_state")
+        return path, ({} if client is None else client)
+
+    def train_micro_batch_size_per_gpu(self):
+        return self._micro_batch
+
+    def train_batch_size(self):
+        return self._micro_batch * self._gas if self._micro_batch else \
+            self.config.summary["train_batch_size"]
+
+    def gradient_accumulation_steps(self):
+        return self._gas
+
+    def get_global_grad_norm(self):
+        return self._last_stats.get("grad_norm") if self._last_stats else None
+
+    def was_step_applied(self):
+        return bool(self._last_stats and self._last_stats["optimizer_ran"])
+
+    def step(self, lr_kwargs=None):
+        self._last_stats = super().step(lr_kwargs)
+        return self._last_stats
+
+    def deepspeed_io(self, dataset, batch_size=None, route=None, pin_memory=True,
+                     data_sampler=None, collate_fn=None, num_local_io_workers=None):
+        """A DataLoader over `dataset` with the micro-batch size, shuffled (one rank: every
+        sample), as DeepSpeed's training_data loader."""
+        if not isinstance(dataset, torch.utils.data.Dataset):
+            raise TypeError("training_data must be a torch.utils.data.Dataset")
+        size = batch_size or self._micro_batch
+        if not size:
+            raise error("InvalidArgument", "training_data needs a batch size: set "
+                                           "train_micro_batch_size_per_gpu (or "
+                                           "train_batch_size) in the config")
+        drop_last = bool(self.config.get("dataloader_drop_last", default=False))
+        return torch.utils.data.DataLoader(
+            dataset, batch_size=size, sampler=data_sampler,
+            shuffle=data_sampler is None and not isinstance(dataset,
+                                                            torch.utils.data.IterableDataset),
+            collate_fn=collate_fn, num_workers=num_local_io_workers or 0,
+            pin_memory=pin_memory and self.device.type == "cuda", drop_last=drop_last)
+
+
+def _write_latest(save_dir, tag):
+    """save_dir/latest = tag, replaced atomically (written, synced, renamed)."""
+    path = os.path.join(save_dir, "latest")
+    tmp = "%s.tmp.%d" % (path, os.getpid())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, tag.encode("utf-8"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(save_dir, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _one_rank():
+    world = int(os.environ.get("WORLD_SIZE", "1") or "1")
+    if world > 1:
+        raise error("NotSupported",
+                    "WORLD_SIZE=%d: zinf's Python package runs one rank per process and does "
+                    "not join a multi-process group yet; run one process" % world)
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, distributed_port=None, mpu=None,
+               dist_init_required=None, collate_fn=None, config=None, config_params=None,
+               device=None, scale_wrt_gas=True):
+    """DeepSpeed's initialize (see zinf.initialize)."""
+    _one_rank()
+    if mpu is not None:
+        raise error("NotSupported", "zinf.initialize: model parallelism (mpu) is not provided")
+    if config is not None and config_params is not None:
+        raise error("InvalidArgument", "zinf.initialize: config and config_params are both "
+                                       "given; pass one")
+    config = config if config is not None else config_params
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if from_args is not None and config is not None:
+        raise error("InvalidArgument", "zinf.initialize: a config came both in args "
+                                       "(--deepspeed_config) and in the call; pass one")
+    cfg = Config(config if config is not None else from_args)
+    tree = dict(cfg.tree or {})
+
+    trained = None
+    overrides = {}
+    if model_parameters is not None:
+        trained, overrides = _optim.trained_parameters(model_parameters)
+    client = optimizer
+    if client is not None and not isinstance(client, torch.optim.Optimizer):
+        if callable(client):  # DeepSpeed accepts a factory of the parameters
+            params = model_parameters if model_parameters is not None else model.parameters()
+            client = client(params)
+        else:
+            raise TypeError("optimizer must be a torch.optim.Optimizer or a callable")
+    if client is not None:
+        tree["optimizer"] = _optim.from_torch(client, tree.get("optimizer"))
+    if overrides:
+        block = dict(tree.get("optimizer") or {"type": "AdamW", "params": {}})
+        params = dict(block.get("params") or {})
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            if key in overrides:
+                params[key] = list(overrides[key]) if key == "betas" else overrides[key]
+        block["params"] = params
+        tree["optimizer"] = block
+    if cfg.tree is not None and (client is not None or overrides):
+        cfg = Config(tree)
+
+    engine = _initialize.build(model, cfg, device=device, scale_wrt_gas=scale_wrt_gas,
+                               engine_class=DeepSpeedEngine, client_optimizer=client,
+                               lr_scheduler=lr_scheduler, trained=trained)
+    micro = cfg.summary["train_micro_batch_size_per_gpu"]
+    if not micro and cfg.summary["train_batch_size"]:
+        micro = cfg.summary["train_batch_size"] // max(1, engine._gas)
+    engine._micro_batch = micro
+    engine._last_stats = None
+    engine.local_rank = int(os.environ.get("LOCAL_RANK", "0") or "0")
+    if training_data is not None:
+        engine.training_dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def add_config_arguments(parser):
+    """DeepSpeed's command-line flags: --deepspeed, --deepspeed_config (and the deprecated
+    --deepscale, --deepscale_config)."""
+    if not isinstance(parser, argparse.ArgumentParser):
+        raise TypeError("add_config_arguments: an argparse.ArgumentParser")
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations (zinf)")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="run with zinf (accepted for DeepSpeed scripts)")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="the DeepSpeed-style JSON config")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=None,
+                     verbose=True, timeout=None, init_method=None, dist_init_required=None,
+                     config=None, rank=-1, world_size=-1):
+    """One rank per process: nothing to set up (refused when WORLD_SIZE > 1)."""
+    _one_rank()
