@@ -11,6 +11,7 @@
 #include "engine/durable_commits.h"
 #include "engine/layout.h"
 #include "engine/memory_plan.h"
+#include "zinf/engine.h"
 
 namespace zinf {
 namespace {
