@@ -158,3 +158,17 @@ def test_buffers_round_trip_through_safetensors(scratch):
     zinf.save_safetensors(engine, scratch + "/without", buffers=False)
     assert set(read_file(scratch + "/without/model.safetensors")) == \
         {n for n, _ in model.named_parameters()}
+
+
+def test_a_config_that_is_a_fifo_or_a_device_is_refused_at_once(scratch):
+    """A config path naming a FIFO would block the reader forever, /dev/zero would never end:
+    both are refused before any read, naming the path."""
+    import os
+    import time
+    fifo = os.path.join(scratch, "ds_config.json")
+    os.mkfifo(fifo)
+    for path, what in ((fifo, "FIFO"), ("/dev/zero", "not a regular file"), (scratch, "folder")):
+        t0 = time.time()
+        with pytest.raises(zinf.ZinfError, match=what):
+            zinf.initialize(Llama(), path)
+        assert time.time() - t0 < 10, path

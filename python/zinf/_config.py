@@ -22,13 +22,42 @@ def config_text(config):
         except (TypeError, ValueError) as e:
             raise _zinf.ZinfError("zinf config: the dict is not JSON-serialisable (%s)" % e) from None
     if isinstance(config, (str, os.PathLike)):
-        path = os.fspath(config)
-        try:
-            with open(path, "r", encoding="utf-8") as f:
-                return f.read()
-        except OSError as e:
-            raise _zinf.ZinfError("zinf config: cannot read %s (%s)" % (path, e.strerror)) from None
+        return _read_config_file(os.fspath(config))
     raise TypeError("zinf config: expected a dict, a path or None, got %s" % type(config).__name__)
+
+
+_MAX_CONFIG_BYTES = 64 << 20
+
+
+def _read_config_file(path):
+    """A config file's text: a regular file only (opened without blocking, so a FIFO or a
+    device is refused at once instead of read forever), at most 64 MiB."""
+    import stat
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise _zinf.ZinfError("zinf config: cannot read %s (%s)" % (path, e.strerror)) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else (
+                "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file")
+            raise _zinf.ZinfError("zinf config: %s is %s; give a JSON file" % (path, kind))
+        if st.st_size > _MAX_CONFIG_BYTES:
+            raise _zinf.ZinfError("zinf config: %s holds %d bytes, more than a config may (64 MiB)"
+                                  % (path, st.st_size))
+        with os.fdopen(fd, "rb", closefd=True) as f:
+            fd = None
+            data = f.read(_MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise _zinf.ZinfError("zinf config: cannot read %s (%s)" % (path, e.strerror)) from None
+    finally:
+        if fd is not None:
+            os.close(fd)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _zinf.ZinfError("zinf config: %s is not UTF-8 text (%s)" % (path, e)) from None
 
 
 class Config:
