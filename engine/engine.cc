@@ -19,8 +19,8 @@
 #include <system_error>
 
 #include "common/utf8.h"
+#include "engine/core/memory_plan.h"
 #include "engine/engine_impl.h"
-#include "engine/memory_plan.h"
 #include "zinf/cpu_adam.h"
 #include "zinf/log.h"
 #include "zinf/swap.h"

@@ -5,8 +5,8 @@
 #include <cstring>
 
 #include "common/utf8.h"
-#include "engine/checkpoint_folder.h"
 #include "engine/engine_impl.h"
+#include "engine/persistence/checkpoint_folder.h"
 #include "zinf/log.h"
 
 namespace zinf {

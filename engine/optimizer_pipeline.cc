@@ -4,7 +4,7 @@
 #include <deque>
 #include <functional>
 
-#include "engine/memory_plan.h"
+#include "engine/core/memory_plan.h"
 #include "zinf/crash_point.h"
 
 namespace zinf {

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-#include "engine/checkpoint_format.h"
+#include "formats/checkpoint_format.h"
 #include "zinf/cpu_adam.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

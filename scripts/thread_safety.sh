@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The clang thread-safety analysis: every source of the engine (engine/), the NVMe layer
+# The clang thread-safety analysis: every source of the engine (engine/ and below), the NVMe layer
 # (nvme/), the device backends (host; CUDA where its headers are installed) and the C API
 # compiled with -Wthread-safety -Werror (syntax only, no objects), with the include paths of
 # the main build.
@@ -11,11 +11,12 @@ BUILD=${ZINF_BUILD_DIR:-build}
 [ -f "$BUILD/build.ninja" ] || scripts/build.sh
 CXX=${ZINF_TSA_CXX:-clang++}
 INCLUDES=(-I. -Iinclude -I"$BUILD" -I"$BUILD/include")
-SOURCES=(engine/*.cc nvme/*.cc engine/host/*.cc c_api/*.cc)
+SOURCES=(engine/*.cc engine/core/*.cc engine/persistence/*.cc nvme/*.cc device/host/*.cc config/*.cc
+         formats/*.cc interop/*.cc c_api/*.cc)
 # The CUDA backend's C++ (not the kernels) where the toolkit's headers are installed.
 CUDA_INCLUDE=${CUDA_HOME:-/usr/local/cuda}/include
 if [ -f "$CUDA_INCLUDE/cuda_runtime.h" ] && [ -f "$CUDA_INCLUDE/nccl.h" ]; then
-  SOURCES+=(engine/cuda/cuda_device.cc engine/cuda/nccl_comm.cc)
+  SOURCES+=(device/cuda/cuda_device.cc device/cuda/nccl_comm.cc)
   INCLUDES+=(-DZINF_HAVE_CUDA=1 -I"$CUDA_INCLUDE")
 else
   echo "thread-safety: no CUDA headers under $CUDA_INCLUDE: the CUDA backend is not analysed"

@@ -17,9 +17,9 @@
 #include <thread>
 #include <vector>
 
-#include "engine/host/local_comm.h"
-#include "engine/host_collectives.h"
-#include "engine/layout.h"
+#include "device/host/local_comm.h"
+#include "engine/core/host_collectives.h"
+#include "engine/core/layout.h"
 #include "tests/faulty_device.h"
 #include "tests/strict_device.h"
 #include "tests/test_util.h"

@@ -46,7 +46,7 @@
 #include <tuple>
 #include <vector>
 
-#include "engine/host/local_comm.h"
+#include "device/host/local_comm.h"
 #include "tests/engine_test_model.h"
 #include "tests/strict_device.h"
 #include "tests/test_util.h"

@@ -7,10 +7,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/acquire_trace.h"
-#include "engine/durable_commits.h"
-#include "engine/layout.h"
-#include "engine/memory_plan.h"
+#include "engine/core/acquire_trace.h"
+#include "engine/core/layout.h"
+#include "engine/core/memory_plan.h"
+#include "engine/persistence/durable_commits.h"
 #include "zinf/engine.h"
 
 namespace zinf {

@@ -28,7 +28,7 @@
 #include <string_view>
 #include <vector>
 
-#include "engine/host/local_comm.h"
+#include "device/host/local_comm.h"
 #include "tests/engine_test_model.h"
 #include "tests/test_util.h"
 #include "zinf/comm.h"

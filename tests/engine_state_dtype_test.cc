@@ -3,7 +3,7 @@
 // placements, through checkpoints and the durable store; a checkpoint of another state dtype is
 // converted on load, a durable store of another one refused by name; the sizes the engine plans
 // with are the compressed ones.
-#include "engine/layout.h"
+#include "engine/core/layout.h"
 #include "tests/engine_harness.h"
 
 namespace zinf {

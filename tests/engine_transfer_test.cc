@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/host/local_comm.h"
+#include "device/host/local_comm.h"
 #include "tests/faulty_device.h"
 #include "tests/strict_device.h"
 #include "tests/test_util.h"

@@ -1,7 +1,7 @@
 // HostDevice: memory budget and accounting, stream order, events (including re-recording),
 // the compute stream's inline semantics, sticky errors, the simulated PCIe link, and strict
 // mode (CUDA's asynchrony, adversarially).
-#include "engine/host/host_device.h"
+#include "device/host/host_device.h"
 
 #include <gtest/gtest.h>
 

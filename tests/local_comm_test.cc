@@ -1,6 +1,6 @@
 // LocalComm: exact results of every collective for 1, 2 and 4 ranks (sums bit-identical to
 // the rank-order sum), stream ordering, argument errors and timeouts.
-#include "engine/host/local_comm.h"
+#include "device/host/local_comm.h"
 
 #include <gtest/gtest.h>
 
@@ -16,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/host/host_device.h"
+#include "device/host/host_device.h"
 #include "zinf/comm.h"
 #include "zinf/device.h"
 

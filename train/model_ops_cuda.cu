@@ -23,8 +23,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/cuda/bf16.cuh"
-#include "engine/cuda/cuda_internal.h"
+#include "device/cuda/bf16.cuh"
+#include "device/cuda/cuda_internal.h"
 #include "train/model_ops.h"
 #include "zinf/cuda.h"
 #include "zinf/log.h"
@@ -90,7 +90,7 @@ __device__ float WarpMax(float v) {
 
 // ---- Element-wise ---------------------------------------------------------------------------
 
-// The conversions of engine/cuda/bf16.cuh (the CPU reference's rounding), as everywhere.
+// The conversions of device/cuda/bf16.cuh (the CPU reference's rounding), as everywhere.
 __global__ void Bf16ToF32Kernel(float* dst, const uint16_t* src, size_t n) {
   ZINF_GRID_LOOP(i, n) dst[i] = cuda_internal::Bf16ToF32(src[i]);
 }

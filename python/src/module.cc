@@ -27,8 +27,7 @@
 #include <utility>
 #include <vector>
 
-#include "engine/host/local_comm.h"
-#include "zinf/runtime.h"
+#include "device/host/local_comm.h"
 #include "zinf/comm.h"
 #include "zinf/config.h"
 #include "zinf/cpu_adam.h"
@@ -36,6 +35,7 @@
 #include "zinf/device.h"
 #include "zinf/engine.h"
 #include "zinf/log.h"
+#include "zinf/runtime.h"
 #include "zinf/safetensors.h"
 #include "zinf/swap.h"
 

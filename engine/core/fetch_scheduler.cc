@@ -1,0 +1,449 @@
+#include "engine/core/fetch_scheduler.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <unordered_map>
+
+#include "zinf/log.h"
+
+namespace zinf {
+
+using Clock = std::chrono::steady_clock;
+
+FetchScheduler::FetchScheduler(const EngineContext& ctx, const ParamStore* store,
+                               AcquireTrace* trace, GradientAdder* adder)
+    : layout_(ctx.layout),
+      config_(ctx.config),
+      device_(ctx.device),
+      comm_(ctx.comm),
+      budget_(ctx.budget),
+      stats_(ctx.stats),
+      store_(store),
+      trace_(trace),
+      adder_(adder),
+      streams_(ctx.streams),
+      arena_(ctx.arena),
+      swap_(ctx.swap),
+      res_(ctx.layout->num_params()),
+      fetch_status_(ctx.layout->num_params()) {}
+
+FetchScheduler::~FetchScheduler() {
+  // The engine synchronised every stream before this: nothing uses the buffers any more. A
+  // read still in flight (a prefetch never acquired) must end before its buffers go.
+  for (ParamId id : reading_) {
+    Status s = swap_->Wait(res_[id].read);
+    if (!s.ok()) LogWarning("closing: a parameter read nobody used failed: " + s.ToString());
+  }
+  for (const auto& [ptr, bytes] : graveyard_) budget_->Free(ptr, bytes);
+  for (ParamId id = 0; id < res_.size(); ++id) {
+    if (res_[id].device_full != nullptr && !res_[id].aliased) {
+      budget_->Free(res_[id].device_full, layout_->FullBytes(id));
+    }
+  }
+}
+
+Status FetchScheduler::Init() {
+  ZINF_ASSIGN_OR_RETURN(copy_done_, device_->CreateEvent());
+  return Status::OK();
+}
+
+void FetchScheduler::SetFetchStatus(ParamId id, const Status& s) {
+  if (fetch_status_[id].ok()) fetch_status_[id] = s;
+}
+
+Status FetchScheduler::TakeFetchStatus(ParamId id) {
+  Status s = fetch_status_[id];
+  fetch_status_[id] = Status::OK();
+  return s;
+}
+
+Status FetchScheduler::Evict(ParamId id) {
+  Resident& r = res_[id];
+  if (r.aliased || r.device_full == nullptr) return Status::OK();
+  if (r.state == State::kReading) {
+    // No stream has touched the buffer yet: once the read into the staging block has ended,
+    // both go back. Its error, if any, is reported by the next Acquire of the parameter.
+    Status read = swap_->Wait(r.read);
+    if (!read.ok()) SetFetchStatus(id, read);
+    reading_.erase(std::find(reading_.begin(), reading_.end(), id));
+    DropDeviceCopy(id);
+    return Status::OK();
+  }
+  // Nothing may use or write the buffer when it goes back, and the host does not wait for
+  // that here (on a GPU the compute stream runs behind the trainer): it goes back after the
+  // compute stream's work issued so far when it was acquired (that work read it), or after
+  // the gather stream's when it was fetched and never acquired (its copy and gather).
+  Stream* after = r.state == State::kFetching ? streams_.comm : device_->ComputeStream();
+  Status s = budget_->FreeAfter(r.device_full, layout_->FullBytes(id), after);
+  if (!s.ok()) {
+    return s.WithContext("evicting parameter '" + layout_->param(id).info.name +
+                         "' (its device memory stays allocated: nothing is known to be done "
+                         "with it)");
+  }
+  ForgetDeviceCopy(id);
+  return Status::OK();
+}
+
+void FetchScheduler::DropDeviceCopy(ParamId id) {
+  budget_->Free(res_[id].device_full, layout_->FullBytes(id));
+  ForgetDeviceCopy(id);
+}
+
+void FetchScheduler::ForgetDeviceCopy(ParamId id) {
+  Resident& r = res_[id];
+  r.staging.reset();
+  r.device_full = nullptr;
+  r.fetched_version = kNotFetched;
+  r.state = State::kAbsent;
+  live_elems_ -= layout_->param(id).padded_numel;
+  budget_->Unplan(layout_->FullBytes(id));
+}
+
+Status FetchScheduler::MakeRoom(uint64_t elems, uint64_t bytes, ParamId for_id) {
+  const ParamLayout& target = layout_->param(for_id);
+  const uint64_t grad_room = GradientScratchBytes(target, *config_);
+  auto fits = [&] {
+    return budget_->Fits(bytes + grad_room) && live_elems_ + elems <= config_->max_live_parameters;
+  };
+  while (!fits()) {
+    if (budget_->has_scratch()) {
+      ZINF_RETURN_IF_ERROR(budget_->ReclaimScratch());
+      continue;
+    }
+    // Evict the released parameter whose next use is farthest away.
+    ParamId victim = UINT32_MAX;
+    uint64_t best = 0;
+    for (ParamId id = 0; id < res_.size(); ++id) {
+      const Resident& r = res_[id];
+      if (r.acquired > 0 || r.aliased || r.device_full == nullptr || id == for_id) continue;
+      const uint64_t d = trace_->ReuseDistance(id, *layout_);
+      if (victim == UINT32_MAX || d > best) {
+        victim = id;
+        best = d;
+      }
+    }
+    if (victim == UINT32_MAX) {
+      return Status::ResourceExhausted(
+                 "device budget too small to fetch parameter '" + target.info.name +
+                 "' while the acquired ones stay resident (budget " +
+                 FormatBytes(config_->device_budget_bytes) + ", max_live_parameters " +
+                 std::to_string(config_->max_live_parameters) +
+                 "); raise zinf.device_budget_bytes / stage3_max_live_parameters or acquire fewer "
+                 "parameters at once")
+          .WithKey("zinf.device_budget_bytes");
+    }
+    ZINF_RETURN_IF_ERROR(Evict(victim));
+  }
+  return Status::OK();
+}
+
+Status FetchScheduler::Fetch(ParamId id, int64_t visible, bool prefetch) {
+  Resident& r = res_[id];
+  const ParamLayout& p = layout_->param(id);
+  if (r.aliased) {
+    r.device_full = store_->device_part(id, store_->Buf(visible));
+    r.state = State::kResident;
+    r.fetched_version = static_cast<uint64_t>(visible);
+    return Status::OK();
+  }
+  if (r.device_full != nullptr) ZINF_RETURN_IF_ERROR(Evict(id));  // stale copy
+  // NVMe: the pinned staging block first, so that a fetch that cannot have one leaves nothing
+  // behind. Prefetches issued in earlier calls may hold it all while their reads are slow.
+  std::shared_ptr<PinnedBuffer> staging;
+  if (config_->offload_param.tier == Tier::kNvme) {
+    Result<PinnedBuffer> buf = arena_->Allocate(layout_->PartBytes(id));
+    if (!buf.ok() && !prefetch) {
+      // Wait for the blocks in use to come back: one rank, the prefetch reads still in flight
+      // (their copies are issued; with several ranks their gathers wait for their Acquire);
+      // then the copies in flight, each handing its block back once copied (fetches on the
+      // copy stream, gradient partitions on the gradient stream, then summed by the
+      // gradient path's adder).
+      if (comm_->world_size() == 1 && !reading_.empty()) {
+        const ParamId last = reading_.back();
+        Status s = FinishRead(last);
+        if (!s.ok()) SetFetchStatus(last, s);  // the next Acquire of it reports it
+      }
+      ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(streams_.copy));
+      ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(streams_.grad));
+      adder_->Drain();
+      buf = arena_->Allocate(layout_->PartBytes(id));
+    }
+    if (!buf.ok()) return buf.status().WithContext("staging parameter '" + p.info.name + "'");
+    staging = std::make_shared<PinnedBuffer>(std::move(buf).value());
+  }
+  const size_t full = layout_->FullBytes(id);
+  ZINF_RETURN_IF_ERROR(MakeRoom(p.padded_numel, full, id));
+  ZINF_ASSIGN_OR_RETURN(r.device_full, budget_->Alloc(full, "parameter '" + p.info.name + "'"));
+  live_elems_ += p.padded_numel;
+  budget_->Plan(full);
+  if (!r.ready) {
+    Result<std::unique_ptr<Event>> ev = device_->CreateEvent();
+    if (!ev.ok()) {
+      DropDeviceCopy(id);
+      return ev.status();
+    }
+    r.ready = std::move(ev).value();
+  }
+  // The fetch status is not reset here: a failed read whose copy was evicted before any
+  // Acquire saw it (a prefetch that MakeRoom, a load or new values dropped) is still reported,
+  // once, by the next Acquire of the parameter, so that no I/O error goes unseen.
+  const int buf = store_->Buf(visible);
+  r.fetched_version = static_cast<uint64_t>(visible);
+  switch (config_->offload_param.tier) {
+    case Tier::kNvme: {
+      // Urgent: the trainer waits on parameters; optimizer read-ahead and write-backs can wait.
+      Result<Ticket> t = swap_->Read(store_->swap_key(id, buf), staging->data(),
+                                     staging->capacity(), /*urgent=*/true);
+      if (!t.ok()) {
+        DropDeviceCopy(id);  // nothing was issued into it
+        return t.status();
+      }
+      r.read = *t;
+      r.staging = std::move(staging);
+      r.state = State::kReading;
+      reading_.push_back(id);
+      return Status::OK();
+    }
+    case Tier::kCpu:
+      return IssueCopies(id, store_->host_part(id, buf), nullptr);
+    case Tier::kDevice:
+      return IssueCopies(id, store_->device_part(id, buf), nullptr);
+  }
+  return Status::Internal("unknown parameter tier");
+}
+
+void FetchScheduler::FailFetch(ParamId id) {
+  Resident& r = res_[id];
+  const ParamLayout& p = layout_->param(id);
+  // A buffer without a complete fetch issued into it must not stay: an Acquire would take
+  // whatever that memory held for the parameter. Nothing may still write into it when it
+  // goes back; when that cannot be known (waiting failed), it stays allocated and unfetched.
+  Status quiet = device_->SynchronizeStream(streams_.copy);
+  if (quiet.ok()) quiet = device_->SynchronizeStream(streams_.comm);
+  if (quiet.ok()) {
+    DropDeviceCopy(id);
+    return;
+  }
+  // Nothing is known to be done with it: it goes to the buffers freed only when the engine
+  // closes (after every stream), still counted in the plan, never used again.
+  LogWarning("the device copy of '" + p.info.name +
+             "' stays allocated until the engine closes after a failed fetch: " + quiet.ToString());
+  graveyard_.push_back({r.device_full, layout_->FullBytes(id)});
+  r.device_full = nullptr;
+  r.staging.reset();
+  r.fetched_version = kNotFetched;
+  r.state = State::kAbsent;
+  live_elems_ -= p.padded_numel;
+}
+
+Status FetchScheduler::IssueCopies(ParamId id, const void* src,
+                                   std::shared_ptr<PinnedBuffer> staging) {
+  Resident& r = res_[id];
+  const size_t part = layout_->PartBytes(id);
+  char* slot = static_cast<char*>(r.device_full) + static_cast<size_t>(comm_->rank()) * part;
+  Stream* copy = streams_.copy;
+  const bool device_tier = config_->offload_param.tier == Tier::kDevice;
+  Status s = device_tier ? device_->CopyDeviceToDevice(slot, src, part, copy)
+                         : stats_->TimeCopy(device_, copy, [&] {
+                             return device_->CopyHostToDevice(slot, src, part, copy);
+                           });
+  // The staging block goes back once the copy out of it has run (a host function that only
+  // drops a reference: it never blocks).
+  if (s.ok() && staging) s = device_->LaunchHostFunc(copy, [staging] { staging->Reset(); });
+  if (s.ok() && !device_tier) stats_->AddH2D(part);
+  if (s.ok()) s = device_->RecordEvent(copy_done_.get(), copy);
+  if (s.ok()) s = device_->StreamWaitEvent(streams_.comm, copy_done_.get());
+  if (s.ok()) s = comm_->AllGather(slot, r.device_full, part, streams_.comm);
+  if (s.ok()) s = device_->RecordEvent(r.ready.get(), streams_.comm);
+  if (!s.ok()) {
+    FailFetch(id);
+    return s;
+  }
+  r.staging.reset();
+  r.state = State::kFetching;
+  return Status::OK();
+}
+
+Status FetchScheduler::FinishOneRead(ParamId id) {
+  Resident& r = res_[id];
+  Status read = swap_->Wait(r.read);
+  if (!read.ok() && comm_->world_size() == 1) {
+    DropDeviceCopy(id);  // no stream has touched it
+    return read;
+  }
+  if (!read.ok()) {
+    // Several ranks: the others issue this gather too, and leaving it out here would pair
+    // their next collective with another one of ours (a hang, or mixed-up data). This rank's
+    // part goes out as NaN, so that a peer using it gets non-finite values (its gradient
+    // checks stop that step) rather than stale memory, and this rank reports the read's error;
+    // the copy is never taken for the parameter's value (unfetched).
+    std::memset(r.staging->data(), 0xFF, r.staging->capacity());
+    std::shared_ptr<PinnedBuffer> staging = std::move(r.staging);
+    if (IssueCopies(id, staging->data(), staging).ok()) r.fetched_version = kNotFetched;
+    return read;
+  }
+  std::shared_ptr<PinnedBuffer> staging = std::move(r.staging);
+  return IssueCopies(id, staging->data(), staging);
+}
+
+Status FetchScheduler::FinishRead(ParamId id) {
+  // The reads issued before this one are finished first, in issue order: every rank then
+  // issues the same gathers in the same order.
+  while (!reading_.empty()) {
+    const ParamId first = reading_.front();
+    reading_.pop_front();
+    Status s = FinishOneRead(first);
+    if (first == id) return s;
+    // A read error is the parameter's to report (by its next Acquire); a failure to issue
+    // left it absent: a demand fetch issues it again and reports what fails then.
+    if (!s.ok() && res_[first].state == State::kAbsent) SetFetchStatus(first, s);
+  }
+  return Status::Internal("no read in flight for parameter '" + layout_->param(id).info.name + "'");
+}
+
+void FetchScheduler::IssueEndedReads() {
+  // With several ranks, when a read ends differs between them, and its gather must be issued
+  // at the same point of every rank's call sequence: those wait for their Acquire.
+  if (comm_->world_size() != 1) return;
+  while (!reading_.empty() && swap_->Done(res_[reading_.front()].read)) {
+    const ParamId first = reading_.front();
+    reading_.pop_front();
+    Status s = FinishOneRead(first);
+    if (!s.ok() && res_[first].state == State::kAbsent) SetFetchStatus(first, s);
+  }
+}
+
+void FetchScheduler::Prefetch(int64_t visible, const Rewriting& rewriting) {
+  IssueEndedReads();
+  if (!trace_->valid()) return;
+  uint64_t inflight = 0;
+  const std::vector<ParamId>& ids = trace_->ids();
+  for (size_t i = trace_->cursor(); i < ids.size(); ++i) {
+    const ParamId id = ids[i];
+    const Resident& r = res_[id];
+    const ParamLayout& p = layout_->param(id);
+    if (Fresh(id, visible)) continue;
+    // Still acquired from an older version (the trainer holds it): its memory must not move.
+    if (r.acquired > 0) continue;
+    if (rewriting(id)) continue;
+    if (inflight + p.padded_numel > config_->prefetch_bucket_size && inflight > 0) return;
+    // Only prefetch into free budget: never evict for a prefetch.
+    const uint64_t grad_room = GradientScratchBytes(p, *config_);
+    if (!budget_->Fits(layout_->FullBytes(id) + grad_room)) return;
+    if (live_elems_ + p.padded_numel > config_->max_live_parameters) return;
+    if (r.aliased) continue;
+    // A prefetch failure resurfaces on demand.
+    if (!Fetch(id, visible, /*prefetch=*/true).ok()) return;
+    inflight += p.padded_numel;
+  }
+}
+
+Result<std::vector<void*>> FetchScheduler::Acquire(const std::vector<ParamId>& ids, int64_t visible,
+                                                   bool training, const Rewriting& rewriting) {
+  std::vector<void*> out;
+  out.reserve(ids.size());
+  // On failure no acquisition of this call stays counted.
+  size_t counted = 0;
+  auto undo = [&] {
+    for (size_t k = 0; k < counted; ++k) --res_[ids[k]].acquired;
+  };
+  for (ParamId id : ids) {
+    if (training) {
+      const std::string warning = trace_->Check(id, *layout_);
+      if (!warning.empty()) LogWarning(warning);
+    }
+    Resident& r = res_[id];
+    if (training && rewriting(id)) {
+      undo();
+      return Status::FailedPrecondition(
+          "Acquire('" + layout_->param(id).info.name +
+          "') after its ReduceGradient in the same micro-step: with zinf.delayed_update the "
+          "optimizer may already be rewriting it; acquire a parameter for the last time before "
+          "reducing its gradient");
+    }
+    const bool fresh = Fresh(id, visible);
+    // Prefetch follows the training trace: inference acquires are not its hits or misses.
+    if (training) stats_->CountAcquire(fresh);
+    if (!fresh) {
+      Status s = Fetch(id, visible, /*prefetch=*/false);
+      if (!s.ok()) {
+        undo();
+        return s;
+      }
+    }
+    ++r.acquired;
+    ++counted;
+  }
+  Prefetch(visible, rewriting);
+  const auto t0 = Clock::now();
+  for (ParamId id : ids) {
+    Resident& r = res_[id];
+    if (r.state == State::kReading) {
+      // The read's result is known here, on the host, before the buffer is handed out.
+      Status read = FinishRead(id);
+      if (!read.ok()) {
+        undo();
+        // The peers issue the gathers of this call's other reads now: so does this rank.
+        if (comm_->world_size() > 1) {
+          for (ParamId other : ids) {
+            if (res_[other].state != State::kReading) continue;
+            Status s = FinishRead(other);
+            if (!s.ok()) SetFetchStatus(other, s);
+          }
+        }
+        return read.WithContext("fetching parameter '" + layout_->param(id).info.name + "'");
+      }
+    }
+    if (r.state == State::kFetching) {
+      Status w = device_->StreamWaitEvent(device_->ComputeStream(), r.ready.get());
+      if (!w.ok()) {
+        undo();
+        return w;
+      }
+      // From here the compute stream is ordered after the fetch: its events cover it.
+      r.state = State::kResident;
+    }
+    Status s = TakeFetchStatus(id);
+    if (!s.ok()) {
+      undo();
+      // A failed fetch is no cached copy: drop it so a later Acquire fetches again. Marked
+      // unfetched first, so that even a buffer the eviction must keep is never taken for the
+      // parameter's value.
+      r.fetched_version = kNotFetched;
+      Status evicted = Evict(id);
+      if (!evicted.ok()) LogWarning(evicted.ToString());  // the fetch's error is the one to report
+      return s.WithContext("fetching parameter '" + layout_->param(id).info.name + "'");
+    }
+    out.push_back(r.device_full);
+  }
+  stats_->AddAcquireWait(std::chrono::duration<double>(Clock::now() - t0).count());
+  return out;
+}
+
+Status FetchScheduler::Release(const std::vector<ParamId>& ids, int64_t visible,
+                               const Rewriting& rewriting) {
+  // All or nothing: every id is checked (a repeated id counts once per occurrence) before any
+  // is uncounted, so a refused call changes nothing and a failed eviction leaves none of the
+  // others acquired.
+  std::unordered_map<ParamId, int> count;
+  for (ParamId id : ids) {
+    if (id >= res_.size() || ++count[id] > res_[id].acquired) {
+      return Status::FailedPrecondition("Release of parameter " + std::to_string(id) +
+                                        " that is not acquired");
+    }
+  }
+  Status first;
+  for (ParamId id : ids) {
+    Resident& r = res_[id];
+    if (--r.acquired > 0) continue;
+    if (layout_->param(id).info.persistent || r.aliased) continue;
+    if (trace_->ReuseDistance(id, *layout_) <= config_->max_reuse_distance) continue;
+    Status s = Evict(id);
+    if (first.ok()) first = s;
+  }
+  Prefetch(visible, rewriting);
+  return first;
+}
+
+}  // namespace zinf

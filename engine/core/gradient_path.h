@@ -1,0 +1,133 @@
+// Gradients from the trainer to the optimizer: each parameter's gradient is reduce-scattered
+// (or, on one rank, copied) into the pinned fp32 accumulators of its sub-group (device memory
+// for a sub-group the device steps), and the group board learns when a sub-group's gradients
+// have landed. Accumulators live as long as
+// the engine, or, streaming (no accumulation, no clipping), are blocks of a pool that a
+// sub-group holds from its first gradient until the optimizer has stepped it.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "common/thread_annotations.h"
+#include "engine/core/device_budget.h"
+#include "engine/core/engine_context.h"
+#include "engine/core/fetch_scheduler.h"
+#include "engine/core/gradient_adder.h"
+#include "engine/core/group_board.h"
+#include "engine/core/host_collectives.h"
+#include "engine/core/host_memory.h"
+#include "engine/core/layout.h"
+#include "engine/core/stats_recorder.h"
+#include "zinf/comm.h"
+#include "zinf/config.h"
+#include "zinf/cpu_adam.h"
+#include "zinf/device.h"
+
+namespace zinf {
+
+class GradientPath {
+ public:
+  // Staging comes from the context's arena; the accumulators, streaming, from `grad_pool`,
+  // else AllocateGroup gives each sub-group its own. Later micro-steps' gradients are summed
+  // by `adder`. The reduce-scatters run on the comm stream, the landing on the grad stream.
+  GradientPath(const EngineContext& ctx, FetchScheduler* fetch, GradientAdder* adder,
+               BlockPool* grad_pool, bool streaming);
+  ~GradientPath();  // drains the adder first: its jobs use this object
+  GradientPath(const GradientPath&) = delete;
+  GradientPath& operator=(const GradientPath&) = delete;
+  Status Init();  // its events and the registered zeros
+  Status AllocateGroup(size_t gi);
+
+  // ---- Trainer thread ----
+  // The gradient of `id` (device memory, `numel` fp32) goes into its accumulator; `ready` is
+  // the optimizer step this micro-step completes (0: not a boundary). On error the gradient
+  // may have partly landed: the caller must stop the engine.
+  Status Reduce(ParamId id, const float* grad, int64_t ready);
+  // A micro-step starts: no gradient reduced in it yet.
+  void BeginMicroStep();
+  // At the boundary Step: parameters not reduced in this micro-step have final accumulators
+  // (zeroed when they got no gradient in the window): they count as landed for step `ready`,
+  // once the previous step is done with their sub-group (WaitStepped).
+  Status CompleteWindow(int64_t ready);
+  // Delayed update: waits until the optimizer step of window `step` (the one before the
+  // current) is done with sub-group `gi`, whose accumulators the trainer is about to write;
+  // the wait counts as optimizer wait. No-op otherwise.
+  Status WaitStepped(size_t gi, int64_t step);
+  // Clipping (wait-for-norm) at the end of window `step`: the global gradient norm (this
+  // rank's sum of squares, all-reduced over `collectives`) into *norm, and the coefficient the
+  // optimizer scales the gradients with (1 below gradient_clipping). FailedPrecondition when
+  // the norm is not finite (nothing is stepped then). REQUIRES: Drain() since the last Reduce.
+  Result<float> ClipCoefficient(int64_t step, CpuOptimizer* optimizer, HostCollectives* collectives,
+                                double* norm);
+  // The window's optimizer step is taken: the next window starts with no gradients.
+  void EndWindow();
+  // Clipping: this rank's sum of squares of every accumulator (those on the device summed
+  // there). REQUIRES: Drain() since the last Reduce.
+  Result<double> LocalSumSquares(CpuOptimizer* optimizer);
+  // Waits until every gradient added onto an earlier one (in the accumulation thread) is in
+  // its accumulator. The streams' part must be done first (DeviceBudget::ReclaimScratch).
+  void Drain() { adder_->Drain(); }
+
+  bool reduced_this_micro() const { return reduced_this_micro_; }
+  bool reduced(ParamId id) const { return flags_[id].reduced_this_micro; }
+  // The trainable parameter of sub-group `gi` not reduced yet in this micro-step ("" if none).
+  std::string Unreduced(size_t gi) const;
+
+  // ---- Optimizer thread (between the group's landing and MarkStepped) ----
+  // Host memory, or device memory for a sub-group the device steps (on_device).
+  float* group_grads(size_t gi) const { return groups_[gi].data; }
+  bool on_device(size_t gi) const { return groups_[gi].on_device; }
+  float* Acc(ParamId id) const;
+  // Streaming: gives back the accumulators of a stepped sub-group.
+  void ReleaseBuffer(size_t gi);
+
+ private:
+  struct Flags {
+    bool reduced_this_micro = false;
+    bool seen_this_window = false;
+  };
+  struct Group {
+    PinnedBuffer grads;      // not streaming
+    PooledBlock block;       // streaming
+    float* data = nullptr;   // either, or device memory (on_device)
+    bool on_device = false;  // stepped on the device: accumulated in device memory
+  };
+  // Streaming: gives sub-group `gi` its accumulators, waiting (bounded) for the optimizer to
+  // free a block when all are taken. No-op when it has them.
+  Status EnsureBuffer(size_t gi);
+  void MarkReduced(ParamId id);
+  // Once the gradient stream has copied `p`'s gradient into its accumulator: the scratch goes
+  // back and the gradient lands (a host function that only frees and lands).
+  Status LandAfterCopy(const ParamLayout& p, void* scratch, size_t scratch_bytes, int64_t ready);
+
+  const Layout* const layout_;
+  const EngineConfig* const config_;
+  Device* const device_;
+  Communicator* const comm_;
+  DeviceBudget* const budget_;
+  StatsRecorder* const stats_;
+  GroupBoard* const board_;
+  FetchScheduler* const fetch_;
+  GradientAdder* const adder_;
+  const EngineStreams streams_;
+  PinnedArena* const arena_;
+  BlockPool* const grad_pool_;
+  const bool streaming_;
+  std::unique_ptr<Event> compute_done_;
+  std::unique_ptr<Event> comm_done_;
+  // The padding source for gradient scratch: page-aligned, page-padded and registered with
+  // the device (Init), so that its copies are from pinned memory, as every other host copy.
+  float* zeros_ = nullptr;
+  size_t zeros_bytes_ = 0;
+  bool zeros_registered_ = false;
+  std::vector<Flags> flags_;  // trainer thread only
+  std::vector<Group> groups_;
+  bool reduced_this_micro_ = false;  // trainer thread only
+};
+
+}  // namespace zinf

@@ -1,0 +1,106 @@
+// The one monitor between the trainer's thread, the device's stream callbacks and the
+// optimizer thread: per sub-group, the gradients still to land in the window and the steps
+// they are ready for and stepped to; the optimizer's task queue, its progress and first
+// failure; the clipping coefficients; the streaming accumulators' release count; shutdown.
+// Every field is under one lock, and every wait is on its condition variable.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/thread_annotations.h"
+#include "engine/core/layout.h"
+#include "zinf/status.h"
+
+namespace zinf {
+
+// One optimizer step handed to the optimizer thread.
+struct OptimizerTask {
+  int64_t step = 0;
+  bool clip = false;
+  float lr = 0;
+};
+
+class GroupBoard {
+ public:
+  explicit GroupBoard(const Layout* layout);
+
+  // ---- Trainer thread ----
+  // A micro-step starts: every sub-group waits for its trainable parameters' gradients; at a
+  // boundary, one with none is ready for step `step + 1` at once.
+  void BeginMicroStep(bool boundary, int64_t step) EXCLUDES(mu_);
+  void Push(const OptimizerTask& task) EXCLUDES(mu_);
+  // Parameter `index` of sub-group `gi` has a gradient in the window being accumulated.
+  void MarkHasGrad(size_t gi, size_t index) EXCLUDES(mu_);
+  // Waits until the optimizer is done with sub-group `gi` for step `step` (its accumulators
+  // are free); *waited gets the seconds spent.
+  Status WaitStepped(size_t gi, int64_t step, double* waited) EXCLUDES(mu_);
+  // Waits until every task up to `target` is done; returns the first optimizer failure.
+  Status WaitDone(int64_t target) EXCLUDES(mu_);
+  void SetClipCoef(int64_t step, float coef) EXCLUDES(mu_);
+  // After a resume or a load at `step`: nothing pending, everything stepped to it.
+  void ResetTo(int64_t step) EXCLUDES(mu_);
+  // Shutdown: with `drain_to` >= 0, first waits for the tasks up to it and returns the
+  // failure nobody saw; then stops every waiter.
+  Status Stop(int64_t drain_to) EXCLUDES(mu_);
+
+  // ---- Any thread (stream callbacks, the trainer at Step) ----
+  // One gradient of sub-group `gi` landed; `ready` > 0: the window ends with step `ready`.
+  void Land(size_t gi, int64_t ready) EXCLUDES(mu_);
+  // A streaming accumulator block went back to its pool.
+  void NoteGradRelease() EXCLUDES(mu_);
+  // Streaming accumulators: calls `try_take` (under the lock) until it succeeds; fails when
+  // none can come: the optimizer failed or stopped, has no task, or waits for a sub-group
+  // whose gradient `unreduced(gi)` names (one the trainer has not reduced yet), or frees
+  // none for `no_progress`.
+  Status WaitForGradBlock(const std::function<bool()>& try_take,
+                          const std::function<std::string(size_t)>& unreduced, uint64_t block_bytes,
+                          std::chrono::seconds no_progress) EXCLUDES(mu_);
+
+  // ---- Optimizer thread ----
+  // The oldest task, waiting for one; false when stopping.
+  bool NextTask(OptimizerTask* task) EXCLUDES(mu_);
+  bool failed() const EXCLUDES(mu_);
+  // Waits until sub-group `gi` is ready for `task` (and, with clipping, the norm is known).
+  // Takes the group's has-grad flags; *coef gets the clipping coefficient.
+  Status WaitGroupReady(size_t gi, const OptimizerTask& task, float* coef,
+                        std::vector<uint8_t>* with_grad) EXCLUDES(mu_);
+  void MarkStepped(size_t gi, int64_t step) EXCLUDES(mu_);
+  // The task is done (`s`: its result); sub-groups it did not reach count as stepped.
+  void FinishTask(int64_t step, const Status& s) EXCLUDES(mu_);
+
+ private:
+  struct Group {
+    int pending = 0;  // trainable params whose gradient has not landed
+    // Per parameter (index_in_group): whether it got a gradient in the window being
+    // accumulated. Set by the trainer; taken (and cleared) by the optimizer when it steps the
+    // group, before the next window's gradients may come in.
+    std::vector<uint8_t> has_grad;
+    // The step whose gradients are complete in the accumulators, and the last step the
+    // optimizer has finished with this sub-group (its accumulators are free for the next
+    // window's gradients from then on).
+    int64_t ready_step = 0;
+    int64_t stepped_step = 0;
+  };
+
+  const Layout* const layout_;
+  mutable Mutex mu_;
+  CondVar cv_;
+  std::vector<Group> groups_ GUARDED_BY(mu_);
+  std::deque<OptimizerTask> tasks_ GUARDED_BY(mu_);  // queued or running, oldest first
+  int64_t done_step_ GUARDED_BY(mu_) = 0;            // the last task the optimizer finished
+  Status optimizer_status_ GUARDED_BY(mu_);          // the first failure of any task (sticky)
+  std::map<int64_t, float> clip_coefs_ GUARDED_BY(mu_);
+  bool stopping_ GUARDED_BY(mu_) = false;
+  uint64_t grad_releases_ GUARDED_BY(mu_) = 0;  // accumulator blocks freed so far (progress)
+  // The sub-group whose gradients the optimizer waits for (SIZE_MAX: none), and for which
+  // step.
+  size_t waiting_group_ GUARDED_BY(mu_) = SIZE_MAX;
+  int64_t waiting_step_ GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace zinf

@@ -1,0 +1,73 @@
+// Each parameter partition's home on its tier (device memory, pinned host memory or an NVMe
+// swap key), in storage dtype. With the delayed update every home has two buffers: version v
+// of the parameters lives in buffer Buf(v), so the optimizer writes step s's parameters while
+// the trainer reads s - 1's.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/core/device_budget.h"
+#include "engine/core/engine_context.h"
+#include "engine/core/layout.h"
+#include "engine/core/stats_recorder.h"
+#include "zinf/config.h"
+#include "zinf/device.h"
+#include "zinf/swap.h"
+
+namespace zinf {
+
+class ParamStore {
+ public:
+  // Device copies on the context's copy stream (initialisation) and update stream (the
+  // optimizer's writes); host homes from its arena, NVMe homes in its swap store.
+  explicit ParamStore(const EngineContext& ctx);
+  ~ParamStore();
+  ParamStore(const ParamStore&) = delete;
+  ParamStore& operator=(const ParamStore&) = delete;
+
+  // The parameter store buffer that holds version v.
+  int Buf(int64_t version) const { return delayed_ ? static_cast<int>(version & 1) : 0; }
+
+  // Where a resume finds the parameter stores (ResumeFromStore of a durable store).
+  struct Resume {
+    bool active = false;
+    bool stored_params = false;  // the commit holds NVMe parameter stores in this dtype
+    int64_t step = 0, visible = 0;
+  };
+  // Stores `image` (this rank's partition in storage dtype, pinned) as parameter `id`'s value
+  // at version 0, or at a resume the masters' version (skipped when the store holds it).
+  Status Init(ParamId id, PinnedBuffer image, const Resume& resume);
+
+  // Writes sub-group `gi`'s parameters (from the masters, or their storage-dtype copy) into
+  // buffer `buf`. With `writes` (the optimizer's pipeline) the NVMe writes' tickets go there
+  // and device copies are left in flight on the update stream; without, it returns when
+  // everything is written.
+  Status WriteGroup(size_t gi, const float* master, const uint16_t* copy_out, int buf,
+                    std::vector<Ticket>* writes);
+
+  void* device_part(ParamId id, int buf) const { return homes_[id].device_part[buf]; }
+  const void* host_part(ParamId id, int buf) const { return homes_[id].host_part[buf].data(); }
+  const std::string& swap_key(ParamId id, int buf) const { return homes_[id].swap_key[buf]; }
+
+ private:
+  struct Home {
+    void* device_part[2] = {nullptr, nullptr};  // Tier::kDevice
+    PinnedBuffer host_part[2];                  // Tier::kCpu
+    std::string swap_key[2];                    // Tier::kNvme
+  };
+  const Layout* const layout_;
+  const EngineConfig* const config_;
+  Device* const device_;
+  DeviceBudget* const budget_;
+  StatsRecorder* const stats_;
+  Stream* const copy_stream_;
+  Stream* const update_stream_;
+  PinnedArena* const arena_;
+  SwapStore* const swap_;
+  const bool delayed_;
+  std::vector<Home> homes_;
+};
+
+}  // namespace zinf

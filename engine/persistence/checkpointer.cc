@@ -1,0 +1,351 @@
+#include "engine/persistence/checkpointer.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <cstring>
+#include <filesystem>
+
+#include "common/file_io.h"
+#include "common/utf8.h"
+#include "engine/persistence/checkpoint_folder.h"
+#include "zinf/crash_point.h"
+#include "zinf/log.h"
+
+namespace zinf {
+
+namespace {
+
+// Whether `folder` holds a checkpoint whose rank-0 manifest reads back intact and whose
+// states file has the size it lists (for pruning: the newest such one before the new
+// checkpoint is kept; the tensors' checksums are the load's business).
+bool ReadableCheckpoint(const std::string& folder) {
+  Result<std::string> text = ReadSmallFile(folder + "/rank0.json", 1 << 30);
+  if (!text.ok()) return false;
+  Result<RankManifest> man = ParseRankManifest(*text, folder + "/rank0.json");
+  struct stat st {};
+  return man.ok() && stat((folder + "/" + man->states_file).c_str(), &st) == 0 &&
+         S_ISREG(st.st_mode) && static_cast<uint64_t>(st.st_size) == man->file_bytes;
+}
+
+std::string JoinList(const std::vector<std::string>& items) {
+  std::string list;
+  for (const std::string& t : items) list += (list.empty() ? "" : "; ") + t;
+  return list;
+}
+
+}  // namespace
+
+Status Checkpointer::LockDir(const std::string& dir, bool create) {
+  if (dir.empty() || !IsValidUtf8(dir)) {
+    return Status::InvalidArgument("checkpoint folder '" + dir +
+                                   "': give a non-empty path in valid UTF-8");
+  }
+  std::unique_ptr<FolderLock>& lock = locks_[dir];
+  if (create) {  // about to write: exclusive
+    if (lock != nullptr) ZINF_RETURN_IF_ERROR(lock->MakeExclusive());
+    return checkpoint_folder::Prepare(dir, &lock);
+  }
+  struct stat st {};
+  if (lock == nullptr && stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+    // Reading: shared with other readers, not with a run writing there.
+    ZINF_ASSIGN_OR_RETURN(lock, FolderLock::Acquire(dir, checkpoint_folder::kLockName,
+                                                    "checkpoint folder", /*shared=*/true));
+  }
+  return Status::OK();
+}
+
+Status Checkpointer::Prepare(const std::string& dir) {
+  Status local;
+  if (rank_ == 0) local = LockDir(dir, /*create=*/true);
+  return collectives_->Agree(local, "PrepareCheckpointDir");
+}
+
+Status Checkpointer::Save(const std::string& dir, const std::string& user_data, int64_t step,
+                          StateStore* states) {
+  namespace fs = std::filesystem;
+  const std::string incoming = dir + "/" + checkpoint_folder::kIncoming;
+  // Rank 0 makes sure of the folder (created 0700, writable, locked) and prepares an empty
+  // staging folder.
+  Status local;
+  if (rank_ == 0) {
+    local = LockDir(dir, /*create=*/true);
+    std::error_code ec;
+    if (local.ok()) fs::remove_all(incoming, ec);
+    if (local.ok() && !ec && mkdir(incoming.c_str(), 0700) != 0) {
+      local = ErrnoToStatus(errno, "creating " + incoming);
+    }
+    if (local.ok() && ec) {
+      local = Status::IoError("preparing checkpoint folder " + incoming + ": " + ec.message());
+    }
+  }
+  ZINF_RETURN_IF_ERROR(collectives_->Agree(local, "SaveCheckpoint"));
+
+  // Every rank writes its states file and manifest.
+  RankManifest man;
+  man.rank = rank_;
+  man.world = world_;
+  man.step = step;
+  man.optimizer = OptimizerTypeName(config_->optimizer.type);
+  man.state_dtype = StateTypeName(layout_->state_type());
+  man.states_file = "rank" + std::to_string(rank_) + ".states";
+  man.user_data = user_data;
+  const std::string states_path = incoming + "/" + man.states_file;
+  local = [&]() -> Status {
+    AlignedBuffer buf(layout_->LargestGroupStateBytes());
+    if (buf.data == nullptr) return Status::ResourceExhausted("checkpoint staging buffer");
+    ZINF_ASSIGN_OR_RETURN(int fd, CreateExclusive(states_path));
+    uint64_t offset = 0;
+    Status s;
+    man.tensors.resize(layout_->num_params());
+    for (size_t gi = 0; gi < layout_->num_groups() && s.ok(); ++gi) {
+      const GroupLayout& g = layout_->group(gi);
+      s = states->Read(gi, buf.data);
+      if (!s.ok()) {
+        s = s.WithContext("reading optimizer states of sub-group " + std::to_string(gi));
+        break;
+      }
+      const char* f = static_cast<const char*>(buf.data);
+      for (ParamId id : g.params) {
+        const ParamLayout& p = layout_->param(id);
+        CheckpointTensor& t = man.tensors[id];
+        t.name = p.info.name;
+        t.numel = p.info.numel;
+        t.partition_numel = p.info.partition_numel;
+        t.sub_group = gi;
+        t.slice_offset = p.slice_offset;
+        t.updates = states->updates(id);
+        for (int k = 0; k < 3; ++k) {
+          t.hash[k] = XXH3_64bits(f + layout_->SliceOffsetIn(id, k), layout_->SliceBytesIn(id, k));
+        }
+      }
+      s = PwriteAll(fd, buf.data, layout_->GroupStateBytes(gi), offset, states_path);
+      man.groups.push_back({g.numel, offset});
+      offset += layout_->GroupStateBytes(gi);
+    }
+    if (s.ok() && fsync(fd) != 0) s = ErrnoToStatus(errno, "fsync of " + states_path);
+    close(fd);
+    ZINF_RETURN_IF_ERROR(s);
+    man.file_bytes = offset;
+    const std::string man_path = incoming + "/rank" + std::to_string(rank_) + ".json";
+    const std::string text = SerializeRankManifest(man);  // names and user data are UTF-8
+    ZINF_ASSIGN_OR_RETURN(int mfd, CreateExclusive(man_path));
+    s = PwriteAll(mfd, text.data(), text.size(), 0, man_path);
+    if (s.ok() && fsync(mfd) != 0) s = ErrnoToStatus(errno, "fsync of " + man_path);
+    close(mfd);
+    return s;
+  }();
+  ZINF_RETURN_IF_ERROR(collectives_->Agree(local, "SaveCheckpoint"));
+  CrashPoint("checkpoint.files");
+
+  // Rank 0 commits: the staging folder gets its final name, then `latest` names it; then the
+  // checkpoints older than the newest readable one before it go.
+  if (rank_ == 0) {
+    local = checkpoint_folder::MarkIncoming(dir);
+    if (local.ok()) {
+      Result<std::string> name = checkpoint_folder::Commit(dir, step);
+      local = name.status();
+      if (name.ok()) checkpoint_folder::Prune(dir, *name, &ReadableCheckpoint);
+    }
+  }
+  return collectives_->Agree(local, "SaveCheckpoint");
+}
+
+Status Checkpointer::Validate(const std::string& folder, RankManifest* man, int* fd,
+                              std::string* states_path, AlignedBuffer* buf) {
+  const std::string man_path = folder + "/rank" + std::to_string(rank_) + ".json";
+  ZINF_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(man_path, 1 << 30));
+  ZINF_ASSIGN_OR_RETURN(*man, ParseRankManifest(text, man_path));
+  auto mismatch = [&](const std::string& what) {
+    return Status::FailedPrecondition(man_path +
+                                      ": the checkpoint does not match this model: " + what);
+  };
+  if (man->world != world_ || man->rank != rank_) {
+    return mismatch("saved by rank " + std::to_string(man->rank) + " of " +
+                    std::to_string(man->world) + ", loading as rank " + std::to_string(rank_) +
+                    " of " + std::to_string(world_));
+  }
+  if (man->optimizer != OptimizerTypeName(config_->optimizer.type)) {
+    return mismatch("optimizer " + man->optimizer + ", this engine runs " +
+                    OptimizerTypeName(config_->optimizer.type));
+  }
+  // States of another dtype are converted when installed (Load); they are checked here as
+  // stored.
+  ZINF_ASSIGN_OR_RETURN(const StateType file_type, ParseStateType(man->state_dtype));
+  const size_t num_params = layout_->num_params(), num_groups = layout_->num_groups();
+  if (man->tensors.size() != num_params || man->groups.size() != num_groups) {
+    return mismatch(std::to_string(man->tensors.size()) + " tensors in " +
+                    std::to_string(man->groups.size()) + " sub-groups, this engine has " +
+                    std::to_string(num_params) + " in " + std::to_string(num_groups) +
+                    " (same sub_group_size?)");
+  }
+  for (size_t i = 0; i < num_params; ++i) {
+    const ParamLayout& p = layout_->param(static_cast<ParamId>(i));
+    const CheckpointTensor& t = man->tensors[i];
+    if (t.name != p.info.name || t.numel != p.info.numel ||
+        t.partition_numel != p.info.partition_numel || t.sub_group != p.info.sub_group ||
+        t.slice_offset != p.slice_offset) {
+      return mismatch("tensor " + std::to_string(i) + " is '" + t.name + "' with " +
+                      std::to_string(t.numel) + " elements, this engine has '" + p.info.name +
+                      "' with " + std::to_string(p.info.numel));
+    }
+  }
+  for (size_t gi = 0; gi < num_groups; ++gi) {
+    if (man->groups[gi].numel != layout_->group(gi).numel) {
+      return mismatch("sub-group " + std::to_string(gi) + " size differs");
+    }
+  }
+  *states_path = folder + "/" + man->states_file;
+  uint64_t file_size = 0;
+  ZINF_ASSIGN_OR_RETURN(*fd, OpenRegularFile(*states_path, "checkpoint states", &file_size));
+  if (file_size != man->file_bytes) {
+    return Status::Corruption(*states_path + " has " + std::to_string(file_size) +
+                              " bytes, its manifest says " + std::to_string(man->file_bytes) +
+                              " (a torn checkpoint)");
+  }
+  if (buf->data == nullptr) return Status::ResourceExhausted("checkpoint buffer");
+  for (size_t gi = 0; gi < num_groups; ++gi) {
+    ZINF_RETURN_IF_ERROR(ReadGroup(*fd, gi, file_type, *man, *states_path, buf->data));
+  }
+  return Status::OK();
+}
+
+Status Checkpointer::ReadGroup(int fd, size_t gi, StateType file_type, const RankManifest& man,
+                               const std::string& states_path, void* buf) const {
+  ZINF_RETURN_IF_ERROR(PreadAll(fd, buf, layout_->GroupStateBytes(gi, file_type),
+                                man.groups[gi].offset, states_path, "a torn checkpoint"));
+  const char* f = static_cast<const char*>(buf);
+  static const char* const kState[] = {"master weights", "exp_avg", "exp_avg_sq"};
+  for (ParamId id : layout_->group(gi).params) {
+    const CheckpointTensor& t = man.tensors[id];
+    for (int k = 0; k < 3; ++k) {
+      if (XXH3_64bits(f + layout_->SliceOffsetIn(id, k, file_type),
+                      layout_->SliceBytesIn(id, k, file_type)) != t.hash[k]) {
+        return Status::Corruption("checkpoint tensor '" + layout_->param(id).info.name + "' (" +
+                                  kState[k] + ") in " + states_path +
+                                  " does not match its checksum");
+      }
+    }
+  }
+  return Status::OK();
+}
+
+Status Checkpointer::ConvertGroupStates(size_t gi, StateType from, const void* src,
+                                        void* dst) const {
+  const char* in = static_cast<const char*>(src);
+  char* out = static_cast<char*>(dst);
+  // The masters as they are; regions never stepped (Lion's second, Adagrad's first) are zero
+  // in every dtype, as are the gaps between slices.
+  std::memset(out, 0, layout_->GroupStateBytes(gi));
+  std::memcpy(out, in, layout_->group(gi).numel * sizeof(float));
+  for (ParamId id : layout_->group(gi).params) {
+    for (int k = 1; k <= 2; ++k) {
+      Status s = ConvertOptimizerState(from, in + layout_->SliceOffsetIn(id, k, from),
+                                       layout_->state_type(), out + layout_->SliceOffsetIn(id, k),
+                                       layout_->param(id).info.partition_numel,
+                                       k == 1 ? StateRole::kSigned : StateRole::kNonNegative);
+      if (!s.ok()) {
+        return s.WithContext("converting the optimizer states of '" + layout_->param(id).info.name +
+                             "'");
+      }
+    }
+  }
+  return Status::OK();
+}
+
+CheckpointReader::~CheckpointReader() {
+  if (fd_ >= 0) close(fd_);
+}
+
+Result<const void*> CheckpointReader::ReadGroup(size_t gi) {
+  // The bytes installed are the bytes verified: this read is checked again (the file may have
+  // changed since the validation pass, or the disk returned something else).
+  ZINF_RETURN_IF_ERROR(owner_->ReadGroup(fd_, gi, file_type_, man_, states_path_, buf_.data));
+  if (!converted_) return static_cast<const void*>(buf_.data);
+  ZINF_RETURN_IF_ERROR(owner_->ConvertGroupStates(gi, file_type_, buf_.data, converted_->data));
+  return static_cast<const void*>(converted_->data);
+}
+
+Result<std::unique_ptr<CheckpointReader>> Checkpointer::Open(const std::string& dir,
+                                                             bool fall_back_to_older) {
+  Status local = rank_ == 0 ? LockDir(dir, /*create=*/false) : Status::OK();
+  ZINF_RETURN_IF_ERROR(collectives_->Agree(local, "LoadCheckpoint"));
+  // Which checkpoints there are: "none yet" only for a folder that holds none at all; a
+  // `latest` that cannot be read, or step folders without one, is damage.
+  ZINF_ASSIGN_OR_RETURN(checkpoint_folder::Listing listing, checkpoint_folder::List(dir));
+  if (!listing.exists || listing.Empty()) {
+    return Status::NotFound("no checkpoint in " + dir + " (the folder " +
+                            (listing.exists ? "holds none" : "does not exist") + ")");
+  }
+  // A step folder gets its name only once complete, so the newest one is a committed
+  // checkpoint even when `latest` (a pointer written right after) is missing or unreadable:
+  // that is then said, not fatal. The candidate chosen must validate in full; a damaged one is
+  // an error unless falling back is allowed.
+  std::vector<std::string> candidates = checkpoint_folder::Candidates(dir, listing);
+  std::string damage;
+  if (!listing.latest_status.ok()) {
+    damage = listing.latest_status.message();
+  } else if (listing.latest.empty() && !listing.single) {
+    damage = dir + "/latest is missing";
+  }
+  // Room for a sub-group as the checkpoint stores it, whatever its state dtype (fp32 is the
+  // largest).
+  std::unique_ptr<CheckpointReader> reader(
+      new CheckpointReader(this, layout_->LargestGroupStateBytes(StateType::kF32)));
+  std::string used;
+  std::vector<std::string> tried;
+  for (const std::string& folder : candidates) {
+    if (reader->fd_ >= 0) {
+      close(reader->fd_);
+      reader->fd_ = -1;
+    }
+    local = Validate(folder, &reader->man_, &reader->fd_, &reader->states_path_, &reader->buf_);
+    Status agreed = collectives_->Agree(local, "LoadCheckpoint");
+    if (agreed.ok()) {
+      used = folder;
+      break;
+    }
+    // A checkpoint of another model is no damage: an older one would not fit either.
+    if (agreed.code() == StatusCode::kFailedPrecondition && !local.ok()) return agreed;
+    tried.push_back(folder + " (" + agreed.message() + ")");
+    if (!fall_back_to_older) {
+      return Status::Corruption("the newest checkpoint " + folder +
+                                " is damaged: " + agreed.message() +
+                                "; load the one before (LoadCheckpoint's fall_back_to_older; "
+                                "zinf-train --resume --fallback) or repair it");
+    }
+  }
+  if (used.empty())
+    return Status::Corruption("no readable checkpoint in " + dir + ": " + JoinList(tried));
+  if (!tried.empty()) {
+    LogWarning("loading " + used +
+               ", not the newest checkpoint, which is damaged: " + JoinList(tried));
+  } else if (!damage.empty()) {
+    LogWarning(damage + "; loading " + used + ", the newest complete checkpoint");
+  }
+
+  // States stored in another dtype are converted when read (ConvertOptimizerState: as a step
+  // would have decoded and stored them). (The parser accepted the dtype; every rank's
+  // checkpoint has the same one.)
+  const Result<StateType> parsed_type = ParseStateType(reader->man_.state_dtype);
+  reader->file_type_ = parsed_type.ok() ? *parsed_type : StateType::kF32;
+  const StateType engine_type = layout_->state_type();
+  Status prepared;
+  if (reader->file_type_ != engine_type) {
+    reader->converted_.emplace(layout_->LargestGroupStateBytes());
+    if (reader->converted_->data == nullptr) {
+      prepared = Status::ResourceExhausted("checkpoint conversion buffer");
+    } else {
+      LogInfo("loading optimizer states stored as " + reader->man_.state_dtype + " into " +
+              StateTypeName(engine_type) + " (zinf.optimizer_state_dtype): converting them");
+    }
+  }
+  // Nothing is read for installing yet: a rank that cannot convert stops every rank here.
+  ZINF_RETURN_IF_ERROR(collectives_->Agree(prepared, "LoadCheckpoint"));
+  if (validated_) validated_(used);
+  return reader;
+}
+
+}  // namespace zinf

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The include graph points one way: a source may include its own folder, the public headers
+# (include/zinf/) and folders of lower layers, never a folder above it or a sibling of its own
+# layer. Layers, lowest first (see the README's layout table):
+#   0 common/            1 nvme/, cpu_adam/     2 device/ (host/, cuda/, device_pool.h)
+#   3 formats/, config/  4 engine/core/         5 engine/persistence/
+#   6 engine/ (the façade and the optimizer pipeline)        7 interop/
+#   8 c_api/, train/, bench/, python/, tests/, fuzz/ (users of everything below)
+# Prints every arrow that points back up and fails if there is one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# The folder a path belongs to: the longest of the known folders that prefixes it.
+folder_of() {
+  case "$1" in
+    engine/core/*) echo engine/core ;;
+    engine/persistence/*) echo engine/persistence ;;
+    device/host/*) echo device/host ;;
+    device/cuda/*) echo device/cuda ;;
+    *) echo "${1%%/*}" ;;
+  esac
+}
+layer_of() {
+  case "$1" in
+    common) echo 0 ;;
+    nvme | cpu_adam) echo 1 ;;
+    device | device/host | device/cuda) echo 2 ;;
+    formats | config) echo 3 ;;
+    engine/core) echo 4 ;;
+    engine/persistence) echo 5 ;;
+    engine) echo 6 ;;
+    interop) echo 7 ;;
+    c_api | train | bench | python | tests | fuzz) echo 8 ;;
+    *) echo "" ;;
+  esac
+}
+
+# The tracked sources (every source when this is not a git checkout).
+list_sources() {
+  if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    git ls-files -- '*.h' '*.cc' '*.cu' '*.cuh'
+  else
+    find . -path ./build -prune -o -type f \( -name '*.h' -o -name '*.cc' -o -name '*.cu' \
+      -o -name '*.cuh' \) -print | sed 's|^\./||'
+  fi
+}
+
+bad=0
+checked=0
+while IFS= read -r file; do
+  from=$(folder_of "$file")
+  from_layer=$(layer_of "$from")
+  [ -n "$from_layer" ] || continue
+  checked=$((checked + 1))
+  while IFS= read -r target; do
+    to=$(folder_of "$target")
+    # Headers of device/ itself (device_pool.h) belong to the device layer, as do its backends.
+    to_layer=$(layer_of "$to")
+    [ -n "$to_layer" ] || continue  # a system header or include/zinf/
+    [ "$to" = "$from" ] && continue
+    # The device backends share device/'s own headers; the other way round is not allowed.
+    if [ "$to" = device ] && [[ "$from" == device/* ]]; then continue; fi
+    if [ "$to_layer" -ge "$from_layer" ] && [ "$from_layer" -lt 8 ]; then
+      echo "include_graph: $file includes \"$target\": $from (layer $from_layer) may not include $to (layer $to_layer)" >&2
+      bad=1
+    fi
+  done < <(sed -n 's/^[[:space:]]*#[[:space:]]*include[[:space:]]*"\([^"]*\)".*/\1/p' "$file")
+done < <(list_sources)
+if [ $bad -ne 0 ]; then
+  echo "include_graph: arrows point back up; move the code to the lower layer or pass it in" >&2
+  exit 1
+fi
+echo "include_graph: $checked sources, every include points down or sideways within its folder"
