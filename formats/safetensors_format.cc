@@ -81,16 +81,11 @@ Result<TensorInfo> ParseTensor(const std::string& name, const json& v, uint64_t 
   auto dt = v.find("dtype");
   if (dt == v.end() || !dt->is_string())
     return Status::Corruption(w + ": \"dtype\" must be a string");
-  bool known = false;
-  for (const DTypeEntry& e : kDTypes) {
-    if (dt->get<std::string>() == e.name) {
-      t.dtype = e.dtype;
-      known = true;
-    }
-  }
-  if (!known) {
+  std::optional<DType> dtype = DTypeByName(dt->get<std::string>());
+  if (!dtype) {
     return Status::Corruption(w + ": unknown dtype \"" + dt->get<std::string>() + "\"");
   }
+  t.dtype = *dtype;
   auto shape = v.find("shape");
   if (shape == v.end() || !shape->is_array()) {
     return Status::Corruption(w + ": \"shape\" must be an array");
@@ -127,6 +122,13 @@ Result<TensorInfo> ParseTensor(const std::string& name, const json& v, uint64_t 
 }
 
 }  // namespace
+
+std::optional<DType> DTypeByName(std::string_view name) {
+  for (const DTypeEntry& e : kDTypes) {
+    if (name == e.name) return e.dtype;
+  }
+  return std::nullopt;
+}
 
 const char* DTypeName(DType dtype) {
   for (const DTypeEntry& e : kDTypes) {

@@ -72,4 +72,30 @@ struct StepStats {
   bool trace_valid = false;
 };
 
+// Calls visit(name, value) for every StepStats field, in declaration order, so that a front end
+// (the Python module, a bench's JSON line) reports them all without copying field by field.
+template <typename Visit>
+void VisitStepStats(const StepStats& s, Visit&& visit) {
+  visit("step", s.step);
+  visit("optimizer_ran", s.optimizer_ran);
+  visit("step_seconds", s.step_seconds);
+  visit("nvme_read_bytes", s.nvme_read_bytes);
+  visit("nvme_write_bytes", s.nvme_write_bytes);
+  visit("h2d_bytes", s.h2d_bytes);
+  visit("d2h_bytes", s.d2h_bytes);
+  visit("nvme_busy_seconds", s.nvme_busy_seconds);
+  visit("copy_busy_seconds", s.copy_busy_seconds);
+  visit("optimizer_busy_seconds", s.optimizer_busy_seconds);
+  visit("acquire_wait_seconds", s.acquire_wait_seconds);
+  visit("optimizer_wait_seconds", s.optimizer_wait_seconds);
+  visit("peak_device_bytes", s.peak_device_bytes);
+  visit("peak_pinned_bytes", s.peak_pinned_bytes);
+  visit("nvme_bytes", s.nvme_bytes);
+  visit("overlap_efficiency", s.overlap_efficiency);
+  visit("grad_norm", s.grad_norm);
+  visit("prefetch_hits", s.prefetch_hits);
+  visit("prefetch_misses", s.prefetch_misses);
+  visit("trace_valid", s.trace_valid);
+}
+
 }  // namespace zinf

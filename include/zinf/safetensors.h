@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -47,6 +48,8 @@ enum class DType {
 };
 // "F32", "BF16", ... as the format spells them.
 const char* DTypeName(DType dtype);
+// The dtype a name spells (nullopt for a name the format does not have).
+std::optional<DType> DTypeByName(std::string_view name);
 size_t DTypeSize(DType dtype);
 // Whether a tensor of this dtype can be loaded into (or exported from) a float parameter:
 // F32, BF16, F16.
