@@ -41,8 +41,10 @@ import torch
 from torch.utils import dlpack
 
 from . import _autograd, _zinf
-from ._access import ParamAccess, ZinfParameter, base_data, set_base_data, storage_ptr
+from ._access import ParamAccess
+from ._calls import base_data, set_base_data, storage_ptr
 from ._optim import ZinfOptimizer, error
+from ._subclasses import ZinfParameter
 
 ZinfError = _zinf.ZinfError
 
