@@ -20,18 +20,18 @@ call that involves it:
   whole parameter goes to the parameter (as torch's write through a view would); a write into
   a part of one is refused, since it could not reach the parameter.
 
-The engine keeps acquired memory, placeholders and releases; this module decides what a call
-is and which of the engine's paths serves it.
+The engine keeps acquired memory, placeholders and releases (_residency.py); this module
+decides what a call is (_calls.py) and which of the engine's paths serves it.
 """
 import ctypes
 import weakref
 
 import torch
 
-from ._autograd import ChainedHooks
 # base_data stays reachable as zinf._access.base_data (tests read the placeholder through it).
 from ._calls import DISABLE, base_data, plain, set_base_data, storage_ptr  # noqa: F401
 from ._optim import error
+from ._residency import Frame
 from ._subclasses import Snapshot, is_whole, snapshot
 
 
@@ -58,19 +58,20 @@ class ParamAccess:
             if t._zinf_rec not in recs:
                 recs.append(t._zinf_rec)
         e._enter("reading parameter '%s'" % recs[0].names[0])
-        need = [r for r in recs if r.fwd_live is None]
+        need = [r for r in recs if not r.state.in_forward]
         grad = torch.is_grad_enabled() and any(r.param.requires_grad for r in need)
         # Outside a forward a read starts no micro-step: an inference acquire, unless a
         # backward runs (its acquires are training ones).
-        inference = (not e._traced) if e._stack else not e._in_backward
+        residency = e._residency
+        inference = (not residency.traced) if residency.stack else not e._micro.in_backward
         if inference:
-            e._check_inference_read(need[0])
-        frame = e._new_frame()
-        e._acquire_forward(need, frame, inference=inference)
+            e._micro.check_inference_read(need[0])
+        frame = Frame()
+        residency.acquire_forward(need, frame, inference=inference)
         try:
             hooks = None
-            if grad and not e._own_hooks_innermost():
-                hooks = ChainedHooks(e._pack_hook, e._unpack_hook)
+            if grad and not e._packing.own_hooks_innermost():
+                hooks = e._packing.hooks()
             if hooks is not None:
                 with hooks:
                     with DISABLE():
@@ -80,7 +81,7 @@ class ParamAccess:
                     out = func(*args, **kwargs)
             return self._copy_views(out, {r.live_ptr: r for r in need})
         finally:
-            e._release_forward(frame)
+            residency.release_forward(frame)
 
     def _copy_views(self, out, fetched):
         """A result over the memory fetched for one call becomes a Snapshot (a copy)."""
@@ -106,17 +107,18 @@ class ParamAccess:
                 recs.append(t._zinf_rec)
         what = getattr(func, "__name__", "a write")
         e._enter("writing parameter '%s'" % recs[0].names[0])
-        e._check_writable(recs[0], what)
+        e._micro.check_writable(recs[0], what, bool(e._residency.stack))
         if self._batch is not None and what == "copy_" and len(recs) == 1 and \
                 len(args) >= 2 and not kwargs and isinstance(args[1], torch.Tensor) and \
                 args[1].shape == recs[0].shape:
             # load_state_dict: collected, loaded together when it returns.
             self._batch[recs[0].id] = (recs[0], args[1])
             return written[0]
-        sources = [t for t in managed if t._zinf_rec not in recs and t._zinf_rec.fwd_live is None]
-        frame = e._new_frame()
+        sources = [t for t in managed
+                   if t._zinf_rec not in recs and not t._zinf_rec.state.in_forward]
+        frame = Frame()
         if sources:
-            e._acquire_forward([t._zinf_rec for t in sources], frame, inference=True)
+            e._residency.acquire_forward([t._zinf_rec for t in sources], frame, inference=True)
         scratch = {}
         try:
             for r in recs:
@@ -128,7 +130,7 @@ class ParamAccess:
         finally:
             for r in recs:
                 set_base_data(r.param, r.placeholder)
-            e._release_forward(frame)
+            e._residency.release_forward(frame)
         for r in recs:
             v = scratch[r.id]
             if v.shape != r.shape or v.dtype != torch.float32:
@@ -159,7 +161,7 @@ class ParamAccess:
                         "under torch.no_grad()" % (rec.names[0], value.dtype, tuple(value.shape),
                                                    value.device, rec.dtype, tuple(rec.shape),
                                                    e.device))
-        e._check_writable(rec, ".data =")
+        e._micro.check_writable(rec, ".data =", bool(e._residency.stack))
         self._set_values([(rec, plain(value).detach())])
 
     def _set_values(self, pairs):

@@ -34,7 +34,7 @@ class ZinfParameter(torch.nn.Parameter):
                                if any(t is m for m in managed)]
                     if written:
                         return access.write(func, args, kwargs, written, managed)
-                if any(t._zinf_rec.fwd_live is None for t in managed):
+                if any(not t._zinf_rec.state.in_forward for t in managed):
                     return access.read(func, args, kwargs, managed)
         with DISABLE():
             return func(*args, **kwargs)
@@ -42,7 +42,7 @@ class ZinfParameter(torch.nn.Parameter):
     @property
     def data(self):
         rec = self.__dict__.get("_zinf_rec")
-        if rec is None or rec.fwd_live is not None:
+        if rec is None or rec.state.in_forward:
             return base_data(self)
         # Outside its module's forward: a Snapshot of the values (a write to it reaches the
         # parameter; see _access.py's docstring).
