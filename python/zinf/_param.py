@@ -4,7 +4,8 @@ Where a parameter's values are for torch is one ParamState, changed only by Mana
 transition methods. Each checks the state it starts from before it changes anything: an illegal
 transition is a bug in zinf's bookkeeping (the engine's own checks refuse the user's mistakes
 first, with what to do), and raises a ZinfError (a RuntimeError, code "Internal") naming the
-parameter, the state it was in and the moves the transition makes.
+parameter, the state it was in and the moves the transition makes. A transition sets the new
+state only once its work is done, so one that fails midway leaves the parameter as it was.
 
     REGISTERED --finish_registration--> RELEASED
     RELEASED   --gather_forward-->  FORWARD   --release_forward-->  RELEASED
@@ -105,37 +106,44 @@ class ManagedParam:
         self.live_ptr = None  # the storage pointer torch sees while acquired
         self.engine = weakref.ref(engine)
 
-    def _move(self, transition):
+    def _next(self, transition):
+        """The state `transition` leads to from the current one; raises when it is illegal."""
         new = _MOVES[transition].get(self.state)
         if new is None:
             raise _illegal(self, transition, self.state)
-        self.state = new
+        return new
 
     def finish_registration(self):
         """The engine holds the values: the initial ones (`source`) may go."""
-        self._move("finish_registration")
+        new = self._next("finish_registration")
         self.source = None
+        self.state = new
 
     def gather_forward(self, flat):
         """`flat`, acquired for a forward, becomes `param.data` in the parameter's shape."""
-        self._move("gather_forward")
-        self.fwd_live = flat.view(self.shape)
-        set_base_data(self.param, self.fwd_live)
+        new = self._next("gather_forward")
+        live = flat.view(self.shape)
+        set_base_data(self.param, live)
+        self.fwd_live = live
+        self.state = new
 
     def release_forward(self):
         """The last forward holder returned: `param.data` is the placeholder again."""
-        self._move("release_forward")
+        new = self._next("release_forward")
         set_base_data(self.param, self.placeholder)
         self.fwd_live = None
+        self.state = new
 
     def gather_backward(self, flat):
         """`flat`, acquired in backward, is what saved references to the parameter read."""
-        self._move("gather_backward")
+        new = self._next("gather_backward")
         self.bwd_flat = flat
+        self.state = new
 
     def release_backward(self):
-        self._move("release_backward")
+        new = self._next("release_backward")
         self.bwd_flat = None
+        self.state = new
 
     def reduce_gradient(self):
         """Its gradient of this micro-step went to the engine (one per micro-step)."""
