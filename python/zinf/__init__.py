@@ -19,7 +19,6 @@ the config's "optimizer"), not torch's. See the README's "Using zinf from PyTorc
 import torch
 
 from . import _deepspeed, _initialize, _zinf, checkpointing
-from ._access import Snapshot, ZinfParameter
 from ._activations import checkpoint
 from ._config import config_text
 from ._deepspeed import DeepSpeedEngine, add_config_arguments, init_distributed
@@ -27,6 +26,7 @@ from ._engine import ZinfEngine, ZinfError
 from ._init import Init
 from ._safetensors import load_safetensors, save_safetensors
 from ._schedulers import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from ._subclasses import Snapshot, ZinfParameter
 
 __version__ = "0.1.0"
 

@@ -1,7 +1,7 @@
 """Which saved-tensor hooks are active, so that zinf's hooks compose with other ones.
 
 zinf saves a reference instead of a parameter's memory when autograd saves a tensor that lies
-in it (_engine.py). Other code uses the same mechanism: torch.utils.checkpoint without
+in it (_packing.py). Other code uses the same mechanism: torch.utils.checkpoint without
 reentrance (torch 1.13 recomputes a segment inside its unpack hook, under hooks of its own
 that record the recomputed tensors by their order), torch.autograd.graph.save_on_cpu,
 zinf.checkpoint. torch keeps the hooks in a stack and calls only the innermost pair, with
@@ -107,7 +107,7 @@ class ChainedHooks:
                 return x.unpack(x.packed)
             return own_unpack(x)
 
-        pack.zinf_owner = own_pack  # which code's hooks these are (_engine.py asks)
+        pack.zinf_owner = own_pack  # which code's hooks these are (_packing.py asks)
 
         self._ctx = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._ctx.__enter__()

@@ -20,7 +20,8 @@ def config_text(config):
         try:
             return json.dumps(config)
         except (TypeError, ValueError) as e:
-            raise _zinf.ZinfError("zinf config: the dict is not JSON-serialisable (%s)" % e) from None
+            raise _zinf.ZinfError("zinf config: the dict is not JSON-serialisable (%s)"
+                                  % e) from None
     if isinstance(config, (str, os.PathLike)):
         return _read_config_file(os.fspath(config))
     raise TypeError("zinf config: expected a dict, a path or None, got %s" % type(config).__name__)

@@ -24,7 +24,8 @@ import threading
 import torch
 
 from . import _config, _zinf
-from ._engine import FLOAT_DTYPES, ZinfError, placeholder
+from ._optim import ZinfError
+from ._param import FLOAT_DTYPES, placeholder
 
 # The patch of torch.nn.Module constructors is process-wide (class attributes), so it is
 # installed once while any Init is entered and consults the constructing thread's own stack of

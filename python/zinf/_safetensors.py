@@ -43,7 +43,7 @@ def load_safetensors(engine, path, name_map=None, strict=True, allow_reshape=Fal
     tensors = ckpt.tensors()
     to_file = _mapper(name_map)
     mapping, loaded, missing, used = [], [], [], set()
-    for p in engine._params:
+    for p in engine._registry.params:
         found = None
         for n in p.names:
             f = to_file(n)
@@ -134,7 +134,7 @@ def save_safetensors(engine, save_dir, shard_size="5G", dtype=torch.float32, met
         raise ZinfError("save_safetensors: dtype torch.float32 or torch.bfloat16")
     meta = {"format": "pt"}
     meta.update(metadata or {})
-    mapping = [(p.id, p.names[0]) for p in engine._params]
+    mapping = [(p.id, p.names[0]) for p in engine._registry.params]
     extra, keep = [], []
     if buffers:
         for name, buf in engine._persistent_buffers().items():

@@ -1,0 +1,190 @@
+"""The hooks an engine puts on the model (what FSDP2's FSDPState owns).
+
+- Forward: before a module runs, its own parameters are acquired (fetched to the engine's
+  device, gathered) and `param.data` becomes a tensor over the engine's memory; after the
+  module returns they go back to the placeholder and are released. The outermost call enters
+  the engine (checks, the learning rate, whether the forward trains) and pushes the saved-tensor
+  hooks (_packing.py) when gradients are enabled. A parameter read through another module (a
+  tied head reading `self.wte.weight`) is acquired on that access (each module's _parameters
+  is a ParameterDict) and released when the module that read it returns.
+- Gradients: a hook on each trainable parameter's AccumulateGrad node takes the parameter's
+  gradient, summed over every use in the backward, to the engine (reduce-scatter, fp32
+  accumulators) and clears `param.grad`. One gradient per parameter per micro-step: a second
+  one (a backward without step()) is refused with what to do.
+
+Every hook holds the engine weakly: the model never keeps a dropped engine alive.
+"""
+import collections
+import weakref
+
+import torch
+
+from . import _zinf
+from ._calls import base_data
+from ._packing import weak_hook
+from ._param import GradState
+from ._residency import Frame
+
+ZinfError = _zinf.ZinfError
+
+
+class ParameterDict(collections.OrderedDict):
+    """A module's `_parameters` that acquires a parameter read during the engine's forward."""
+
+    def __init__(self, engine, items):
+        super().__init__(items)
+        self._zinf_engine = weakref.ref(engine)
+
+    def __getitem__(self, key):
+        value = collections.OrderedDict.__getitem__(self, key)
+        engine = self._zinf_engine()
+        if engine is not None and engine._residency.stack and value is not None:
+            engine._residency.touch(value)
+        return value
+
+    def __reduce__(self):  # copies and pickles see a plain dict
+        return (collections.OrderedDict, (list(self.items()),))
+
+
+class ModuleHooks:
+    """Installs, runs and removes an engine's module and gradient hooks (one per engine)."""
+
+    def __init__(self, engine, registry, residency, packing, micro):
+        self._engine = weakref.ref(engine)
+        self._registry = registry
+        self._residency = residency
+        self._packing = packing
+        self._micro = micro
+        self._handles = []
+        self._direct = {}  # module -> the ManagedParams it owns (acquired when it runs)
+
+    def install(self, model):
+        engine = self._engine()
+        by_obj = self._registry.by_obj
+        for module in model.modules():
+            owned = [by_obj[id(v)] for v in module._parameters.values()
+                     if v is not None and id(v) in by_obj]
+            self._direct[module] = owned
+            module._parameters = ParameterDict(engine, module._parameters.items())
+            self._handles.append(module.register_forward_pre_hook(weak_hook(self, "pre_forward")))
+            self._handles.append(module.register_forward_hook(weak_hook(self, "post_forward")))
+        with torch.enable_grad():
+            for p in self._registry.params:
+                if not p.param.requires_grad:
+                    continue
+                node = p.param.expand_as(p.param).grad_fn.next_functions[0][0]
+                node.register_hook(self._grad_hook(p))
+                p.grad_node = node
+
+    def remove(self, model):
+        """Detaches the hooks (the gradient hooks stay on their nodes, and pass once the
+        engine is closed)."""
+        self.remove_handles()
+        for module in model.modules():
+            if isinstance(module._parameters, ParameterDict):
+                module._parameters = collections.OrderedDict(module._parameters.items())
+
+    def remove_handles(self):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- Forward
+
+    def pre_forward(self, module, inputs):
+        e = self._engine()
+        if e is None or e._closed:
+            return
+        res = self._residency
+        if module is e.module and res.stack:
+            res.unwind()  # a forward that raised left its frames
+        frame = Frame()
+        if not res.stack:
+            e._enter("the model's forward")
+            res.flush()
+            self._check_parameters(e)
+            res.traced = torch.is_grad_enabled() and e.module.training
+            if res.traced:
+                e._sync_lr()
+                self._micro.started = True
+            if torch.is_grad_enabled():
+                # Every tensor autograd saves inside this call that lies in a parameter's
+                # memory is saved as a reference (engine(...), a direct call of the model, a
+                # checkpointed segment recomputed in backward).
+                frame.hooks = self._packing.hooks()
+                frame.hooks.__enter__()
+        res.stack.append(frame)
+        owned = self._direct.get(module)
+        if owned:
+            res.acquire_forward(owned, frame)
+
+    def post_forward(self, module, inputs, output):
+        e = self._engine()
+        if e is None or e._closed or not self._residency.stack:
+            return
+        self._residency.close_frame(self._residency.stack.pop())
+
+    def _check_parameters(self, e):
+        """Before each forward: the parameters are still the engine's placeholders (a .to(),
+        .half() or .cuda() after initialize would detach them from the gradient hooks), and on a
+        GPU torch still computes on the stream the engine orders its copies against."""
+        for p in self._registry.params:
+            data = base_data(p.param)
+            if data.dtype != p.dtype or data.device != e.device or data.shape != p.shape:
+                raise ZinfError(
+                    "parameter '%s' is now %s on %s, the engine keeps it as %s on %s: the model's "
+                    "parameters must not be converted or moved after zinf.initialize (no "
+                    "model.to(), .half(), .cuda())" % (p.names[0], data.dtype, data.device,
+                                                         p.dtype, e.device))
+        if e._stream is not None and torch.cuda.current_stream(e.device).cuda_stream != \
+                e._stream:
+            raise ZinfError("torch's current CUDA stream changed since zinf.initialize; the "
+                            "engine orders its copies against the stream it was created with: "
+                            "train on that stream (or create the engine under the stream you "
+                            "use)")
+
+    # -- Gradients
+
+    def _grad_hook(self, p):
+        engine = weakref.ref(self._engine())
+
+        def hook(grad_inputs, grad_outputs):
+            e = engine()
+            if e is None or e._closed:  # the node outlives the engine: torch's again
+                return
+            with torch._C.DisableTorchFunction():
+                grad = p.param.grad
+                p.param.grad = None
+            if grad is not None and p.trainable:
+                e._hooks.reduce(p, grad)
+
+        return hook
+
+    def reduce(self, p, grad):
+        """Hands `p`'s gradient of this micro-step to the engine."""
+        if grad.is_sparse:
+            raise ZinfError("parameter '%s' got a sparse gradient; zinf takes dense gradients "
+                            "(nn.Embedding(sparse=False))" % p.names[0])
+        if grad.shape != p.shape:
+            raise ZinfError("parameter '%s': gradient of shape %s for a parameter of shape %s"
+                            % (p.names[0], tuple(grad.shape), tuple(p.shape)))
+        if p.grad_state is GradState.REDUCED:
+            raise self._micro.second_gradient(p)
+        e = self._engine()
+        g = grad.detach()
+        if g.dtype != torch.float32 or g.device != e.device or not g.is_contiguous():
+            g = g.to(device=e.device, dtype=torch.float32).contiguous()
+        self._micro.started = True
+        e._core.reduce_gradient(p.id, g.data_ptr())
+        self._micro.gradient_reduced(p)
+        self._residency.flush()
+
+    def check_no_stray_grads(self):
+        """Before a step: no parameter holds a .grad its hook did not take."""
+        with torch._C.DisableTorchFunction():
+            stray = [p.names[0] for p in self._registry.params if p.param.grad is not None]
+        if stray:
+            raise ZinfError(
+                "parameter(s) %s hold a .grad that never reached zinf (the gradient hook is "
+                "detached: was a parameter converted or replaced after zinf.initialize?)"
+                % ", ".join("'%s'" % n for n in stray[:8]))

@@ -1,0 +1,112 @@
+"""An engine's state beyond the current micro-step: checkpoints (what the Python side adds to
+the engine's own: client_state, buffers, learning rate and scheduler), resuming from the swap
+store, and the parameters' full values (full_state_dict). The engine's checkpoint folder holds
+the parameters, optimizer states and counters; this module fills and reads its user document.
+"""
+import base64
+import collections
+import io
+import json
+
+import torch
+
+from . import _zinf
+
+ZinfError = _zinf.ZinfError
+
+_FORMAT = "zinf-python-1"
+
+
+def persistent_buffers(module):
+    """The model's persistent buffers under their state_dict names."""
+    out = collections.OrderedDict()
+    for prefix, sub in module.named_modules():
+        for key, buf in sub._buffers.items():
+            if buf is not None and key not in sub._non_persistent_buffers_set:
+                out[(prefix + "." if prefix else "") + key] = buf
+    return out
+
+
+def save(engine, path, client_state, extra=None):
+    """Writes a checkpoint of `engine` into the folder `path` (atomically)."""
+    def blob(obj):
+        out = io.BytesIO()
+        torch.save(obj, out)
+        return base64.b64encode(out.getvalue()).decode("ascii")
+
+    doc = {"format": _FORMAT, "client_state": client_state,
+           "buffers": blob({k: v.detach().cpu() for k, v in
+                            persistent_buffers(engine.module).items()}),
+           "names": [p.names[0] for p in engine._registry.params],
+           "lr": engine.get_lr()[0]}
+    if engine.lr_scheduler is not None:
+        doc["lr_scheduler"] = blob(engine.lr_scheduler.state_dict())
+    doc.update(extra or {})
+    try:
+        user = json.dumps(doc)
+    except (TypeError, ValueError) as e:
+        raise ZinfError("save_checkpoint: client_state must be JSON-serialisable (%s)" % e)
+    engine._core.save_checkpoint(path, user)
+
+
+def load(engine, path):
+    """Restores the checkpoint in the folder `path`; returns its user document (None when it was
+    not written by the Python side)."""
+    core = engine._core
+    raw = core.load_checkpoint(path)
+    engine._micro.values_set()
+    engine._micro.restart(core.global_step * engine._gas)
+    try:
+        user = json.loads(raw.decode("utf-8")) if raw else {}
+    except ValueError:
+        user = {}
+    if user.get("format") != _FORMAT:
+        return None
+    data = base64.b64decode(user.get("buffers", ""))
+    if data:
+        saved = torch.load(io.BytesIO(data), weights_only=True)
+        for name, buf in persistent_buffers(engine.module).items():
+            if name in saved:
+                with torch.no_grad():
+                    buf.copy_(saved[name])
+    if engine.lr_scheduler is not None and user.get("lr_scheduler"):
+        state = torch.load(io.BytesIO(base64.b64decode(user["lr_scheduler"])),
+                           weights_only=True)
+        engine.lr_scheduler.load_state_dict(state)
+    if user.get("lr") is not None:
+        for group in engine.optimizer.param_groups:
+            group["lr"] = user["lr"]
+    engine._sync_lr()
+    return user
+
+
+def resume_from_store(engine):
+    """Ends registration from the swap store's last committed step (zinf.durable)."""
+    if engine._registry.registered:
+        raise ZinfError("resume_from_store must come right after initialize, before any "
+                        "forward, step or checkpoint call")
+    engine._registry.finish(engine._core, resume=True)
+    engine._micro.index = engine._core.global_step * engine._gas
+
+
+def gather(engine, p, dtype):
+    """`p`'s full fp32 master values (a new CPU tensor, in `dtype`)."""
+    out = torch.empty(p.shape, dtype=torch.float32)
+    engine._core.gather_master(p.id, out.data_ptr())
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def full_state_dict(engine, dtype):
+    """The model's state_dict with every parameter's gathered values (tied ones once)."""
+    by_obj = engine._registry.by_obj
+    gathered = {}
+    out = collections.OrderedDict()
+    for key, value in engine.module.state_dict(keep_vars=True).items():
+        p = by_obj.get(id(value))
+        if p is None:
+            out[key] = value.detach().cpu().clone()
+            continue
+        if p.id not in gathered:
+            gathered[p.id] = engine.gather(p.param, dtype)
+        out[key] = gathered[p.id]
+    return out
