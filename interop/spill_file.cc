@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include "zinf/cpu_adam.h"
@@ -51,7 +52,12 @@ Result<std::unique_ptr<SpillFile>> SpillFile::Create(const std::string& dir) {
     return ErrnoToStatus(errno, "zinf.Init: creating a spill file for parameter values in " + dir +
                                     " (pick a writable folder on disk)");
   }
-  return std::unique_ptr<SpillFile>(new SpillFile(dir, fd));
+  std::unique_ptr<SpillFile> file(new (std::nothrow) SpillFile(dir, fd));
+  if (file == nullptr) {
+    close(fd);
+    return Status::ResourceExhausted("zinf.Init: no memory for the spill file in " + dir);
+  }
+  return file;
 }
 
 SpillFile::~SpillFile() {

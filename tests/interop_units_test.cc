@@ -269,8 +269,8 @@ TEST(StepStatsVisit, EveryFieldIsVisitedOnceWithItsValue) {
   // 1 + 2.5 + 3 + ... : each value counted once.
   EXPECT_DOUBLE_EQ(sum, 1 + 2.5 + 3 + 4 + 5 + 6 + 7.5 + 8.5 + 9.5 + 10.5 + 11.5 + 12 + 13 + 14 +
                             15.5 + 16.5 + 17 + 18);
-  // Every field is visited: a field added to StepStats without a visit changes its size.
-  static_assert(sizeof(StepStats) == 8 * 20, "a StepStats field was added: visit it");
+  // That the visit covers every field is checked where it is defined (engine_types.h: the
+  // field count); here, that each of the 20 is visited once with its own value.
 }
 
 TEST(SafetensorsDType, EveryNameRoundTripsAndOthersAreNone) {

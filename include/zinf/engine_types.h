@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace zinf {
@@ -97,5 +98,24 @@ void VisitStepStats(const StepStats& s, Visit&& visit) {
   visit("prefetch_misses", s.prefetch_misses);
   visit("trace_valid", s.trace_valid);
 }
+
+#if __cplusplus >= 202002L  // a requires-expression; the check runs in every C++20 build
+namespace internal {
+// Converts to any field type: StepStats{AnyField{}...} compiles with at most as many values as
+// StepStats has fields.
+struct AnyField {
+  template <typename T>
+  operator T() const;
+};
+template <typename T, size_t... I>
+constexpr bool BraceInitializable(std::index_sequence<I...>) {
+  return requires { T{(static_cast<void>(I), AnyField{})...}; };
+}
+}  // namespace internal
+// VisitStepStats visits 20 fields: a field added to StepStats without a visit fails here.
+static_assert(internal::BraceInitializable<StepStats>(std::make_index_sequence<20>()) &&
+                  !internal::BraceInitializable<StepStats>(std::make_index_sequence<21>()),
+              "StepStats gained or lost a field: update VisitStepStats and this count");
+#endif
 
 }  // namespace zinf

@@ -21,11 +21,17 @@ struct Lease {
   DLManagedTensor managed{};
 };
 
-void DeleteLease(DLManagedTensor* t) {
+void DeleteLease(DLManagedTensor* t) noexcept {
   Lease* lease = static_cast<Lease*>(t->manager_ctx);
   Status s = lease->core->views.DropView(lease->id);
-  // A deleter cannot raise; a miscount is this module's bug, reported where it happened.
-  if (!s.ok()) LogWarning("zinf: " + s.ToString());
+  // A deleter cannot raise; a miscount is this module's bug, reported where it happened (a
+  // failure to build the message leaves only the report out).
+  if (!s.ok()) {
+    try {
+      LogWarning("zinf: " + s.ToString());
+    } catch (...) {
+    }
+  }
   delete lease;  // may destroy the engine when it was the last reference
 }
 
@@ -139,19 +145,43 @@ std::vector<py::capsule> PyEngine::Acquire(const std::vector<ParamId>& ids, bool
     return engine().Acquire(ids, inference ? AcquireMode::kInference : AcquireMode::kTraining);
   });
   std::vector<py::capsule> out;
-  out.reserve(ids.size());
   const DLDataType dtype = engine().config().bf16 ? DLDataType{4, 16, 1} : DLDataType{2, 32, 1};
   const DLDevice where{core_->dl_device_type, core_->dl_device_id};
-  for (size_t i = 0; i < ids.size(); ++i) {
-    // The id was acquired, so the ledger knows it (Register sized it).
-    Check(core_->views.AddView(ids[i]));
-    auto* lease = new Lease;
-    lease->core = core_;
-    lease->id = ids[i];
-    lease->shape[0] = static_cast<int64_t>(engine().param(ids[i]).numel);
-    lease->managed.manager_ctx = lease;
-    lease->managed.deleter = DeleteLease;
-    out.push_back(MakeCapsule(&lease->managed, got[i], where, dtype, lease->shape));
+  try {
+    out.reserve(ids.size());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      auto lease = std::make_unique<Lease>();
+      lease->core = core_;
+      lease->id = ids[i];
+      lease->shape[0] = static_cast<int64_t>(engine().param(ids[i]).numel);
+      lease->managed.manager_ctx = lease.get();
+      lease->managed.deleter = DeleteLease;
+      // The id was acquired, so the ledger knows it (Register sized it).
+      Check(core_->views.AddView(ids[i]));
+      py::capsule capsule;
+      try {
+        capsule = MakeCapsule(&lease->managed, got[i], where, dtype, lease->shape);
+      } catch (...) {
+        // No capsule owns the lease: its view is dropped here (the count was just raised, so
+        // the drop cannot fail), the lease freed by its unique_ptr.
+        (void)core_->views.DropView(ids[i]);
+        throw;
+      }
+      lease.release();  // the capsule's deleter owns it now
+      out.push_back(std::move(capsule));
+    }
+  } catch (...) {
+    // Every id was acquired: the capsules made so far are freed (their views dropped) and each
+    // id is owed its Release, so a failure here leaves nothing held. A failing Release stops
+    // the engine, which the next call reports; the error raised is the one that got here.
+    out.clear();
+    if (core_->views.OweRelease(ids).ok()) {
+      try {
+        Drain();
+      } catch (const ZinfException&) {
+      }
+    }
+    throw;
   }
   return out;
 }

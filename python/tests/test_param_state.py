@@ -158,3 +158,22 @@ def test_a_failed_forward_acquire_rolls_back_to_the_states_before_it():
     assert (p.state, q.state) == (ParamState.BACKWARD, ParamState.RELEASED)
     assert residency.holder_of(p.bwd_flat) is p, "backward's memory is still known"
     assert engine._core.released[-1] == [p.id, q.id] and frame.params == []
+
+
+def test_a_failed_backward_acquire_gives_the_parameter_back():
+    from zinf._microstep import MicroStep
+    from zinf._registry import ParamRegistry
+    from zinf._residency import Residency
+
+    class Engine:
+        _core = _FakeCore()
+
+    engine, registry = Engine(), ParamRegistry()
+    p, _ = _record("a")
+    registry.params = [p]
+    residency = Residency(engine, registry, MicroStep(1))
+    # Still REGISTERED: the backward transition is refused after the engine's acquire.
+    with pytest.raises(zinf.ZinfError, match="gather_backward in state REGISTERED"):
+        residency.acquire_backward(p)
+    assert p.state is ParamState.REGISTERED
+    assert engine._core.released == [[7]], "the acquisition is released, once"

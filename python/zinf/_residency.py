@@ -115,8 +115,13 @@ class Residency:
         self.flush()
         # Backward is training, whatever mode the forward ran in.
         capsule = self._core().acquire([p.id])[0]
-        flat = dlpack.from_dlpack(capsule)
-        p.gather_backward(flat)
+        try:
+            flat = dlpack.from_dlpack(capsule)
+            p.gather_backward(flat)
+        except BaseException:
+            # Nothing holds it: the engine gets it back once torch frees the view, if any.
+            self._core().release([p.id])
+            raise
         self._add_live(p, flat)
 
     def flush(self):
