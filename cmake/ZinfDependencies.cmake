@@ -7,3 +7,5 @@ pkg_check_modules(HWLOC REQUIRED IMPORTED_TARGET hwloc)
 find_package(LibAIO REQUIRED)
 find_package(TBB REQUIRED)
 find_package(nlohmann_json 3.10 REQUIRED)
+# gloo (libgloo-dev): the collectives of ranks that are processes on host devices (GlooComm).
+find_package(Gloo CONFIG REQUIRED)

@@ -7,7 +7,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   liburing-dev libaio-dev libtbb-dev libhwloc-dev libxxhash-dev
-  nlohmann-json3-dev libcli11-dev libopenblas-dev
+  nlohmann-json3-dev libcli11-dev libopenblas-dev libgloo-dev
   libgtest-dev libgmock-dev
   fio
   # The Python package (python/) and its tests: Debian's interpreter, torch and pytest.

@@ -1,13 +1,16 @@
 // The communicator seam: collectives among the ranks of a ZeRO-3 group.
 //
 // Implementations: LocalComm (N ranks as threads of one process; deterministic reductions in
-// rank order) and, when built with CUDA, NcclComm (NCCL's own reduction order; see
-// ReduceScatterSum). Collectives are ordered on a Stream of the
+// rank order), GlooComm (N ranks as processes on host devices, over gloo's TCP transport; the
+// same reductions in rank order, so bit-identical with LocalComm) and, when built with CUDA,
+// NcclComm (NCCL's own reduction order; see ReduceScatterSum). Collectives are ordered on a Stream of the
 // rank's Device; they complete asynchronously like every other stream operation.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "zinf/device.h"
@@ -49,5 +52,70 @@ class Communicator {
 // device (HostDevice: buffers are host memory). Endpoint r is used by rank r's thread.
 Result<std::vector<std::unique_ptr<Communicator>>> NewLocalComms(
     const std::vector<Device*>& devices);
+
+// ---- Ranks as processes ---------------------------------------------------------------------
+
+// Where the ranks of a process group meet before their first collective (rendezvous only:
+// addresses, the NCCL unique id). Keys are written once. Thread-safe.
+class KeyValueStore {
+ public:
+  virtual ~KeyValueStore() = default;
+  virtual Status Set(const std::string& key, const std::string& value) = 0;
+  // Waits until `key` is set, at most `timeout`: DeadlineExceeded-like FailedPrecondition
+  // naming the key and the wait otherwise.
+  virtual Result<std::string> Get(const std::string& key, std::chrono::milliseconds timeout) = 0;
+};
+
+// A store served over TCP by rank 0 on host:port (what MASTER_ADDR:MASTER_PORT name): rank 0
+// listens there (EADDRINUSE is an error naming the port), every rank connects (retrying until
+// `timeout` while rank 0 starts). The server runs on a thread of rank 0's store object, so
+// rank 0 keeps it until its communicator is gone.
+Result<std::shared_ptr<KeyValueStore>> NewTcpStore(const std::string& host, int port, bool serve,
+                                                   std::chrono::milliseconds timeout);
+// A store in a folder every rank can read and write (one machine, or a shared filesystem):
+// each key a file, written to a temporary name and renamed. Use a fresh folder per job.
+Result<std::shared_ptr<KeyValueStore>> NewFileStore(const std::string& folder);
+
+// One process's place in a group of `world_size` processes, and how the group meets.
+struct ProcessGroupOptions {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;        // the rank among the processes of its machine (its GPU)
+  int local_world_size = 1;  // processes on this machine
+  // The rendezvous, first that is set: `store`; `store_folder` (NewFileStore); a TcpStore on
+  // master_addr:master_port served by rank 0.
+  std::shared_ptr<KeyValueStore> store;
+  std::string store_folder;
+  std::string master_addr;
+  int master_port = 0;
+  // Keys of this group in the store start with this (a store may be shared with other users,
+  // e.g. torch.distributed's; each group a process creates needs its own prefix).
+  std::string prefix = "zinf";
+  // The address this rank's collective connections listen on: "" picks the address of the
+  // interface that routes to master_addr (127.0.0.1 with a store folder and no master).
+  std::string listen_addr;
+  // The longest a collective (or the rendezvous) waits for the peers; a closed connection (a
+  // peer that died) fails at once. zinf.collective_timeout_seconds.
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+};
+
+// From the environment launchers set: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+// MASTER_ADDR, MASTER_PORT (torchrun, accelerate, DeepSpeed's launcher), else
+// OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK / _LOCAL_SIZE (mpirun). With neither RANK nor
+// OMPI_COMM_WORLD_RANK set: rank 0 of 1. ZINF_STORE_FOLDER, when set, is the rendezvous
+// instead of MASTER_ADDR:MASTER_PORT. InvalidArgument naming the variable for a malformed or
+// inconsistent value (RANK >= WORLD_SIZE, WORLD_SIZE > 1 without a rendezvous).
+Result<ProcessGroupOptions> ProcessGroupFromEnv();
+
+// Rank `options.rank`'s endpoint of a group of processes on host devices (HostDevice: buffers
+// are host memory), over gloo's TCP transport. Collectives are HostDevice stream tasks, like
+// LocalComm's, and give the same bits: sums are taken in rank order 0, 1, ..., N-1 (gloo moves
+// the bytes with alltoall / allgather / broadcast, this rank adds). Errors: a peer that closed
+// its connection (died) or a collective that waited `options.timeout` fails the collective
+// with FailedPrecondition naming this rank, the collective, and the peer when gloo names one;
+// every later collective fails at once with the same Status. Creating the group waits
+// `options.timeout` for every rank to join.
+Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
+                                                  const ProcessGroupOptions& options);
 
 }  // namespace zinf

@@ -1,0 +1,439 @@
+// GlooComm: the Communicator seam for ranks that are processes (zinf/comm.h, NewGlooComm).
+//
+// gloo moves the bytes (TCP transport, full mesh); this file adds nothing to the wire. The
+// sums are this rank's, in rank order, so that every rank, every run and LocalComm give the
+// same bits:
+//   ReduceScatterSum: alltoall (rank r receives every rank's chunk r), then an ordered sum;
+//   AllReduceSum: the same on chunks padded to a multiple of the world size, then allgather;
+//   AllGather, Broadcast, Barrier: gloo's own.
+// Each collective is a HostDevice stream task, like LocalComm's, tagged with its sequence
+// number (the order the rank issued it), so collectives of different streams run at once and
+// still pair with the right peer operation.
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <gloo/allgather.h>
+#include <gloo/alltoall.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <csignal>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <fstream>
+#include <thread>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/thread_annotations.h"
+#include "device/host/host_device.h"
+#include "zinf/comm.h"
+
+namespace zinf {
+namespace {
+
+// gloo's view of a KeyValueStore, under this group's prefix. gloo reports store failures by
+// exception; they are caught where the group is created.
+class GlooStore final : public gloo::rendezvous::Store {
+ public:
+  GlooStore(KeyValueStore* store, std::string prefix, std::chrono::milliseconds timeout)
+      : store_(store), prefix_(std::move(prefix)), timeout_(timeout) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    Status s = store_->Set(prefix_ + "/" + key, std::string(data.begin(), data.end()));
+    if (!s.ok()) throw std::runtime_error(s.ToString());
+  }
+  std::vector<char> get(const std::string& key) override {
+    Result<std::string> v = store_->Get(prefix_ + "/" + key, timeout_);
+    if (!v.ok()) throw std::runtime_error(v.status().ToString());
+    return std::vector<char>(v->begin(), v->end());
+  }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    for (const std::string& key : keys) {
+      Result<std::string> v = store_->Get(prefix_ + "/" + key, timeout);
+      if (!v.ok()) throw std::runtime_error(v.status().ToString());
+    }
+  }
+
+ private:
+  KeyValueStore* const store_;
+  const std::string prefix_;
+  const std::chrono::milliseconds timeout_;
+};
+
+// out[i] = ((in[0][i] + in[1][i]) + in[2][i]) + ..., as LocalComm's OrderedSum.
+void OrderedSum(const float* in, size_t stride, int ranks, float* out, size_t n) {
+  std::memcpy(out, in, n * sizeof(float));
+  for (int r = 1; r < ranks; ++r) {
+    const float* src = in + static_cast<size_t>(r) * stride;
+    for (size_t i = 0; i < n; ++i) out[i] += src[i];
+  }
+}
+
+// The address of this machine's interface that routes to `host`: a UDP socket "connected"
+// there sends nothing but gets a source address.
+Result<std::string> RouteAddress(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  const std::string service = std::to_string(port > 0 ? port : 9);
+  const int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &res);
+  if (rc != 0) {
+    return Status::InvalidArgument("MASTER_ADDR '" + host + "' does not resolve (" +
+                                   gai_strerror(rc) + ")");
+  }
+  std::string found;
+  int err = 0;
+  for (addrinfo* ai = res; ai != nullptr && found.empty(); ai = ai->ai_next) {
+    const int fd = socket(ai->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      err = errno;
+      continue;
+    }
+    sockaddr_storage local{};
+    socklen_t len = sizeof(local);
+    if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
+        getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+      char text[INET6_ADDRSTRLEN] = {0};
+      const void* a = local.ss_family == AF_INET6
+                          ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr)
+                          : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr);
+      if (inet_ntop(local.ss_family, a, text, sizeof(text)) != nullptr) found = text;
+    } else {
+      err = errno;
+    }
+    close(fd);
+  }
+  freeaddrinfo(res);
+  if (found.empty()) {
+    return ErrnoToStatus(err, "finding the interface that routes to MASTER_ADDR " + host +
+                                  " (set ZINF_LISTEN_ADDR or GLOO_SOCKET_IFNAME)");
+  }
+  return found;
+}
+
+enum class Kind { kAllGather, kReduceScatterSum, kAllReduceSum, kBroadcast, kBarrier };
+
+std::string Describe(Kind kind, size_t size, int root) {
+  switch (kind) {
+    case Kind::kAllGather:
+      return "AllGather of " + std::to_string(size) + " bytes per rank";
+    case Kind::kReduceScatterSum:
+      return "ReduceScatterSum of " + std::to_string(size) + " floats per rank";
+    case Kind::kAllReduceSum:
+      return "AllReduceSum of " + std::to_string(size) + " floats";
+    case Kind::kBroadcast:
+      return "Broadcast of " + std::to_string(size) + " bytes from root " + std::to_string(root);
+    case Kind::kBarrier:
+      return "Barrier";
+  }
+  return "?";
+}
+
+// What a queued collective uses: shared with the tasks, so an endpoint may be destroyed while
+// its collectives are still queued (as LocalComm's).
+struct Group {
+  ProcessGroupOptions options;
+  std::shared_ptr<gloo::rendezvous::Context> context;
+  std::shared_ptr<KeyValueStore> store;  // rank 0 serves the TCP store from it
+  std::vector<std::string> members;      // per rank: "host pid"
+  Mutex mu;
+  Status broken GUARDED_BY(mu);  // once set, every collective fails with it
+};
+
+class GlooComm final : public Communicator {
+ public:
+  GlooComm(HostDevice* device, std::shared_ptr<Group> group)
+      : device_(device), group_(std::move(group)), options_(group_->options) {}
+
+  int rank() const override { return options_.rank; }
+  int world_size() const override { return options_.world_size; }
+
+  Status AllGather(const void* send, void* recv, size_t bytes_per_rank, Stream* stream) override {
+    if (bytes_per_rank == 0) return Status::OK();
+    const std::string what = Describe(Kind::kAllGather, bytes_per_rank, -1);
+    ZINF_RETURN_IF_ERROR(CheckBuffers(what, send, recv));
+    auto* out = static_cast<uint8_t*>(recv);
+    const bool in_place = out + options_.rank * bytes_per_rank == send;
+    const int n = world_size();
+    return Issue(what, stream, [=](const std::shared_ptr<gloo::Context>& ctx, uint32_t tag) {
+      gloo::AllgatherOptions o(ctx);
+      if (!in_place) o.setInput(static_cast<uint8_t*>(const_cast<void*>(send)), bytes_per_rank);
+      o.setOutput(out, bytes_per_rank * n);
+      o.setTag(tag);
+      gloo::allgather(o);
+    });
+  }
+
+  Status ReduceScatterSum(const float* send, float* recv, size_t count_per_rank,
+                          Stream* stream) override {
+    if (count_per_rank == 0) return Status::OK();
+    const std::string what = Describe(Kind::kReduceScatterSum, count_per_rank, -1);
+    ZINF_RETURN_IF_ERROR(CheckBuffers(what, send, recv));
+    const int n = world_size();
+    return Issue(what, stream, [=](const std::shared_ptr<gloo::Context>& ctx, uint32_t tag) {
+      std::vector<float> mine(count_per_rank * n);
+      if (n == 1) {
+        std::memcpy(recv, send, count_per_rank * sizeof(float));
+        return;
+      }
+      Alltoall(ctx, tag, const_cast<float*>(send), mine.data(), mine.size());
+      OrderedSum(mine.data(), count_per_rank, n, recv, count_per_rank);
+    });
+  }
+
+  Status AllReduceSum(float* buf, size_t count, Stream* stream) override {
+    if (count == 0) return Status::OK();
+    const std::string what = Describe(Kind::kAllReduceSum, count, -1);
+    ZINF_RETURN_IF_ERROR(CheckBuffers(what, buf, buf));
+    const int n = world_size();
+    const int rank = options_.rank;
+    return Issue(what, stream, [=](const std::shared_ptr<gloo::Context>& ctx, uint32_t tag) {
+      if (n == 1) return;
+      // Chunks of `chunk` floats, one per rank; the tail of the last is zero padding, which
+      // the sum never writes back.
+      const size_t chunk = (count + n - 1) / n;
+      std::vector<float> padded(chunk * n, 0.0f);
+      std::memcpy(padded.data(), buf, count * sizeof(float));
+      std::vector<float> parts(chunk * n);
+      Alltoall(ctx, tag, padded.data(), parts.data(), parts.size());
+      std::vector<float> sums(chunk * n);
+      OrderedSum(parts.data(), chunk, n, sums.data() + rank * chunk, chunk);
+      gloo::AllgatherOptions o(ctx);
+      o.setOutput(sums.data(), sums.size());
+      o.setTag(tag);
+      gloo::allgather(o);
+      std::memcpy(buf, sums.data(), count * sizeof(float));
+    });
+  }
+
+  Status Broadcast(void* buf, size_t bytes, int root, Stream* stream) override {
+    if (bytes == 0) return Status::OK();
+    const std::string what = Describe(Kind::kBroadcast, bytes, root);
+    ZINF_RETURN_IF_ERROR(CheckBuffers(what, buf, buf));
+    if (root < 0 || root >= world_size()) {
+      return Status::InvalidArgument(Prefix() + what + ": root is not a rank of a world of " +
+                                     std::to_string(world_size()));
+    }
+    return Issue(what, stream, [=](const std::shared_ptr<gloo::Context>& ctx, uint32_t tag) {
+      gloo::BroadcastOptions o(ctx);
+      o.setOutput(static_cast<uint8_t*>(buf), bytes);
+      o.setRoot(root);
+      o.setTag(tag);
+      gloo::broadcast(o);
+    });
+  }
+
+  Status Barrier() override {
+    const uint32_t tag = next_tag_++;
+    return Run(*group_, Describe(Kind::kBarrier, 0, -1), tag,
+               [](const std::shared_ptr<gloo::Context>& ctx, uint32_t t) {
+                 gloo::BarrierOptions o(ctx);
+                 o.setTag(t);
+                 gloo::barrier(o);
+               });
+  }
+
+ private:
+  using Op = std::function<void(const std::shared_ptr<gloo::Context>&, uint32_t tag)>;
+
+  std::string Prefix() const { return Prefix(options_); }
+  static std::string Prefix(const ProcessGroupOptions& o) {
+    return "GlooComm rank " + std::to_string(o.rank) + ": ";
+  }
+
+  Status CheckBuffers(const std::string& what, const void* send, const void* recv) const {
+    if (send != nullptr && recv != nullptr) return Status::OK();
+    return Status::InvalidArgument(Prefix() + what + ": " +
+                                   (send == nullptr ? "send buffer" : "receive buffer") +
+                                   " is null");
+  }
+
+  static void Alltoall(const std::shared_ptr<gloo::Context>& ctx, uint32_t tag, float* in,
+                       float* out, size_t elements) {
+    gloo::AlltoallOptions o(ctx);
+    o.setInput(in, elements);
+    o.setOutput(out, elements);
+    o.setTag(tag);
+    gloo::alltoall(o);
+  }
+
+  // Queues `op` on `stream` under the next tag.
+  Status Issue(const std::string& what, Stream* stream, Op op) {
+    if (stream == nullptr) return Status::InvalidArgument(Prefix() + what + ": stream is null");
+    const uint32_t tag = next_tag_++;
+    return device_->LaunchHostTask(stream, [group = group_, what, tag, op = std::move(op)] {
+      return Run(*group, what, tag, op);
+    });
+  }
+
+  static Status Run(Group& g, const std::string& what, uint32_t tag, const Op& op) {
+    {
+      MutexLock lock(&g.mu);
+      if (!g.broken.ok()) return g.broken;
+    }
+    std::string error;
+    try {
+      op(g.context, tag);
+      return Status::OK();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    Status failed = Status::FailedPrecondition(
+        Prefix(g.options) + what + " (collective #" + std::to_string(tag) + ") failed: " + error +
+        ". " + Gone(g, error) + "Every rank of the group stops; the group is unusable.");
+    MutexLock lock(&g.mu);
+    if (g.broken.ok()) g.broken = failed;
+    return g.broken;
+  }
+
+  // The peers known to have stopped: those on this machine whose process is gone (or a
+  // zombie). A peer on another machine is named by gloo's message (its address) only. A peer
+  // killed a moment ago may still be exiting: looked at again for up to 300 ms.
+  static std::string Gone(const Group& g, const std::string& error) {
+    char host[256] = {0};
+    std::string gone;
+    const bool local = gethostname(host, sizeof(host) - 1) == 0;
+    for (int attempt = 0; local && gone.empty() && attempt < 7; ++attempt) {
+      if (attempt > 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      for (int r = 0; r < static_cast<int>(g.members.size()); ++r) {
+        const std::string& m = g.members[r];  // "host pid"
+        const size_t space = m.rfind(' ');
+        if (r == g.options.rank || space == std::string::npos || m.substr(0, space) != host) {
+          continue;
+        }
+        const pid_t pid = static_cast<pid_t>(std::strtol(m.c_str() + space + 1, nullptr, 10));
+        if (pid > 0 && !Alive(pid)) {
+          gone += (gone.empty() ? "" : ", ") + std::to_string(r) + " (pid " +
+                  std::to_string(pid) + ")";
+        }
+      }
+    }
+    if (!gone.empty()) return "Rank " + gone + " is no longer running. ";
+    if (error.find("Timed out") != std::string::npos) {
+      return "A peer rank did not reach this collective within " +
+             std::to_string(g.options.timeout.count() / 1000) +
+             " s (zinf.collective_timeout_seconds): it stalled, or the ranks issued different "
+             "collectives. ";
+    }
+    return "A peer rank stopped or the network between ranks failed. ";
+  }
+
+  // Whether `pid` is a live process: not gone, not a zombie.
+  static bool Alive(pid_t pid) {
+    if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    if (!std::getline(stat, line)) return true;  // cannot tell: say nothing
+    const size_t paren = line.rfind(')');
+    if (paren == std::string::npos || paren + 2 >= line.size()) return true;
+    const char state = line[paren + 2];
+    return state != 'Z' && state != 'X';
+  }
+
+  HostDevice* const device_;
+  const std::shared_ptr<Group> group_;
+  const ProcessGroupOptions& options_;
+  // Touched only by the rank's issuing thread (one thread at a time, per the contract).
+  uint32_t next_tag_ = 0;
+};
+
+Result<std::shared_ptr<KeyValueStore>> StoreFor(const ProcessGroupOptions& o) {
+  if (o.store != nullptr) return o.store;
+  if (!o.store_folder.empty()) return NewFileStore(o.store_folder);
+  if (o.master_addr.empty() || o.master_port == 0) {
+    return Status::InvalidArgument(
+        "a group of " + std::to_string(o.world_size) +
+        " processes needs a rendezvous: MASTER_ADDR and MASTER_PORT (as torchrun sets them), "
+        "or a store folder (ZINF_STORE_FOLDER)");
+  }
+  return NewTcpStore(o.master_addr, o.master_port, /*serve=*/o.rank == 0, o.timeout);
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
+                                                  const ProcessGroupOptions& options) {
+  auto* host = dynamic_cast<HostDevice*>(device);
+  if (host == nullptr) {
+    return Status::InvalidArgument(
+        "NewGlooComm: the device " +
+        (device == nullptr ? std::string("is null") : "'" + device->Name() + "' is not a HostDevice") +
+        "; gloo moves host memory (GPU ranks use NewNcclComm)");
+  }
+  if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {
+    return Status::InvalidArgument("NewGlooComm: rank " + std::to_string(options.rank) +
+                                   " is not a rank of a world of " +
+                                   std::to_string(options.world_size));
+  }
+  if (options.timeout.count() <= 0) {
+    return Status::InvalidArgument("NewGlooComm: the timeout must be positive");
+  }
+  ZINF_ASSIGN_OR_RETURN(std::shared_ptr<KeyValueStore> store, StoreFor(options));
+  gloo::transport::tcp::attr attr;
+  if (!options.listen_addr.empty()) {
+    attr.hostname = options.listen_addr;
+  } else if (const char* iface = std::getenv("GLOO_SOCKET_IFNAME"); iface != nullptr && *iface) {
+    attr.iface = iface;
+  } else if (!options.master_addr.empty()) {
+    ZINF_ASSIGN_OR_RETURN(attr.hostname, RouteAddress(options.master_addr, options.master_port));
+  } else {
+    attr.hostname = "127.0.0.1";
+  }
+  const std::string where = "the group of " + std::to_string(options.world_size) +
+                            " processes (rank " + std::to_string(options.rank) + ", listening on " +
+                            (attr.iface.empty() ? attr.hostname : "interface " + attr.iface) + ")";
+  std::shared_ptr<gloo::rendezvous::Context> context;
+  std::vector<std::string> members(options.world_size);
+  try {
+    auto dev = gloo::transport::tcp::CreateDevice(attr);
+    context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.world_size);
+    context->setTimeout(options.timeout);
+    GlooStore gs(store.get(), options.prefix, options.timeout);
+    context->connectFullMesh(gs, dev);
+  } catch (const std::exception& e) {
+    return Status::FailedPrecondition("joining " + where + " failed: " + e.what());
+  }
+  // Who is who, for the message when a peer dies. Written after the mesh so that a rank that
+  // reads them knows every rank wrote its own.
+  char host_name[256] = {0};
+  if (gethostname(host_name, sizeof(host_name) - 1) != 0) {
+    return ErrnoToStatus(errno, "NewGlooComm: gethostname");
+  }
+  const std::string me = std::string(host_name) + " " + std::to_string(getpid());
+  ZINF_RETURN_IF_ERROR(
+      store->Set(options.prefix + "/member/" + std::to_string(options.rank), me)
+          .WithContext("joining " + where));
+  for (int r = 0; r < options.world_size; ++r) {
+    Result<std::string> m = store->Get(options.prefix + "/member/" + std::to_string(r),
+                                       options.timeout);
+    if (!m.ok()) return m.status().WithContext("joining " + where);
+    members[r] = *m;
+  }
+  auto group = std::make_shared<Group>();
+  group->options = options;
+  group->context = std::move(context);
+  group->store = std::move(store);
+  group->members = std::move(members);
+  auto comm = std::make_unique<GlooComm>(host, std::move(group));
+  // Everyone has read the members before rank 0's store may go.
+  ZINF_RETURN_IF_ERROR(comm->Barrier().WithContext("joining " + where));
+  return std::unique_ptr<Communicator>(std::move(comm));
+}
+
+}  // namespace zinf

@@ -1,0 +1,80 @@
+// ProcessGroupFromEnv (zinf/comm.h): a process's place in its group, from what launchers set.
+#include <cerrno>
+#include <cstdlib>
+#include <string>
+
+#include "zinf/comm.h"
+
+namespace zinf {
+namespace {
+
+const char* Env(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? v : nullptr;
+}
+
+// The integer in `name` (>= min), or `fallback` when unset; InvalidArgument naming the
+// variable otherwise.
+Result<int> IntVar(const char* name, int fallback, int min) {
+  const char* text = Env(name);
+  if (text == nullptr) return fallback;
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(text, &end, 10);
+  if (errno != 0 || end == text || *end != '\0' || v < min || v > (1 << 24)) {
+    return Status::InvalidArgument(std::string(name) + "='" + text + "' is not an integer >= " +
+                                   std::to_string(min) + " (the launcher's process group)");
+  }
+  return static_cast<int>(v);
+}
+
+}  // namespace
+
+Result<ProcessGroupOptions> ProcessGroupFromEnv() {
+  ProcessGroupOptions o;
+  // torchrun / accelerate / deepspeed first; mpirun's names where those are absent.
+  const bool torch_style = Env("RANK") != nullptr;
+  const bool mpi_style = !torch_style && Env("OMPI_COMM_WORLD_RANK") != nullptr;
+  const char* rank = torch_style ? "RANK" : "OMPI_COMM_WORLD_RANK";
+  const char* world = torch_style ? "WORLD_SIZE" : "OMPI_COMM_WORLD_SIZE";
+  const char* local = torch_style ? "LOCAL_RANK" : "OMPI_COMM_WORLD_LOCAL_RANK";
+  const char* local_world = torch_style ? "LOCAL_WORLD_SIZE" : "OMPI_COMM_WORLD_LOCAL_SIZE";
+  if (!torch_style && !mpi_style) {
+    if (Env("WORLD_SIZE") != nullptr) {
+      ZINF_ASSIGN_OR_RETURN(const int w, IntVar("WORLD_SIZE", 1, 1));
+      if (w > 1) {
+        return Status::InvalidArgument("WORLD_SIZE=" + std::to_string(w) +
+                                       " is set but RANK is not: start the processes with a "
+                                       "launcher (torchrun, zinf-train --nproc) or set RANK");
+      }
+    }
+    return o;  // one process
+  }
+  ZINF_ASSIGN_OR_RETURN(o.rank, IntVar(rank, 0, 0));
+  ZINF_ASSIGN_OR_RETURN(o.world_size, IntVar(world, 1, 1));
+  ZINF_ASSIGN_OR_RETURN(o.local_rank, IntVar(local, o.rank, 0));
+  ZINF_ASSIGN_OR_RETURN(o.local_world_size, IntVar(local_world, o.world_size, 1));
+  if (o.rank >= o.world_size) {
+    return Status::InvalidArgument(std::string(rank) + "=" + std::to_string(o.rank) +
+                                   " is not below " + world + "=" + std::to_string(o.world_size));
+  }
+  if (o.local_rank >= o.local_world_size) {
+    return Status::InvalidArgument(std::string(local) + "=" + std::to_string(o.local_rank) +
+                                   " is not below " + local_world + "=" +
+                                   std::to_string(o.local_world_size));
+  }
+  if (const char* folder = Env("ZINF_STORE_FOLDER")) o.store_folder = folder;
+  if (const char* addr = Env("MASTER_ADDR")) o.master_addr = addr;
+  ZINF_ASSIGN_OR_RETURN(o.master_port, IntVar("MASTER_PORT", 0, 1));
+  if (const char* listen = Env("ZINF_LISTEN_ADDR")) o.listen_addr = listen;
+  if (o.world_size > 1 && o.store_folder.empty() &&
+      (o.master_addr.empty() || o.master_port == 0)) {
+    return Status::InvalidArgument(
+        std::string(world) + "=" + std::to_string(o.world_size) +
+        " needs a rendezvous: set MASTER_ADDR and MASTER_PORT (rank 0 serves a store there), or "
+        "ZINF_STORE_FOLDER (a folder every rank can read and write)");
+  }
+  return o;
+}
+
+}  // namespace zinf
