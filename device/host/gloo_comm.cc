@@ -324,7 +324,11 @@ class GlooComm final : public Communicator {
         }
       }
     }
-    if (!gone.empty()) return "Rank " + gone + " is no longer running. ";
+    if (!gone.empty()) {
+      return (gone.find(',') == std::string::npos ? "Rank " + gone + " is"
+                                                  : "Ranks " + gone + " are") +
+             " no longer running. ";
+    }
     if (error.find("Timed out") != std::string::npos) {
       return "A peer rank did not reach this collective within " +
              std::to_string(g.options.timeout.count() / 1000) +
@@ -383,6 +387,14 @@ Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
   }
   if (options.timeout.count() <= 0) {
     return Status::InvalidArgument("NewGlooComm: the timeout must be positive");
+  }
+  // gloo writes to its sockets with writev, which raises SIGPIPE when a peer has died: with
+  // the default action that would kill this rank instead of failing the collective. Ignored
+  // (as Python does at startup) unless the program installed a handler of its own.
+  struct sigaction old {};
+  if (sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL &&
+      (old.sa_flags & SA_SIGINFO) == 0) {
+    signal(SIGPIPE, SIG_IGN);
   }
   ZINF_ASSIGN_OR_RETURN(std::shared_ptr<KeyValueStore> store, StoreFor(options));
   gloo::transport::tcp::attr attr;

@@ -114,7 +114,8 @@ Result<ProcessGroupOptions> ProcessGroupFromEnv();
 // its connection (died) or a collective that waited `options.timeout` fails the collective
 // with FailedPrecondition naming this rank, the collective, and the peer when gloo names one;
 // every later collective fails at once with the same Status. Creating the group waits
-// `options.timeout` for every rank to join.
+// `options.timeout` for every rank to join. It sets SIGPIPE to SIG_IGN when the program left it
+// at the default (gloo's writes to a dead peer would otherwise kill this rank).
 Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
                                                   const ProcessGroupOptions& options);
 
