@@ -1,0 +1,178 @@
+// ZeRO-3 across processes: the engine test's training run with its ranks as forked processes
+// on GlooComm gives the same bits as the same run with its ranks as threads on LocalComm
+// (partitioning, gather on acquire, reduce-scatter of gradients, global norm and clipping,
+// accumulation, every tier, the delayed update), and a checkpoint written by process ranks
+// resumes in thread ranks to the same bits.
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "tests/engine_harness.h"
+#include "tests/process_ranks.h"
+
+namespace zinf {
+namespace engine_test {
+namespace {
+
+// What a rank process sends back: its losses and its gathered masters.
+std::string Serialize(const RankOutput& out) {
+  std::string s;
+  const uint64_t nl = out.losses.size();
+  s.append(reinterpret_cast<const char*>(&nl), sizeof(nl));
+  s.append(reinterpret_cast<const char*>(out.losses.data()), nl * sizeof(double));
+  const uint64_t np = out.params.size();
+  s.append(reinterpret_cast<const char*>(&np), sizeof(np));
+  for (const std::vector<float>& p : out.params) {
+    const uint64_t n = p.size();
+    s.append(reinterpret_cast<const char*>(&n), sizeof(n));
+    s.append(reinterpret_cast<const char*>(p.data()), n * sizeof(float));
+  }
+  return s;
+}
+
+bool Deserialize(const std::string& s, std::vector<double>* losses,
+                 std::vector<std::vector<float>>* params) {
+  size_t pos = 0;
+  auto take = [&](void* dst, size_t bytes) {
+    if (pos + bytes > s.size()) return false;
+    std::memcpy(dst, s.data() + pos, bytes);
+    pos += bytes;
+    return true;
+  };
+  uint64_t nl = 0;
+  if (!take(&nl, sizeof(nl)) || nl > (1u << 20)) return false;
+  losses->resize(nl);
+  if (!take(losses->data(), nl * sizeof(double))) return false;
+  uint64_t np = 0;
+  if (!take(&np, sizeof(np)) || np > (1u << 20)) return false;
+  params->resize(np);
+  for (auto& p : *params) {
+    uint64_t n = 0;
+    if (!take(&n, sizeof(n)) || n > (1u << 28)) return false;
+    p.resize(n);
+    if (!take(p.data(), n * sizeof(float))) return false;
+  }
+  return pos == s.size();
+}
+
+// RunTraining's result, with the ranks as processes on GlooComm (a store folder rendezvous).
+RunResult RunAsProcesses(const RunOptions& o) {
+  RunResult res;
+  testing::TempDir nvme_dir;
+  testing::TempDir store;
+  if (!nvme_dir.ok() || !store.ok()) {
+    res.status = Status::IoError("mkdtemp failed");
+    return res;
+  }
+  std::vector<test::RankExit> exits =
+      test::RunProcessRanks(o.ranks, o.timeout, [&](int rank) -> test::ChildResult {
+        HostDeviceOptions dopt;
+        dopt.memory_budget = kHostDeviceMemory;
+        std::unique_ptr<Device> device = NewTestHostDevice(dopt);
+        ProcessGroupOptions g;
+        g.rank = rank;
+        g.world_size = o.ranks;
+        g.store_folder = store.path();
+        g.timeout = std::chrono::milliseconds(60000);
+        Result<std::unique_ptr<Communicator>> comm = NewGlooComm(device.get(), g);
+        if (!comm.ok()) return {comm.status(), ""};
+        RankOutput out;
+        Status s = RankMain(o, rank, device.get(), comm->get(), nvme_dir.path(), &out);
+        return {s, s.ok() ? Serialize(out) : ""};
+      });
+  std::vector<std::vector<double>> losses(o.ranks);
+  std::vector<std::vector<std::vector<float>>> params(o.ranks);
+  for (int r = 0; r < o.ranks; ++r) {
+    const test::RankExit& e = exits[r];
+    if (e.report.rfind("OK\n", 0) != 0) {
+      const std::string line = "rank process " + std::to_string(r) + " (exit " +
+                               std::to_string(e.exit_code) + ", signal " +
+                               std::to_string(e.signal) + "): " + e.report.substr(0, 2000);
+      res.status = res.status.ok() ? Status::Internal(line)
+                                   : Status::Internal(res.status.message() + " | " + line);
+      continue;
+    }
+    if (!Deserialize(e.report.substr(3), &losses[r], &params[r])) {
+      res.status = Status::Internal("rank process " + std::to_string(r) + ": a torn report");
+    }
+  }
+  if (!res.status.ok()) return res;
+  res.params = params[0];
+  for (int r = 1; r < o.ranks; ++r) {
+    if (params[r] != params[0]) res.ranks_agree = false;  // float ==: exact, NaN never agrees
+  }
+  res.losses.assign(losses[0].size(), 0.0);
+  for (int r = 0; r < o.ranks; ++r) {
+    for (size_t m = 0; m < res.losses.size(); ++m) res.losses[m] += losses[r][m];
+  }
+  return res;
+}
+
+void ExpectSameBits(const RunOptions& o) {
+  SCOPED_TRACE(o.Describe());
+  // Processes first: the fork needs this process to have one thread.
+  RunResult processes = RunAsProcesses(o);
+  RunResult threads = RunTraining(o);
+  ASSERT_TRUE(threads.status.ok()) << threads.status.ToString();
+  ASSERT_TRUE(processes.status.ok()) << processes.status.ToString();
+  EXPECT_TRUE(processes.ranks_agree);
+  ASSERT_EQ(processes.params.size(), threads.params.size());
+  EXPECT_EQ(FirstBitDifference(processes.params, threads.params), "");
+  ASSERT_EQ(processes.losses.size(), threads.losses.size());
+  for (size_t m = 0; m < threads.losses.size(); ++m) {
+    EXPECT_EQ(std::memcmp(&processes.losses[m], &threads.losses[m], sizeof(double)), 0)
+        << "micro-step " << m << ": " << processes.losses[m] << " vs " << threads.losses[m];
+  }
+}
+
+TEST(EngineMultiProcess, TwoRanksAllOnDeviceWithClippingAndAccumulation) {
+  RunOptions o;
+  o.ranks = 2;
+  o.grad_accum = 2;
+  o.clipping = 0.05;  // small enough to clip
+  ExpectSameBits(o);
+}
+
+TEST(EngineMultiProcess, TwoRanksEverythingOnNvme) {
+  RunOptions o;
+  o.ranks = 2;
+  o.param_tier = Tier::kNvme;
+  o.optimizer_tier = Tier::kNvme;
+  ExpectSameBits(o);
+}
+
+TEST(EngineMultiProcess, FourRanksStatesOnCpuDelayedUpdate) {
+  RunOptions o;
+  o.ranks = 4;
+  o.optimizer_tier = Tier::kCpu;
+  o.delayed = true;
+  ExpectSameBits(o);
+}
+
+TEST(EngineMultiProcess, CheckpointFromProcessesResumesInThreads) {
+  testing::TempDir ckpt;
+  ASSERT_TRUE(ckpt.ok());
+  RunOptions o;
+  o.ranks = 2;
+  o.optimizer_tier = Tier::kCpu;
+  o.grad_accum = 2;
+  RunOptions first = o;
+  first.checkpoint_dir = ckpt.path();
+  first.save_after_step = 2;
+  RunResult a = RunAsProcesses(first);
+  ASSERT_TRUE(a.status.ok()) << a.status.ToString();
+  RunOptions second = o;
+  second.checkpoint_dir = ckpt.path();
+  second.load_first = true;
+  second.first_micro = 2 * o.grad_accum;
+  RunResult b = RunTraining(second);
+  ASSERT_TRUE(b.status.ok()) << b.status.ToString();
+  RunResult straight = RunTraining(o);
+  ASSERT_TRUE(straight.status.ok()) << straight.status.ToString();
+  EXPECT_EQ(FirstBitDifference(b.params, straight.params), "");
+  EXPECT_EQ(FirstBitDifference(a.params, straight.params), "");
+}
+
+}  // namespace
+}  // namespace engine_test
+}  // namespace zinf
