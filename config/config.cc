@@ -82,6 +82,7 @@ constexpr std::string_view kZinfKeys[] = {
     "delayed_update_after",
     "gradient_transfer_dtype",
     "optimizer_state_dtype",
+    "collective_timeout_seconds",
 };
 constexpr std::string_view kAioKeys[] = {
     "block_size", "queue_depth", "thread_count", "single_submit", "overlap_events", "use_gds",
@@ -306,6 +307,8 @@ Status ParseZinf(ObjectReader& r, EngineConfig* config, std::vector<std::string>
   ZINF_RETURN_IF_ERROR(r.ReadBool("checksums", &config->checksums));
   ZINF_RETURN_IF_ERROR(r.ReadInt("optimizer_threads", &config->optimizer_threads));
   ZINF_RETURN_IF_ERROR(r.ReadDouble("host_copy_gbps", &config->host_copy_gbps));
+  ZINF_RETURN_IF_ERROR(
+      r.ReadDouble("collective_timeout_seconds", &config->collective_timeout_seconds));
   ZINF_RETURN_IF_ERROR(r.ReadEnum<std::string>(
       "io_backend", {{"io_uring", "io_uring"}, {"libaio", "libaio"}, {"psync", "psync"}},
       &config->aio.backend));
@@ -529,6 +532,11 @@ Status Validate(const EngineConfig& c) {
                    "must be in 1..1024, got " + std::to_string(c.aio.thread_count));
   }
 
+  if (!(c.collective_timeout_seconds >= 1 && c.collective_timeout_seconds <= 7 * 86400)) {
+    return invalid("zinf.collective_timeout_seconds",
+                   "must be in 1..604800 seconds (how long a rank waits in a collective for its "
+                   "peers), got " + std::to_string(c.collective_timeout_seconds));
+  }
   if (c.optimizer_threads < 0 || c.optimizer_threads > 4096) {
     return invalid("zinf.optimizer_threads",
                    "must be in 0..4096 (0: every CPU), got " + std::to_string(c.optimizer_threads));

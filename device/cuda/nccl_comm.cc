@@ -150,9 +150,23 @@ class NcclComm final : public Communicator {
         return Status::Internal("NcclComm rank 0: ncclGetUniqueId failed: " +
                                 NcclErrorText(r, nullptr));
       }
-      if (!options_.unique_id_file.empty()) {
+      if (options_.store != nullptr) {
+        ZINF_RETURN_IF_ERROR(options_.store->Set(
+            options_.store_key, std::string(reinterpret_cast<const char*>(&id), sizeof(id))));
+      } else if (!options_.unique_id_file.empty()) {
         ZINF_RETURN_IF_ERROR(WriteIdFile(options_.unique_id_file, id));
       }
+    } else if (options_.store != nullptr) {
+      const auto wait = std::chrono::milliseconds(
+          static_cast<int64_t>(options_.timeout_seconds * 1000));
+      ZINF_ASSIGN_OR_RETURN(std::string bytes, options_.store->Get(options_.store_key, wait));
+      if (bytes.size() != sizeof(id)) {
+        return Status::Corruption("NcclComm rank " + std::to_string(rank) + ": the unique id in the "
+                                  "store under '" + options_.store_key + "' has " +
+                                  std::to_string(bytes.size()) + " bytes, not " +
+                                  std::to_string(sizeof(id)));
+      }
+      std::memcpy(&id, bytes.data(), sizeof(id));
     } else {
       ZINF_ASSIGN_OR_RETURN(id,
                             ReadIdFile(options_.unique_id_file, rank, options_.timeout_seconds));
@@ -451,10 +465,11 @@ Result<std::unique_ptr<Communicator>> NewNcclComm(Device* device, const NcclComm
   if (!(options.timeout_seconds > 0)) {
     return Status::InvalidArgument("NewNcclComm: timeout_seconds must be positive");
   }
-  if (options.world_size > 1 && options.unique_id_file.empty()) {
+  if (options.world_size > 1 && options.unique_id_file.empty() && options.store == nullptr) {
     return Status::InvalidArgument(
         "NewNcclComm: world size " + std::to_string(options.world_size) +
-        " needs unique_id_file (a path every rank can read; rank 0 writes the NCCL id there)");
+        " needs a rendezvous store or unique_id_file (a path every rank can read; rank 0 writes "
+        "the NCCL id there)");
   }
   auto comm = std::make_unique<NcclComm>(cuda_device, options);
   ZINF_RETURN_IF_ERROR(comm->Init());

@@ -357,7 +357,9 @@ class GlooComm final : public Communicator {
   uint32_t next_tag_ = 0;
 };
 
-Result<std::shared_ptr<KeyValueStore>> StoreFor(const ProcessGroupOptions& o) {
+}  // namespace
+
+Result<std::shared_ptr<KeyValueStore>> RendezvousStore(const ProcessGroupOptions& o) {
   if (o.store != nullptr) return o.store;
   if (!o.store_folder.empty()) return NewFileStore(o.store_folder);
   if (o.master_addr.empty() || o.master_port == 0) {
@@ -368,8 +370,6 @@ Result<std::shared_ptr<KeyValueStore>> StoreFor(const ProcessGroupOptions& o) {
   }
   return NewTcpStore(o.master_addr, o.master_port, /*serve=*/o.rank == 0, o.timeout);
 }
-
-}  // namespace
 
 Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
                                                   const ProcessGroupOptions& options) {
@@ -396,7 +396,7 @@ Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
       (old.sa_flags & SA_SIGINFO) == 0) {
     signal(SIGPIPE, SIG_IGN);
   }
-  ZINF_ASSIGN_OR_RETURN(std::shared_ptr<KeyValueStore> store, StoreFor(options));
+  ZINF_ASSIGN_OR_RETURN(std::shared_ptr<KeyValueStore> store, RendezvousStore(options));
   gloo::transport::tcp::attr attr;
   if (!options.listen_addr.empty()) {
     attr.hostname = options.listen_addr;

@@ -10,9 +10,14 @@
 
 namespace zinf {
 
-Result<Runtime> NewHostRuntime(const HostDeviceOptions& options) {
+Result<Runtime> NewHostRuntime(const HostDeviceOptions& options,
+                               const ProcessGroupOptions& group) {
   Runtime rank;
   rank.device = NewHostDevice(options);
+  if (group.world_size > 1) {
+    ZINF_ASSIGN_OR_RETURN(rank.comm, NewGlooComm(rank.device.get(), group));
+    return rank;
+  }
   ZINF_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Communicator>> comms,
                         NewLocalComms({rank.device.get()}));
   rank.comm = std::move(comms[0]);

@@ -6,10 +6,20 @@
 
 namespace zinf {
 
-Result<Runtime> NewCudaRuntime(const CudaDeviceOptions& options) {
+Result<Runtime> NewCudaRuntime(const CudaDeviceOptions& options,
+                               const ProcessGroupOptions& group) {
   Runtime rank;
   ZINF_ASSIGN_OR_RETURN(rank.device, NewCudaDevice(options));
-  ZINF_ASSIGN_OR_RETURN(rank.comm, NewNcclComm(rank.device.get(), NcclCommOptions{}));
+  NcclCommOptions nccl;
+  nccl.rank = group.rank;
+  nccl.world_size = group.world_size;
+  nccl.local_rank = group.local_rank;
+  nccl.timeout_seconds = std::chrono::duration<double>(group.timeout).count();
+  if (group.world_size > 1) {
+    ZINF_ASSIGN_OR_RETURN(nccl.store, RendezvousStore(group));
+    nccl.store_key = group.prefix + "/nccl/unique_id";
+  }
+  ZINF_ASSIGN_OR_RETURN(rank.comm, NewNcclComm(rank.device.get(), nccl));
   return rank;
 }
 
@@ -28,13 +38,13 @@ Result<Runtime> NewRuntime(const RuntimeOptions& options) {
                                      "exceed any device")
           .WithKey("zinf.device_budget_bytes");
     }
-    return NewCudaRuntime(copt);
+    return NewCudaRuntime(copt, options.group);
   }
   HostDeviceOptions host = options.host;
   ZINF_ASSIGN_OR_RETURN(
       host.memory_budget,
       HostDeviceBudget(options.device_budget_bytes, options.pinned_budget_bytes, options.names));
-  return NewHostRuntime(host);
+  return NewHostRuntime(host, options.group);
 }
 
 }  // namespace zinf

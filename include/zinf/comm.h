@@ -107,6 +107,11 @@ struct ProcessGroupOptions {
 // inconsistent value (RANK >= WORLD_SIZE, WORLD_SIZE > 1 without a rendezvous).
 Result<ProcessGroupOptions> ProcessGroupFromEnv();
 
+// The store `options` names for its rendezvous (options.store; a folder store; else a TCP
+// store on master_addr:master_port, served by rank 0: keep the result as long as the group
+// lives). InvalidArgument when none is named.
+Result<std::shared_ptr<KeyValueStore>> RendezvousStore(const ProcessGroupOptions& options);
+
 // Rank `options.rank`'s endpoint of a group of processes on host devices (HostDevice: buffers
 // are host memory), over gloo's TCP transport. Collectives are HostDevice stream tasks, like
 // LocalComm's, and give the same bits: sums are taken in rank order 0, 1, ..., N-1 (gloo moves

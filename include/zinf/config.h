@@ -102,6 +102,11 @@ struct EngineConfig {
   // element). The master parameters stay fp32. Adagrad refuses int8.
   StateType optimizer_state_type = StateType::kF32;
   int optimizer_threads = 0;  // CPU Adam threads; 0 = all cores
+  // zinf.collective_timeout_seconds: with ranks as processes, how long a rank waits in one
+  // collective (or at the group's creation) for its peers before every rank fails with a
+  // message naming the collective. A peer that dies fails the others at once. Read by the
+  // front ends that create the group (ProcessGroupOptions::timeout).
+  double collective_timeout_seconds = 600;
   double host_copy_gbps = 0;  // HostDevice PCIe simulation; 0 = memcpy speed
   // When not empty, every NVMe path must lie inside one of these folders once symbolic links
   // are resolved (checked by Engine::Create), so a config cannot point the swapper elsewhere.

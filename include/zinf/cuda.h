@@ -74,6 +74,11 @@ struct NcclCommOptions {
   // until the timeout. Use a fresh path per job: a stale file from an earlier job would be
   // read as this job's. May be empty when world_size == 1.
   std::string unique_id_file;
+  // Instead of the file: a rendezvous store (ProcessGroupOptions, RendezvousStore): rank 0 sets
+  // `store_key` to the id, the others wait for it. The communicator keeps the store (rank 0
+  // may serve it).
+  std::shared_ptr<KeyValueStore> store;
+  std::string store_key = "zinf/nccl/unique_id";
   // The longest wait for: the id file, communicator creation, one collective to complete (a
   // watchdog aborts the communicator after that), and Barrier.
   double timeout_seconds = 600;

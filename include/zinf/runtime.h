@@ -18,8 +18,9 @@
 
 namespace zinf {
 
-// A device and the communicator of this process's rank on it (rank 0 of 1: one rank per
-// process, more ranks only as threads, NewLocalComms). Members are destroyed in
+// A device and the communicator of this process's rank on it: rank 0 of 1 (a one-rank
+// LocalComm), or this process's rank of a group of processes (GlooComm on the host device,
+// NcclComm on a GPU; zinf/comm.h, ProcessGroupFromEnv). Members are destroyed in
 // reverse order: the communicator before the device it uses. Whoever creates an Engine on them
 // destroys it first.
 struct Runtime {
@@ -27,13 +28,17 @@ struct Runtime {
   std::unique_ptr<Communicator> comm;
 };
 
-// A HostDevice made with `options` and its one-rank LocalComm. Fails only when the
+// A HostDevice made with `options` and its communicator: a one-rank LocalComm when `group` has
+// one rank, else GlooComm (which waits for every rank to join). Fails only when the
 // communicator cannot be made.
-Result<Runtime> NewHostRuntime(const HostDeviceOptions& options);
+Result<Runtime> NewHostRuntime(const HostDeviceOptions& options,
+                               const ProcessGroupOptions& group = {});
 
-// The CUDA device `options` describes and a one-rank NCCL communicator on it; the status of
-// whichever failed first (NotSupported in a build without CUDA). In zinf::runtime.
-Result<Runtime> NewCudaRuntime(const CudaDeviceOptions& options);
+// The CUDA device `options` describes and an NCCL communicator on it (one rank, or `group`'s
+// rank, bootstrapped through the group's rendezvous store); the status of whichever failed
+// first (NotSupported in a build without CUDA). In zinf::runtime.
+Result<Runtime> NewCudaRuntime(const CudaDeviceOptions& options,
+                               const ProcessGroupOptions& group = {});
 
 // The names a user sets the two budgets by, for the messages of HostDeviceBudget: the config
 // keys by default, a program's own flags where it has them.
@@ -66,6 +71,9 @@ struct RuntimeOptions {
   uint64_t extra_device_bytes = 0;   // a trainer's activations (GPU)
   BudgetNames names;
   HostDeviceOptions host;  // its memory_budget is decided here
+  // This process's place in its group (ProcessGroupFromEnv); one rank by default. With a GPU,
+  // each process of a machine should use its own (cuda_ordinal = group.local_rank).
+  ProcessGroupOptions group;
 };
 Result<Runtime> NewRuntime(const RuntimeOptions& options);
 

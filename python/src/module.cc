@@ -101,6 +101,7 @@ PYBIND11_MODULE(_zinf, m) {
         d["optimizer_state_dtype"] = StateTypeName(c.optimizer_state_type);
         d["device_budget_bytes"] = c.device_budget_bytes;
         d["pinned_budget_bytes"] = c.pinned_budget_bytes;
+        d["collective_timeout_seconds"] = c.collective_timeout_seconds;
         return d;
       },
       py::arg("json"), "parses a config (InvalidArgument naming the key path); a summary dict");
@@ -193,9 +194,13 @@ PYBIND11_MODULE(_zinf, m) {
           "(file, offset, bytes) of a tensor's data (checked against its file's size)");
 
   py::class_<PyEngine>(m, "Engine")
-      .def(py::init<const std::string&, const std::string&, int, bool, uintptr_t, uint64_t>(),
+      .def(py::init<const std::string&, const std::string&, int, bool, uintptr_t, uint64_t,
+                    const py::object&>(),
            py::arg("config_json"), py::arg("device") = "cpu", py::arg("device_index") = 0,
-           py::arg("use_stream") = false, py::arg("cuda_stream") = 0, py::arg("device_memory") = 0)
+           py::arg("use_stream") = false, py::arg("cuda_stream") = 0, py::arg("device_memory") = 0,
+           py::arg("group") = py::none())
+      .def_property_readonly("rank", [](PyEngine& e) { return e.engine().rank(); })
+      .def_property_readonly("world_size", [](PyEngine& e) { return e.engine().world_size(); })
       .def_property_readonly("warnings", &PyEngine::warnings)
       .def("register", &PyEngine::Register, py::arg("name"), py::arg("shape"), py::arg("trainable"),
            py::arg("ptr") = 0, py::arg("dtype") = "float32", py::arg("spill") = nullptr,

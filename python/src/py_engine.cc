@@ -5,6 +5,7 @@
 #include <cmath>
 #include <utility>
 
+#include "python/src/py_store.h"
 #include "zinf/config.h"
 #include "zinf/cuda.h"
 #include "zinf/log.h"
@@ -54,7 +55,9 @@ Core::~Core() {
 }
 
 PyEngine::PyEngine(const std::string& config_json, const std::string& device, int device_index,
-                   bool use_stream, uintptr_t cuda_stream, uint64_t device_memory) {
+                   bool use_stream, uintptr_t cuda_stream, uint64_t device_memory,
+                   const py::object& group_object) {
+  const ProcessGroupOptions group = GroupFromPython(group_object);
   std::vector<std::string> warnings;
   EngineConfig config = Take(ParseEngineConfig(config_json, &warnings));
   warnings_ = warnings;
@@ -68,7 +71,7 @@ PyEngine::PyEngine(const std::string& config_json, const std::string& device, in
     names.device = "device_memory (zinf.device_budget_bytes)";
     ho.memory_budget = Take(HostDeviceBudget(device_memory, config.pinned_budget_bytes, names));
     ho.copy_gbps = config.host_copy_gbps;
-    Runtime rank = Take(NewHostRuntime(ho));
+    Runtime rank = Take(NewHostRuntime(ho, group));
     core_->device = std::move(rank.device);
     core_->comms.push_back(std::move(rank.comm));
   } else if (device == "cuda") {
@@ -83,7 +86,14 @@ PyEngine::PyEngine(const std::string& config_json, const std::string& device, in
     co.use_external_compute_stream = use_stream;
     co.external_compute_stream = reinterpret_cast<void*>(cuda_stream);
     core_->device = Take(NewCudaDevice(co));
-    core_->comms.push_back(Take(NewNcclComm(core_->device.get(), NcclCommOptions{})));
+    NcclCommOptions nccl;
+    nccl.rank = group.rank;
+    nccl.world_size = group.world_size;
+    nccl.local_rank = group.local_rank;
+    nccl.timeout_seconds = std::chrono::duration<double>(group.timeout).count();
+    nccl.store = group.store;
+    nccl.store_key = group.prefix + "/nccl/unique_id";
+    core_->comms.push_back(Take(NewNcclComm(core_->device.get(), nccl)));
     core_->dl_device_type = 2;
     core_->dl_device_id = device_index;
   } else {

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from . import _initialize, _optim
+from . import _distributed, _initialize, _optim
 from ._config import Config
 from ._engine import ZinfEngine
 from ._optim import error
@@ -27,10 +27,14 @@ class DeepSpeedEngine(ZinfEngine):
     """A ZinfEngine with DeepSpeed's checkpoint signatures and accessors."""
 
     training_dataloader = None
-    local_rank = 0
-    global_rank = 0
-    world_size = 1
-    dp_world_size = 1
+
+    @property
+    def global_rank(self):
+        return self.rank
+
+    @property
+    def dp_world_size(self):
+        return self.world_size
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
                         exclude_frozen_parameters=False):
@@ -49,7 +53,7 @@ class DeepSpeedEngine(ZinfEngine):
         os.makedirs(save_dir, exist_ok=True)
         self._save(os.path.join(save_dir, tag), {} if client_state is None else client_state,
                    extra={"tag": tag})
-        if save_latest:
+        if save_latest and self.rank == 0:
             _write_latest(save_dir, tag)
         return True
 
@@ -111,8 +115,9 @@ class DeepSpeedEngine(ZinfEngine):
 
     def deepspeed_io(self, dataset, batch_size=None, route=None, pin_memory=True,
                      data_sampler=None, collate_fn=None, num_local_io_workers=None):
-        """A DataLoader over `dataset` with the micro-batch size, shuffled (one rank: every
-        sample), as DeepSpeed's training_data loader."""
+        """A DataLoader over `dataset` with the micro-batch size, shuffled, as DeepSpeed's
+        training_data loader: with several ranks each gets its share (DistributedSampler; call
+        loader.sampler.set_epoch(epoch) for a new order each epoch)."""
         if not isinstance(dataset, torch.utils.data.Dataset):
             raise TypeError("training_data must be a torch.utils.data.Dataset")
         size = batch_size or self._micro_batch
@@ -121,6 +126,8 @@ class DeepSpeedEngine(ZinfEngine):
                                            "train_micro_batch_size_per_gpu (or "
                                            "train_batch_size) in the config")
         drop_last = bool(self.config.get("dataloader_drop_last", default=False))
+        if data_sampler is None:
+            data_sampler = _distributed.sampler(dataset, self.world_size, self.rank, True)
         return torch.utils.data.DataLoader(
             dataset, batch_size=size, sampler=data_sampler,
             shuffle=data_sampler is None and not isinstance(dataset,
@@ -147,20 +154,12 @@ def _write_latest(save_dir, tag):
         os.close(dfd)
 
 
-def _one_rank():
-    world = int(os.environ.get("WORLD_SIZE", "1") or "1")
-    if world > 1:
-        raise error("NotSupported",
-                    "WORLD_SIZE=%d: zinf's Python package runs one rank per process and does "
-                    "not join a multi-process group yet; run one process" % world)
-
-
 def initialize(args=None, model=None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, distributed_port=None, mpu=None,
                dist_init_required=None, collate_fn=None, config=None, config_params=None,
                device=None, scale_wrt_gas=True):
     """DeepSpeed's initialize (see zinf.initialize)."""
-    _one_rank()
+    _distributed.from_env()  # a malformed launcher environment fails before anything is built
     if mpu is not None:
         raise error("NotSupported", "zinf.initialize: model parallelism (mpu) is not provided")
     if config is not None and config_params is not None:
@@ -206,7 +205,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
         micro = cfg.summary["train_batch_size"] // max(1, engine._gas)
     engine._micro_batch = micro
     engine._last_stats = None
-    engine.local_rank = int(os.environ.get("LOCAL_RANK", "0") or "0")
     if training_data is not None:
         engine.training_dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
@@ -230,5 +228,16 @@ def add_config_arguments(parser):
 def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=None,
                      verbose=True, timeout=None, init_method=None, dist_init_required=None,
                      config=None, rank=-1, world_size=-1):
-    """One rank per process: nothing to set up (refused when WORLD_SIZE > 1)."""
-    _one_rank()
+    """DeepSpeed's init_distributed: with WORLD_SIZE > 1, torch.distributed's default group
+    (gloo on the CPU, nccl with a GPU) so that the script's own collectives work; zinf's engine
+    joins its own group through that group's store. One rank: nothing to set up."""
+    rank_env, world, _, _ = _distributed.from_env()
+    import torch.distributed as dist
+    if world == 1 or dist.is_initialized():
+        return
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    kwargs = {}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    dist.init_process_group(backend, init_method=init_method or "env://", rank=rank_env,
+                            world_size=world, **kwargs)

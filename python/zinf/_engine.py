@@ -64,6 +64,11 @@ class ZinfEngine:
         self._core = core
         self._scale_wrt_gas = scale_wrt_gas
         self._gas = max(1, core.gradient_accumulation_steps)
+        # Data parallelism across processes (zinf._distributed): each rank its own micro-batch,
+        # gradients averaged over the ranks, as DeepSpeed does.
+        self.rank = core.rank
+        self.world_size = core.world_size
+        self.local_rank = 0
         self._dtype = torch.bfloat16 if core.bf16 else torch.float32
         self._closed = False
         self._stream = None  # the CUDA stream handle the engine orders against
@@ -129,12 +134,15 @@ class ZinfEngine:
     def backward(self, loss, retain_graph=False):
         """loss.backward(), with the loss divided by gradient_accumulation_steps (gradients are
         summed over an accumulation window; pass scale_wrt_gas=False to initialize to keep the
-        loss as is). One backward per micro-step."""
+        loss as is) and, with several ranks, by the world size (gradients are averaged over the
+        ranks, as DeepSpeed's). One backward per micro-step."""
         self._enter("engine.backward")
         self._sync_lr()
         self._micro.losses.append(loss.detach())
         if self._scale_wrt_gas and self._gas > 1:
             loss = loss / self._gas
+        if self.world_size > 1:
+            loss = loss / self.world_size
         self._micro.in_backward = True
         try:
             loss.backward(retain_graph=retain_graph)

@@ -4,7 +4,7 @@ import warnings
 
 import torch
 
-from . import _activations, _schedulers, _zinf
+from . import _activations, _distributed, _schedulers, _zinf
 from ._config import Config
 from ._engine import ZinfEngine
 from ._optim import error
@@ -89,9 +89,12 @@ def build(model, config, device=None, scale_wrt_gas=True, engine_class=ZinfEngin
         device = "cuda" if cuda_available() else "cpu"
     dev = torch.device(device)
     text = _pinned_budget(cfg, model, trained, dev.type == "cpu")
+    group = _distributed.group(cfg.summary)
+    if group is not None and dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", group["local_rank"])  # one GPU per process of a machine
     stream = None
     if dev.type == "cpu":
-        core = _zinf.Engine(text, "cpu")
+        core = _zinf.Engine(text, "cpu", group=group)
         torch_device = "cpu"
     elif dev.type == "cuda":
         if _zinf.cuda_device_count() == 0:
@@ -106,7 +109,7 @@ def build(model, config, device=None, scale_wrt_gas=True, engine_class=ZinfEngin
                           % (budget / 2**30, index), stacklevel=3)
         with torch.cuda.device(index):
             stream = torch.cuda.current_stream(index).cuda_stream
-        core = _zinf.Engine(text, "cuda", index, True, stream, budget)
+        core = _zinf.Engine(text, "cuda", index, True, stream, budget, group=group)
         torch_device = "cuda:%d" % index
     else:
         raise ZinfError("device %s: cpu or cuda" % device)
@@ -119,6 +122,7 @@ def build(model, config, device=None, scale_wrt_gas=True, engine_class=ZinfEngin
     engine = engine_class(model, core, torch_device, scale_wrt_gas=scale_wrt_gas,
                           hyper=hyperparameters(cfg), client_optimizer=client_optimizer,
                           lr_scheduler=lr_scheduler, trained=trained)
+    engine.local_rank = group["local_rank"] if group is not None else 0
     if stream is not None:
         engine._stream = stream
     engine.config = cfg

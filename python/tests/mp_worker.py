@@ -1,0 +1,76 @@
+"""One rank of a multi-process test (test_multiprocess.py), started by torchrun or by the test
+itself with the launcher's variables set.
+
+Trains a small MLP with zinf on this rank's rows of a fixed global batch, then writes (rank 0)
+the full state dict, the losses and the engine's rank facts to --out. --kill-at N: rank 1 kills
+itself with SIGKILL before step N (the others must fail, not hang).
+"""
+import argparse
+import json
+import os
+import signal
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import zinf  # noqa: E402
+from conftest import make_config  # noqa: E402
+
+
+def model_and_data(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 4))
+    x = torch.randn(16, 12)
+    y = torch.randn(16, 4)
+    return model, x, y
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--states", default="cpu")
+    ap.add_argument("--param", default="cpu")
+    ap.add_argument("--nvme", default=None)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--gas", type=int, default=1)
+    ap.add_argument("--clip", type=float, default=0.0)
+    ap.add_argument("--kill-at", type=int, default=-1)
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--save", default=None)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    model, x, y = model_and_data()
+    cfg = make_config(param=args.param, states=args.states, nvme=args.nvme, lr=1e-2,
+                      gas=args.gas, clip=args.clip,
+                      collective_timeout_seconds=args.timeout)
+    engine = zinf.initialize(model, cfg)
+    rank, world = engine.rank, engine.world_size
+    rows = x.shape[0] // (world * args.gas)
+    losses = []
+    for step in range(args.steps):
+        if step == args.kill_at and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        total = 0.0
+        for m in range(args.gas):
+            begin = (m * world + rank) * rows
+            loss = torch.nn.functional.mse_loss(engine(x[begin:begin + rows]),
+                                                y[begin:begin + rows])
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        losses.append(total)
+    if args.save:
+        engine.save_checkpoint(args.save)
+    state = engine.full_state_dict()  # every rank: the gather is a collective
+    zinf.save_safetensors(engine, args.out + ".st")  # rank 0 writes
+    if rank == 0:
+        torch.save({"state": state, "losses": losses}, args.out + ".pt")
+    with open("%s.rank%d.json" % (args.out, rank), "w") as f:
+        json.dump({"rank": rank, "world_size": world, "local_rank": engine.local_rank,
+                   "pid": os.getpid()}, f)
+
+
+if __name__ == "__main__":
+    main()

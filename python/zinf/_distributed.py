@@ -1,0 +1,112 @@
+"""Ranks as processes: the launcher's environment becomes the engine's process group.
+
+torchrun, accelerate and DeepSpeed's launcher set RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (mpirun: OMPI_COMM_WORLD_*). With WORLD_SIZE > 1
+the engine joins a group of that many processes: gloo on the host device, NCCL on a GPU, both
+driven from C++. The ranks meet through a torch.distributed store: the default group's when
+torch.distributed is initialised, else a TCPStore on MASTER_ADDR:MASTER_PORT (torchrun's agent
+already serves one there and says so with TORCHELASTIC_USE_AGENT_STORE; otherwise rank 0 serves
+it). A torch store rather than zinf's own: under torchrun the port is the agent's, and only a
+client that speaks torch's protocol can use it.
+"""
+
+import datetime
+import itertools
+import os
+
+import torch
+
+from ._optim import error
+
+_groups = itertools.count()  # each engine of a process gets its own keys in the store
+_store = None                # this process's TCPStore, made once (rank 0 serves it)
+
+
+def _int(name, default=None, minimum=0):
+    text = os.environ.get(name, "")
+    if text == "":
+        if default is None:
+            raise error("InvalidArgument", "%s is not set (the launcher's process group)" % name)
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise error("InvalidArgument", "%s=%r is not an integer >= %d (the launcher's process "
+                                       "group)" % (name, text, minimum))
+    return value
+
+
+def from_env():
+    """(rank, world_size, local_rank, local_world_size) from the launcher's variables; rank 0
+    of 1 when none is set."""
+    if os.environ.get("RANK", "") != "":
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    elif os.environ.get("OMPI_COMM_WORLD_RANK", "") != "":
+        names = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                 "OMPI_COMM_WORLD_LOCAL_SIZE")
+    else:
+        world = _int("WORLD_SIZE", 1, 1)
+        if world > 1:
+            raise error("InvalidArgument", "WORLD_SIZE=%d is set but RANK is not: start the "
+                                           "processes with a launcher (torchrun) or set RANK"
+                        % world)
+        return 0, 1, 0, 1
+    world = _int(names[1], 1, 1)
+    rank = _int(names[0], 0, 0)
+    local_world = _int(names[3], world, 1)
+    local_rank = _int(names[2], rank, 0)
+    if rank >= world:
+        raise error("InvalidArgument", "%s=%d is not below %s=%d" % (names[0], rank, names[1],
+                                                                   world))
+    if local_rank >= local_world:
+        raise error("InvalidArgument", "%s=%d is not below %s=%d" % (names[2], local_rank,
+                                                                   names[3], local_world))
+    return rank, world, local_rank, local_world
+
+
+def _rendezvous(rank, world, timeout):
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.distributed_c10d._get_default_store()
+    global _store
+    if _store is not None:
+        return _store
+    addr = os.environ.get("MASTER_ADDR", "")
+    if not addr:
+        raise error("InvalidArgument", "WORLD_SIZE=%d needs MASTER_ADDR and MASTER_PORT (where "
+                                       "the ranks meet; torchrun sets both)" % world)
+    port = _int("MASTER_PORT", None, 1)
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True"
+    try:
+        _store = dist.TCPStore(addr, port, world, rank == 0 and not agent,
+                               datetime.timedelta(seconds=timeout), wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        raise error("FailedPrecondition",
+                    "rank %d: cannot %s the rendezvous store at %s:%d: %s (is rank 0 running, "
+                    "is MASTER_PORT free and the same on every rank?)"
+                    % (rank, "serve" if rank == 0 and not agent else "reach", addr, port, e))
+    return _store
+
+
+def group(summary):
+    """The `group` argument of _zinf.Engine for this process: None for one rank."""
+    rank, world, local_rank, local_world = from_env()
+    if world == 1:
+        return None
+    timeout = float(summary["collective_timeout_seconds"])
+    import torch.distributed as dist
+    store = dist.PrefixStore("zinf/%d" % next(_groups), _rendezvous(rank, world, timeout))
+    return {"rank": rank, "world_size": world, "local_rank": local_rank,
+            "local_world_size": local_world, "prefix": "g", "timeout_seconds": timeout,
+            "store": store, "master_addr": os.environ.get("MASTER_ADDR", ""),
+            "listen_addr": os.environ.get("ZINF_LISTEN_ADDR", "")}
+
+
+def sampler(dataset, world, rank, shuffle):
+    """The rank's share of `dataset` (DistributedSampler), or None for one rank."""
+    if world == 1 or isinstance(dataset, torch.utils.data.IterableDataset):
+        return None
+    return torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=world,
+                                                           rank=rank, shuffle=shuffle)
