@@ -30,6 +30,12 @@ CrashSpec& Spec() {
         s->armed = s->count > 0;
       }
     }
+    // ZINF_CRASH_RANK=r: only the process whose RANK is r (one rank of a group) is killed.
+    const char* only = std::getenv("ZINF_CRASH_RANK");
+    if (s->armed && only != nullptr && *only != '\0') {
+      const char* rank = std::getenv("RANK");
+      s->armed = rank != nullptr && std::strcmp(rank, only) == 0;
+    }
     return s;
   }();
   return *spec;

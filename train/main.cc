@@ -9,6 +9,7 @@
 // model TFLOPS, NVMe GB/s, overlap efficiency and stall time; at the end a summary table and
 // one JSON line.
 #include <CLI/CLI.hpp>
+#include <cstdio>
 #include <string>
 
 #include "common/cli.h"
@@ -24,6 +25,14 @@ int Run(Flags f) {
   if (int rc = PlanRun(&f, &plan); rc != 0) return rc;
   Runtime rank;  // declared before the session: the engine goes before its device
   if (int rc = OpenDevice(f, plan, &rank); rc != 0) return rc;
+  if (rank.comm->rank() != 0) {
+    // Rank 0 reports for the group; the others' errors still reach stderr.
+    if (std::freopen("/dev/null", "w", stdout) == nullptr) {
+      std::fprintf(stderr, "zinf-train: rank %d cannot silence its stdout\n", rank.comm->rank());
+      return 1;
+    }
+    out = stdout;
+  }
   PrintBanner(f, plan);
   Session session;
   if (int rc = OpenSession(f, plan, plan.config, rank, &session); rc != 0) return rc;
@@ -128,10 +137,17 @@ int main(int argc, char** argv) {
   app.add_option("--seed", f.seed, "seed of the initialisation and the batches")
       ->capture_default_str();
   app.add_flag("--json", f.json, "only the final JSON line on stdout (progress on stderr)");
+  app.add_option("--nproc", f.nproc,
+                 "run as N rank processes on this machine (ZeRO-3 across them over gloo, or "
+                 "NCCL with --device cuda: GPU r for rank r); each rank takes --batch of the N x "
+                 "--batch sequences of a micro-step. Under torchrun / mpirun leave it out: the "
+                 "launcher's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT are used")
+      ->check(CLI::Range(1, 1024));
   app.add_option("--log-every", f.log_every,
                  "keep a progress line every N steps (default: ~40 lines)")
       ->check(CLI::Range(1, 100000000));
   // --help prints and exits 0; a usage error (unknown flag, a value out of range) exits 2.
   if (int rc = zinf::ParseCommandLine(app, argc, argv); rc >= 0) return rc;
+  if (f.nproc > 1) return zinf::train::LaunchRanks(argc, argv, f.nproc);
   return zinf::train::Run(f);
 }

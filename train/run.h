@@ -50,6 +50,7 @@ struct Flags {
   bool overwrite = false;
   std::string io_backend;   // "": config's (io_uring, falling back to libaio, then psync)
   std::string state_dtype;  // "": config's zinf.optimizer_state_dtype (fp32)
+  int nproc = 0;            // --nproc: this run as that many rank processes (LaunchRanks)
 };
 
 // The progress stream: stdout, or stderr with --json (the JSON line alone on stdout).
@@ -68,7 +69,20 @@ struct RunPlan {
 struct Session {
   std::unique_ptr<Engine> engine;
   std::unique_ptr<GptTrainer> trainer;
+  // This process's rank of the group (ProcessGroupFromEnv; 0 of 1 without a launcher) and its
+  // communicator, which the loop uses to average the ranks' losses on the host device.
+  int rank = 0;
+  int world = 1;
+  Communicator* comm = nullptr;
+  Device* device = nullptr;
 };
+
+// `zinf-train --nproc N ...`: runs this command line (without --nproc) as N rank processes of
+// one group on this machine (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and a store folder
+// in the environment) and supervises them: their exit code when all succeed; when one fails,
+// the others (which fail by themselves within seconds, their collective broken) are given 30 s
+// and then ended by pid; SIGINT / SIGTERM are passed on. Returns the exit code of the run.
+int LaunchRanks(int argc, char** argv, int nproc);
 
 // ---- Setup (run_setup.cc) ----
 

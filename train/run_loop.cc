@@ -50,6 +50,10 @@ class TrainingLoop {
         plan_(plan),
         engine_(s.engine.get()),
         trainer_(s.trainer.get()),
+        rank_(s.rank),
+        world_(s.world),
+        comm_(s.comm),
+        device_(s.device),
         first_step_(first_step),
         accum_(std::max(1, plan.config.gradient_accumulation_steps)),
         tokens_per_micro_(f.batch * f.seq),
@@ -59,7 +63,9 @@ class TrainingLoop {
         tty_(isatty(fileno(out))),
         state_bytes_per_param_(StateBytesPerParam(plan.config)),
         tokens_(tokens_per_micro_),
-        targets_(tokens_per_micro_) {}
+        targets_(tokens_per_micro_),
+        global_tokens_(world_ > 1 ? tokens_per_micro_ * world_ : 0),
+        global_targets_(global_tokens_.size()) {}
 
   int Run(TrainLog* log) {
     for (int64_t step = first_step_; step < f_.steps; ++step) {
@@ -102,12 +108,30 @@ class TrainingLoop {
       return Fail("setting the learning rate", s);
     }
     for (int micro = 0; micro < accum_; ++micro) {
-      plan_.data.Batch(f_.seed, step * accum_ + micro, f_.batch, f_.seq, tokens_.data(),
-                       targets_.data());
+      if (world_ == 1) {
+        plan_.data.Batch(f_.seed, step * accum_ + micro, f_.batch, f_.seq, tokens_.data(),
+                         targets_.data());
+      } else {
+        // The ranks split one global micro-batch of world x --batch sequences, the one a
+        // single rank with --batch world x B draws: rank r takes rows [r B, (r + 1) B).
+        plan_.data.Batch(f_.seed, step * accum_ + micro, f_.batch * world_, f_.seq,
+                         global_tokens_.data(), global_targets_.data());
+        const size_t begin = static_cast<size_t>(rank_) * tokens_per_micro_;
+        std::copy_n(global_tokens_.begin() + begin, tokens_per_micro_, tokens_.begin());
+        std::copy_n(global_targets_.begin() + begin, tokens_per_micro_, targets_.begin());
+      }
       StepStats st;
-      Result<double> l = trainer_->MicroStep(tokens_.data(), targets_.data(), 1.0f / accum_, &st);
+      // Gradients averaged over the ranks and the accumulation window.
+      Result<double> l = trainer_->MicroStep(tokens_.data(), targets_.data(),
+                                             1.0f / (accum_ * world_), &st);
       if (!l.ok()) return Fail("step " + std::to_string(step + 1), l.status());
-      *loss += *l / accum_;
+      double micro_loss = *l;
+      if (world_ > 1) {
+        Result<double> mean = MeanOverRanks(micro_loss);
+        if (!mean.ok()) return Fail("step " + std::to_string(step + 1), mean.status());
+        micro_loss = *mean;
+      }
+      *loss += micro_loss / accum_;
       agg->nvme_read_bytes += st.nvme_read_bytes;
       agg->nvme_write_bytes += st.nvme_write_bytes;
       agg->acquire_wait_seconds += st.acquire_wait_seconds;
@@ -115,6 +139,20 @@ class TrainingLoop {
       agg->overlap_efficiency = st.overlap_efficiency;  // of the optimizer micro-step
     }
     return 0;
+  }
+
+  // The mean of the ranks' losses (each its own rows' mean), so that every rank reports the
+  // global batch's loss. On the host device (host memory is device memory) through the
+  // communicator, the double carried as two floats (high part and remainder); on a GPU the
+  // rank's own loss.
+  Result<double> MeanOverRanks(double local) {
+    if (!device_->Caps().host_memory) return local;
+    float parts[2];
+    parts[0] = static_cast<float>(local);
+    parts[1] = static_cast<float>(local - parts[0]);
+    ZINF_RETURN_IF_ERROR(comm_->AllReduceSum(parts, 2, device_->ComputeStream()));
+    ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(device_->ComputeStream()));
+    return (static_cast<double>(parts[0]) + parts[1]) / world_;
   }
 
   // Adds the step to the log and prints its progress line: kept every --log-every steps and
@@ -153,6 +191,10 @@ class TrainingLoop {
   const RunPlan& plan_;
   Engine* const engine_;
   GptTrainer* const trainer_;
+  const int rank_;
+  const int world_;
+  Communicator* const comm_;
+  Device* const device_;
   const int64_t first_step_;
   const int accum_;  // micro-steps per optimizer step
   const int tokens_per_micro_;
@@ -162,6 +204,8 @@ class TrainingLoop {
   const bool tty_;                         // progress on a terminal
   const double state_bytes_per_param_;     // master + states as stored
   std::vector<int32_t> tokens_, targets_;  // one micro-step's batch
+  // With several ranks: the global micro-batch the ranks split.
+  std::vector<int32_t> global_tokens_, global_targets_;
 };
 
 // The final checkpoint, unless --save-every just wrote it or no step ran.
@@ -180,7 +224,7 @@ int SaveFinalCheckpoint(const Flags& f, const RunPlan& plan, Engine* engine, int
 // steps after the first (which pays for warm-up), and the parameters' checksum, by which two
 // runs are compared.
 int Report(const Flags& f, const RunPlan& plan, GptTrainer* trainer, int64_t first_step,
-           const TrainLog& log) {
+           const TrainLog& log, int world) {
   Result<uint64_t> checksum = trainer->ParamChecksum();
   if (!checksum.ok()) return Fail("checksumming the parameters", checksum.status());
   const std::vector<StepRow>& rows = log.rows;
@@ -242,7 +286,11 @@ int Report(const Flags& f, const RunPlan& plan, GptTrainer* trainer, int64_t fir
       {"optimizer_tier", TierName(plan.config.offload_optimizer.tier)},
       {"optimizer_state_dtype", StateTypeName(plan.config.optimizer_state_type)},
       {"state_bytes_per_param", StateBytesPerParam(plan.config)},
+      {"ranks", world},
   };
+  nlohmann::json losses = nlohmann::json::array();
+  for (const StepRow& r : rows) losses.push_back(r.loss);
+  j["losses"] = losses;  // per step (the ranks' mean with several)
   std::printf("%s\n", j.dump().c_str());
   return 0;
 }
@@ -253,7 +301,7 @@ int TrainAndReport(const Flags& f, const RunPlan& plan, const Session& s, int64_
   TrainLog log;
   if (int rc = TrainingLoop(f, plan, s, first_step).Run(&log); rc != 0) return rc;
   if (int rc = SaveFinalCheckpoint(f, plan, s.engine.get(), first_step); rc != 0) return rc;
-  return Report(f, plan, s.trainer.get(), first_step, log);
+  return Report(f, plan, s.trainer.get(), first_step, log, s.world);
 }
 
 }  // namespace zinf::train

@@ -235,7 +235,23 @@ int OpenDevice(const Flags& f, const RunPlan& plan, Runtime* rank) {
   o.device_budget_bytes = plan.config.device_budget_bytes;
   o.pinned_budget_bytes = plan.config.pinned_budget_bytes;
   o.names = BudgetNames{"--device-budget", "--pinned-budget"};
+  // A rank of a group when a launcher (zinf-train --nproc, torchrun, mpirun) says so.
+  Result<ProcessGroupOptions> group = ProcessGroupFromEnv();
+  if (!group.ok()) return FailSetup("the process group", group.status());
+  o.group = *group;
+  o.group.timeout = std::chrono::milliseconds(
+      static_cast<int64_t>(plan.config.collective_timeout_seconds * 1000));
+  if (o.group.world_size > 1 &&
+      (!f.checkpoint_dir.empty() || f.resume || plan.config.durable)) {
+    std::fprintf(stderr,
+                 "zinf-train: --checkpoint-dir, --resume and --durable are not supported with "
+                 "several ranks yet (WORLD_SIZE=%d); run without them, or save from the Python "
+                 "package (engine.save_checkpoint)\n",
+                 o.group.world_size);
+    return 2;
+  }
   if (o.cuda) {
+    o.cuda_ordinal = o.group.local_rank;  // one GPU per process of a machine
     // The trainer's own device memory (activations, one layer's gradients, scratch), which the
     // engine does not plan.
     const size_t trainer = GptTrainer::DeviceBytes(plan.model, f.batch, f.seq, plan.config.bf16);
@@ -291,6 +307,10 @@ int OpenSession(const Flags& f, const RunPlan& plan, const EngineConfig& config,
       plan.model, f.batch, f.seq, f.seed, s->engine.get(), {}, rank.device.get());
   if (!trainer.ok()) return FailSetup("building the model", trainer.status());
   s->trainer = std::move(trainer).value();
+  s->rank = rank.comm->rank();
+  s->world = rank.comm->world_size();
+  s->comm = rank.comm.get();
+  s->device = rank.device.get();
   return 0;
 }
 

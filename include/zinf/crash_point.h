@@ -3,6 +3,8 @@
 //
 //   ZINF_CRASH_AT=<name>:<n>   kills the process at the n-th time (1-based) the point <name>
 //                              is reached. Unset (the normal case): one predictable branch.
+//   ZINF_CRASH_RANK=<r>        with it, only the process whose RANK is r (one rank of a
+//                              group of processes).
 //
 // Points: "swap.write" (a swap write was submitted, not yet complete), "optimizer.group" (a
 // sub-group was stepped, the next not yet), "checkpoint.files" (rank files written, not

@@ -1,0 +1,167 @@
+// zinf-train --nproc N: the run as N rank processes of one group on this machine, supervised
+// (train/run.h, LaunchRanks).
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "train/run.h"
+
+namespace zinf::train {
+namespace {
+
+std::atomic<int> g_signal{0};
+
+void OnSignal(int sig) { g_signal.store(sig); }
+
+// argv without --nproc N / --nproc=N.
+std::vector<std::string> ChildArgs(int argc, char** argv) {
+  std::vector<std::string> args;
+  for (int i = 0; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--nproc") {
+      ++i;  // and its value
+      continue;
+    }
+    if (a.rfind("--nproc=", 0) == 0) continue;
+    args.push_back(a);
+  }
+  return args;
+}
+
+std::string Describe(int status) {
+  if (WIFSIGNALED(status)) {
+    return std::string("was ended by signal ") + std::to_string(WTERMSIG(status)) + " (" +
+           strsignal(WTERMSIG(status)) + ")";
+  }
+  return "exited with code " + std::to_string(WEXITSTATUS(status));
+}
+
+int ExitCodeOf(int status) {
+  return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
+}
+
+}  // namespace
+
+int LaunchRanks(int argc, char** argv, int nproc) {
+  if (std::getenv("RANK") != nullptr || std::getenv("OMPI_COMM_WORLD_RANK") != nullptr) {
+    std::fprintf(stderr,
+                 "zinf-train: --nproc under a launcher that already set RANK: give one of "
+                 "them (zinf-train --nproc N, or the launcher with zinf-train without --nproc)\n");
+    return 2;
+  }
+  std::string store_template =
+      (std::filesystem::temp_directory_path() / "zinf-ranks-XXXXXX").string();
+  if (mkdtemp(store_template.data()) == nullptr) {
+    std::fprintf(stderr, "zinf-train: creating the ranks' rendezvous folder %s: %s\n",
+                 store_template.c_str(), std::strerror(errno));
+    return 1;
+  }
+  const std::string store = store_template;
+  const std::vector<std::string> args = ChildArgs(argc, argv);
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  sigemptyset(&sa.sa_mask);
+  struct sigaction old_int {}, old_term {};
+  sigaction(SIGINT, &sa, &old_int);
+  sigaction(SIGTERM, &sa, &old_term);
+
+  const pid_t supervisor = getpid();
+  std::vector<pid_t> pids(nproc, -1);
+  int result = 0;
+  for (int r = 0; r < nproc; ++r) {
+    const pid_t pid = fork();
+    if (pid < 0) {
+      std::fprintf(stderr, "zinf-train: starting rank %d: %s\n", r, std::strerror(errno));
+      result = 1;
+      break;
+    }
+    if (pid == 0) {
+      // A rank never outlives its supervisor (no orphan keeps the group's ports or folders).
+      if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != supervisor) _exit(1);
+      sigaction(SIGINT, &old_int, nullptr);
+      sigaction(SIGTERM, &old_term, nullptr);
+      setenv("RANK", std::to_string(r).c_str(), 1);
+      setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+      setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      setenv("ZINF_STORE_FOLDER", store.c_str(), 1);
+      std::vector<char*> cargv;
+      for (const std::string& a : args) cargv.push_back(const_cast<char*>(a.c_str()));
+      cargv.push_back(nullptr);
+      execv("/proc/self/exe", cargv.data());
+      std::fprintf(stderr, "zinf-train: rank %d: exec failed: %s\n", r, std::strerror(errno));
+      _exit(127);
+    }
+    pids[r] = pid;
+  }
+
+  // Wait for the ranks. The first failure is the run's; the others get 30 s to fail by
+  // themselves (their collectives see the closed connections at once) before they are ended.
+  using Clock = std::chrono::steady_clock;
+  int running = 0;
+  for (pid_t p : pids) running += p > 0;
+  if (result != 0) {
+    for (pid_t p : pids) {
+      if (p > 0) kill(p, SIGTERM);
+    }
+  }
+  Clock::time_point kill_at = Clock::time_point::max();
+  bool forwarded = false;
+  while (running > 0) {
+    if (const int sig = g_signal.load(); sig != 0 && !forwarded) {
+      forwarded = true;
+      for (pid_t p : pids) {
+        if (p > 0) kill(p, sig);
+      }
+      kill_at = std::min(kill_at, Clock::now() + std::chrono::seconds(30));
+      if (result == 0) result = 128 + sig;
+    }
+    int status = 0;
+    const pid_t done = waitpid(-1, &status, WNOHANG);
+    if (done > 0) {
+      for (int r = 0; r < nproc; ++r) {
+        if (pids[r] != done) continue;
+        pids[r] = -1;
+        --running;
+        if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
+          std::fprintf(stderr, "zinf-train: rank %d (pid %d) %s\n", r, static_cast<int>(done),
+                       Describe(status).c_str());
+          if (result == 0) {
+            result = ExitCodeOf(status);
+            kill_at = Clock::now() + std::chrono::seconds(30);
+          }
+        }
+      }
+      continue;
+    }
+    if (done < 0 && errno != EINTR) break;  // ECHILD: nothing left to wait for
+    if (Clock::now() >= kill_at) {
+      for (int r = 0; r < nproc; ++r) {
+        if (pids[r] <= 0) continue;
+        std::fprintf(stderr, "zinf-train: rank %d (pid %d) still running 30 s after the run "
+                             "failed: ending it\n", r, static_cast<int>(pids[r]));
+        kill(pids[r], SIGKILL);
+      }
+      kill_at = Clock::time_point::max();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(store, ec);  // best effort: a leftover folder holds a few bytes
+  sigaction(SIGINT, &old_int, nullptr);
+  sigaction(SIGTERM, &old_term, nullptr);
+  return result;
+}
+
+}  // namespace zinf::train
