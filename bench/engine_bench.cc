@@ -21,8 +21,17 @@
 #include <thread>
 #include <vector>
 
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/math.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/file_store.h>
+#include <gloo/rendezvous/prefix_store.h>
+#include <gloo/transport/tcp/device.h>
+
 #include "bench/bench_util.h"
 #include "common/cli.h"
+#include "common/rank_launcher.h"
 #include "zinf/comm.h"
 #include "zinf/cuda.h"
 #include "zinf/device.h"
@@ -52,6 +61,7 @@ struct Flags {
   std::string device = "host";
   double optimizer_ratio = 1.0;
   std::string gradient_transfer = "fp32";
+  int nproc = 0;  // --nproc: ranks as processes (LaunchRanks)
 };
 
 Result<Tier> ParseTier(const std::string& s) {
@@ -126,6 +136,64 @@ class Compute {
   std::vector<uint64_t> host_;
 };
 
+// The peer: gloo alone, on its own context (the same store folder, its own keys), moving what
+// a ZeRO-3 step moves for this model: each layer's parameters gathered twice (forward and
+// backward) and its gradient reduced (gloo's ring allreduce: twice the volume of the
+// reduce-scatter the engine does, so the comparison favours gloo). The median of 3 steps.
+struct PeerFigures {
+  double seconds = 0;
+  double bytes_sent = 0;
+};
+
+Result<PeerFigures> GlooPeerStep(const Flags& f, int rank, int world) {
+  const char* folder = std::getenv("ZINF_STORE_FOLDER");
+  if (folder == nullptr) {
+    return Status::NotSupported("the gloo peer needs the --nproc launcher's store folder");
+  }
+  const size_t part = f.layer_elems / world;  // elements per rank of a layer
+  const size_t elem = f.bf16 ? 2 : 4;
+  std::vector<char> mine(part * elem), all(part * elem * world);
+  std::vector<float> grad(part * world, 1e-3f);
+  std::vector<double> secs;
+  try {
+    gloo::rendezvous::FileStore base(folder);
+    gloo::rendezvous::PrefixStore store("bench-peer", base);
+    gloo::transport::tcp::attr attr;
+    attr.hostname = "127.0.0.1";
+    auto dev = gloo::transport::tcp::CreateDevice(attr);
+    auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, world);
+    ctx->connectFullMesh(store, dev);
+    uint32_t tag = 0;
+    for (int it = 0; it < 3; ++it) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int l = 0; l < f.layers; ++l) {
+        for (int pass = 0; pass < 2; ++pass) {
+          gloo::AllgatherOptions o(ctx);
+          o.setInput(mine.data(), mine.size());
+          o.setOutput(all.data(), all.size());
+          o.setTag(tag++);
+          gloo::allgather(o);
+        }
+        gloo::AllreduceOptions o(ctx);
+        o.setOutput(grad.data(), grad.size());
+        o.setReduceFunction(static_cast<void (*)(void*, const void*, const void*, size_t)>(
+            &gloo::sum<float>));
+        o.setTag(tag++);
+        gloo::allreduce(o);
+      }
+      secs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+  } catch (const std::exception& e) {
+    return Status::Internal(std::string("gloo peer: ") + e.what());
+  }
+  PeerFigures p;
+  p.seconds = bench::Median(secs);
+  // Per layer: two ring allgathers (N - 1 blocks each) and a ring allreduce (2 (N - 1) blocks).
+  p.bytes_sent = static_cast<double>(f.layers) * (world - 1) *
+                 (2.0 * part * elem + 2.0 * part * sizeof(float));
+  return p;
+}
+
 int Main(int argc, char** argv) {
   Flags f;
   CLI::App app{"zinf-engine-bench: overlap of compute, NVMe and the CPU optimizer"};
@@ -134,6 +202,11 @@ int Main(int argc, char** argv) {
                  "the device, optimizer on the CPU); other flags override")
       ->check(CLI::IsMember({"none", "io-bound", "adam-bound"}));
   app.add_option("--layers", f.layers)->check(CLI::Range(1, 100000));
+  app.add_option("--nproc", f.nproc,
+                 "ranks as N processes on this machine (ZeRO-3 over gloo); rank 0 reports, "
+                 "with the collectives' bytes and time per step beside gloo alone moving a "
+                 "step's data")
+      ->check(CLI::Range(1, 64));
   app.add_option("--layer-elems", f.layer_elems, "parameter elements per layer")
       ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 34));
   app.add_option("--compute-ms", f.compute_ms, "simulated compute per layer and pass")
@@ -172,6 +245,7 @@ int Main(int argc, char** argv) {
       ->check(CLI::IsMember({"fp32", "bf16"}));
   // Presets first, then explicit flags win: parse twice.
   if (int rc = ParseCommandLine(app, argc, argv); rc >= 0) return rc;
+  if (f.nproc > 1) return LaunchRanks("zinf-engine-bench", argc, argv, f.nproc);
   if (f.preset != "none") {
     Flags p;
     p.preset = f.preset;
@@ -196,6 +270,7 @@ int Main(int argc, char** argv) {
     p.device = f.device;
     f = p;
     if (int rc = ParseCommandLine(app, argc, argv); rc >= 0) return rc;
+  if (f.nproc > 1) return LaunchRanks("zinf-engine-bench", argc, argv, f.nproc);
   }
   Result<Tier> pt = ParseTier(f.param_tier), ot = ParseTier(f.optimizer_tier);
   if (!pt.ok() || !ot.ok()) {
@@ -221,9 +296,16 @@ int Main(int argc, char** argv) {
   c.pinned_budget_bytes = RoundUp(f.layers * f.layer_elems * 4 + 4 * f.sub_group_elems * 14 +
                                       f.prefetch_elems * elem + 64 * f.layer_elems + (256u << 20),
                                   2u << 20);
+  Result<ProcessGroupOptions> group = ProcessGroupFromEnv();
+  if (!group.ok()) {
+    std::fprintf(stderr, "zinf-engine-bench: %s\n", group.status().ToString().c_str());
+    return 2;
+  }
   Result<Runtime> rank = Status::Internal("no device");
   if (f.device == "cuda") {
-    rank = NewCudaRuntime(CudaDeviceOptions{});
+    CudaDeviceOptions co;
+    co.device = group->local_rank;
+    rank = NewCudaRuntime(co, *group);
     if (!rank.ok()) {
       std::fprintf(stderr, "zinf-engine-bench: --device cuda: %s\n",
                    rank.status().ToString().c_str());
@@ -233,14 +315,16 @@ int Main(int argc, char** argv) {
     HostDeviceOptions ho;
     ho.memory_budget = size_t{64} << 30;
     ho.copy_gbps = f.copy_gbps;
-    rank = NewHostRuntime(ho);
+    rank = NewHostRuntime(ho, *group);
     if (!rank.ok()) {
       std::fprintf(stderr, "zinf-engine-bench: %s\n", rank.status().ToString().c_str());
       return 1;
     }
   }
   Device* const device = rank->device.get();
-  auto engine = Engine::Create(c, device, rank->comm.get());
+  Communicator* const comm = rank->comm.get();
+  if (comm->rank() != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) return 1;
+  auto engine = Engine::Create(c, device, comm);
   if (!engine.ok()) {
     std::fprintf(stderr, "zinf-engine-bench: %s\n", engine.status().ToString().c_str());
     return 1;
@@ -294,7 +378,9 @@ int Main(int argc, char** argv) {
     return 1;
   }
   std::vector<double> effs, step_secs, nvme_busy, copy_busy, opt_busy, idle_secs, d2h;
+  std::vector<double> comm_bytes, comm_secs;
   for (int step = 0; step < f.steps; ++step) {
+    const CommCounters before = comm->Counters();
     for (int l = 0; l < f.layers && s.ok(); ++l) {
       auto p = e.Acquire({ids[l]});
       if (!p.ok()) s = p.status();
@@ -319,8 +405,13 @@ int Main(int argc, char** argv) {
       s = idle.status();
       break;
     }
+    const CommCounters after = comm->Counters();
     nlohmann::json j;
     VisitStepStats(*st, [&](const char* name, auto value) { j[name] = value; });
+    j["ranks"] = comm->world_size();
+    j["comm_collectives"] = after.collectives - before.collectives;
+    j["comm_bytes_sent"] = after.bytes_sent - before.bytes_sent;
+    j["comm_seconds"] = after.seconds - before.seconds;
     j["preset"] = f.preset;
     j["delayed_update"] = f.delayed_update;
     j["device"] = f.device;
@@ -340,6 +431,8 @@ int Main(int argc, char** argv) {
       opt_busy.push_back(st->optimizer_busy_seconds);
       idle_secs.push_back(*idle);
       d2h.push_back(static_cast<double>(st->d2h_bytes));
+      comm_bytes.push_back(static_cast<double>(after.bytes_sent - before.bytes_sent));
+      comm_secs.push_back(after.seconds - before.seconds);
     }
   }
   engine->reset();   // drains the engine's streams before its gradient source goes
@@ -370,6 +463,22 @@ int Main(int argc, char** argv) {
   j["gradient_transfer"] = f.gradient_transfer;
   j["median_d2h_bytes"] = median(d2h);
   j["median_overlap_efficiency"] = median(effs);
+  j["ranks"] = comm->world_size();
+  if (comm->world_size() > 1) {
+    // The engine's collectives per step, beside gloo alone moving a ZeRO-3 step's data.
+    j["median_comm_bytes_sent"] = median(comm_bytes);
+    j["median_comm_seconds"] = median(comm_secs);
+    j["median_comm_gbps"] = median(comm_secs) > 0 ? median(comm_bytes) / median(comm_secs) / 1e9 : 0;
+    Result<PeerFigures> peer = GlooPeerStep(f, comm->rank(), comm->world_size());
+    if (peer.ok()) {
+      j["peer"] = "gloo alone: allgather of each layer twice + ring allreduce of its gradient";
+      j["peer_step_seconds"] = peer->seconds;
+      j["peer_bytes_sent"] = peer->bytes_sent;
+      j["peer_gbps"] = peer->seconds > 0 ? peer->bytes_sent / peer->seconds / 1e9 : 0;
+    } else {
+      j["peer"] = peer.status().ToString();
+    }
+  }
   std::printf("%s\n", j.dump().c_str());
   return 0;
 }

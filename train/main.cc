@@ -13,6 +13,7 @@
 #include <string>
 
 #include "common/cli.h"
+#include "common/rank_launcher.h"
 #include "train/run.h"
 
 namespace zinf::train {
@@ -148,6 +149,6 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 100000000));
   // --help prints and exits 0; a usage error (unknown flag, a value out of range) exits 2.
   if (int rc = zinf::ParseCommandLine(app, argc, argv); rc >= 0) return rc;
-  if (f.nproc > 1) return zinf::train::LaunchRanks(argc, argv, f.nproc);
+  if (f.nproc > 1) return zinf::LaunchRanks("zinf-train", argc, argv, f.nproc);
   return zinf::train::Run(f);
 }

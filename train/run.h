@@ -77,12 +77,6 @@ struct Session {
   Device* device = nullptr;
 };
 
-// `zinf-train --nproc N ...`: runs this command line (without --nproc) as N rank processes of
-// one group on this machine (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and a store folder
-// in the environment) and supervises them: their exit code when all succeed; when one fails,
-// the others (which fail by themselves within seconds, their collective broken) are given 30 s
-// and then ended by pid; SIGINT / SIGTERM are passed on. Returns the exit code of the run.
-int LaunchRanks(int argc, char** argv, int nproc);
 
 // ---- Setup (run_setup.cc) ----
 

@@ -154,6 +154,7 @@ struct Group {
   std::vector<std::string> members;      // per rank: "host pid"
   Mutex mu;
   Status broken GUARDED_BY(mu);  // once set, every collective fails with it
+  CommCounters counters GUARDED_BY(mu);
 };
 
 class GlooComm final : public Communicator {
@@ -163,6 +164,10 @@ class GlooComm final : public Communicator {
 
   int rank() const override { return options_.rank; }
   int world_size() const override { return options_.world_size; }
+  CommCounters Counters() const override {
+    MutexLock lock(&group_->mu);
+    return group_->counters;
+  }
 
   Status AllGather(const void* send, void* recv, size_t bytes_per_rank, Stream* stream) override {
     if (bytes_per_rank == 0) return Status::OK();
@@ -171,7 +176,8 @@ class GlooComm final : public Communicator {
     auto* out = static_cast<uint8_t*>(recv);
     const bool in_place = out + options_.rank * bytes_per_rank == send;
     const int n = world_size();
-    return Issue(what, stream, [=](const std::shared_ptr<gloo::Context>& ctx, uint32_t tag) {
+    const uint64_t sent = bytes_per_rank * (n - 1);  // gloo's ring: N - 1 blocks out
+    return Issue(what, stream, sent, [=](const std::shared_ptr<gloo::Context>& ctx, uint32_t tag) {
       gloo::AllgatherOptions o(ctx);
       if (!in_place) o.setInput(static_cast<uint8_t*>(const_cast<void*>(send)), bytes_per_rank);
       o.setOutput(out, bytes_per_rank * n);
@@ -186,7 +192,8 @@ class GlooComm final : public Communicator {
     const std::string what = Describe(Kind::kReduceScatterSum, count_per_rank, -1);
     ZINF_RETURN_IF_ERROR(CheckBuffers(what, send, recv));
     const int n = world_size();
-    return Issue(what, stream, [=](const std::shared_ptr<gloo::Context>& ctx, uint32_t tag) {
+    const uint64_t sent = count_per_rank * sizeof(float) * (n - 1);  // one chunk to each peer
+    return Issue(what, stream, sent, [=](const std::shared_ptr<gloo::Context>& ctx, uint32_t tag) {
       std::vector<float> mine(count_per_rank * n);
       if (n == 1) {
         std::memcpy(recv, send, count_per_rank * sizeof(float));
@@ -203,7 +210,9 @@ class GlooComm final : public Communicator {
     ZINF_RETURN_IF_ERROR(CheckBuffers(what, buf, buf));
     const int n = world_size();
     const int rank = options_.rank;
-    return Issue(what, stream, [=](const std::shared_ptr<gloo::Context>& ctx, uint32_t tag) {
+    // The alltoall's chunks, then the allgather's ring.
+    const uint64_t sent = 2 * ((count + n - 1) / n) * sizeof(float) * (n - 1);
+    return Issue(what, stream, sent, [=](const std::shared_ptr<gloo::Context>& ctx, uint32_t tag) {
       if (n == 1) return;
       // Chunks of `chunk` floats, one per rank; the tail of the last is zero padding, which
       // the sum never writes back.
@@ -230,7 +239,8 @@ class GlooComm final : public Communicator {
       return Status::InvalidArgument(Prefix() + what + ": root is not a rank of a world of " +
                                      std::to_string(world_size()));
     }
-    return Issue(what, stream, [=](const std::shared_ptr<gloo::Context>& ctx, uint32_t tag) {
+    const uint64_t sent = options_.rank == root ? bytes * (world_size() - 1) : 0;
+    return Issue(what, stream, sent, [=](const std::shared_ptr<gloo::Context>& ctx, uint32_t tag) {
       gloo::BroadcastOptions o(ctx);
       o.setOutput(static_cast<uint8_t*>(buf), bytes);
       o.setRoot(root);
@@ -241,7 +251,7 @@ class GlooComm final : public Communicator {
 
   Status Barrier() override {
     const uint32_t tag = next_tag_++;
-    return Run(*group_, Describe(Kind::kBarrier, 0, -1), tag,
+    return Run(*group_, Describe(Kind::kBarrier, 0, -1), tag, 0,
                [](const std::shared_ptr<gloo::Context>& ctx, uint32_t t) {
                  gloo::BarrierOptions o(ctx);
                  o.setTag(t);
@@ -274,22 +284,30 @@ class GlooComm final : public Communicator {
   }
 
   // Queues `op` on `stream` under the next tag.
-  Status Issue(const std::string& what, Stream* stream, Op op) {
+  Status Issue(const std::string& what, Stream* stream, uint64_t sent, Op op) {
     if (stream == nullptr) return Status::InvalidArgument(Prefix() + what + ": stream is null");
     const uint32_t tag = next_tag_++;
-    return device_->LaunchHostTask(stream, [group = group_, what, tag, op = std::move(op)] {
-      return Run(*group, what, tag, op);
+    return device_->LaunchHostTask(stream, [group = group_, what, tag, sent, op = std::move(op)] {
+      return Run(*group, what, tag, sent, op);
     });
   }
 
-  static Status Run(Group& g, const std::string& what, uint32_t tag, const Op& op) {
+  static Status Run(Group& g, const std::string& what, uint32_t tag, uint64_t sent,
+                    const Op& op) {
     {
       MutexLock lock(&g.mu);
       if (!g.broken.ok()) return g.broken;
     }
     std::string error;
+    const auto start = std::chrono::steady_clock::now();
     try {
       op(g.context, tag);
+      const double took =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      MutexLock lock(&g.mu);
+      g.counters.collectives += 1;
+      g.counters.bytes_sent += sent;
+      g.counters.seconds += took;
       return Status::OK();
     } catch (const std::exception& e) {
       error = e.what();

@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,11 +19,21 @@
 
 namespace zinf {
 
+// What a communicator has moved, for benchmarks: collectives run, payload bytes this rank
+// sent to its peers, and the time spent inside collectives (waiting for peers included).
+struct CommCounters {
+  uint64_t collectives = 0;
+  uint64_t bytes_sent = 0;
+  double seconds = 0;
+};
+
 // One rank's endpoint. Each rank uses its own Communicator from one thread at a time; every
 // rank must issue the same collectives in the same order.
 class Communicator {
  public:
   virtual ~Communicator() = default;
+  // Since creation; all zero where an implementation does not count (LocalComm, NcclComm).
+  virtual CommCounters Counters() const { return {}; }
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
 

@@ -1,5 +1,5 @@
-// zinf-train --nproc N: the run as N rank processes of one group on this machine, supervised
-// (train/run.h, LaunchRanks).
+// --nproc N of zinf-train and zinf-engine-bench: the command as N rank processes of one group
+// on this machine, supervised (common/rank_launcher.h).
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -15,9 +15,9 @@
 #include <thread>
 #include <vector>
 
-#include "train/run.h"
+#include "common/rank_launcher.h"
 
-namespace zinf::train {
+namespace zinf {
 namespace {
 
 std::atomic<int> g_signal{0};
@@ -53,17 +53,18 @@ int ExitCodeOf(int status) {
 
 }  // namespace
 
-int LaunchRanks(int argc, char** argv, int nproc) {
+int LaunchRanks(const char* program, int argc, char** argv, int nproc) {
   if (std::getenv("RANK") != nullptr || std::getenv("OMPI_COMM_WORLD_RANK") != nullptr) {
     std::fprintf(stderr,
-                 "zinf-train: --nproc under a launcher that already set RANK: give one of "
-                 "them (zinf-train --nproc N, or the launcher with zinf-train without --nproc)\n");
+                 "%s: --nproc under a launcher that already set RANK: give one of them (%s "
+                 "--nproc N, or the launcher without --nproc)\n",
+                 program, program);
     return 2;
   }
   std::string store_template =
       (std::filesystem::temp_directory_path() / "zinf-ranks-XXXXXX").string();
   if (mkdtemp(store_template.data()) == nullptr) {
-    std::fprintf(stderr, "zinf-train: creating the ranks' rendezvous folder %s: %s\n",
+    std::fprintf(stderr, "%s: creating the ranks' rendezvous folder %s: %s\n", program,
                  store_template.c_str(), std::strerror(errno));
     return 1;
   }
@@ -82,7 +83,7 @@ int LaunchRanks(int argc, char** argv, int nproc) {
   for (int r = 0; r < nproc; ++r) {
     const pid_t pid = fork();
     if (pid < 0) {
-      std::fprintf(stderr, "zinf-train: starting rank %d: %s\n", r, std::strerror(errno));
+      std::fprintf(stderr, "%s: starting rank %d: %s\n", program, r, std::strerror(errno));
       result = 1;
       break;
     }
@@ -100,7 +101,7 @@ int LaunchRanks(int argc, char** argv, int nproc) {
       for (const std::string& a : args) cargv.push_back(const_cast<char*>(a.c_str()));
       cargv.push_back(nullptr);
       execv("/proc/self/exe", cargv.data());
-      std::fprintf(stderr, "zinf-train: rank %d: exec failed: %s\n", r, std::strerror(errno));
+      std::fprintf(stderr, "%s: rank %d: exec failed: %s\n", program, r, std::strerror(errno));
       _exit(127);
     }
     pids[r] = pid;
@@ -135,7 +136,7 @@ int LaunchRanks(int argc, char** argv, int nproc) {
         pids[r] = -1;
         --running;
         if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
-          std::fprintf(stderr, "zinf-train: rank %d (pid %d) %s\n", r, static_cast<int>(done),
+          std::fprintf(stderr, "%s: rank %d (pid %d) %s\n", program, r, static_cast<int>(done),
                        Describe(status).c_str());
           if (result == 0) {
             result = ExitCodeOf(status);
@@ -149,8 +150,8 @@ int LaunchRanks(int argc, char** argv, int nproc) {
     if (Clock::now() >= kill_at) {
       for (int r = 0; r < nproc; ++r) {
         if (pids[r] <= 0) continue;
-        std::fprintf(stderr, "zinf-train: rank %d (pid %d) still running 30 s after the run "
-                             "failed: ending it\n", r, static_cast<int>(pids[r]));
+        std::fprintf(stderr, "%s: rank %d (pid %d) still running 30 s after the run "
+                             "failed: ending it\n", program, r, static_cast<int>(pids[r]));
         kill(pids[r], SIGKILL);
       }
       kill_at = Clock::time_point::max();
@@ -164,4 +165,4 @@ int LaunchRanks(int argc, char** argv, int nproc) {
   return result;
 }
 
-}  // namespace zinf::train
+}  // namespace zinf
