@@ -51,13 +51,86 @@ TEST(EngineCheckpoint, TwoRanksResumeBitIdenticalWithAccumulationAndNvme) {
     const double want = straight.losses[second.first_micro + m];
     EXPECT_EQ(std::memcmp(&b.losses[m], &want, sizeof(double)), 0) << "micro-step " << m;
   }
-  // Loading into a different layout (one rank) is refused, naming the difference.
-  RunOptions wrong = second;
-  wrong.ranks = 1;
-  RunResult c = RunTraining(wrong);
-  ASSERT_FALSE(c.status.ok());
-  EXPECT_NE(c.status.message().find("does not match this model"), std::string::npos)
-      << c.status.ToString();
+  // Loading into another number of ranks re-partitions (CheckpointAcrossWorldSizes below).
+}
+
+// A checkpoint written by N ranks loads into M (the layout re-partitioned): the masters land
+// bit-identical, the optimizer states come along (training on matches the uninterrupted run
+// within the rounding of a different reduction), and int8 states, stored per saved slice, are
+// refused with a message.
+TEST(EngineCheckpoint, CheckpointAcrossWorldSizes) {
+  TempDir ckpt;
+  ASSERT_TRUE(ckpt.ok());
+  RunOptions o;
+  o.ranks = 4;
+  o.optimizer_tier = Tier::kCpu;
+  RunOptions save = o;
+  save.checkpoint_dir = ckpt.path();
+  save.save_after_step = 2;
+  RunResult straight = RunTraining(save);  // 4 steps on 4 ranks, saving after step 2
+  ASSERT_TRUE(straight.status.ok()) << straight.status.ToString();
+  RunOptions two_steps = o;
+  two_steps.steps = 2;
+  RunResult at_save = RunTraining(two_steps);  // the masters at the save
+  ASSERT_TRUE(at_save.status.ok()) << at_save.status.ToString();
+  for (int ranks : {1, 2, 3, 4}) {
+    SCOPED_TRACE("loading into " + std::to_string(ranks) + " ranks");
+    // Loaded and gathered without training: the saved masters, bit for bit.
+    RunOptions load = o;
+    load.ranks = ranks;
+    load.steps = 2;
+    load.checkpoint_dir = ckpt.path();
+    load.load_first = true;
+    load.first_micro = 2;
+    RunResult loaded = RunTraining(load);
+    ASSERT_TRUE(loaded.status.ok()) << loaded.status.ToString();
+    EXPECT_TRUE(loaded.ranks_agree);
+    EXPECT_EQ(FirstBitDifference(loaded.params, at_save.params), "");
+    // 3 ranks split the harness's 16 rows unevenly (5 each, one left out): loading only.
+    if (ranks == 3) continue;
+    // Trained on for steps 3 and 4: the uninterrupted run's values, up to the order of the
+    // gradient sums over a different number of ranks. Lost optimizer states would move
+    // every parameter by about the learning rate (1e-2 here): measured 2.8e-2.
+    RunOptions resume = load;
+    resume.steps = 4;
+    RunResult resumed = RunTraining(resume);
+    ASSERT_TRUE(resumed.status.ok()) << resumed.status.ToString();
+    ASSERT_EQ(resumed.params.size(), straight.params.size());
+    double worst = 0;
+    for (size_t p = 0; p < straight.params.size(); ++p) {
+      for (size_t i = 0; i < straight.params[p].size(); ++i) {
+        worst = std::max(worst, static_cast<double>(
+                                    std::abs(resumed.params[p][i] - straight.params[p][i])));
+      }
+    }
+    // Measured 4.8e-7 (1 rank) and 6.0e-7 (2 ranks); without the states 2.8e-2.
+    EXPECT_LT(worst, 1e-5) << "largest difference from the uninterrupted 4-rank run";
+    if (ranks == 4) EXPECT_EQ(FirstBitDifference(resumed.params, straight.params), "");
+  }
+}
+
+TEST(EngineCheckpoint, Int8StatesAcrossWorldSizesAreRefused) {
+  TempDir ckpt;
+  ASSERT_TRUE(ckpt.ok());
+  RunOptions o;
+  o.ranks = 2;
+  o.optimizer_tier = Tier::kCpu;
+  o.state_type = StateType::kInt8;
+  o.steps = 2;
+  RunOptions save = o;
+  save.checkpoint_dir = ckpt.path();
+  save.save_after_step = 2;
+  ASSERT_TRUE(RunTraining(save).status.ok());
+  RunOptions load = o;
+  load.ranks = 1;
+  load.checkpoint_dir = ckpt.path();
+  load.load_first = true;
+  load.first_micro = 2;
+  RunResult r = RunTraining(load);
+  ASSERT_FALSE(r.status.ok());
+  EXPECT_EQ(r.status.code(), StatusCode::kNotSupported) << r.status.ToString();
+  EXPECT_NE(r.status.message().find("load it with 2 ranks"), std::string::npos)
+      << r.status.ToString();
 }
 
 // The delayed update across a checkpoint: saving finishes the pending update (the next two

@@ -5,8 +5,10 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <vector>
 
 #include "common/file_io.h"
 #include "common/utf8.h"
@@ -28,6 +30,15 @@ bool ReadableCheckpoint(const std::string& folder) {
   struct stat st {};
   return man.ok() && stat((folder + "/" + man->states_file).c_str(), &st) == 0 &&
          S_ISREG(st.st_mode) && static_cast<uint64_t>(st.st_size) == man->file_bytes;
+}
+
+// The number of ranks that saved the checkpoint in `folder` (its rank0.json), or 0 when that
+// cannot be read (Validate then says why).
+int SavedWorld(const std::string& folder) {
+  Result<std::string> text = ReadSmallFile(folder + "/rank0.json", 1 << 30);
+  if (!text.ok()) return 0;
+  Result<RankManifest> man = ParseRankManifest(*text, folder + "/rank0.json");
+  return man.ok() ? man->world : 0;
 }
 
 std::string JoinList(const std::vector<std::string>& items) {
@@ -255,11 +266,183 @@ Status Checkpointer::ConvertGroupStates(size_t gi, StateType from, const void* s
   return Status::OK();
 }
 
+// ---- Loading into another number of ranks ------------------------------------------------
+//
+// Rank q of W saved elements [q p, (q + 1) p) of each tensor padded to W p elements (p its
+// partition_numel then), for the master and each state. A rank of this engine takes its own
+// range of the tensor padded for this world from the saved parts that overlap it; padding
+// beyond the tensor is zero. fp32 and bf16 states are element-addressable; int8 states are
+// stored in blocks of a saved slice and are refused.
+
+Status Checkpointer::ValidateResharded(const std::string& folder, int saved_world,
+                                       CheckpointReader* reader) {
+  const std::string where = folder + " (saved by " + std::to_string(saved_world) +
+                            " ranks, loading into " + std::to_string(world_) + ")";
+  auto mismatch = [&](const std::string& what) {
+    return Status::FailedPrecondition(where + ": the checkpoint does not match this model: " +
+                                      what);
+  };
+  const size_t num_params = layout_->num_params();
+  for (int q = 0; q < saved_world; ++q) {
+    CheckpointReader::Saved saved;
+    const std::string man_path = folder + "/rank" + std::to_string(q) + ".json";
+    ZINF_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(man_path, 1 << 30));
+    ZINF_ASSIGN_OR_RETURN(saved.man, ParseRankManifest(text, man_path));
+    const RankManifest& m = saved.man;
+    if (m.world != saved_world || m.rank != q) {
+      return Status::Corruption(man_path + " says rank " + std::to_string(m.rank) + " of " +
+                                std::to_string(m.world) + "; rank0.json says " +
+                                std::to_string(saved_world) + " ranks");
+    }
+    if (m.optimizer != OptimizerTypeName(config_->optimizer.type)) {
+      return mismatch("optimizer " + m.optimizer + ", this engine runs " +
+                      OptimizerTypeName(config_->optimizer.type));
+    }
+    ZINF_ASSIGN_OR_RETURN(const StateType type, ParseStateType(m.state_dtype));
+    if (type == StateType::kInt8) {
+      return Status::NotSupported(
+          where + ": its optimizer states are int8 (blockwise per saved slice), which cannot be "
+          "cut for another number of ranks; load it with " + std::to_string(saved_world) +
+          " ranks, or save it from a run with fp32 or bf16 states");
+    }
+    if (q > 0 && (m.step != reader->saved_[0].man.step ||
+                  m.state_dtype != reader->saved_[0].man.state_dtype)) {
+      return Status::Corruption(man_path + ": step or state dtype differs from rank 0's");
+    }
+    if (m.tensors.size() != num_params) {
+      return mismatch(std::to_string(m.tensors.size()) + " tensors, this engine has " +
+                      std::to_string(num_params));
+    }
+    for (size_t i = 0; i < num_params; ++i) {
+      const ParamLayout& p = layout_->param(static_cast<ParamId>(i));
+      const CheckpointTensor& t = m.tensors[i];
+      if (t.name != p.info.name || t.numel != p.info.numel) {
+        return mismatch("tensor " + std::to_string(i) + " is '" + t.name + "' with " +
+                        std::to_string(t.numel) + " elements, this engine has '" + p.info.name +
+                        "' with " + std::to_string(p.info.numel));
+      }
+      if (t.sub_group >= m.groups.size()) {
+        return Status::Corruption(man_path + ": tensor '" + t.name + "' names a missing sub-group");
+      }
+    }
+    saved.path = folder + "/" + m.states_file;
+    uint64_t file_size = 0;
+    ZINF_ASSIGN_OR_RETURN(saved.fd, OpenRegularFile(saved.path, "checkpoint states", &file_size));
+    reader->saved_.push_back(std::move(saved));
+    if (file_size != m.file_bytes) {
+      return Status::Corruption(reader->saved_.back().path + " has " + std::to_string(file_size) +
+                                " bytes, its manifest says " + std::to_string(m.file_bytes) +
+                                " (a torn checkpoint)");
+    }
+  }
+  // This rank's manifest, as if it had saved it in this layout.
+  const RankManifest& first = reader->saved_[0].man;
+  RankManifest& man = reader->man_;
+  man = RankManifest{};
+  man.rank = rank_;
+  man.world = world_;
+  man.step = first.step;
+  man.optimizer = first.optimizer;
+  man.state_dtype = first.state_dtype;
+  man.user_data = first.user_data;
+  for (size_t gi = 0; gi < layout_->num_groups(); ++gi) {
+    CheckpointGroup g;
+    g.numel = layout_->group(gi).numel;
+    man.groups.push_back(g);
+  }
+  for (size_t i = 0; i < num_params; ++i) {
+    const ParamLayout& p = layout_->param(static_cast<ParamId>(i));
+    CheckpointTensor t;
+    t.name = p.info.name;
+    t.numel = p.info.numel;
+    t.partition_numel = p.info.partition_numel;
+    t.sub_group = p.info.sub_group;
+    t.slice_offset = p.slice_offset;
+    t.updates = first.tensors[i].updates;
+    man.tensors.push_back(t);
+  }
+  // Pass 1: every saved slice this rank will take from is read and verified now.
+  reader->file_type_ = *ParseStateType(first.state_dtype);
+  std::vector<char> bytes;
+  for (size_t i = 0; i < num_params; ++i) {
+    const size_t part = layout_->param(static_cast<ParamId>(i)).info.partition_numel;
+    const uint64_t begin = static_cast<uint64_t>(rank_) * part, end = begin + part;
+    for (const CheckpointReader::Saved& saved : reader->saved_) {
+      const CheckpointTensor& t = saved.man.tensors[i];
+      const uint64_t sb = static_cast<uint64_t>(saved.man.rank) * t.partition_numel;
+      if (sb >= end || sb + t.partition_numel <= begin) continue;
+      for (int k = 0; k < 3; ++k) {
+        ZINF_RETURN_IF_ERROR(ReadSavedSlice(saved, i, k, reader->file_type_, &bytes));
+      }
+    }
+  }
+  return Status::OK();
+}
+
+Status Checkpointer::ReadSavedSlice(const CheckpointReader::Saved& saved, size_t i, int k,
+                                    StateType type, std::vector<char>* out) const {
+  const RankManifest& m = saved.man;
+  const CheckpointTensor& t = m.tensors[i];
+  const CheckpointGroup& g = m.groups[t.sub_group];
+  const uint64_t slice_bytes = k == 0 ? t.partition_numel * sizeof(float)
+                                      : StateBytes(type, t.partition_numel);
+  const uint64_t offset =
+      g.offset + (k == 0 ? t.slice_offset * sizeof(float)
+                         : g.numel * sizeof(float) + (k - 1) * StateBytes(type, g.numel) +
+                               StateBytes(type, t.slice_offset));
+  if (offset + slice_bytes > m.file_bytes) {
+    return Status::Corruption(saved.path + ": tensor '" + t.name + "' lies beyond the file");
+  }
+  out->resize(slice_bytes);
+  ZINF_RETURN_IF_ERROR(
+      PreadAll(saved.fd, out->data(), slice_bytes, offset, saved.path, "a torn checkpoint"));
+  if (XXH3_64bits(out->data(), slice_bytes) != t.hash[k]) {
+    static const char* const kState[] = {"master weights", "exp_avg", "exp_avg_sq"};
+    return Status::Corruption("checkpoint tensor '" + t.name + "' (" + kState[k] + ") in " +
+                              saved.path + " does not match its checksum");
+  }
+  return Status::OK();
+}
+
+Status CheckpointReader::ReadResharded(size_t gi, void* buf) {
+  const Layout& layout = *owner_->layout_;
+  char* out = static_cast<char*>(buf);
+  std::memset(out, 0, layout.GroupStateBytes(gi, file_type_));  // padding stays zero
+  std::vector<char> bytes;
+  for (ParamId id : layout.group(gi).params) {
+    const size_t part = layout.param(id).info.partition_numel;
+    const uint64_t begin = static_cast<uint64_t>(owner_->rank_) * part, end = begin + part;
+    for (const Saved& saved : saved_) {
+      const CheckpointTensor& t = saved.man.tensors[id];
+      const uint64_t sb = static_cast<uint64_t>(saved.man.rank) * t.partition_numel;
+      const uint64_t lo = std::max(begin, sb), hi = std::min(end, sb + t.partition_numel);
+      if (lo >= hi) continue;
+      for (int k = 0; k < 3; ++k) {
+        // Verified again in this read: the bytes installed are the bytes verified.
+        ZINF_RETURN_IF_ERROR(owner_->ReadSavedSlice(saved, id, k, file_type_, &bytes));
+        const size_t esize = k == 0 ? sizeof(float) : StateBytes(file_type_, 1);
+        std::memcpy(out + layout.SliceOffsetIn(id, k, file_type_) + (lo - begin) * esize,
+                    bytes.data() + (lo - sb) * esize, (hi - lo) * esize);
+      }
+    }
+  }
+  return Status::OK();
+}
+
 CheckpointReader::~CheckpointReader() {
   if (fd_ >= 0) close(fd_);
+  for (const Saved& s : saved_) {
+    if (s.fd >= 0) close(s.fd);
+  }
 }
 
 Result<const void*> CheckpointReader::ReadGroup(size_t gi) {
+  if (!saved_.empty()) {
+    ZINF_RETURN_IF_ERROR(ReadResharded(gi, buf_.data));
+    if (!converted_) return static_cast<const void*>(buf_.data);
+    ZINF_RETURN_IF_ERROR(owner_->ConvertGroupStates(gi, file_type_, buf_.data, converted_->data));
+    return static_cast<const void*>(converted_->data);
+  }
   // The bytes installed are the bytes verified: this read is checked again (the file may have
   // changed since the validation pass, or the disk returned something else).
   ZINF_RETURN_IF_ERROR(owner_->ReadGroup(fd_, gi, file_type_, man_, states_path_, buf_.data));
@@ -301,14 +484,29 @@ Result<std::unique_ptr<CheckpointReader>> Checkpointer::Open(const std::string& 
       close(reader->fd_);
       reader->fd_ = -1;
     }
-    local = Validate(folder, &reader->man_, &reader->fd_, &reader->states_path_, &reader->buf_);
+    for (const CheckpointReader::Saved& saved : reader->saved_) {
+      if (saved.fd >= 0) close(saved.fd);
+    }
+    reader->saved_.clear();
+    // Saved by another number of ranks: re-partitioned while read.
+    const int saved_world = SavedWorld(folder);
+    if (saved_world > 0 && saved_world != world_) {
+      local = ValidateResharded(folder, saved_world, reader.get());
+    } else {
+      local = Validate(folder, &reader->man_, &reader->fd_, &reader->states_path_, &reader->buf_);
+    }
     Status agreed = collectives_->Agree(local, "LoadCheckpoint");
     if (agreed.ok()) {
       used = folder;
       break;
     }
-    // A checkpoint of another model is no damage: an older one would not fit either.
-    if (agreed.code() == StatusCode::kFailedPrecondition && !local.ok()) return agreed;
+    // A checkpoint of another model, or one this load cannot re-partition, is no damage: an
+    // older one would not fit either.
+    if ((agreed.code() == StatusCode::kFailedPrecondition ||
+         agreed.code() == StatusCode::kNotSupported) &&
+        !local.ok()) {
+      return agreed;
+    }
     tried.push_back(folder + " (" + agreed.message() + ")");
     if (!fall_back_to_older) {
       return Status::Corruption("the newest checkpoint " + folder +

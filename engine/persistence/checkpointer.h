@@ -40,8 +40,18 @@ class CheckpointReader {
  private:
   friend class Checkpointer;
   CheckpointReader(const Checkpointer* owner, size_t buf_bytes) : owner_(owner), buf_(buf_bytes) {}
+  // A checkpoint saved by another number of ranks: every saving rank's manifest and states
+  // file; ReadGroup assembles this rank's slices from the parts that overlap them.
+  struct Saved {
+    RankManifest man;
+    int fd = -1;
+    std::string path;
+  };
+  Status ReadResharded(size_t gi, void* buf);
+
   const Checkpointer* const owner_;
-  RankManifest man_;
+  RankManifest man_;  // this rank's (synthesized for this layout when resharding)
+  std::vector<Saved> saved_;  // non-empty when resharding
   int fd_ = -1;
   std::string states_path_;
   StateType file_type_ = StateType::kF32;
@@ -92,6 +102,13 @@ class Checkpointer {
   // changes. Leaves the manifest in *man and the open states file in *fd.
   Status Validate(const std::string& folder, RankManifest* man, int* fd, std::string* states_path,
                   AlignedBuffer* buf);
+  // The same for a checkpoint saved by `saved_world` ranks (not this engine's world): every
+  // saving rank's manifest must describe this model, every slice this rank takes from them is
+  // verified; fills reader->saved_ and synthesizes reader->man_ for this rank's layout.
+  Status ValidateResharded(const std::string& folder, int saved_world, CheckpointReader* reader);
+  // Reads the verified bytes of state k (0: master) of tensor i of saved rank q.
+  Status ReadSavedSlice(const CheckpointReader::Saved& saved, size_t i, int k, StateType type,
+                        std::vector<char>* out) const;
 
   const Layout* const layout_;
   const EngineConfig* const config_;

@@ -55,7 +55,13 @@ Status CommitRecord::Check(const std::string& meta, Point* out) const {
   const std::vector<ParamLayout>& params = layout_->params();
   try {
     if (j.at("format").get<std::string>() != "zinf-durable-1") return mismatch("unknown format");
-    if (j.at("world").get<int>() != world_) return mismatch("another number of ranks");
+    if (const int saved = j.at("world").get<int>(); saved != world_) {
+      return mismatch("written by " + std::to_string(saved) + " ranks, this engine is one of " +
+                      std::to_string(world_) +
+                      "; a durable store resumes only with the number of ranks that wrote it "
+                      "(resume with " + std::to_string(saved) +
+                      " and save a checkpoint: checkpoints load into any number of ranks)");
+    }
     if (j.value("delayed", false) != delayed) {
       return mismatch(std::string("zinf.delayed_update was ") + (delayed ? "off" : "on") +
                       " (the parameter stores are laid out per setting)");

@@ -39,6 +39,7 @@ def main():
     ap.add_argument("--kill-at", type=int, default=-1)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--save", default=None)
+    ap.add_argument("--load", default=None)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     model, x, y = model_and_data()
@@ -47,6 +48,8 @@ def main():
                       collective_timeout_seconds=args.timeout)
     engine = zinf.initialize(model, cfg)
     rank, world = engine.rank, engine.world_size
+    if args.load:
+        engine.load_checkpoint(args.load)
     rows = x.shape[0] // (world * args.gas)
     losses = []
     for step in range(args.steps):
