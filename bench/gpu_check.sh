@@ -325,6 +325,40 @@ PY
   fi
 fi
 
+# ---- Ranks as processes on GPUs (issue 29) ------------------------------------------------------
+# zinf-train --nproc 2 --device cuda: two processes, GPU r for rank r, NCCL bootstrapped through
+# the ranks' rendezvous store. Needs two GPUs: with one, the stage is not applicable (NCCL
+# refuses two ranks on one device) and says so; that is not counted as a failure.
+GPUS=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU " || true)
+if [[ ! -x "$TRAIN_BIN" ]]; then
+  skip_stage ranks "zinf-train was not built"
+elif [[ "${GPUS:-0}" -lt 2 ]]; then
+  echo "== ranks: not applicable: ${GPUS:-0} GPU(s) visible, 2 needed" >&2
+  record_stage ranks "not applicable" 0 "${GPUS:-0} GPU(s) visible; zinf-train --nproc 2 --device cuda needs 2"
+else
+  mkdir -p "$NVME_DIR"
+  STAGE_NOTE="zinf-train --nproc 2 --device cuda, small, 20 steps, vs one GPU with twice the batch"
+  run_stage ranks 60 bash -c '
+    set -e
+    "$0" --nproc 2 --device cuda --preset small --steps 20 --batch 4 --json --nvme "$1" --data "$2"
+    "$0" --device cuda --preset small --steps 20 --batch 8 --json --nvme "$1" --data "$2"' \
+    "$TRAIN_BIN" "$NVME_DIR" "$ZINF_TRAIN_DATA"
+  rm -rf "$NVME_DIR"
+  if stage_passed ranks; then
+    why="$(python3 - "$OUT/ranks.log" <<'PY' 2>&1
+import json, sys
+runs = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{") and '"losses"' in l]
+if len(runs) < 2 or runs[0].get("ranks") != 2:
+    print("no two-rank result in ranks.log"); sys.exit(1)
+worst = max(abs(a - b) / abs(b) for a, b in zip(runs[0]["losses"], runs[1]["losses"]))
+if worst > 0.005:
+    print(f"2 ranks vs 1 rank with twice the batch: losses differ by {worst:.2%} (over 0.5 %)")
+    sys.exit(1)
+PY
+)" || fail_last_stage "ranks check: $why"
+  fi
+fi
+
 # ---- zinf from PyTorch on the GPU ---------------------------------------------------------------
 if [[ $USE_BUNDLE -eq 1 ]]; then
   skip_stage python_gpu "gpu-bundle: the Python module is built for one interpreter (run \

@@ -67,6 +67,13 @@ class TrainingLoop {
         global_tokens_(world_ > 1 ? tokens_per_micro_ * world_ : 0),
         global_targets_(global_tokens_.size()) {}
 
+  ~TrainingLoop() {
+    // The loss buffer's collectives ran on the compute stream and were waited for.
+    if (loss_buf_ != nullptr) device_->Free(loss_buf_);
+  }
+  TrainingLoop(const TrainingLoop&) = delete;
+  TrainingLoop& operator=(const TrainingLoop&) = delete;
+
   int Run(TrainLog* log) {
     for (int64_t step = first_step_; step < f_.steps; ++step) {
       auto t0 = Clock::now();
@@ -142,16 +149,20 @@ class TrainingLoop {
   }
 
   // The mean of the ranks' losses (each its own rows' mean), so that every rank reports the
-  // global batch's loss. On the host device (host memory is device memory) through the
-  // communicator, the double carried as two floats (high part and remainder); on a GPU the
-  // rank's own loss.
+  // global batch's loss: the double carried as two floats (high part and remainder) through
+  // the communicator, staged in a small device buffer (a GPU's NCCL reads device memory).
   Result<double> MeanOverRanks(double local) {
-    if (!device_->Caps().host_memory) return local;
+    Stream* s = device_->ComputeStream();
+    if (loss_buf_ == nullptr) {
+      ZINF_ASSIGN_OR_RETURN(loss_buf_, device_->Alloc(2 * sizeof(float)));
+    }
     float parts[2];
     parts[0] = static_cast<float>(local);
     parts[1] = static_cast<float>(local - parts[0]);
-    ZINF_RETURN_IF_ERROR(comm_->AllReduceSum(parts, 2, device_->ComputeStream()));
-    ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(device_->ComputeStream()));
+    ZINF_RETURN_IF_ERROR(device_->CopyHostToDevice(loss_buf_, parts, sizeof(parts), s));
+    ZINF_RETURN_IF_ERROR(comm_->AllReduceSum(static_cast<float*>(loss_buf_), 2, s));
+    ZINF_RETURN_IF_ERROR(device_->CopyDeviceToHost(parts, loss_buf_, sizeof(parts), s));
+    ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(s));
     return (static_cast<double>(parts[0]) + parts[1]) / world_;
   }
 
@@ -206,6 +217,7 @@ class TrainingLoop {
   std::vector<int32_t> tokens_, targets_;  // one micro-step's batch
   // With several ranks: the global micro-batch the ranks split.
   std::vector<int32_t> global_tokens_, global_targets_;
+  void* loss_buf_ = nullptr;  // device memory for MeanOverRanks (freed with the loop)
 };
 
 // The final checkpoint, unless --save-every just wrote it or no step ran.

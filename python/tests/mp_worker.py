@@ -46,8 +46,11 @@ def main():
     cfg = make_config(param=args.param, states=args.states, nvme=args.nvme, lr=1e-2,
                       gas=args.gas, clip=args.clip,
                       collective_timeout_seconds=args.timeout)
+    if torch.cuda.is_available():
+        cfg["zinf"]["device_budget_bytes"] = "256M"
     engine = zinf.initialize(model, cfg)
     rank, world = engine.rank, engine.world_size
+    x, y = x.to(engine.device), y.to(engine.device)
     if args.load:
         engine.load_checkpoint(args.load)
     rows = x.shape[0] // (world * args.gas)
