@@ -29,8 +29,9 @@ MEASURED = {
                    "huge-page buffers (issue 18)': zinf write 8M, runs 1 and 2: 8.54, 8.08"),
     "engine_vs_swapper": (0.87, "ratio", "'zinf-train: a 3.15B-parameter GPT' > 'Re-measured "
                           "22:13-22:22 UTC': engine NVMe traffic 0.84-0.90x of the swapper's own"),
-    "gloo": (2.0, "GB/s per rank", "PLACEHOLDER, to be replaced by the figure in RESULTS "
-             "'Multi-process' (per-rank collective bandwidth over gloo on loopback)"),
+    "gloo": (0.88, "GB/s per rank", "'Multi-process (issue 29)': zinf-engine-bench --nproc 2, "
+             "the engine's collectives over gloo on loopback, 2 ranks on 2 vCPUs (gloo alone "
+             "1.3-1.4)"),
 }
 FLAG_OF = {"swap_read": "nvme_read_gbps", "swap_write": "nvme_write_gbps",
            "engine_vs_swapper": "engine_vs_swapper", "gloo": "gloo_gbps"}
@@ -271,7 +272,7 @@ def markdown(name, r, a):
         k["host_memory_need_gb"], k["host_memory_gb"], k["nvme_need_gb"], k["nvme_capacity_gb"]))
     if "gloo_step_s" in r:
         out.append("What-if, collectives over gloo at %.2f GB/s per rank (%s): step %.1f s." % (
-            a.gloo_gbps, "placeholder rate" if a.gloo_gbps == MEASURED["gloo"][0] else
+            a.gloo_gbps, "measured on loopback" if a.gloo_gbps == MEASURED["gloo"][0] else
             "--gloo-gbps", r["gloo_step_s"]))
     return "\n".join(out) + "\n"
 
@@ -308,7 +309,7 @@ def main(argv=None):
     print("## Scale model (bench/scale_model.py): predictions on paper, not measurements\n")
     for nm in names:
         print(markdown(nm, results[nm], a))
-    print("Inputs measured on this project's 2-vCPU VM (bench/RESULTS.md), and placeholders:\n")
+    print("Inputs measured on this project's 2-vCPU VM (bench/RESULTS.md):\n")
     print("\n".join("- %s = %.3g %s: %s" % (k, v["value"], v["unit"], v["source"])
                     for k, v in inputs.items()))
     print("\nAssumptions:\n\n" + "\n".join("- " + x for x in assumptions(a, inputs)))
