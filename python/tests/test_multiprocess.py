@@ -45,6 +45,24 @@ def torchrun(nproc, args, timeout=300):
     return p
 
 
+def read_safetensors(path):
+    """{name: float32 tensor} of a safetensors file (read here, independently of zinf)."""
+    import json
+    import struct
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, v in header.items():
+        if name == "__metadata__":
+            continue
+        assert v["dtype"] == "F32", (name, v["dtype"])
+        a, b = v["data_offsets"]
+        out[name] = torch.frombuffer(bytearray(data[a:b]), dtype=torch.float32).reshape(v["shape"])
+    return out
+
+
 def reference(steps, clip=0.0):
     """torch AdamW on the whole batch, mean loss: what N ranks with averaged gradients do."""
     model, x, y = model_and_data()
@@ -82,10 +100,14 @@ def test_torchrun_matches_torch_adamw(scratch, nproc, states):
     assert [f["rank"] for f in facts] == list(range(nproc))
     assert all(f["world_size"] == nproc for f in facts)
     assert [f["local_rank"] for f in facts] == list(range(nproc))
-    # One consolidated safetensors export (rank 0 wrote it; the others sent their parts).
-    from zinf import load_safetensors  # noqa: F401  (the package's own reader below)
+    # One consolidated safetensors export (rank 0 wrote it; the others sent their parts):
+    # every tensor whole, the same values as the gathered state dict.
     files = sorted(os.listdir(out + ".st"))
     assert files == ["model.safetensors"], files
+    exported = read_safetensors(os.path.join(out + ".st", "model.safetensors"))
+    assert sorted(exported) == sorted(want)
+    for name, t in exported.items():
+        assert torch.equal(t, got["state"][name]), name
 
 
 def test_clipping_and_accumulation_across_processes(scratch):
@@ -113,6 +135,42 @@ def test_checkpoint_from_4_ranks_loads_into_2_and_1(scratch):
             diff = (got["state"][name] - w).abs().max().item()
             assert diff <= 1e-5, "%d ranks: %s differs from torch AdamW by %g" % (nproc, name,
                                                                                   diff)
+
+
+def test_deepspeed_tutorial_script_under_torchrun(scratch):
+    """The DeepSpeed tutorial-shaped script (ds_tutorial.py, `import zinf as deepspeed`) with 2
+    processes: init_distributed sets up torch.distributed (gloo), the engine joins its group
+    through that group's store, each rank gets half of the 32 samples (DistributedSampler),
+    checkpoints are saved and resumed by both ranks."""
+    import json
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "Adam", "params": {"lr": 3e-3}},
+           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
+                                                                   "nvme_path": scratch}},
+           "zinf": {"optimizer_threads": 1}}
+    with open(scratch + "/ds_config.json", "w") as f:
+        json.dump(cfg, f)
+    script = os.path.join(HERE, "ds_tutorial.py")
+
+    def run(*extra):
+        cmd = [sys.executable, "-m", "zinf.torchrun", "--nproc_per_node", "2", "--master_addr",
+               "127.0.0.1", "--master_port", str(free_port()), script, "--deepspeed",
+               "--deepspeed_config", scratch + "/ds_config.json", "--save_dir",
+               scratch + "/ckpt"] + list(extra)
+        p = subprocess.run(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           timeout=300)
+        text = p.stdout.decode(errors="replace")
+        assert p.returncode == 0, text[-6000:]
+        lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        assert len(lines) == 2, text[-3000:]  # one per rank
+        return lines
+
+    for r in run("--epochs", "2"):
+        # 16 samples per rank, micro-batch 8: 2 micro-steps per epoch; accumulation 2.
+        assert r["steps"] == 4 and r["global_steps"] == 2, r
+        assert r["last_loss"] < r["first_loss"], r
+    for r in run("--epochs", "1", "--load_dir", scratch + "/ckpt"):
+        assert r["start_step"] == 4 and r["global_steps"] == 3, r
 
 
 def test_killed_rank_fails_the_others_fast(scratch):
