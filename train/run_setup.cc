@@ -241,12 +241,11 @@ int OpenDevice(const Flags& f, const RunPlan& plan, Runtime* rank) {
   o.group = *group;
   o.group.timeout = std::chrono::milliseconds(
       static_cast<int64_t>(plan.config.collective_timeout_seconds * 1000));
-  if (o.group.world_size > 1 &&
-      (!f.checkpoint_dir.empty() || f.resume || plan.config.durable)) {
+  if (o.group.world_size > 1 && plan.config.durable) {
     std::fprintf(stderr,
-                 "zinf-train: --checkpoint-dir, --resume and --durable are not supported with "
-                 "several ranks yet (WORLD_SIZE=%d); run without them, or save from the Python "
-                 "package (engine.save_checkpoint)\n",
+                 "zinf-train: --durable is not supported with several ranks yet (WORLD_SIZE=%d); "
+                 "use --checkpoint-dir with --save-every, which several ranks share (and which "
+                 "loads into any number of ranks)\n",
                  o.group.world_size);
     return 2;
   }
