@@ -259,7 +259,8 @@ TEST(GlooComm, DeadPeerFailsTheOthersFast) {
   ASSERT_TRUE(store.ok());
   std::vector<RankExit> exits =
       RunProcessRanks(3, std::chrono::seconds(60), [&](int rank) -> ChildResult {
-        Result<Rank> r = Join(rank, 3, store.path(), milliseconds(600000));
+        // Long enough that only the closed connection can explain a fast failure.
+        Result<Rank> r = Join(rank, 3, store.path(), milliseconds(60000));
         if (!r.ok()) return {r.status(), ""};
         float v = 1;
         Status s = r->comm->AllReduceSum(&v, 1, r->device->ComputeStream());
@@ -289,6 +290,39 @@ TEST(GlooComm, DeadPeerFailsTheOthersFast) {
     EXPECT_LT(took, 10.0) << out;
     EXPECT_NE(out.find("unusable"), std::string::npos) << out;
   }
+}
+
+// A rank that refuses a collective (bad arguments) breaks the group and closes its connections:
+// its peer, waiting in the matching collective with a long timeout, fails at once; the
+// refusing rank's next collective fails with the refusal.
+TEST(GlooComm, ARefusedCollectiveFailsThePeersAtOnce) {
+  TempDir store;
+  ASSERT_TRUE(store.ok());
+  std::vector<RankExit> exits =
+      RunProcessRanks(2, std::chrono::seconds(60), [&](int rank) -> ChildResult {
+        Result<Rank> r = Join(rank, 2, store.path(), milliseconds(60000));
+        if (!r.ok()) return {r.status(), ""};
+        std::vector<char> all(64);
+        const auto start = std::chrono::steady_clock::now();
+        Status s = r->comm->AllGather(rank == 1 ? nullptr : all.data(), all.data(), 32,
+                                      r->device->ComputeStream());
+        const double took =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        Status next = r->comm->Barrier();
+        return {Status::OK(), s.ToString() + "\n" + std::to_string(took) + "\n" +
+                                  next.ToString()};
+      });
+  ASSERT_TRUE(ReportOk(exits[0])) << exits[0].report;
+  ASSERT_TRUE(ReportOk(exits[1])) << exits[1].report;
+  const std::string out0 = Output(exits[0]), out1 = Output(exits[1]);
+  EXPECT_NE(out1.find("InvalidArgument"), std::string::npos) << out1;
+  EXPECT_NE(out1.find("send buffer is null"), std::string::npos) << out1;
+  // Rank 1's Barrier fails with its own refusal (the group is broken), not a timeout.
+  const std::string next1 = out1.substr(out1.find_last_of('\n') + 1);
+  EXPECT_NE(next1.find("send buffer is null"), std::string::npos) << out1;
+  EXPECT_NE(out0.find("FailedPrecondition"), std::string::npos) << out0;
+  const double took = std::stod(out0.substr(out0.find('\n') + 1));
+  EXPECT_LT(took, 10.0) << out0;
 }
 
 // A rank that does not come to a collective: the others fail after the collective timeout.
@@ -322,18 +356,28 @@ TEST(GlooComm, StalledPeerTimesOut) {
 
 // ---- ProcessGroupFromEnv ---------------------------------------------------------------------
 
+// Sets exactly `vars` of the launcher's variables for its lifetime; restores them after.
 class ScopedEnv {
  public:
   explicit ScopedEnv(std::vector<std::pair<std::string, std::string>> vars) {
-    for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                             "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK",
-                             "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                             "OMPI_COMM_WORLD_LOCAL_SIZE", "ZINF_STORE_FOLDER",
-                             "ZINF_LISTEN_ADDR"}) {
+    for (const char* name : kNames) {
+      const char* v = std::getenv(name);
+      if (v != nullptr) saved_.emplace_back(name, v);
       unsetenv(name);
     }
     for (auto& [k, v] : vars) setenv(k.c_str(), v.c_str(), 1);
   }
+  ~ScopedEnv() {
+    for (const char* name : kNames) unsetenv(name);
+    for (auto& [k, v] : saved_) setenv(k.c_str(), v.c_str(), 1);
+  }
+
+ private:
+  static constexpr const char* kNames[] = {
+      "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+      "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+      "OMPI_COMM_WORLD_LOCAL_SIZE", "ZINF_STORE_FOLDER", "ZINF_LISTEN_ADDR"};
+  std::vector<std::pair<std::string, std::string>> saved_;
 };
 
 TEST(ProcessGroupFromEnv, Variants) {

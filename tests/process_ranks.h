@@ -11,9 +11,11 @@
 #include <signal.h>
 #include <sys/socket.h>
 #include <netinet/in.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <fstream>
@@ -82,6 +84,7 @@ inline std::vector<RankExit> RunProcessRanks(int n, std::chrono::seconds deadlin
   }
   std::vector<pid_t> pids(n, -1);
   std::vector<int> fds(n, -1);
+  const pid_t parent = getpid();
   const auto start = std::chrono::steady_clock::now();
   for (int r = 0; r < n; ++r) {
     int p[2];
@@ -91,6 +94,8 @@ inline std::vector<RankExit> RunProcessRanks(int n, std::chrono::seconds deadlin
     }
     const pid_t pid = fork();
     if (pid == 0) {
+      // A rank never outlives the test (a parent killed by ctest's timeout takes it along).
+      if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent) _exit(3);
       close(p[0]);
       for (int q = 0; q < r; ++q) {
         if (fds[q] >= 0) close(fds[q]);
@@ -110,6 +115,10 @@ inline std::vector<RankExit> RunProcessRanks(int n, std::chrono::seconds deadlin
       _exit(res.status.ok() ? 0 : 1);
     }
     close(p[1]);
+    // Read without blocking: the deadline is checked between polls, whatever a child does.
+    if (fcntl(p[0], F_SETFL, O_NONBLOCK) != 0) {
+      exits[r].report = "ERR fcntl(O_NONBLOCK) failed";
+    }
     pids[r] = pid;
     fds[r] = p[0];
   }
@@ -131,7 +140,7 @@ inline std::vector<RankExit> RunProcessRanks(int n, std::chrono::seconds deadlin
       char buf[65536];
       const ssize_t got = read(fds[r], buf, sizeof(buf));
       if (got > 0) exits[r].report.append(buf, static_cast<size_t>(got));
-      if (got == 0) {
+      if (got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR)) {
         close(fds[r]);
         fds[r] = -1;
       }
@@ -163,6 +172,7 @@ inline std::vector<RankExit> RunProcessRanks(int n, std::chrono::seconds deadlin
       char buf[65536];
       const ssize_t got = read(fds[r], buf, sizeof(buf));
       if (got < 0 && errno == EINTR) continue;
+      // got < 0 with EAGAIN: a grandchild may hold the pipe open; what is there has been read.
       if (got > 0) {
         exits[r].report.append(buf, static_cast<size_t>(got));
         continue;

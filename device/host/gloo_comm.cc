@@ -40,6 +40,7 @@
 #include "common/thread_annotations.h"
 #include "device/host/host_device.h"
 #include "zinf/comm.h"
+#include "zinf/log.h"
 
 namespace zinf {
 namespace {
@@ -172,7 +173,7 @@ class GlooComm final : public Communicator {
   Status AllGather(const void* send, void* recv, size_t bytes_per_rank, Stream* stream) override {
     if (bytes_per_rank == 0) return Status::OK();
     const std::string what = Describe(Kind::kAllGather, bytes_per_rank, -1);
-    ZINF_RETURN_IF_ERROR(CheckBuffers(what, send, recv));
+    if (Status bad = CheckBuffers(what, send, recv); !bad.ok()) return Refuse(bad);
     auto* out = static_cast<uint8_t*>(recv);
     const bool in_place = out + options_.rank * bytes_per_rank == send;
     const int n = world_size();
@@ -190,7 +191,7 @@ class GlooComm final : public Communicator {
                           Stream* stream) override {
     if (count_per_rank == 0) return Status::OK();
     const std::string what = Describe(Kind::kReduceScatterSum, count_per_rank, -1);
-    ZINF_RETURN_IF_ERROR(CheckBuffers(what, send, recv));
+    if (Status bad = CheckBuffers(what, send, recv); !bad.ok()) return Refuse(bad);
     const int n = world_size();
     const uint64_t sent = count_per_rank * sizeof(float) * (n - 1);  // one chunk to each peer
     return Issue(what, stream, sent, [=](const std::shared_ptr<gloo::Context>& ctx, uint32_t tag) {
@@ -207,7 +208,7 @@ class GlooComm final : public Communicator {
   Status AllReduceSum(float* buf, size_t count, Stream* stream) override {
     if (count == 0) return Status::OK();
     const std::string what = Describe(Kind::kAllReduceSum, count, -1);
-    ZINF_RETURN_IF_ERROR(CheckBuffers(what, buf, buf));
+    if (Status bad = CheckBuffers(what, buf, buf); !bad.ok()) return Refuse(bad);
     const int n = world_size();
     const int rank = options_.rank;
     // The alltoall's chunks, then the allgather's ring.
@@ -234,10 +235,11 @@ class GlooComm final : public Communicator {
   Status Broadcast(void* buf, size_t bytes, int root, Stream* stream) override {
     if (bytes == 0) return Status::OK();
     const std::string what = Describe(Kind::kBroadcast, bytes, root);
-    ZINF_RETURN_IF_ERROR(CheckBuffers(what, buf, buf));
+    if (Status bad = CheckBuffers(what, buf, buf); !bad.ok()) return Refuse(bad);
     if (root < 0 || root >= world_size()) {
-      return Status::InvalidArgument(Prefix() + what + ": root is not a rank of a world of " +
-                                     std::to_string(world_size()));
+      return Refuse(Status::InvalidArgument(Prefix() + what +
+                                            ": root is not a rank of a world of " +
+                                            std::to_string(world_size())));
     }
     const uint64_t sent = options_.rank == root ? bytes * (world_size() - 1) : 0;
     return Issue(what, stream, sent, [=](const std::shared_ptr<gloo::Context>& ctx, uint32_t tag) {
@@ -285,11 +287,44 @@ class GlooComm final : public Communicator {
 
   // Queues `op` on `stream` under the next tag.
   Status Issue(const std::string& what, Stream* stream, uint64_t sent, Op op) {
-    if (stream == nullptr) return Status::InvalidArgument(Prefix() + what + ": stream is null");
+    if (stream == nullptr) {
+      return Refuse(Status::InvalidArgument(Prefix() + what + ": stream is null"));
+    }
     const uint32_t tag = next_tag_++;
-    return device_->LaunchHostTask(stream, [group = group_, what, tag, sent, op = std::move(op)] {
-      return Run(*group, what, tag, sent, op);
-    });
+    auto started = std::make_shared<std::atomic<bool>>(false);
+    Status s = device_->LaunchHostTask(
+        stream, [group = group_, what, tag, sent, op = std::move(op), started] {
+          started->store(true);
+          return Run(*group, what, tag, sent, op);
+        });
+    // Not queued (a rejected stream): this rank will never run collective `tag`.
+    if (!s.ok() && !started->load()) Break(*group_, s);
+    return s;
+  }
+
+  // A collective this rank refuses before issuing it (bad arguments): the peers would wait in
+  // theirs, and this rank's later collectives would pair with the wrong ones. The group breaks:
+  // its connections close, so the peers fail at once, and every later call fails here.
+  Status Refuse(const Status& why) {
+    ++next_tag_;
+    Break(*group_, why);
+    return why;
+  }
+
+  // Marks the group unusable with `why` (the first reason stays) and closes its connections,
+  // so that peers blocked in a collective with this rank fail now instead of at the timeout.
+  static void Break(Group& g, const Status& why) {
+    {
+      MutexLock lock(&g.mu);
+      if (!g.broken.ok()) return;
+      g.broken = why;
+    }
+    try {
+      g.context->closeConnections();
+    } catch (const std::exception& e) {
+      // Best effort: the peers then fail at their timeout instead.
+      LogWarning(std::string("GlooComm: closing the group's connections: ") + e.what());
+    }
   }
 
   static Status Run(Group& g, const std::string& what, uint32_t tag, uint64_t sent,
@@ -312,11 +347,16 @@ class GlooComm final : public Communicator {
     } catch (const std::exception& e) {
       error = e.what();
     }
+    {
+      // A failure that follows this rank's own break (its connections closed) says that.
+      MutexLock lock(&g.mu);
+      if (!g.broken.ok()) return g.broken;
+    }
     Status failed = Status::FailedPrecondition(
         Prefix(g.options) + what + " (collective #" + std::to_string(tag) + ") failed: " + error +
         ". " + Gone(g, error) + "Every rank of the group stops; the group is unusable.");
+    Break(g, failed);
     MutexLock lock(&g.mu);
-    if (g.broken.ok()) g.broken = failed;
     return g.broken;
   }
 
@@ -425,6 +465,22 @@ Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
   } else {
     attr.hostname = "127.0.0.1";
   }
+  // Ranks on other machines cannot reach a loopback address: e.g. MASTER_ADDR a host name that
+  // resolves to 127.0.1.1 on the master itself (Debian's /etc/hosts).
+  const bool loopback = attr.hostname.rfind("127.", 0) == 0 || attr.hostname == "::1" ||
+                        attr.hostname == "localhost";
+  if (loopback && attr.iface.empty() && !options.master_addr.empty() &&
+      options.listen_addr.empty() && options.local_world_size > 0 &&
+      options.local_world_size < options.world_size) {
+    return Status::InvalidArgument(
+        "rank " + std::to_string(options.rank) + " would listen on " + attr.hostname +
+        " (the address that routes to MASTER_ADDR " + options.master_addr + " from here), which "
+        "the ranks on the other machines (LOCAL_WORLD_SIZE " +
+        std::to_string(options.local_world_size) + " of WORLD_SIZE " +
+        std::to_string(options.world_size) + ") cannot reach: set ZINF_LISTEN_ADDR to this "
+        "machine's address on their network, or GLOO_SOCKET_IFNAME to its interface, or give "
+        "MASTER_ADDR as an address");
+  }
   const std::string where = "the group of " + std::to_string(options.world_size) +
                             " processes (rank " + std::to_string(options.rank) + ", listening on " +
                             (attr.iface.empty() ? attr.hostname : "interface " + attr.iface) + ")";
@@ -460,9 +516,17 @@ Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
   group->context = std::move(context);
   group->store = std::move(store);
   group->members = std::move(members);
+  Group* const group_ptr = group.get();
   auto comm = std::make_unique<GlooComm>(host, std::move(group));
   // Everyone has read the members before rank 0's store may go.
   ZINF_RETURN_IF_ERROR(comm->Barrier().WithContext("joining " + where));
+  // Nothing needs the store after the join: it goes now (rank 0's server, a Python store and
+  // its GIL with it) rather than with the last queued collective, on whatever thread that is.
+  {
+    MutexLock lock(&group_ptr->mu);
+    group_ptr->store.reset();
+    group_ptr->options.store.reset();
+  }
   return std::unique_ptr<Communicator>(std::move(comm));
 }
 

@@ -92,7 +92,8 @@ struct ProcessGroupOptions {
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;        // the rank among the processes of its machine (its GPU)
-  int local_world_size = 1;  // processes on this machine
+  // Processes on this machine; 0: not said (then a loopback listen address is not questioned).
+  int local_world_size = 0;
   // The rendezvous, first that is set: `store`; `store_folder` (NewFileStore); a TcpStore on
   // master_addr:master_port served by rank 0.
   std::shared_ptr<KeyValueStore> store;
