@@ -67,6 +67,24 @@ Result<ProcessGroupOptions> ProcessGroupFromEnv() {
   if (const char* addr = Env("MASTER_ADDR")) o.master_addr = addr;
   ZINF_ASSIGN_OR_RETURN(o.master_port, IntVar("MASTER_PORT", 0, 1));
   if (const char* listen = Env("ZINF_LISTEN_ADDR")) o.listen_addr = listen;
+  // Under torchrun the agent serves torch's own store on MASTER_PORT
+  // (TORCHELASTIC_USE_AGENT_STORE=True); zinf's store, which speaks another protocol, goes on
+  // ZINF_STORE_PORT, by default the port after it (every rank computes the same).
+  const char* agent = Env("TORCHELASTIC_USE_AGENT_STORE");
+  if (const char* port = Env("ZINF_STORE_PORT")) {
+    ZINF_ASSIGN_OR_RETURN(o.master_port, IntVar("ZINF_STORE_PORT", 0, 1));
+    (void)port;
+  } else if (agent != nullptr && std::string(agent) == "True" && o.master_port > 0) {
+    o.master_port += 1;
+  }
+  if (o.master_port > 65535) {
+    return Status::InvalidArgument("the rendezvous port " + std::to_string(o.master_port) +
+                                   " is not a TCP port: set ZINF_STORE_PORT");
+  }
+  // A restarted group (torchrun --max-restarts) must not read the dead attempt's keys.
+  if (const char* attempt = Env("TORCHELASTIC_RESTART_COUNT")) {
+    o.prefix += "/attempt" + std::string(attempt);
+  }
   if (o.world_size > 1 && o.store_folder.empty() &&
       (o.master_addr.empty() || o.master_port == 0)) {
     return Status::InvalidArgument(

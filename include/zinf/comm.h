@@ -115,7 +115,10 @@ struct ProcessGroupOptions {
 // MASTER_ADDR, MASTER_PORT (torchrun, accelerate, DeepSpeed's launcher), else
 // OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK / _LOCAL_SIZE (mpirun). With neither RANK nor
 // OMPI_COMM_WORLD_RANK set: rank 0 of 1. ZINF_STORE_FOLDER, when set, is the rendezvous
-// instead of MASTER_ADDR:MASTER_PORT. InvalidArgument naming the variable for a malformed or
+// instead of MASTER_ADDR:MASTER_PORT. Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True: its
+// agent serves torch's store on MASTER_PORT) zinf's store goes on MASTER_PORT + 1;
+// ZINF_STORE_PORT sets the port explicitly. TORCHELASTIC_RESTART_COUNT joins the key prefix
+// (a restarted group never reads a dead attempt's keys). InvalidArgument naming the variable for a malformed or
 // inconsistent value (RANK >= WORLD_SIZE, WORLD_SIZE > 1 without a rendezvous).
 Result<ProcessGroupOptions> ProcessGroupFromEnv();
 

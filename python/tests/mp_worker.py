@@ -54,7 +54,7 @@ def main():
     if args.load:
         engine.load_checkpoint(args.load)
     rows = x.shape[0] // (world * args.gas)
-    losses = []
+    losses, grad_norms = [], []
     for step in range(args.steps):
         if step == args.kill_at and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -64,15 +64,16 @@ def main():
             loss = torch.nn.functional.mse_loss(engine(x[begin:begin + rows]),
                                                 y[begin:begin + rows])
             engine.backward(loss)
-            engine.step()
+            stats = engine.step()
             total += loss.item()
         losses.append(total)
+        grad_norms.append(stats.get("grad_norm") if isinstance(stats, dict) else None)
     if args.save:
         engine.save_checkpoint(args.save)
     state = engine.full_state_dict()  # every rank: the gather is a collective
     zinf.save_safetensors(engine, args.out + ".st")  # rank 0 writes
     if rank == 0:
-        torch.save({"state": state, "losses": losses}, args.out + ".pt")
+        torch.save({"state": state, "losses": losses, "grad_norms": grad_norms}, args.out + ".pt")
     with open("%s.rank%d.json" % (args.out, rank), "w") as f:
         json.dump({"rank": rank, "world_size": world, "local_rank": engine.local_rank,
                    "pid": os.getpid()}, f)

@@ -35,14 +35,30 @@ def env():
     return e
 
 
+def run_group(cmd, timeout=300, merge=True):
+    """Runs a launcher in its own session; on timeout its whole process group (the launcher's
+    workers too) is killed, so no rank outlives the test. Returns (returncode, out, err)."""
+    p = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT if merge else subprocess.PIPE,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise AssertionError("timed out after %d s: %s" % (timeout, out[-4000:]))
+    return p.returncode, out.decode(errors="replace"), (err or b"").decode(errors="replace")
+
+
 def torchrun(nproc, args, timeout=300):
-    # zinf.torchrun: torch.distributed.run itself, with Debian 12's Python 3.11 fix.
+    # zinf.torchrun: torch.distributed.run itself, with Debian 12's Python 3.11 fix. The
+    # workers' collective timeout is short, so a stuck rank fails well within the test's.
     cmd = [sys.executable, "-m", "zinf.torchrun", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), WORKER] + args
-    p = subprocess.run(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       timeout=timeout)
-    assert p.returncode == 0, p.stdout.decode(errors="replace")[-6000:]
-    return p
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), WORKER,
+           "--timeout", "60"] + args
+    rc, out, _ = run_group(cmd, timeout)
+    assert rc == 0, out[-6000:]
+    return out
 
 
 def read_safetensors(path):
@@ -68,16 +84,16 @@ def reference(steps, clip=0.0):
     model, x, y = model_and_data()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8,
                             weight_decay=0.01)
-    losses = []
+    losses, norms = [], []
     for _ in range(steps):
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                    clip if clip > 0 else float("inf")).item())
         opt.step()
         losses.append(loss.item())
-    return model.state_dict(), losses
+    return model.state_dict(), losses, norms
 
 
 @pytest.mark.parametrize("nproc,states", [(2, "cpu"), (2, "nvme"), (4, "cpu")])
@@ -89,7 +105,7 @@ def test_torchrun_matches_torch_adamw(scratch, nproc, states):
         args += ["--param", "nvme", "--nvme", os.path.join(scratch, "swap")]
     torchrun(nproc, args)
     got = torch.load(out + ".pt")
-    want, want_losses = reference(5)
+    want, want_losses, _ = reference(5)
     for name, w in want.items():
         diff = (got["state"][name] - w).abs().max().item()
         assert diff <= 1e-5, "%s differs from torch AdamW by %g" % (name, diff)
@@ -114,10 +130,16 @@ def test_clipping_and_accumulation_across_processes(scratch):
     out = os.path.join(scratch, "out")
     torchrun(2, ["--out", out, "--steps", "4", "--gas", "2", "--clip", "0.05"])
     got = torch.load(out + ".pt")
-    want, _ = reference(4, clip=0.05)
+    want, _, norms = reference(4, clip=0.05)
     for name, w in want.items():
         diff = (got["state"][name] - w).abs().max().item()
         assert diff <= 1e-5, "%s differs from torch AdamW by %g" % (name, diff)
+    # The global gradient norm before clipping is the whole batch's: gradients are averaged
+    # over the ranks (Adam's update is blind to a constant factor on the gradients; the norm
+    # is not, so this is what catches a sum instead of a mean).
+    assert len(got["grad_norms"]) == 4
+    for step, (g, n) in enumerate(zip(got["grad_norms"], norms)):
+        assert g is not None and abs(g - n) <= 1e-5 * n, (step, g, n)
 
 
 def test_checkpoint_from_4_ranks_loads_into_2_and_1(scratch):
@@ -126,7 +148,7 @@ def test_checkpoint_from_4_ranks_loads_into_2_and_1(scratch):
     not bit for bit; loaded into the same number of ranks it is, see the engine tests)."""
     ckpt = os.path.join(scratch, "ckpt")
     torchrun(4, ["--out", os.path.join(scratch, "first"), "--steps", "3", "--save", ckpt])
-    want, _ = reference(5)
+    want, _, _ = reference(5)
     for nproc in (2, 1):
         out = os.path.join(scratch, "then%d" % nproc)
         torchrun(nproc, ["--out", out, "--steps", "2", "--load", ckpt])
@@ -157,10 +179,8 @@ def test_deepspeed_tutorial_script_under_torchrun(scratch):
                "127.0.0.1", "--master_port", str(free_port()), script, "--deepspeed",
                "--deepspeed_config", scratch + "/ds_config.json", "--save_dir",
                scratch + "/ckpt"] + list(extra)
-        p = subprocess.run(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           timeout=300)
-        text = p.stdout.decode(errors="replace")
-        assert p.returncode == 0, text[-6000:]
+        rc, text, _ = run_group(cmd)
+        assert rc == 0, text[-6000:]
         lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
         assert len(lines) == 2, text[-3000:]  # one per rank
         return lines
@@ -171,6 +191,26 @@ def test_deepspeed_tutorial_script_under_torchrun(scratch):
         assert r["last_loss"] < r["first_loss"], r
     for r in run("--epochs", "1", "--load_dir", scratch + "/ckpt"):
         assert r["start_step"] == 4 and r["global_steps"] == 3, r
+
+
+def test_zinf_train_under_torchrun(scratch):
+    """zinf-train started by torchrun (not --nproc): the agent holds MASTER_PORT, so zinf's
+    store goes on the port after it; the 2 ranks train and rank 0 reports."""
+    import json
+    binary = os.path.join(os.environ.get("ZINF_BUILD_DIR", ""), "train", "zinf-train")
+    if not os.access(binary, os.X_OK):
+        pytest.skip("zinf-train is not built here (%s)" % binary)
+    corpus = os.path.join(os.environ["ZINF_SOURCE_DIR"], "train", "data", "corpus.txt")
+    port = free_port()
+    cmd = [sys.executable, "-m", "zinf.torchrun", "--nproc_per_node", "2", "--master_addr",
+           "127.0.0.1", "--master_port", str(port), "--no_python", binary, "--steps", "3",
+           "--batch", "2", "--seq", "64", "--warmup", "1", "--json", "--data", corpus,
+           "--nvme", os.path.join(scratch, "swap")]
+    rc, out, err = run_group(cmd, merge=False)
+    assert rc == 0, err[-4000:]
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert len(lines) == 1 and lines[0]["ranks"] == 2, out[-2000:]
+    assert len(lines[0]["losses"]) == 3
 
 
 def test_killed_rank_fails_the_others_fast(scratch):
@@ -184,7 +224,8 @@ def test_killed_rank_fails_the_others_fast(scratch):
         e.update({"RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": str(r),
                   "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
         procs.append(subprocess.Popen(
-            [sys.executable, WORKER, "--out", os.path.join(scratch, "out"), "--kill-at", "2"],
+            [sys.executable, WORKER, "--out", os.path.join(scratch, "out"), "--kill-at", "2",
+             "--timeout", "60"],
             env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outputs = {}
     try:

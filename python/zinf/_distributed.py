@@ -75,13 +75,17 @@ def _rendezvous(rank, world, timeout):
         return _store
     addr = os.environ.get("MASTER_ADDR", "")
     if not addr:
-        raise error("InvalidArgument", "WORLD_SIZE=%d needs MASTER_ADDR and MASTER_PORT (where "
-                                       "the ranks meet; torchrun sets both)" % world)
+        raise error("InvalidArgument", "a group of %d processes needs MASTER_ADDR and "
+                                       "MASTER_PORT (where the ranks meet; torchrun sets both)"
+                    % world)
     port = _int("MASTER_PORT", None, 1)
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True"
     try:
+        # multi_tenant: a torch.distributed group the script creates later (env://) shares
+        # this server on the same port instead of failing to bind it.
         _store = dist.TCPStore(addr, port, world, rank == 0 and not agent,
-                               datetime.timedelta(seconds=timeout), wait_for_workers=False)
+                               datetime.timedelta(seconds=timeout), wait_for_workers=False,
+                               multi_tenant=True)
     except (RuntimeError, OSError) as e:
         raise error("FailedPrecondition",
                     "rank %d: cannot %s the rendezvous store at %s:%d: %s (is rank 0 running, "
@@ -97,7 +101,10 @@ def group(summary):
         return None
     timeout = float(summary["collective_timeout_seconds"])
     import torch.distributed as dist
-    store = dist.PrefixStore("zinf/%d" % next(_groups), _rendezvous(rank, world, timeout))
+    # A restarted group (torchrun --max-restarts) must not read the dead attempt's keys.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore("zinf/attempt%s/%d" % (attempt, next(_groups)),
+                             _rendezvous(rank, world, timeout))
     return {"rank": rank, "world_size": world, "local_rank": local_rank,
             "local_world_size": local_world, "prefix": "g", "timeout_seconds": timeout,
             "store": store, "master_addr": os.environ.get("MASTER_ADDR", ""),
@@ -106,7 +113,12 @@ def group(summary):
 
 def sampler(dataset, world, rank, shuffle):
     """The rank's share of `dataset` (DistributedSampler), or None for one rank."""
-    if world == 1 or isinstance(dataset, torch.utils.data.IterableDataset):
+    if world == 1:
         return None
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        raise error("InvalidArgument",
+                    "training_data is an IterableDataset and there are %d ranks: zinf cannot "
+                    "split it (every rank would train on the same data); shard it per rank "
+                    "(engine.rank, engine.world_size) and build the DataLoader yourself" % world)
     return torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=world,
                                                            rank=rank, shuffle=shuffle)
