@@ -270,7 +270,6 @@ int Main(int argc, char** argv) {
     p.device = f.device;
     f = p;
     if (int rc = ParseCommandLine(app, argc, argv); rc >= 0) return rc;
-  if (f.nproc > 1) return LaunchRanks("zinf-engine-bench", argc, argv, f.nproc);
   }
   Result<Tier> pt = ParseTier(f.param_tier), ot = ParseTier(f.optimizer_tier);
   if (!pt.ok() || !ot.ok()) {

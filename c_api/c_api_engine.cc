@@ -1,6 +1,7 @@
 // The engine's C API: one rank on the host device (include/zinf/zinf.h).
 #include <algorithm>
 #include <cstring>
+#include <chrono>
 #include <memory>
 #include <new>
 #include <string>
@@ -57,7 +58,12 @@ int zinf_engine_create(const char* config_json, zinf_engine** out) {
     zinf::HostDeviceOptions ho;
     ho.memory_budget = *budget;
     ho.copy_gbps = config->host_copy_gbps;
-    zinf::Result<zinf::Runtime> rank = zinf::NewHostRuntime(ho);
+    // A rank of the launcher's group when its variables say so (RANK, WORLD_SIZE, ...).
+    zinf::Result<zinf::ProcessGroupOptions> group = zinf::ProcessGroupFromEnv();
+    if (!group.ok()) return FromStatus(group.status());
+    group->timeout = std::chrono::milliseconds(
+        static_cast<int64_t>(config->collective_timeout_seconds * 1000));
+    zinf::Result<zinf::Runtime> rank = zinf::NewHostRuntime(ho, *group);
     if (!rank.ok()) return FromStatus(rank.status());
     handle->rank = std::move(rank).value();
     auto engine = zinf::Engine::Create(*config, handle->rank.device.get(), handle->rank.comm.get());

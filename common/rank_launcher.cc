@@ -17,6 +17,8 @@
 
 #include "common/rank_launcher.h"
 
+extern char** environ;
+
 namespace zinf {
 namespace {
 
@@ -73,9 +75,48 @@ int LaunchRanks(const char* program, int argc, char** argv, int nproc) {
   struct sigaction sa {};
   sa.sa_handler = OnSignal;
   sigemptyset(&sa.sa_mask);
-  struct sigaction old_int {}, old_term {};
-  sigaction(SIGINT, &sa, &old_int);
-  sigaction(SIGTERM, &sa, &old_term);
+  struct sigaction old_int {}, old_term {}, old_chld {};
+  struct sigaction dfl {};
+  dfl.sa_handler = SIG_DFL;
+  sigemptyset(&dfl.sa_mask);
+  // SIGCHLD at its default, or waitpid would not see the ranks' exits (an inherited SIG_IGN
+  // reaps them unseen); SIGINT / SIGTERM are caught to be passed on.
+  if (sigaction(SIGCHLD, &dfl, &old_chld) != 0 || sigaction(SIGINT, &sa, &old_int) != 0 ||
+      sigaction(SIGTERM, &sa, &old_term) != 0) {
+    std::fprintf(stderr, "%s: installing the supervisor's signal handlers: %s\n", program,
+                 std::strerror(errno));
+    std::error_code ec;
+    std::filesystem::remove_all(store, ec);  // best effort: nothing was started
+    return 1;
+  }
+  // The ranks' environment, built before forking (the child only calls async-signal-safe
+  // functions and exec).
+  const std::vector<std::string> args_copy = args;
+  std::vector<std::vector<std::string>> envs(nproc);
+  for (int r = 0; r < nproc; ++r) {
+    for (char** e = environ; *e != nullptr; ++e) {
+      const std::string kv = *e;
+      const std::string key = kv.substr(0, kv.find('='));
+      if (key == "RANK" || key == "LOCAL_RANK" || key == "WORLD_SIZE" ||
+          key == "LOCAL_WORLD_SIZE" || key == "ZINF_STORE_FOLDER") {
+        continue;
+      }
+      envs[r].push_back(kv);
+    }
+    envs[r].push_back("RANK=" + std::to_string(r));
+    envs[r].push_back("LOCAL_RANK=" + std::to_string(r));
+    envs[r].push_back("WORLD_SIZE=" + std::to_string(nproc));
+    envs[r].push_back("LOCAL_WORLD_SIZE=" + std::to_string(nproc));
+    envs[r].push_back("ZINF_STORE_FOLDER=" + store);
+  }
+  std::vector<char*> cargv;
+  for (const std::string& a : args_copy) cargv.push_back(const_cast<char*>(a.c_str()));
+  cargv.push_back(nullptr);
+  std::vector<std::vector<char*>> cenvs(nproc);
+  for (int r = 0; r < nproc; ++r) {
+    for (const std::string& kv : envs[r]) cenvs[r].push_back(const_cast<char*>(kv.c_str()));
+    cenvs[r].push_back(nullptr);
+  }
 
   const pid_t supervisor = getpid();
   std::vector<pid_t> pids(nproc, -1);
@@ -90,18 +131,14 @@ int LaunchRanks(const char* program, int argc, char** argv, int nproc) {
     if (pid == 0) {
       // A rank never outlives its supervisor (no orphan keeps the group's ports or folders).
       if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != supervisor) _exit(1);
-      sigaction(SIGINT, &old_int, nullptr);
-      sigaction(SIGTERM, &old_term, nullptr);
-      setenv("RANK", std::to_string(r).c_str(), 1);
-      setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-      setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-      setenv("ZINF_STORE_FOLDER", store.c_str(), 1);
-      std::vector<char*> cargv;
-      for (const std::string& a : args) cargv.push_back(const_cast<char*>(a.c_str()));
-      cargv.push_back(nullptr);
-      execv("/proc/self/exe", cargv.data());
-      std::fprintf(stderr, "%s: rank %d: exec failed: %s\n", program, r, std::strerror(errno));
+      // The program's own dispositions back (failures leave the supervisor's handler, which
+      // only records a signal: harmless in the rank).
+      (void)sigaction(SIGINT, &old_int, nullptr);
+      (void)sigaction(SIGTERM, &old_term, nullptr);
+      (void)sigaction(SIGCHLD, &old_chld, nullptr);
+      execve("/proc/self/exe", cargv.data(), cenvs[r].data());
+      static const char kMsg[] = "rank launcher: exec of /proc/self/exe failed\n";
+      (void)!write(2, kMsg, sizeof(kMsg) - 1);
       _exit(127);
     }
     pids[r] = pid;
@@ -117,7 +154,9 @@ int LaunchRanks(const char* program, int argc, char** argv, int nproc) {
       if (p > 0) kill(p, SIGTERM);
     }
   }
-  Clock::time_point kill_at = Clock::time_point::max();
+  // A failed start: the ranks already started were asked to stop; ended after 30 s.
+  Clock::time_point kill_at =
+      result != 0 ? Clock::now() + std::chrono::seconds(30) : Clock::time_point::max();
   bool forwarded = false;
   while (running > 0) {
     if (const int sig = g_signal.load(); sig != 0 && !forwarded) {
@@ -160,8 +199,11 @@ int LaunchRanks(const char* program, int argc, char** argv, int nproc) {
   }
   std::error_code ec;
   std::filesystem::remove_all(store, ec);  // best effort: a leftover folder holds a few bytes
-  sigaction(SIGINT, &old_int, nullptr);
-  sigaction(SIGTERM, &old_term, nullptr);
+  // Restoring the caller's dispositions cannot fail with these arguments; nothing to do if it
+  // did (the program is about to exit with the run's code).
+  (void)sigaction(SIGINT, &old_int, nullptr);
+  (void)sigaction(SIGTERM, &old_term, nullptr);
+  (void)sigaction(SIGCHLD, &old_chld, nullptr);
   return result;
 }
 

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/process_ranks.h"
 #include "tests/test_util.h"
 #include "zinf/zinf.h"
 
@@ -51,6 +52,66 @@ void TrainToTarget(const std::string& config) {
 
 TEST(CApiEngine, TrainsInMemory) {
   TrainToTarget(R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.05}}})");
+}
+
+// Two processes, each a rank of one group (the launcher's variables set in the child): both
+// train to the target and hold the same masters, bit for bit.
+TEST(CApiEngine, TwoProcessRanksFromTheLaunchersVariables) {
+  zinf::testing::TempDir store;
+  ASSERT_TRUE(store.ok());
+  std::vector<zinf::test::RankExit> exits = zinf::test::RunProcessRanks(
+      2, std::chrono::seconds(120), [&](int rank) -> zinf::test::ChildResult {
+        setenv("RANK", std::to_string(rank).c_str(), 1);
+        setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+        setenv("WORLD_SIZE", "2", 1);
+        setenv("LOCAL_WORLD_SIZE", "2", 1);
+        setenv("ZINF_STORE_FOLDER", store.path().c_str(), 1);
+        zinf_engine* e = nullptr;
+        if (zinf_engine_create(R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
+                                  "zinf": {"collective_timeout_seconds": 60}})",
+                               &e) != 0) {
+          return {zinf::Status::Internal(zinf_last_error()), ""};
+        }
+        const int64_t shape[] = {2, 2};
+        const float init[] = {0, 0, 0, 0};
+        const float target[] = {1, -2, 3, -4};
+        uint32_t id = 0;
+        if (zinf_engine_register(e, "w", shape, 2, init, &id) != 0) {
+          return {zinf::Status::Internal(zinf_last_error()), ""};
+        }
+        zinf_step_stats st{};
+        for (int step = 0; step < 200; ++step) {
+          void* ptr = nullptr;
+          if (zinf_engine_acquire(e, &id, 1, &ptr) != 0) {
+            return {zinf::Status::Internal(zinf_last_error()), ""};
+          }
+          const float* w = static_cast<const float*>(ptr);
+          float grad[4];
+          for (int i = 0; i < 4; ++i) grad[i] = (w[i] - target[i]) / 2;  // a mean of 2 ranks
+          if (zinf_engine_reduce_gradient(e, id, grad) != 0 || zinf_engine_release(e, &id, 1) != 0 ||
+              zinf_engine_step(e, &st) != 0) {
+            return {zinf::Status::Internal(zinf_last_error()), ""};
+          }
+        }
+        float w[4];
+        if (zinf_engine_gather_master(e, id, w) != 0) {
+          return {zinf::Status::Internal(zinf_last_error()), ""};
+        }
+        zinf_engine_destroy(e);
+        return {zinf::Status::OK(), std::string(reinterpret_cast<const char*>(w), sizeof(w))};
+      });
+  const float target[] = {1, -2, 3, -4};
+  std::string first;
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(exits[r].report.rfind("OK\n", 0), 0u) << "rank " << r << ": " << exits[r].report;
+    const std::string w = exits[r].report.substr(3);
+    ASSERT_EQ(w.size(), 4 * sizeof(float));
+    if (r == 0) first = w;
+    EXPECT_EQ(w, first) << "the ranks' masters differ";
+    float v[4];
+    std::memcpy(v, w.data(), sizeof(v));
+    for (int i = 0; i < 4; ++i) EXPECT_NEAR(target[i], v[i], 0.1) << "rank " << r << " " << i;
+  }
 }
 
 TEST(CApiEngine, TrainsWithEverythingOnNvme) {

@@ -173,7 +173,7 @@ class TrainingLoop {
     r.step = step + 1;
     r.loss = loss;
     r.seconds = secs;
-    r.tokens_per_s = tokens_per_micro_ * accum_ * world_ / secs;  // the group's
+    r.tokens_per_s = static_cast<double>(tokens_per_micro_) * accum_ * world_ / secs;  // group
     r.tflops = r.tokens_per_s * flops_per_token_ / 1e12;
     r.read_gbps = agg.nvme_read_bytes / secs / 1e9;
     r.write_gbps = agg.nvme_write_bytes / secs / 1e9;

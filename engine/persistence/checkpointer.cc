@@ -324,6 +324,17 @@ Status Checkpointer::ValidateResharded(const std::string& folder, int saved_worl
       if (t.sub_group >= m.groups.size()) {
         return Status::Corruption(man_path + ": tensor '" + t.name + "' names a missing sub-group");
       }
+      // The saved parts must tile the tensor as `saved_world` ranks cut it (Layout's rule):
+      // a manifest that says otherwise would leave holes that load as zeros.
+      const uint64_t expected =
+          RoundUp((t.numel + saved_world - 1) / saved_world, kPartitionAlign);
+      if (t.partition_numel != expected) {
+        return Status::Corruption(man_path + ": tensor '" + t.name + "' has a part of " +
+                                  std::to_string(t.partition_numel) + " elements; " +
+                                  std::to_string(saved_world) + " ranks cut its " +
+                                  std::to_string(t.numel) + " into parts of " +
+                                  std::to_string(expected));
+      }
     }
     saved.path = folder + "/" + m.states_file;
     uint64_t file_size = 0;

@@ -120,13 +120,16 @@ typedef struct zinf_step_stats {
 } zinf_step_stats;
 
 /* Creates an engine from a DeepSpeed-style JSON config text (NULL or "" = defaults: everything
- * in memory) on a host device (host memory stands in for the GPU) with one rank. Unknown config
+ * in memory) on a host device (host memory stands in for the GPU). Unknown config
  * keys print a warning each. zinf.device_budget_bytes sets the host device's memory budget;
  * 0 (the default) means what the device reports, as in C++ and zinf-train: the machine's
  * physical memory. Under an address-space limit (ulimit -v) the device reserves twice its
  * budget of address space beside the pinned arena: a budget of 0 is lowered to fit (with a
  * warning), an explicit one that cannot fit is refused (InvalidArgument, before anything is
- * allocated). */
+ * allocated). With a launcher's variables set (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT or
+ * ZINF_STORE_FOLDER; zinf/comm.h ProcessGroupFromEnv) the engine is this process's rank of a
+ * group over gloo, and creation waits for every rank (zinf.collective_timeout_seconds).
+ * Gradients handed over by the ranks are summed (divide by the number of ranks for a mean). */
 int zinf_engine_create(const char* config_json, zinf_engine** out);
 
 /* Registers a parameter (layer order); `init` holds its numel initial fp32 values (copied).
