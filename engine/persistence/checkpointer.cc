@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <vector>
 
 #include "common/file_io.h"
@@ -374,7 +375,6 @@ Status Checkpointer::ValidateResharded(const std::string& folder, int saved_worl
   }
   // Pass 1: every saved slice this rank will take from is read and verified now.
   reader->file_type_ = *ParseStateType(first.state_dtype);
-  std::vector<char> bytes;
   for (size_t i = 0; i < num_params; ++i) {
     const size_t part = layout_->param(static_cast<ParamId>(i)).info.partition_numel;
     const uint64_t begin = static_cast<uint64_t>(rank_) * part, end = begin + part;
@@ -383,7 +383,7 @@ Status Checkpointer::ValidateResharded(const std::string& folder, int saved_worl
       const uint64_t sb = static_cast<uint64_t>(saved.man.rank) * t.partition_numel;
       if (sb >= end || sb + t.partition_numel <= begin) continue;
       for (int k = 0; k < 3; ++k) {
-        ZINF_RETURN_IF_ERROR(ReadSavedSlice(saved, i, k, reader->file_type_, &bytes));
+        ZINF_RETURN_IF_ERROR(ReadSavedSlice(saved, i, k, reader->file_type_, 0, 0, nullptr));
       }
     }
   }
@@ -391,7 +391,8 @@ Status Checkpointer::ValidateResharded(const std::string& folder, int saved_worl
 }
 
 Status Checkpointer::ReadSavedSlice(const CheckpointReader::Saved& saved, size_t i, int k,
-                                    StateType type, std::vector<char>* out) const {
+                                    StateType type, uint64_t copy_from, uint64_t copy_bytes,
+                                    char* dst) const {
   const RankManifest& m = saved.man;
   const CheckpointTensor& t = m.tensors[i];
   const CheckpointGroup& g = m.groups[t.sub_group];
@@ -401,13 +402,29 @@ Status Checkpointer::ReadSavedSlice(const CheckpointReader::Saved& saved, size_t
       g.offset + (k == 0 ? t.slice_offset * sizeof(float)
                          : g.numel * sizeof(float) + (k - 1) * StateBytes(type, g.numel) +
                                StateBytes(type, t.slice_offset));
-  if (offset + slice_bytes > m.file_bytes) {
+  if (offset + slice_bytes > m.file_bytes || copy_from + copy_bytes > slice_bytes) {
     return Status::Corruption(saved.path + ": tensor '" + t.name + "' lies beyond the file");
   }
-  out->resize(slice_bytes);
-  ZINF_RETURN_IF_ERROR(
-      PreadAll(saved.fd, out->data(), slice_bytes, offset, saved.path, "a torn checkpoint"));
-  if (XXH3_64bits(out->data(), slice_bytes) != t.hash[k]) {
+  // In bounded chunks: the whole slice is hashed, only [copy_from, copy_from + copy_bytes) is
+  // kept, so memory stays at one chunk whatever the tensor's size.
+  constexpr uint64_t kChunk = uint64_t{4} << 20;
+  std::vector<char> chunk(std::min(slice_bytes, kChunk));
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(),
+                                                                 &XXH3_freeState);
+  if (state == nullptr || XXH3_64bits_reset(state.get()) != XXH_OK) {
+    return Status::ResourceExhausted("checkpoint: a hash state");
+  }
+  for (uint64_t at = 0; at < slice_bytes; at += chunk.size()) {
+    const uint64_t n = std::min<uint64_t>(chunk.size(), slice_bytes - at);
+    ZINF_RETURN_IF_ERROR(
+        PreadAll(saved.fd, chunk.data(), n, offset + at, saved.path, "a torn checkpoint"));
+    if (XXH3_64bits_update(state.get(), chunk.data(), n) != XXH_OK) {
+      return Status::Internal("checkpoint: hashing failed");
+    }
+    const uint64_t lo = std::max(at, copy_from), hi = std::min(at + n, copy_from + copy_bytes);
+    if (dst != nullptr && lo < hi) std::memcpy(dst + (lo - copy_from), chunk.data() + (lo - at), hi - lo);
+  }
+  if (XXH3_64bits_digest(state.get()) != t.hash[k]) {
     static const char* const kState[] = {"master weights", "exp_avg", "exp_avg_sq"};
     return Status::Corruption("checkpoint tensor '" + t.name + "' (" + kState[k] + ") in " +
                               saved.path + " does not match its checksum");
@@ -419,7 +436,6 @@ Status CheckpointReader::ReadResharded(size_t gi, void* buf) {
   const Layout& layout = *owner_->layout_;
   char* out = static_cast<char*>(buf);
   std::memset(out, 0, layout.GroupStateBytes(gi, file_type_));  // padding stays zero
-  std::vector<char> bytes;
   for (ParamId id : layout.group(gi).params) {
     const size_t part = layout.param(id).info.partition_numel;
     const uint64_t begin = static_cast<uint64_t>(owner_->rank_) * part, end = begin + part;
@@ -430,10 +446,10 @@ Status CheckpointReader::ReadResharded(size_t gi, void* buf) {
       if (lo >= hi) continue;
       for (int k = 0; k < 3; ++k) {
         // Verified again in this read: the bytes installed are the bytes verified.
-        ZINF_RETURN_IF_ERROR(owner_->ReadSavedSlice(saved, id, k, file_type_, &bytes));
         const size_t esize = k == 0 ? sizeof(float) : StateBytes(file_type_, 1);
-        std::memcpy(out + layout.SliceOffsetIn(id, k, file_type_) + (lo - begin) * esize,
-                    bytes.data() + (lo - sb) * esize, (hi - lo) * esize);
+        ZINF_RETURN_IF_ERROR(owner_->ReadSavedSlice(
+            saved, id, k, file_type_, (lo - sb) * esize, (hi - lo) * esize,
+            out + layout.SliceOffsetIn(id, k, file_type_) + (lo - begin) * esize));
       }
     }
   }

@@ -106,9 +106,11 @@ class Checkpointer {
   // saving rank's manifest must describe this model, every slice this rank takes from them is
   // verified; fills reader->saved_ and synthesizes reader->man_ for this rank's layout.
   Status ValidateResharded(const std::string& folder, int saved_world, CheckpointReader* reader);
-  // Reads the verified bytes of state k (0: master) of tensor i of saved rank q.
+  // Reads state k (0: master) of tensor i of a saved rank's slice and verifies it against its
+  // checksum, in bounded chunks; bytes [copy_from, copy_from + copy_bytes) of the slice go to
+  // `dst` (null: verify only).
   Status ReadSavedSlice(const CheckpointReader::Saved& saved, size_t i, int k, StateType type,
-                        std::vector<char>* out) const;
+                        uint64_t copy_from, uint64_t copy_bytes, char* dst) const;
 
   const Layout* const layout_;
   const EngineConfig* const config_;
