@@ -11,6 +11,14 @@
 // the compute stream (the trainer thread, on the host device) was not computing: waiting for
 // parameters, for the engine's own work on that stream, or for the host to issue work. Timed
 // on the GPU's own clock (each kernel records its start and end) or the host's.
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/math.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/file_store.h>
+#include <gloo/rendezvous/prefix_store.h>
+#include <gloo/transport/tcp/device.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
@@ -20,14 +28,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <gloo/allgather.h>
-#include <gloo/allreduce.h>
-#include <gloo/math.h>
-#include <gloo/rendezvous/context.h>
-#include <gloo/rendezvous/file_store.h>
-#include <gloo/rendezvous/prefix_store.h>
-#include <gloo/transport/tcp/device.h>
 
 #include "bench/bench_util.h"
 #include "common/cli.h"
@@ -176,8 +176,8 @@ Result<PeerFigures> GlooPeerStep(const Flags& f, int rank, int world) {
         }
         gloo::AllreduceOptions o(ctx);
         o.setOutput(grad.data(), grad.size());
-        o.setReduceFunction(static_cast<void (*)(void*, const void*, const void*, size_t)>(
-            &gloo::sum<float>));
+        o.setReduceFunction(
+            static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::sum<float>));
         o.setTag(tag++);
         gloo::allreduce(o);
       }
@@ -467,7 +467,8 @@ int Main(int argc, char** argv) {
     // The engine's collectives per step, beside gloo alone moving a ZeRO-3 step's data.
     j["median_comm_bytes_sent"] = median(comm_bytes);
     j["median_comm_seconds"] = median(comm_secs);
-    j["median_comm_gbps"] = median(comm_secs) > 0 ? median(comm_bytes) / median(comm_secs) / 1e9 : 0;
+    j["median_comm_gbps"] =
+        median(comm_secs) > 0 ? median(comm_bytes) / median(comm_secs) / 1e9 : 0;
     Result<PeerFigures> peer = GlooPeerStep(f, comm->rank(), comm->world_size());
     if (peer.ok()) {
       j["peer"] = "gloo alone: allgather of each layer twice + ring allreduce of its gradient";

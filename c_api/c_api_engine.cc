@@ -1,7 +1,7 @@
 // The engine's C API: one rank on the host device (include/zinf/zinf.h).
 #include <algorithm>
-#include <cstring>
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <new>
 #include <string>
@@ -61,8 +61,8 @@ int zinf_engine_create(const char* config_json, zinf_engine** out) {
     // A rank of the launcher's group when its variables say so (RANK, WORLD_SIZE, ...).
     zinf::Result<zinf::ProcessGroupOptions> group = zinf::ProcessGroupFromEnv();
     if (!group.ok()) return FromStatus(group.status());
-    group->timeout = std::chrono::milliseconds(
-        static_cast<int64_t>(config->collective_timeout_seconds * 1000));
+    group->timeout =
+        std::chrono::milliseconds(static_cast<int64_t>(config->collective_timeout_seconds * 1000));
     zinf::Result<zinf::Runtime> rank = zinf::NewHostRuntime(ho, *group);
     if (!rank.ok()) return FromStatus(rank.status());
     handle->rank = std::move(rank).value();

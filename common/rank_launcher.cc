@@ -1,5 +1,7 @@
 // --nproc N of zinf-train and zinf-engine-bench: the command as N rank processes of one group
 // on this machine, supervised (common/rank_launcher.h).
+#include "common/rank_launcher.h"
+
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -14,8 +16,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include "common/rank_launcher.h"
 
 extern char** environ;
 
@@ -75,7 +75,8 @@ int LaunchRanks(const char* program, int argc, char** argv, int nproc) {
   struct sigaction sa {};
   sa.sa_handler = OnSignal;
   sigemptyset(&sa.sa_mask);
-  struct sigaction old_int {}, old_term {}, old_chld {};
+  struct sigaction old_int {
+  }, old_term{}, old_chld{};
   struct sigaction dfl {};
   dfl.sa_handler = SIG_DFL;
   sigemptyset(&dfl.sa_mask);
@@ -189,8 +190,10 @@ int LaunchRanks(const char* program, int argc, char** argv, int nproc) {
     if (Clock::now() >= kill_at) {
       for (int r = 0; r < nproc; ++r) {
         if (pids[r] <= 0) continue;
-        std::fprintf(stderr, "%s: rank %d (pid %d) still running 30 s after the run "
-                             "failed: ending it\n", program, r, static_cast<int>(pids[r]));
+        std::fprintf(stderr,
+                     "%s: rank %d (pid %d) still running 30 s after the run "
+                     "failed: ending it\n",
+                     program, r, static_cast<int>(pids[r]));
         kill(pids[r], SIGKILL);
       }
       kill_at = Clock::time_point::max();

@@ -535,7 +535,8 @@ Status Validate(const EngineConfig& c) {
   if (!(c.collective_timeout_seconds >= 1 && c.collective_timeout_seconds <= 7 * 86400)) {
     return invalid("zinf.collective_timeout_seconds",
                    "must be in 1..604800 seconds (how long a rank waits in a collective for its "
-                   "peers), got " + std::to_string(c.collective_timeout_seconds));
+                   "peers), got " +
+                       std::to_string(c.collective_timeout_seconds));
   }
   if (c.optimizer_threads < 0 || c.optimizer_threads > 4096) {
     return invalid("zinf.optimizer_threads",

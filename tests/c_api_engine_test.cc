@@ -88,8 +88,8 @@ TEST(CApiEngine, TwoProcessRanksFromTheLaunchersVariables) {
           const float* w = static_cast<const float*>(ptr);
           float grad[4];
           for (int i = 0; i < 4; ++i) grad[i] = (w[i] - target[i]) / 2;  // a mean of 2 ranks
-          if (zinf_engine_reduce_gradient(e, id, grad) != 0 || zinf_engine_release(e, &id, 1) != 0 ||
-              zinf_engine_step(e, &st) != 0) {
+          if (zinf_engine_reduce_gradient(e, id, grad) != 0 ||
+              zinf_engine_release(e, &id, 1) != 0 || zinf_engine_step(e, &st) != 0) {
             return {zinf::Status::Internal(zinf_last_error()), ""};
           }
         }

@@ -99,8 +99,8 @@ TEST(EngineCheckpoint, CheckpointAcrossWorldSizes) {
     double worst = 0;
     for (size_t p = 0; p < straight.params.size(); ++p) {
       for (size_t i = 0; i < straight.params[p].size(); ++i) {
-        worst = std::max(worst, static_cast<double>(
-                                    std::abs(resumed.params[p][i] - straight.params[p][i])));
+        worst = std::max(
+            worst, static_cast<double>(std::abs(resumed.params[p][i] - straight.params[p][i])));
       }
     }
     // Measured 4.8e-7 (1 rank) and 6.0e-7 (2 ranks); without the states 2.8e-2.

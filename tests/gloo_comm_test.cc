@@ -22,9 +22,9 @@ namespace {
 
 using std::chrono::milliseconds;
 using test::ChildResult;
-using zinf::testing::TempDir;
 using test::RankExit;
 using test::RunProcessRanks;
+using zinf::testing::TempDir;
 
 // Values where the order of a sum changes the float result (1e8 absorbs a 1), mixed with
 // random magnitudes: a sum in any order but rank order shows.
@@ -60,8 +60,8 @@ Status Script(int rank, int n, Communicator* comm, Device* device, Stream* strea
   Append(out, all.data(), all.size());
   std::vector<unsigned char> inplace(kBytes * n, 0);
   std::memcpy(inplace.data() + rank * kBytes, send.data(), kBytes);
-  ZINF_RETURN_IF_ERROR(comm->AllGather(inplace.data() + rank * kBytes, inplace.data(), kBytes,
-                                       stream));
+  ZINF_RETURN_IF_ERROR(
+      comm->AllGather(inplace.data() + rank * kBytes, inplace.data(), kBytes, stream));
   ZINF_RETURN_IF_ERROR(device->SynchronizeStream(stream));
   if (inplace != all) return Status::Internal("in-place AllGather differs from out-of-place");
   // ReduceScatterSum.
@@ -244,8 +244,7 @@ TEST(GlooComm, MissingPeerTimesOutJoining) {
   o.timeout = milliseconds(1500);
   const auto start = std::chrono::steady_clock::now();
   Result<std::unique_ptr<Communicator>> comm = NewGlooComm(device.get(), o);
-  const double s =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ASSERT_FALSE(comm.ok());
   EXPECT_LT(s, 20.0);
   EXPECT_NE(comm.status().message().find("group of 2 processes"), std::string::npos)
@@ -272,13 +271,13 @@ TEST(GlooComm, DeadPeerFailsTheOthersFast) {
         const double took =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         Status again = r->comm->Barrier();
-        return {Status::OK(), (s.ok() ? "OK" : s.ToString()) + "\n" +
-                                  std::to_string(took) + "\n" + again.ToString()};
+        return {Status::OK(), (s.ok() ? "OK" : s.ToString()) + "\n" + std::to_string(took) + "\n" +
+                                  again.ToString()};
       });
   ASSERT_EQ(exits[2].signal, SIGKILL);
   for (int r = 0; r < 2; ++r) {
-    ASSERT_TRUE(ReportOk(exits[r])) << "rank " << r << " exit " << exits[r].exit_code
-                                    << " signal " << exits[r].signal << ": " << exits[r].report;
+    ASSERT_TRUE(ReportOk(exits[r])) << "rank " << r << " exit " << exits[r].exit_code << " signal "
+                                    << exits[r].signal << ": " << exits[r].report;
     const std::string out = Output(exits[r]);
     EXPECT_NE(out.find("AllReduceSum of 65536 floats"), std::string::npos) << out;
     EXPECT_NE(out.find("GlooComm rank " + std::to_string(r)), std::string::npos) << out;
@@ -309,8 +308,7 @@ TEST(GlooComm, ARefusedCollectiveFailsThePeersAtOnce) {
         const double took =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         Status next = r->comm->Barrier();
-        return {Status::OK(), s.ToString() + "\n" + std::to_string(took) + "\n" +
-                                  next.ToString()};
+        return {Status::OK(), s.ToString() + "\n" + std::to_string(took) + "\n" + next.ToString()};
       });
   ASSERT_TRUE(ReportOk(exits[0])) << exits[0].report;
   ASSERT_TRUE(ReportOk(exits[1])) << exits[1].report;
@@ -373,10 +371,18 @@ class ScopedEnv {
   }
 
  private:
-  static constexpr const char* kNames[] = {
-      "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-      "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-      "OMPI_COMM_WORLD_LOCAL_SIZE", "ZINF_STORE_FOLDER", "ZINF_LISTEN_ADDR"};
+  static constexpr const char* kNames[] = {"RANK",
+                                           "WORLD_SIZE",
+                                           "LOCAL_RANK",
+                                           "LOCAL_WORLD_SIZE",
+                                           "MASTER_ADDR",
+                                           "MASTER_PORT",
+                                           "OMPI_COMM_WORLD_RANK",
+                                           "OMPI_COMM_WORLD_SIZE",
+                                           "OMPI_COMM_WORLD_LOCAL_RANK",
+                                           "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                           "ZINF_STORE_FOLDER",
+                                           "ZINF_LISTEN_ADDR"};
   std::vector<std::pair<std::string, std::string>> saved_;
 };
 
@@ -389,8 +395,11 @@ TEST(ProcessGroupFromEnv, Variants) {
     EXPECT_EQ(o->rank, 0);
   }
   {
-    ScopedEnv env({{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"},
-                   {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.0.0.1"},
+    ScopedEnv env({{"RANK", "1"},
+                   {"WORLD_SIZE", "4"},
+                   {"LOCAL_RANK", "1"},
+                   {"LOCAL_WORLD_SIZE", "2"},
+                   {"MASTER_ADDR", "10.0.0.1"},
                    {"MASTER_PORT", "29500"}});
     auto o = ProcessGroupFromEnv();
     ASSERT_TRUE(o.ok()) << o.status().ToString();
@@ -402,8 +411,10 @@ TEST(ProcessGroupFromEnv, Variants) {
     EXPECT_EQ(o->master_port, 29500);
   }
   {
-    ScopedEnv env({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "3"},
-                   {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"ZINF_STORE_FOLDER", "/tmp"}});
+    ScopedEnv env({{"OMPI_COMM_WORLD_RANK", "2"},
+                   {"OMPI_COMM_WORLD_SIZE", "3"},
+                   {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+                   {"ZINF_STORE_FOLDER", "/tmp"}});
     auto o = ProcessGroupFromEnv();
     ASSERT_TRUE(o.ok()) << o.status().ToString();
     EXPECT_EQ(o->rank, 2);
@@ -419,7 +430,10 @@ TEST(ProcessGroupFromEnv, Variants) {
             "RANK=2"},
            {{{"RANK", "0"}, {"WORLD_SIZE", "2"}}, "MASTER_ADDR"},
            {{{"RANK", "x"}, {"WORLD_SIZE", "2"}}, "RANK='x'"},
-           {{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "99999999999"}},
+           {{{"RANK", "0"},
+             {"WORLD_SIZE", "2"},
+             {"MASTER_ADDR", "a"},
+             {"MASTER_PORT", "99999999999"}},
             "MASTER_PORT"},
            {{{"WORLD_SIZE", "2"}}, "RANK is not"},
        }) {

@@ -7,11 +7,11 @@
 #pragma once
 
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/socket.h>
-#include <netinet/in.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -30,11 +30,11 @@ namespace zinf {
 namespace test {
 
 struct RankExit {
-  bool finished = false;      // the child exited by itself before the deadline
-  int exit_code = -1;         // its exit code, when it exited
-  int signal = 0;             // the signal that ended it, when one did
-  std::string report;         // what it wrote to its pipe: "OK" or the Status, then output
-  double seconds = 0;         // from the start until it ended (or the deadline)
+  bool finished = false;  // the child exited by itself before the deadline
+  int exit_code = -1;     // its exit code, when it exited
+  int signal = 0;         // the signal that ended it, when one did
+  std::string report;     // what it wrote to its pipe: "OK" or the Status, then output
+  double seconds = 0;     // from the start until it ended (or the deadline)
 };
 
 // The threads of this process (/proc/self/status).
@@ -150,8 +150,8 @@ inline std::vector<RankExit> RunProcessRanks(int n, std::chrono::seconds deadlin
       int status = 0;
       if (waitpid(pids[r], &status, WNOHANG) == pids[r]) {
         exits[r].finished = true;
-        exits[r].seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
-                               .count();
+        exits[r].seconds =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         if (WIFEXITED(status)) exits[r].exit_code = WEXITSTATUS(status);
         if (WIFSIGNALED(status)) exits[r].signal = WTERMSIG(status);
         --running;

@@ -77,7 +77,6 @@ struct Session {
   Device* device = nullptr;
 };
 
-
 // ---- Setup (run_setup.cc) ----
 
 // The model, the engine configuration, the swap folders (created, with room for the model)

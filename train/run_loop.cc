@@ -129,8 +129,8 @@ class TrainingLoop {
       }
       StepStats st;
       // Gradients averaged over the ranks and the accumulation window.
-      Result<double> l = trainer_->MicroStep(tokens_.data(), targets_.data(),
-                                             1.0f / (accum_ * world_), &st);
+      Result<double> l =
+          trainer_->MicroStep(tokens_.data(), targets_.data(), 1.0f / (accum_ * world_), &st);
       if (!l.ok()) return Fail("step " + std::to_string(step + 1), l.status());
       double micro_loss = *l;
       if (world_ > 1) {

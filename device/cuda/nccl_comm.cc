@@ -157,14 +157,15 @@ class NcclComm final : public Communicator {
         ZINF_RETURN_IF_ERROR(WriteIdFile(options_.unique_id_file, id));
       }
     } else if (options_.store != nullptr) {
-      const auto wait = std::chrono::milliseconds(
-          static_cast<int64_t>(options_.timeout_seconds * 1000));
+      const auto wait =
+          std::chrono::milliseconds(static_cast<int64_t>(options_.timeout_seconds * 1000));
       ZINF_ASSIGN_OR_RETURN(std::string bytes, options_.store->Get(options_.store_key, wait));
       if (bytes.size() != sizeof(id)) {
-        return Status::Corruption("NcclComm rank " + std::to_string(rank) + ": the unique id in the "
-                                  "store under '" + options_.store_key + "' has " +
-                                  std::to_string(bytes.size()) + " bytes, not " +
-                                  std::to_string(sizeof(id)));
+        return Status::Corruption("NcclComm rank " + std::to_string(rank) +
+                                  ": the unique id in the "
+                                  "store under '" +
+                                  options_.store_key + "' has " + std::to_string(bytes.size()) +
+                                  " bytes, not " + std::to_string(sizeof(id)));
       }
       std::memcpy(&id, bytes.data(), sizeof(id));
     } else {

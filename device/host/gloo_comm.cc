@@ -10,11 +10,6 @@
 // number (the order the rank issued it), so collectives of different streams run at once and
 // still pair with the right peer operation.
 #include <arpa/inet.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <gloo/allgather.h>
 #include <gloo/alltoall.h>
 #include <gloo/barrier.h>
@@ -22,6 +17,10 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -31,9 +30,9 @@
 #include <cstring>
 #include <exception>
 #include <fstream>
-#include <thread>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -111,9 +110,10 @@ Result<std::string> RouteAddress(const std::string& host, int port) {
     if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
         getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
       char text[INET6_ADDRSTRLEN] = {0};
-      const void* a = local.ss_family == AF_INET6
-                          ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr)
-                          : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr);
+      const void* a =
+          local.ss_family == AF_INET6
+              ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr)
+              : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr);
       if (inet_ntop(local.ss_family, a, text, sizeof(text)) != nullptr) found = text;
     } else {
       err = errno;
@@ -237,9 +237,8 @@ class GlooComm final : public Communicator {
     const std::string what = Describe(Kind::kBroadcast, bytes, root);
     if (Status bad = CheckBuffers(what, buf, buf); !bad.ok()) return Refuse(bad);
     if (root < 0 || root >= world_size()) {
-      return Refuse(Status::InvalidArgument(Prefix() + what +
-                                            ": root is not a rank of a world of " +
-                                            std::to_string(world_size())));
+      return Refuse(Status::InvalidArgument(
+          Prefix() + what + ": root is not a rank of a world of " + std::to_string(world_size())));
     }
     const uint64_t sent = options_.rank == root ? bytes * (world_size() - 1) : 0;
     return Issue(what, stream, sent, [=](const std::shared_ptr<gloo::Context>& ctx, uint32_t tag) {
@@ -271,9 +270,8 @@ class GlooComm final : public Communicator {
 
   Status CheckBuffers(const std::string& what, const void* send, const void* recv) const {
     if (send != nullptr && recv != nullptr) return Status::OK();
-    return Status::InvalidArgument(Prefix() + what + ": " +
-                                   (send == nullptr ? "send buffer" : "receive buffer") +
-                                   " is null");
+    return Status::InvalidArgument(
+        Prefix() + what + ": " + (send == nullptr ? "send buffer" : "receive buffer") + " is null");
   }
 
   static void Alltoall(const std::shared_ptr<gloo::Context>& ctx, uint32_t tag, float* in,
@@ -327,8 +325,7 @@ class GlooComm final : public Communicator {
     }
   }
 
-  static Status Run(Group& g, const std::string& what, uint32_t tag, uint64_t sent,
-                    const Op& op) {
+  static Status Run(Group& g, const std::string& what, uint32_t tag, uint64_t sent, const Op& op) {
     {
       MutexLock lock(&g.mu);
       if (!g.broken.ok()) return g.broken;
@@ -377,8 +374,8 @@ class GlooComm final : public Communicator {
         }
         const pid_t pid = static_cast<pid_t>(std::strtol(m.c_str() + space + 1, nullptr, 10));
         if (pid > 0 && !Alive(pid)) {
-          gone += (gone.empty() ? "" : ", ") + std::to_string(r) + " (pid " +
-                  std::to_string(pid) + ")";
+          gone +=
+              (gone.empty() ? "" : ", ") + std::to_string(r) + " (pid " + std::to_string(pid) + ")";
         }
       }
     }
@@ -433,10 +430,11 @@ Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
                                                   const ProcessGroupOptions& options) {
   auto* host = dynamic_cast<HostDevice*>(device);
   if (host == nullptr) {
-    return Status::InvalidArgument(
-        "NewGlooComm: the device " +
-        (device == nullptr ? std::string("is null") : "'" + device->Name() + "' is not a HostDevice") +
-        "; gloo moves host memory (GPU ranks use NewNcclComm)");
+    return Status::InvalidArgument("NewGlooComm: the device " +
+                                   (device == nullptr
+                                        ? std::string("is null")
+                                        : "'" + device->Name() + "' is not a HostDevice") +
+                                   "; gloo moves host memory (GPU ranks use NewNcclComm)");
   }
   if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {
     return Status::InvalidArgument("NewGlooComm: rank " + std::to_string(options.rank) +
@@ -467,17 +465,19 @@ Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
   }
   // Ranks on other machines cannot reach a loopback address: e.g. MASTER_ADDR a host name that
   // resolves to 127.0.1.1 on the master itself (Debian's /etc/hosts).
-  const bool loopback = attr.hostname.rfind("127.", 0) == 0 || attr.hostname == "::1" ||
-                        attr.hostname == "localhost";
+  const bool loopback =
+      attr.hostname.rfind("127.", 0) == 0 || attr.hostname == "::1" || attr.hostname == "localhost";
   if (loopback && attr.iface.empty() && !options.master_addr.empty() &&
       options.listen_addr.empty() && options.local_world_size > 0 &&
       options.local_world_size < options.world_size) {
     return Status::InvalidArgument(
         "rank " + std::to_string(options.rank) + " would listen on " + attr.hostname +
-        " (the address that routes to MASTER_ADDR " + options.master_addr + " from here), which "
+        " (the address that routes to MASTER_ADDR " + options.master_addr +
+        " from here), which "
         "the ranks on the other machines (LOCAL_WORLD_SIZE " +
         std::to_string(options.local_world_size) + " of WORLD_SIZE " +
-        std::to_string(options.world_size) + ") cannot reach: set ZINF_LISTEN_ADDR to this "
+        std::to_string(options.world_size) +
+        ") cannot reach: set ZINF_LISTEN_ADDR to this "
         "machine's address on their network, or GLOO_SOCKET_IFNAME to its interface, or give "
         "MASTER_ADDR as an address");
   }
@@ -502,12 +502,11 @@ Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
     return ErrnoToStatus(errno, "NewGlooComm: gethostname");
   }
   const std::string me = std::string(host_name) + " " + std::to_string(getpid());
-  ZINF_RETURN_IF_ERROR(
-      store->Set(options.prefix + "/member/" + std::to_string(options.rank), me)
-          .WithContext("joining " + where));
+  ZINF_RETURN_IF_ERROR(store->Set(options.prefix + "/member/" + std::to_string(options.rank), me)
+                           .WithContext("joining " + where));
   for (int r = 0; r < options.world_size; ++r) {
-    Result<std::string> m = store->Get(options.prefix + "/member/" + std::to_string(r),
-                                       options.timeout);
+    Result<std::string> m =
+        store->Get(options.prefix + "/member/" + std::to_string(r), options.timeout);
     if (!m.ok()) return m.status().WithContext("joining " + where);
     members[r] = *m;
   }

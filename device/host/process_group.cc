@@ -85,8 +85,7 @@ Result<ProcessGroupOptions> ProcessGroupFromEnv() {
   if (const char* attempt = Env("TORCHELASTIC_RESTART_COUNT")) {
     o.prefix += "/attempt" + std::string(attempt);
   }
-  if (o.world_size > 1 && o.store_folder.empty() &&
-      (o.master_addr.empty() || o.master_port == 0)) {
+  if (o.world_size > 1 && o.store_folder.empty() && (o.master_addr.empty() || o.master_port == 0)) {
     return Status::InvalidArgument(
         std::string(world) + "=" + std::to_string(o.world_size) +
         " needs a rendezvous: set MASTER_ADDR and MASTER_PORT (rank 0 serves a store there), or "

@@ -10,8 +10,7 @@
 
 namespace zinf {
 
-Result<Runtime> NewHostRuntime(const HostDeviceOptions& options,
-                               const ProcessGroupOptions& group) {
+Result<Runtime> NewHostRuntime(const HostDeviceOptions& options, const ProcessGroupOptions& group) {
   Runtime rank;
   rank.device = NewHostDevice(options);
   if (group.world_size > 1) {

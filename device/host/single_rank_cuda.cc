@@ -6,8 +6,7 @@
 
 namespace zinf {
 
-Result<Runtime> NewCudaRuntime(const CudaDeviceOptions& options,
-                               const ProcessGroupOptions& group) {
+Result<Runtime> NewCudaRuntime(const CudaDeviceOptions& options, const ProcessGroupOptions& group) {
   Runtime rank;
   ZINF_ASSIGN_OR_RETURN(rank.device, NewCudaDevice(options));
   NcclCommOptions nccl;

@@ -307,7 +307,8 @@ class TcpStore final : public KeyValueStore {
     if (s.ok()) s = Send(kGet, key, nullptr);
     uint32_t n = 0;
     if (s.ok()) s = ReadAll(fd_, &n, sizeof(n), deadline, what);
-    if (s.ok() && n > kMaxField) s = Status::Corruption(what + ": a value of " + std::to_string(n) + " bytes");
+    if (s.ok() && n > kMaxField)
+      s = Status::Corruption(what + ": a value of " + std::to_string(n) + " bytes");
     std::string value(s.ok() ? n : 0, '\0');
     if (s.ok() && n > 0) s = ReadAll(fd_, value.data(), n, deadline, what);
     if (!s.ok()) {

@@ -280,8 +280,8 @@ Status Checkpointer::ValidateResharded(const std::string& folder, int saved_worl
   const std::string where = folder + " (saved by " + std::to_string(saved_world) +
                             " ranks, loading into " + std::to_string(world_) + ")";
   auto mismatch = [&](const std::string& what) {
-    return Status::FailedPrecondition(where + ": the checkpoint does not match this model: " +
-                                      what);
+    return Status::FailedPrecondition(where +
+                                      ": the checkpoint does not match this model: " + what);
   };
   const size_t num_params = layout_->num_params();
   for (int q = 0; q < saved_world; ++q) {
@@ -302,9 +302,10 @@ Status Checkpointer::ValidateResharded(const std::string& folder, int saved_worl
     ZINF_ASSIGN_OR_RETURN(const StateType type, ParseStateType(m.state_dtype));
     if (type == StateType::kInt8) {
       return Status::NotSupported(
-          where + ": its optimizer states are int8 (blockwise per saved slice), which cannot be "
-          "cut for another number of ranks; load it with " + std::to_string(saved_world) +
-          " ranks, or save it from a run with fp32 or bf16 states");
+          where +
+          ": its optimizer states are int8 (blockwise per saved slice), which cannot be "
+          "cut for another number of ranks; load it with " +
+          std::to_string(saved_world) + " ranks, or save it from a run with fp32 or bf16 states");
     }
     if (q > 0 && (m.step != reader->saved_[0].man.step ||
                   m.state_dtype != reader->saved_[0].man.state_dtype)) {
@@ -327,8 +328,7 @@ Status Checkpointer::ValidateResharded(const std::string& folder, int saved_worl
       }
       // The saved parts must tile the tensor as `saved_world` ranks cut it (Layout's rule):
       // a manifest that says otherwise would leave holes that load as zeros.
-      const uint64_t expected =
-          RoundUp((t.numel + saved_world - 1) / saved_world, kPartitionAlign);
+      const uint64_t expected = RoundUp((t.numel + saved_world - 1) / saved_world, kPartitionAlign);
       if (t.partition_numel != expected) {
         return Status::Corruption(man_path + ": tensor '" + t.name + "' has a part of " +
                                   std::to_string(t.partition_numel) + " elements; " +
@@ -396,8 +396,8 @@ Status Checkpointer::ReadSavedSlice(const CheckpointReader::Saved& saved, size_t
   const RankManifest& m = saved.man;
   const CheckpointTensor& t = m.tensors[i];
   const CheckpointGroup& g = m.groups[t.sub_group];
-  const uint64_t slice_bytes = k == 0 ? t.partition_numel * sizeof(float)
-                                      : StateBytes(type, t.partition_numel);
+  const uint64_t slice_bytes =
+      k == 0 ? t.partition_numel * sizeof(float) : StateBytes(type, t.partition_numel);
   const uint64_t offset =
       g.offset + (k == 0 ? t.slice_offset * sizeof(float)
                          : g.numel * sizeof(float) + (k - 1) * StateBytes(type, g.numel) +
@@ -422,7 +422,8 @@ Status Checkpointer::ReadSavedSlice(const CheckpointReader::Saved& saved, size_t
       return Status::Internal("checkpoint: hashing failed");
     }
     const uint64_t lo = std::max(at, copy_from), hi = std::min(at + n, copy_from + copy_bytes);
-    if (dst != nullptr && lo < hi) std::memcpy(dst + (lo - copy_from), chunk.data() + (lo - at), hi - lo);
+    if (dst != nullptr && lo < hi)
+      std::memcpy(dst + (lo - copy_from), chunk.data() + (lo - at), hi - lo);
   }
   if (XXH3_64bits_digest(state.get()) != t.hash[k]) {
     static const char* const kState[] = {"master weights", "exp_avg", "exp_avg_sq"};

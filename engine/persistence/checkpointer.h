@@ -50,7 +50,7 @@ class CheckpointReader {
   Status ReadResharded(size_t gi, void* buf);
 
   const Checkpointer* const owner_;
-  RankManifest man_;  // this rank's (synthesized for this layout when resharding)
+  RankManifest man_;          // this rank's (synthesized for this layout when resharding)
   std::vector<Saved> saved_;  // non-empty when resharding
   int fd_ = -1;
   std::string states_path_;

@@ -59,7 +59,8 @@ Status CommitRecord::Check(const std::string& meta, Point* out) const {
       return mismatch("written by " + std::to_string(saved) + " ranks, this engine is one of " +
                       std::to_string(world_) +
                       "; a durable store resumes only with the number of ranks that wrote it "
-                      "(resume with " + std::to_string(saved) +
+                      "(resume with " +
+                      std::to_string(saved) +
                       " and save a checkpoint: checkpoints load into any number of ranks)");
     }
     if (j.value("delayed", false) != delayed) {

@@ -3,8 +3,8 @@
 // Implementations: LocalComm (N ranks as threads of one process; deterministic reductions in
 // rank order), GlooComm (N ranks as processes on host devices, over gloo's TCP transport; the
 // same reductions in rank order, so bit-identical with LocalComm) and, when built with CUDA,
-// NcclComm (NCCL's own reduction order; see ReduceScatterSum). Collectives are ordered on a Stream of the
-// rank's Device; they complete asynchronously like every other stream operation.
+// NcclComm (NCCL's own reduction order; see ReduceScatterSum). Collectives are ordered on a Stream
+// of the rank's Device; they complete asynchronously like every other stream operation.
 #pragma once
 
 #include <chrono>
@@ -91,7 +91,7 @@ Result<std::shared_ptr<KeyValueStore>> NewFileStore(const std::string& folder);
 struct ProcessGroupOptions {
   int rank = 0;
   int world_size = 1;
-  int local_rank = 0;        // the rank among the processes of its machine (its GPU)
+  int local_rank = 0;  // the rank among the processes of its machine (its GPU)
   // Processes on this machine; 0: not said (then a loopback listen address is not questioned).
   int local_world_size = 0;
   // The rendezvous, first that is set: `store`; `store_folder` (NewFileStore); a TcpStore on
@@ -118,8 +118,8 @@ struct ProcessGroupOptions {
 // instead of MASTER_ADDR:MASTER_PORT. Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True: its
 // agent serves torch's store on MASTER_PORT) zinf's store goes on MASTER_PORT + 1;
 // ZINF_STORE_PORT sets the port explicitly. TORCHELASTIC_RESTART_COUNT joins the key prefix
-// (a restarted group never reads a dead attempt's keys). InvalidArgument naming the variable for a malformed or
-// inconsistent value (RANK >= WORLD_SIZE, WORLD_SIZE > 1 without a rendezvous).
+// (a restarted group never reads a dead attempt's keys). InvalidArgument naming the variable for a
+// malformed or inconsistent value (RANK >= WORLD_SIZE, WORLD_SIZE > 1 without a rendezvous).
 Result<ProcessGroupOptions> ProcessGroupFromEnv();
 
 // The store `options` names for its rendezvous (options.store; a folder store; else a TCP

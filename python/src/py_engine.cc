@@ -172,9 +172,10 @@ std::vector<py::capsule> PyEngine::Acquire(const std::vector<ParamId>& ids, bool
       try {
         capsule = MakeCapsule(&lease->managed, got[i], where, dtype, lease->shape);
       } catch (...) {
-        // No capsule owns the lease: its view is dropped here (the count was just raised, so
-        // the drop cannot fail), the lease freed by its unique_ptr.
-        (void)core_->views.DropView(ids[i]);
+        // No capsule owns the lease: its view is dropped here, the lease freed by its
+        // unique_ptr. Discarding the Status is safe: the count was just raised, so the drop
+        // cannot fail.
+        (void)core_->views.DropView(ids[i]);  // cannot fail: see above
         throw;
       }
       lease.release();  // the capsule's deleter owns it now

@@ -51,8 +51,7 @@ class PyEngine {
   // `group`: None for one rank, else the dict GroupFromPython reads (this process's rank of a
   // group of processes; the engine's collectives go over gloo on cpu, NCCL on cuda).
   PyEngine(const std::string& config_json, const std::string& device, int device_index,
-           bool use_stream, uintptr_t cuda_stream, uint64_t device_memory,
-           const py::object& group);
+           bool use_stream, uintptr_t cuda_stream, uint64_t device_memory, const py::object& group);
 
   const std::vector<std::string>& warnings() const { return warnings_; }
   Engine& engine() { return *core_->engine; }

@@ -26,8 +26,8 @@ class PyStore final : public KeyValueStore {
       store_.attr("set")(key, py::bytes(value));
       return Status::OK();
     } catch (const py::error_already_set& e) {
-      return Status::FailedPrecondition("rendezvous store: setting '" + key + "' failed: " +
-                                        e.what());
+      return Status::FailedPrecondition("rendezvous store: setting '" + key +
+                                        "' failed: " + e.what());
     }
   }
 
@@ -61,8 +61,8 @@ ProcessGroupOptions GroupFromPython(const py::object& group) {
   if (d.contains("local_world_size")) o.local_world_size = d["local_world_size"].cast<int>();
   if (d.contains("prefix")) o.prefix = d["prefix"].cast<std::string>();
   if (d.contains("timeout_seconds")) {
-    o.timeout = std::chrono::milliseconds(
-        static_cast<int64_t>(d["timeout_seconds"].cast<double>() * 1000));
+    o.timeout =
+        std::chrono::milliseconds(static_cast<int64_t>(d["timeout_seconds"].cast<double>() * 1000));
   }
   if (d.contains("master_addr")) o.master_addr = d["master_addr"].cast<std::string>();
   if (d.contains("listen_addr")) o.listen_addr = d["listen_addr"].cast<std::string>();

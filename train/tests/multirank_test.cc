@@ -9,10 +9,9 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "tests/test_util.h"
 #include "train/tests/spawn.h"
@@ -24,8 +23,13 @@ using zinf::testing::Spawn;
 using zinf::testing::TempDir;
 
 std::vector<std::string> Args(const std::string& swap, int batch, int steps) {
-  return {"--steps",  std::to_string(steps), "--batch", std::to_string(batch), "--seq", "64",
-          "--warmup", "2", "--data", ZINF_SOURCE_DATA, "--nvme", swap, "--json"};
+  return {"--steps",  std::to_string(steps),
+          "--batch",  std::to_string(batch),
+          "--seq",    "64",
+          "--warmup", "2",
+          "--data",   ZINF_SOURCE_DATA,
+          "--nvme",   swap,
+          "--json"};
 }
 
 nlohmann::json LastJson(const std::string& out) {
@@ -109,8 +113,7 @@ TEST(ZinfTrainRanks, CheckpointsResumeAcrossRuns) {
   // A copy for the one-rank resume below (each resume saves its own final checkpoint).
   const std::string ckpt1 = dir.path() + "/ckpt1";
   std::filesystem::copy(ckpt, ckpt1, std::filesystem::copy_options::recursive);
-  Outcome resumed =
-      Spawn(dir.path(), two("s3", 6, {"--checkpoint-dir", ckpt, "--resume"}), "");
+  Outcome resumed = Spawn(dir.path(), two("s3", 6, {"--checkpoint-dir", ckpt, "--resume"}), "");
   ASSERT_EQ(resumed.exit_code, 0) << resumed.stderr_text;
   const nlohmann::json js = LastJson(straight.stdout_text), jr = LastJson(resumed.stdout_text);
   EXPECT_EQ(jr["first_step"], 3);
