@@ -82,6 +82,7 @@ constexpr std::string_view kZinfKeys[] = {
     "delayed_update_after",
     "gradient_transfer_dtype",
     "optimizer_state_dtype",
+    "frozen_weight_dtype",
     "collective_timeout_seconds",
 };
 constexpr std::string_view kAioKeys[] = {
@@ -319,6 +320,8 @@ Status ParseZinf(ObjectReader& r, EngineConfig* config, std::vector<std::string>
       "optimizer_state_dtype",
       {{"fp32", StateType::kF32}, {"bf16", StateType::kBf16}, {"int8", StateType::kInt8}},
       &config->optimizer_state_type));
+  ZINF_RETURN_IF_ERROR(r.ReadEnum<bool>("frozen_weight_dtype", {{"as-is", false}, {"int8", true}},
+                                        &config->frozen_int8));
   if (const Json* paths = r.Find("nvme_paths"); paths != nullptr && !paths->is_null()) {
     if (!paths->is_array()) {
       return TypeError(r.PathOf("nvme_paths"), "an array of path strings", *paths);
@@ -556,6 +559,12 @@ Status Validate(const EngineConfig& c) {
   if (!(c.host_copy_gbps >= 0)) {
     return invalid("zinf.host_copy_gbps",
                    "must be >= 0 (0 means memcpy speed), got " + FormatNumber(c.host_copy_gbps));
+  }
+  if (c.frozen_int8 && c.offload_param.tier == Tier::kDevice) {
+    return invalid("zinf.frozen_weight_dtype",
+                   "\"int8\" stores frozen weights on the cpu or nvme tier (dequantised on the "
+                   "host as they are fetched); set offload_param.device cpu or nvme, or keep "
+                   "\"as-is\"");
   }
   if (c.optimizer_state_type == StateType::kInt8 && c.optimizer.type == OptimizerType::kAdagrad) {
     return invalid("zinf.optimizer_state_dtype",

@@ -12,6 +12,8 @@
 // - the swap store's I/O and hash threads.
 #include "zinf/engine.h"
 
+#include <xxhash.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -256,7 +258,7 @@ Status Engine::Impl::Place() {
   grads =
       std::make_unique<GradientPath>(ctx, fetch.get(), adder.get(), &grad_pool, plan.stream_grads);
   ZINF_RETURN_IF_ERROR(grads->Init());
-  durable = std::make_unique<DurableCommits>(ctx, states.get());
+  durable = std::make_unique<DurableCommits>(ctx, states.get(), param_store.get());
   durable->set_user_data(commit_user_data);
   OptimizerPipeline::Parts parts;
   parts.states = states.get();
@@ -274,8 +276,8 @@ Status Engine::Impl::InitStores() {
   // Resuming a durable store: the states come from it, and so do NVMe parameter stores
   // written in the same dtype; everything else is rebuilt from the masters.
   ParamStore::Resume resume;
+  CommitRecord::Point point;
   if (resume_store) {
-    CommitRecord::Point point;
     ZINF_RETURN_IF_ERROR(durable->record().Check(swap->committed_meta(), &point));
     durable->set_lineage(point.lineage);
     resumed_user_data = point.user_data;
@@ -296,6 +298,10 @@ Status Engine::Impl::InitStores() {
   // Optimizer states per sub-group, parameters per store.
   std::vector<float> full;
   for (size_t gi = 0; gi < layout.num_groups(); ++gi) {
+    if (layout.group(gi).frozen) {
+      ZINF_RETURN_IF_ERROR(InitFrozen(gi, resume, point.frozen_hashes));
+      continue;
+    }
     float* master = nullptr;
     PooledBlock staging;
     ZINF_RETURN_IF_ERROR(states->Allocate(gi, &master, &staging));
@@ -336,6 +342,47 @@ Status Engine::Impl::InitStores() {
   }
   // Durable: the initial state is the first commit (a crash in step 1 resumes at step 0).
   return durable->Commit(0, 0);
+}
+
+Status Engine::Impl::InitFrozen(size_t gi, const ParamStore::Resume& resume,
+                                const std::vector<uint64_t>& committed) {
+  // Data, not state: each value comes from its init (also at a resume: the store never
+  // rewrites them), is hashed, and goes to its parameter store in the storage dtype.
+  std::vector<float> full;
+  for (ParamId id : layout.group(gi).params) {
+    const ParamLayout& p = layout.param(id);
+    full.assign(p.padded_numel, 0.0f);
+    inits[id](full.data(), p.info.numel);
+    const uint64_t hash = XXH3_64bits(full.data(), p.info.numel * sizeof(float));
+    if (resume.active && id < committed.size() && committed[id] != 0 && committed[id] != hash) {
+      return Status::FailedPrecondition(
+          "ResumeFromStore: the frozen parameter '" + p.info.name +
+          "' is registered with other values than the run that wrote the store had (value "
+          "hash " +
+          HashHex(hash) + ", the store's " + HashHex(committed[id]) +
+          "); register it with the same values (the same base weights) to resume");
+    }
+    param_store->set_value_hash(id, hash);
+    ZINF_ASSIGN_OR_RETURN(PinnedBuffer image, arena->Allocate(layout.PartBytes(id)));
+    ZINF_RETURN_IF_ERROR(EncodeFrozen(
+        id, full.data() + static_cast<size_t>(rank) * p.info.partition_numel, image.data()));
+    ZINF_RETURN_IF_ERROR(param_store->Init(id, std::move(image), resume));
+    if (world == 1 && config.offload_param.tier == Tier::kDevice) fetch->Alias(id);
+  }
+  return Status::OK();
+}
+
+Status Engine::Impl::EncodeFrozen(ParamId id, const float* part, void* out) {
+  const ParamLayout& p = layout.param(id);
+  if (layout.StoredInt8(id)) {
+    return QuantizeWeightsInt8(part, p.info.partition_numel, out)
+        .WithContext("storing the frozen parameter '" + p.info.name + "' as int8");
+  }
+  if (config.bf16) {
+    return optimizer->ConvertParams(part, out, ParamCopyType::kBf16, p.info.partition_numel);
+  }
+  std::memcpy(out, part, layout.PartBytes(id));
+  return Status::OK();
 }
 
 Status Engine::SetCommitUserData(const std::string& user_data) {

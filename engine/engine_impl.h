@@ -39,7 +39,7 @@ struct Engine::Impl {
         hooks(h),
         rank(cm->rank()),
         world(cm->world_size()),
-        layout(world, c.bf16 ? 2 : 4, c.optimizer_state_type),
+        layout(world, c.bf16 ? 2 : 4, c.optimizer_state_type, c.frozen_int8),
         clock(config),
         lr(c.optimizer.lr) {}
   ~Impl();
@@ -90,6 +90,12 @@ struct Engine::Impl {
 
   Status Place();
   Status InitStores();
+  // The frozen sub-group `gi`: each parameter's value from its init into its store, hashed;
+  // at a resume the hash must equal the commit's (`committed`, per parameter; 0: unknown).
+  Status InitFrozen(size_t gi, const ParamStore::Resume& resume,
+                    const std::vector<uint64_t>& committed);
+  // This rank's partition (fp32) of frozen parameter `id` in its store's form (PartBytes).
+  Status EncodeFrozen(ParamId id, const float* part, void* out);
   // A parameter the optimizer may be rewriting now (delayed update: its gradient was reduced
   // in this boundary micro-step).
   FetchScheduler::Rewriting Rewriting() const {
@@ -126,6 +132,10 @@ struct Engine::Impl {
     return Status::OK();
   }
   Status CheckBetweenSteps(const char* what) const;
+  // GatherMasterParameter / SetParameterValues of a frozen parameter: its value is its
+  // parameter store's (storage dtype), read or written there; SetFrozen records the new hash.
+  Status GatherFrozen(ParamId id, float* out);
+  Status SetFrozen(ParamId id, const std::function<Status(ParamId, float*)>& fill);
   // Every fetched copy goes (it holds values about to change).
   Status EvictAll() {
     for (ParamId id = 0; id < layout.num_params(); ++id) ZINF_RETURN_IF_ERROR(fetch->Evict(id));

@@ -1,5 +1,7 @@
 // The façade's calls between optimizer steps: checkpoints, new parameter values, gathering
 // the master weights, and the small accessors.
+#include <xxhash.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -89,7 +91,8 @@ Status Engine::SaveCheckpoint(const std::string& dir, const std::string& user_da
   }
   ZINF_RETURN_IF_ERROR(m.budget->ReclaimScratch());
   ZINF_RETURN_IF_ERROR(m.collectives->Agree(m.FinishPendingUpdate(), "SaveCheckpoint"));
-  return m.checkpointer->Save(dir, user_data, m.clock.step(), m.states.get());
+  return m.checkpointer->Save(dir, user_data, m.clock.step(), m.states.get(),
+                              m.param_store->value_hashes());
 }
 
 Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data,
@@ -99,8 +102,9 @@ Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data,
   ZINF_RETURN_IF_ERROR(m.CheckBetweenSteps("LoadCheckpoint"));
   ZINF_RETURN_IF_ERROR(m.budget->ReclaimScratch());
   ZINF_RETURN_IF_ERROR(m.collectives->Agree(m.FinishPendingUpdate(), "LoadCheckpoint"));
-  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
-                        m.checkpointer->Open(dir, fall_back_to_older));
+  ZINF_ASSIGN_OR_RETURN(
+      std::unique_ptr<CheckpointReader> reader,
+      m.checkpointer->Open(dir, fall_back_to_older, m.param_store->value_hashes()));
   const RankManifest& man = reader->manifest();
   // Install: fetched parameter copies are stale from here on; each sub-group is read once,
   // verified in that read, and written into the stores.
@@ -108,6 +112,7 @@ Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data,
   Status local = m.EvictAll();
   const int buf = m.param_store->Buf(man.step);
   for (size_t gi = 0; gi < m.layout.num_groups() && local.ok(); ++gi) {
+    if (m.layout.group(gi).frozen) continue;  // their values are the ones registered (hashed)
     Result<const void*> states = reader->ReadGroup(gi);
     local = states.ok() ? m.WriteGroupStates(gi, *states, buf) : states.status();
   }
@@ -120,7 +125,9 @@ Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data,
   }
   m.clock.Reset(man.step, man.step);
   for (ParamId id = 0; id < m.layout.num_params(); ++id) {
-    m.states->set_updates(id, man.tensors[id].updates >= 0 ? man.tensors[id].updates : man.step);
+    // (A frozen tensor is never stepped.)
+    const int64_t updates = man.tensors[id].updates >= 0 ? man.tensors[id].updates : man.step;
+    m.states->set_updates(id, m.layout.param(id).info.trainable ? updates : 0);
   }
   // A new history (the same value on every rank: they load the same checkpoint).
   m.durable->NewLineage(man.step);
@@ -141,6 +148,7 @@ Status Engine::GatherMasterParameter(ParamId id, float* out) {
   // The optimizer steps of finished windows (delayed update: the last one may still run).
   ZINF_RETURN_IF_ERROR(m.board->WaitDone(m.clock.step()));
   const ParamLayout& p = m.layout.param(id);
+  if (!p.info.trainable) return m.GatherFrozen(id, out);
   const size_t gi = p.info.sub_group;
   const size_t part = p.info.partition_numel;
   const float* host = m.states->host_states(gi);
@@ -185,6 +193,56 @@ Status Engine::GatherMasterParameter(ParamId id, float* out) {
   return Status::OK();
 }
 
+Status Engine::Impl::GatherFrozen(ParamId id, float* out) {
+  // Its value lives in its parameter store alone (storage dtype).
+  const ParamLayout& p = layout.param(id);
+  const size_t part = p.info.partition_numel;
+  AlignedBuffer stored(RoundUp(layout.PartBytes(id), 4096));
+  if (stored.data == nullptr) {
+    return Status::ResourceExhausted("gathering '" + p.info.name + "': a buffer of " +
+                                     FormatBytes(layout.PartBytes(id)));
+  }
+  ZINF_RETURN_IF_ERROR(param_store->ReadFrozen(id, stored.data, stored.bytes)
+                           .WithContext("reading the frozen parameter '" + p.info.name + "'"));
+  std::vector<float> mine(part);
+  if (layout.StoredInt8(id)) {
+    DequantizeWeightsInt8(stored.data, part, mine.data());
+  } else if (config.bf16) {
+    const uint16_t* b = static_cast<const uint16_t*>(stored.data);
+    for (size_t i = 0; i < part; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(b[i]) << 16;
+      std::memcpy(&mine[i], &bits, sizeof(float));
+    }
+  } else {
+    std::memcpy(mine.data(), stored.data, part * sizeof(float));
+  }
+  if (world == 1) {
+    std::memcpy(out, mine.data(), p.info.numel * sizeof(float));
+    return Status::OK();
+  }
+  std::vector<float> gathered(p.padded_numel);
+  ZINF_RETURN_IF_ERROR(collectives->AllGather(mine.data(), gathered.data(), part * 4,
+                                              "gathering '" + p.info.name + "'"));
+  std::memcpy(out, gathered.data(), p.info.numel * sizeof(float));
+  return Status::OK();
+}
+
+Status Engine::Impl::SetFrozen(ParamId id, const std::function<Status(ParamId, float*)>& fill) {
+  const ParamLayout& p = layout.param(id);
+  std::vector<float> full(p.padded_numel, 0.0f);
+  ZINF_RETURN_IF_ERROR(fill(id, full.data()).WithContext("values of '" + p.info.name + "'"));
+  AlignedBuffer image(RoundUp(layout.PartBytes(id), 4096));
+  if (image.data == nullptr) {
+    return Status::ResourceExhausted("values of '" + p.info.name + "': a buffer of " +
+                                     FormatBytes(layout.PartBytes(id)));
+  }
+  ZINF_RETURN_IF_ERROR(EncodeFrozen(
+      id, full.data() + static_cast<size_t>(rank) * p.info.partition_numel, image.data));
+  ZINF_RETURN_IF_ERROR(param_store->WriteFrozen(id, image.data, image.bytes));
+  param_store->set_value_hash(id, XXH3_64bits(full.data(), p.info.numel * sizeof(float)));
+  return Status::OK();
+}
+
 Status Engine::SetParameterValues(const std::vector<ParamId>& ids,
                                   const std::function<Status(ParamId, float*)>& fill) {
   Impl& m = *impl_;
@@ -208,20 +266,26 @@ Status Engine::SetParameterValues(const std::vector<ParamId>& ids,
   m.gather_states.reset();
   size_t group_bytes = 0;
   Status local;
+  bool changed = false;  // some value was written
   for (ParamId id = 0; id < m.layout.num_params() && local.ok(); ++id) {
     if (!wanted[id]) continue;
+    local = m.fetch->Evict(id);  // a fetched copy holds the old values
+    if (local.ok() && !m.layout.param(id).info.trainable) {
+      local = m.SetFrozen(id, fill);  // its store alone
+      changed = true;
+      continue;
+    }
     group_bytes =
         std::max(group_bytes, m.layout.GroupStateBytes(m.layout.param(id).info.sub_group));
-    local = m.fetch->Evict(id);  // a fetched copy holds the old values
   }
-  bool changed = false;  // some sub-group was written
   if (local.ok() && group_bytes > 0) {
     HostStates host;
     local = AllocateHostStates(m.arena.get(), group_bytes, &host);
     std::vector<float> full;
     for (size_t gi = 0; gi < m.layout.num_groups() && local.ok(); ++gi) {
       const GroupLayout& g = m.layout.group(gi);
-      if (std::none_of(g.params.begin(), g.params.end(), [&](ParamId id) { return wanted[id]; })) {
+      if (g.frozen ||
+          std::none_of(g.params.begin(), g.params.end(), [&](ParamId id) { return wanted[id]; })) {
         continue;
       }
       float* master = static_cast<float*>(host.data());

@@ -2,6 +2,7 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <limits>
 #include <nlohmann/json.hpp>
 
@@ -61,17 +62,22 @@ Result<uint64_t> ParseHex(const json& v, const std::string& where) {
 
 }  // namespace
 
+std::string HashHex(uint64_t v) { return Hex(v); }
+
 std::string SerializeRankManifest(const RankManifest& m) {
   json j;
   j["format"] = kFormatName;
-  // fp32 states: version 2, which builds from before compressed states read too.
+  // fp32 states: version 2, which builds from before compressed states read too; 3 with
+  // compressed states; 4 only with frozen tensors.
   const bool fp32_states = m.state_dtype == "fp32";
-  j["version"] = fp32_states ? 2 : kCheckpointFormatVersion;
+  const bool frozen = std::any_of(m.tensors.begin(), m.tensors.end(),
+                                  [](const CheckpointTensor& t) { return t.frozen; });
+  j["version"] = frozen ? kCheckpointFormatVersion : fp32_states ? 2 : 3;
   j["rank"] = m.rank;
   j["world"] = m.world;
   j["step"] = m.step;
   j["optimizer"] = m.optimizer;
-  if (!fp32_states) j["state_dtype"] = m.state_dtype;
+  if (!fp32_states || frozen) j["state_dtype"] = m.state_dtype;
   j["states_file"] = m.states_file;
   j["file_bytes"] = m.file_bytes;
   j["groups"] = json::array();
@@ -80,6 +86,14 @@ std::string SerializeRankManifest(const RankManifest& m) {
   }
   j["tensors"] = json::array();
   for (const CheckpointTensor& t : m.tensors) {
+    if (t.frozen) {
+      j["tensors"].push_back({{"name", t.name},
+                              {"numel", t.numel},
+                              {"partition_numel", t.partition_numel},
+                              {"sub_group", t.sub_group},
+                              {"frozen", Hex(t.value_hash)}});
+      continue;
+    }
     j["tensors"].push_back({{"name", t.name},
                             {"numel", t.numel},
                             {"partition_numel", t.partition_numel},
@@ -103,9 +117,9 @@ Result<RankManifest> ParseRankManifest(const std::string& text, const std::strin
                               "\")");
   }
   ZINF_ASSIGN_OR_RETURN(uint64_t version, U64(j, "version", where));
-  if (version != 2 && version != kCheckpointFormatVersion) {
+  if (version < 2 || version > kCheckpointFormatVersion) {
     return Status::NotSupported(where + ": checkpoint format version " + std::to_string(version) +
-                                " (this build reads versions 2 and " +
+                                " (this build reads versions 2 to " +
                                 std::to_string(kCheckpointFormatVersion) + ")");
   }
   ZINF_RETURN_IF_ERROR(CheckJsonSeal(j, where, /*required=*/true));
@@ -176,6 +190,16 @@ Result<RankManifest> ParseRankManifest(const std::string& text, const std::strin
     ZINF_ASSIGN_OR_RETURN(ct.numel, U64(t, "numel", tw));
     ZINF_ASSIGN_OR_RETURN(ct.partition_numel, U64(t, "partition_numel", tw));
     ZINF_ASSIGN_OR_RETURN(ct.sub_group, U64(t, "sub_group", tw));
+    if (t.contains("frozen")) {  // no slice, no states: its value's hash
+      ZINF_ASSIGN_OR_RETURN(ct.value_hash, ParseHex(t["frozen"], tw + ": frozen"));
+      ct.frozen = true;
+      if (ct.numel > kMaxElems || ct.partition_numel > kMaxElems ||
+          ct.sub_group >= m.groups.size() || m.groups[ct.sub_group].numel != 0) {
+        return Status::Corruption(tw + ": a frozen tensor outside a state-less sub-group");
+      }
+      m.tensors.push_back(std::move(ct));
+      continue;
+    }
     ZINF_ASSIGN_OR_RETURN(ct.slice_offset, U64(t, "slice_offset", tw));
     if (ct.numel > kMaxElems || ct.partition_numel > kMaxElems) {
       return Status::Corruption(tw + ": size out of range");

@@ -14,7 +14,8 @@ namespace zinf {
 // 2: the manifest carries its own checksum ("xxh3" of its compact form without that field).
 // 3: "state_dtype", how the optimizer states are stored (bf16, int8). Checkpoints of fp32
 // states are written as version 2 (no such field), which older builds read too.
-inline constexpr int kCheckpointFormatVersion = 3;
+// Version 2: fp32 states; 3: compressed states; 4: frozen tensors (recorded by value hash).
+inline constexpr int kCheckpointFormatVersion = 4;
 
 struct CheckpointTensor {
   std::string name;
@@ -26,6 +27,10 @@ struct CheckpointTensor {
   // Optimizer updates applied to the tensor (torch's state["step"]); -1 when the manifest
   // predates per-tensor counts (every tensor then has the checkpoint's step).
   int64_t updates = -1;
+  // A frozen tensor (ParamSpec::trainable false): no states in the file (no slice, no
+  // checksums); its value is recorded by `value_hash`, xxh3-64 of the whole fp32 tensor.
+  bool frozen = false;
+  uint64_t value_hash = 0;
 };
 
 struct CheckpointGroup {
@@ -45,6 +50,9 @@ struct RankManifest {
   std::vector<CheckpointTensor> tensors;
   std::string user_data;  // the trainer's own JSON (model shape, seed, ...)
 };
+
+// 16 lowercase hex digits (the form checksums take in manifests and messages).
+std::string HashHex(uint64_t v);
 
 // May throw nlohmann::json::type_error for strings that are not valid UTF-8: callers check
 // names and user data first (IsValidUtf8).

@@ -53,15 +53,45 @@ TEST(LayoutTest, PartitionsArePaddedPerRankAndSlicesAligned) {
 
 TEST(LayoutTest, RatioKeepsTheFirstSubGroupsOnTheDevice) {
   Layout l = ThreeParams(1, 2, /*frozen_middle=*/true);
-  EXPECT_EQ(l.Freeze(1, Tier::kCpu, 0.5), 2u);  // three groups of one parameter; llround(1.5)
+  // Two trainable groups of one parameter ("a", "c"); llround(0.5 * 2) = 1 offloaded. The
+  // frozen "b" is in the last group, neither offloaded nor kept.
+  EXPECT_EQ(l.Freeze(1, Tier::kCpu, 0.5), 1u);
   ASSERT_EQ(l.num_groups(), 3u);
   EXPECT_TRUE(l.group(0).on_device);
   EXPECT_FALSE(l.group(1).on_device);
-  EXPECT_EQ(l.group(1).trainable, 0);    // "b" is frozen
+  EXPECT_FALSE(l.group(2).on_device);
+  EXPECT_EQ(l.group(2).trainable, 0);    // "b" is frozen
   EXPECT_EQ(l.PartBytes(2), 9008u * 2);  // bf16 storage
   Layout all = ThreeParams(1);
   EXPECT_EQ(all.Freeze(1, Tier::kDevice, 1.0), 0u);
   for (const GroupLayout& g : all.groups()) EXPECT_TRUE(g.on_device);
+}
+
+TEST(LayoutTest, FrozenParametersHoldNoStatesAndShareNoSubGroup) {
+  // "b" frozen between two trainable ones that fit one sub-group: they share it, "b" gets the
+  // last one, without states, and the optimizer's order leaves it out.
+  Layout l = ThreeParams(1, 4, /*frozen_middle=*/true);
+  EXPECT_EQ(l.Freeze(1 << 20, Tier::kNvme, 1.0), 1u);
+  ASSERT_EQ(l.num_groups(), 2u);
+  EXPECT_EQ(l.group(0).params, (std::vector<ParamId>{0, 2}));
+  EXPECT_FALSE(l.group(0).frozen);
+  EXPECT_EQ(l.param(2).slice_offset, 6144u);  // 5000 -> 6144 (2,048-aligned) before it
+  EXPECT_EQ(l.group(1).params, (std::vector<ParamId>{1}));
+  EXPECT_TRUE(l.group(1).frozen);
+  EXPECT_EQ(l.param(1).info.sub_group, 1u);
+  EXPECT_EQ(l.group(1).numel, 0u);
+  EXPECT_EQ(l.GroupStateBytes(1), 0u);
+  EXPECT_EQ(l.GroupGradBytes(1), 0u);
+  EXPECT_EQ(l.GroupOrder(), (std::vector<size_t>{0}));
+  EXPECT_EQ(l.num_frozen(), 1u);
+  EXPECT_EQ(l.frozen_numel(), 100u);
+  // All frozen: one state-less group, nothing for the optimizer.
+  Layout none(1, 2);
+  for (const char* name : {"x", "y"}) none.Add(*none.Describe(name, {64}, false, 0));
+  EXPECT_EQ(none.Freeze(1 << 20, Tier::kCpu, 1.0), 0u);
+  ASSERT_EQ(none.num_groups(), 1u);
+  EXPECT_TRUE(none.GroupOrder().empty());
+  EXPECT_EQ(none.LargestGroupStateBytes(), 0u);
 }
 
 TEST(LayoutTest, DescribeRefusesBadShapesNamesAndDuplicates) {

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <unordered_map>
 
+#include "zinf/cpu_adam.h"
 #include "zinf/log.h"
 
 namespace zinf {
@@ -240,10 +241,21 @@ void FetchScheduler::FailFetch(ParamId id) {
 Status FetchScheduler::IssueCopies(ParamId id, const void* src,
                                    std::shared_ptr<PinnedBuffer> staging) {
   Resident& r = res_[id];
-  const size_t part = layout_->PartBytes(id);
+  const size_t part = layout_->DevicePartBytes(id);
   char* slot = static_cast<char*>(r.device_full) + static_cast<size_t>(comm_->rank()) * part;
   Stream* copy = streams_.copy;
   const bool device_tier = config_->offload_param.tier == Tier::kDevice;
+  if (layout_->StoredInt8(id)) {
+    // int8 frozen weights: dequantised on the host into a staging block of the parameter
+    // dtype, which the copy then reads (the int8 one goes back at once).
+    Result<std::shared_ptr<PinnedBuffer>> decoded = Dequantize(id, src);
+    if (!decoded.ok()) {
+      FailFetch(id);
+      return decoded.status();
+    }
+    staging = std::move(decoded).value();
+    src = staging->data();
+  }
   Status s = device_tier ? device_->CopyDeviceToDevice(slot, src, part, copy)
                          : stats_->TimeCopy(device_, copy, [&] {
                              return device_->CopyHostToDevice(slot, src, part, copy);
@@ -263,6 +275,25 @@ Status FetchScheduler::IssueCopies(ParamId id, const void* src,
   r.staging.reset();
   r.state = State::kFetching;
   return Status::OK();
+}
+
+Result<std::shared_ptr<PinnedBuffer>> FetchScheduler::Dequantize(ParamId id, const void* src) {
+  const ParamLayout& p = layout_->param(id);
+  const size_t bytes = layout_->DevicePartBytes(id);
+  Result<PinnedBuffer> buf = arena_->Allocate(bytes);
+  if (!buf.ok()) {
+    // The blocks the copies in flight hold come back once they have run.
+    ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(streams_.copy));
+    buf = arena_->Allocate(bytes);
+  }
+  if (!buf.ok()) return buf.status().WithContext("dequantising parameter '" + p.info.name + "'");
+  auto out = std::make_shared<PinnedBuffer>(std::move(buf).value());
+  if (layout_->elem_size() == 2) {
+    DequantizeWeightsInt8Bf16(src, p.info.partition_numel, static_cast<uint16_t*>(out->data()));
+  } else {
+    DequantizeWeightsInt8(src, p.info.partition_numel, static_cast<float*>(out->data()));
+  }
+  return out;
 }
 
 Status FetchScheduler::FinishOneRead(ParamId id) {

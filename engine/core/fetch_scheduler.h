@@ -92,9 +92,15 @@ class FetchScheduler {
     int acquired = 0;
   };
 
+  // An int8 frozen weight's partition (`src`, int8 blocks) decoded into a pinned block of
+  // the parameter dtype.
+  Result<std::shared_ptr<PinnedBuffer>> Dequantize(ParamId id, const void* src);
+  // (A frozen parameter's copy stays fresh from version to version: its value never changes;
+  // what replaces it, SetParameterValues or a load, evicts it.)
   bool Fresh(ParamId id, int64_t visible) const {
-    return res_[id].device_full != nullptr &&
-           res_[id].fetched_version == static_cast<uint64_t>(visible);
+    return res_[id].device_full != nullptr && res_[id].fetched_version != kNotFetched &&
+           (res_[id].fetched_version == static_cast<uint64_t>(visible) ||
+            !layout_->param(id).info.trainable);
   }
   // Fetches `id` into device memory (asynchronously: its `ready` event). `prefetch`: give up
   // at once when no pinned staging is free (a demand fetch waits for the copies in flight to

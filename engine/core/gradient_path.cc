@@ -423,6 +423,7 @@ Result<double> GradientPath::LocalSumSquares(CpuOptimizer* optimizer) {
   double local = 0;
   for (ParamId id = 0; id < flags_.size(); ++id) {
     const ParamLayout& p = layout_->param(id);
+    if (!p.info.trainable) continue;  // no gradient, no accumulator
     if (groups_[p.info.sub_group].on_device) {
       local += on_device[id].sum_squares;
       continue;

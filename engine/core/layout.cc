@@ -72,9 +72,10 @@ ParamId Layout::Add(ParamLayout p) {
 }
 
 size_t Layout::Freeze(uint64_t sub_group_size, Tier optimizer_tier, double ratio) {
-  // Sub-groups: consecutive parameters up to sub_group_size partition elements.
+  // Sub-groups: consecutive trainable parameters up to sub_group_size partition elements.
   for (ParamId id = 0; id < params_.size(); ++id) {
     ParamLayout& p = params_[id];
+    if (!p.info.trainable) continue;
     const size_t slice = RoundUp(p.info.partition_numel, kSliceAlign);
     if (groups_.empty() ||
         (groups_.back().numel + slice > sub_group_size && !groups_.back().params.empty())) {
@@ -85,8 +86,25 @@ size_t Layout::Freeze(uint64_t sub_group_size, Tier optimizer_tier, double ratio
     p.slice_offset = g.numel;
     p.index_in_group = g.params.size();
     g.params.push_back(id);
-    if (p.info.trainable) ++g.trainable;
+    ++g.trainable;
     g.numel += slice;
+  }
+  const size_t trainable_groups = groups_.size();
+  // The frozen parameters: one sub-group without states, never stepped.
+  for (ParamId id = 0; id < params_.size(); ++id) {
+    ParamLayout& p = params_[id];
+    if (p.info.trainable) continue;
+    if (num_frozen_ == 0) {
+      groups_.emplace_back();
+      groups_.back().frozen = true;
+    }
+    GroupLayout& g = groups_.back();
+    p.info.sub_group = groups_.size() - 1;
+    p.slice_offset = 0;
+    p.index_in_group = g.params.size();
+    g.params.push_back(id);
+    ++num_frozen_;
+    frozen_numel_ += p.info.numel;
   }
   // offload_optimizer.ratio: the share of sub-groups whose states are offloaded (cpu or nvme)
   // and stepped by the CPU. The others stay in device memory and are stepped there: the
@@ -94,8 +112,8 @@ size_t Layout::Freeze(uint64_t sub_group_size, Tier optimizer_tier, double ratio
   // would overlap least with the backward).
   const size_t offloaded = optimizer_tier == Tier::kDevice
                                ? 0
-                               : static_cast<size_t>(std::llround(ratio * groups_.size()));
-  for (size_t gi = 0; gi + offloaded < groups_.size(); ++gi) groups_[gi].on_device = true;
+                               : static_cast<size_t>(std::llround(ratio * trainable_groups));
+  for (size_t gi = 0; gi + offloaded < trainable_groups; ++gi) groups_[gi].on_device = true;
   frozen_ = true;
   return offloaded;
 }
@@ -109,8 +127,10 @@ size_t Layout::LargestGroupStateBytes(StateType t) const {
 }
 
 std::vector<size_t> Layout::GroupOrder() const {
-  std::vector<size_t> order(groups_.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = order.size() - 1 - i;
+  std::vector<size_t> order;
+  for (size_t i = groups_.size(); i-- > 0;) {
+    if (!groups_[i].frozen) order.push_back(i);
+  }
   return order;
 }
 

@@ -41,6 +41,10 @@ struct GroupLayout {
   std::vector<ParamId> params;
   size_t numel = 0;   // state elements (slices aligned)
   int trainable = 0;  // its trainable parameters
+  // The sub-group of the frozen parameters (ParamSpec::trainable false), after every trainable
+  // one: data, not state. It has no states (numel 0), no gradients, and is never stepped or
+  // written back; its parameters' values live in their parameter stores alone.
+  bool frozen = false;
   // Kept and stepped on the device (offload_optimizer.device none, or beyond
   // offload_optimizer.ratio).
   bool on_device = false;
@@ -53,21 +57,27 @@ class Layout {
  public:
   // `elem_size`: bytes per stored parameter element (2 with bf16 storage); `states`: how the
   // optimizer states are stored (zinf.optimizer_state_dtype).
-  Layout(int world, size_t elem_size, StateType states = StateType::kF32)
-      : world_(world), elem_size_(elem_size), states_(states) {}
+  // `frozen_int8`: frozen parameters are stored as int8 blocks (zinf.frozen_weight_dtype).
+  Layout(int world, size_t elem_size, StateType states = StateType::kF32, bool frozen_int8 = false)
+      : world_(world), elem_size_(elem_size), states_(states), frozen_int8_(frozen_int8) {}
 
   // A parameter as it would be added (validated: shape, name, uniqueness); nothing changes.
   Result<ParamLayout> Describe(const std::string& name, const std::vector<int64_t>& shape,
                                bool trainable, uint64_t persistence_threshold) const;
   ParamId Add(ParamLayout p);
-  // Cuts the parameters into sub-groups of up to `sub_group_size` partition elements and
-  // marks the first `num_groups() - offloaded` of them as kept on the device, where
-  // `offloaded` comes from the optimizer tier and ratio. Returns `offloaded`.
+  // Cuts the trainable parameters (in registration order, frozen ones skipped) into
+  // sub-groups of up to `sub_group_size` partition elements and marks the first
+  // `trainable_groups - offloaded` of them as kept on the device, where `offloaded` comes from
+  // the optimizer tier and ratio. The frozen parameters, if any, form one last sub-group
+  // (GroupLayout::frozen). Returns `offloaded`.
   size_t Freeze(uint64_t sub_group_size, Tier optimizer_tier, double ratio);
   bool frozen() const { return frozen_; }
 
   size_t num_params() const { return params_.size(); }
   size_t num_groups() const { return groups_.size(); }
+  // Frozen (ParamSpec::trainable false) parameters and their elements.
+  size_t num_frozen() const { return num_frozen_; }
+  uint64_t frozen_numel() const { return frozen_numel_; }
   const ParamLayout& param(ParamId id) const { return params_[id]; }
   const GroupLayout& group(size_t gi) const { return groups_[gi]; }
   const std::vector<ParamLayout>& params() const { return params_; }
@@ -76,9 +86,17 @@ class Layout {
   size_t elem_size() const { return elem_size_; }
   StateType state_type() const { return states_; }
 
-  // Bytes of the gathered parameter / this rank's partition, in storage dtype.
+  // Bytes of the gathered parameter (device, storage dtype), of this rank's partition there,
+  // and of the partition in its store (int8 blocks for a frozen parameter with
+  // zinf.frozen_weight_dtype int8, else the storage dtype).
   size_t FullBytes(ParamId id) const { return params_[id].padded_numel * elem_size_; }
-  size_t PartBytes(ParamId id) const { return params_[id].info.partition_numel * elem_size_; }
+  size_t DevicePartBytes(ParamId id) const { return params_[id].info.partition_numel * elem_size_; }
+  size_t PartBytes(ParamId id) const {
+    return StoredInt8(id) ? StateBytes(StateType::kInt8, params_[id].info.partition_numel)
+                          : DevicePartBytes(id);
+  }
+  // Whether parameter `id`'s store holds int8 blocks (a frozen one, frozen_weight_dtype int8).
+  bool StoredInt8(ParamId id) const { return frozen_int8_ && !params_[id].info.trainable; }
   // [master | state 1 | state 2] of a sub-group (the fp32 masters, then exp_avg or Lion's
   // momentum, then exp_avg_sq or Adagrad's sum, each StateBytes(state_type, numel) bytes), and
   // its fp32 gradient accumulators. The methods taking a StateType give the same for states
@@ -116,14 +134,18 @@ class Layout {
   size_t GroupGradBytes(size_t gi) const { return groups_[gi].numel * sizeof(float); }
   size_t LargestGroupStateBytes() const { return LargestGroupStateBytes(states_); }
   size_t LargestGroupStateBytes(StateType t) const;
-  // The order the optimizer steps sub-groups in: backward order, last registered first.
+  // The order the optimizer steps sub-groups in: backward order, last registered first; the
+  // frozen sub-group is never stepped and is not in it.
   std::vector<size_t> GroupOrder() const;
 
  private:
   int world_;
   size_t elem_size_;
   StateType states_;
+  bool frozen_int8_;
   bool frozen_ = false;
+  size_t num_frozen_ = 0;
+  uint64_t frozen_numel_ = 0;
   std::vector<ParamLayout> params_;
   std::vector<GroupLayout> groups_;
   std::set<std::string> names_;

@@ -27,13 +27,16 @@ Result<PinnedPlan> PlanPinnedMemory(const Layout& layout, const EngineConfig& co
   for (ParamId id = 0; id < layout.num_params(); ++id) {
     const ParamLayout& p = layout.param(id);
     const uint64_t part = RoundUp(layout.PartBytes(id), 4096);
-    if (config.offload_param.tier == Tier::kCpu) pinned += delayed ? 2 * part : part;
+    // (A frozen parameter's value never changes: one buffer.)
+    const bool two = delayed && p.info.trainable;
+    if (config.offload_param.tier == Tier::kCpu) pinned += two ? 2 * part : part;
     max_part = std::max<uint64_t>(max_part, RoundUp(p.info.partition_numel * sizeof(float), 4096));
   }
   uint64_t grads_all = 0, max_group_grads = 0;
   uint64_t host_groups = 0;  // sub-groups whose gradients accumulate in pinned memory
   size_t kept_on_device = 0;
   for (size_t gi = 0; gi < layout.num_groups(); ++gi) {
+    if (layout.group(gi).frozen) continue;  // no states, no gradients
     max_group = std::max<uint64_t>(max_group, layout.group(gi).numel);
     if (layout.group(gi).on_device) ++kept_on_device;
     // A sub-group the device steps accumulates its gradients in device memory.
@@ -63,7 +66,9 @@ Result<PinnedPlan> PlanPinnedMemory(const Layout& layout, const EngineConfig& co
                                  total_part) *
                   layout.elem_size(),
               4096);
-  pinned += staging;
+  // int8 frozen weights: a block of the parameter dtype to dequantise into per fetch.
+  const uint64_t dequantise = config.frozen_int8 && layout.num_frozen() > 0 ? max_part : 0;
+  pinned += staging + dequantise;
   // Gradient accumulators. Streaming: two sub-groups' worth is enough (the one the backward
   // fills and the one being stepped); whatever the budget has left goes to them, so backward
   // can run ahead of the optimizer.
@@ -162,7 +167,7 @@ Result<uint64_t> PinnedBytesNeeded(const EngineConfig& config, const std::vector
   if (world_size < 1) return Status::InvalidArgument("PinnedBytesNeeded: world_size must be >= 1");
   // The layout the engine builds for these parameters (Engine::Impl and RegisterParameter),
   // planned under an unlimited budget: what the plan takes is what the budget must hold.
-  Layout layout(world_size, config.bf16 ? 2 : 4, config.optimizer_state_type);
+  Layout layout(world_size, config.bf16 ? 2 : 4, config.optimizer_state_type, config.frozen_int8);
   for (const ParamSpec& spec : params) {
     ZINF_ASSIGN_OR_RETURN(ParamLayout p, layout.Describe(spec.name, spec.shape, spec.trainable,
                                                          config.param_persistence_threshold));
@@ -288,7 +293,7 @@ std::vector<std::string> NvmeFolders(const EngineConfig& config) {
 
 }  // namespace
 
-uint64_t NvmeBytesNeeded(const EngineConfig& c, uint64_t params) {
+uint64_t NvmeBytesNeeded(const EngineConfig& c, uint64_t params, uint64_t frozen) {
   // In 128 bits: a count beyond any disk must not wrap into one that fits.
   unsigned __int128 need = 0;
   const unsigned __int128 n = params;
@@ -303,14 +308,21 @@ uint64_t NvmeBytesNeeded(const EngineConfig& c, uint64_t params) {
   // of everything while a step writes the next one.
   if (c.delayed_update && c.offload_param.tier == Tier::kNvme) need += param_bytes;
   if (c.durable) need *= 2;
+  // Frozen parameters: their stored copy alone, written once (no states, one buffer).
+  if (c.offload_param.tier == Tier::kNvme) {
+    constexpr size_t kN = size_t{1} << 20;
+    need += c.frozen_int8
+                ? static_cast<unsigned __int128>(frozen) * StateBytes(StateType::kInt8, kN) / kN
+                : static_cast<unsigned __int128>(frozen) * (c.bf16 ? 2 : 4);
+  }
   need += need / 50;  // alignment and padding
   return need > UINT64_MAX ? UINT64_MAX : static_cast<uint64_t>(need);
 }
 
-Status PrepareNvmeFolders(const EngineConfig& c, uint64_t params) {
+Status PrepareNvmeFolders(const EngineConfig& c, uint64_t params, uint64_t frozen) {
   if (!UsesNvme(c)) return Status::OK();
   const std::vector<std::string> paths = NvmeFolders(c);
-  const uint64_t need = NvmeBytesNeeded(c, params);
+  const uint64_t need = NvmeBytesNeeded(c, params, frozen);
   uint64_t free_bytes = 0;
   for (size_t i = 0; i < paths.size(); ++i) {
     const std::string& p = paths[i];

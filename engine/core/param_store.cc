@@ -15,7 +15,8 @@ ParamStore::ParamStore(const EngineContext& ctx)
       arena_(ctx.arena),
       swap_(ctx.swap),
       delayed_(ctx.config->delayed_update),
-      homes_(ctx.layout->num_params()) {}
+      homes_(ctx.layout->num_params()),
+      hashes_(ctx.layout->num_params(), 0) {}
 
 ParamStore::~ParamStore() {
   for (ParamId id = 0; id < homes_.size(); ++id) {
@@ -32,7 +33,7 @@ Status ParamStore::Init(ParamId id, PinnedBuffer image, const Resume& resume) {
   // Version 0 goes to buffer 0. The delayed update's second buffer is written by the first
   // optimizer step (or a checkpoint load) before anything reads it; the in-memory tiers get a
   // copy anyway so that it never holds garbage.
-  const int buffers = delayed_ ? 2 : 1;
+  const int buffers = delayed_ && p.info.trainable ? 2 : 1;
   switch (config_->offload_param.tier) {
     case Tier::kDevice: {
       for (int b = 0; b < buffers; ++b) {
@@ -45,7 +46,7 @@ Status ParamStore::Init(ParamId id, PinnedBuffer image, const Resume& resume) {
       return device_->SynchronizeStream(copy_stream_);
     }
     case Tier::kCpu:
-      if (delayed_) {
+      if (buffers == 2) {
         ZINF_ASSIGN_OR_RETURN(h.host_part[1], arena_->Allocate(bytes));
         std::memcpy(h.host_part[1].data(), image.data(), bytes);
       }
@@ -53,26 +54,62 @@ Status ParamStore::Init(ParamId id, PinnedBuffer image, const Resume& resume) {
       return Status::OK();
     case Tier::kNvme: {
       h.swap_key[0] = "param/" + p.info.name;
-      if (delayed_) h.swap_key[1] = "param/" + p.info.name + "#1";
+      if (buffers == 2) h.swap_key[1] = "param/" + p.info.name + "#1";
       if (resume.active && resume.stored_params) {
         // The committed parameter stores were written from these masters in this dtype (the
         // layout check compared the dtype); a size mismatch means another model. With the
         // delayed update the next micro-step reads the version before them.
         bool stored = true;
         for (int64_t v : {resume.step, resume.visible}) {
-          Result<uint64_t> size = swap_->Size(h.swap_key[Buf(v)]);
+          Result<uint64_t> size = swap_->Size(h.swap_key[B(id, Buf(v))]);
           stored = stored && size.ok() && *size == bytes;
         }
         if (stored) return Status::OK();
       }
-      if (resume.active && resume.visible != resume.step) {
+      if (resume.active && resume.visible != resume.step && p.info.trainable) {
         return Status::FailedPrecondition(
             "ResumeFromStore: the store lacks parameter '" + p.info.name + "' at step " +
             std::to_string(resume.visible) + ", which the delayed update reads next");
       }
       // Version 0, or at a resume the masters' version.
-      const std::string& key = h.swap_key[Buf(resume.active ? resume.step : 0)];
+      const std::string& key = h.swap_key[B(id, Buf(resume.active ? resume.step : 0))];
       ZINF_ASSIGN_OR_RETURN(Ticket t, swap_->Write(key, image.data(), bytes, image.capacity()));
+      return swap_->Wait(t);
+    }
+  }
+  return Status::Internal("unknown parameter tier");
+}
+
+Status ParamStore::ReadFrozen(ParamId id, void* out, size_t capacity) {
+  const Home& h = homes_[id];
+  const size_t bytes = layout_->PartBytes(id);
+  switch (config_->offload_param.tier) {
+    case Tier::kDevice:
+      ZINF_RETURN_IF_ERROR(device_->CopyDeviceToHost(out, h.device_part[0], bytes, update_stream_));
+      return device_->SynchronizeStream(update_stream_);
+    case Tier::kCpu:
+      std::memcpy(out, h.host_part[0].data(), bytes);
+      return Status::OK();
+    case Tier::kNvme: {
+      ZINF_ASSIGN_OR_RETURN(Ticket t, swap_->Read(h.swap_key[0], out, capacity));
+      return swap_->Wait(t);
+    }
+  }
+  return Status::Internal("unknown parameter tier");
+}
+
+Status ParamStore::WriteFrozen(ParamId id, const void* src, size_t capacity) {
+  Home& h = homes_[id];
+  const size_t bytes = layout_->PartBytes(id);
+  switch (config_->offload_param.tier) {
+    case Tier::kDevice:
+      ZINF_RETURN_IF_ERROR(device_->CopyHostToDevice(h.device_part[0], src, bytes, update_stream_));
+      return device_->SynchronizeStream(update_stream_);
+    case Tier::kCpu:
+      std::memcpy(h.host_part[0].data(), src, bytes);
+      return Status::OK();
+    case Tier::kNvme: {
+      ZINF_ASSIGN_OR_RETURN(Ticket t, swap_->Write(h.swap_key[0], src, bytes, capacity));
       return swap_->Wait(t);
     }
   }

@@ -1,7 +1,8 @@
 // Each parameter partition's home on its tier (device memory, pinned host memory or an NVMe
 // swap key), in storage dtype. With the delayed update every home has two buffers: version v
 // of the parameters lives in buffer Buf(v), so the optimizer writes step s's parameters while
-// the trainer reads s - 1's.
+// the trainer reads s - 1's. A frozen parameter's home has one buffer, whatever the version:
+// its value never changes (only SetParameterValues or a load of other values replace it).
 #pragma once
 
 #include <cstdint>
@@ -47,11 +48,25 @@ class ParamStore {
   Status WriteGroup(size_t gi, const float* master, const uint16_t* copy_out, int buf,
                     std::vector<Ticket>* writes);
 
-  void* device_part(ParamId id, int buf) const { return homes_[id].device_part[buf]; }
-  const void* host_part(ParamId id, int buf) const { return homes_[id].host_part[buf].data(); }
-  const std::string& swap_key(ParamId id, int buf) const { return homes_[id].swap_key[buf]; }
+  // A frozen parameter's partition (storage dtype) into `out` (host, PartBytes, 4 KiB
+  // aligned with room for the NVMe read's rounding), or from `src` into its store.
+  Status ReadFrozen(ParamId id, void* out, size_t capacity);
+  Status WriteFrozen(ParamId id, const void* src, size_t capacity);
+  // xxh3-64 of a frozen parameter's whole value (fp32, as registered or last set): what a
+  // checkpoint or the durable store records instead of the values. 0 for trainable ones.
+  uint64_t value_hash(ParamId id) const { return hashes_[id]; }
+  void set_value_hash(ParamId id, uint64_t h) { hashes_[id] = h; }
+  const std::vector<uint64_t>& value_hashes() const { return hashes_; }
+
+  void* device_part(ParamId id, int buf) const { return homes_[id].device_part[B(id, buf)]; }
+  const void* host_part(ParamId id, int buf) const {
+    return homes_[id].host_part[B(id, buf)].data();
+  }
+  const std::string& swap_key(ParamId id, int buf) const { return homes_[id].swap_key[B(id, buf)]; }
 
  private:
+  // The buffer of `id` that holds what buffer `buf` holds for trainable parameters.
+  int B(ParamId id, int buf) const { return layout_->param(id).info.trainable ? buf : 0; }
   struct Home {
     void* device_part[2] = {nullptr, nullptr};  // Tier::kDevice
     PinnedBuffer host_part[2];                  // Tier::kCpu
@@ -68,6 +83,7 @@ class ParamStore {
   SwapStore* const swap_;
   const bool delayed_;
   std::vector<Home> homes_;
+  std::vector<uint64_t> hashes_;
 };
 
 }  // namespace zinf

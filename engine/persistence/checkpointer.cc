@@ -75,8 +75,23 @@ Status Checkpointer::Prepare(const std::string& dir) {
   return collectives_->Agree(local, "PrepareCheckpointDir");
 }
 
+std::string Checkpointer::FrozenMismatch(const CheckpointTensor& t, ParamId id) const {
+  const ParamLayout& p = layout_->param(id);
+  if (t.frozen == !p.info.trainable) {
+    if (!t.frozen || hashes_ == nullptr || (*hashes_)[id] == t.value_hash) return "";
+    return "the frozen tensor '" + p.info.name + "' was saved with other values (value hash " +
+           HashHex(t.value_hash) + ", this engine's " + HashHex((*hashes_)[id]) +
+           "): a checkpoint records frozen weights by hash, not by value; register them with "
+           "the values the run that saved it had (the same base weights)";
+  }
+  return "tensor '" + p.info.name + "' was " + (t.frozen ? "frozen" : "trainable") +
+         " when saved and is " + (t.frozen ? "trainable" : "frozen") +
+         " in this engine; register it as it was saved (which parameters train is fixed per "
+         "engine), or load its values by name (safetensors) instead";
+}
+
 Status Checkpointer::Save(const std::string& dir, const std::string& user_data, int64_t step,
-                          StateStore* states) {
+                          StateStore* states, const std::vector<uint64_t>& hashes) {
   namespace fs = std::filesystem;
   const std::string incoming = dir + "/" + checkpoint_folder::kIncoming;
   // Rank 0 makes sure of the folder (created 0700, writable, locked) and prepares an empty
@@ -114,6 +129,21 @@ Status Checkpointer::Save(const std::string& dir, const std::string& user_data, 
     man.tensors.resize(layout_->num_params());
     for (size_t gi = 0; gi < layout_->num_groups() && s.ok(); ++gi) {
       const GroupLayout& g = layout_->group(gi);
+      if (g.frozen) {  // data, not state: recorded by value hash
+        for (ParamId id : g.params) {
+          CheckpointTensor& t = man.tensors[id];
+          const ParamLayout& p = layout_->param(id);
+          t.name = p.info.name;
+          t.numel = p.info.numel;
+          t.partition_numel = p.info.partition_numel;
+          t.sub_group = gi;
+          t.frozen = true;
+          t.value_hash = hashes[id];
+          t.updates = 0;  // never stepped
+        }
+        man.groups.push_back({0, offset});
+        continue;
+      }
       s = states->Read(gi, buf.data);
       if (!s.ok()) {
         s = s.WithContext("reading optimizer states of sub-group " + std::to_string(gi));
@@ -196,9 +226,14 @@ Status Checkpointer::Validate(const std::string& folder, RankManifest* man, int*
   for (size_t i = 0; i < num_params; ++i) {
     const ParamLayout& p = layout_->param(static_cast<ParamId>(i));
     const CheckpointTensor& t = man->tensors[i];
+    if (t.name == p.info.name && t.numel == p.info.numel) {
+      if (std::string why = FrozenMismatch(t, static_cast<ParamId>(i)); !why.empty()) {
+        return mismatch(why);
+      }
+    }
     if (t.name != p.info.name || t.numel != p.info.numel ||
         t.partition_numel != p.info.partition_numel || t.sub_group != p.info.sub_group ||
-        t.slice_offset != p.slice_offset) {
+        (!t.frozen && t.slice_offset != p.slice_offset)) {
       return mismatch("tensor " + std::to_string(i) + " is '" + t.name + "' with " +
                       std::to_string(t.numel) + " elements, this engine has '" + p.info.name +
                       "' with " + std::to_string(p.info.numel));
@@ -226,6 +261,7 @@ Status Checkpointer::Validate(const std::string& folder, RankManifest* man, int*
 
 Status Checkpointer::ReadGroup(int fd, size_t gi, StateType file_type, const RankManifest& man,
                                const std::string& states_path, void* buf) const {
+  if (layout_->group(gi).frozen) return Status::OK();  // nothing stored
   ZINF_RETURN_IF_ERROR(PreadAll(fd, buf, layout_->GroupStateBytes(gi, file_type),
                                 man.groups[gi].offset, states_path, "a torn checkpoint"));
   const char* f = static_cast<const char*>(buf);
@@ -326,6 +362,9 @@ Status Checkpointer::ValidateResharded(const std::string& folder, int saved_worl
       if (t.sub_group >= m.groups.size()) {
         return Status::Corruption(man_path + ": tensor '" + t.name + "' names a missing sub-group");
       }
+      if (std::string why = FrozenMismatch(t, static_cast<ParamId>(i)); !why.empty()) {
+        return mismatch(why);
+      }
       // The saved parts must tile the tensor as `saved_world` ranks cut it (Layout's rule):
       // a manifest that says otherwise would leave holes that load as zeros.
       const uint64_t expected = RoundUp((t.numel + saved_world - 1) / saved_world, kPartitionAlign);
@@ -371,11 +410,14 @@ Status Checkpointer::ValidateResharded(const std::string& folder, int saved_worl
     t.sub_group = p.info.sub_group;
     t.slice_offset = p.slice_offset;
     t.updates = first.tensors[i].updates;
+    t.frozen = first.tensors[i].frozen;
+    t.value_hash = first.tensors[i].value_hash;
     man.tensors.push_back(t);
   }
   // Pass 1: every saved slice this rank will take from is read and verified now.
   reader->file_type_ = *ParseStateType(first.state_dtype);
   for (size_t i = 0; i < num_params; ++i) {
+    if (!layout_->param(static_cast<ParamId>(i)).info.trainable) continue;  // nothing stored
     const size_t part = layout_->param(static_cast<ParamId>(i)).info.partition_numel;
     const uint64_t begin = static_cast<uint64_t>(rank_) * part, end = begin + part;
     for (const CheckpointReader::Saved& saved : reader->saved_) {
@@ -435,6 +477,7 @@ Status Checkpointer::ReadSavedSlice(const CheckpointReader::Saved& saved, size_t
 
 Status CheckpointReader::ReadResharded(size_t gi, void* buf) {
   const Layout& layout = *owner_->layout_;
+  if (layout.group(gi).frozen) return Status::OK();  // nothing stored
   char* out = static_cast<char*>(buf);
   std::memset(out, 0, layout.GroupStateBytes(gi, file_type_));  // padding stays zero
   for (ParamId id : layout.group(gi).params) {
@@ -480,7 +523,13 @@ Result<const void*> CheckpointReader::ReadGroup(size_t gi) {
 }
 
 Result<std::unique_ptr<CheckpointReader>> Checkpointer::Open(const std::string& dir,
-                                                             bool fall_back_to_older) {
+                                                             bool fall_back_to_older,
+                                                             const std::vector<uint64_t>& hashes) {
+  hashes_ = &hashes;
+  struct Unset {
+    const std::vector<uint64_t>** p;
+    ~Unset() { *p = nullptr; }
+  } unset{&hashes_};
   Status local = rank_ == 0 ? LockDir(dir, /*create=*/false) : Status::OK();
   ZINF_RETURN_IF_ERROR(collectives_->Agree(local, "LoadCheckpoint"));
   // Which checkpoints there are: "none yet" only for a folder that holds none at all; a

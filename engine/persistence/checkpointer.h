@@ -81,11 +81,15 @@ class Checkpointer {
   }
   // Writes the states of every sub-group of `states` as step `step`. A collective; the
   // optimizer must be idle.
+  // Frozen parameters are recorded by `hashes` (ParamStore::value_hashes), not written.
   Status Save(const std::string& dir, const std::string& user_data, int64_t step,
-              StateStore* states);
+              StateStore* states, const std::vector<uint64_t>& hashes);
   // Finds the checkpoint to load (the newest, or with `fall_back_to_older` the newest readable
   // one) and validates it in full. A collective; nothing changes.
-  Result<std::unique_ptr<CheckpointReader>> Open(const std::string& dir, bool fall_back_to_older);
+  // A checkpoint whose frozen tensors were other values than `hashes` (this engine's) is
+  // refused, naming the first.
+  Result<std::unique_ptr<CheckpointReader>> Open(const std::string& dir, bool fall_back_to_older,
+                                                 const std::vector<uint64_t>& hashes);
 
  private:
   friend class CheckpointReader;
@@ -112,9 +116,14 @@ class Checkpointer {
   Status ReadSavedSlice(const CheckpointReader::Saved& saved, size_t i, int k, StateType type,
                         uint64_t copy_from, uint64_t copy_bytes, char* dst) const;
 
+  // Tensor `id` of a checkpoint against this engine's parameter: trainable in both, or frozen
+  // in both with the same value; otherwise what differs (empty when they match).
+  std::string FrozenMismatch(const CheckpointTensor& t, ParamId id) const;
+
   const Layout* const layout_;
   const EngineConfig* const config_;
   HostCollectives* const collectives_;
+  const std::vector<uint64_t>* hashes_ = nullptr;  // Open's, while it runs
   const int rank_;
   const int world_;
   const std::function<void(const std::string&)> validated_;  // EngineHooks::checkpoint_validated

@@ -15,6 +15,7 @@ const char* StorageName(const EngineConfig& c) { return c.bf16 ? "bf16" : "fp32"
 
 std::string CommitRecord::Meta(int64_t at_step, int64_t at_visible, uint64_t lineage,
                                const std::vector<int64_t>& updates,
+                               const std::vector<uint64_t>& hashes,
                                const std::string& user_data) const {
   nlohmann::json j;
   j["format"] = "zinf-durable-1";
@@ -31,7 +32,7 @@ std::string CommitRecord::Meta(int64_t at_step, int64_t at_visible, uint64_t lin
   for (ParamId id = 0; id < layout_->num_params(); ++id) {
     const ParamLayout& p = layout_->param(id);
     ps.push_back({p.info.name, p.info.numel, p.info.partition_numel, p.info.sub_group,
-                  p.slice_offset, updates[id]});
+                  p.slice_offset, updates[id], hashes[id]});
   }
   j["params"] = ps;
   if (!user_data.empty()) j["user_data"] = user_data;
@@ -111,6 +112,7 @@ Status CommitRecord::Check(const std::string& meta, Point* out) const {
                       std::to_string(out->step));
     }
     out->updates.assign(params.size(), out->step);
+    out->frozen_hashes.assign(params.size(), 0);
     for (size_t i = 0; i < params.size(); ++i) {
       if (ps[i].size() < 6) continue;  // a commit from before per-parameter counts
       const int64_t u = ps[i].at(5).get<int64_t>();
@@ -119,6 +121,7 @@ Status CommitRecord::Check(const std::string& meta, Point* out) const {
                         " updates at step " + std::to_string(out->step));
       }
       out->updates[i] = u;
+      if (ps[i].size() >= 7) out->frozen_hashes[i] = ps[i].at(6).get<uint64_t>();
     }
   } catch (const nlohmann::json::exception& ex) {
     return Status::Corruption(std::string("ResumeFromStore: the store's commit record is "
@@ -132,7 +135,9 @@ Status DurableCommits::Commit(int64_t at_step, int64_t at_visible) {
   if (!config_->durable) return Status::OK();
   std::vector<int64_t> updates(record_.num_params());
   for (ParamId id = 0; id < updates.size(); ++id) updates[id] = states_->updates(id);
-  return swap_->Commit(record_.Meta(at_step, at_visible, lineage_, updates, user_data_))
+  return swap_
+      ->Commit(
+          record_.Meta(at_step, at_visible, lineage_, updates, params_->value_hashes(), user_data_))
       .WithContext("committing the durable swap store at step " + std::to_string(at_step));
 }
 

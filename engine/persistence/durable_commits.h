@@ -10,6 +10,7 @@
 #include "engine/core/engine_context.h"
 #include "engine/core/host_collectives.h"
 #include "engine/core/layout.h"
+#include "engine/core/param_store.h"
 #include "engine/core/state_store.h"
 #include "zinf/config.h"
 #include "zinf/swap.h"
@@ -38,8 +39,10 @@ class CommitRecord {
       : layout_(layout), config_(config), world_(world) {}
 
   // The record of a commit at `at_step` whose next micro-step reads version `at_visible`.
+  // `hashes`: each frozen parameter's value hash (ParamStore::value_hash; 0 for trainable).
   std::string Meta(int64_t at_step, int64_t at_visible, uint64_t lineage,
-                   const std::vector<int64_t>& updates, const std::string& user_data) const;
+                   const std::vector<int64_t>& updates, const std::vector<uint64_t>& hashes,
+                   const std::string& user_data) const;
   // What the commit `meta` holds, checked against this engine's layout and configuration.
   struct Point {
     int64_t step = 0;
@@ -47,7 +50,10 @@ class CommitRecord {
     bool param_keys = false;  // the commit holds NVMe parameter stores
     uint64_t lineage = 0;
     std::vector<int64_t> updates;  // each parameter's update count
-    std::string user_data;         // the trainer's record (SetCommitUserData)
+    // Each frozen parameter's value hash as committed (0: trainable, or a commit from before
+    // frozen parameters were recorded); the resume compares it with the values registered.
+    std::vector<uint64_t> frozen_hashes;
+    std::string user_data;  // the trainer's record (SetCommitUserData)
   };
   Status Check(const std::string& meta, Point* point) const;
 
@@ -77,10 +83,11 @@ class CommitRecord {
 // The durable mode's commits of this engine's swap store.
 class DurableCommits {
  public:
-  DurableCommits(const EngineContext& ctx, const StateStore* states)
+  DurableCommits(const EngineContext& ctx, const StateStore* states, const ParamStore* params)
       : record_(ctx.layout, ctx.config, ctx.comm->world_size()),
         config_(ctx.config),
         states_(states),
+        params_(params),
         swap_(ctx.swap) {}
 
   const CommitRecord& record() const { return record_; }
@@ -102,6 +109,7 @@ class DurableCommits {
   const CommitRecord record_;
   const EngineConfig* const config_;
   const StateStore* const states_;
+  const ParamStore* const params_;
   SwapStore* const swap_;
   uint64_t lineage_ = 0;
   std::string user_data_;

@@ -101,6 +101,13 @@ struct EngineConfig {
   // steps (zinf/cpu_adam.h StateType: bf16 nearest even; int8 blockwise, 1 + 4/256 bytes per
   // element). The master parameters stay fp32. Adagrad refuses int8.
   StateType optimizer_state_type = StateType::kF32;
+  // zinf.frozen_weight_dtype "as-is" (default) or "int8": how frozen parameters
+  // (ParamSpec::trainable false) are stored on the cpu and nvme tiers. int8: linear blockwise
+  // (kInt8StateBlock elements share an fp32 scale, their largest magnitude / 127; 1 + 4/256
+  // bytes per element), dequantised into the parameter dtype on the host as they are fetched;
+  // the error of an element is at most its block's largest magnitude / 254. Needs
+  // offload_param.device cpu or nvme.
+  bool frozen_int8 = false;
   int optimizer_threads = 0;  // CPU Adam threads; 0 = all cores
   // zinf.collective_timeout_seconds: with ranks as processes, how long a rank waits in one
   // collective (or at the group's creation) for its peers before every rank fails with a

@@ -225,6 +225,16 @@ float Bf16ToFp32(uint16_t value);
 uint16_t Fp32ToFp16(float value);
 float Fp16ToFp32(uint16_t value);
 
+// Frozen weights stored as linear blockwise int8 (zinf.frozen_weight_dtype "int8"), in
+// StateBytes(StateType::kInt8, n) bytes: per block of kInt8StateBlock elements, the codes
+// round(x / scale) (nearest even, in -127..127), then the fp32 scale = the block's largest
+// magnitude / 127. A value decodes to code * scale, so its error is at most scale / 2 (the
+// block's largest magnitude / 254). InvalidArgument for an inf or NaN. `dst` 4-byte aligned.
+Status QuantizeWeightsInt8(const float* src, size_t n, void* dst);
+// Decodes into fp32, or into bf16 (the fp32 value rounded as Fp32ToBf16 rounds).
+void DequantizeWeightsInt8(const void* src, size_t n, float* dst);
+void DequantizeWeightsInt8Bf16(const void* src, size_t n, uint16_t* dst);
+
 // Sum of squares of a gradient buffer (accumulated in double) and whether it holds an inf or
 // a NaN: the inputs of gradient-norm clipping and of the fp16 overflow check, in one pass.
 struct GradStats {

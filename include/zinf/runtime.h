@@ -79,17 +79,19 @@ Result<Runtime> NewRuntime(const RuntimeOptions& options);
 
 // ---- The NVMe plan (in zinf::engine) ----------------------------------------------------------
 
-// Bytes the NVMe tiers of `config` need for a model of `params` parameters: the parameters in
-// their storage dtype and the optimizer's master and states as stored (the delayed update's
-// second parameter buffer, durable mode's committed copy, 2 % for alignment). Saturates at
+// Bytes the NVMe tiers of `config` need for a model of `params` trainable parameters and
+// `frozen` frozen ones: the parameters in their storage dtype and the optimizer's master and
+// states as stored (the delayed update's second parameter buffer, durable mode's committed
+// copy, 2 % for alignment); a frozen parameter only its stored copy, once. Saturates at
 // UINT64_MAX for counts beyond any disk.
-uint64_t NvmeBytesNeeded(const EngineConfig& config, uint64_t params);
+uint64_t NvmeBytesNeeded(const EngineConfig& config, uint64_t params, uint64_t frozen = 0);
 
-// Prepares the swap folders of `config` for a model of `params` parameters, before anything is
-// written: each inside zinf.allowed_nvme_roots (checked before a folder is created), created
-// when missing, and room for NvmeBytesNeeded on them (the swap files a run will reuse count as
-// free). InvalidArgument naming the folder and the key; ResourceExhausted with the size needed
-// and the free space; the errno of a folder that cannot be created. No-op without NVMe tiers.
-Status PrepareNvmeFolders(const EngineConfig& config, uint64_t params);
+// Prepares the swap folders of `config` for a model of `params` trainable and `frozen` frozen
+// parameters, before anything is written: each inside zinf.allowed_nvme_roots (checked before
+// a folder is created), created when missing, and room for NvmeBytesNeeded on them (the swap
+// files a run will reuse count as free). InvalidArgument naming the folder and the key;
+// ResourceExhausted with the size needed and the free space; the errno of a folder that cannot be
+// created. No-op without NVMe tiers.
+Status PrepareNvmeFolders(const EngineConfig& config, uint64_t params, uint64_t frozen = 0);
 
 }  // namespace zinf

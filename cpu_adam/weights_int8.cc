@@ -1,0 +1,78 @@
+// Frozen weights as linear blockwise int8 (zinf.frozen_weight_dtype "int8"): each block of
+// kInt8StateBlock elements is kInt8StateBlock signed codes followed by its fp32 scale (the
+// layout, and so the size, of StateBytes(kInt8, n)). Written for the compiler to vectorise
+// (built with the kernels' -O3): the dequantisation runs on every fetch of a frozen weight.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "zinf/cpu_adam.h"
+
+namespace zinf {
+
+namespace {
+
+constexpr size_t kBlock = kInt8StateBlock;
+constexpr size_t kBlockBytes = kInt8StateBlock + sizeof(float);
+
+inline uint16_t ToBf16(float v) {  // as Fp32ToBf16, for the finite values a block decodes to
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  if ((bits & 0x7f800000u) == 0) return static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+}  // namespace
+
+Status QuantizeWeightsInt8(const float* src, size_t n, void* dst) {
+  auto* out = static_cast<uint8_t*>(dst);
+  for (size_t at = 0; at < n; at += kBlock) {
+    const size_t len = std::min(kBlock, n - at);
+    const float* x = src + at;
+    int8_t* codes = reinterpret_cast<int8_t*>(out + at / kBlock * kBlockBytes);
+    float largest = 0;
+    for (size_t i = 0; i < len; ++i) {
+      if (!std::isfinite(x[i])) {
+        return Status::InvalidArgument("int8 frozen weights: element " + std::to_string(at + i) +
+                                       " is inf or NaN, which int8 cannot store");
+      }
+      largest = std::max(largest, std::fabs(x[i]));
+    }
+    const float scale = largest / 127.0f;
+    const float inv = scale > 0 ? 1.0f / scale : 0.0f;
+    for (size_t i = 0; i < len; ++i) {
+      // Nearest even; |x * inv| <= 127 up to rounding, clamped so a rounding up stays a code.
+      const float q = std::nearbyint(x[i] * inv);
+      codes[i] = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
+    }
+    for (size_t i = len; i < kBlock; ++i) codes[i] = 0;  // the last block's padding
+    std::memcpy(codes + kBlock, &scale, sizeof(scale));
+  }
+  return Status::OK();
+}
+
+void DequantizeWeightsInt8(const void* src, size_t n, float* dst) {
+  const auto* in = static_cast<const uint8_t*>(src);
+  for (size_t at = 0; at < n; at += kBlock) {
+    const size_t len = std::min(kBlock, n - at);
+    const int8_t* codes = reinterpret_cast<const int8_t*>(in + at / kBlock * kBlockBytes);
+    float scale;
+    std::memcpy(&scale, codes + kBlock, sizeof(scale));
+    float* out = dst + at;
+    for (size_t i = 0; i < len; ++i) out[i] = static_cast<float>(codes[i]) * scale;
+  }
+}
+
+void DequantizeWeightsInt8Bf16(const void* src, size_t n, uint16_t* dst) {
+  const auto* in = static_cast<const uint8_t*>(src);
+  for (size_t at = 0; at < n; at += kBlock) {
+    const size_t len = std::min(kBlock, n - at);
+    const int8_t* codes = reinterpret_cast<const int8_t*>(in + at / kBlock * kBlockBytes);
+    float scale;
+    std::memcpy(&scale, codes + kBlock, sizeof(scale));
+    uint16_t* out = dst + at;
+    for (size_t i = 0; i < len; ++i) out[i] = ToBf16(static_cast<float>(codes[i]) * scale);
+  }
+}
+
+}  // namespace zinf

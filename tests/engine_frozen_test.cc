@@ -1,0 +1,453 @@
+// Frozen parameters (ParamSpec::trainable false) are data, not state: stored once in the
+// parameter dtype, no master and no optimizer states, never written back, fetched like the
+// others. What a run with a frozen "base" beside small trainable "adapters" must show against
+// the same run without the base: the adapters train to the same bits, the NVMe writes per step
+// are the same bytes, the swap store grows by the base's stored copy alone; the base reads back
+// as registered (bf16-rounded with bf16 storage). Checkpoints and the durable store record the
+// base by its value hash: a load or resume with other base values, or with the base trainable,
+// is refused naming it. SetParameterValues replaces a frozen value in its store.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/engine_test_model.h"
+#include "tests/test_util.h"
+#include "zinf/comm.h"
+#include "zinf/config.h"
+#include "zinf/cpu_adam.h"
+#include "zinf/device.h"
+#include "zinf/engine.h"
+
+namespace zinf {
+namespace {
+
+using testing::HashUniform;
+using testing::TempDir;
+
+constexpr size_t kBase = 1 << 18;  // 262,144 frozen elements (1 MiB in fp32)
+constexpr int64_t kAdapter[] = {64, 48};
+constexpr size_t kAdapters = 3;
+
+struct Options {
+  bool bf16 = false;
+  bool int8 = false;  // zinf.frozen_weight_dtype int8
+  bool delayed = false;
+  bool with_base = true;
+  bool base_trainable = false;
+  uint64_t base_seed = 1;
+  int ranks = 1;
+  int steps = 4;
+  bool durable = false;
+  bool resume = false;  // ResumeFromStore instead of a fresh start
+  std::string load;     // LoadCheckpoint from here before training
+  std::string save;     // SaveCheckpoint here after training
+  std::function<void(Engine*, const std::vector<ParamId>&)> before;  // after registration
+};
+
+struct Outcome {
+  Status status;
+  std::vector<std::vector<float>> values;  // gathered, registration order
+  std::vector<StepStats> stats;            // per step, rank 0
+};
+
+float BaseValue(uint64_t seed, size_t i) { return 0.3f * HashUniform(seed, 7, i); }
+float AdapterValue(size_t a, size_t i) { return 0.1f * HashUniform(0xADA, a, i); }
+// A gradient that depends on the step and, like a LoRA gradient, on the adapter's value.
+float Grad(size_t a, size_t i, int step, float w) {
+  return 0.05f * HashUniform(0x6AD, a * 1000 + static_cast<size_t>(step), i) + 0.01f * w;
+}
+
+EngineConfig Config(const Options& o, const std::string& nvme) {
+  EngineConfig c;
+  c.offload_param.tier = Tier::kNvme;
+  c.offload_optimizer.tier = Tier::kNvme;
+  c.offload_param.nvme_paths = {nvme};
+  c.offload_optimizer.nvme_paths = {nvme};
+  c.offload_param.buffer_size = 1 << 16;
+  c.offload_optimizer.buffer_size = 1 << 16;
+  c.sub_group_size = 4096;
+  c.prefetch_bucket_size = 1 << 19;
+  c.param_persistence_threshold = 0;
+  c.bf16 = o.bf16;
+  c.frozen_int8 = o.int8;
+  c.delayed_update = o.delayed;
+  c.durable = o.durable;
+  c.durable_overwrite = o.durable && !o.resume;
+  c.optimizer.lr = 1e-2f;
+  c.optimizer_threads = 1;
+  c.pinned_budget_bytes = 64ull << 20;
+  return c;
+}
+
+Status TrainRank(const Options& o, const std::string& nvme, Device* device, Communicator* comm,
+                 Outcome* out) {
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                        Engine::Create(Config(o, nvme), device, comm));
+  std::vector<ParamId> ids;
+  std::vector<bool> trainable;
+  for (size_t a = 0; a < kAdapters; ++a) {
+    if (a == 1 && o.with_base) {  // registered between the adapters, as LoRA's base is
+      ParamSpec base;
+      base.name = "base";
+      base.shape = {static_cast<int64_t>(kBase)};
+      base.trainable = o.base_trainable;
+      const uint64_t seed = o.base_seed;
+      base.init = [seed](float* d, size_t n) {
+        for (size_t i = 0; i < n; ++i) d[i] = BaseValue(seed, i);
+      };
+      ZINF_ASSIGN_OR_RETURN(ParamId id, engine->RegisterParameter(base));
+      ids.push_back(id);
+      trainable.push_back(o.base_trainable);
+    }
+    ParamSpec spec;
+    spec.name = "adapter" + std::to_string(a);
+    spec.shape = {kAdapter[0], kAdapter[1]};
+    spec.init = [a](float* d, size_t n) {
+      for (size_t i = 0; i < n; ++i) d[i] = AdapterValue(a, i);
+    };
+    ZINF_ASSIGN_OR_RETURN(ParamId id, engine->RegisterParameter(spec));
+    ids.push_back(id);
+    trainable.push_back(true);
+  }
+  if (o.resume) {
+    ZINF_RETURN_IF_ERROR(engine->ResumeFromStore());
+  } else {
+    ZINF_RETURN_IF_ERROR(engine->FinishRegistration());
+  }
+  if (o.before) o.before(engine.get(), ids);
+  if (!o.load.empty()) ZINF_RETURN_IF_ERROR(engine->LoadCheckpoint(o.load));
+  const int rank = comm->rank(), world = comm->world_size();
+  for (int step = static_cast<int>(engine->global_step()); step < o.steps; ++step) {
+    ZINF_ASSIGN_OR_RETURN(std::vector<void*> views, engine->Acquire(ids));
+    // The adapters' gradients from their current values (fp32 storage: exact; bf16: rounded).
+    std::vector<std::vector<float>> grads;
+    for (size_t k = 0, a = 0; k < ids.size(); ++k) {
+      if (!trainable[k] || engine->param(ids[k]).name == "base") continue;
+      const size_t n = engine->param(ids[k]).numel;
+      std::vector<float> w(n);
+      if (o.bf16) {
+        const uint16_t* b = static_cast<const uint16_t*>(views[k]);
+        for (size_t i = 0; i < n; ++i) w[i] = Bf16ToFp32(b[i]);
+      } else {
+        std::memcpy(w.data(), views[k], n * sizeof(float));
+      }
+      std::vector<float> g(n);
+      // Every rank hands its share: the sum over ranks is the gradient.
+      for (size_t i = 0; i < n; ++i) g[i] = Grad(a, i, step, w[i]) / static_cast<float>(world);
+      grads.push_back(std::move(g));
+      ++a;
+    }
+    ZINF_RETURN_IF_ERROR(engine->Release(ids));
+    for (size_t k = 0, a = 0; k < ids.size(); ++k) {
+      if (!trainable[k] || engine->param(ids[k]).name == "base") continue;
+      ZINF_RETURN_IF_ERROR(engine->ReduceGradient(ids[k], grads[a++].data()));
+    }
+    ZINF_ASSIGN_OR_RETURN(StepStats st, engine->Step());
+    if (rank == 0) out->stats.push_back(st);
+  }
+  if (!o.save.empty()) ZINF_RETURN_IF_ERROR(engine->SaveCheckpoint(o.save));
+  for (ParamId id : ids) {
+    std::vector<float> v(engine->param(id).numel);
+    ZINF_RETURN_IF_ERROR(engine->GatherMasterParameter(id, v.data()));
+    if (rank == 0) out->values.push_back(std::move(v));
+  }
+  return Status::OK();
+}
+
+Outcome Train(const Options& o, const std::string& nvme) {
+  Outcome run;
+  std::vector<std::unique_ptr<Device>> devices;
+  std::vector<Device*> raw;
+  for (int r = 0; r < o.ranks; ++r) {
+    devices.push_back(NewHostDevice({}));
+    raw.push_back(devices.back().get());
+  }
+  Result<std::vector<std::unique_ptr<Communicator>>> comms = NewLocalComms(raw);
+  if (!comms.ok()) return {comms.status(), {}, {}};
+  std::vector<Status> status(o.ranks);
+  std::vector<Outcome> runs(o.ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < o.ranks; ++r) {
+    threads.emplace_back(
+        [&, r] { status[r] = TrainRank(o, nvme, raw[r], (*comms)[r].get(), &runs[r]); });
+  }
+  for (std::thread& t : threads) t.join();
+  run = std::move(runs[0]);
+  for (const Status& s : status) {
+    if (!s.ok() && run.status.ok()) run.status = s;
+  }
+  return run;
+}
+
+// The adapters' values (every tensor but "base").
+std::vector<std::vector<float>> Adapters(const Outcome& run, bool with_base) {
+  std::vector<std::vector<float>> out;
+  for (size_t k = 0; k < run.values.size(); ++k) {
+    if (with_base && k == 1) continue;
+    out.push_back(run.values[k]);
+  }
+  return out;
+}
+
+std::vector<float> ExpectedBase(uint64_t seed, bool bf16) {
+  std::vector<float> v(kBase);
+  for (size_t i = 0; i < kBase; ++i) {
+    v[i] = BaseValue(seed, i);
+    if (bf16) v[i] = Bf16ToFp32(Fp32ToBf16(v[i]));
+  }
+  return v;
+}
+
+TEST(EngineFrozen, TheBaseCostsItsStoredCopyAloneAndNeverChanges) {
+  for (bool bf16 : {false, true}) {
+    for (bool delayed : {false, true}) {
+      for (int ranks : {1, 2}) {
+        SCOPED_TRACE(std::string(bf16 ? "bf16" : "fp32") + (delayed ? ", delayed" : "") + ", " +
+                     std::to_string(ranks) + " rank(s)");
+        TempDir d1, d2;
+        ASSERT_TRUE(d1.ok() && d2.ok());
+        Options o;
+        o.bf16 = bf16;
+        o.delayed = delayed;
+        o.ranks = ranks;
+        const Outcome with = Train(o, d1.path());
+        ASSERT_TRUE(with.status.ok()) << with.status.ToString();
+        o.with_base = false;
+        const Outcome without = Train(o, d2.path());
+        ASSERT_TRUE(without.status.ok()) << without.status.ToString();
+        // The adapters train exactly as without the base.
+        ASSERT_EQ(with.values.size(), kAdapters + 1);
+        EXPECT_EQ(Adapters(with, true), Adapters(without, false));
+        EXPECT_NE(Adapters(with, true)[0], std::vector<float>(kAdapter[0] * kAdapter[1]))
+            << "the adapters did not train";
+        // The base reads back as registered.
+        EXPECT_EQ(with.values[1], ExpectedBase(1, bf16));
+        // NVMe: the same writes per step; the store holds the base's copy once more.
+        ASSERT_EQ(with.stats.size(), without.stats.size());
+        uint64_t read_with = 0, read_without = 0, write_with = 0, write_without = 0;
+        uint64_t step_writes = 0, step_reads = 0;  // the most one step of the adapters moves
+        for (size_t s = 0; s < with.stats.size(); ++s) {
+          // (The delayed update's writes straddle the steps: compared in sum below.)
+          if (!delayed) {
+            EXPECT_EQ(with.stats[s].nvme_write_bytes, without.stats[s].nvme_write_bytes)
+                << "step " << s + 1;
+          }
+          read_with += with.stats[s].nvme_read_bytes;
+          read_without += without.stats[s].nvme_read_bytes;
+          write_with += with.stats[s].nvme_write_bytes;
+          write_without += without.stats[s].nvme_write_bytes;
+          step_writes = std::max(step_writes, without.stats[s].nvme_write_bytes);
+          step_reads = std::max(step_reads, without.stats[s].nvme_read_bytes);
+        }
+        EXPECT_LE(write_with, write_without + step_writes);
+        // The base is read at most once per step (its forward fetch; this trainer's backward
+        // needs none), and once more by the prefetch each Step issues for the next one. (Summed:
+        // the delayed update's reads straddle the steps, by at most one step's.)
+        EXPECT_LE(read_with, read_without + (delayed ? step_reads : 0) +
+                                 (with.stats.size() + 1) * (kBase * (bf16 ? 2 : 4) / ranks));
+        // (The swap files grow in steps of at least 1 MiB: the bound allows one. The base's
+        // master, states and copies, as trainable parameters keep them, would add 4 MiB.)
+        const uint64_t base_bytes = kBase * (bf16 ? 2 : 4) / ranks;
+        EXPECT_LE(with.stats.back().nvme_bytes,
+                  without.stats.back().nvme_bytes + base_bytes + (1 << 20));
+      }
+    }
+  }
+}
+
+TEST(EngineFrozen, CheckpointsRecordTheBaseByHash) {
+  TempDir nvme, ckpt;
+  ASSERT_TRUE(nvme.ok() && ckpt.ok());
+  Options straight;
+  straight.steps = 5;
+  const Outcome full = Train(straight, nvme.path());
+  ASSERT_TRUE(full.status.ok()) << full.status.ToString();
+
+  Options first;
+  first.steps = 3;
+  first.save = ckpt.path();
+  ASSERT_TRUE(Train(first, nvme.path()).status.ok());
+  // The base is not in the states file: it holds the adapters' states alone.
+  std::ifstream in(ckpt.path() + "/step-000000003/rank0.json");
+  const std::string manifest((std::istreambuf_iterator<char>(in)),
+                             std::istreambuf_iterator<char>());
+  EXPECT_NE(manifest.find("\"frozen\""), std::string::npos) << manifest.substr(0, 200);
+
+  Options resumed = straight;
+  resumed.load = ckpt.path();
+  const Outcome cont = Train(resumed, nvme.path());
+  ASSERT_TRUE(cont.status.ok()) << cont.status.ToString();
+  EXPECT_EQ(cont.values, full.values);
+
+  Options other = resumed;
+  other.base_seed = 2;
+  const Outcome refused = Train(other, nvme.path());
+  EXPECT_EQ(refused.status.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.status.message().find("frozen tensor 'base' was saved with other values"),
+            std::string::npos)
+      << refused.status.ToString();
+
+  Options unfrozen = resumed;
+  unfrozen.base_trainable = true;
+  const Outcome refused2 = Train(unfrozen, nvme.path());
+  EXPECT_EQ(refused2.status.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused2.status.message().find("'base' was frozen when saved"), std::string::npos)
+      << refused2.status.ToString();
+
+  // Two ranks load the one-rank checkpoint (re-partitioned; the base by its hash).
+  Options two = resumed;
+  two.ranks = 2;
+  const Outcome cont2 = Train(two, nvme.path());
+  ASSERT_TRUE(cont2.status.ok()) << cont2.status.ToString();
+  EXPECT_EQ(cont2.values[1], ExpectedBase(1, false));
+}
+
+TEST(EngineFrozen, SetParameterValuesReplacesTheBaseInItsStore) {
+  TempDir nvme, ckpt;
+  ASSERT_TRUE(nvme.ok() && ckpt.ok());
+  Options o;
+  o.steps = 2;
+  o.save = ckpt.path();
+  o.before = [](Engine* engine, const std::vector<ParamId>& ids) {
+    Status s = engine->SetParameterValues({ids[1]}, [](ParamId, float* d) {
+      for (size_t i = 0; i < kBase; ++i) d[i] = BaseValue(2, i);
+      return Status::OK();
+    });
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  };
+  const Outcome set = Train(o, nvme.path());
+  ASSERT_TRUE(set.status.ok()) << set.status.ToString();
+  EXPECT_EQ(set.values[1], ExpectedBase(2, false));
+  // The checkpoint records the new values: it loads with them, not with the old ones.
+  Options load;
+  load.steps = 2;
+  load.load = ckpt.path();
+  load.base_seed = 2;
+  EXPECT_TRUE(Train(load, nvme.path()).status.ok());
+  load.base_seed = 1;
+  EXPECT_EQ(Train(load, nvme.path()).status.code(), StatusCode::kFailedPrecondition);
+}
+
+TEST(EngineFrozen, TheDurableStoreResumesOnlyWithTheSameBase) {
+  TempDir nvme;
+  ASSERT_TRUE(nvme.ok());
+  Options straight;
+  straight.steps = 4;
+  straight.durable = true;
+  const Outcome full = Train(straight, nvme.path());
+  ASSERT_TRUE(full.status.ok()) << full.status.ToString();
+  Options part = straight;
+  part.steps = 2;
+  ASSERT_TRUE(Train(part, nvme.path()).status.ok());
+  Options other = straight;
+  other.resume = true;
+  other.base_seed = 2;
+  const Outcome refused = Train(other, nvme.path());
+  EXPECT_EQ(refused.status.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.status.message().find("frozen parameter 'base'"), std::string::npos)
+      << refused.status.ToString();
+  Options same = straight;
+  same.resume = true;
+  const Outcome resumed = Train(same, nvme.path());
+  ASSERT_TRUE(resumed.status.ok()) << resumed.status.ToString();
+  EXPECT_EQ(resumed.values, full.values);
+}
+
+// The int8 code of frozen weights: every element within its block's largest magnitude / 254
+// (half a step), the last block padded with zeros, bf16 decoding = fp32 decoding rounded as
+// Fp32ToBf16, inf and NaN refused.
+TEST(FrozenInt8, EveryElementIsWithinHalfAStepOfItsBlock) {
+  const size_t n = 3 * kInt8StateBlock + 77;
+  std::vector<float> x(n);
+  for (size_t i = 0; i < n; ++i) x[i] = (i / kInt8StateBlock + 1) * HashUniform(0x18, 1, i);
+  x[5] = 0;
+  std::vector<uint8_t> q(StateBytes(StateType::kInt8, n), 0xAB);
+  ASSERT_TRUE(QuantizeWeightsInt8(x.data(), n, q.data()).ok());
+  std::vector<float> back(n);
+  DequantizeWeightsInt8(q.data(), n, back.data());
+  std::vector<uint16_t> half(n);
+  DequantizeWeightsInt8Bf16(q.data(), n, half.data());
+  double worst = 0;
+  for (size_t b = 0; b * kInt8StateBlock < n; ++b) {
+    const size_t lo = b * kInt8StateBlock, hi = std::min(n, lo + kInt8StateBlock);
+    float largest = 0;
+    for (size_t i = lo; i < hi; ++i) largest = std::max(largest, std::fabs(x[i]));
+    for (size_t i = lo; i < hi; ++i) {
+      const double err = std::fabs(static_cast<double>(back[i]) - x[i]);
+      // (+1e-4: the fp32 scale and product round, by a few ulp of the block.)
+      EXPECT_LE(err, largest / 254.0 * (1 + 1e-4)) << "element " << i;
+      worst = std::max(worst, err / largest);
+      EXPECT_EQ(half[i], Fp32ToBf16(back[i])) << "element " << i;
+    }
+  }
+  EXPECT_GT(worst, 1.0 / 1000) << "nothing was quantised";
+  EXPECT_EQ(back[5], 0.0f);
+  // The last block's padding codes are zero.
+  const uint8_t* last = q.data() + 3 * (kInt8StateBlock + 4);
+  for (size_t i = 77; i < kInt8StateBlock; ++i) EXPECT_EQ(last[i], 0) << i;
+  x[300] = std::nanf("");
+  Status s = QuantizeWeightsInt8(x.data(), n, q.data());
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("element 300"), std::string::npos) << s.ToString();
+}
+
+// zinf.frozen_weight_dtype int8: the adapters train exactly as with the base as-is (this
+// trainer's gradients do not read it); the base reads back as its int8 code decodes; the
+// base's stored copy and its reads per step are about half of bf16's.
+TEST(EngineFrozen, Int8FrozenWeightsHalveTheBasesBytes) {
+  for (int ranks : {1, 2}) {
+    SCOPED_TRACE(std::to_string(ranks) + " rank(s)");
+    TempDir d1, d2;
+    ASSERT_TRUE(d1.ok() && d2.ok());
+    Options o;
+    o.bf16 = true;
+    o.ranks = ranks;
+    o.steps = 3;
+    const Outcome plain = Train(o, d1.path());
+    ASSERT_TRUE(plain.status.ok()) << plain.status.ToString();
+    o.int8 = true;
+    const Outcome int8 = Train(o, d2.path());
+    ASSERT_TRUE(int8.status.ok()) << int8.status.ToString();
+    EXPECT_EQ(Adapters(int8, true), Adapters(plain, true));
+    // The base as its code decodes (each rank quantises its partition: blocks start at the
+    // partition's start, 16-element aligned).
+    std::vector<float> base(kBase);
+    for (size_t i = 0; i < kBase; ++i) base[i] = BaseValue(1, i);
+    std::vector<float> expect(kBase);
+    const size_t part = kBase / ranks;
+    std::vector<uint8_t> q(StateBytes(StateType::kInt8, part));
+    for (int r = 0; r < ranks; ++r) {
+      ASSERT_TRUE(QuantizeWeightsInt8(base.data() + r * part, part, q.data()).ok());
+      DequantizeWeightsInt8(q.data(), part, expect.data() + r * part);
+    }
+    EXPECT_EQ(int8.values[1], expect);
+    EXPECT_NE(int8.values[1], ExpectedBase(1, true));
+    uint64_t read_plain = 0, read_int8 = 0;
+    for (size_t s = 0; s < plain.stats.size(); ++s) {
+      read_plain += plain.stats[s].nvme_read_bytes;
+      read_int8 += int8.stats[s].nvme_read_bytes;
+    }
+    // The adapters' reads are the same in both; the base's are 260 / 512 of bf16's.
+    const double base_reads =
+        static_cast<double>(read_plain - read_int8) / (static_cast<double>(kBase) * 2 / ranks);
+    EXPECT_GE(base_reads, plain.stats.size() * 0.45) << read_plain << " vs " << read_int8;
+  }
+  // Not on the device tier: refused by name.
+  EngineConfig c;
+  c.frozen_int8 = true;
+  Status s = ValidateEngineConfig(c);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("zinf.frozen_weight_dtype"), std::string::npos) << s.ToString();
+}
+
+}  // namespace
+}  // namespace zinf
