@@ -7,18 +7,25 @@ trained with zinf's optimizer; parameters and optimizer states live on NVMe by d
     python3 python/examples/finetune.py --preset 1B --steps 3
     python3 python/examples/finetune.py --layers 4 --dim 256 --steps 50 --param-tier cpu
     python3 python/examples/finetune.py --preset 3B --steps 3 --nvme /mnt/nvme --json
+    python3 python/examples/finetune.py --preset 7B --lora 16 --load llama-7b/ --save-dir out
 
 Tokens are the file's bytes (vocabulary 256, as zinf-train), so no tokenizer is needed; with
---load, a checkpoint in Hugging Face Llama names loads by name (the vocabulary then comes from
-the checkpoint's embedding, and the text is still read as bytes: bring your own tokens for a
-real fine-tune). One line per step: loss, tokens/s, NVMe GB/s (read + write), overlap
+--load, a checkpoint in Hugging Face Llama names (or one --save wrote) loads by name (the
+vocabulary then comes from the checkpoint's embedding, and the text is still read as bytes:
+bring your own tokens for a real fine-tune). One line per step: loss, tokens/s, NVMe GB/s (read + write), overlap
 efficiency, step time. At the end one JSON line like zinf-train's.
+
+--lora RANK trains LoRA adapters (lora.py beside this file: no peft) on the attention's
+q and v projections and the MLP's three (--lora-targets), with everything else frozen
+(requires_grad=False before zinf.initialize: zinf keeps a frozen parameter as data, no master,
+no optimizer states, never written back). --save-dir then exports the adapters alone.
 """
 import argparse
 import json
 import math
 import os
 import resource
+import statistics
 import sys
 import time
 
@@ -31,6 +38,8 @@ try:
 except ImportError as e:
     raise SystemExit("finetune: cannot import zinf (%s): pip install ./python, or run with "
                      "PYTHONPATH=build/python after scripts/build.sh" % e)
+sys.path.insert(0, HERE)
+from lora import LORA_TARGETS, add_lora  # noqa: E402 (beside this file)
 
 # Llama shapes (dim, layers, heads, kv heads, MLP hidden); vocabulary 256 unless loaded.
 PRESETS = {
@@ -74,7 +83,19 @@ def parse_args():
     ap.add_argument("--sub-group-size", type=float, default=2.5e7)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--load", help="a .safetensors file, index or folder (HF Llama names)")
-    ap.add_argument("--save", help="export the trained weights as safetensors here")
+    ap.add_argument("--save", "--save-dir", dest="save",
+                    help="export the trained weights as safetensors here (with --lora: the "
+                         "adapters alone, fp32)")
+    ap.add_argument("--lora", type=int, metavar="RANK", help="train LoRA adapters of this "
+                    "rank, the rest frozen")
+    ap.add_argument("--lora-alpha", type=float, help="LoRA's alpha (default 2 x RANK: "
+                    "scaling alpha/RANK = 2 whatever the rank)")
+    ap.add_argument("--lora-targets", default="q,v,mlp",
+                    help="comma-separated, of %s (mlp: gate, up and down)"
+                         % ",".join(sorted(LORA_TARGETS)))
+    ap.add_argument("--frozen-weight-dtype", choices=["as-is", "int8"],
+                    help="config zinf.frozen_weight_dtype: how frozen weights are stored "
+                         "(default: the engine's, as-is)")
     ap.add_argument("--checkpoint-dir")
     ap.add_argument("--resume", action="store_true", help="from --checkpoint-dir's newest")
     ap.add_argument("--seed", type=int, default=0)
@@ -96,6 +117,14 @@ def parse_args():
         ap.error("--lr, --warmup and --clip must be finite and >= 0")
     if args.resume and not args.checkpoint_dir:
         ap.error("--resume needs --checkpoint-dir")
+    args.lora_targets = [t for t in args.lora_targets.split(",") if t]
+    if args.lora is not None:
+        if args.lora < 1:
+            ap.error("--lora must be at least 1")
+        if not args.lora_targets or set(args.lora_targets) - set(LORA_TARGETS):
+            ap.error("--lora-targets: a comma-separated list of %s" % ",".join(LORA_TARGETS))
+        if args.lora_alpha is None:
+            args.lora_alpha = 2.0 * args.lora
     return args
 
 
@@ -124,6 +153,8 @@ def make_config(args):
     z.setdefault("pinned_budget_bytes", args.pinned_budget)
     if args.device_budget:
         z["device_budget_bytes"] = args.device_budget
+    if args.frozen_weight_dtype:
+        z["frozen_weight_dtype"] = args.frozen_weight_dtype
     return cfg
 
 
@@ -168,19 +199,29 @@ def main():
     with zinf.Init(cfg):
         model = Llama(vocab=vocab, dim=args.dim, layers=args.layers, n_heads=args.heads,
                       n_kv_heads=args.kv_heads, hidden=args.hidden, max_seq=args.seq)
+        if args.lora:
+            add_lora(model, args.lora, args.lora_alpha, args.lora_targets)
     params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print("finetune: Llama %d layers, dim %d, %d/%d heads, MLP %d, vocabulary %d: %d parameters "
           "(%.3g B); parameters on %s (%s), optimizer states on %s; batch %d x seq %d"
           % (args.layers, args.dim, args.heads, args.kv_heads, args.hidden, vocab, params,
              params / 1e9, args.param_tier, "fp32" if args.fp32 else "bf16", args.optimizer_tier,
              args.batch, args.seq), file=out, flush=True)
+    if args.lora:
+        print("finetune: LoRA rank %d, alpha %g on %s: %d trainable, %d frozen parameters"
+              % (args.lora, args.lora_alpha, ",".join(args.lora_targets), trainable,
+                 params - trainable), file=out, flush=True)
     engine = zinf.initialize(model, cfg, device=args.device)
     if args.load:
+        hf = any(k.startswith("model.") for k in tensors)  # HF names, else --save's own
         report = zinf.load_safetensors(
             engine, args.load, strict=False,
-            name_map=lambda n: n if n.startswith("lm_head") else "model." + n)
-        print("finetune: loaded %d tensors from %s (%d missing)"
-              % (len(report["loaded"]), args.load, len(report["missing"])), file=out)
+            name_map=lambda n: n if n.startswith("lm_head") or not hf else "model." + n)
+        missing = [n for n in report["missing"] if not n.endswith((".lora_A", ".lora_B"))]
+        print("finetune: loaded %d tensors from %s (%d missing%s)"
+              % (len(report["loaded"]), args.load, len(missing),
+                 ", besides the new adapters" if args.lora else ""), file=out)
     first = 0
     if args.resume:
         try:
@@ -192,13 +233,13 @@ def main():
     data = Batches(args.data, args.seq, args.batch, args.seed)
     device = engine.device
     tokens = args.batch * args.seq * args.grad_accum
-    losses, seconds, gbps, overlap, details = [], [], [], [], []
+    losses, seconds, gbps, overlap, details, reads, writes = [], [], [], [], [], [], []
     init_seconds = None
     for step in range(first, args.steps):
         lr = args.lr * min(1.0, (step + 1) / max(1, args.warmup))
         engine.set_lr(lr)
         t = time.time()
-        loss_sum, nvme, eff = 0.0, 0, []
+        loss_sum, read, written, eff = 0.0, 0, 0, []
         for micro in range(args.grad_accum):
             x, y = (z.to(device) for z in data.get(step, micro))
             loss = engine(x, y)
@@ -207,7 +248,8 @@ def main():
             engine.backward(loss)
             stats = engine.step()
             loss_sum += loss.item() / args.grad_accum
-            nvme += stats["nvme_read_bytes"] + stats["nvme_write_bytes"]
+            read += stats["nvme_read_bytes"]
+            written += stats["nvme_write_bytes"]
             eff.append(stats["overlap_efficiency"])
             details.append({k: round(v, 3) if isinstance(v, float) else v
                             for k, v in stats.items() if k.endswith(("seconds", "bytes", "hits",
@@ -215,19 +257,28 @@ def main():
         dt = time.time() - t
         losses.append(loss_sum)
         seconds.append(dt)
-        gbps.append(nvme / dt / 1e9)
+        gbps.append((read + written) / dt / 1e9)
+        reads.append(read)
+        writes.append(written)
         overlap.append(sum(eff) / len(eff))
         print("step %4d  loss %.4f  %8.0f tokens/s  NVMe %5.2f GB/s  overlap %.2f  %.1f s  "
               "lr %.2e" % (step + 1, loss_sum, tokens / dt, gbps[-1], overlap[-1], dt, lr),
               file=out, flush=True)
         if args.checkpoint_dir:
             engine.save_checkpoint(args.checkpoint_dir, {"step": step + 1})
-    if args.save:
+    if args.save and args.lora:
+        zinf.save_safetensors(engine, args.save, trainable_only=True)
+    elif args.save:
         zinf.save_safetensors(engine, args.save,
                               dtype=torch.float32 if args.fp32 else torch.bfloat16)
     later = slice(1, None) if len(seconds) > 1 else slice(None)
     summary = {
         "params": params,
+        "trainable_params": trainable,
+        "frozen_params": params - trainable,
+        "lora": {"rank": args.lora, "alpha": args.lora_alpha, "targets": args.lora_targets}
+        if args.lora else None,
+        "frozen_weight_dtype": cfg["zinf"].get("frozen_weight_dtype", "as-is"),
         "steps": len(losses),
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,
@@ -235,6 +286,10 @@ def main():
         "nvme_gbps": sum(gbps[later]) / len(gbps[later]) if gbps else 0,
         "overlap_efficiency": sum(overlap[later]) / len(overlap[later]) if overlap else 0,
         "step_seconds": seconds,
+        # Medians over the steps after the first (the first fetches everything cold).
+        "step_seconds_median": statistics.median(seconds[later]) if seconds else None,
+        "nvme_read_bytes_per_step": statistics.median(reads[later]) if reads else None,
+        "nvme_write_bytes_per_step": statistics.median(writes[later]) if writes else None,
         "init_seconds": init_seconds,
         "engine_stats": details,
         "peak_rss_bytes": peak_rss(),

@@ -289,7 +289,7 @@ class ZinfEngine:
         return self._registry.managed(param)
 
     def gather(self, param, dtype=torch.float32):
-        """A parameter's full fp32 master values (a new CPU tensor, in `dtype`)."""
+        """A parameter's values (fp32 master; frozen: stored copy) as a new CPU `dtype` tensor."""
         self._enter("gather")
         return _state.gather(self, self._managed(param), dtype)
 

@@ -11,6 +11,11 @@
   gradient, summed over every use in the backward, to the engine (reduce-scatter, fp32
   accumulators) and clears `param.grad`. One gradient per parameter per micro-step: a second
   one (a backward without step()) is refused with what to do.
+- Trainability is fixed at zinf.initialize: a parameter registered frozen (requires_grad=False
+  then) has no gradient hook and no optimizer states, so setting its requires_grad to True
+  afterwards is refused (unfrozen_error: at the setter, _subclasses.py; at the next forward
+  with gradients; at step() if a gradient reached it anyway). Freezing a trained parameter is
+  fine: it gets no gradient and the optimizer skips it.
 
 Every hook holds the engine weakly: the model never keeps a dropped engine alive.
 """
@@ -20,12 +25,38 @@ import weakref
 import torch
 
 from . import _zinf
-from ._calls import base_data
+from ._calls import DISABLE, base_data
+from ._optim import error
 from ._packing import weak_hook
 from ._param import GradState
 from ._residency import Frame
 
 ZinfError = _zinf.ZinfError
+
+
+def frozen_at_initialize(p):
+    """Whether ManagedParam `p` was registered frozen (requires_grad=False at
+    zinf.initialize): no gradient hook, no optimizer states. A parameter left out of
+    DeepSpeed's model_parameters keeps its hook (its gradients are dropped)."""
+    return p.grad_node is None
+
+
+def unfrozen_error(names, what):
+    """The refusal of training a parameter registered frozen (`what`: what happened)."""
+    shown = ", ".join("'%s'" % n for n in names[:8])
+    if len(names) > 8:
+        shown += " and %d more" % (len(names) - 8)
+    return error(
+        "FailedPrecondition",
+        "parameter(s) %s: %s; they were frozen (requires_grad=False) when zinf.initialize "
+        "registered them, and zinf fixes the set of trained parameters at zinf.initialize (a "
+        "frozen parameter keeps only its stored values: no fp32 master, no optimizer states). "
+        "Set requires_grad before zinf.initialize; or save the values (zinf.save_safetensors), "
+        "build the model again with the new trainable set, zinf.initialize it and load them "
+        "(zinf.load_safetensors; a checkpoint loads only into the trainable set it was saved "
+        "with, and the newly trained parameters start with fresh optimizer states). "
+        "Freezing a trained parameter after initialize needs nothing: "
+        "it gets no gradient and the optimizer skips it" % (shown, what))
 
 
 class ParameterDict(collections.OrderedDict):
@@ -136,6 +167,12 @@ class ModuleHooks:
                     "parameters must not be converted or moved after zinf.initialize (no "
                     "model.to(), .half(), .cuda())" % (p.names[0], data.dtype, data.device,
                                                          p.dtype, e.device))
+        if torch.is_grad_enabled():
+            with DISABLE():  # requires_grad set past the setter's check (_subclasses.py)
+                unfrozen = [p.names[0] for p in self._registry.params
+                            if frozen_at_initialize(p) and p.param.requires_grad]
+            if unfrozen:
+                raise unfrozen_error(unfrozen, "requires_grad is True in this forward")
         if e._stream is not None and torch.cuda.current_stream(e.device).cuda_stream != \
                 e._stream:
             raise ZinfError("torch's current CUDA stream changed since zinf.initialize; the "
@@ -182,7 +219,11 @@ class ModuleHooks:
     def check_no_stray_grads(self):
         """Before a step: no parameter holds a .grad its hook did not take."""
         with torch._C.DisableTorchFunction():
-            stray = [p.names[0] for p in self._registry.params if p.param.grad is not None]
+            held = [p for p in self._registry.params if p.param.grad is not None]
+        unfrozen = [p.names[0] for p in held if frozen_at_initialize(p)]
+        if unfrozen:
+            raise unfrozen_error(unfrozen, "a gradient reached their .grad")
+        stray = [p.names[0] for p in held]
         if stray:
             raise ZinfError(
                 "parameter(s) %s hold a .grad that never reached zinf (the gradient hook is "

@@ -115,15 +115,20 @@ def _read_raw(ckpt, name, dtype, shape):
 
 
 def save_safetensors(engine, save_dir, shard_size="5G", dtype=torch.float32, metadata=None,
-                     buffers=True):
-    """Exports the parameters' fp32 masters (or bf16, rounded to nearest even) as
+                     buffers=None, trainable_only=False):
+    """Exports the parameters' values (fp32, or bf16 rounded to nearest even) as
     model.safetensors, or as model-0000i-of-0000K.safetensors shards of at most `shard_size`
     bytes ("5G", "500M" or a number) with model.safetensors.index.json, under each parameter's
-    first name (tied parameters once). With `buffers` (the default) the model's persistent
-    buffers follow under their state_dict names, as state_dict() has them (BatchNorm's running
-    statistics: a model exported and loaded elsewhere evaluates the same); float buffers in
-    `dtype`, others (num_batches_tracked) as they are. One tensor in host memory at a time;
-    every file is written to a temporary name and renamed, the index last."""
+    first name (tied parameters once). With `buffers` (the default unless `trainable_only`)
+    the model's persistent buffers follow under their state_dict names, as state_dict() has
+    them (BatchNorm's running statistics: a model exported and loaded elsewhere evaluates the
+    same); float buffers in `dtype`, others (num_batches_tracked) as they are.
+
+    `trainable_only`: only the parameters registered trainable (requires_grad at
+    zinf.initialize, and in model_parameters when given): a LoRA run's adapters, without the
+    frozen base. Buffers are then left out unless `buffers=True` is passed (they belong to
+    the base). One tensor in host memory at a time; every file is written to a temporary name
+    and renamed, the index last."""
     engine._enter("save_safetensors")
     if isinstance(shard_size, str):
         shard_bytes = _zinf.parse_byte_size(shard_size, "shard_size")
@@ -134,7 +139,16 @@ def save_safetensors(engine, save_dir, shard_size="5G", dtype=torch.float32, met
         raise ZinfError("save_safetensors: dtype torch.float32 or torch.bfloat16")
     meta = {"format": "pt"}
     meta.update(metadata or {})
-    mapping = [(p.id, p.names[0]) for p in engine._registry.params]
+    params = engine._registry.params
+    if trainable_only:
+        params = [p for p in params if p.trainable]
+        if not params:
+            raise ZinfError("save_safetensors(trainable_only=True): the engine trains no "
+                            "parameter (every one was frozen at zinf.initialize); nothing to "
+                            "export (pass trainable_only=False to export the model)")
+    if buffers is None:
+        buffers = not trainable_only
+    mapping = [(p.id, p.names[0]) for p in params]
     extra, keep = [], []
     if buffers:
         for name, buf in engine._persistent_buffers().items():

@@ -90,7 +90,8 @@ def resume_from_store(engine):
 
 
 def gather(engine, p, dtype):
-    """`p`'s full fp32 master values (a new CPU tensor, in `dtype`)."""
+    """`p`'s full values: its fp32 master, or a frozen one's stored copy (a new CPU tensor, in
+    `dtype`)."""
     out = torch.empty(p.shape, dtype=torch.float32)
     engine._core.gather_master(p.id, out.data_ptr())
     return out if dtype == torch.float32 else out.to(dtype)

@@ -10,6 +10,7 @@ import torch
 
 from ._calls import (DISABLE, META, WRITE, base_data, call_tensors, classify, plain,
                      replace_tensor, set_base_data, storage_ptr, written_tensors)
+from ._hooks import frozen_at_initialize, unfrozen_error
 from ._optim import error
 
 
@@ -36,6 +37,8 @@ class ZinfParameter(torch.nn.Parameter):
                         return access.write(func, args, kwargs, written, managed)
                 if any(not t._zinf_rec.state.in_forward for t in managed):
                     return access.read(func, args, kwargs, managed)
+        elif getattr(func, "__name__", "") in ("requires_grad_", "__set__"):
+            _check_requires_grad(func, args, kwargs)
         with DISABLE():
             return func(*args, **kwargs)
 
@@ -75,6 +78,28 @@ class ZinfParameter(torch.nn.Parameter):
         out = torch.nn.Parameter(plain(self.data).detach().clone(), self.requires_grad)
         memo[id(self)] = out
         return out
+
+
+def _check_requires_grad(func, args, kwargs):
+    """Refuses requires_grad=True on a parameter registered frozen (trainability is fixed at
+    zinf.initialize: see _hooks.py); freezing, and every other setter, passes."""
+    if func.__name__ == "__set__":
+        if getattr(getattr(func, "__self__", None), "__name__", "") != "requires_grad":
+            return
+        value = args[1]
+    else:
+        value = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+    param = args[0]
+    rec = param.__dict__.get("_zinf_rec") if type(param) is ZinfParameter else None
+    if not value or rec is None or not frozen_at_initialize(rec):
+        return
+    engine = rec.engine()
+    if engine is None or engine._closed:
+        return
+    with DISABLE():
+        if param.requires_grad:  # set past this check: the forward refuses it
+            return
+    raise unfrozen_error(rec.names, "requires_grad=True after zinf.initialize is refused")
 
 
 def _access_of(param):
