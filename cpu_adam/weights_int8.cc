@@ -15,9 +15,11 @@ namespace {
 constexpr size_t kBlock = kInt8StateBlock;
 constexpr size_t kBlockBytes = kInt8StateBlock + sizeof(float);
 
-inline uint16_t ToBf16(float v) {  // as Fp32ToBf16, for the finite values a block decodes to
+inline uint16_t ToBf16(float v) {  // as Fp32ToBf16
   uint32_t bits;
   std::memcpy(&bits, &v, sizeof(bits));
+  // (A NaN scale: the blocks a failed read leaves, which must reach the peers as NaN.)
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
   if ((bits & 0x7f800000u) == 0) return static_cast<uint16_t>((bits >> 16) & 0x8000u);
   return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
@@ -38,12 +40,15 @@ Status QuantizeWeightsInt8(const float* src, size_t n, void* dst) {
       }
       largest = std::max(largest, std::fabs(x[i]));
     }
-    const float scale = largest / 127.0f;
-    const float inv = scale > 0 ? 1.0f / scale : 0.0f;
+    // A block whose scale is not a normal float (its largest magnitude below 127 x FLT_MIN)
+    // stores as zeros: within the bound, as every value is below a step.
+    float scale = largest / 127.0f;
+    if (!std::isnormal(scale)) scale = 0;
+    const double inv = scale > 0 ? 127.0 / largest : 0.0;  // (in double: never inf)
     for (size_t i = 0; i < len; ++i) {
       // Nearest even; |x * inv| <= 127 up to rounding, clamped so a rounding up stays a code.
-      const float q = std::nearbyint(x[i] * inv);
-      codes[i] = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
+      const double q = std::nearbyint(static_cast<double>(x[i]) * inv);
+      codes[i] = static_cast<int8_t>(std::clamp(q, -127.0, 127.0));
     }
     for (size_t i = len; i < kBlock; ++i) codes[i] = 0;  // the last block's padding
     std::memcpy(codes + kBlock, &scale, sizeof(scale));

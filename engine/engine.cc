@@ -172,7 +172,7 @@ Status Engine::FinishRegistration() {
 Status Engine::Impl::Place() {
   const size_t offloaded = layout.Freeze(config.sub_group_size, config.offload_optimizer.tier,
                                          config.offload_optimizer.ratio);
-  const size_t groups = layout.num_groups();
+  const size_t groups = layout.GroupOrder().size();  // (the frozen sub-group is not stepped)
   if (config.offload_optimizer.tier != Tier::kDevice && config.offload_optimizer.ratio < 1 &&
       rank == 0) {
     // The split is by whole sub-groups: say what the ratio became.
@@ -282,7 +282,9 @@ Status Engine::Impl::InitStores() {
     durable->set_lineage(point.lineage);
     resumed_user_data = point.user_data;
     reopened_store = true;
-    for (ParamId id = 0; id < layout.num_params(); ++id) states->set_updates(id, point.updates[id]);
+    for (ParamId id = 0; id < layout.num_params(); ++id) {
+      states->set_updates(id, layout.param(id).info.trainable ? point.updates[id] : 0);
+    }
     resume.active = true;
     resume.stored_params = point.param_keys;
     resume.step = point.step;
@@ -351,9 +353,18 @@ Status Engine::Impl::InitFrozen(size_t gi, const ParamStore::Resume& resume,
   std::vector<float> full;
   for (ParamId id : layout.group(gi).params) {
     const ParamLayout& p = layout.param(id);
+    if (resume.active && id < committed.size() && committed[id] != 0 &&
+        param_store->HoldsCommitted(id, resume)) {
+      // The store holds the committed copy (NVMe parameters): the run goes on with it, as
+      // with every other committed value (a trainer that loads the base after registering,
+      // as from safetensors, registers other values than the ones committed).
+      param_store->set_value_hash(id, committed[id]);
+      ZINF_RETURN_IF_ERROR(param_store->Init(id, PinnedBuffer(), resume));
+      continue;
+    }
     full.assign(p.padded_numel, 0.0f);
     inits[id](full.data(), p.info.numel);
-    const uint64_t hash = XXH3_64bits(full.data(), p.info.numel * sizeof(float));
+    const uint64_t hash = ValueHash(full.data(), p.info.numel);
     if (resume.active && id < committed.size() && committed[id] != 0 && committed[id] != hash) {
       return Status::FailedPrecondition(
           "ResumeFromStore: the frozen parameter '" + p.info.name +
@@ -370,6 +381,26 @@ Status Engine::Impl::InitFrozen(size_t gi, const ParamStore::Resume& resume,
     if (world == 1 && config.offload_param.tier == Tier::kDevice) fetch->Alias(id);
   }
   return Status::OK();
+}
+
+uint64_t Engine::Impl::ValueHash(const float* full, size_t n) const {
+  if (!config.bf16) return XXH3_64bits(full, n * sizeof(float));
+  // bf16 storage: the values as stored, so that values exported from the store (rounded
+  // already) and registered again hash the same.
+  XXH3_state_t* state = XXH3_createState();
+  if (state == nullptr || XXH3_64bits_reset(state) != XXH_OK) {
+    XXH3_freeState(state);
+    return 0;  // (no frozen hash: nothing is compared)
+  }
+  float chunk[1024];
+  for (size_t at = 0; at < n; at += 1024) {
+    const size_t len = std::min<size_t>(1024, n - at);
+    for (size_t i = 0; i < len; ++i) chunk[i] = Bf16ToFp32(Fp32ToBf16(full[at + i]));
+    XXH3_64bits_update(state, chunk, len * sizeof(float));
+  }
+  const uint64_t h = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
+  return h;
 }
 
 Status Engine::Impl::EncodeFrozen(ParamId id, const float* part, void* out) {

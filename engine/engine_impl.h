@@ -94,6 +94,10 @@ struct Engine::Impl {
   // at a resume the hash must equal the commit's (`committed`, per parameter; 0: unknown).
   Status InitFrozen(size_t gi, const ParamStore::Resume& resume,
                     const std::vector<uint64_t>& committed);
+  // What a checkpoint or a commit records of a frozen parameter's whole value (`n` fp32
+  // values): xxh3-64 of the values as the storage dtype holds them (bf16-rounded with bf16
+  // storage; int8 storage is a cut of those per rank, not hashed); 0 if no hash could be taken.
+  uint64_t ValueHash(const float* full, size_t n) const;
   // This rank's partition (fp32) of frozen parameter `id` in its store's form (PartBytes).
   Status EncodeFrozen(ParamId id, const float* part, void* out);
   // A parameter the optimizer may be rewriting now (delayed update: its gradient was reduced
@@ -135,10 +139,14 @@ struct Engine::Impl {
   // GatherMasterParameter / SetParameterValues of a frozen parameter: its value is its
   // parameter store's (storage dtype), read or written there; SetFrozen records the new hash.
   Status GatherFrozen(ParamId id, float* out);
-  Status SetFrozen(ParamId id, const std::function<Status(ParamId, float*)>& fill);
-  // Every fetched copy goes (it holds values about to change).
-  Status EvictAll() {
-    for (ParamId id = 0; id < layout.num_params(); ++id) ZINF_RETURN_IF_ERROR(fetch->Evict(id));
+  // *wrote: whether its store was written to (then a failure may leave part of the values).
+  Status SetFrozen(ParamId id, const std::function<Status(ParamId, float*)>& fill, bool* wrote);
+  // Every fetched copy goes (it holds values about to change); with `frozen` false, those of
+  // frozen parameters stay.
+  Status EvictAll(bool frozen = true) {
+    for (ParamId id = 0; id < layout.num_params(); ++id) {
+      if (frozen || layout.param(id).info.trainable) ZINF_RETURN_IF_ERROR(fetch->Evict(id));
+    }
     return Status::OK();
   }
   // Installs sub-group `gi`'s [master | m | v] from `buf` and rebuilds its parameter store

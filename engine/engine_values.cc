@@ -109,7 +109,7 @@ Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data,
   // Install: fetched parameter copies are stale from here on; each sub-group is read once,
   // verified in that read, and written into the stores.
   m.gather_states.reset();
-  Status local = m.EvictAll();
+  Status local = m.EvictAll(/*frozen=*/false);  // (a load leaves frozen values as they are)
   const int buf = m.param_store->Buf(man.step);
   for (size_t gi = 0; gi < m.layout.num_groups() && local.ok(); ++gi) {
     if (m.layout.group(gi).frozen) continue;  // their values are the ones registered (hashed)
@@ -205,8 +205,12 @@ Status Engine::Impl::GatherFrozen(ParamId id, float* out) {
   ZINF_RETURN_IF_ERROR(param_store->ReadFrozen(id, stored.data, stored.bytes)
                            .WithContext("reading the frozen parameter '" + p.info.name + "'"));
   std::vector<float> mine(part);
-  if (layout.StoredInt8(id)) {
+  if (layout.StoredInt8(id) && !config.bf16) {
     DequantizeWeightsInt8(stored.data, part, mine.data());
+  } else if (layout.StoredInt8(id)) {  // as the fetch decodes it: into bf16
+    std::vector<uint16_t> b(part);
+    DequantizeWeightsInt8Bf16(stored.data, part, b.data());
+    for (size_t i = 0; i < part; ++i) mine[i] = Bf16ToFp32(b[i]);
   } else if (config.bf16) {
     const uint16_t* b = static_cast<const uint16_t*>(stored.data);
     for (size_t i = 0; i < part; ++i) {
@@ -227,7 +231,8 @@ Status Engine::Impl::GatherFrozen(ParamId id, float* out) {
   return Status::OK();
 }
 
-Status Engine::Impl::SetFrozen(ParamId id, const std::function<Status(ParamId, float*)>& fill) {
+Status Engine::Impl::SetFrozen(ParamId id, const std::function<Status(ParamId, float*)>& fill,
+                               bool* wrote) {
   const ParamLayout& p = layout.param(id);
   std::vector<float> full(p.padded_numel, 0.0f);
   ZINF_RETURN_IF_ERROR(fill(id, full.data()).WithContext("values of '" + p.info.name + "'"));
@@ -238,8 +243,9 @@ Status Engine::Impl::SetFrozen(ParamId id, const std::function<Status(ParamId, f
   }
   ZINF_RETURN_IF_ERROR(EncodeFrozen(
       id, full.data() + static_cast<size_t>(rank) * p.info.partition_numel, image.data));
+  *wrote = true;  // from here on the store may hold part of the new values
   ZINF_RETURN_IF_ERROR(param_store->WriteFrozen(id, image.data, image.bytes));
-  param_store->set_value_hash(id, XXH3_64bits(full.data(), p.info.numel * sizeof(float)));
+  param_store->set_value_hash(id, ValueHash(full.data(), p.info.numel));
   return Status::OK();
 }
 
@@ -271,8 +277,9 @@ Status Engine::SetParameterValues(const std::vector<ParamId>& ids,
     if (!wanted[id]) continue;
     local = m.fetch->Evict(id);  // a fetched copy holds the old values
     if (local.ok() && !m.layout.param(id).info.trainable) {
-      local = m.SetFrozen(id, fill);  // its store alone
-      changed = true;
+      bool wrote = false;
+      local = m.SetFrozen(id, fill, &wrote);  // its store alone
+      changed = changed || wrote;
       continue;
     }
     group_bytes =

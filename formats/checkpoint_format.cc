@@ -64,6 +64,12 @@ Result<uint64_t> ParseHex(const json& v, const std::string& where) {
 
 std::string HashHex(uint64_t v) { return Hex(v); }
 
+Result<uint64_t> ParseHashHex(const std::string& text) {
+  Result<uint64_t> v = ParseHex(json(text), "hash");
+  if (!v.ok()) return Status::InvalidArgument(v.status().message());
+  return v;
+}
+
 std::string SerializeRankManifest(const RankManifest& m) {
   json j;
   j["format"] = kFormatName;

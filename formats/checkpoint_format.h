@@ -53,6 +53,8 @@ struct RankManifest {
 
 // 16 lowercase hex digits (the form checksums take in manifests and messages).
 std::string HashHex(uint64_t v);
+// Its inverse: InvalidArgument unless `text` is 16 lowercase hex digits.
+Result<uint64_t> ParseHashHex(const std::string& text);
 
 // May throw nlohmann::json::type_error for strings that are not valid UTF-8: callers check
 // names and user data first (IsValidUtf8).

@@ -83,6 +83,15 @@ Result<uint64_t> SpillFile::Append(const void* src, HostValueType type, size_t n
 }
 
 Status SpillFile::Read(uint64_t offset, float* out, size_t n) const {
+  {
+    MutexLock lock(&mu_);
+    if (released_.count(offset) != 0) {
+      return Status::FailedPrecondition(
+          "the zinf.Init values of this parameter were handed to an engine already, and their "
+          "space in the spill file in " +
+          dir_ + " was freed; build the model again under zinf.Init for another engine");
+    }
+  }
   char* p = reinterpret_cast<char*>(out);
   size_t left = n * sizeof(float);
   while (left > 0) {
@@ -97,6 +106,15 @@ Status SpillFile::Read(uint64_t offset, float* out, size_t n) const {
     offset += static_cast<uint64_t>(r);
   }
   return Status::OK();
+}
+
+void SpillFile::Release(uint64_t offset, size_t n) {
+  MutexLock lock(&mu_);
+  released_.insert(offset);
+  // Only the space is at stake: a file system without hole punching keeps the blocks until
+  // the file closes, which is what it did before.
+  (void)fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset),
+                  static_cast<off_t>(n * sizeof(float)));  // safe: only frees space, see above
 }
 
 uint64_t SpillFile::bytes() const {

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <string_view>
 
@@ -35,9 +36,14 @@ class SpillFile {
   // Appends n values of `type` at src as fp32; returns their offset. On failure nothing is
   // appended (a later Append reuses the offset). Thread-safe.
   Result<uint64_t> Append(const void* src, HostValueType type, size_t n) EXCLUDES(mu_);
-  // Reads n fp32 values at `offset` (an offset Append returned); Corruption past the end.
-  // Thread-safe (pread).
-  Status Read(uint64_t offset, float* out, size_t n) const;
+  // Reads n fp32 values at `offset` (an offset Append returned); Corruption past the end,
+  // FailedPrecondition for values given up (Release). Thread-safe (pread).
+  Status Read(uint64_t offset, float* out, size_t n) const EXCLUDES(mu_);
+  // The n values at `offset` were handed over for good (the engine holds them now): their disk
+  // blocks go back (a hole is punched), so that the spill shrinks while the engine's stores
+  // grow and the disk holds the larger of the two, not their sum. A later Read of them is
+  // refused. A file system that cannot punch holes keeps the blocks (OK: only space).
+  void Release(uint64_t offset, size_t n) EXCLUDES(mu_);
   uint64_t bytes() const EXCLUDES(mu_);
   const std::string& dir() const { return dir_; }
 
@@ -48,7 +54,8 @@ class SpillFile {
   const std::string dir_;
   const int fd_;
   mutable Mutex mu_;
-  uint64_t size_ GUARDED_BY(mu_) = 0;  // appends are serialised: each owns [offset, end)
+  uint64_t size_ GUARDED_BY(mu_) = 0;            // appends are serialised: each owns [offset, end)
+  std::set<uint64_t> released_ GUARDED_BY(mu_);  // offsets given up (Release)
 };
 
 }  // namespace zinf

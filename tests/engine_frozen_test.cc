@@ -40,10 +40,13 @@ constexpr size_t kAdapters = 3;
 struct Options {
   bool bf16 = false;
   bool int8 = false;  // zinf.frozen_weight_dtype int8
+  Tier param_tier = Tier::kNvme;
+  uint64_t sub_group_size = 4096;
   bool delayed = false;
   bool with_base = true;
   bool base_trainable = false;
   uint64_t base_seed = 1;
+  std::vector<float> base_values;  // when not empty: the base's values (not base_seed's)
   int ranks = 1;
   int steps = 4;
   bool durable = false;
@@ -68,13 +71,13 @@ float Grad(size_t a, size_t i, int step, float w) {
 
 EngineConfig Config(const Options& o, const std::string& nvme) {
   EngineConfig c;
-  c.offload_param.tier = Tier::kNvme;
+  c.offload_param.tier = o.param_tier;
   c.offload_optimizer.tier = Tier::kNvme;
   c.offload_param.nvme_paths = {nvme};
   c.offload_optimizer.nvme_paths = {nvme};
   c.offload_param.buffer_size = 1 << 16;
   c.offload_optimizer.buffer_size = 1 << 16;
-  c.sub_group_size = 4096;
+  c.sub_group_size = o.sub_group_size;
   c.prefetch_bucket_size = 1 << 19;
   c.param_persistence_threshold = 0;
   c.bf16 = o.bf16;
@@ -101,8 +104,9 @@ Status TrainRank(const Options& o, const std::string& nvme, Device* device, Comm
       base.shape = {static_cast<int64_t>(kBase)};
       base.trainable = o.base_trainable;
       const uint64_t seed = o.base_seed;
-      base.init = [seed](float* d, size_t n) {
-        for (size_t i = 0; i < n; ++i) d[i] = BaseValue(seed, i);
+      const std::vector<float> values = o.base_values;
+      base.init = [seed, values](float* d, size_t n) {
+        for (size_t i = 0; i < n; ++i) d[i] = values.empty() ? BaseValue(seed, i) : values[i];
       };
       ZINF_ASSIGN_OR_RETURN(ParamId id, engine->RegisterParameter(base));
       ids.push_back(id);
@@ -303,12 +307,48 @@ TEST(EngineFrozen, CheckpointsRecordTheBaseByHash) {
   EXPECT_NE(refused2.status.message().find("'base' was frozen when saved"), std::string::npos)
       << refused2.status.ToString();
 
+  // With sub-groups as large as the model (the trainable set changes their number), the
+  // refusal still names the tensor.
+  unfrozen.sub_group_size = 1 << 22;
+  Options big = first;
+  big.sub_group_size = 1 << 22;
+  TempDir ckpt2;
+  ASSERT_TRUE(ckpt2.ok());
+  big.save = ckpt2.path();
+  ASSERT_TRUE(Train(big, nvme.path()).status.ok());
+  unfrozen.load = ckpt2.path();
+  const Outcome refused3 = Train(unfrozen, nvme.path());
+  EXPECT_NE(refused3.status.message().find("'base' was frozen when saved"), std::string::npos)
+      << refused3.status.ToString();
+
   // Two ranks load the one-rank checkpoint (re-partitioned; the base by its hash).
   Options two = resumed;
   two.ranks = 2;
   const Outcome cont2 = Train(two, nvme.path());
   ASSERT_TRUE(cont2.status.ok()) << cont2.status.ToString();
   EXPECT_EQ(cont2.values[1], ExpectedBase(1, false));
+}
+
+// With bf16 storage the hash is of the values as stored: a base exported from the store
+// (bf16-rounded) and registered again loads the checkpoint it was saved with.
+TEST(EngineFrozen, AnExportedBf16BaseHashesAsTheOneSaved) {
+  TempDir nvme, ckpt;
+  ASSERT_TRUE(nvme.ok() && ckpt.ok());
+  Options save;
+  save.bf16 = true;
+  save.steps = 2;
+  save.save = ckpt.path();
+  const Outcome saved = Train(save, nvme.path());
+  ASSERT_TRUE(saved.status.ok()) << saved.status.ToString();
+  Options load = save;
+  load.save.clear();
+  load.steps = 3;
+  load.load = ckpt.path();
+  load.base_seed = 0;  // registered from the export below
+  load.base_values = saved.values[1];
+  const Outcome loaded = Train(load, nvme.path());
+  ASSERT_TRUE(loaded.status.ok()) << loaded.status.ToString();
+  EXPECT_EQ(loaded.values[1], saved.values[1]);
 }
 
 TEST(EngineFrozen, SetParameterValuesReplacesTheBaseInItsStore) {
@@ -337,29 +377,52 @@ TEST(EngineFrozen, SetParameterValuesReplacesTheBaseInItsStore) {
   EXPECT_EQ(Train(load, nvme.path()).status.code(), StatusCode::kFailedPrecondition);
 }
 
+// A durable store resumes only with the trainable set it was written with (refused naming the
+// parameter, either way). NVMe parameters: the store's committed copy of the base is the one
+// the run goes on with, whatever values were registered (a trainer that loads its base after
+// registering, from safetensors say, registers placeholders). Parameters in memory: the
+// registered base must hash as committed.
 TEST(EngineFrozen, TheDurableStoreResumesOnlyWithTheSameBase) {
-  TempDir nvme;
-  ASSERT_TRUE(nvme.ok());
-  Options straight;
-  straight.steps = 4;
-  straight.durable = true;
-  const Outcome full = Train(straight, nvme.path());
-  ASSERT_TRUE(full.status.ok()) << full.status.ToString();
-  Options part = straight;
-  part.steps = 2;
-  ASSERT_TRUE(Train(part, nvme.path()).status.ok());
-  Options other = straight;
-  other.resume = true;
-  other.base_seed = 2;
-  const Outcome refused = Train(other, nvme.path());
-  EXPECT_EQ(refused.status.code(), StatusCode::kFailedPrecondition);
-  EXPECT_NE(refused.status.message().find("frozen parameter 'base'"), std::string::npos)
-      << refused.status.ToString();
-  Options same = straight;
-  same.resume = true;
-  const Outcome resumed = Train(same, nvme.path());
-  ASSERT_TRUE(resumed.status.ok()) << resumed.status.ToString();
-  EXPECT_EQ(resumed.values, full.values);
+  for (Tier param_tier : {Tier::kNvme, Tier::kCpu}) {
+    SCOPED_TRACE(param_tier == Tier::kNvme ? "parameters on nvme" : "parameters in memory");
+    TempDir nvme;
+    ASSERT_TRUE(nvme.ok());
+    Options straight;
+    straight.steps = 4;
+    straight.durable = true;
+    straight.param_tier = param_tier;
+    const Outcome full = Train(straight, nvme.path());
+    ASSERT_TRUE(full.status.ok()) << full.status.ToString();
+    Options part = straight;
+    part.steps = 2;
+    ASSERT_TRUE(Train(part, nvme.path()).status.ok());
+    Options unfrozen = straight;
+    unfrozen.resume = true;
+    unfrozen.base_trainable = true;
+    const Outcome refused = Train(unfrozen, nvme.path());
+    EXPECT_EQ(refused.status.code(), StatusCode::kFailedPrecondition);
+    EXPECT_NE(refused.status.message().find("parameter 'base' was frozen when the store was "
+                                            "written and is trainable now"),
+              std::string::npos)
+        << refused.status.ToString();
+    Options other = straight;
+    other.resume = true;
+    other.base_seed = 2;
+    const Outcome with_other = Train(other, nvme.path());
+    if (param_tier == Tier::kNvme) {
+      ASSERT_TRUE(with_other.status.ok()) << with_other.status.ToString();
+      EXPECT_EQ(with_other.values, full.values);
+      continue;
+    }
+    EXPECT_EQ(with_other.status.code(), StatusCode::kFailedPrecondition);
+    EXPECT_NE(with_other.status.message().find("frozen parameter 'base'"), std::string::npos)
+        << with_other.status.ToString();
+    Options same = straight;
+    same.resume = true;
+    const Outcome resumed = Train(same, nvme.path());
+    ASSERT_TRUE(resumed.status.ok()) << resumed.status.ToString();
+    EXPECT_EQ(resumed.values, full.values);
+  }
 }
 
 // The int8 code of frozen weights: every element within its block's largest magnitude / 254
@@ -394,6 +457,20 @@ TEST(FrozenInt8, EveryElementIsWithinHalfAStepOfItsBlock) {
   // The last block's padding codes are zero.
   const uint8_t* last = q.data() + 3 * (kInt8StateBlock + 4);
   for (size_t i = 77; i < kInt8StateBlock; ++i) EXPECT_EQ(last[i], 0) << i;
+  // A block of tiny values (its scale below FLT_MIN) stores as zeros, without overflow.
+  std::vector<float> tiny(kInt8StateBlock, 1e-38f);
+  tiny[3] = -2e-38f;
+  ASSERT_TRUE(QuantizeWeightsInt8(tiny.data(), tiny.size(), q.data()).ok());
+  DequantizeWeightsInt8(q.data(), tiny.size(), back.data());
+  for (size_t i = 0; i < tiny.size(); ++i) EXPECT_EQ(back[i], 0.0f) << i;
+  // All-ones bytes (what a failed read leaves, sent to the peers) decode to NaN in both types.
+  std::vector<uint8_t> ones(StateBytes(StateType::kInt8, kInt8StateBlock), 0xFF);
+  DequantizeWeightsInt8(ones.data(), kInt8StateBlock, back.data());
+  DequantizeWeightsInt8Bf16(ones.data(), kInt8StateBlock, half.data());
+  for (size_t i = 0; i < kInt8StateBlock; ++i) {
+    EXPECT_TRUE(std::isnan(back[i])) << i;
+    EXPECT_TRUE(std::isnan(Bf16ToFp32(half[i]))) << i;
+  }
   x[300] = std::nanf("");
   Status s = QuantizeWeightsInt8(x.data(), n, q.data());
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
@@ -419,7 +496,7 @@ TEST(EngineFrozen, Int8FrozenWeightsHalveTheBasesBytes) {
     ASSERT_TRUE(int8.status.ok()) << int8.status.ToString();
     EXPECT_EQ(Adapters(int8, true), Adapters(plain, true));
     // The base as its code decodes (each rank quantises its partition: blocks start at the
-    // partition's start, 16-element aligned).
+    // partition's start, 16-element aligned), into bf16.
     std::vector<float> base(kBase);
     for (size_t i = 0; i < kBase; ++i) base[i] = BaseValue(1, i);
     std::vector<float> expect(kBase);
@@ -429,6 +506,8 @@ TEST(EngineFrozen, Int8FrozenWeightsHalveTheBasesBytes) {
       ASSERT_TRUE(QuantizeWeightsInt8(base.data() + r * part, part, q.data()).ok());
       DequantizeWeightsInt8(q.data(), part, expect.data() + r * part);
     }
+    // ... into bf16, as the fetch decodes it (bf16 storage).
+    for (float& v : expect) v = Bf16ToFp32(Fp32ToBf16(v));
     EXPECT_EQ(int8.values[1], expect);
     EXPECT_NE(int8.values[1], ExpectedBase(1, true));
     uint64_t read_plain = 0, read_int8 = 0;

@@ -3,6 +3,8 @@
 // use instead of copying field by field.
 #include <dirent.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -91,6 +93,51 @@ TEST(SpillFile, AnAppendLargerThanOneConversionBlockIsWhole) {
   ASSERT_TRUE((*spill)->Read(*off, got.data(), got.size()).ok());
   for (size_t i = 0; i < bf16.size(); i += 4099) ASSERT_EQ(got[i], Bf16ToFp32(bf16[i])) << i;
   EXPECT_EQ(got.back(), Bf16ToFp32(bf16.back()));
+}
+
+// The blocks the unlinked spill file holds on disk, found through this process's descriptors.
+uint64_t SpillBlocks(const std::string& dir) {
+  uint64_t bytes = 0;
+  DIR* fds = opendir("/proc/self/fd");
+  if (fds == nullptr) return 0;
+  while (dirent* e = readdir(fds)) {
+    char target[4096];
+    const std::string link = std::string("/proc/self/fd/") + e->d_name;
+    const ssize_t n = readlink(link.c_str(), target, sizeof(target) - 1);
+    if (n <= 0) continue;
+    target[n] = 0;
+    struct stat st {};
+    if (std::string(target).rfind(dir, 0) == 0 && stat(link.c_str(), &st) == 0) {
+      bytes += static_cast<uint64_t>(st.st_blocks) * 512;
+    }
+  }
+  closedir(fds);
+  return bytes;
+}
+
+// Values handed over (the engine read them) give their disk blocks back, and are never read
+// again as zeros: a second read is refused with what to do.
+TEST(SpillFile, ReleasedValuesFreeTheirBlocksAndAreNotReadAgain) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  auto spill = SpillFile::Create(dir.path());
+  ASSERT_TRUE(spill.ok());
+  std::vector<float> a(1 << 20, 1.5f), b(1 << 20, -2.0f);
+  auto oa = (*spill)->Append(a.data(), HostValueType::kF32, a.size());
+  auto ob = (*spill)->Append(b.data(), HostValueType::kF32, b.size());
+  ASSERT_TRUE(oa.ok() && ob.ok());
+  const uint64_t before = SpillBlocks(dir.path());
+  std::vector<float> got(a.size());
+  ASSERT_TRUE((*spill)->Read(*oa, got.data(), got.size()).ok());
+  (*spill)->Release(*oa, a.size());
+  const uint64_t after = SpillBlocks(dir.path());
+  Status again = (*spill)->Read(*oa, got.data(), got.size());
+  EXPECT_EQ(again.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(again.message().find("build the model again"), std::string::npos) << again.ToString();
+  ASSERT_TRUE((*spill)->Read(*ob, got.data(), got.size()).ok());
+  EXPECT_EQ(got, b);
+  // 4 MiB given back where the file system punches holes (tmpfs, ext4 and xfs do).
+  if (before >= 8u << 20) EXPECT_LE(after, before - (4u << 20)) << before << " -> " << after;
 }
 
 TEST(SpillFile, ReadingPastTheEndIsCorruptionNamingTheFolder) {

@@ -94,6 +94,7 @@ void FetchScheduler::DropDeviceCopy(ParamId id) {
 void FetchScheduler::ForgetDeviceCopy(ParamId id) {
   Resident& r = res_[id];
   r.staging.reset();
+  r.decoded.reset();
   r.device_full = nullptr;
   r.fetched_version = kNotFetched;
   r.state = State::kAbsent;
@@ -150,28 +151,15 @@ Status FetchScheduler::Fetch(ParamId id, int64_t visible, bool prefetch) {
   }
   if (r.device_full != nullptr) ZINF_RETURN_IF_ERROR(Evict(id));  // stale copy
   // NVMe: the pinned staging block first, so that a fetch that cannot have one leaves nothing
-  // behind. Prefetches issued in earlier calls may hold it all while their reads are slow.
-  std::shared_ptr<PinnedBuffer> staging;
+  // behind (so is an int8 weight's decode block: with several ranks, nothing may fail between
+  // a read and its gather). Prefetches issued in earlier calls may hold it all while their
+  // reads are slow.
+  std::shared_ptr<PinnedBuffer> staging, decoded;
   if (config_->offload_param.tier == Tier::kNvme) {
-    Result<PinnedBuffer> buf = arena_->Allocate(layout_->PartBytes(id));
-    if (!buf.ok() && !prefetch) {
-      // Wait for the blocks in use to come back: one rank, the prefetch reads still in flight
-      // (their copies are issued; with several ranks their gathers wait for their Acquire);
-      // then the copies in flight, each handing its block back once copied (fetches on the
-      // copy stream, gradient partitions on the gradient stream, then summed by the
-      // gradient path's adder).
-      if (comm_->world_size() == 1 && !reading_.empty()) {
-        const ParamId last = reading_.back();
-        Status s = FinishRead(last);
-        if (!s.ok()) SetFetchStatus(last, s);  // the next Acquire of it reports it
-      }
-      ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(streams_.copy));
-      ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(streams_.grad));
-      adder_->Drain();
-      buf = arena_->Allocate(layout_->PartBytes(id));
-    }
-    if (!buf.ok()) return buf.status().WithContext("staging parameter '" + p.info.name + "'");
-    staging = std::make_shared<PinnedBuffer>(std::move(buf).value());
+    ZINF_ASSIGN_OR_RETURN(staging, TakeBlock(id, layout_->PartBytes(id), prefetch));
+  }
+  if (layout_->StoredInt8(id)) {
+    ZINF_ASSIGN_OR_RETURN(decoded, TakeBlock(id, layout_->DevicePartBytes(id), prefetch));
   }
   const size_t full = layout_->FullBytes(id);
   ZINF_RETURN_IF_ERROR(MakeRoom(p.padded_numel, full, id));
@@ -191,6 +179,7 @@ Status FetchScheduler::Fetch(ParamId id, int64_t visible, bool prefetch) {
   // once, by the next Acquire of the parameter, so that no I/O error goes unseen.
   const int buf = store_->Buf(visible);
   r.fetched_version = static_cast<uint64_t>(visible);
+  r.decoded = std::move(decoded);
   switch (config_->offload_param.tier) {
     case Tier::kNvme: {
       // Urgent: the trainer waits on parameters; optimizer read-ahead and write-backs can wait.
@@ -233,6 +222,7 @@ void FetchScheduler::FailFetch(ParamId id) {
   graveyard_.push_back({r.device_full, layout_->FullBytes(id)});
   r.device_full = nullptr;
   r.staging.reset();
+  r.decoded.reset();
   r.fetched_version = kNotFetched;
   r.state = State::kAbsent;
   live_elems_ -= p.padded_numel;
@@ -245,15 +235,17 @@ Status FetchScheduler::IssueCopies(ParamId id, const void* src,
   char* slot = static_cast<char*>(r.device_full) + static_cast<size_t>(comm_->rank()) * part;
   Stream* copy = streams_.copy;
   const bool device_tier = config_->offload_param.tier == Tier::kDevice;
-  if (layout_->StoredInt8(id)) {
-    // int8 frozen weights: dequantised on the host into a staging block of the parameter
-    // dtype, which the copy then reads (the int8 one goes back at once).
-    Result<std::shared_ptr<PinnedBuffer>> decoded = Dequantize(id, src);
-    if (!decoded.ok()) {
+  if (r.decoded) {
+    // int8 frozen weights: dequantised into the decode block by a host function queued on
+    // the copy stream before the copy that reads it (off the trainer's thread); the int8
+    // block goes back once decoded, the decode block once copied.
+    std::shared_ptr<PinnedBuffer> decoded = std::move(r.decoded);
+    Status queued = QueueDequantize(id, src, std::move(staging), decoded->data());
+    if (!queued.ok()) {
       FailFetch(id);
-      return decoded.status();
+      return queued;
     }
-    staging = std::move(decoded).value();
+    staging = std::move(decoded);
     src = staging->data();
   }
   Status s = device_tier ? device_->CopyDeviceToDevice(slot, src, part, copy)
@@ -277,23 +269,44 @@ Status FetchScheduler::IssueCopies(ParamId id, const void* src,
   return Status::OK();
 }
 
-Result<std::shared_ptr<PinnedBuffer>> FetchScheduler::Dequantize(ParamId id, const void* src) {
-  const ParamLayout& p = layout_->param(id);
-  const size_t bytes = layout_->DevicePartBytes(id);
+Result<std::shared_ptr<PinnedBuffer>> FetchScheduler::TakeBlock(ParamId id, size_t bytes,
+                                                                bool prefetch) {
   Result<PinnedBuffer> buf = arena_->Allocate(bytes);
-  if (!buf.ok()) {
-    // The blocks the copies in flight hold come back once they have run.
+  if (!buf.ok() && !prefetch) {
+    // Wait for the blocks in use to come back: one rank, the prefetch reads still in flight
+    // (their copies are issued; with several ranks their gathers wait for their Acquire);
+    // then the copies in flight, each handing its block back once copied (fetches on the
+    // copy stream, gradient partitions on the gradient stream, then summed by the gradient
+    // path's adder).
+    if (comm_->world_size() == 1 && !reading_.empty()) {
+      const ParamId last = reading_.back();
+      Status s = FinishRead(last);
+      if (!s.ok()) SetFetchStatus(last, s);  // the next Acquire of it reports it
+    }
     ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(streams_.copy));
+    ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(streams_.grad));
+    adder_->Drain();
     buf = arena_->Allocate(bytes);
   }
-  if (!buf.ok()) return buf.status().WithContext("dequantising parameter '" + p.info.name + "'");
-  auto out = std::make_shared<PinnedBuffer>(std::move(buf).value());
-  if (layout_->elem_size() == 2) {
-    DequantizeWeightsInt8Bf16(src, p.info.partition_numel, static_cast<uint16_t*>(out->data()));
-  } else {
-    DequantizeWeightsInt8(src, p.info.partition_numel, static_cast<float*>(out->data()));
+  if (!buf.ok()) {
+    return buf.status().WithContext("staging parameter '" + layout_->param(id).info.name + "'");
   }
-  return out;
+  return std::make_shared<PinnedBuffer>(std::move(buf).value());
+}
+
+Status FetchScheduler::QueueDequantize(ParamId id, const void* src,
+                                       std::shared_ptr<PinnedBuffer> src_block, void* out) {
+  // `out` lives until the copy after this function has read it (IssueCopies' release);
+  // `src_block` (null for a cpu-tier home, which lives as long as the engine) until it ran.
+  const size_t n = layout_->param(id).info.partition_numel;
+  const bool bf16 = layout_->elem_size() == 2;
+  return device_->LaunchHostFunc(streams_.copy, [src, src_block, out, n, bf16] {
+    if (bf16) {
+      DequantizeWeightsInt8Bf16(src, n, static_cast<uint16_t*>(out));
+    } else {
+      DequantizeWeightsInt8(src, n, static_cast<float*>(out));
+    }
+  });
 }
 
 Status FetchScheduler::FinishOneRead(ParamId id) {

@@ -86,15 +86,24 @@ class FetchScheduler {
     std::unique_ptr<Event> ready;
     Ticket read = 0;                        // kReading: the read's ticket
     std::shared_ptr<PinnedBuffer> staging;  // kReading: where it reads into
+    // int8 frozen weights: the block of the parameter dtype the partition is decoded into,
+    // taken with the staging block (before anything is issued) and handed to the copy.
+    std::shared_ptr<PinnedBuffer> decoded;
     // The version whose fetch was issued into device_full (kNotFetched while it holds none:
     // Acquire takes the buffer for the parameter's value only when this matches).
     uint64_t fetched_version = kNotFetched;
     int acquired = 0;
   };
 
-  // An int8 frozen weight's partition (`src`, int8 blocks) decoded into a pinned block of
-  // the parameter dtype.
-  Result<std::shared_ptr<PinnedBuffer>> Dequantize(ParamId id, const void* src);
+  // A pinned block of `bytes` for `id`'s fetch (NVMe staging, or an int8 weight's decode
+  // block). A demand fetch (`prefetch` false) waits for the blocks in use to come back once;
+  // a prefetch gives up at once.
+  Result<std::shared_ptr<PinnedBuffer>> TakeBlock(ParamId id, size_t bytes, bool prefetch);
+  // An int8 frozen weight's partition (`src`, int8 blocks, in `src_block` when staged) decoded
+  // into `out` (the parameter dtype) by a host function queued on the copy stream, ordered
+  // before the copies issued after it.
+  Status QueueDequantize(ParamId id, const void* src, std::shared_ptr<PinnedBuffer> src_block,
+                         void* out);
   // (A frozen parameter's copy stays fresh from version to version: its value never changes;
   // what replaces it, SetParameterValues or a load, evicts it.)
   bool Fresh(ParamId id, int64_t visible) const {

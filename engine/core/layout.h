@@ -33,6 +33,7 @@ struct ParamLayout {
 // gradient and this rank's reduced partition (fp32), plus the partition rounded to bf16 with
 // zinf.gradient_transfer_dtype "bf16". Eviction and prefetch leave this much room.
 inline size_t GradientScratchBytes(const ParamLayout& p, const EngineConfig& config) {
+  if (!p.info.trainable) return 0;  // a frozen parameter takes no gradient
   return (p.padded_numel + p.info.partition_numel) * sizeof(float) +
          (config.gradient_transfer_bf16 ? p.info.partition_numel * sizeof(uint16_t) : 0);
 }

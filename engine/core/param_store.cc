@@ -80,6 +80,14 @@ Status ParamStore::Init(ParamId id, PinnedBuffer image, const Resume& resume) {
   return Status::Internal("unknown parameter tier");
 }
 
+bool ParamStore::HoldsCommitted(ParamId id, const Resume& resume) const {
+  if (config_->offload_param.tier != Tier::kNvme || !resume.active || !resume.stored_params) {
+    return false;
+  }
+  Result<uint64_t> size = swap_->Size("param/" + layout_->param(id).info.name);
+  return size.ok() && *size == layout_->PartBytes(id);
+}
+
 Status ParamStore::ReadFrozen(ParamId id, void* out, size_t capacity) {
   const Home& h = homes_[id];
   const size_t bytes = layout_->PartBytes(id);

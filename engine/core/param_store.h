@@ -48,6 +48,9 @@ class ParamStore {
   Status WriteGroup(size_t gi, const float* master, const uint16_t* copy_out, int buf,
                     std::vector<Ticket>* writes);
 
+  // ResumeFromStore: whether the store holds frozen parameter `id`'s committed copy (NVMe
+  // parameters committed in this dtype, of its size); Init then keeps it (give no image).
+  bool HoldsCommitted(ParamId id, const Resume& resume) const;
   // A frozen parameter's partition (storage dtype) into `out` (host, PartBytes, 4 KiB
   // aligned with room for the NVMe read's rounding), or from `src` into its store.
   Status ReadFrozen(ParamId id, void* out, size_t capacity);

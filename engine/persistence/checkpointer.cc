@@ -75,6 +75,15 @@ Status Checkpointer::Prepare(const std::string& dir) {
   return collectives_->Agree(local, "PrepareCheckpointDir");
 }
 
+std::string Checkpointer::OldFormatHint(const RankManifest& man) const {
+  const bool saved_frozen = std::any_of(man.tensors.begin(), man.tensors.end(),
+                                        [](const CheckpointTensor& t) { return t.frozen; });
+  if (saved_frozen || layout_->num_frozen() == 0) return "";
+  return " (if its frozen parameters were frozen then too: it was saved before zinf kept them "
+         "apart, with optimizer states, which this build does not read; load it with the "
+         "build that saved it and export the values with save_safetensors)";
+}
+
 std::string Checkpointer::FrozenMismatch(const CheckpointTensor& t, ParamId id) const {
   const ParamLayout& p = layout_->param(id);
   if (t.frozen == !p.info.trainable) {
@@ -217,26 +226,36 @@ Status Checkpointer::Validate(const std::string& folder, RankManifest* man, int*
   // stored.
   ZINF_ASSIGN_OR_RETURN(const StateType file_type, ParseStateType(man->state_dtype));
   const size_t num_params = layout_->num_params(), num_groups = layout_->num_groups();
-  if (man->tensors.size() != num_params || man->groups.size() != num_groups) {
-    return mismatch(std::to_string(man->tensors.size()) + " tensors in " +
-                    std::to_string(man->groups.size()) + " sub-groups, this engine has " +
-                    std::to_string(num_params) + " in " + std::to_string(num_groups) +
-                    " (same sub_group_size?)");
+  if (man->tensors.size() != num_params) {
+    return mismatch(std::to_string(man->tensors.size()) + " tensors, this engine has " +
+                    std::to_string(num_params));
+  }
+  // Names and sizes, and which tensors are frozen, first: they name what differs; the
+  // sub-groups follow from them.
+  for (size_t i = 0; i < num_params; ++i) {
+    const ParamLayout& p = layout_->param(static_cast<ParamId>(i));
+    const CheckpointTensor& t = man->tensors[i];
+    if (t.name != p.info.name || t.numel != p.info.numel) {
+      return mismatch("tensor " + std::to_string(i) + " is '" + t.name + "' with " +
+                      std::to_string(t.numel) + " elements, this engine has '" + p.info.name +
+                      "' with " + std::to_string(p.info.numel));
+    }
+    if (std::string why = FrozenMismatch(t, static_cast<ParamId>(i)); !why.empty()) {
+      return mismatch(why + OldFormatHint(*man));
+    }
+  }
+  if (man->groups.size() != num_groups) {
+    return mismatch(std::to_string(man->groups.size()) + " sub-groups, this engine has " +
+                    std::to_string(num_groups) + " (same sub_group_size?)");
   }
   for (size_t i = 0; i < num_params; ++i) {
     const ParamLayout& p = layout_->param(static_cast<ParamId>(i));
     const CheckpointTensor& t = man->tensors[i];
-    if (t.name == p.info.name && t.numel == p.info.numel) {
-      if (std::string why = FrozenMismatch(t, static_cast<ParamId>(i)); !why.empty()) {
-        return mismatch(why);
-      }
-    }
-    if (t.name != p.info.name || t.numel != p.info.numel ||
-        t.partition_numel != p.info.partition_numel || t.sub_group != p.info.sub_group ||
+    if (t.partition_numel != p.info.partition_numel || t.sub_group != p.info.sub_group ||
         (!t.frozen && t.slice_offset != p.slice_offset)) {
-      return mismatch("tensor " + std::to_string(i) + " is '" + t.name + "' with " +
-                      std::to_string(t.numel) + " elements, this engine has '" + p.info.name +
-                      "' with " + std::to_string(p.info.numel));
+      return mismatch("tensor '" + t.name +
+                      "' lies elsewhere in the sub-groups (same "
+                      "sub_group_size?)");
     }
   }
   for (size_t gi = 0; gi < num_groups; ++gi) {
@@ -363,7 +382,7 @@ Status Checkpointer::ValidateResharded(const std::string& folder, int saved_worl
         return Status::Corruption(man_path + ": tensor '" + t.name + "' names a missing sub-group");
       }
       if (std::string why = FrozenMismatch(t, static_cast<ParamId>(i)); !why.empty()) {
-        return mismatch(why);
+        return mismatch(why + OldFormatHint(m));
       }
       // The saved parts must tile the tensor as `saved_world` ranks cut it (Layout's rule):
       // a manifest that says otherwise would leave holes that load as zeros.

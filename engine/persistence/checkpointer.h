@@ -119,6 +119,9 @@ class Checkpointer {
   // Tensor `id` of a checkpoint against this engine's parameter: trainable in both, or frozen
   // in both with the same value; otherwise what differs (empty when they match).
   std::string FrozenMismatch(const CheckpointTensor& t, ParamId id) const;
+  // What to add to a frozen mismatch when `man` has no frozen tensor but this engine has some
+  // (a checkpoint from before frozen parameters were kept apart); empty otherwise.
+  std::string OldFormatHint(const RankManifest& man) const;
 
   const Layout* const layout_;
   const EngineConfig* const config_;

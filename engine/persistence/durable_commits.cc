@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
+#include "formats/checkpoint_format.h"
 #include "zinf/log.h"
 
 namespace zinf {
@@ -31,8 +32,11 @@ std::string CommitRecord::Meta(int64_t at_step, int64_t at_visible, uint64_t lin
   nlohmann::json ps = nlohmann::json::array();
   for (ParamId id = 0; id < layout_->num_params(); ++id) {
     const ParamLayout& p = layout_->param(id);
+    // The 7th element: a frozen parameter's value hash (hex), null for a trainable one.
+    nlohmann::json frozen = nullptr;
+    if (!p.info.trainable) frozen = HashHex(hashes[id]);
     ps.push_back({p.info.name, p.info.numel, p.info.partition_numel, p.info.sub_group,
-                  p.slice_offset, updates[id], hashes[id]});
+                  p.slice_offset, updates[id], frozen});
   }
   j["params"] = ps;
   if (!user_data.empty()) j["user_data"] = user_data;
@@ -90,6 +94,16 @@ Status CommitRecord::Check(const std::string& meta, Point* out) const {
     }
     for (size_t i = 0; i < params.size(); ++i) {
       const ParamLayout& p = params[i];
+      // Which parameters train must be what the store was written with (a commit from before
+      // frozen parameters were recorded kept states for all of them).
+      const bool was_frozen = ps[i].size() >= 7 && ps[i].at(6).is_string();
+      if (ps[i].at(0).get<std::string>() == p.info.name && was_frozen == p.info.trainable) {
+        return mismatch(
+            "parameter '" + p.info.name + "' was " + (was_frozen ? "frozen" : "trainable") +
+            " when the store was written and is " + (was_frozen ? "trainable" : "frozen") +
+            " now; resume with the same trainable set (or load a checkpoint's values "
+            "by name into a fresh run)");
+      }
       if (ps[i].at(0).get<std::string>() != p.info.name ||
           ps[i].at(1).get<size_t>() != p.info.numel ||
           ps[i].at(2).get<size_t>() != p.info.partition_numel ||
@@ -121,7 +135,13 @@ Status CommitRecord::Check(const std::string& meta, Point* out) const {
                         " updates at step " + std::to_string(out->step));
       }
       out->updates[i] = u;
-      if (ps[i].size() >= 7) out->frozen_hashes[i] = ps[i].at(6).get<uint64_t>();
+      if (ps[i].size() >= 7 && ps[i].at(6).is_string()) {
+        Result<uint64_t> h = ParseHashHex(ps[i].at(6).get<std::string>());
+        if (!h.ok())
+          return Status::Corruption("ResumeFromStore: the commit record's hash of '" +
+                                    params[i].info.name + "' is not 16 hex digits");
+        out->frozen_hashes[i] = *h;
+      }
     }
   } catch (const nlohmann::json::exception& ex) {
     return Status::Corruption(std::string("ResumeFromStore: the store's commit record is "

@@ -229,7 +229,8 @@ float Fp16ToFp32(uint16_t value);
 // StateBytes(StateType::kInt8, n) bytes: per block of kInt8StateBlock elements, the codes
 // round(x / scale) (nearest even, in -127..127), then the fp32 scale = the block's largest
 // magnitude / 127. A value decodes to code * scale, so its error is at most scale / 2 (the
-// block's largest magnitude / 254). InvalidArgument for an inf or NaN. `dst` 4-byte aligned.
+// block's largest magnitude / 254); a block whose largest magnitude is below 127 x FLT_MIN
+// stores as zeros. InvalidArgument for an inf or NaN. `dst` 4-byte aligned.
 Status QuantizeWeightsInt8(const float* src, size_t n, void* dst);
 // Decodes into fp32, or into bf16 (the fp32 value rounded as Fp32ToBf16 rounds).
 void DequantizeWeightsInt8(const void* src, size_t n, float* dst);

@@ -113,13 +113,16 @@ class Engine {
   // `dir/latest` publishes them; until then the previous checkpoint stays the valid one. Older
   // checkpoints are removed, but never the newest readable one before the new one. Parameter stores
   // are not saved: they are the masters converted to the storage dtype, and LoadCheckpoint rebuilds
-  // them. Files are created 0600. With zinf.delayed_update it first finishes the update still
-  // running and makes it visible (the next two steps then run on the saved parameters), so the
-  // saving run and a run resumed from the checkpoint continue identically.
+  // them. Frozen parameters are not saved either: the manifest records the hash of each one's
+  // value, and LoadCheckpoint leaves them as they are after checking it. Files are created 0600.
+  // With zinf.delayed_update it first finishes the update still running and makes it visible (the
+  // next two steps then run on the saved parameters), so the saving run and a run resumed from the
+  // checkpoint continue identically.
   Status SaveCheckpoint(const std::string& dir, const std::string& user_data = "");
   // Restores the newest committed checkpoint of `dir` (or `dir` itself when it is one
   // checkpoint folder): optimizer states, parameter stores, step and update counters. The
-  // layout (ranks, parameter names, sizes, sub-groups, optimizer type) must match this engine
+  // layout (parameter names, sizes, which are frozen and their values' hashes, sub-groups,
+  // optimizer type; another number of ranks is re-partitioned) must match this engine
   // (FailedPrecondition naming the first difference); every checksum is verified before
   // anything changes, and a mismatch names the tensor. NotFound only when `dir` does not exist
   // or holds no checkpoint at all; a damaged newest checkpoint (a missing or unreadable piece,
@@ -148,7 +151,9 @@ class Engine {
   // parameter and before anything else, reopens the store at that commit instead of
   // initialising the parameters: it checks that the layout matches (names, sizes,
   // sub-groups, optimizer, storage and optimizer state dtypes), rebuilds the parameter stores
-  // that are not on NVMe from the masters, and sets global_step(). NotFound when the store has no
+  // that are not on NVMe from the masters, and sets global_step(). Frozen parameters: the
+  // committed NVMe copy is kept; on other tiers the registered value must hash as committed
+  // (FailedPrecondition naming it otherwise). NotFound when the store has no
   // commit. Collective with several ranks: each rank's store commits separately, so a crash may
   // leave one rank a step ahead; the stores then retain the commit before the last too, and the
   // ranks agree on the latest commit they all hold, of the same history (a LoadCheckpoint
@@ -175,12 +180,15 @@ class Engine {
 
   // Collective (every rank calls it): the full fp32 master values of a parameter, gathered from
   // all ranks into `out` (numel floats, host memory). Waits for a delayed update still running.
+  // A frozen parameter has no master: its stored value (bf16-rounded with bf16 storage; with
+  // int8 frozen weights, decoded as a fetch decodes it).
   Status GatherMasterParameter(ParamId id, float* out);
 
   // Collective, between optimizer steps (like LoadCheckpoint): replaces the values of the
   // parameters `ids` (pretrained weights, say). For each of them `fill(id, data)` writes the
   // full fp32 tensor (numel elements) into `data`; the engine keeps this rank's partition as
-  // the new master weights and rebuilds the parameter stores. Optimizer states and update
+  // the new master weights and rebuilds the parameter stores (a frozen parameter: its store
+  // alone, and its recorded hash). Optimizer states and update
   // counts stay as they are (zero for an engine that has not stepped yet). The sub-groups
   // are visited in order, each read and written once, so host memory stays within the
   // largest tensor plus one sub-group's states (taken from the pinned budget when it has

@@ -21,8 +21,12 @@ struct ParamSpec {
   // when registration ends (FinishRegistration), in registration order; every rank must produce
   // the same values.
   std::function<void(float* data, size_t numel)> init;
-  // false: a frozen parameter. It is stored and fetched like the others, but never gets a
-  // gradient (ReduceGradient refuses it) and the optimizer never changes it.
+  // false: a frozen parameter: data, not state. It is stored (once, in the storage dtype, or
+  // int8 with zinf.frozen_weight_dtype) and fetched like the others, but has no fp32 master,
+  // no optimizer states and no gradient (ReduceGradient refuses it), and is never written
+  // back. Checkpoints and durable commits record it by the hash of its value (registered with
+  // init or set with SetParameterValues); loading either into an engine whose value or whose
+  // trainable flag differs is refused, naming it. Fixed at registration.
   bool trainable = true;
 };
 

@@ -114,7 +114,13 @@ ParamId PyEngine::Register(const std::string& name, const std::vector<int64_t>& 
     core_->spills.push_back(spill);
     spec.init = [weak, spill, spill_offset](float* data, size_t n) {
       Status s = spill->Read(spill_offset, data, n);
-      if (!s.ok()) FailInit(weak, s, data, n);
+      if (!s.ok()) {
+        FailInit(weak, s, data, n);
+        return;
+      }
+      // The engine initialises each parameter once: its spilled values can go (the disk then
+      // holds the larger of the spill and the stores, not both).
+      spill->Release(spill_offset, n);
     };
   } else {
     const HostValueType type = Take(ParseHostValueType(dtype));
