@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "cpu_adam/weights_int8_impl.h"
 #include "zinf/cpu_adam.h"
 
 namespace zinf {
@@ -56,7 +57,10 @@ Status QuantizeWeightsInt8(const float* src, size_t n, void* dst) {
   return Status::OK();
 }
 
-void DequantizeWeightsInt8(const void* src, size_t n, float* dst) {
+namespace weights_int8 {
+
+// (A partial block: `src` is its codes, its scale right after the full block's codes.)
+void DequantizeF32Scalar(const void* src, size_t n, float* dst) {
   const auto* in = static_cast<const uint8_t*>(src);
   for (size_t at = 0; at < n; at += kBlock) {
     const size_t len = std::min(kBlock, n - at);
@@ -68,7 +72,7 @@ void DequantizeWeightsInt8(const void* src, size_t n, float* dst) {
   }
 }
 
-void DequantizeWeightsInt8Bf16(const void* src, size_t n, uint16_t* dst) {
+void DequantizeBf16Scalar(const void* src, size_t n, uint16_t* dst) {
   const auto* in = static_cast<const uint8_t*>(src);
   for (size_t at = 0; at < n; at += kBlock) {
     const size_t len = std::min(kBlock, n - at);
@@ -78,6 +82,25 @@ void DequantizeWeightsInt8Bf16(const void* src, size_t n, uint16_t* dst) {
     uint16_t* out = dst + at;
     for (size_t i = 0; i < len; ++i) out[i] = ToBf16(static_cast<float>(codes[i]) * scale);
   }
+}
+
+bool Avx512Usable() {
+  const CpuFeatures& f = DetectCpuFeatures();
+  return f.avx512f && f.os_avx512;
+}
+
+}  // namespace weights_int8
+
+void DequantizeWeightsInt8(const void* src, size_t n, float* dst) {
+  static const bool avx512 = weights_int8::Avx512Usable();
+  if (avx512) return weights_int8::DequantizeF32Avx512(src, n, dst);
+  weights_int8::DequantizeF32Scalar(src, n, dst);
+}
+
+void DequantizeWeightsInt8Bf16(const void* src, size_t n, uint16_t* dst) {
+  static const bool avx512 = weights_int8::Avx512Usable();
+  if (avx512) return weights_int8::DequantizeBf16Avx512(src, n, dst);
+  weights_int8::DequantizeBf16Scalar(src, n, dst);
 }
 
 }  // namespace zinf

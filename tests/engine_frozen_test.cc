@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu_adam/weights_int8_impl.h"
 #include "tests/engine_test_model.h"
 #include "tests/test_util.h"
 #include "zinf/comm.h"
@@ -475,6 +476,29 @@ TEST(FrozenInt8, EveryElementIsWithinHalfAStepOfItsBlock) {
   Status s = QuantizeWeightsInt8(x.data(), n, q.data());
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("element 300"), std::string::npos) << s.ToString();
+}
+
+// The AVX-512 decoders (what a fetch runs where the CPU has them) are the scalar ones' bits:
+// full and partial blocks, zero, tiny and NaN scales.
+TEST(FrozenInt8, Avx512DecodesAsTheScalarCode) {
+  if (!weights_int8::Avx512Usable()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  const size_t n = 9 * kInt8StateBlock + 200;
+  std::vector<float> x(n);
+  for (size_t i = 0; i < n; ++i) x[i] = std::ldexp(HashUniform(0x512, 1, i), (i / 256) * 9 - 40);
+  for (size_t i = 256; i < 512; ++i) x[i] = 0;  // a zero block
+  std::vector<uint8_t> q(StateBytes(StateType::kInt8, n));
+  ASSERT_TRUE(QuantizeWeightsInt8(x.data(), n, q.data()).ok());
+  std::memset(q.data() + 4 * (kInt8StateBlock + 4), 0xFF, kInt8StateBlock + 4);  // a NaN block
+  for (size_t len : {n, size_t{kInt8StateBlock}, size_t{3 * kInt8StateBlock + 1}}) {
+    std::vector<float> a(len), b(len);
+    weights_int8::DequantizeF32Scalar(q.data(), len, a.data());
+    weights_int8::DequantizeF32Avx512(q.data(), len, b.data());
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), len * sizeof(float)), 0) << len;
+    std::vector<uint16_t> c(len), d(len);
+    weights_int8::DequantizeBf16Scalar(q.data(), len, c.data());
+    weights_int8::DequantizeBf16Avx512(q.data(), len, d.data());
+    EXPECT_EQ(c, d) << len;
+  }
 }
 
 // zinf.frozen_weight_dtype int8: the adapters train exactly as with the base as-is (this
