@@ -59,29 +59,16 @@ Status QuantizeWeightsInt8(const float* src, size_t n, void* dst) {
 
 namespace weights_int8 {
 
-// (A partial block: `src` is its codes, its scale right after the full block's codes.)
 void DequantizeF32Scalar(const void* src, size_t n, float* dst) {
-  const auto* in = static_cast<const uint8_t*>(src);
-  for (size_t at = 0; at < n; at += kBlock) {
-    const size_t len = std::min(kBlock, n - at);
-    const int8_t* codes = reinterpret_cast<const int8_t*>(in + at / kBlock * kBlockBytes);
-    float scale;
-    std::memcpy(&scale, codes + kBlock, sizeof(scale));
-    float* out = dst + at;
-    for (size_t i = 0; i < len; ++i) out[i] = static_cast<float>(codes[i]) * scale;
-  }
+  ForEachBlock(src, n, [dst](const int8_t* codes, float scale, size_t at, size_t len) {
+    for (size_t i = 0; i < len; ++i) dst[at + i] = static_cast<float>(codes[i]) * scale;
+  });
 }
 
 void DequantizeBf16Scalar(const void* src, size_t n, uint16_t* dst) {
-  const auto* in = static_cast<const uint8_t*>(src);
-  for (size_t at = 0; at < n; at += kBlock) {
-    const size_t len = std::min(kBlock, n - at);
-    const int8_t* codes = reinterpret_cast<const int8_t*>(in + at / kBlock * kBlockBytes);
-    float scale;
-    std::memcpy(&scale, codes + kBlock, sizeof(scale));
-    uint16_t* out = dst + at;
-    for (size_t i = 0; i < len; ++i) out[i] = ToBf16(static_cast<float>(codes[i]) * scale);
-  }
+  ForEachBlock(src, n, [dst](const int8_t* codes, float scale, size_t at, size_t len) {
+    for (size_t i = 0; i < len; ++i) dst[at + i] = ToBf16(static_cast<float>(codes[i]) * scale);
+  });
 }
 
 bool Avx512Usable() {

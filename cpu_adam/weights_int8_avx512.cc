@@ -13,9 +13,6 @@ namespace weights_int8 {
 
 namespace {
 
-constexpr size_t kBlock = kInt8StateBlock;
-constexpr size_t kBlockBytes = kInt8StateBlock + sizeof(float);
-
 inline __m512 Decode16(const int8_t* codes, __m512 scale) {
   const __m128i c8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
   return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c8)), scale);
@@ -39,38 +36,28 @@ inline __m256i ToBf16x16(__m512 v) {
 }  // namespace
 
 void DequantizeF32Avx512(const void* src, size_t n, float* dst) {
-  const auto* in = static_cast<const uint8_t*>(src);
-  for (size_t at = 0; at < n; at += kBlock) {
-    const size_t len = std::min(kBlock, n - at);
-    const int8_t* codes = reinterpret_cast<const int8_t*>(in + at / kBlock * kBlockBytes);
-    float scale;
-    std::memcpy(&scale, codes + kBlock, sizeof(scale));
-    if (len < kBlock) {  // the last, partial block
+  ForEachBlock(src, n, [dst](const int8_t* codes, float scale, size_t at, size_t len) {
+    if (len < kInt8StateBlock) {  // the last, partial block (its scale follows a full block)
       DequantizeF32Scalar(codes, len, dst + at);
-      continue;
+      return;
     }
     const __m512 s = _mm512_set1_ps(scale);
-    for (size_t i = 0; i < kBlock; i += 16) _mm512_storeu_ps(dst + at + i, Decode16(codes + i, s));
-  }
+    for (size_t i = 0; i < len; i += 16) _mm512_storeu_ps(dst + at + i, Decode16(codes + i, s));
+  });
 }
 
 void DequantizeBf16Avx512(const void* src, size_t n, uint16_t* dst) {
-  const auto* in = static_cast<const uint8_t*>(src);
-  for (size_t at = 0; at < n; at += kBlock) {
-    const size_t len = std::min(kBlock, n - at);
-    const int8_t* codes = reinterpret_cast<const int8_t*>(in + at / kBlock * kBlockBytes);
-    float scale;
-    std::memcpy(&scale, codes + kBlock, sizeof(scale));
-    if (len < kBlock) {
+  ForEachBlock(src, n, [dst](const int8_t* codes, float scale, size_t at, size_t len) {
+    if (len < kInt8StateBlock) {
       DequantizeBf16Scalar(codes, len, dst + at);
-      continue;
+      return;
     }
     const __m512 s = _mm512_set1_ps(scale);
-    for (size_t i = 0; i < kBlock; i += 16) {
+    for (size_t i = 0; i < len; i += 16) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + at + i),
                           ToBf16x16(Decode16(codes + i, s)));
     }
-  }
+  });
 }
 
 }  // namespace weights_int8
