@@ -113,8 +113,9 @@ void SpillFile::Release(uint64_t offset, size_t n) {
   released_.insert(offset);
   // Only the space is at stake: a file system without hole punching keeps the blocks until
   // the file closes, which is what it did before.
-  (void)fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset),
-                  static_cast<off_t>(n * sizeof(float)));  // safe: only frees space, see above
+  const int mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE;
+  const auto at = static_cast<off_t>(offset), len = static_cast<off_t>(n * sizeof(float));
+  (void)fallocate(fd_, mode, at, len);  // safe: only the space is at stake, see above
 }
 
 uint64_t SpillFile::bytes() const {
