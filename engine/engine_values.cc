@@ -213,10 +213,7 @@ Status Engine::Impl::GatherFrozen(ParamId id, float* out) {
     for (size_t i = 0; i < part; ++i) mine[i] = Bf16ToFp32(b[i]);
   } else if (config.bf16) {
     const uint16_t* b = static_cast<const uint16_t*>(stored.data);
-    for (size_t i = 0; i < part; ++i) {
-      const uint32_t bits = static_cast<uint32_t>(b[i]) << 16;
-      std::memcpy(&mine[i], &bits, sizeof(float));
-    }
+    for (size_t i = 0; i < part; ++i) mine[i] = Bf16ToFp32(b[i]);
   } else {
     std::memcpy(mine.data(), stored.data, part * sizeof(float));
   }

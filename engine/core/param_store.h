@@ -57,7 +57,6 @@ class ParamStore {
   Status WriteFrozen(ParamId id, const void* src, size_t capacity);
   // xxh3-64 of a frozen parameter's whole value (fp32, as registered or last set): what a
   // checkpoint or the durable store records instead of the values. 0 for trainable ones.
-  uint64_t value_hash(ParamId id) const { return hashes_[id]; }
   void set_value_hash(ParamId id, uint64_t h) { hashes_[id] = h; }
   const std::vector<uint64_t>& value_hashes() const { return hashes_; }
 
