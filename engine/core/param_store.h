@@ -55,8 +55,9 @@ class ParamStore {
   // aligned with room for the NVMe read's rounding), or from `src` into its store.
   Status ReadFrozen(ParamId id, void* out, size_t capacity);
   Status WriteFrozen(ParamId id, const void* src, size_t capacity);
-  // xxh3-64 of a frozen parameter's whole value (fp32, as registered or last set): what a
-  // checkpoint or the durable store records instead of the values. 0 for trainable ones.
+  // xxh3-64 of a frozen parameter's whole value as stored (Engine::Impl::ValueHash, as
+  // registered or last set): what a checkpoint or the durable store records instead of the
+  // values. 0 for trainable ones.
   void set_value_hash(ParamId id, uint64_t h) { hashes_[id] = h; }
   const std::vector<uint64_t>& value_hashes() const { return hashes_; }
 
