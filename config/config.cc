@@ -84,6 +84,7 @@ constexpr std::string_view kZinfKeys[] = {
     "optimizer_state_dtype",
     "frozen_weight_dtype",
     "collective_timeout_seconds",
+    "speculative_step",
 };
 constexpr std::string_view kAioKeys[] = {
     "block_size", "queue_depth", "thread_count", "single_submit", "overlap_events", "use_gds",
@@ -322,6 +323,16 @@ Status ParseZinf(ObjectReader& r, EngineConfig* config, std::vector<std::string>
       &config->optimizer_state_type));
   ZINF_RETURN_IF_ERROR(r.ReadEnum<bool>("frozen_weight_dtype", {{"as-is", false}, {"int8", true}},
                                         &config->frozen_int8));
+  {
+    std::optional<bool> speculative =
+        config->speculative_step == SpeculativeStep::kAuto
+            ? std::nullopt
+            : std::optional<bool>(config->speculative_step == SpeculativeStep::kOn);
+    ZINF_RETURN_IF_ERROR(r.ReadBoolOrAuto("speculative_step", &speculative));
+    config->speculative_step = !speculative.has_value() ? SpeculativeStep::kAuto
+                               : *speculative           ? SpeculativeStep::kOn
+                                                        : SpeculativeStep::kOff;
+  }
   if (const Json* paths = r.Find("nvme_paths"); paths != nullptr && !paths->is_null()) {
     if (!paths->is_array()) {
       return TypeError(r.PathOf("nvme_paths"), "an array of path strings", *paths);

@@ -123,6 +123,20 @@ class ObjectReader {
     return Status::OK();
   }
 
+  // true, false or "auto": here "auto" is a value of its own (*out = nullopt), not the
+  // Trainer's placeholder. *out is unchanged when the key is absent.
+  Status ReadBoolOrAuto(std::string_view key, std::optional<bool>* out) {
+    const Json* v = Find(key);
+    if (v == nullptr) return Status::OK();
+    if (v->is_string() && v->get_ref<const std::string&>() == "auto") {
+      *out = std::nullopt;
+      return Status::OK();
+    }
+    if (!v->is_boolean()) return TypeError(PathOf(key), "true, false or \"auto\"", *v);
+    *out = v->get<bool>();
+    return Status::OK();
+  }
+
   Status ReadDouble(std::string_view key, double* out) {
     const Json* v = Find(key);
     if (v == nullptr || IsAuto(*v, key)) return Status::OK();

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <limits>
 #include <string>
 #include <vector>
@@ -429,6 +430,7 @@ struct CpuOptimizer::Impl {
   hwloc_topology_t topology = nullptr;
   std::unique_ptr<tbb::task_arena> arena;
   std::unique_ptr<CoreBinder> binder;  // destroyed before the arena and the topology
+  std::atomic<uint64_t> cpu_ns{0};     // thread CPU time in parallel loops (cpu_seconds)
 
   ~Impl() {
     binder.reset();
@@ -475,13 +477,33 @@ Result<std::unique_ptr<CpuOptimizer>> CpuOptimizer::Create(const Options& option
   return std::unique_ptr<CpuOptimizer>(new CpuOptimizer(std::move(impl)));
 }
 
+namespace {
+uint64_t ThreadCpuNanos() {
+  timespec ts{};
+  // (CLOCK_THREAD_CPUTIME_ID of the calling thread cannot fail on Linux; 0 if it did.)
+  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0) return 0;
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000u + static_cast<uint64_t>(ts.tv_nsec);
+}
+}  // namespace
+
+double CpuOptimizer::cpu_seconds() const {
+  return static_cast<double>(impl_->cpu_ns.load(std::memory_order_relaxed)) * 1e-9;
+}
+
 void CpuOptimizer::ParallelForImpl(size_t n, void (*fn)(void*, size_t, size_t), void* ctx) {
   if (n == 0) return;
-  const Impl& im = *impl_;
+  Impl& im = *impl_;
   const size_t tiles = (n + im.tile - 1) / im.tile;
   const size_t p = std::min<size_t>(static_cast<size_t>(im.num_threads), tiles);
+  // Each chunk's thread CPU time (two clock reads per chunk, not per tile).
+  auto timed = [&](size_t begin, size_t end) {
+    const uint64_t t0 = ThreadCpuNanos();
+    fn(ctx, begin, end);
+    const uint64_t t1 = ThreadCpuNanos();
+    if (t1 > t0) im.cpu_ns.fetch_add(t1 - t0, std::memory_order_relaxed);
+  };
   if (p <= 1 && !im.bind) {
-    fn(ctx, 0, n);  // one tile or one thread: no hand-off to the arena
+    timed(0, n);  // one tile or one thread: no hand-off to the arena
     return;
   }
   im.arena->execute([&] {
@@ -491,7 +513,7 @@ void CpuOptimizer::ParallelForImpl(size_t n, void (*fn)(void*, size_t, size_t), 
           for (size_t t = r.begin(); t != r.end(); ++t) {
             const size_t begin = im.ChunkBegin(n, tiles, t, p);
             const size_t end = im.ChunkBegin(n, tiles, t + 1, p);
-            if (begin < end) fn(ctx, begin, end);
+            if (begin < end) timed(begin, end);
           }
         },
         tbb::static_partitioner());
@@ -506,6 +528,35 @@ Status CpuOptimizer::Step(const OptimizerHyperParams& hp, const OptimizerTensors
   const cpu_adam_internal::StepKernelFn kernel =
       cpu_adam_internal::SelectStepKernel(*impl_->kernels, hp, t);
   ParallelFor(t.n, [&](size_t begin, size_t end) { kernel(c, b, begin, end); });
+  return Status::OK();
+}
+
+Status CpuOptimizer::StepIfFinite(const OptimizerHyperParams& hp, const OptimizerTensors& t,
+                                  bool* non_finite) {
+  *non_finite = false;
+  ZINF_RETURN_IF_ERROR(ValidateOptimizerStep(hp, t));
+  if (t.n == 0) return Status::OK();
+  const StepCoefficients c = cpu_adam_internal::ComputeCoefficients(hp);
+  const StepBuffers b = cpu_adam_internal::BuffersOf(hp, t);
+  const cpu_adam_internal::StepKernelFn kernel =
+      cpu_adam_internal::SelectStepKernel(*impl_->kernels, hp, t);
+  const cpu_adam_internal::AllFiniteFn all_finite =
+      impl_->kernels->all_finite[static_cast<int>(t.grad_type)];
+  const size_t tile = impl_->tile;
+  std::atomic<bool> seen{false};
+  // Chunks start on tile boundaries, so these tiles are Step's tiles and its element order.
+  ParallelFor(t.n, [&](size_t begin, size_t end) {
+    for (size_t tb = begin; tb < end; tb += tile) {
+      if (seen.load(std::memory_order_relaxed)) return;
+      const size_t te = std::min(end, tb + tile);
+      if (!all_finite(t.grad, tb, te)) {
+        seen.store(true, std::memory_order_relaxed);
+        return;
+      }
+      kernel(c, b, tb, te);
+    }
+  });
+  *non_finite = seen.load(std::memory_order_relaxed);
   return Status::OK();
 }
 

@@ -703,6 +703,34 @@ void SumSquaresKernel(const void* grad, size_t begin, size_t end, double* sum_sq
   *has_inf_or_nan = *has_inf_or_nan || state.HasInfOrNan();
 }
 
+// An inf or a NaN has an exponent field of all ones: adding one to the field carries into the
+// bit above it only then. OR-ing those sums needs no branch and no compare, so the loop is
+// vectorized in each variant's instruction set.
+template <GradType G>
+bool AllFiniteKernel(const void* grad, size_t begin, size_t end) {
+  const char* bytes = static_cast<const char*>(grad);
+  if constexpr (G == GradType::kF32) {
+    uint32_t acc = 0;
+    for (size_t i = begin; i < end; ++i) {
+      uint32_t u;
+      std::memcpy(&u, bytes + i * 4, 4);
+      acc |= (u & 0x7f800000u) + 0x00800000u;
+    }
+    return (acc & 0x80000000u) == 0;
+  } else {
+    // bf16: 8 exponent bits at 0x7f80; fp16: 5 at 0x7c00. Either carries into 0x8000.
+    constexpr uint16_t kMask = G == GradType::kBf16 ? 0x7f80 : 0x7c00;
+    constexpr uint16_t kOne = G == GradType::kBf16 ? 0x0080 : 0x0400;
+    uint16_t acc = 0;
+    for (size_t i = begin; i < end; ++i) {
+      uint16_t u;
+      std::memcpy(&u, bytes + i * 2, 2);
+      acc = static_cast<uint16_t>(acc | static_cast<uint16_t>((u & kMask) + kOne));
+    }
+    return (acc & 0x8000u) == 0;
+  }
+}
+
 template <ParamCopyType O, bool kStream>
 void ConvertLoop(const float* src, uint16_t* out, size_t begin, size_t end) {
   constexpr size_t W = V::kWidth;
@@ -786,6 +814,9 @@ constexpr KernelTable MakeKernelTable(KernelVariant variant) {
   t.sum_squares[int(GradType::kF32)] = &SumSquaresKernel<GradType::kF32>;
   t.sum_squares[int(GradType::kBf16)] = &SumSquaresKernel<GradType::kBf16>;
   t.sum_squares[int(GradType::kF16)] = &SumSquaresKernel<GradType::kF16>;
+  t.all_finite[int(GradType::kF32)] = &AllFiniteKernel<GradType::kF32>;
+  t.all_finite[int(GradType::kBf16)] = &AllFiniteKernel<GradType::kBf16>;
+  t.all_finite[int(GradType::kF16)] = &AllFiniteKernel<GradType::kF16>;
   t.decode_state[int(StateType::kBf16)][1] = &DecodeStateKernel<StateType::kBf16, true>;
   t.decode_state[int(StateType::kBf16)][0] = &DecodeStateKernel<StateType::kBf16, false>;
   t.decode_state[int(StateType::kInt8)][1] = &DecodeStateKernel<StateType::kInt8, true>;

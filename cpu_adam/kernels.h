@@ -67,6 +67,8 @@ using StepKernelFn = void (*)(const StepCoefficients& c, const StepBuffers& b, s
 // and ORs whether any is inf or NaN into *has_inf_or_nan.
 using SumSquaresFn = void (*)(const void* grad, size_t begin, size_t end, double* sum_squares,
                               bool* has_inf_or_nan);
+// Whether grad[begin, end) holds no inf and no NaN (bits only: cheap from cache).
+using AllFiniteFn = bool (*)(const void* grad, size_t begin, size_t end);
 // dst[i] = convert(src[i]) for i in [begin, end).
 using ConvertFn = void (*)(const float* src, void* dst, size_t begin, size_t end);
 
@@ -79,6 +81,7 @@ struct KernelTable {
   // [kind][grad][copy][state]; null for a combination that is refused (Adagrad with int8).
   StepKernelFn step[kNumOptimizerKinds][kNumGradTypes][kNumParamCopyTypes][kNumStateTypes];
   SumSquaresFn sum_squares[kNumGradTypes];
+  AllFiniteFn all_finite[kNumGradTypes];
   ConvertFn convert[kNumParamCopyTypes];  // [kNone] is null
   // [state type][signed]; [kF32] is null.
   DecodeStateFn decode_state[kNumStateTypes][2];

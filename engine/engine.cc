@@ -165,7 +165,7 @@ Status Engine::FinishRegistration() {
   m.BeginMicroStep();
   // The statistics of the first step start here (its swap traffic after the initialisation).
   StepStats unused;
-  m.stats.FinishStep({0, 0, 0, m.swap.get()}, &unused);
+  m.stats.FinishStep({0, 0, 0, m.swap.get(), m.optimizer->cpu_seconds()}, &unused);
   return Status::OK();
 }
 
@@ -197,6 +197,23 @@ Status Engine::Impl::Place() {
   if (plan.copy_blocks > 0) {
     ZINF_RETURN_IF_ERROR(copy_pool.Init(arena.get(), plan.copy_block_bytes, plan.copy_blocks,
                                         "parameter copy buffers"));
+  }
+  if (plan.snapshot_blocks > 0) {
+    ZINF_RETURN_IF_ERROR(snapshot_pool.Init(arena.get(), plan.snapshot_block_bytes,
+                                            plan.snapshot_blocks, "speculative-step snapshots"));
+  }
+  if (plan.speculation_wanted && rank == 0) {
+    const size_t stepped = layout.GroupOrder().size();
+    LogInfo(plan.snapshot_blocks > 0
+                ? "zinf.speculative_step: up to " + std::to_string(plan.snapshot_blocks) + " of " +
+                      std::to_string(stepped) +
+                      " optimizer sub-groups are stepped before the gradient norm is known (" +
+                      FormatBytes(plan.snapshot_blocks * plan.snapshot_block_bytes) +
+                      " of pinned snapshots)"
+                : "zinf.speculative_step \"auto\": off, the pinned budget has no room for a " +
+                      FormatBytes(plan.snapshot_block_bytes) +
+                      " snapshot; raise zinf.pinned_budget_bytes to step sub-groups before the "
+                      "gradient norm is known");
   }
   if (plan.stream_grads) {
     ZINF_RETURN_IF_ERROR(grad_pool.Init(arena.get(), plan.grad_block_bytes, plan.grad_blocks,
@@ -268,6 +285,7 @@ Status Engine::Impl::Place() {
   parts.optimizer = optimizer.get();
   parts.state_pool = &state_pool;
   parts.copy_pool = &copy_pool;
+  parts.snapshot_pool = &snapshot_pool;
   pipeline = std::make_unique<OptimizerPipeline>(ctx, parts);
   return Status::OK();
 }
@@ -580,7 +598,14 @@ Result<StepStats> Engine::Step() {
       // have landed (they have: the streams were synchronized above).
       Result<float> coef =
           m.grads->ClipCoefficient(next, m.optimizer.get(), m.collectives.get(), &st.grad_norm);
-      if (!coef.ok()) return fail_boundary(coef.status());
+      if (!coef.ok()) {
+        // Sub-groups the optimizer stepped speculatively are rolled back before its task ends;
+        // the verdict also frees it from waiting for one.
+        m.board->SetNormFailed(next);
+        // (Its result is the rollback's; the error reported is the norm's.)
+        (void)m.board->WaitDone(next);
+        return fail_boundary(coef.status());
+      }
       m.board->SetClipCoef(next, *coef);
     }
     // Without the delayed update, this window's optimizer step must be done: the next
@@ -614,8 +639,9 @@ Result<StepStats> Engine::Step() {
 
   st.step = m.clock.step();
   st.trace_valid = m.trace.valid();
-  m.stats.FinishStep(
-      {opt_wait, m.budget->TakePeak(), m.arena ? m.arena->peak_used() : 0, m.swap.get()}, &st);
+  m.stats.FinishStep({opt_wait, m.budget->TakePeak(), m.arena ? m.arena->peak_used() : 0,
+                      m.swap.get(), m.optimizer->cpu_seconds()},
+                     &st);
   return st;
 }
 

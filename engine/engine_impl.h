@@ -62,9 +62,10 @@ struct Engine::Impl {
 
   // From placement on (FinishRegistration).
   std::unique_ptr<PinnedArena> arena;
-  BlockPool grad_pool;   // streaming accumulators, one block per sub-group
-  BlockPool state_pool;  // [master | m | v] of one sub-group (NVMe states; initialisation)
-  BlockPool copy_pool;   // the bf16 parameter copy of one sub-group
+  BlockPool grad_pool;      // streaming accumulators, one block per sub-group
+  BlockPool state_pool;     // [master | m | v] of one sub-group (NVMe states; initialisation)
+  BlockPool copy_pool;      // the bf16 parameter copy of one sub-group
+  BlockPool snapshot_pool;  // pre-step states of sub-groups stepped speculatively
   std::unique_ptr<SwapStore> swap;
   std::unique_ptr<GroupBoard> board;
   std::unique_ptr<ParamStore> param_store;

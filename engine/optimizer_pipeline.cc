@@ -1,6 +1,8 @@
 #include "engine/optimizer_pipeline.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <deque>
 #include <functional>
 
@@ -73,6 +75,17 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
     std::vector<Ticket> writes;
   };
   std::deque<Retiring> retiring;
+  // Sub-groups stepped speculatively (clipping, before the norm was known), in step order:
+  // their pre-step [master | states] and update counts, until the verdict keeps, redoes or
+  // rolls back their step. Their accumulators stay taken until then.
+  struct Speculated {
+    size_t gi = 0;
+    PooledBlock snapshot;
+    std::vector<uint8_t> with_grad;
+    std::vector<int64_t> updates;  // per parameter of the sub-group, before the step
+    bool poisoned = false;         // its step met a non-finite gradient (tiles left unstepped)
+  };
+  std::vector<Speculated> speculated;
 
   auto issue_reads = [&]() -> Status {
     while (next_read < order.size() && window.size() + retiring.size() < buffers) {
@@ -107,6 +120,90 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
     }
     retiring.pop_front();
   };
+  // Done with sub-group gi (stepped, or failed and left as it was): the trainer may put the
+  // next window's gradients into its accumulators.
+  auto mark_stepped = [&](size_t gi) {
+    m_.grads->ReleaseBuffer(gi);
+    ctx_.board->MarkStepped(gi, task.step);
+  };
+  // Where sub-group gi's states are stepped when they are not on NVMe.
+  auto resident_states = [&](size_t gi) {
+    float* d = m_.states->device_states(gi);
+    return d != nullptr ? d : m_.states->host_states(gi);
+  };
+  // Steps sub-group gi in `master` (its NVMe state block `states`, if any) and queues its
+  // write-backs into `retiring`.
+  // `non_finite` (speculation): set when a gradient held inf or NaN (the step fails then).
+  auto step_and_write = [&](size_t gi, float* master, PooledBlock states, float coef,
+                            bool* non_finite, const std::vector<uint8_t>& with_grad) -> Status {
+    Retiring done;
+    done.states = std::move(states);
+    if (config.bf16) {
+      Result<PooledBlock> b = m_.copy_pool->Take();
+      if (!b.ok()) return b.status().WithContext("bf16 parameter buffer");
+      done.copy = std::move(b).value();
+    }
+    Status s = StepGroup(gi, master, static_cast<uint16_t*>(done.copy.data()), task, coef,
+                         non_finite, with_grad, &done.writes);
+    if (s.ok() && m_.states->on_nvme(gi)) {
+      Result<Ticket> w = ctx_.swap->Write(m_.states->swap_key(gi), done.states.data(),
+                                          layout.GroupStateBytes(gi), done.states.capacity());
+      if (w.ok()) {
+        done.writes.push_back(*w);
+      } else {
+        s = w.status();
+      }
+    }
+    retiring.push_back(std::move(done));
+    return s;
+  };
+  // The verdict on the speculated sub-groups: kept (`coef` 1), redone from their snapshots
+  // with `coef`, or (`roll_back`: the norm failed, or the task stops) restored, with their
+  // parameter stores rewritten from the restored masters.
+  auto resolve = [&](float coef, bool roll_back) {
+    if (speculated.empty()) return;
+    // The speculative write-backs and device copies read the buffers about to be restored, and
+    // a redo writes the same keys: they finish first.
+    while (!retiring.empty()) retire_oldest();
+    sync_updates();
+    uint64_t kept = 0, redone = 0, rolled_back = 0;
+    const auto t0 = Clock::now();
+    for (Speculated& sp : speculated) {
+      const size_t gi = sp.gi;
+      if (!roll_back && coef == 1.0f && !sp.poisoned) {
+        ++kept;
+        mark_stepped(gi);
+        continue;
+      }
+      // Restore: NVMe states are redone in the snapshot block itself (it is a pinned block of
+      // the state buffers' size), the others copied back.
+      const bool nvme = m_.states->on_nvme(gi);
+      float* master = static_cast<float*>(sp.snapshot.data());
+      if (!nvme) {
+        master = resident_states(gi);
+        Copy(master, sp.snapshot.data(), layout.GroupStateBytes(gi));
+      }
+      const std::vector<ParamId>& ids = layout.group(gi).params;
+      for (size_t j = 0; j < ids.size(); ++j) m_.states->set_updates(ids[j], sp.updates[j]);
+      Status s;
+      if (roll_back) {
+        ++rolled_back;
+        // No parameter is updated: the stores get the restored values back.
+        s = step_and_write(gi, master, nvme ? std::move(sp.snapshot) : PooledBlock(), 1.0f, nullptr,
+                           std::vector<uint8_t>(ids.size(), 0));
+      } else {
+        ++redone;
+        s = step_and_write(gi, master, nvme ? std::move(sp.snapshot) : PooledBlock(), coef, nullptr,
+                           sp.with_grad);
+      }
+      if (!s.ok() && first.ok()) first = s;
+      while (!retiring.empty() && retiring.size() >= buffers - 1) retire_oldest();
+      mark_stepped(gi);
+    }
+    speculated.clear();
+    ctx_.stats->CountSpeculation(0, kept, redone, rolled_back,
+                                 redone + rolled_back > 0 ? Since(t0) : 0);
+  };
   // However this returns, no copy or I/O may still use the buffers it frees: write-backs
   // finish, device copies finish, reads issued ahead for sub-groups never reached (after a
   // failure) complete.
@@ -118,6 +215,9 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
     }
     ~Finally() { Run(); }
   } drain{[&] {
+    // A task that ends with sub-groups still speculated (a failure, the norm's or another's,
+    // or shutdown): their steps are undone.
+    resolve(1.0f, /*roll_back=*/true);
     while (!retiring.empty()) retire_oldest();
     sync_updates();
     for (Slot& slot : window) {
@@ -127,31 +227,51 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
     }
     window.clear();
   }};
+  // The norm failed (not finite, or its collective did): what was speculated is rolled back
+  // (the drain), nothing else is stepped, and the task did nothing, which is not an optimizer
+  // failure; the trainer's Step reports the norm's error.
+  auto verdict_failed = [&](const Status& s) {
+    if (ctx_.board->NormFailed(task.step)) {
+      drain.Run();
+      return first;
+    }
+    return s;
+  };
+  const bool may_speculate =
+      task.clip && m_.snapshot_pool != nullptr && m_.snapshot_pool->initialized();
   for (size_t k = 0; k < order.size(); ++k) {
     const size_t gi = order[k];
     const GroupLayout& g = layout.group(gi);
+    // A verdict that came meanwhile settles what was speculated so far.
+    if (!speculated.empty()) {
+      float coef = 1.0f;
+      bool known = false;
+      Status v = ctx_.board->Verdict(task, /*wait=*/false, &coef, &known);
+      if (!v.ok()) return verdict_failed(v);
+      if (known) resolve(coef, false);
+    }
     while (!retiring.empty() && window.size() + retiring.size() >= buffers) retire_oldest();
     const bool nvme = m_.states->on_nvme(gi);
     ZINF_RETURN_IF_ERROR(issue_reads());
-    // Wait for this sub-group's gradients (and, with clipping, the global norm).
+    const bool on_device = g.on_device && device_params;
+    // Wait for this sub-group's gradients (and, with clipping, the global norm, unless a
+    // snapshot block is free to step it speculatively).
+    const bool speculate = may_speculate && !on_device && m_.snapshot_pool->free_blocks() > 0 &&
+                           (m_.states->device_states(gi) == nullptr || ctx_.device->IsHost());
     float coef = 1.0f;
+    bool coef_known = true;
     std::vector<uint8_t> with_grad;  // the parameters this step updates (the others skip it)
-    ZINF_RETURN_IF_ERROR(ctx_.board->WaitGroupReady(gi, task, &coef, &with_grad));
-    // Done with sub-group gi (stepped, or failed and left as it was): the trainer may put
-    // the next window's gradients into its accumulators.
-    auto mark_stepped = [&] {
-      m_.grads->ReleaseBuffer(gi);
-      ctx_.board->MarkStepped(gi, task.step);
-    };
-    if (g.on_device && device_params) {
+    Status ready = ctx_.board->WaitGroupReady(gi, task, speculate, &coef, &coef_known, &with_grad);
+    if (!ready.ok()) return verdict_failed(ready);
+    if (on_device) {
       // The device steps it and writes the parameters straight into their device stores.
       Status s = StepGroupOnDevice(gi, task, coef, with_grad);
       if (!s.ok() && first.ok()) first = s;
-      mark_stepped();
+      mark_stepped(gi);
       CrashPoint("optimizer.group");
       continue;
     }
-    Retiring done;
+    PooledBlock states;
     float* master;
     if (nvme) {
       Slot slot = std::move(window.front());
@@ -161,37 +281,54 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
         if (first.ok()) {
           first = s.WithContext("reading optimizer states of sub-group " + std::to_string(gi));
         }
-        mark_stepped();
+        mark_stepped(gi);
         continue;  // this sub-group keeps its old values; the step reports the failure
       }
-      done.states = std::move(slot.states);
-      master = static_cast<float*>(done.states.data());
-    } else if (m_.states->device_states(gi) != nullptr) {
-      master = m_.states->device_states(gi);
+      states = std::move(slot.states);
+      master = static_cast<float*>(states.data());
     } else {
-      master = m_.states->host_states(gi);
+      master = resident_states(gi);
     }
-    if (config.bf16) {
-      Result<PooledBlock> b = m_.copy_pool->Take();
-      if (!b.ok()) return b.status().WithContext("bf16 parameter buffer");
-      done.copy = std::move(b).value();
+    const bool any_grad = std::find(with_grad.begin(), with_grad.end(), 1) != with_grad.end();
+    if (!coef_known && any_grad) {
+      // Speculative: the pre-step values are kept, then the step runs with the coefficient 1
+      // (a non-finite gradient leaves its tiles unstepped; the norm will fail the task).
+      Speculated sp;
+      sp.gi = gi;
+      ZINF_ASSIGN_OR_RETURN(sp.snapshot, m_.snapshot_pool->Take());
+      const auto t0 = Clock::now();
+      Copy(sp.snapshot.data(), master, layout.GroupStateBytes(gi));
+      ctx_.stats->AddOptimizerBusy(Since(t0));
+      for (ParamId id : g.params) sp.updates.push_back(m_.states->updates(id));
+      sp.with_grad = with_grad;
+      bool non_finite = false;
+      Status s = step_and_write(gi, master, std::move(states), 1.0f, &non_finite, with_grad);
+      if (non_finite) {
+        sp.poisoned = true;
+      } else if (!s.ok() && first.ok()) {
+        first = s;
+      }
+      speculated.push_back(std::move(sp));
+      ctx_.stats->CountSpeculation(1, 0, 0, 0, 0);
+      CrashPoint("optimizer.group");
+      continue;
     }
-    Status s = StepGroup(gi, master, static_cast<uint16_t*>(done.copy.data()), task, coef,
-                         with_grad, &done.writes);
+    // (No gradient in the sub-group, or the coefficient known: nothing to speculate. With
+    // clipping the norm's finite check covered the gradients.)
+    bool non_finite = false;
+    Status s = step_and_write(gi, master, std::move(states), coef,
+                              task.clip ? nullptr : &non_finite, with_grad);
     if (!s.ok() && first.ok()) first = s;
     // Every gradient of the sub-group has landed and been used: its accumulators can go.
-    mark_stepped();
+    mark_stepped(gi);
     CrashPoint("optimizer.group");
-    if (nvme && s.ok()) {
-      Result<Ticket> w = ctx_.swap->Write(m_.states->swap_key(gi), done.states.data(),
-                                          layout.GroupStateBytes(gi), done.states.capacity());
-      if (w.ok()) {
-        done.writes.push_back(*w);
-      } else if (first.ok()) {
-        first = w.status();
-      }
-    }
-    retiring.push_back(std::move(done));
+  }
+  if (!speculated.empty() && first.ok()) {
+    float coef = 1.0f;
+    bool known = false;
+    Status v = ctx_.board->Verdict(task, /*wait=*/true, &coef, &known);
+    if (!v.ok()) return verdict_failed(v);
+    resolve(coef, false);
   }
   drain.Run();
   return first;
@@ -211,12 +348,13 @@ OptimizerHyperParams OptimizerPipeline::HyperParams(const OptimizerTask& task, f
   return hp;
 }
 
-Status OptimizerPipeline::CheckFinite(ParamId id, int64_t step) {
-  const ParamLayout& p = ctx_.layout->param(id);
-  Result<GradStats> gs =
-      m_.optimizer->GradSumSquares(m_.grads->Acc(id), GradType::kF32, p.info.partition_numel);
-  ZINF_RETURN_IF_ERROR(gs.status());
-  return gs->has_inf_or_nan ? NonFinite(id, step) : Status::OK();
+void OptimizerPipeline::Copy(void* dst, const void* src, size_t bytes) {
+  constexpr size_t kLine = 64;
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  m_.optimizer->ParallelFor((bytes + kLine - 1) / kLine, [&](size_t begin, size_t end) {
+    std::memcpy(d + begin * kLine, s + begin * kLine, std::min(bytes, end * kLine) - begin * kLine);
+  });
 }
 
 Status OptimizerPipeline::NonFinite(ParamId id, int64_t step) const {
@@ -331,7 +469,7 @@ Status OptimizerPipeline::StepGroupOnDevice(size_t gi, const OptimizerTask& task
 }
 
 Status OptimizerPipeline::StepGroup(size_t gi, float* master, uint16_t* copy_out,
-                                    const OptimizerTask& task, float coef,
+                                    const OptimizerTask& task, float coef, bool* non_finite,
                                     const std::vector<uint8_t>& with_grad,
                                     std::vector<Ticket>* writes) {
   const Layout& layout = *ctx_.layout;
@@ -348,16 +486,18 @@ Status OptimizerPipeline::StepGroup(size_t gi, float* master, uint16_t* copy_out
       }
       continue;
     }
-    if (!task.clip)
-      ZINF_RETURN_IF_ERROR(CheckFinite(id, task.step));  // (clipping checked the norm)
     OptimizerTensors t = PartTensors(id, hp, master, m_.grads->Acc(id));
     if (copy_out != nullptr) {
       t.param_copy = copy_out + p.slice_offset;
       t.param_copy_type = ParamCopyType::kBf16;
     }
     hp.step = m_.states->updates(id) + 1;
-    Status s = m_.optimizer->Step(hp, t);
+    // The finite check runs inside the step, tile by tile while the gradients are in cache:
+    // a non-finite gradient leaves its tiles unstepped and nothing of the group is written.
+    Status s = non_finite != nullptr ? m_.optimizer->StepIfFinite(hp, t, non_finite)
+                                     : m_.optimizer->Step(hp, t);
     if (!s.ok()) return s.WithContext("optimizer step of '" + p.info.name + "'");
+    if (non_finite != nullptr && *non_finite) return NonFinite(id, task.step);
     m_.states->CountUpdate(id);
   }
   ctx_.stats->AddOptimizerBusy(Since(t0));

@@ -37,6 +37,9 @@ class OptimizerPipeline {
     CpuOptimizer* optimizer = nullptr;
     BlockPool* state_pool = nullptr;
     BlockPool* copy_pool = nullptr;
+    // Snapshots of sub-groups stepped speculatively (zinf.speculative_step); not initialized:
+    // no speculation.
+    BlockPool* snapshot_pool = nullptr;
   };
   OptimizerPipeline(const EngineContext& ctx, const Parts& parts);
   ~OptimizerPipeline();  // joins the thread (the board must have been stopped)
@@ -59,13 +62,17 @@ class OptimizerPipeline {
   Status StepGroupOnDevice(size_t gi, const OptimizerTask& task, float coef,
                            const std::vector<uint8_t>& with_grad);
   // `states`: the sub-group's [master | state 1 | state 2] (Layout::GroupStateBytes).
+  // `non_finite` not null: each gradient is checked for inf and NaN inside the step (tile by
+  // tile, see CpuOptimizer::StepIfFinite); one that holds one sets it and fails the group
+  // with NonFinite before anything of the group is written to a store, so a non-finite master
+  // is never written (the engine must then be recreated from a checkpoint or the durable
+  // store, whose last commit predates the step). Null: with clipping, the norm checked them.
   Status StepGroup(size_t gi, float* states, uint16_t* copy_out, const OptimizerTask& task,
-                   float coef, const std::vector<uint8_t>& with_grad, std::vector<Ticket>* writes);
-  // Refuses a gradient that holds inf or NaN before the optimizer uses it: a non-finite master
-  // is never written (the step fails; the engine must be recreated from a checkpoint or the
-  // durable store, whose last commit predates the step).
-  Status CheckFinite(ParamId id, int64_t step);
-  Status NonFinite(ParamId id, int64_t step) const;  // the error CheckFinite returns
+                   float coef, bool* non_finite, const std::vector<uint8_t>& with_grad,
+                   std::vector<Ticket>* writes);
+  Status NonFinite(ParamId id, int64_t step) const;
+  // memcpy on the optimizer's threads (a speculated sub-group's snapshot and its restore).
+  void Copy(void* dst, const void* src, size_t bytes);
   // The optimizer's view of parameter `id`'s partition inside its sub-group's buffer `states`
   // ([master | state 1 | state 2]: exp_avg / exp_avg_sq, or Lion's momentum in state 1, or the
   // Adagrad sum in state 2; fp32 or compressed, zinf.optimizer_state_dtype), with fp32

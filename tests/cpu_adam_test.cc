@@ -996,6 +996,109 @@ TEST(GradSumSquaresTest, FlagsInfAndNanAnywhere) {
 
 // ---- Argument checks ----
 
+// ---- The finite check inside the step (StepIfFinite) ----
+
+// Every variant's bit test agrees with std::isfinite: every bf16 and fp16 pattern, and fp32
+// patterns over every exponent with the mantissa's edges, at every position in a buffer
+// (vector bodies and tails).
+TEST_P(ConvertVariantTest, AllFiniteAgreesWithIsfinite) {
+  const cpu_adam_internal::KernelTable& k = cpu_adam_internal::KernelsFor(GetParam());
+  for (uint32_t bits = 0; bits < 0x10000u; ++bits) {
+    const uint16_t h = static_cast<uint16_t>(bits);
+    const bool bf16_finite = std::isfinite(Bf16ToFp32(h));
+    const bool fp16_finite = std::isfinite(Fp16ToFp32(h));
+    ASSERT_EQ(k.all_finite[int(GradType::kBf16)](&h, 0, 1), bf16_finite) << std::hex << bits;
+    ASSERT_EQ(k.all_finite[int(GradType::kF16)](&h, 0, 1), fp16_finite) << std::hex << bits;
+  }
+  std::vector<float> edges;
+  for (uint32_t exp = 0; exp < 256; ++exp) {
+    for (uint32_t mant : {0u, 1u, 0x400000u, 0x7fffffu}) {
+      for (uint32_t sign : {0u, 0x80000000u}) edges.push_back(FromBits(sign | exp << 23 | mant));
+    }
+  }
+  for (float x : edges) {
+    ASSERT_EQ(k.all_finite[int(GradType::kF32)](&x, 0, 1), std::isfinite(x)) << x;
+  }
+  for (size_t n : {size_t{1}, size_t{15}, size_t{16}, size_t{17}, size_t{100}}) {
+    for (size_t at = 0; at < n; ++at) {
+      std::vector<float> g(n, 1.5f);
+      std::vector<uint16_t> h(n, Fp32ToBf16(1.5f));
+      EXPECT_TRUE(k.all_finite[int(GradType::kF32)](g.data(), 0, n));
+      g[at] = std::numeric_limits<float>::infinity();
+      h[at] = Fp32ToBf16(std::nanf(""));
+      EXPECT_FALSE(k.all_finite[int(GradType::kF32)](g.data(), 0, n)) << n << " " << at;
+      EXPECT_FALSE(k.all_finite[int(GradType::kBf16)](h.data(), 0, n)) << n << " " << at;
+      // Only [begin, end) is read.
+      EXPECT_EQ(k.all_finite[int(GradType::kF32)](g.data(), at + 1, n), true);
+      EXPECT_EQ(k.all_finite[int(GradType::kF32)](g.data(), 0, at), true);
+    }
+  }
+}
+
+// Without a non-finite gradient StepIfFinite is Step, bit for bit. With one, that gradient's
+// tile is not stepped, every element is either as it was or Step's value (never one computed
+// from the inf or NaN), and the flag says so.
+TEST(DriverTest, StepIfFiniteIsStepOrLeavesNonFiniteTilesUnstepped) {
+  CpuOptimizer::Options o;
+  o.num_threads = 2;
+  o.tile_elements = 256;
+  auto opt = CpuOptimizer::Create(o);
+  ASSERT_TRUE(opt.ok());
+  for (GradType type : {GradType::kF32, GradType::kBf16}) {
+    Problem pr = MakeProblem(OptimizerKind::kAdamW, type, 5000, 3, true, 7);
+    for (size_t i = 0; i < pr.n; ++i) {  // (MakeProblem plants infs and NaNs: finite ones here)
+      if (std::isfinite(pr.grad_value[i])) continue;
+      pr.grad_value[i] = 0.25f;
+      if (type == GradType::kF32) {
+        pr.grad32[i] = 0.25f;
+      } else {
+        pr.grad16[i] = Fp32ToBf16(0.25f);
+      }
+    }
+    const Outputs stepped = RunDriver(**opt, pr, ParamCopyType::kBf16);
+    Outputs checked;
+    checked.Reset(pr, /*aligned_copy=*/true);
+    bool non_finite = true;
+    ASSERT_TRUE(
+        (*opt)
+            ->StepIfFinite(pr.hp, TensorsFor(pr, checked, ParamCopyType::kBf16), &non_finite)
+            .ok());
+    EXPECT_FALSE(non_finite);
+    EXPECT_TRUE(SameOutputs(checked, stepped)) << GradTypeName(type);
+    for (size_t at : {size_t{0}, size_t{2600}, size_t{4999}}) {
+      Problem bad = pr;
+      if (type == GradType::kF32) {
+        bad.grad32[at] = std::nanf("");
+      } else {
+        bad.grad16[at] = Fp32ToBf16(std::numeric_limits<float>::infinity());
+      }
+      Outputs out;
+      out.Reset(bad, /*aligned_copy=*/true);
+      Outputs before;
+      before.Reset(bad, /*aligned_copy=*/true);
+      ASSERT_TRUE(
+          (*opt)
+              ->StepIfFinite(bad.hp, TensorsFor(bad, out, ParamCopyType::kBf16), &non_finite)
+              .ok());
+      EXPECT_TRUE(non_finite) << at;
+      const size_t tile_begin = at / 256 * 256, tile_end = std::min<size_t>(tile_begin + 256, 5000);
+      for (size_t i = 0; i < out.param.size(); ++i) {
+        ASSERT_TRUE(std::isfinite(out.param[i]) && std::isfinite(out.state1[i]) &&
+                    std::isfinite(out.state2[i]))
+            << i;
+        const bool unchanged = SameFloat(out.param[i], before.param[i]) &&
+                               SameFloat(out.state1[i], before.state1[i]) &&
+                               SameFloat(out.state2[i], before.state2[i]);
+        const bool as_step = SameFloat(out.param[i], stepped.param[i]) &&
+                             SameFloat(out.state1[i], stepped.state1[i]) &&
+                             SameFloat(out.state2[i], stepped.state2[i]);
+        ASSERT_TRUE(unchanged || as_step) << i;
+        if (i >= tile_begin && i < tile_end) ASSERT_TRUE(unchanged) << i << " in the bad tile";
+      }
+    }
+  }
+}
+
 class ValidationTest : public ::testing::Test {
  protected:
   void SetUp() override {

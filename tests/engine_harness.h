@@ -414,8 +414,9 @@ struct RunOptions {
   int save_after_step = -1;
   bool load_first = false;
   int first_micro = 0;
-  StateType state_type = StateType::kF32;           // zinf.optimizer_state_dtype
-  OptimizerType optimizer = OptimizerType::kAdamW;  // Simulate: AdamW only
+  StateType state_type = StateType::kF32;                // zinf.optimizer_state_dtype
+  SpeculativeStep speculative = SpeculativeStep::kAuto;  // zinf.speculative_step
+  OptimizerType optimizer = OptimizerType::kAdamW;       // Simulate: AdamW only
   // Simulate only: the states were kept as `states_before` until this optimizer step (a
   // checkpoint saved then, loaded by an engine keeping state_type: converted on load).
   int switch_states_at = -1;
@@ -431,6 +432,9 @@ struct RunOptions {
     if (ratio < 1) os << ", optimizer ratio " << ratio;
     if (swapped_micro_step >= 0) os << ", swapped acquire order at " << swapped_micro_step;
     if (state_type != StateType::kF32) os << ", " << StateTypeName(state_type) << " states";
+    if (speculative != SpeculativeStep::kAuto) {
+      os << ", speculative step " << (speculative == SpeculativeStep::kOn ? "on" : "off");
+    }
     return os.str();
   }
 };
@@ -465,6 +469,7 @@ inline EngineConfig MakeConfig(const RunOptions& o, const std::string& nvme_dir)
   c.pinned_budget_bytes = o.pinned_budget_bytes;
   c.optimizer_threads = 1;  // 2-core machines run up to 4 ranks
   c.optimizer_state_type = o.state_type;
+  c.speculative_step = o.speculative;
   return c;
 }
 

@@ -1020,16 +1020,28 @@ TEST(EngineNonFinite, AGradientWithNanStopsTheStepBeforeAnyNonFiniteMasterIsWrit
   // (Parameters and states on the device: the gradients accumulate and are checked there.)
   const std::pair<Tier, Tier> placements[] = {
       {Tier::kCpu, Tier::kCpu}, {Tier::kCpu, Tier::kNvme}, {Tier::kDevice, Tier::kDevice}};
-  for (double clip : {0.0, 1.0}) {
+  // With clipping, the norm fails the step; with speculation the sub-groups stepped before it
+  // was known (the one with the NaN among them, its tiles left unstepped) are rolled back, so
+  // in both cases no parameter is updated.
+  const std::pair<double, SpeculativeStep> modes[] = {
+      {0.0, SpeculativeStep::kAuto}, {1.0, SpeculativeStep::kOff}, {1.0, SpeculativeStep::kOn}};
+  for (const auto& [clip, speculative] : modes) {
     for (const auto& [params, states] : placements) {
       SCOPED_TRACE(std::string("clip ") + std::to_string(clip) + ", params " + TierName(params) +
-                   ", states " + TierName(states));
+                   ", states " + TierName(states) + ", speculative " +
+                   (speculative == SpeculativeStep::kOn ? "on" : "off"));
       Placement pl{params, states};
       pl.clip = clip;
       Rig rig;
       EngineConfig config = MakeConfig(pl, rig.dir.path());
       config.gradient_accumulation_steps = 1;
+      config.speculative_step = speculative;
       ASSERT_TRUE(rig.Create(config).ok());
+      std::vector<std::vector<float>> before(Defs().size());
+      for (size_t p = 0; p < Defs().size(); ++p) {
+        before[p].resize(Numel(Defs()[p]));
+        ASSERT_TRUE(rig.engine->GatherMasterParameter(rig.ids[p], before[p].data()).ok());
+      }
       ASSERT_TRUE(rig.engine->Acquire(rig.ids).ok());
       ASSERT_TRUE(rig.engine->Release(rig.ids).ok());
       for (size_t p = 0; p < Defs().size(); ++p) {
@@ -1043,6 +1055,16 @@ TEST(EngineNonFinite, AGradientWithNanStopsTheStepBeforeAnyNonFiniteMasterIsWrit
       EXPECT_EQ(st.status().code(), StatusCode::kFailedPrecondition) << st.status().ToString();
       EXPECT_NE(st.status().message().find(clip > 0 ? "norm" : "'b.weight'"), std::string::npos)
           << st.status().ToString();
+      if (clip > 0) {
+        // Nothing of the step was applied: the masters are those before it, bit for bit.
+        for (size_t p = 0; p < Defs().size(); ++p) {
+          std::vector<float> after(Numel(Defs()[p]));
+          Status g = rig.engine->GatherMasterParameter(rig.ids[p], after.data());
+          ASSERT_TRUE(g.ok()) << g.ToString();
+          EXPECT_EQ(std::memcmp(after.data(), before[p].data(), after.size() * sizeof(float)), 0)
+              << Defs()[p].name;
+        }
+      }
       // The engine stays stopped: nothing of the step can be saved or gathered (what reaches
       // a store instead is in ADurableStoreKeepsTheLastGoodStep).
       EXPECT_FALSE(rig.engine->Step().ok());

@@ -1,6 +1,8 @@
 #include "engine/core/group_board.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 
 #include "zinf/log.h"
 
@@ -59,6 +61,24 @@ void GroupBoard::SetClipCoef(int64_t step, float coef) {
   clip_coefs_[step] = coef;
   cv_.NotifyAll();
 }
+
+void GroupBoard::SetNormFailed(int64_t step) {
+  SetClipCoef(step, std::numeric_limits<float>::quiet_NaN());
+}
+
+bool GroupBoard::NormFailed(int64_t step) const {
+  MutexLock lock(&mu_);
+  auto it = clip_coefs_.find(step);
+  return it != clip_coefs_.end() && std::isnan(it->second);
+}
+
+namespace {
+Status NormFailedError(int64_t step) {
+  return Status::FailedPrecondition("the gradient norm of step " + std::to_string(step) +
+                                    " could not be had (see the error of that Step): the optimizer "
+                                    "stepped nothing of it");
+}
+}  // namespace
 
 void GroupBoard::ResetTo(int64_t step) {
   MutexLock lock(&mu_);
@@ -159,23 +179,37 @@ bool GroupBoard::failed() const {
   return !optimizer_status_.ok();
 }
 
-Status GroupBoard::WaitGroupReady(size_t gi, const OptimizerTask& task, float* coef,
-                                  std::vector<uint8_t>* with_grad) {
+Status GroupBoard::WaitGroupReady(size_t gi, const OptimizerTask& task, bool speculate, float* coef,
+                                  bool* coef_known, std::vector<uint8_t>* with_grad) {
   MutexLock lock(&mu_);
   Group& g = groups_[gi];
   waiting_group_ = gi;
   waiting_step_ = task.step;
   cv_.NotifyAll();  // a trainer waiting for a gradient block re-checks for a deadlock
-  while (!stopping_ &&
-         !(g.ready_step >= task.step && (!task.clip || clip_coefs_.count(task.step) != 0))) {
+  while (!stopping_ && !(g.ready_step >= task.step &&
+                         (speculate || !task.clip || clip_coefs_.count(task.step) != 0))) {
     cv_.Wait(&mu_);
   }
   waiting_group_ = SIZE_MAX;
   if (stopping_) return Status::FailedPrecondition("engine shutting down");
-  *coef = task.clip ? clip_coefs_[task.step] : 1.0f;
+  *coef_known = !task.clip || clip_coefs_.count(task.step) != 0;
+  *coef = task.clip && *coef_known ? clip_coefs_[task.step] : 1.0f;
+  if (std::isnan(*coef)) return NormFailedError(task.step);
   with_grad->swap(g.has_grad);
   g.has_grad.assign(layout_->group(gi).params.size(), 0);
   return Status::OK();
+}
+
+Status GroupBoard::Verdict(const OptimizerTask& task, bool wait, float* coef, bool* known) {
+  MutexLock lock(&mu_);
+  while (wait && !stopping_ && clip_coefs_.count(task.step) == 0) cv_.Wait(&mu_);
+  auto it = clip_coefs_.find(task.step);
+  *known = it != clip_coefs_.end();
+  if (!*known) {
+    return wait ? Status::FailedPrecondition("engine shutting down") : Status::OK();
+  }
+  *coef = it->second;
+  return std::isnan(*coef) ? NormFailedError(task.step) : Status::OK();
 }
 
 void GroupBoard::MarkStepped(size_t gi, int64_t step) {

@@ -41,7 +41,14 @@ class GroupBoard {
   Status WaitStepped(size_t gi, int64_t step, double* waited) EXCLUDES(mu_);
   // Waits until every task up to `target` is done; returns the first optimizer failure.
   Status WaitDone(int64_t target) EXCLUDES(mu_);
+  // The verdict of step `step`'s global norm (clipping on): its coefficient, or that the norm
+  // could not be had (not finite, or its collective failed): the optimizer then rolls back
+  // what it stepped speculatively and fails the task.
   void SetClipCoef(int64_t step, float coef) EXCLUDES(mu_);
+  void SetNormFailed(int64_t step) EXCLUDES(mu_);
+  // Whether SetNormFailed(step) was called (the task then steps nothing, and is not a failure
+  // of the optimizer: the trainer's Step reports the norm's).
+  bool NormFailed(int64_t step) const EXCLUDES(mu_);
   // After a resume or a load at `step`: nothing pending, everything stepped to it.
   void ResetTo(int64_t step) EXCLUDES(mu_);
   // Shutdown: with `drain_to` >= 0, first waits for the tasks up to it and returns the
@@ -65,10 +72,14 @@ class GroupBoard {
   // The oldest task, waiting for one; false when stopping.
   bool NextTask(OptimizerTask* task) EXCLUDES(mu_);
   bool failed() const EXCLUDES(mu_);
-  // Waits until sub-group `gi` is ready for `task` (and, with clipping, the norm is known).
-  // Takes the group's has-grad flags; *coef gets the clipping coefficient.
-  Status WaitGroupReady(size_t gi, const OptimizerTask& task, float* coef,
-                        std::vector<uint8_t>* with_grad) EXCLUDES(mu_);
+  // Waits until sub-group `gi` is ready for `task` and, with clipping, the norm is known, or
+  // with `speculate` not (then *coef_known is false and *coef 1). Takes the group's has-grad
+  // flags; *coef gets the clipping coefficient. Fails when the norm failed (SetNormFailed).
+  Status WaitGroupReady(size_t gi, const OptimizerTask& task, bool speculate, float* coef,
+                        bool* coef_known, std::vector<uint8_t>* with_grad) EXCLUDES(mu_);
+  // The verdict of a clipped task: with `wait`, waits for it; without, *known says whether it
+  // is there. Fails when the norm failed or the board stops.
+  Status Verdict(const OptimizerTask& task, bool wait, float* coef, bool* known) EXCLUDES(mu_);
   void MarkStepped(size_t gi, int64_t step) EXCLUDES(mu_);
   // The task is done (`s`: its result); sub-groups it did not reach count as stepped.
   void FinishTask(int64_t step, const Status& s) EXCLUDES(mu_);
@@ -91,10 +102,10 @@ class GroupBoard {
   mutable Mutex mu_;
   CondVar cv_;
   std::vector<Group> groups_ GUARDED_BY(mu_);
-  std::deque<OptimizerTask> tasks_ GUARDED_BY(mu_);  // queued or running, oldest first
-  int64_t done_step_ GUARDED_BY(mu_) = 0;            // the last task the optimizer finished
-  Status optimizer_status_ GUARDED_BY(mu_);          // the first failure of any task (sticky)
-  std::map<int64_t, float> clip_coefs_ GUARDED_BY(mu_);
+  std::deque<OptimizerTask> tasks_ GUARDED_BY(mu_);      // queued or running, oldest first
+  int64_t done_step_ GUARDED_BY(mu_) = 0;                // the last task the optimizer finished
+  Status optimizer_status_ GUARDED_BY(mu_);              // the first failure of any task (sticky)
+  std::map<int64_t, float> clip_coefs_ GUARDED_BY(mu_);  // NaN: the norm failed
   bool stopping_ GUARDED_BY(mu_) = false;
   uint64_t grad_releases_ GUARDED_BY(mu_) = 0;  // accumulator blocks freed so far (progress)
   // The sub-group whose gradients the optimizer waits for (SIZE_MAX: none), and for which

@@ -35,12 +35,15 @@ Result<PinnedPlan> PlanPinnedMemory(const Layout& layout, const EngineConfig& co
   uint64_t grads_all = 0, max_group_grads = 0;
   uint64_t host_groups = 0;  // sub-groups whose gradients accumulate in pinned memory
   size_t kept_on_device = 0;
+  uint64_t cpu_stepped = 0, max_cpu_group_states = 0;  // sub-groups the CPU steps
   for (size_t gi = 0; gi < layout.num_groups(); ++gi) {
     if (layout.group(gi).frozen) continue;  // no states, no gradients
     max_group = std::max<uint64_t>(max_group, layout.group(gi).numel);
     if (layout.group(gi).on_device) ++kept_on_device;
     // A sub-group the device steps accumulates its gradients in device memory.
     if (layout.group(gi).on_device && config.offload_param.tier == Tier::kDevice) continue;
+    ++cpu_stepped;
+    max_cpu_group_states = std::max<uint64_t>(max_cpu_group_states, layout.GroupStateBytes(gi));
     ++host_groups;
     grads_all += RoundUp(layout.GroupGradBytes(gi), 4096);
     max_group_grads = std::max<uint64_t>(max_group_grads, RoundUp(layout.GroupGradBytes(gi), 4096));
@@ -78,13 +81,39 @@ Result<PinnedPlan> PlanPinnedMemory(const Layout& layout, const EngineConfig& co
   plan.grad_block_bytes = max_group_grads;
   plan.grads_min = plan.stream_grads ? std::min<uint64_t>(groups, 2) * max_group_grads : grads_all;
   plan.fixed = pinned;
-  if (pinned + plan.grads_min > config.pinned_budget_bytes) {
+  // Speculation acts only where the optimizer waits for the norm: with clipping.
+  plan.speculation_wanted =
+      config.gradient_clipping > 0 && cpu_stepped > 0 &&
+      (config.speculative_step == SpeculativeStep::kOn ||
+       (config.speculative_step == SpeculativeStep::kAuto &&
+        config.offload_optimizer.tier != Tier::kDevice && config.offload_optimizer.ratio > 0));
+  if (plan.speculation_wanted) {
+    // (NVMe states are redone in their snapshot block, so it is a state buffer's size.)
+    plan.snapshot_block_bytes = RoundUp(max_cpu_group_states, 4096);
+    if (config.offload_optimizer.tier == Tier::kNvme) {
+      plan.snapshot_block_bytes = std::max(plan.snapshot_block_bytes, plan.state_block_bytes);
+    }
+    if (config.speculative_step == SpeculativeStep::kOn) {
+      plan.snapshots_min = plan.snapshot_block_bytes;
+    }
+  }
+  if (pinned + plan.grads_min + plan.snapshots_min > config.pinned_budget_bytes) {
     return Status::ResourceExhausted(
                "the pinned host budget of " + FormatBytes(config.pinned_budget_bytes) +
-               " is too small: this model needs about " + FormatBytes(pinned + plan.grads_min) +
-               " (gradient partitions, cpu-tier parameters, optimizer swap buffers and staging); "
-               "raise zinf.pinned_budget_bytes or lower sub_group_size")
+               " is too small: this model needs about " +
+               FormatBytes(pinned + plan.grads_min + plan.snapshots_min) +
+               " (gradient partitions, cpu-tier parameters, optimizer swap buffers and staging" +
+               (plan.snapshots_min > 0
+                    ? ", and one speculative-step snapshot of " + FormatBytes(plan.snapshots_min) +
+                          " for zinf.speculative_step true (\"auto\" goes without)"
+                    : std::string()) +
+               "); raise zinf.pinned_budget_bytes or lower sub_group_size")
         .WithKey("zinf.pinned_budget_bytes");
+  }
+  if (plan.speculation_wanted && plan.snapshot_block_bytes > 0) {
+    // What the budget has left (the accumulators stay whole with clipping).
+    const uint64_t spare = config.pinned_budget_bytes - pinned - plan.grads_min;
+    plan.snapshot_blocks = std::min<uint64_t>(cpu_stepped, spare / plan.snapshot_block_bytes);
   }
   if (plan.stream_grads) {
     const uint64_t spare = config.pinned_budget_bytes - pinned;
@@ -179,7 +208,7 @@ Result<uint64_t> PinnedBytesNeeded(const EngineConfig& config, const std::vector
   EngineConfig unlimited = config;
   unlimited.pinned_budget_bytes = UINT64_MAX;
   ZINF_ASSIGN_OR_RETURN(PinnedPlan plan, PlanPinnedMemory(layout, unlimited, device_is_host));
-  return plan.fixed + plan.grads_min;
+  return plan.fixed + plan.grads_min + plan.snapshots_min;
 }
 
 Status CheckNvmePaths(const std::vector<std::string>& paths,

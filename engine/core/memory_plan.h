@@ -27,6 +27,14 @@ struct PinnedPlan {
   uint64_t grad_blocks = 0;  // streaming: blocks in the pool
   uint64_t fixed = 0;        // everything but the accumulators (pools, cpu-tier params, staging)
   uint64_t grads_min = 0;    // the accumulators' least share
+  // Speculative steps (zinf.speculative_step, with clipping): one block per sub-group that may
+  // be stepped before the norm is known, from what the budget has left (at most one per
+  // sub-group stepped on the CPU; 0: no speculation). `snapshots_min`: what speculation
+  // must have (one block with speculative_step true, else 0), counted in the budget check.
+  uint64_t snapshot_block_bytes = 0;
+  uint64_t snapshot_blocks = 0;
+  uint64_t snapshots_min = 0;
+  bool speculation_wanted = false;  // asked for (true, or "auto" with the optimizer offloaded)
 };
 
 // The plan for `layout` (frozen) under `config`; ResourceExhausted, naming what to raise, when

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <memory>
 
 namespace zinf {
@@ -34,6 +35,25 @@ void StatsRecorder::CountAcquire(bool hit) {
   MutexLock lock(&mu_);
   (hit ? c_.hits : c_.misses) += 1;
 }
+
+void StatsRecorder::CountSpeculation(uint64_t speculated, uint64_t kept, uint64_t redone,
+                                     uint64_t rolled_back, double redo_seconds) {
+  MutexLock lock(&mu_);
+  c_.speculated += speculated;
+  c_.kept += kept;
+  c_.redone += redone;
+  c_.rolled_back += rolled_back;
+  c_.redo_seconds += redo_seconds;
+}
+
+namespace {
+double CpuSeconds(clockid_t clock) {
+  timespec ts{};
+  // (The process and calling-thread CPU clocks cannot fail on Linux; 0 if they did.)
+  if (clock_gettime(clock, &ts) != 0) return 0;
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+}  // namespace
 
 StatsRecorder::Counters StatsRecorder::Take() {
   MutexLock lock(&mu_);
@@ -75,6 +95,20 @@ void StatsRecorder::FinishStep(const StepSources& sources, StepStats* st) {
     swap_base_ = swap;
   }
   st->peak_pinned_bytes = sources.peak_pinned_bytes;
+  st->speculated_groups = c.speculated;
+  st->kept_groups = c.kept;
+  st->redone_groups = c.redone;
+  st->rolled_back_groups = c.rolled_back;
+  st->speculation_redo_seconds = c.redo_seconds;
+  // (Step runs on the trainer's thread; so did the first FinishStep, at FinishRegistration.)
+  const double process = CpuSeconds(CLOCK_PROCESS_CPUTIME_ID);
+  const double trainer = CpuSeconds(CLOCK_THREAD_CPUTIME_ID);
+  st->cpu_seconds_total = std::max(0.0, process - process_cpu_base_);
+  st->cpu_seconds_trainer = std::max(0.0, trainer - trainer_cpu_base_);
+  st->cpu_seconds_optimizer = std::max(0.0, sources.optimizer_cpu_seconds - optimizer_cpu_base_);
+  process_cpu_base_ = process;
+  trainer_cpu_base_ = trainer;
+  optimizer_cpu_base_ = sources.optimizer_cpu_seconds;
   const double compute = st->step_seconds - st->acquire_wait_seconds - st->optimizer_wait_seconds;
   const double busiest = std::max({st->nvme_busy_seconds, st->copy_busy_seconds,
                                    st->optimizer_busy_seconds, std::max(compute, 0.0)});

@@ -19,6 +19,8 @@ class StatsRecorder {
     uint64_t h2d = 0, d2h = 0;
     double copy_busy = 0, optimizer_busy = 0, acquire_wait = 0, optimizer_wait = 0;
     uint64_t hits = 0, misses = 0;
+    uint64_t speculated = 0, kept = 0, redone = 0, rolled_back = 0;
+    double redo_seconds = 0;
   };
 
   void AddH2D(uint64_t bytes) EXCLUDES(mu_);
@@ -28,6 +30,9 @@ class StatsRecorder {
   void AddAcquireWait(double seconds) EXCLUDES(mu_);
   void AddOptimizerWait(double seconds) EXCLUDES(mu_);
   void CountAcquire(bool hit) EXCLUDES(mu_);
+  // Speculative steps: sub-groups speculated, kept, redone, rolled back; redo seconds.
+  void CountSpeculation(uint64_t speculated, uint64_t kept, uint64_t redone, uint64_t rolled_back,
+                        double redo_seconds) EXCLUDES(mu_);
   // The counters so far; they start again from zero.
   Counters Take() EXCLUDES(mu_);
 
@@ -45,6 +50,7 @@ class StatsRecorder {
     uint64_t peak_device_bytes = 0;  // since the last step
     uint64_t peak_pinned_bytes = 0;
     const SwapStore* swap = nullptr;
+    double optimizer_cpu_seconds = 0;  // CpuOptimizer::cpu_seconds() now (0: no optimizer)
   };
   void FinishStep(const StepSources& sources, StepStats* st) EXCLUDES(mu_);
 
@@ -54,6 +60,7 @@ class StatsRecorder {
   // Trainer thread only (FinishStep).
   std::chrono::steady_clock::time_point step_start_ = std::chrono::steady_clock::now();
   SwapStoreStats swap_base_;
+  double process_cpu_base_ = 0, trainer_cpu_base_ = 0, optimizer_cpu_base_ = 0;
 };
 
 }  // namespace zinf

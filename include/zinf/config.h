@@ -49,6 +49,10 @@ struct OptimizerConfig {
   float weight_decay = 0.0f;
 };
 
+// zinf.speculative_step: whether the CPU optimizer steps a sub-group as soon as its gradients
+// are complete, before the global gradient norm (clipping) is known, and validates afterwards.
+enum class SpeculativeStep { kOff, kOn, kAuto };
+
 struct EngineConfig {
   int zero_stage = 3;
   OffloadConfig offload_param;
@@ -109,6 +113,18 @@ struct EngineConfig {
   // offload_param.device cpu or nvme.
   bool frozen_int8 = false;
   int optimizer_threads = 0;  // CPU Adam threads; 0 = all cores
+  // zinf.speculative_step true | false | "auto" (default): with gradient clipping, each
+  // sub-group stepped on the CPU is stepped as soon as its gradients are complete, with the
+  // coefficient 1, after its pre-step [master | states] is copied into a snapshot block of the
+  // pinned budget; once the global norm is known the step is kept (no clipping), redone from
+  // the snapshot with the clipping coefficient, or rolled back (a non-finite norm: the step
+  // fails as without speculation). The results are those of the step that waits for the norm,
+  // bit for bit. "auto": on when the optimizer is offloaded (offload_optimizer.device cpu or
+  // nvme) and the pinned budget has room for a snapshot, else off; true: refused without that
+  // room. Without clipping nothing waits for the norm, and this changes nothing: the finite
+  // check runs inside the step kernel either way. Sub-groups stepped on the device are not
+  // speculated.
+  SpeculativeStep speculative_step = SpeculativeStep::kAuto;
   // zinf.collective_timeout_seconds: with ranks as processes, how long a rank waits in one
   // collective (or at the group's creation) for its peers before every rank fails with a
   // message naming the collective. A peer that dies fails the others at once. Read by the

@@ -282,6 +282,14 @@ class CpuOptimizer {
   // One step over all n elements (see ValidateOptimizerStep for the contract).
   Status Step(const OptimizerHyperParams& hp, const OptimizerTensors& t);
 
+  // Step with the gradients checked for inf and NaN on the way: each tile's gradients are
+  // checked just before the tile is stepped, while they are in cache, so the check costs no
+  // memory pass of its own. A tile that holds one is not stepped, and neither is any tile not
+  // yet begun once one has been seen. *non_finite tells whether one was: the buffers are then
+  // updated in some tiles only (none with a value computed from a non-finite gradient), and the
+  // caller must not publish them. Without one, the result is Step's, bit for bit.
+  Status StepIfFinite(const OptimizerHyperParams& hp, const OptimizerTensors& t, bool* non_finite);
+
   // The sum of squares and the inf/NaN flag of n gradient elements.
   Result<GradStats> GradSumSquares(const void* grad, GradType type, size_t n);
 
@@ -298,6 +306,11 @@ class CpuOptimizer {
         n, [](void* ctx, size_t b, size_t e) { (*static_cast<F*>(ctx))(b, e); },
         const_cast<void*>(static_cast<const void*>(&fn)));
   }
+
+  // CPU seconds spent so far in this optimizer's parallel loops (Step, StepIfFinite,
+  // ConvertParams, ParallelFor), summed over the threads that ran them (thread CPU time, so a
+  // thread that waits for memory counts and one that is descheduled does not).
+  double cpu_seconds() const;
 
   CpuIsa isa() const;
   // The kernel variant in use: "scalar", "avx2", "avx512" or "avx512_bf16".

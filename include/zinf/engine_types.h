@@ -75,6 +75,23 @@ struct StepStats {
   uint64_t prefetch_hits = 0;
   uint64_t prefetch_misses = 0;
   bool trace_valid = false;
+  // CPU seconds within the step (the busy times above are wall-clock spans, and on a host
+  // device or with a CPU optimizer they share the same cores): the whole process, the
+  // trainer's thread (with the copies a host device runs inline on it), and the CPU
+  // optimizer's loops on any thread. The rest of the process (copy and landing workers, swap
+  // I/O, collectives) is total - trainer - optimizer. cpu_seconds_total / (cores x
+  // step_seconds) near 1 means the step is CPU-bound, whatever overlap_efficiency says.
+  double cpu_seconds_total = 0;
+  double cpu_seconds_trainer = 0;
+  double cpu_seconds_optimizer = 0;
+  // Speculative steps (zinf.speculative_step) in this step: sub-groups stepped before the
+  // norm was known, and of those settled, how many were kept, redone with the clipping
+  // coefficient, or rolled back (the norm failed); the seconds the redos and rollbacks took.
+  uint64_t speculated_groups = 0;
+  uint64_t kept_groups = 0;
+  uint64_t redone_groups = 0;
+  uint64_t rolled_back_groups = 0;
+  double speculation_redo_seconds = 0;
 };
 
 // Calls visit(name, value) for every StepStats field, in declaration order, so that a front end
@@ -101,6 +118,14 @@ void VisitStepStats(const StepStats& s, Visit&& visit) {
   visit("prefetch_hits", s.prefetch_hits);
   visit("prefetch_misses", s.prefetch_misses);
   visit("trace_valid", s.trace_valid);
+  visit("cpu_seconds_total", s.cpu_seconds_total);
+  visit("cpu_seconds_trainer", s.cpu_seconds_trainer);
+  visit("cpu_seconds_optimizer", s.cpu_seconds_optimizer);
+  visit("speculated_groups", s.speculated_groups);
+  visit("kept_groups", s.kept_groups);
+  visit("redone_groups", s.redone_groups);
+  visit("rolled_back_groups", s.rolled_back_groups);
+  visit("speculation_redo_seconds", s.speculation_redo_seconds);
 }
 
 #if __cplusplus >= 202002L  // a requires-expression; the check runs in every C++20 build
@@ -116,9 +141,9 @@ constexpr bool BraceInitializable(std::index_sequence<I...>) {
   return requires { T{(static_cast<void>(I), AnyField{})...}; };
 }
 }  // namespace internal
-// VisitStepStats visits 20 fields: a field added to StepStats without a visit fails here.
-static_assert(internal::BraceInitializable<StepStats>(std::make_index_sequence<20>()) &&
-                  !internal::BraceInitializable<StepStats>(std::make_index_sequence<21>()),
+// VisitStepStats visits 28 fields: a field added to StepStats without a visit fails here.
+static_assert(internal::BraceInitializable<StepStats>(std::make_index_sequence<28>()) &&
+                  !internal::BraceInitializable<StepStats>(std::make_index_sequence<29>()),
               "StepStats gained or lost a field: update VisitStepStats and this count");
 #endif
 

@@ -99,6 +99,9 @@ PYBIND11_MODULE(_zinf, m) {
         d["durable"] = c.durable;
         d["delayed_update"] = c.delayed_update;
         d["optimizer_state_dtype"] = StateTypeName(c.optimizer_state_type);
+        d["speculative_step"] = std::string(c.speculative_step == SpeculativeStep::kOn    ? "true"
+                                            : c.speculative_step == SpeculativeStep::kOff ? "false"
+                                                                                          : "auto");
         d["device_budget_bytes"] = c.device_budget_bytes;
         d["pinned_budget_bytes"] = c.pinned_budget_bytes;
         d["collective_timeout_seconds"] = c.collective_timeout_seconds;
