@@ -168,8 +168,30 @@ for j in (a, b):
     assert 0 <= j["median_compute_idle_fraction"] < 1, j
 assert a["gradient_transfer"] == "fp32" and b["gradient_transfer"] == "bf16", (a, b)
 assert a["median_d2h_bytes"] == 3 * 65536 * 4 and b["median_d2h_bytes"] * 2 == a["median_d2h_bytes"], (a, b)
+# CPU seconds: the process's within the cores' time, its parts within it.
+for j in (a, b):
+    assert j["cpu_cores"] >= 1, j
+    assert 0 < j["median_cpu_seconds_total"] <= 1.1 * j["cpu_cores"] * j["median_step_seconds"] + 0.01, j
+    assert 0 <= j["median_cpu_seconds_trainer"] <= j["median_cpu_seconds_total"] + 0.01, j
+    assert 0 <= j["median_cpu_seconds_optimizer"] <= j["median_cpu_seconds_total"] + 0.01, j
+    assert 0 < j["median_cpu_utilisation"] <= 1.1, j
+    assert j["speculated_groups"] == 0, j  # (no clipping)
 PY
   echo "FAIL: zinf-engine-bench summaries: $fp32 / $bf16"
+  fails=$((fails + 1))
+fi
+# Clipping below the bench's norm: with speculation every speculated sub-group is redone, none
+# kept; with it off, none is speculated.
+clip_on=$("$engine" "${small[@]}" --gradient-clipping 0.01 --speculative-step on 2>/dev/null | tail -n 1)
+clip_off=$("$engine" "${small[@]}" --gradient-clipping 0.01 --speculative-step off 2>/dev/null | tail -n 1)
+if ! /usr/bin/python3 - "$clip_on" "$clip_off" <<'PY'; then
+import json, sys
+on, off = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+assert on["gradient_clipping"] == 0.01 and on["speculative_step"] == "on", on
+assert on["kept_groups"] == 0 and on["redone_groups"] == on["speculated_groups"], on
+assert off["speculated_groups"] == 0 and off["redone_groups"] == 0, off
+PY
+  echo "FAIL: zinf-engine-bench with clipping: $clip_on / $clip_off"
   fails=$((fails + 1))
 fi
 echo "$fails failure(s)"

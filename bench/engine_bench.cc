@@ -18,6 +18,7 @@
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
+#include <sched.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -61,7 +62,9 @@ struct Flags {
   std::string device = "host";
   double optimizer_ratio = 1.0;
   std::string gradient_transfer = "fp32";
-  int nproc = 0;  // --nproc: ranks as processes (LaunchRanks)
+  double gradient_clipping = 0;           // 0: off
+  std::string speculative_step = "auto";  // zinf.speculative_step
+  int nproc = 0;                          // --nproc: ranks as processes (LaunchRanks)
 };
 
 Result<Tier> ParseTier(const std::string& s) {
@@ -243,6 +246,16 @@ int Main(int argc, char** argv) {
                  "zinf.gradient_transfer_dtype: fp32, or bf16 (gradients rounded on the "
                  "device, half the bytes to the host)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--gradient-clipping", f.gradient_clipping,
+                 "gradient_clipping (max global L2 norm; 0: off). The bench's gradient is 1e-3 "
+                 "per element, so its norm is 1e-3 x sqrt(layers x layer elements): below it "
+                 "every step clips, above none does")
+      ->check(FiniteNumber())
+      ->check(CLI::Range(0.0, 1e30));
+  app.add_option("--speculative-step", f.speculative_step,
+                 "zinf.speculative_step with clipping: on, off or auto (on when the optimizer "
+                 "is offloaded); the bench adds one snapshot per sub-group to the pinned budget")
+      ->check(CLI::IsMember({"on", "off", "auto"}));
   // Presets first, then explicit flags win: parse twice.
   if (int rc = ParseCommandLine(app, argc, argv); rc >= 0) return rc;
   if (f.nproc > 1) return LaunchRanks("zinf-engine-bench", argc, argv, f.nproc);
@@ -291,10 +304,20 @@ int Main(int argc, char** argv) {
   c.delayed_update = f.delayed_update;
   c.offload_optimizer.ratio = f.optimizer_ratio;
   c.gradient_transfer_bf16 = f.gradient_transfer == "bf16";
+  c.gradient_clipping = f.gradient_clipping;
+  c.speculative_step = f.speculative_step == "on"    ? SpeculativeStep::kOn
+                       : f.speculative_step == "off" ? SpeculativeStep::kOff
+                                                     : SpeculativeStep::kAuto;
   const uint64_t elem = f.bf16 ? 2 : 4;
-  c.pinned_budget_bytes = RoundUp(f.layers * f.layer_elems * 4 + 4 * f.sub_group_elems * 14 +
-                                      f.prefetch_elems * elem + 64 * f.layer_elems + (256u << 20),
-                                  2u << 20);
+  // Speculation (with clipping): a snapshot of [master | m | v] per sub-group, about 12 bytes
+  // per element of the model.
+  const uint64_t snapshots = f.gradient_clipping > 0 && f.speculative_step != "off"
+                                 ? uint64_t{12} * f.layers * f.layer_elems + (64u << 20)
+                                 : 0;
+  c.pinned_budget_bytes =
+      RoundUp(f.layers * f.layer_elems * 4 + 4 * f.sub_group_elems * 14 + f.prefetch_elems * elem +
+                  64 * f.layer_elems + (256u << 20) + snapshots,
+              2u << 20);
   Result<ProcessGroupOptions> group = ProcessGroupFromEnv();
   if (!group.ok()) {
     std::fprintf(stderr, "zinf-engine-bench: %s\n", group.status().ToString().c_str());
@@ -377,6 +400,14 @@ int Main(int argc, char** argv) {
     return 1;
   }
   std::vector<double> effs, step_secs, nvme_busy, copy_busy, opt_busy, idle_secs, d2h;
+  std::vector<double> cpu_total, cpu_trainer, cpu_optimizer, cpu_util;
+  uint64_t speculated = 0, kept = 0, redone = 0;
+  // The cores this process may run on: the CPU-seconds figures against cores x step time.
+  cpu_set_t affinity;
+  CPU_ZERO(&affinity);
+  const int cores = sched_getaffinity(0, sizeof(affinity), &affinity) == 0
+                        ? std::max(1, CPU_COUNT(&affinity))
+                        : 1;
   std::vector<double> comm_bytes, comm_secs;
   for (int step = 0; step < f.steps; ++step) {
     const CommCounters before = comm->Counters();
@@ -416,6 +447,14 @@ int Main(int argc, char** argv) {
     j["device"] = f.device;
     j["optimizer_ratio"] = f.optimizer_ratio;
     j["gradient_transfer"] = f.gradient_transfer;
+    j["gradient_clipping"] = f.gradient_clipping;
+    j["speculative_step"] = f.speculative_step;
+    j["cpu_cores"] = cores;
+    // The share of the cores' time the process used: near 1, the step is CPU-bound, and busy
+    // times that overlap in wall time competed for the same cores.
+    const double util =
+        st->step_seconds > 0 ? st->cpu_seconds_total / (cores * st->step_seconds) : 0.0;
+    j["cpu_utilisation"] = util;
     j["compute_seconds"] = 3 * f.layers * f.compute_ms / 1e3;
     j["compute_idle_seconds"] = *idle;
     j["nvme_read_gbps"] = st->nvme_read_bytes / st->step_seconds / 1e9;
@@ -432,6 +471,13 @@ int Main(int argc, char** argv) {
       d2h.push_back(static_cast<double>(st->d2h_bytes));
       comm_bytes.push_back(static_cast<double>(after.bytes_sent - before.bytes_sent));
       comm_secs.push_back(after.seconds - before.seconds);
+      cpu_total.push_back(st->cpu_seconds_total);
+      cpu_trainer.push_back(st->cpu_seconds_trainer);
+      cpu_optimizer.push_back(st->cpu_seconds_optimizer);
+      cpu_util.push_back(util);
+      speculated += st->speculated_groups;
+      kept += st->kept_groups;
+      redone += st->redone_groups;
     }
   }
   engine->reset();   // drains the engine's streams before its gradient source goes
@@ -460,6 +506,18 @@ int Main(int argc, char** argv) {
   j["device"] = f.device;
   j["optimizer_ratio"] = f.optimizer_ratio;
   j["gradient_transfer"] = f.gradient_transfer;
+  j["gradient_clipping"] = f.gradient_clipping;
+  j["speculative_step"] = f.speculative_step;
+  // CPU seconds per step beside the wall-clock busy times above (which share the cores).
+  j["cpu_cores"] = cores;
+  j["median_cpu_seconds_total"] = median(cpu_total);
+  j["median_cpu_seconds_trainer"] = median(cpu_trainer);
+  j["median_cpu_seconds_optimizer"] = median(cpu_optimizer);
+  j["median_cpu_utilisation"] = median(cpu_util);
+  // Sub-group steps over the measured steps: speculated, and of those kept or redone.
+  j["speculated_groups"] = speculated;
+  j["kept_groups"] = kept;
+  j["redone_groups"] = redone;
   j["median_d2h_bytes"] = median(d2h);
   j["median_overlap_efficiency"] = median(effs);
   j["ranks"] = comm->world_size();
