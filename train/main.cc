@@ -109,6 +109,14 @@ int main(int argc, char** argv) {
   app.add_option("--state-dtype", f.state_dtype,
                  "optimizer states stored as fp32 (default), bf16 or int8 (blockwise 8-bit: "
                  "about half the bytes of a step's optimizer I/O); the masters stay fp32");
+  app.add_option("--gradient-clipping", f.gradient_clipping,
+                 "max global gradient L2 norm (0: off); default: the config's gradient_clipping")
+      ->check(finite)
+      ->check(CLI::Range(0.0, 1e30));
+  app.add_option("--speculative-step", f.speculative_step,
+                 "with clipping, step optimizer sub-groups before the norm is known and keep, "
+                 "redo or roll back once it is (zinf.speculative_step): on, off or auto")
+      ->check(CLI::IsMember({"on", "off", "auto"}));
   app.add_flag("--durable", f.durable,
                "commit the NVMe swap store after every step, so that --resume continues from "
                "it after a crash without a checkpoint copy (needs optimizer states on NVMe, and "

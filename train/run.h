@@ -48,9 +48,11 @@ struct Flags {
   uint64_t delayed_update_after = 0;
   bool durable = false;
   bool overwrite = false;
-  std::string io_backend;   // "": config's (io_uring, falling back to libaio, then psync)
-  std::string state_dtype;  // "": config's zinf.optimizer_state_dtype (fp32)
-  int nproc = 0;            // --nproc: this run as that many rank processes (LaunchRanks)
+  std::string io_backend;         // "": config's (io_uring, falling back to libaio, then psync)
+  std::string state_dtype;        // "": config's zinf.optimizer_state_dtype (fp32)
+  double gradient_clipping = -1;  // < 0: the config's gradient_clipping
+  std::string speculative_step;   // "": config's zinf.speculative_step ("auto")
+  int nproc = 0;                  // --nproc: this run as that many rank processes (LaunchRanks)
 };
 
 // The progress stream: stdout, or stderr with --json (the JSON line alone on stdout).

@@ -38,6 +38,7 @@ struct TrainLog {
   std::vector<StepRow> rows;
   double loss_first = 0, loss_last = 0;
   uint64_t read_bytes = 0, write_bytes = 0;
+  uint64_t speculated = 0, kept = 0, redone = 0;  // speculative sub-group steps
   double total_seconds = 0;
 };
 
@@ -144,6 +145,9 @@ class TrainingLoop {
       agg->acquire_wait_seconds += st.acquire_wait_seconds;
       agg->optimizer_wait_seconds += st.optimizer_wait_seconds;
       agg->overlap_efficiency = st.overlap_efficiency;  // of the optimizer micro-step
+      agg->speculated_groups += st.speculated_groups;
+      agg->kept_groups += st.kept_groups;
+      agg->redone_groups += st.redone_groups;
     }
     return 0;
   }
@@ -184,6 +188,9 @@ class TrainingLoop {
     log->loss_last = loss;
     log->read_bytes += agg.nvme_read_bytes;
     log->write_bytes += agg.nvme_write_bytes;
+    log->speculated += agg.speculated_groups;
+    log->kept += agg.kept_groups;
+    log->redone += agg.redone_groups;
     log->total_seconds += secs;
     const bool keep = (step + 1) % log_every_ == 0 || step == first_step_ || step + 1 == f_.steps;
     if (keep || tty_) {
@@ -294,6 +301,11 @@ int Report(const Flags& f, const RunPlan& plan, GptTrainer* trainer, int64_t fir
       {"train_seconds", log.total_seconds},
       {"peak_rss_bytes", rss},
       {"param_checksum", hash},
+      {"gradient_clipping", plan.config.gradient_clipping},
+      // Sub-group steps taken before the norm was known, and of those kept or redone.
+      {"speculated_groups", log.speculated},
+      {"kept_groups", log.kept},
+      {"redone_groups", log.redone},
       {"param_tier", TierName(plan.config.offload_param.tier)},
       {"optimizer_tier", TierName(plan.config.offload_optimizer.tier)},
       {"optimizer_state_dtype", StateTypeName(plan.config.optimizer_state_type)},

@@ -84,6 +84,12 @@ Result<EngineConfig> BuildConfig(const Flags& f) {
     }
     c.optimizer_state_type = *t;
   }
+  if (f.gradient_clipping >= 0) c.gradient_clipping = f.gradient_clipping;
+  if (!f.speculative_step.empty()) {
+    c.speculative_step = f.speculative_step == "on"    ? SpeculativeStep::kOn
+                         : f.speculative_step == "off" ? SpeculativeStep::kOff
+                                                       : SpeculativeStep::kAuto;
+  }
   std::vector<std::string> nvme = f.nvme;
   if (nvme.empty()) {
     for (const OffloadConfig* o : {&c.offload_param, &c.offload_optimizer}) {
