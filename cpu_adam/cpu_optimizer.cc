@@ -532,7 +532,8 @@ Status CpuOptimizer::Step(const OptimizerHyperParams& hp, const OptimizerTensors
 }
 
 Status CpuOptimizer::StepIfFinite(const OptimizerHyperParams& hp, const OptimizerTensors& t,
-                                  bool* non_finite) {
+                                  bool* non_finite,
+                                  const std::function<void(size_t, size_t)>& before_tile) {
   *non_finite = false;
   ZINF_RETURN_IF_ERROR(ValidateOptimizerStep(hp, t));
   if (t.n == 0) return Status::OK();
@@ -553,6 +554,7 @@ Status CpuOptimizer::StepIfFinite(const OptimizerHyperParams& hp, const Optimize
         seen.store(true, std::memory_order_relaxed);
         return;
       }
+      if (before_tile) before_tile(tb, te);
       kernel(c, b, tb, te);
     }
   });

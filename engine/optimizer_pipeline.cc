@@ -6,6 +6,10 @@
 #include <deque>
 #include <functional>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "engine/core/memory_plan.h"
 #include "zinf/crash_point.h"
 
@@ -135,7 +139,8 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
   // write-backs into `retiring`.
   // `non_finite` (speculation): set when a gradient held inf or NaN (the step fails then).
   auto step_and_write = [&](size_t gi, float* master, PooledBlock states, float coef,
-                            bool* non_finite, const std::vector<uint8_t>& with_grad) -> Status {
+                            bool* non_finite, const std::vector<uint8_t>& with_grad,
+                            void* snapshot = nullptr) -> Status {
     Retiring done;
     done.states = std::move(states);
     if (config.bf16) {
@@ -144,7 +149,7 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
       done.copy = std::move(b).value();
     }
     Status s = StepGroup(gi, master, static_cast<uint16_t*>(done.copy.data()), task, coef,
-                         non_finite, with_grad, &done.writes);
+                         non_finite, with_grad, &done.writes, snapshot);
     if (s.ok() && m_.states->on_nvme(gi)) {
       Result<Ticket> w = ctx_.swap->Write(m_.states->swap_key(gi), done.states.data(),
                                           layout.GroupStateBytes(gi), done.states.capacity());
@@ -181,7 +186,10 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
       float* master = static_cast<float*>(sp.snapshot.data());
       if (!nvme) {
         master = resident_states(gi);
-        Copy(master, sp.snapshot.data(), layout.GroupStateBytes(gi));
+        ForEachSlice(gi, [&](size_t offset, size_t bytes) {
+          Copy(reinterpret_cast<char*>(master) + offset,
+               static_cast<const char*>(sp.snapshot.data()) + offset, bytes);
+        });
       }
       const std::vector<ParamId>& ids = layout.group(gi).params;
       for (size_t j = 0; j < ids.size(); ++j) m_.states->set_updates(ids[j], sp.updates[j]);
@@ -237,8 +245,11 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
     }
     return s;
   };
-  const bool may_speculate =
-      task.clip && m_.snapshot_pool != nullptr && m_.snapshot_pool->initialized();
+  // "auto" does not speculate in the step after one that clipped: clipping tends to come in
+  // runs (early training, a spike), where every speculated sub-group would be stepped twice.
+  const bool may_speculate = task.clip && m_.snapshot_pool != nullptr &&
+                             m_.snapshot_pool->initialized() &&
+                             (config.speculative_step == SpeculativeStep::kOn || !last_clipped_);
   for (size_t k = 0; k < order.size(); ++k) {
     const size_t gi = order[k];
     const GroupLayout& g = layout.group(gi);
@@ -296,13 +307,12 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
       Speculated sp;
       sp.gi = gi;
       ZINF_ASSIGN_OR_RETURN(sp.snapshot, m_.snapshot_pool->Take());
-      const auto t0 = Clock::now();
-      Copy(sp.snapshot.data(), master, layout.GroupStateBytes(gi));
-      ctx_.stats->AddOptimizerBusy(Since(t0));
       for (ParamId id : g.params) sp.updates.push_back(m_.states->updates(id));
       sp.with_grad = with_grad;
       bool non_finite = false;
-      Status s = step_and_write(gi, master, std::move(states), 1.0f, &non_finite, with_grad);
+      // (The step keeps each tile's pre-step values in the snapshot as it goes.)
+      Status s = step_and_write(gi, master, std::move(states), 1.0f, &non_finite, with_grad,
+                                sp.snapshot.data());
       if (non_finite) {
         sp.poisoned = true;
       } else if (!s.ok() && first.ok()) {
@@ -330,6 +340,14 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
     if (!v.ok()) return verdict_failed(v);
     resolve(coef, false);
   }
+  if (task.clip) {
+    float coef = 1.0f;
+    bool known = false;
+    // (Only reads the verdict; a failed one has been handled above.)
+    if (ctx_.board->Verdict(task, /*wait=*/false, &coef, &known).ok() && known) {
+      last_clipped_ = coef < 1.0f;
+    }
+  }
   drain.Run();
   return first;
 }
@@ -346,6 +364,53 @@ OptimizerHyperParams OptimizerPipeline::HyperParams(const OptimizerTask& task, f
   hp.weight_decay = config.optimizer.weight_decay;
   hp.grad_scale = coef;
   return hp;
+}
+
+namespace {
+// memcpy with non-temporal stores: the copy does not read the destination's lines first, nor
+// leave them in the cache (a snapshot is read back only to undo a step).
+void StreamCopy(char* dst, const char* src, size_t bytes) {
+#if defined(__SSE2__)
+  const size_t head = std::min(bytes, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
+  std::memcpy(dst, src, head);
+  size_t i = head;
+  for (; i + 64 <= bytes; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+  std::memcpy(dst + i, src + i, bytes - i);
+  _mm_sfence();  // the stores are visible before anyone is told the snapshot is taken
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+}  // namespace
+
+void OptimizerPipeline::ForEachSlice(size_t gi,
+                                     const std::function<void(size_t, size_t)>& fn) const {
+  for (ParamId id : ctx_.layout->group(gi).params) {
+    for (int k = 0; k < 3; ++k)
+      fn(ctx_.layout->SliceOffsetIn(id, k), ctx_.layout->SliceBytesIn(id, k));
+  }
+}
+
+void OptimizerPipeline::KeepTiles(ParamId id, const float* master, void* snapshot, size_t begin,
+                                  size_t end) const {
+  const Layout& layout = *ctx_.layout;
+  const char* from = reinterpret_cast<const char*>(master);
+  char* to = static_cast<char*>(snapshot);
+  for (int k = 0; k < 3; ++k) {
+    const size_t offset = layout.SliceOffsetIn(id, k);
+    const size_t b = k == 0 ? begin * sizeof(float) : StateBytes(layout.state_type(), begin);
+    const size_t e = k == 0 ? end * sizeof(float) : StateBytes(layout.state_type(), end);
+    StreamCopy(to + offset + b, from + offset + b, e - b);
+  }
 }
 
 void OptimizerPipeline::Copy(void* dst, const void* src, size_t bytes) {
@@ -471,17 +536,22 @@ Status OptimizerPipeline::StepGroupOnDevice(size_t gi, const OptimizerTask& task
 Status OptimizerPipeline::StepGroup(size_t gi, float* master, uint16_t* copy_out,
                                     const OptimizerTask& task, float coef, bool* non_finite,
                                     const std::vector<uint8_t>& with_grad,
-                                    std::vector<Ticket>* writes) {
+                                    std::vector<Ticket>* writes, void* snapshot) {
   const Layout& layout = *ctx_.layout;
+  const std::vector<ParamId>& ids = layout.group(gi).params;
   OptimizerHyperParams hp = HyperParams(task, coef);
   const auto t0 = Clock::now();
-  for (ParamId id : layout.group(gi).params) {
+  const size_t tile = m_.optimizer->tile_elements();
+  for (size_t j = 0; j < ids.size(); ++j) {
+    const ParamId id = ids[j];
     const ParamLayout& p = layout.param(id);
+    const size_t n = p.info.partition_numel;
     if (!with_grad[p.index_in_group]) {
       // Not updated (no gradient in the window); its store is rewritten from the masters.
+      if (snapshot != nullptr) KeepTiles(id, master, snapshot, 0, n);
       if (copy_out != nullptr) {
         Status s = m_.optimizer->ConvertParams(master + p.slice_offset, copy_out + p.slice_offset,
-                                               ParamCopyType::kBf16, p.info.partition_numel);
+                                               ParamCopyType::kBf16, n);
         if (!s.ok()) return s.WithContext("converting '" + p.info.name + "'");
       }
       continue;
@@ -494,10 +564,34 @@ Status OptimizerPipeline::StepGroup(size_t gi, float* master, uint16_t* copy_out
     hp.step = m_.states->updates(id) + 1;
     // The finite check runs inside the step, tile by tile while the gradients are in cache:
     // a non-finite gradient leaves its tiles unstepped and nothing of the group is written.
-    Status s = non_finite != nullptr ? m_.optimizer->StepIfFinite(hp, t, non_finite)
+    // A speculative step keeps each tile's pre-step values in the snapshot just before the
+    // tile is stepped (tiles start on multiples of the optimizer's tile, and each is one
+    // thread's: the flags below are written by one thread each).
+    std::vector<uint8_t> kept;
+    std::function<void(size_t, size_t)> keep;
+    if (snapshot != nullptr) {
+      kept.assign((n + tile - 1) / tile, 0);
+      keep = [&](size_t begin, size_t end) {
+        KeepTiles(id, master, snapshot, begin, end);
+        kept[begin / tile] = 1;
+      };
+    }
+    Status s = non_finite != nullptr ? m_.optimizer->StepIfFinite(hp, t, non_finite, keep)
                                      : m_.optimizer->Step(hp, t);
     if (!s.ok()) return s.WithContext("optimizer step of '" + p.info.name + "'");
-    if (non_finite != nullptr && *non_finite) return NonFinite(id, task.step);
+    if (non_finite != nullptr && *non_finite) {
+      if (snapshot != nullptr) {
+        // The tiles not stepped, and the parameters after this one, still hold their pre-step
+        // values: the snapshot gets them too, so that it is whole for the rollback.
+        for (size_t k = 0; k < kept.size(); ++k) {
+          if (!kept[k]) KeepTiles(id, master, snapshot, k * tile, std::min(n, (k + 1) * tile));
+        }
+        for (size_t r = j + 1; r < ids.size(); ++r) {
+          KeepTiles(ids[r], master, snapshot, 0, layout.param(ids[r]).info.partition_numel);
+        }
+      }
+      return NonFinite(id, task.step);
+    }
     m_.states->CountUpdate(id);
   }
   ctx_.stats->AddOptimizerBusy(Since(t0));

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -67,9 +68,18 @@ class OptimizerPipeline {
   // with NonFinite before anything of the group is written to a store, so a non-finite master
   // is never written (the engine must then be recreated from a checkpoint or the durable
   // store, whose last commit predates the step). Null: with clipping, the norm checked them.
+  // `snapshot` not null (a speculative step): a block laid out as `states`, into which each
+  // parameter's slices get their pre-step values as the step goes (KeepTiles); whole once
+  // this returns, a failure or not.
   Status StepGroup(size_t gi, float* states, uint16_t* copy_out, const OptimizerTask& task,
                    float coef, bool* non_finite, const std::vector<uint8_t>& with_grad,
-                   std::vector<Ticket>* writes);
+                   std::vector<Ticket>* writes, void* snapshot = nullptr);
+  // Copies elements [begin, end) of parameter id's slices (master and states) from its
+  // sub-group's buffer `master` into the same places of `snapshot`, with streaming stores.
+  void KeepTiles(ParamId id, const float* master, void* snapshot, size_t begin, size_t end) const;
+  // fn(byte offset, bytes) for each slice (master, state 1, state 2) of sub-group gi's
+  // parameters in its [master | states] buffer.
+  void ForEachSlice(size_t gi, const std::function<void(size_t, size_t)>& fn) const;
   Status NonFinite(ParamId id, int64_t step) const;
   // memcpy on the optimizer's threads (a speculated sub-group's snapshot and its restore).
   void Copy(void* dst, const void* src, size_t bytes);
@@ -84,6 +94,7 @@ class OptimizerPipeline {
   const EngineContext ctx_;
   const Parts m_;
   std::thread thread_;
+  bool last_clipped_ = false;  // the last clipped task's verdict rescaled (optimizer thread)
 };
 
 }  // namespace zinf

@@ -120,10 +120,11 @@ struct EngineConfig {
   // the snapshot with the clipping coefficient, or rolled back (a non-finite norm: the step
   // fails as without speculation). The results are those of the step that waits for the norm,
   // bit for bit. "auto": on when the optimizer is offloaded (offload_optimizer.device cpu or
-  // nvme) and the pinned budget has room for a snapshot, else off; true: refused without that
-  // room. Without clipping nothing waits for the norm, and this changes nothing: the finite
-  // check runs inside the step kernel either way. Sub-groups stepped on the device are not
-  // speculated.
+  // nvme) and the pinned budget has room for a snapshot, else off, and not in a step after one
+  // whose norm was clipped (clipping comes in runs, where speculating steps everything twice);
+  // true: always, refused without that room. Without clipping nothing waits for the norm, and this
+  // changes nothing: the finite check runs inside the step kernel either way. Sub-groups stepped on
+  // the device are not speculated.
   SpeculativeStep speculative_step = SpeculativeStep::kAuto;
   // zinf.collective_timeout_seconds: with ranks as processes, how long a rank waits in one
   // collective (or at the group's creation) for its peers before every rank fails with a

@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -288,7 +289,11 @@ class CpuOptimizer {
   // yet begun once one has been seen. *non_finite tells whether one was: the buffers are then
   // updated in some tiles only (none with a value computed from a non-finite gradient), and the
   // caller must not publish them. Without one, the result is Step's, bit for bit.
-  Status StepIfFinite(const OptimizerHyperParams& hp, const OptimizerTensors& t, bool* non_finite);
+  // `before_tile`, when set, is called on the stepping thread with each tile's [begin, end)
+  // once its gradients are checked and just before it is stepped: a caller keeps what the step
+  // is about to overwrite (and its reads bring the tile into cache for the step).
+  Status StepIfFinite(const OptimizerHyperParams& hp, const OptimizerTensors& t, bool* non_finite,
+                      const std::function<void(size_t begin, size_t end)>& before_tile = nullptr);
 
   // The sum of squares and the inf/NaN flag of n gradient elements.
   Result<GradStats> GradSumSquares(const void* grad, GradType type, size_t n);
