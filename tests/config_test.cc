@@ -226,6 +226,17 @@ TEST(ConfigTest, DefaultsWhenKeysAreAbsent) {
   })"));
 }
 
+// zinf.speculative_step: true, false, or "auto" as a value of its own (no Trainer warning).
+TEST(ConfigTest, SpeculativeStepTakesTrueFalseOrAuto) {
+  EXPECT_EQ(EngineConfig{}.speculative_step, SpeculativeStep::kAuto);
+  EXPECT_EQ(ParseOkNoWarnings(R"({"zinf": {"speculative_step": true}})").speculative_step,
+            SpeculativeStep::kOn);
+  EXPECT_EQ(ParseOkNoWarnings(R"({"zinf": {"speculative_step": false}})").speculative_step,
+            SpeculativeStep::kOff);
+  EXPECT_EQ(ParseOkNoWarnings(R"({"zinf": {"speculative_step": "auto"}})").speculative_step,
+            SpeculativeStep::kAuto);
+}
+
 TEST(ConfigTest, TierNames) {
   EXPECT_STREQ("device", TierName(Tier::kDevice));
   EXPECT_STREQ("cpu", TierName(Tier::kCpu));
@@ -566,6 +577,8 @@ const BadConfig kBadConfigs[] = {
      "zinf.io_backend: expected one of io_uring, libaio, psync, got \"spdk\""},
     {"BadGradientTransfer", R"({"zinf": {"gradient_transfer_dtype": "fp16"}})", kInvalid,
      "zinf.gradient_transfer_dtype: expected one of fp32, bf16, got \"fp16\""},
+    {"BadSpeculativeStep", R"({"zinf": {"speculative_step": "yes"}})", kInvalid,
+     "zinf.speculative_step: expected true, false or \"auto\", got \"yes\""},
     {"BadStateDtype", R"({"zinf": {"optimizer_state_dtype": "fp8"}})", kInvalid,
      "zinf.optimizer_state_dtype: expected one of fp32, bf16, int8, got \"fp8\""},
     {"AdagradInt8States",

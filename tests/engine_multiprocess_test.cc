@@ -108,11 +108,12 @@ RunResult RunAsProcesses(const RunOptions& o) {
   return res;
 }
 
-void ExpectSameBits(const RunOptions& o) {
+// `in_threads`: the thread ranks' options when they differ (otherwise o's).
+void ExpectSameBits(const RunOptions& o, const RunOptions* in_threads = nullptr) {
   SCOPED_TRACE(o.Describe());
   // Processes first: the fork needs this process to have one thread.
   RunResult processes = RunAsProcesses(o);
-  RunResult threads = RunTraining(o);
+  RunResult threads = RunTraining(in_threads != nullptr ? *in_threads : o);
   ASSERT_TRUE(threads.status.ok()) << threads.status.ToString();
   ASSERT_TRUE(processes.status.ok()) << processes.status.ToString();
   EXPECT_TRUE(processes.ranks_agree);
@@ -131,6 +132,21 @@ TEST(EngineMultiProcess, TwoRanksAllOnDeviceWithClippingAndAccumulation) {
   o.grad_accum = 2;
   o.clipping = 0.05;  // small enough to clip
   ExpectSameBits(o);
+}
+
+// Speculative steps in rank processes (every step clips, so every speculated sub-group is
+// redone with the coefficient the all-reduced norm gives each rank) end bit-identical to
+// thread ranks that wait for the norm.
+TEST(EngineMultiProcess, TwoRanksSpeculatingMatchThreadsWaitingForTheNorm) {
+  RunOptions o;
+  o.ranks = 2;
+  o.param_tier = Tier::kCpu;
+  o.optimizer_tier = Tier::kNvme;
+  o.clipping = 0.05;
+  o.speculative = SpeculativeStep::kOn;
+  RunOptions waiting = o;
+  waiting.speculative = SpeculativeStep::kOff;
+  ExpectSameBits(o, &waiting);
 }
 
 TEST(EngineMultiProcess, TwoRanksEverythingOnNvme) {

@@ -192,6 +192,58 @@ TEST(PinnedPlanTest, StreamingAccumulatorsGetWhatTheBudgetLeaves) {
   EXPECT_EQ(plan->grad_blocks, 2u);
 }
 
+// Speculative-step snapshots (clipping): one block per sub-group the CPU steps, of the largest
+// one's [master | m | v], from what the budget leaves; "auto" goes without when nothing is
+// left, true is refused then, and nothing is planned without clipping or with it off.
+TEST(PinnedPlanTest, SpeculationSnapshotsComeFromWhatTheBudgetLeaves) {
+  Layout l = ThreeParams(1);
+  l.Freeze(2048, Tier::kCpu, 1.0);  // three sub-groups of 6,144, 2,048 and 10,240 elements
+  EngineConfig c;
+  c.offload_param.tier = Tier::kCpu;
+  c.offload_optimizer.tier = Tier::kCpu;
+  c.pinned_budget_bytes = 1ull << 30;
+  Result<PinnedPlan> plan = PlanPinnedMemory(l, c, true);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_FALSE(plan->speculation_wanted);  // no clipping: nothing waits for the norm
+  EXPECT_EQ(plan->snapshot_blocks, 0u);
+  c.gradient_clipping = 1.0;
+  plan = PlanPinnedMemory(l, c, true);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_TRUE(plan->speculation_wanted);           // "auto", the optimizer on the CPU
+  EXPECT_EQ(plan->snapshot_block_bytes, 122880u);  // 10,240 x 3 x 4 bytes, page aligned
+  EXPECT_EQ(plan->snapshot_blocks, 3u);
+  EXPECT_EQ(plan->snapshots_min, 0u);
+  // Room for two.
+  c.pinned_budget_bytes = plan->fixed + plan->grads_min + 2 * 122880 + 100;
+  plan = PlanPinnedMemory(l, c, true);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->snapshot_blocks, 2u);
+  // No room: "auto" goes without, true is refused naming the key and the snapshot.
+  c.pinned_budget_bytes = plan->fixed + plan->grads_min;
+  plan = PlanPinnedMemory(l, c, true);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->snapshot_blocks, 0u);
+  c.speculative_step = SpeculativeStep::kOn;
+  Result<PinnedPlan> refused = PlanPinnedMemory(l, c, true);
+  ASSERT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.status().message().find("speculative"), std::string::npos);
+  EXPECT_NE(refused.status().message().find("zinf.pinned_budget_bytes"), std::string::npos);
+  c.speculative_step = SpeculativeStep::kOff;
+  plan = PlanPinnedMemory(l, c, true);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_FALSE(plan->speculation_wanted);
+  // The optimizer on the device: "auto" is off.
+  c.speculative_step = SpeculativeStep::kAuto;
+  c.pinned_budget_bytes = 1ull << 30;
+  c.offload_optimizer.tier = Tier::kDevice;
+  Layout d = ThreeParams(1);
+  d.Freeze(2048, Tier::kDevice, 1.0);
+  c.offload_param.tier = Tier::kDevice;
+  plan = PlanPinnedMemory(d, c, true);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_FALSE(plan->speculation_wanted);
+}
+
 TEST(PinnedPlanTest, PinnedBytesNeededIsWhatThePlanTakes) {
   // The same three parameters through the public function: its answer is the plan's least
   // need, so a budget of exactly that passes and one byte less is refused.
