@@ -520,14 +520,25 @@ void CpuOptimizer::ParallelForImpl(size_t n, void (*fn)(void*, size_t, size_t), 
   });
 }
 
+namespace {
+// A validated step's kernel and its arguments.
+struct PreparedStep {
+  StepCoefficients c;
+  StepBuffers b;
+  cpu_adam_internal::StepKernelFn kernel;
+};
+PreparedStep Prepare(const cpu_adam_internal::KernelTable& kernels, const OptimizerHyperParams& hp,
+                     const OptimizerTensors& t) {
+  return {cpu_adam_internal::ComputeCoefficients(hp), cpu_adam_internal::BuffersOf(hp, t),
+          cpu_adam_internal::SelectStepKernel(kernels, hp, t)};
+}
+}  // namespace
+
 Status CpuOptimizer::Step(const OptimizerHyperParams& hp, const OptimizerTensors& t) {
   ZINF_RETURN_IF_ERROR(ValidateOptimizerStep(hp, t));
   if (t.n == 0) return Status::OK();
-  const StepCoefficients c = cpu_adam_internal::ComputeCoefficients(hp);
-  const StepBuffers b = cpu_adam_internal::BuffersOf(hp, t);
-  const cpu_adam_internal::StepKernelFn kernel =
-      cpu_adam_internal::SelectStepKernel(*impl_->kernels, hp, t);
-  ParallelFor(t.n, [&](size_t begin, size_t end) { kernel(c, b, begin, end); });
+  const PreparedStep s = Prepare(*impl_->kernels, hp, t);
+  ParallelFor(t.n, [&](size_t begin, size_t end) { s.kernel(s.c, s.b, begin, end); });
   return Status::OK();
 }
 
@@ -537,10 +548,7 @@ Status CpuOptimizer::StepIfFinite(const OptimizerHyperParams& hp, const Optimize
   *non_finite = false;
   ZINF_RETURN_IF_ERROR(ValidateOptimizerStep(hp, t));
   if (t.n == 0) return Status::OK();
-  const StepCoefficients c = cpu_adam_internal::ComputeCoefficients(hp);
-  const StepBuffers b = cpu_adam_internal::BuffersOf(hp, t);
-  const cpu_adam_internal::StepKernelFn kernel =
-      cpu_adam_internal::SelectStepKernel(*impl_->kernels, hp, t);
+  const PreparedStep s = Prepare(*impl_->kernels, hp, t);
   const cpu_adam_internal::AllFiniteFn all_finite =
       impl_->kernels->all_finite[static_cast<int>(t.grad_type)];
   const size_t tile = impl_->tile;
@@ -555,7 +563,7 @@ Status CpuOptimizer::StepIfFinite(const OptimizerHyperParams& hp, const Optimize
         return;
       }
       if (before_tile) before_tile(tb, te);
-      kernel(c, b, tb, te);
+      s.kernel(s.c, s.b, tb, te);
     }
   });
   *non_finite = seen.load(std::memory_order_relaxed);

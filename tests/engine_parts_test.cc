@@ -242,6 +242,21 @@ TEST(PinnedPlanTest, SpeculationSnapshotsComeFromWhatTheBudgetLeaves) {
   plan = PlanPinnedMemory(d, c, true);
   ASSERT_TRUE(plan.ok());
   EXPECT_FALSE(plan->speculation_wanted);
+  // NVMe states: "auto" is off (their reads and writes would compete with the backward's);
+  // true speculates, in snapshot blocks that can hold a state buffer.
+  Layout v = ThreeParams(1);
+  v.Freeze(2048, Tier::kNvme, 1.0);
+  c.offload_param.tier = Tier::kCpu;
+  c.offload_optimizer.tier = Tier::kNvme;
+  plan = PlanPinnedMemory(v, c, true);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_FALSE(plan->speculation_wanted);
+  c.speculative_step = SpeculativeStep::kOn;
+  plan = PlanPinnedMemory(v, c, true);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_TRUE(plan->speculation_wanted);
+  EXPECT_EQ(plan->snapshot_blocks, 3u);
+  EXPECT_GE(plan->snapshot_block_bytes, plan->state_block_bytes);
 }
 
 TEST(PinnedPlanTest, PinnedBytesNeededIsWhatThePlanTakes) {

@@ -119,8 +119,9 @@ struct EngineConfig {
   // pinned budget; once the global norm is known the step is kept (no clipping), redone from
   // the snapshot with the clipping coefficient, or rolled back (a non-finite norm: the step
   // fails as without speculation). The results are those of the step that waits for the norm,
-  // bit for bit. "auto": on when the optimizer is offloaded (offload_optimizer.device cpu or
-  // nvme) and the pinned budget has room for a snapshot, else off, and not in a step after one
+  // bit for bit. "auto": on when the optimizer states are in CPU memory (offload_optimizer.device
+  // cpu; with nvme the speculated sub-groups' reads and writes compete with the backward's) and
+  // the pinned budget has room for a snapshot, else off, and not in a step after one
   // whose norm was clipped (clipping comes in runs, where speculating steps everything twice);
   // true: always, refused without that room. Without clipping nothing waits for the norm, and this
   // changes nothing: the finite check runs inside the step kernel either way. Sub-groups stepped on
