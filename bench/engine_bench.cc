@@ -310,9 +310,9 @@ int Main(int argc, char** argv) {
                                                      : SpeculativeStep::kAuto;
   const uint64_t elem = f.bf16 ? 2 : 4;
   // Speculation (with clipping): a snapshot of [master | m | v] per sub-group, about 12 bytes
-  // per element of the model.
+  // per element of the model, twice ("auto" takes at most half of what the budget leaves).
   const uint64_t snapshots = f.gradient_clipping > 0 && f.speculative_step != "off"
-                                 ? uint64_t{12} * f.layers * f.layer_elems + (64u << 20)
+                                 ? uint64_t{24} * f.layers * f.layer_elems + (64u << 20)
                                  : 0;
   c.pinned_budget_bytes =
       RoundUp(f.layers * f.layer_elems * 4 + 4 * f.sub_group_elems * 14 + f.prefetch_elems * elem +

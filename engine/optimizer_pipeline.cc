@@ -47,8 +47,11 @@ void OptimizerPipeline::Loop() {
     Status s = Run(task);
     // A delayed step's commit: its writes are complete and the next task's have not begun.
     // The micro-step after it reads the version before it. Never after a failed task: the
-    // states it left (sub-groups not stepped) must not be published by a later one.
-    if (s.ok() && ctx_.config->durable && StepClock::DelayedStep(*ctx_.config, task.step)) {
+    // states it left (sub-groups not stepped) must not be published by a later one. Nor after
+    // a failed norm: that task stepped nothing (it is no optimizer failure), and the step it
+    // would publish never happened.
+    if (s.ok() && ctx_.config->durable && StepClock::DelayedStep(*ctx_.config, task.step) &&
+        !ctx_.board->NormFailed(task.step)) {
       s = ctx_.board->failed() ? Status::FailedPrecondition(
                                      "not committing step " + std::to_string(task.step) +
                                      " of the durable store: an earlier optimizer step failed")
@@ -145,7 +148,15 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
     done.states = std::move(states);
     if (config.bf16) {
       Result<PooledBlock> b = m_.copy_pool->Take();
-      if (!b.ok()) return b.status().WithContext("bf16 parameter buffer");
+      if (!b.ok()) {
+        // Nothing stepped: a speculative snapshot gets the values as they are (whole).
+        if (snapshot != nullptr) {
+          for (ParamId id : layout.group(gi).params) {
+            KeepTiles(id, master, snapshot, 0, layout.param(id).info.partition_numel);
+          }
+        }
+        return b.status().WithContext("bf16 parameter buffer");
+      }
       done.copy = std::move(b).value();
     }
     Status s = StepGroup(gi, master, static_cast<uint16_t*>(done.copy.data()), task, coef,
@@ -542,17 +553,36 @@ Status OptimizerPipeline::StepGroup(size_t gi, float* master, uint16_t* copy_out
   OptimizerHyperParams hp = HyperParams(task, coef);
   const auto t0 = Clock::now();
   const size_t tile = m_.optimizer->tile_elements();
+  // Per tile of the parameter being stepped: whether its pre-step values are in the snapshot.
+  std::vector<uint8_t> kept;
+  // A failure at parameter j: what was not stepped still holds its pre-step values (the tiles
+  // of j not kept, the parameters after it); the snapshot gets them, so that it is whole for
+  // the rollback whatever failed.
+  auto fail = [&](size_t j, const Status& s) {
+    if (snapshot == nullptr) return s;
+    const size_t n = layout.param(ids[j]).info.partition_numel;
+    for (size_t k = 0; k * tile < n; ++k) {
+      if (k >= kept.size() || !kept[k]) {
+        KeepTiles(ids[j], master, snapshot, k * tile, std::min(n, (k + 1) * tile));
+      }
+    }
+    for (size_t r = j + 1; r < ids.size(); ++r) {
+      KeepTiles(ids[r], master, snapshot, 0, layout.param(ids[r]).info.partition_numel);
+    }
+    return s;
+  };
   for (size_t j = 0; j < ids.size(); ++j) {
     const ParamId id = ids[j];
     const ParamLayout& p = layout.param(id);
     const size_t n = p.info.partition_numel;
+    kept.clear();
     if (!with_grad[p.index_in_group]) {
       // Not updated (no gradient in the window); its store is rewritten from the masters.
       if (snapshot != nullptr) KeepTiles(id, master, snapshot, 0, n);
       if (copy_out != nullptr) {
         Status s = m_.optimizer->ConvertParams(master + p.slice_offset, copy_out + p.slice_offset,
                                                ParamCopyType::kBf16, n);
-        if (!s.ok()) return s.WithContext("converting '" + p.info.name + "'");
+        if (!s.ok()) return fail(j, s.WithContext("converting '" + p.info.name + "'"));
       }
       continue;
     }
@@ -566,8 +596,7 @@ Status OptimizerPipeline::StepGroup(size_t gi, float* master, uint16_t* copy_out
     // a non-finite gradient leaves its tiles unstepped and nothing of the group is written.
     // A speculative step keeps each tile's pre-step values in the snapshot just before the
     // tile is stepped (tiles start on multiples of the optimizer's tile, and each is one
-    // thread's: the flags below are written by one thread each).
-    std::vector<uint8_t> kept;
+    // thread's: the flags are written by one thread each).
     std::function<void(size_t, size_t)> keep;
     if (snapshot != nullptr) {
       kept.assign((n + tile - 1) / tile, 0);
@@ -578,20 +607,8 @@ Status OptimizerPipeline::StepGroup(size_t gi, float* master, uint16_t* copy_out
     }
     Status s = non_finite != nullptr ? m_.optimizer->StepIfFinite(hp, t, non_finite, keep)
                                      : m_.optimizer->Step(hp, t);
-    if (!s.ok()) return s.WithContext("optimizer step of '" + p.info.name + "'");
-    if (non_finite != nullptr && *non_finite) {
-      if (snapshot != nullptr) {
-        // The tiles not stepped, and the parameters after this one, still hold their pre-step
-        // values: the snapshot gets them too, so that it is whole for the rollback.
-        for (size_t k = 0; k < kept.size(); ++k) {
-          if (!kept[k]) KeepTiles(id, master, snapshot, k * tile, std::min(n, (k + 1) * tile));
-        }
-        for (size_t r = j + 1; r < ids.size(); ++r) {
-          KeepTiles(ids[r], master, snapshot, 0, layout.param(ids[r]).info.partition_numel);
-        }
-      }
-      return NonFinite(id, task.step);
-    }
+    if (!s.ok()) return fail(j, s.WithContext("optimizer step of '" + p.info.name + "'"));
+    if (non_finite != nullptr && *non_finite) return fail(j, NonFinite(id, task.step));
     m_.states->CountUpdate(id);
   }
   ctx_.stats->AddOptimizerBusy(Since(t0));

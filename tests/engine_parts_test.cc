@@ -213,11 +213,16 @@ TEST(PinnedPlanTest, SpeculationSnapshotsComeFromWhatTheBudgetLeaves) {
   EXPECT_EQ(plan->snapshot_block_bytes, 122880u);  // 10,240 x 3 x 4 bytes, page aligned
   EXPECT_EQ(plan->snapshot_blocks, 3u);
   EXPECT_EQ(plan->snapshots_min, 0u);
-  // Room for two.
+  // Room for two: "auto" takes half of it (one), true both.
   c.pinned_budget_bytes = plan->fixed + plan->grads_min + 2 * 122880 + 100;
   plan = PlanPinnedMemory(l, c, true);
   ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->snapshot_blocks, 1u);
+  c.speculative_step = SpeculativeStep::kOn;
+  plan = PlanPinnedMemory(l, c, true);
+  ASSERT_TRUE(plan.ok());
   EXPECT_EQ(plan->snapshot_blocks, 2u);
+  c.speculative_step = SpeculativeStep::kAuto;
   // No room: "auto" goes without, true is refused naming the key and the snapshot.
   c.pinned_budget_bytes = plan->fixed + plan->grads_min;
   plan = PlanPinnedMemory(l, c, true);

@@ -1073,37 +1073,48 @@ TEST(EngineNonFinite, AGradientWithNanStopsTheStepBeforeAnyNonFiniteMasterIsWrit
   }
 }
 
+// Also with the delayed update and clipping, where the optimizer thread commits each step: a
+// failed norm is no failure of the optimizer's (it steps nothing), and must not be committed.
 TEST(EngineNonFinite, ADurableStoreKeepsTheLastGoodStep) {
-  Placement pl{Tier::kCpu, Tier::kNvme};
-  TempDir dir;
-  EngineConfig config = MakeConfig(pl, dir.path());
-  config.gradient_accumulation_steps = 1;
-  config.durable = true;
-  Simulation sim;
-  {
-    Rig rig;
-    ASSERT_TRUE(rig.Create(config).ok());
-    for (int step = 0; step < 2; ++step) {
-      ASSERT_TRUE(rig.engine->Acquire(rig.ids).ok());
-      ASSERT_TRUE(rig.engine->Release(rig.ids).ok());
-      for (size_t p = 0; p < Defs().size(); ++p) {
-        if (!Defs()[p].trainable) continue;
-        std::vector<float> g(Numel(Defs()[p]), 0.1f);
-        if (step == 1) g[0] = std::numeric_limits<float>::infinity();
-        ASSERT_TRUE(rig.engine->ReduceGradient(rig.ids[p], g.data()).ok());
+  struct Case {
+    Tier params;
+    bool delayed;
+    double clip;
+  };
+  for (const Case& c : {Case{Tier::kCpu, false, 0.0}, Case{Tier::kNvme, true, 1.0}}) {
+    SCOPED_TRACE(std::string(c.delayed ? "delayed, clip 1" : "undelayed, no clipping"));
+    Placement pl{c.params, Tier::kNvme};
+    pl.clip = c.clip;
+    TempDir dir;
+    EngineConfig config = MakeConfig(pl, dir.path());
+    config.gradient_accumulation_steps = 1;
+    config.durable = true;
+    config.delayed_update = c.delayed;
+    {
+      Rig rig;
+      ASSERT_TRUE(rig.Create(config).ok());
+      for (int step = 0; step < 2; ++step) {
+        ASSERT_TRUE(rig.engine->Acquire(rig.ids).ok());
+        ASSERT_TRUE(rig.engine->Release(rig.ids).ok());
+        for (size_t p = 0; p < Defs().size(); ++p) {
+          if (!Defs()[p].trainable) continue;
+          std::vector<float> g(Numel(Defs()[p]), 0.1f);
+          if (step == 1) g[0] = std::numeric_limits<float>::infinity();
+          ASSERT_TRUE(rig.engine->ReduceGradient(rig.ids[p], g.data()).ok());
+        }
+        EXPECT_EQ(rig.engine->Step().ok(), step == 0);
       }
-      EXPECT_EQ(rig.engine->Step().ok(), step == 0);
     }
-  }
-  Rig resumed;
-  ASSERT_TRUE(resumed.Create(config, /*finish=*/false).ok());
-  Status s = resumed.engine->ResumeFromStore();
-  ASSERT_TRUE(s.ok()) << s.ToString();
-  EXPECT_EQ(resumed.engine->global_step(), 1) << "the failed step never committed";
-  for (size_t p = 0; p < Defs().size(); ++p) {
-    std::vector<float> got(Numel(Defs()[p]));
-    ASSERT_TRUE(resumed.engine->GatherMasterParameter(resumed.ids[p], got.data()).ok());
-    for (float x : got) ASSERT_TRUE(std::isfinite(x)) << Defs()[p].name;
+    Rig resumed;
+    ASSERT_TRUE(resumed.Create(config, /*finish=*/false).ok());
+    Status s = resumed.engine->ResumeFromStore();
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(resumed.engine->global_step(), 1) << "the failed step never committed";
+    for (size_t p = 0; p < Defs().size(); ++p) {
+      std::vector<float> got(Numel(Defs()[p]));
+      ASSERT_TRUE(resumed.engine->GatherMasterParameter(resumed.ids[p], got.data()).ok());
+      for (float x : got) ASSERT_TRUE(std::isfinite(x)) << Defs()[p].name;
+    }
   }
 }
 

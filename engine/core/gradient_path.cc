@@ -391,8 +391,9 @@ Result<float> GradientPath::ClipCoefficient(int64_t step, CpuOptimizer* optimize
       collectives->AllReduceSum(&total, 1, device_->ComputeStream(), "gradient norm"));
   *norm = std::sqrt(static_cast<double>(total));
   if (!std::isfinite(*norm)) {
-    // No sub-group has been stepped (they wait for the norm): nothing non-finite is written,
-    // and the step is refused as a whole.
+    // No sub-group has been stepped for good: they wait for the norm, or were stepped
+    // speculatively and are rolled back (Engine::Step posts the failure); nothing non-finite
+    // is written, and the step is refused as a whole.
     return Status::FailedPrecondition(
         "the gradient norm of step " + std::to_string(step) +
         " is not finite (a gradient holds inf or NaN): no parameter was updated; lower the "

@@ -114,8 +114,11 @@ Result<PinnedPlan> PlanPinnedMemory(const Layout& layout, const EngineConfig& co
         .WithKey("zinf.pinned_budget_bytes");
   }
   if (plan.speculation_wanted && plan.snapshot_block_bytes > 0) {
-    // What the budget has left (the accumulators stay whole with clipping).
-    const uint64_t spare = config.pinned_budget_bytes - pinned - plan.grads_min;
+    // What the budget has left (the accumulators stay whole with clipping). The arena's rest
+    // is staging for prefetches and gradient landing, which run deeper with more: "auto" takes
+    // half of it at most, true all it needs.
+    uint64_t spare = config.pinned_budget_bytes - pinned - plan.grads_min;
+    if (config.speculative_step == SpeculativeStep::kAuto) spare /= 2;
     plan.snapshot_blocks = std::min<uint64_t>(cpu_stepped, spare / plan.snapshot_block_bytes);
   }
   if (plan.stream_grads) {

@@ -121,11 +121,12 @@ struct EngineConfig {
   // fails as without speculation). The results are those of the step that waits for the norm,
   // bit for bit. "auto": on when the optimizer states are in CPU memory (offload_optimizer.device
   // cpu; with nvme the speculated sub-groups' reads and writes compete with the backward's) and
-  // the pinned budget has room for a snapshot, else off, and not in a step after one
-  // whose norm was clipped (clipping comes in runs, where speculating steps everything twice);
-  // true: always, refused without that room. Without clipping nothing waits for the norm, and this
-  // changes nothing: the finite check runs inside the step kernel either way. Sub-groups stepped on
-  // the device are not speculated.
+  // half of what the pinned budget leaves has room for a snapshot (it takes at most that half,
+  // one block per sub-group; true takes what it needs of all of it), else off, and not in a step
+  // after one whose norm was clipped (clipping comes in runs, where speculating steps everything
+  // twice); true: always, refused without that room. Without clipping nothing waits for the norm,
+  // and this changes nothing: the finite check runs inside the step kernel either way. Sub-groups
+  // stepped on the device are not speculated.
   SpeculativeStep speculative_step = SpeculativeStep::kAuto;
   // zinf.collective_timeout_seconds: with ranks as processes, how long a rank waits in one
   // collective (or at the group's creation) for its peers before every rank fails with a

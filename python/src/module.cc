@@ -99,9 +99,12 @@ PYBIND11_MODULE(_zinf, m) {
         d["durable"] = c.durable;
         d["delayed_update"] = c.delayed_update;
         d["optimizer_state_dtype"] = StateTypeName(c.optimizer_state_type);
-        d["speculative_step"] = std::string(c.speculative_step == SpeculativeStep::kOn    ? "true"
-                                            : c.speculative_step == SpeculativeStep::kOff ? "false"
-                                                                                          : "auto");
+        // As the config writes it: true, false or "auto".
+        if (c.speculative_step == SpeculativeStep::kAuto) {
+          d["speculative_step"] = py::str("auto");
+        } else {
+          d["speculative_step"] = py::bool_(c.speculative_step == SpeculativeStep::kOn);
+        }
         d["device_budget_bytes"] = c.device_budget_bytes;
         d["pinned_budget_bytes"] = c.pinned_budget_bytes;
         d["collective_timeout_seconds"] = c.collective_timeout_seconds;

@@ -148,3 +148,17 @@ def test_int8_optimizer_states_learn_like_fp32_ones(scratch):
     assert worst < 0.05
     m32, m8 = e32.full_state_dict(), e8.full_state_dict()
     assert any(not torch.equal(m32[k], m8[k]) for k in m32), "int8 states changed nothing"
+
+
+def test_speculative_step_config_reads_back_as_written():
+    """zinf.speculative_step: true, false or "auto" (the default), reported as the config writes
+    them; another value is refused naming the key."""
+    import json
+    parse = zinf._zinf.parse_config
+    assert parse(json.dumps({"zinf": {"speculative_step": True}}))["speculative_step"] is True
+    assert parse(json.dumps({"zinf": {"speculative_step": False}}))["speculative_step"] is False
+    assert parse(json.dumps({"zinf": {"speculative_step": "auto"}}))["speculative_step"] == "auto"
+    assert parse("{}")["speculative_step"] == "auto"
+    with pytest.raises(Exception) as err:
+        parse(json.dumps({"zinf": {"speculative_step": "yes"}}))
+    assert "zinf.speculative_step" in str(err.value)
