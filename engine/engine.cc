@@ -602,8 +602,7 @@ Result<StepStats> Engine::Step() {
         // Sub-groups the optimizer stepped speculatively are rolled back before its task ends;
         // the verdict also frees it from waiting for one.
         m.board->SetNormFailed(next);
-        // (Its result is the rollback's; the error reported is the norm's.)
-        (void)m.board->WaitDone(next);
+        (void)m.board->WaitDone(next);  // its result is the rollback's; the norm's is reported
         return fail_boundary(coef.status());
       }
       m.board->SetClipCoef(next, *coef);
