@@ -170,7 +170,12 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
         s = w.status();
       }
     }
-    retiring.push_back(std::move(done));
+    // Nothing to hold (fp32 parameters copied to the device straight from CPU-resident
+    // masters, which only this thread rewrites, after the task's final sync): the copies run
+    // on under the next sub-groups' steps instead of being waited for `buffers` later.
+    if (done.states.data() != nullptr || done.copy.data() != nullptr || !done.writes.empty()) {
+      retiring.push_back(std::move(done));
+    }
     return s;
   };
   // The verdict on the speculated sub-groups: kept (`coef` 1), redone from their snapshots
