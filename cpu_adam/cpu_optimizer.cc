@@ -16,6 +16,7 @@
 #include <ctime>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_adam/kernels.h"
@@ -131,6 +132,38 @@ Status ConvertOptimizerState(StateType from, const void* src, StateType to, void
 
 size_t GradTypeSize(GradType type) { return type == GradType::kF32 ? 4 : 2; }
 size_t ParamCopyTypeSize(ParamCopyType type) { return type == ParamCopyType::kNone ? 0 : 2; }
+
+Result<OptimizerTensors> SliceOptimizerTensors(const OptimizerTensors& t, size_t begin,
+                                               size_t end) {
+  if (begin > end || end > t.n) {
+    return Status::InvalidArgument("optimizer tensors: slice [" + std::to_string(begin) + ", " +
+                                   std::to_string(end) + ") is outside [0, " + std::to_string(t.n) +
+                                   ")");
+  }
+  if (t.state_type == StateType::kInt8 && begin % kInt8StateBlock != 0) {
+    return Status::InvalidArgument(
+        "optimizer tensors: an int8-state slice must start on a "
+        "multiple of " +
+        std::to_string(kInt8StateBlock) + " elements (got " + std::to_string(begin) + ")");
+  }
+  // (Null buffers stay null: a step refuses them, or they are not used.)
+  auto advance = [&](auto* p, size_t bytes) {
+    using T = std::remove_pointer_t<decltype(p)>;
+    using Byte = std::conditional_t<std::is_const_v<T>, const char, char>;
+    return p == nullptr ? p : reinterpret_cast<decltype(p)>(reinterpret_cast<Byte*>(p) + bytes);
+  };
+  OptimizerTensors s = t;
+  s.n = end - begin;
+  s.param = advance(t.param, begin * sizeof(float));
+  s.grad = advance(t.grad, begin * GradTypeSize(t.grad_type));
+  s.exp_avg = advance(t.exp_avg, begin * sizeof(float));
+  s.exp_avg_sq = advance(t.exp_avg_sq, begin * sizeof(float));
+  s.sum = advance(t.sum, begin * sizeof(float));
+  s.param_copy = advance(t.param_copy, begin * ParamCopyTypeSize(t.param_copy_type));
+  s.state1 = advance(t.state1, StateBytes(t.state_type, begin));
+  s.state2 = advance(t.state2, StateBytes(t.state_type, begin));
+  return s;
+}
 
 namespace {
 

@@ -141,9 +141,10 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
   // Steps sub-group gi in `master` (its NVMe state block `states`, if any) and queues its
   // write-backs into `retiring`.
   // `non_finite` (speculation): set when a gradient held inf or NaN (the step fails then).
+  // `upload_pieces`: see StepGroup.
   auto step_and_write = [&](size_t gi, float* master, PooledBlock states, float coef,
                             bool* non_finite, const std::vector<uint8_t>& with_grad,
-                            void* snapshot = nullptr) -> Status {
+                            void* snapshot = nullptr, bool upload_pieces = false) -> Status {
     Retiring done;
     done.states = std::move(states);
     if (config.bf16) {
@@ -160,7 +161,7 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
       done.copy = std::move(b).value();
     }
     Status s = StepGroup(gi, master, static_cast<uint16_t*>(done.copy.data()), task, coef,
-                         non_finite, with_grad, &done.writes, snapshot);
+                         non_finite, with_grad, &done.writes, snapshot, upload_pieces);
     if (s.ok() && m_.states->on_nvme(gi)) {
       Result<Ticket> w = ctx_.swap->Write(m_.states->swap_key(gi), done.states.data(),
                                           layout.GroupStateBytes(gi), done.states.capacity());
@@ -317,6 +318,9 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
       master = resident_states(gi);
     }
     const bool any_grad = std::find(with_grad.begin(), with_grad.end(), 1) != with_grad.end();
+    // The last sub-group of an undelayed step: the next forward waits for its parameters, and
+    // no later step would run under their copies, so they go out piece by piece as it steps.
+    const bool upload_pieces = device_params && !config.delayed_update && k + 1 == order.size();
     if (!coef_known && any_grad) {
       // Speculative: the pre-step values are kept, then the step runs with the coefficient 1
       // (a non-finite gradient leaves its tiles unstepped; the norm will fail the task).
@@ -328,7 +332,7 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
       bool non_finite = false;
       // (The step keeps each tile's pre-step values in the snapshot as it goes.)
       Status s = step_and_write(gi, master, std::move(states), 1.0f, &non_finite, with_grad,
-                                sp.snapshot.data());
+                                sp.snapshot.data(), upload_pieces);
       if (non_finite) {
         sp.poisoned = true;
       } else if (!s.ok() && first.ok()) {
@@ -343,7 +347,7 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
     // clipping the norm's finite check covered the gradients.)
     bool non_finite = false;
     Status s = step_and_write(gi, master, std::move(states), coef,
-                              task.clip ? nullptr : &non_finite, with_grad);
+                              task.clip ? nullptr : &non_finite, with_grad, nullptr, upload_pieces);
     if (!s.ok() && first.ok()) first = s;
     // Every gradient of the sub-group has landed and been used: its accumulators can go.
     mark_stepped(gi);
@@ -552,7 +556,8 @@ Status OptimizerPipeline::StepGroupOnDevice(size_t gi, const OptimizerTask& task
 Status OptimizerPipeline::StepGroup(size_t gi, float* master, uint16_t* copy_out,
                                     const OptimizerTask& task, float coef, bool* non_finite,
                                     const std::vector<uint8_t>& with_grad,
-                                    std::vector<Ticket>* writes, void* snapshot) {
+                                    std::vector<Ticket>* writes, void* snapshot,
+                                    bool upload_pieces) {
   const Layout& layout = *ctx_.layout;
   const std::vector<ParamId>& ids = layout.group(gi).params;
   OptimizerHyperParams hp = HyperParams(task, coef);
@@ -560,6 +565,8 @@ Status OptimizerPipeline::StepGroup(size_t gi, float* master, uint16_t* copy_out
   const size_t tile = m_.optimizer->tile_elements();
   // Per tile of the parameter being stepped: whether its pre-step values are in the snapshot.
   std::vector<uint8_t> kept;
+  // By index in the group: parameters whose pieces went to the device as they were stepped.
+  std::vector<uint8_t> written(ids.size(), 0);
   // A failure at parameter j: what was not stepped still holds its pre-step values (the tiles
   // of j not kept, the parameters after it); the snapshot gets them, so that it is whole for
   // the rollback whatever failed.
@@ -602,22 +609,43 @@ Status OptimizerPipeline::StepGroup(size_t gi, float* master, uint16_t* copy_out
     // A speculative step keeps each tile's pre-step values in the snapshot just before the
     // tile is stepped (tiles start on multiples of the optimizer's tile, and each is one
     // thread's: the flags are written by one thread each).
+    // Pieces start on multiples of the tile (of the int8 state block too), so each piece's
+    // tiles are the whole step's.
+    const bool pieces = upload_pieces && !layout.StoredInt8(id);
+    const size_t piece =
+        pieces ? RoundUp(std::max<size_t>((n + kUploadPieces - 1) / kUploadPieces, 1), tile)
+               : std::max<size_t>(n, 1);
+    size_t offset = 0;  // the piece being stepped starts there
     std::function<void(size_t, size_t)> keep;
     if (snapshot != nullptr) {
       kept.assign((n + tile - 1) / tile, 0);
       keep = [&](size_t begin, size_t end) {
-        KeepTiles(id, master, snapshot, begin, end);
-        kept[begin / tile] = 1;
+        KeepTiles(id, master, snapshot, offset + begin, offset + end);
+        kept[(offset + begin) / tile] = 1;
       };
     }
-    Status s = non_finite != nullptr ? m_.optimizer->StepIfFinite(hp, t, non_finite, keep)
-                                     : m_.optimizer->Step(hp, t);
-    if (!s.ok()) return fail(j, s.WithContext("optimizer step of '" + p.info.name + "'"));
-    if (non_finite != nullptr && *non_finite) return fail(j, NonFinite(id, task.step));
+    for (; offset < n; offset += piece) {
+      const size_t end = std::min(n, offset + piece);
+      Result<OptimizerTensors> u = SliceOptimizerTensors(t, offset, end);
+      Status s = u.status();
+      if (s.ok()) {
+        s = non_finite != nullptr ? m_.optimizer->StepIfFinite(hp, *u, non_finite, keep)
+                                  : m_.optimizer->Step(hp, *u);
+      }
+      if (!s.ok()) return fail(j, s.WithContext("optimizer step of '" + p.info.name + "'"));
+      if (non_finite != nullptr && *non_finite) return fail(j, NonFinite(id, task.step));
+      if (pieces) {
+        const void* src = copy_out != nullptr ? static_cast<const void*>(copy_out + p.slice_offset)
+                                              : static_cast<const void*>(master + p.slice_offset);
+        s = m_.params->WritePiece(id, src, offset, end, Buf(task.step));
+        if (!s.ok()) return fail(j, s.WithContext("copying '" + p.info.name + "' to the device"));
+      }
+    }
+    if (pieces) written[p.index_in_group] = 1;
     m_.states->CountUpdate(id);
   }
   ctx_.stats->AddOptimizerBusy(Since(t0));
-  return m_.params->WriteGroup(gi, master, copy_out, Buf(task.step), writes);
+  return m_.params->WriteGroup(gi, master, copy_out, Buf(task.step), writes, &written);
 }
 
 }  // namespace zinf

@@ -63,17 +63,30 @@ class OptimizerPipeline {
   Status StepGroupOnDevice(size_t gi, const OptimizerTask& task, float coef,
                            const std::vector<uint8_t>& with_grad);
   // `states`: the sub-group's [master | state 1 | state 2] (Layout::GroupStateBytes).
+  //
   // `non_finite` not null: each gradient is checked for inf and NaN inside the step (tile by
   // tile, see CpuOptimizer::StepIfFinite); one that holds one sets it and fails the group
-  // with NonFinite before anything of the group is written to a store, so a non-finite master
-  // is never written (the engine must then be recreated from a checkpoint or the durable
-  // store, whose last commit predates the step). Null: with clipping, the norm checked them.
+  // with NonFinite before anything of the group is written to a store (but for the pieces of
+  // `upload_pieces`), so a non-finite master is never written (the engine must then be
+  // recreated from a checkpoint or the durable store, whose last commit predates the step).
+  // Null: with clipping, the norm checked them.
+  //
   // `snapshot` not null (a speculative step): a block laid out as `states`, into which each
   // parameter's slices get their pre-step values as the step goes (KeepTiles); whole once
   // this returns, a failure or not.
+  //
+  // `upload_pieces` (parameters on the device): each parameter is stepped in kUploadPieces
+  // pieces (whole tiles of the optimizer's; fewer for a parameter of fewer tiles), and each
+  // piece's copy to the device is issued as soon as it is stepped, so that the copies run
+  // under the step instead of after it (the task's last sub-group, whose copies nothing else
+  // would overlap). A non-finite gradient then stops the step with the pieces before it
+  // (finite, stepped values) already copied: the engine stops either way, and with clipping
+  // the norm has checked every gradient before the step.
   Status StepGroup(size_t gi, float* states, uint16_t* copy_out, const OptimizerTask& task,
                    float coef, bool* non_finite, const std::vector<uint8_t>& with_grad,
-                   std::vector<Ticket>* writes, void* snapshot = nullptr);
+                   std::vector<Ticket>* writes, void* snapshot = nullptr,
+                   bool upload_pieces = false);
+  static constexpr size_t kUploadPieces = 8;
   // Copies elements [begin, end) of parameter id's slices (master and states) from its
   // sub-group's buffer `master` into the same places of `snapshot`, with streaming stores.
   void KeepTiles(ParamId id, const float* master, void* snapshot, size_t begin, size_t end) const;

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -719,6 +720,65 @@ TEST(CompressedStateDriver, ThreadCountsAndTilesGiveTheSameBytes) {
         EXPECT_EQ(s.q2, serial.q2) << threads << " threads, tile " << tile;
         EXPECT_EQ(std::memcmp(s.param.data(), serial.param.data(), n * 4), 0);
       }
+    }
+  }
+}
+
+// The engine steps a parameter in pieces (the last sub-group's upload): the pieces stepped one
+// after another are the whole step, bit for bit, in every state type, and a piece of int8
+// states must start on a block.
+TEST(SliceOptimizerTensors, PiecesSteppedInTurnAreTheWholeStep) {
+  const size_t n = 100000 + 13;
+  const std::vector<uint16_t> grad = RandomBf16Grads(n, 5);
+  const size_t cuts[] = {0, 512, 66048, 99840, n};
+  const OptimizerHyperParams hp = Hp(OptimizerKind::kAdamW, 3);
+  for (StateType type : {StateType::kF32, StateType::kBf16, StateType::kInt8}) {
+    SCOPED_TRACE(StateTypeName(type));
+    // fp32 states: random moments in buffers of their own, pointed at by exp_avg/exp_avg_sq.
+    State whole = RandomState(OptimizerKind::kAdamW,
+                              type == StateType::kF32 ? StateType::kBf16 : type, n, 17);
+    std::vector<float> m(n), v(n);
+    Rng rng(23);
+    for (size_t i = 0; i < n; ++i) {
+      m[i] = rng.Log(-30, -2, true);
+      v[i] = rng.Log(-40, -4, false);
+    }
+    State pieces = whole;
+    std::vector<float> pm = m, pv = v;
+    auto tensors = [&](State& s, std::vector<float>& sm, std::vector<float>& sv) {
+      OptimizerTensors t = Tensors(s, grad, type, OptimizerKind::kAdamW);
+      if (type == StateType::kF32) {
+        t.state1 = t.state2 = nullptr;
+        t.exp_avg = sm.data();
+        t.exp_avg_sq = sv.data();
+      }
+      return t;
+    };
+    ASSERT_TRUE(OptimizerStep(hp, tensors(whole, m, v), BestCpuIsa()).ok());
+    const OptimizerTensors all = tensors(pieces, pm, pv);
+    for (size_t k = 0; k + 1 < std::size(cuts); ++k) {
+      Result<OptimizerTensors> t = SliceOptimizerTensors(all, cuts[k], cuts[k + 1]);
+      ASSERT_TRUE(t.ok()) << t.status().ToString();
+      EXPECT_EQ(t->n, cuts[k + 1] - cuts[k]);
+      ASSERT_TRUE(OptimizerStep(hp, *t, BestCpuIsa()).ok());
+    }
+    EXPECT_EQ(std::memcmp(pieces.param.data(), whole.param.data(), n * 4), 0);
+    EXPECT_EQ(pieces.copy, whole.copy);
+    if (type == StateType::kF32) {
+      EXPECT_EQ(std::memcmp(pm.data(), m.data(), n * 4), 0);
+      EXPECT_EQ(std::memcmp(pv.data(), v.data(), n * 4), 0);
+    } else {
+      EXPECT_EQ(pieces.q1, whole.q1);
+      EXPECT_EQ(pieces.q2, whole.q2);
+    }
+    // Refusals: outside [0, n), reversed, and (int8) a piece that starts inside a block.
+    EXPECT_EQ(SliceOptimizerTensors(all, 0, n + 1).status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(SliceOptimizerTensors(all, 512, 256).status().code(), StatusCode::kInvalidArgument);
+    Result<OptimizerTensors> inside = SliceOptimizerTensors(all, 100, 612);
+    EXPECT_EQ(inside.ok(), type != StateType::kInt8) << inside.status().ToString();
+    if (!inside.ok()) {
+      EXPECT_NE(inside.status().message().find("multiple of 256"), std::string::npos)
+          << inside.status().ToString();
     }
   }
 }

@@ -124,11 +124,31 @@ Status ParamStore::WriteFrozen(ParamId id, const void* src, size_t capacity) {
   return Status::Internal("unknown parameter tier");
 }
 
+Status ParamStore::WritePiece(ParamId id, const void* src, size_t begin, size_t end, int buf) {
+  const ParamLayout& p = layout_->param(id);
+  if (config_->offload_param.tier != Tier::kDevice || begin > end || end > p.info.partition_numel ||
+      layout_->StoredInt8(id)) {
+    return Status::Internal("parameter '" + p.info.name + "': a piece [" + std::to_string(begin) +
+                            ", " + std::to_string(end) +
+                            ") written outside a device store of its partition");
+  }
+  const size_t elem = layout_->elem_size();
+  const size_t bytes = (end - begin) * elem;
+  Status s = stats_->TimeCopy(device_, update_stream_, [&] {
+    return device_->CopyHostToDevice(
+        static_cast<char*>(homes_[id].device_part[B(id, buf)]) + begin * elem,
+        static_cast<const char*>(src) + begin * elem, bytes, update_stream_);
+  });
+  stats_->AddH2D(bytes);
+  return s;
+}
+
 Status ParamStore::WriteGroup(size_t gi, const float* master, const uint16_t* copy_out, int buf,
-                              std::vector<Ticket>* writes) {
+                              std::vector<Ticket>* writes, const std::vector<uint8_t>* written) {
   Status first;
   for (ParamId id : layout_->group(gi).params) {
     const ParamLayout& p = layout_->param(id);
+    if (written != nullptr && (*written)[p.index_in_group]) continue;
     Home& h = homes_[id];
     const void* src = copy_out != nullptr ? static_cast<const void*>(copy_out + p.slice_offset)
                                           : static_cast<const void*>(master + p.slice_offset);

@@ -45,8 +45,14 @@ class ParamStore {
   // buffer `buf`. With `writes` (the optimizer's pipeline) the NVMe writes' tickets go there
   // and device copies are left in flight on the update stream; without, it returns when
   // everything is written.
+  // `written` (optional, by index in the group): parameters already written (WritePiece)
+  // are skipped.
   Status WriteGroup(size_t gi, const float* master, const uint16_t* copy_out, int buf,
-                    std::vector<Ticket>* writes);
+                    std::vector<Ticket>* writes, const std::vector<uint8_t>* written = nullptr);
+  // Device tier: copies elements [begin, end) of parameter `id`'s partition, from its whole
+  // partition at `src` (storage dtype), into buffer `buf`, left in flight on the update stream
+  // (the optimizer synchronizes it before `src` changes and at the step's end).
+  Status WritePiece(ParamId id, const void* src, size_t begin, size_t end, int buf);
 
   // ResumeFromStore: whether the store holds frozen parameter `id`'s committed copy (NVMe
   // parameters committed in this dtype, of its size); Init then keeps it (give no image).

@@ -213,6 +213,13 @@ struct OptimizerTensors {
 // betas in [0, 1) (Lion: [0, 1]), lr_decay >= 0. InvalidArgument naming the bad one.
 Status ValidateOptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t);
 
+// Elements [begin, end) of a step's tensors, as a step of its own: every buffer advanced by
+// `begin` elements of its type. Stepping the slices of [0, n) one after another updates every
+// element as one step over [0, n) does, bit for bit (each element's update depends on its own
+// values only). InvalidArgument when begin > end, end > t.n, or (int8 states) begin is not a
+// multiple of kInt8StateBlock, where a slice must start on a block of its own.
+Result<OptimizerTensors> SliceOptimizerTensors(const OptimizerTensors& t, size_t begin, size_t end);
+
 // One step over all n elements on the calling thread with the given instruction set.
 // NotSupported when `isa` cannot run here.
 Status OptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t, CpuIsa isa);
