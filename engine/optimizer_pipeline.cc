@@ -141,10 +141,11 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
   // Steps sub-group gi in `master` (its NVMe state block `states`, if any) and queues its
   // write-backs into `retiring`.
   // `non_finite` (speculation): set when a gradient held inf or NaN (the step fails then).
-  // `upload_pieces`: see StepGroup.
+  // `upload_pieces`, `landing`: see StepGroup.
   auto step_and_write = [&](size_t gi, float* master, PooledBlock states, float coef,
                             bool* non_finite, const std::vector<uint8_t>& with_grad,
-                            void* snapshot = nullptr, bool upload_pieces = false) -> Status {
+                            void* snapshot = nullptr, bool upload_pieces = false,
+                            int landing = -1) -> Status {
     Retiring done;
     done.states = std::move(states);
     if (config.bf16) {
@@ -161,7 +162,7 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
       done.copy = std::move(b).value();
     }
     Status s = StepGroup(gi, master, static_cast<uint16_t*>(done.copy.data()), task, coef,
-                         non_finite, with_grad, &done.writes, snapshot, upload_pieces);
+                         non_finite, with_grad, &done.writes, snapshot, upload_pieces, landing);
     if (s.ok() && m_.states->on_nvme(gi)) {
       Result<Ticket> w = ctx_.swap->Write(m_.states->swap_key(gi), done.states.data(),
                                           layout.GroupStateBytes(gi), done.states.capacity());
@@ -289,7 +290,11 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
     float coef = 1.0f;
     bool coef_known = true;
     std::vector<uint8_t> with_grad;  // the parameters this step updates (the others skip it)
-    Status ready = ctx_.board->WaitGroupReady(gi, task, speculate, &coef, &coef_known, &with_grad);
+    // Without clipping a sub-group whose last gradient is landing piece by piece is stepped as
+    // it lands (its accumulators are released only once it has landed whole).
+    int landing = -1;
+    Status ready = ctx_.board->WaitGroupReady(gi, task, speculate, &coef, &coef_known, &with_grad,
+                                              on_device || task.clip ? nullptr : &landing);
     if (!ready.ok()) return verdict_failed(ready);
     if (on_device) {
       // The device steps it and writes the parameters straight into their device stores.
@@ -309,6 +314,8 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
         if (first.ok()) {
           first = s.WithContext("reading optimizer states of sub-group " + std::to_string(gi));
         }
+        Status landed = landing >= 0 ? ctx_.board->WaitLanded(gi, task.step, SIZE_MAX) : Status();
+        if (!landed.ok() && first.ok()) first = landed;
         mark_stepped(gi);
         continue;  // this sub-group keeps its old values; the step reports the failure
       }
@@ -318,9 +325,11 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
       master = resident_states(gi);
     }
     const bool any_grad = std::find(with_grad.begin(), with_grad.end(), 1) != with_grad.end();
-    // The last sub-group of an undelayed step: the next forward waits for its parameters, and
-    // no later step would run under their copies, so they go out piece by piece as it steps.
-    const bool upload_pieces = device_params && !config.delayed_update && k + 1 == order.size();
+    // The last sub-groups of an undelayed step: the next forward waits for their parameters,
+    // and no later step would run under their copies (the last but one's are still going when
+    // the last starts), so they go out piece by piece as these step.
+    const bool upload_pieces =
+        device_params && !config.delayed_update && k + kPiecedLastGroups >= order.size();
     if (!coef_known && any_grad) {
       // Speculative: the pre-step values are kept, then the step runs with the coefficient 1
       // (a non-finite gradient leaves its tiles unstepped; the norm will fail the task).
@@ -346,9 +355,17 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
     // (No gradient in the sub-group, or the coefficient known: nothing to speculate. With
     // clipping the norm's finite check covered the gradients.)
     bool non_finite = false;
-    Status s = step_and_write(gi, master, std::move(states), coef,
-                              task.clip ? nullptr : &non_finite, with_grad, nullptr, upload_pieces);
+    Status s =
+        step_and_write(gi, master, std::move(states), coef, task.clip ? nullptr : &non_finite,
+                       with_grad, nullptr, upload_pieces, landing);
     if (!s.ok() && first.ok()) first = s;
+    if (landing >= 0) {
+      ctx_.stats->CountLanding();
+      // (A failure may have stopped the step before every piece had landed, above or at the
+      // state read: the trainer is still copying into the accumulators mark_stepped releases.)
+      Status landed = ctx_.board->WaitLanded(gi, task.step, SIZE_MAX);
+      if (!landed.ok() && first.ok()) first = landed;
+    }
     // Every gradient of the sub-group has landed and been used: its accumulators can go.
     mark_stepped(gi);
     CrashPoint("optimizer.group");
@@ -556,10 +573,13 @@ Status OptimizerPipeline::StepGroupOnDevice(size_t gi, const OptimizerTask& task
 Status OptimizerPipeline::StepGroup(size_t gi, float* master, uint16_t* copy_out,
                                     const OptimizerTask& task, float coef, bool* non_finite,
                                     const std::vector<uint8_t>& with_grad,
-                                    std::vector<Ticket>* writes, void* snapshot,
-                                    bool upload_pieces) {
+                                    std::vector<Ticket>* writes, void* snapshot, bool upload_pieces,
+                                    int landing) {
   const Layout& layout = *ctx_.layout;
   const std::vector<ParamId>& ids = layout.group(gi).params;
+  if (landing >= 0 && snapshot != nullptr) {
+    return Status::Internal("a speculative step of a sub-group whose gradient is still landing");
+  }
   OptimizerHyperParams hp = HyperParams(task, coef);
   const auto t0 = Clock::now();
   const size_t tile = m_.optimizer->tile_elements();
@@ -583,7 +603,15 @@ Status OptimizerPipeline::StepGroup(size_t gi, float* master, uint16_t* copy_out
     }
     return s;
   };
+  // The parameter still landing (if any) goes last, so that the others are stepped while it
+  // lands. (Not speculative: the snapshot's completion after a failure assumes id order.)
+  std::vector<size_t> sequence;
   for (size_t j = 0; j < ids.size(); ++j) {
+    if (static_cast<int>(j) != landing) sequence.push_back(j);
+  }
+  if (landing >= 0) sequence.push_back(static_cast<size_t>(landing));
+  double landing_wait = 0;  // seconds waiting for pieces to land (WaitLanded)
+  for (const size_t j : sequence) {
     const ParamId id = ids[j];
     const ParamLayout& p = layout.param(id);
     const size_t n = p.info.partition_numel;
@@ -612,9 +640,10 @@ Status OptimizerPipeline::StepGroup(size_t gi, float* master, uint16_t* copy_out
     // Pieces start on multiples of the tile (of the int8 state block too), so each piece's
     // tiles are the whole step's.
     const bool pieces = upload_pieces && !layout.StoredInt8(id);
-    const size_t piece =
-        pieces ? RoundUp(std::max<size_t>((n + kUploadPieces - 1) / kUploadPieces, 1), tile)
-               : std::max<size_t>(n, 1);
+    const bool lands = static_cast<int>(j) == landing;  // stepped as its pieces land
+    const size_t piece = pieces || lands
+                             ? RoundUp(std::max<size_t>((n + kPieces - 1) / kPieces, 1), tile)
+                             : std::max<size_t>(n, 1);
     size_t offset = 0;  // the piece being stepped starts there
     std::function<void(size_t, size_t)> keep;
     if (snapshot != nullptr) {
@@ -628,6 +657,11 @@ Status OptimizerPipeline::StepGroup(size_t gi, float* master, uint16_t* copy_out
       const size_t end = std::min(n, offset + piece);
       Result<OptimizerTensors> u = SliceOptimizerTensors(t, offset, end);
       Status s = u.status();
+      if (s.ok() && lands) {
+        const auto w0 = Clock::now();
+        s = ctx_.board->WaitLanded(gi, task.step, end);
+        landing_wait += Since(w0);  // waiting, not stepping: not busy time
+      }
       if (s.ok()) {
         s = non_finite != nullptr ? m_.optimizer->StepIfFinite(hp, *u, non_finite, keep)
                                   : m_.optimizer->Step(hp, *u);
@@ -644,7 +678,7 @@ Status OptimizerPipeline::StepGroup(size_t gi, float* master, uint16_t* copy_out
     if (pieces) written[p.index_in_group] = 1;
     m_.states->CountUpdate(id);
   }
-  ctx_.stats->AddOptimizerBusy(Since(t0));
+  ctx_.stats->AddOptimizerBusy(Since(t0) - landing_wait);
   return m_.params->WriteGroup(gi, master, copy_out, Buf(task.step), writes, &written);
 }
 

@@ -75,18 +75,23 @@ class OptimizerPipeline {
   // parameter's slices get their pre-step values as the step goes (KeepTiles); whole once
   // this returns, a failure or not.
   //
-  // `upload_pieces` (parameters on the device): each parameter is stepped in kUploadPieces
-  // pieces (whole tiles of the optimizer's; fewer for a parameter of fewer tiles), and each
-  // piece's copy to the device is issued as soon as it is stepped, so that the copies run
-  // under the step instead of after it (the task's last sub-group, whose copies nothing else
-  // would overlap). A non-finite gradient then stops the step with the pieces before it
-  // (finite, stepped values) already copied: the engine stops either way, and with clipping
-  // the norm has checked every gradient before the step.
+  // `landing` >= 0 (no clipping, not speculative): the index in the group of a parameter
+  // whose gradient is still landing piece by piece (GroupBoard::LandPiece); it is stepped
+  // last, in kPieces pieces, each once its gradient has landed (GroupBoard::WaitLanded).
+  //
+  // `upload_pieces` (parameters on the device): each parameter is stepped in kPieces pieces
+  // (whole tiles of the optimizer's; fewer for a parameter of fewer tiles), and each piece's
+  // copy to the device is issued as soon as it is stepped, so that the copies run under the
+  // step instead of after it (the task's last sub-groups, kPiecedLastGroups, whose copies
+  // nothing else would overlap). A non-finite gradient then stops the step with the pieces
+  // before it (finite, stepped values) already copied: the engine stops either way, and with
+  // clipping the norm has checked every gradient before the step.
   Status StepGroup(size_t gi, float* states, uint16_t* copy_out, const OptimizerTask& task,
                    float coef, bool* non_finite, const std::vector<uint8_t>& with_grad,
                    std::vector<Ticket>* writes, void* snapshot = nullptr,
-                   bool upload_pieces = false);
-  static constexpr size_t kUploadPieces = 8;
+                   bool upload_pieces = false, int landing = -1);
+  static constexpr size_t kPieces = 8;
+  static constexpr size_t kPiecedLastGroups = 2;  // upload_pieces: the task's last two
   // Copies elements [begin, end) of parameter id's slices (master and states) from its
   // sub-group's buffer `master` into the same places of `snapshot`, with streaming stores.
   void KeepTiles(ParamId id, const float* master, void* snapshot, size_t begin, size_t end) const;

@@ -4,10 +4,14 @@
 // durable commit every rank agrees to resume at.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstdint>
+#include <future>
 #include <string>
 #include <vector>
 
 #include "engine/core/acquire_trace.h"
+#include "engine/core/group_board.h"
 #include "engine/core/layout.h"
 #include "engine/core/memory_plan.h"
 #include "engine/persistence/durable_commits.h"
@@ -141,6 +145,92 @@ TEST(AcquireTraceTest, GivenOrderIsCompleteUnlessEmpty) {
   EXPECT_EQ(t.mode(), AcquireTrace::Mode::kInvalid);
   t.EndMicroStep();  // an empty recording never becomes complete
   EXPECT_FALSE(t.valid());
+}
+
+// A sub-group's last gradient landing piece by piece (GradientPath's inline copy): the
+// optimizer may start on it once it is the only one missing and a piece has landed, and then
+// steps each piece once it is there; not with clipping (the norm needs every gradient), not
+// for a piece of a gradient that is not the last, nor outside the window's end.
+TEST(GroupBoardTest, ALandingGradientIsSteppedPieceByPieceOnlyAsTheGroupsLast) {
+  Layout l = ThreeParams(/*world=*/3);             // as in LayoutTest.PartitionsArePadded...
+  ASSERT_EQ(l.Freeze(4096, Tier::kCpu, 1.0), 2u);  // group 0: "a", "b"; group 1: "c"
+  GroupBoard board(&l);
+  // Whether `f` is still waiting after a while (it would wait for ever).
+  auto waits = [](std::future<Status>& f) {
+    return f.wait_for(std::chrono::milliseconds(50)) == std::future_status::timeout;
+  };
+  struct Ready {
+    float coef = 0;
+    bool known = false;
+    std::vector<uint8_t> with_grad;
+    int partial = -2;
+  };
+  auto wait_ready = [&](const OptimizerTask& task, Ready* r) {
+    return std::async(std::launch::async, [&board, task, r] {
+      return board.WaitGroupReady(0, task, /*speculate=*/false, &r->coef, &r->known, &r->with_grad,
+                                  &r->partial);
+    });
+  };
+  board.BeginMicroStep(/*boundary=*/true, /*step=*/0);  // the window ends with step 1
+  const OptimizerTask step1{1, /*clip=*/false, 1e-3f};
+  Ready r;
+  std::future<Status> ready = wait_ready(step1, &r);
+  board.MarkHasGrad(0, 1);
+  board.LandPiece(0, 1, 1000, 1);  // "a" has not landed: "b" is not the last
+  EXPECT_TRUE(waits(ready));
+  board.MarkHasGrad(0, 0);
+  board.Land(0, 1);  // "a" whole
+  EXPECT_TRUE(waits(ready));
+  board.LandPiece(0, 1, 0, 1);  // nothing landed yet
+  EXPECT_TRUE(waits(ready));
+  board.LandPiece(0, 1, 1024, 1);
+  ASSERT_TRUE(ready.get().ok());
+  EXPECT_EQ(r.partial, 1);
+  EXPECT_EQ(r.with_grad, (std::vector<uint8_t>{1, 1}));
+  EXPECT_TRUE(board.WaitLanded(0, 1, 1024).ok());
+  std::future<Status> more =
+      std::async(std::launch::async, [&] { return board.WaitLanded(0, 1, 2048); });
+  EXPECT_TRUE(waits(more));
+  board.LandPiece(0, 1, 2048, 1);
+  EXPECT_TRUE(more.get().ok());
+  std::future<Status> whole =
+      std::async(std::launch::async, [&] { return board.WaitLanded(0, 1, SIZE_MAX); });
+  EXPECT_TRUE(waits(whole));
+  board.Land(0, 1);
+  EXPECT_TRUE(whole.get().ok());
+  board.MarkStepped(0, 1);
+
+  // With clipping the group waits whole, and for the norm.
+  board.BeginMicroStep(/*boundary=*/true, /*step=*/1);
+  const OptimizerTask step2{2, /*clip=*/true, 1e-3f};
+  Ready c;
+  std::future<Status> clipped = wait_ready(step2, &c);
+  board.MarkHasGrad(0, 0);
+  board.Land(0, 2);
+  board.MarkHasGrad(0, 1);
+  board.LandPiece(0, 1, 1024, 2);
+  EXPECT_TRUE(waits(clipped));
+  board.Land(0, 2);
+  board.SetClipCoef(2, 0.5f);
+  ASSERT_TRUE(clipped.get().ok());
+  EXPECT_EQ(c.partial, -1);
+  EXPECT_EQ(c.coef, 0.5f);
+  board.MarkStepped(0, 2);
+
+  // A micro-step inside the window (ready 0) lands no pieces.
+  board.BeginMicroStep(/*boundary=*/false, /*step=*/2);
+  const OptimizerTask step3{3, /*clip=*/false, 1e-3f};
+  Ready n;
+  std::future<Status> inside = wait_ready(step3, &n);
+  board.MarkHasGrad(0, 0);
+  board.Land(0, 0);
+  board.MarkHasGrad(0, 1);
+  board.LandPiece(0, 1, 1024, 0);
+  EXPECT_TRUE(waits(inside));
+  // Stopping wakes every waiter with an error.
+  EXPECT_TRUE(board.Stop(-1).ok());
+  EXPECT_FALSE(inside.get().ok());
+  EXPECT_FALSE(board.WaitLanded(0, 3, 1).ok());
 }
 
 TEST(PinnedPlanTest, NvmeStatesTakeBuffersStagingAndAccumulators) {

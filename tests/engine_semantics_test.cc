@@ -1016,118 +1016,157 @@ TEST(EngineRegistration, DuplicateNamesOverflowingShapesAndBadNamesAreRefused) {
   EXPECT_EQ(engine->RegisterParameter(spec).status().code(), StatusCode::kInvalidArgument);
 }
 
-// The last sub-group of an undelayed step reaches the device piece by piece as it is stepped
-// (OptimizerPipeline::StepGroup, upload_pieces): what the trainer reads after each step is the
-// masters (rounded to bf16 with bf16 parameters), and the masters are those of the same steps
-// with the parameters in CPU memory, bit for bit: with fp32 and int8 states, and speculating.
-TEST(EngineUpload, TheLastSubGroupReachesTheDeviceInPiecesEqualToItsMasters) {
+// The last sub-groups of an undelayed step reach the device piece by piece as they are
+// stepped (OptimizerPipeline::StepGroup, upload_pieces), and a sub-group's large last gradient
+// is stepped as its pieces land (GradientPath's inline copy, GroupBoard::LandPiece): what the
+// trainer reads after each step is the masters (rounded to bf16 with bf16 parameters), and the
+// masters are those of the same steps without either, bit for bit: with fp32 and int8 states,
+// and speculating. A non-finite value in a landing gradient's last piece fails the step.
+TEST(EngineUpload, PiecesUploadedAndLandedGiveTheMastersOfWholeSteps) {
   // "x" spans the 8 pieces a parameter is cut into (64 Ki-element tiles, the last piece
-  // partial); "y" is a sub-group of its own, stepped before it (backward order).
-  const std::vector<std::pair<std::string, int64_t>> defs = {{"x", 1000003}, {"y", 300001}};
+  // partial) and is a sub-group of its own; "y" and "z" share one, stepped first (backward
+  // order). Gradients are reduced in backward order (z, y, x), so the landing "y" is the
+  // first parameter of its group and is stepped after "z".
+  const std::vector<std::pair<std::string, int64_t>> defs = {
+      {"x", 1000003}, {"y", 300001}, {"z", 200003}};
   struct Case {
     bool bf16;
     StateType states;
     double clip;  // 1e-3: below the gradients' norm, so every step rescales
     SpeculativeStep speculative;
   };
+  // The masters after the run (`nan_step` >= 0: the last element of y's gradient is NaN in
+  // that step, which must fail), with the parameters on `tier`, on the strict host device or
+  // not; the sub-groups stepped while landing.
+  auto run = [&](const Case& c, Tier tier, bool strict, int nan_step,
+                 std::vector<std::vector<float>>* masters, uint64_t* landing) {
+    HostDeviceOptions ho;
+    ho.memory_budget = 256ull << 20;
+    ho.strict = strict;
+    ho.strict_seed = 0x5EED;
+    // A slow link (0.2 GB/s: the 4 MB of "x" in 20 ms): the optimizer starts on a gradient's
+    // first pieces well before its last have landed.
+    ho.copy_gbps = 0.2;
+    std::unique_ptr<Device> device = NewHostDevice(ho);
+    Result<std::vector<std::unique_ptr<Communicator>>> comms = NewLocalComms({device.get()});
+    ASSERT_TRUE(comms.ok()) << comms.status().ToString();
+    EngineConfig config;
+    config.offload_param.tier = tier;
+    config.offload_optimizer.tier = Tier::kCpu;
+    config.sub_group_size = 1100000;
+    config.param_persistence_threshold = 0;
+    config.optimizer.type = OptimizerType::kAdamW;
+    config.optimizer.lr = 1e-2f;
+    config.optimizer.weight_decay = 0.1f;
+    config.optimizer_state_type = c.states;
+    config.bf16 = c.bf16;
+    config.gradient_clipping = c.clip;
+    config.speculative_step = c.speculative;
+    config.pinned_budget_bytes = 128ull << 20;
+    config.optimizer_threads = 2;
+    Result<std::unique_ptr<Engine>> engine =
+        Engine::Create(config, device.get(), (*comms)[0].get());
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    Engine& e = **engine;
+    std::vector<ParamId> ids;
+    for (size_t p = 0; p < defs.size(); ++p) {
+      ParamSpec spec;
+      spec.name = defs[p].first;
+      spec.shape = {defs[p].second};
+      spec.init = [p](float* data, size_t n) {
+        for (size_t i = 0; i < n; ++i) data[i] = InitValue(p, i);
+      };
+      Result<ParamId> id = e.RegisterParameter(spec);
+      ASSERT_TRUE(id.ok()) << id.status().ToString();
+      ids.push_back(*id);
+    }
+    ASSERT_TRUE(e.FinishRegistration().ok());
+    masters->assign(defs.size(), {});
+    *landing = 0;
+    // Step k's forward reads (and checks) what step k - 1 left; the last pass only reads.
+    for (int step = 0; step <= 3; ++step) {
+      Result<std::vector<void*>> ptrs = e.Acquire(ids);
+      ASSERT_TRUE(ptrs.ok()) << ptrs.status().ToString();
+      // (Strict: the compute stream runs behind; a kernel would see what it sees then.)
+      ASSERT_TRUE(device->SynchronizeStream(device->ComputeStream()).ok());
+      for (size_t p = 0; p < defs.size() && step > 0 && tier == Tier::kDevice; ++p) {
+        const std::vector<float>& m = (*masters)[p];
+        // (The host device's memory is the host's: the trainer's pointer reads it.)
+        for (size_t i = 0; i < m.size(); ++i) {
+          const float got = c.bf16 ? Bf16ToFp32(static_cast<const uint16_t*>((*ptrs)[p])[i])
+                                   : static_cast<const float*>((*ptrs)[p])[i];
+          const float want = c.bf16 ? Bf16ToFp32(Fp32ToBf16(m[i])) : m[i];
+          ASSERT_EQ(std::memcmp(&got, &want, sizeof(float)), 0)
+              << "after step " << step - 1 << ": '" << defs[p].first << "' element " << i
+              << " on the device is not its master";
+        }
+      }
+      ASSERT_TRUE(e.Release(ids).ok());
+      if (step == 3) break;
+      for (size_t p = defs.size(); p-- > 0;) {
+        std::vector<float> g(static_cast<size_t>(defs[p].second));
+        for (size_t i = 0; i < g.size(); ++i) g[i] = GradValue(p, step, i);
+        if (step == nan_step && defs[p].first == "y") g.back() = std::nanf("");
+        ASSERT_TRUE(e.ReduceGradient(ids[p], g.data()).ok());
+        // (Strict: the copy out of `g` runs on the compute stream, behind the host.)
+        ASSERT_TRUE(device->SynchronizeStream(device->ComputeStream()).ok());
+      }
+      Result<StepStats> st = e.Step();
+      if (step == nan_step) {
+        ASSERT_FALSE(st.ok());
+        EXPECT_NE(st.status().message().find(c.clip > 0 ? "norm" : "'y'"), std::string::npos)
+            << st.status().ToString();
+        return;
+      }
+      ASSERT_TRUE(st.ok()) << st.status().ToString();
+      *landing += st->landing_groups;
+      for (size_t p = 0; p < defs.size(); ++p) {
+        (*masters)[p].resize(static_cast<size_t>(defs[p].second));
+        ASSERT_TRUE(e.GatherMasterParameter(ids[p], (*masters)[p].data()).ok());
+      }
+    }
+  };
   const Case cases[] = {{false, StateType::kF32, 0.0, SpeculativeStep::kAuto},
                         {true, StateType::kF32, 0.0, SpeculativeStep::kAuto},
                         {false, StateType::kInt8, 0.0, SpeculativeStep::kAuto},
                         {true, StateType::kF32, 1e-3, SpeculativeStep::kOn},
                         {false, StateType::kF32, 1e9, SpeculativeStep::kOn}};
-  // The strict host device too (streams asynchronous, each operation delayed at random): a
-  // piece's copy still in flight when the next forward reads the parameters would show.
-  for (const bool strict : {false, true}) {
-    for (const Case& c : cases) {
-      SCOPED_TRACE(std::string(c.bf16 ? "bf16" : "fp32") + " parameters, " +
-                   StateTypeName(c.states) + " states, clip " + std::to_string(c.clip) +
-                   (strict ? ", strict device" : ""));
-      // The masters after the run, with the parameters on `tier`.
-      auto run = [&](Tier tier, std::vector<std::vector<float>>* masters) {
-        HostDeviceOptions ho;
-        ho.memory_budget = 256ull << 20;
-        ho.strict = strict;
-        ho.strict_seed = 0x5EED;
-        std::unique_ptr<Device> device = NewHostDevice(ho);
-        Result<std::vector<std::unique_ptr<Communicator>>> comms = NewLocalComms({device.get()});
-        ASSERT_TRUE(comms.ok()) << comms.status().ToString();
-        EngineConfig config;
-        config.offload_param.tier = tier;
-        config.offload_optimizer.tier = Tier::kCpu;
-        config.sub_group_size = 1100000;
-        config.param_persistence_threshold = 0;
-        config.optimizer.type = OptimizerType::kAdamW;
-        config.optimizer.lr = 1e-2f;
-        config.optimizer.weight_decay = 0.1f;
-        config.optimizer_state_type = c.states;
-        config.bf16 = c.bf16;
-        config.gradient_clipping = c.clip;
-        config.speculative_step = c.speculative;
-        config.pinned_budget_bytes = 128ull << 20;
-        config.optimizer_threads = 2;
-        Result<std::unique_ptr<Engine>> engine =
-            Engine::Create(config, device.get(), (*comms)[0].get());
-        ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-        Engine& e = **engine;
-        std::vector<ParamId> ids;
-        for (size_t p = 0; p < defs.size(); ++p) {
-          ParamSpec spec;
-          spec.name = defs[p].first;
-          spec.shape = {defs[p].second};
-          spec.init = [p](float* data, size_t n) {
-            for (size_t i = 0; i < n; ++i) data[i] = InitValue(p, i);
-          };
-          Result<ParamId> id = e.RegisterParameter(spec);
-          ASSERT_TRUE(id.ok()) << id.status().ToString();
-          ids.push_back(*id);
-        }
-        ASSERT_TRUE(e.FinishRegistration().ok());
-        masters->assign(defs.size(), {});
-        // Step k's forward reads (and checks) what step k - 1 left; the last pass only reads.
-        for (int step = 0; step <= 3; ++step) {
-          Result<std::vector<void*>> ptrs = e.Acquire(ids);
-          ASSERT_TRUE(ptrs.ok()) << ptrs.status().ToString();
-          // (Strict: the compute stream runs behind; a kernel would see what it sees then.)
-          ASSERT_TRUE(device->SynchronizeStream(device->ComputeStream()).ok());
-          for (size_t p = 0; p < defs.size() && step > 0 && tier == Tier::kDevice; ++p) {
-            const std::vector<float>& m = (*masters)[p];
-            // (The host device's memory is the host's: the trainer's pointer reads it.)
-            for (size_t i = 0; i < m.size(); ++i) {
-              const float got = c.bf16 ? Bf16ToFp32(static_cast<const uint16_t*>((*ptrs)[p])[i])
-                                       : static_cast<const float*>((*ptrs)[p])[i];
-              const float want = c.bf16 ? Bf16ToFp32(Fp32ToBf16(m[i])) : m[i];
-              ASSERT_EQ(std::memcmp(&got, &want, sizeof(float)), 0)
-                  << "after step " << step - 1 << ": '" << defs[p].first << "' element " << i
-                  << " on the device is not its master";
-            }
-          }
-          ASSERT_TRUE(e.Release(ids).ok());
-          if (step == 3) break;
-          for (size_t p = 0; p < defs.size(); ++p) {
-            std::vector<float> g(static_cast<size_t>(defs[p].second));
-            for (size_t i = 0; i < g.size(); ++i) g[i] = GradValue(p, step, i);
-            ASSERT_TRUE(e.ReduceGradient(ids[p], g.data()).ok());
-            // (Strict: the copy out of `g` runs on the compute stream, behind the host.)
-            ASSERT_TRUE(device->SynchronizeStream(device->ComputeStream()).ok());
-          }
-          Result<StepStats> st = e.Step();
-          ASSERT_TRUE(st.ok()) << st.status().ToString();
-          for (size_t p = 0; p < defs.size(); ++p) {
-            (*masters)[p].resize(static_cast<size_t>(defs[p].second));
-            ASSERT_TRUE(e.GatherMasterParameter(ids[p], (*masters)[p].data()).ok());
-          }
-        }
-      };
-      std::vector<std::vector<float>> on_device, in_cpu;
-      run(Tier::kDevice, &on_device);
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string(c.bf16 ? "bf16" : "fp32") + " parameters, " + StateTypeName(c.states) +
+                 " states, clip " + std::to_string(c.clip));
+    // Pieces uploaded and gradients landing in pieces (device, not strict); landing only
+    // (CPU tier); uploaded only (device, strict: its compute stream is not the caller's, so
+    // gradients land whole); neither (CPU, strict). The strict device also delays each stream
+    // operation at random: a piece's copy still in flight when the next forward reads the
+    // parameters would show. Clipping: nothing lands in pieces.
+    const std::pair<Tier, bool> runs[] = {
+        {Tier::kDevice, false}, {Tier::kCpu, false}, {Tier::kDevice, true}, {Tier::kCpu, true}};
+    std::vector<std::vector<float>> want;
+    for (const auto& [tier, strict] : runs) {
+      SCOPED_TRACE(std::string("params ") + TierName(tier) + (strict ? ", strict device" : ""));
+      std::vector<std::vector<float>> got;
+      uint64_t landing = 0;
+      run(c, tier, strict, /*nan_step=*/-1, &got, &landing);
       if (HasFatalFailure()) return;
-      run(Tier::kCpu, &in_cpu);
-      if (HasFatalFailure()) return;
+      // (Two sub-groups a step over 3 steps; each lands over milliseconds, so the optimizer,
+      // waiting for it, is woken by its first pieces.)
+      if (strict || c.clip > 0) {
+        EXPECT_EQ(landing, 0u);
+      } else {
+        EXPECT_GT(landing, 0u);
+      }
+      if (want.empty()) want = got;
       for (size_t p = 0; p < defs.size(); ++p) {
-        EXPECT_EQ(std::memcmp(on_device[p].data(), in_cpu[p].data(), in_cpu[p].size() * 4), 0)
+        EXPECT_EQ(std::memcmp(got[p].data(), want[p].data(), want[p].size() * 4), 0)
             << defs[p].first;
       }
     }
+    // A NaN in the last piece of the landing "y": the step fails naming it (with clipping,
+    // the norm), and nothing hangs.
+    std::vector<std::vector<float>> unused;
+    uint64_t landing = 0;
+    run(c, Tier::kDevice, /*strict=*/false, /*nan_step=*/1, &unused, &landing);
+    if (HasFatalFailure()) return;
   }
 }
 

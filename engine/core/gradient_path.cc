@@ -203,6 +203,7 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
     ZINF_RETURN_IF_ERROR(EnsureBuffer(gi).WithContext("gradient of '" + p.info.name + "'"));
     float* acc = Acc(id);
     const size_t bytes = p.info.numel * sizeof(float);
+    MarkReduced(id);
     if (on_device) {
       ZINF_RETURN_IF_ERROR(device_->CopyDeviceToDevice(acc, grad, bytes, compute));
       if (part > p.info.numel) {
@@ -210,14 +211,28 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
             acc + p.info.numel, zeros_, (part - p.info.numel) * sizeof(float), compute));
       }
     } else {
-      ZINF_RETURN_IF_ERROR(stats_->TimeCopy(
-          device_, compute, [&] { return device_->CopyDeviceToHost(acc, grad, bytes, compute); }));
-      if (part > p.info.numel) {
-        std::memset(acc + p.info.numel, 0, (part - p.info.numel) * sizeof(float));
+      // At the window's end (`ready`) and without clipping (the norm needs every gradient
+      // whole), a large gradient is copied in pieces and each but the last announced as it is
+      // copied (the copies on this inline stream are done when they return; the last lands
+      // with Land below): if it is the sub-group's last gradient still to land, the optimizer
+      // steps what has landed while the rest is copied (GroupBoard::LandPiece; MarkReduced
+      // came first, so the has-grad flag is set before the optimizer takes the flags).
+      const size_t numel = p.info.numel;
+      const bool pieces = ready > 0 && config_->gradient_clipping <= 0;
+      const size_t piece = pieces
+                               ? RoundUp((numel + kLandPieces - 1) / kLandPieces, kLandPieceAlign)
+                               : std::max<size_t>(numel, 1);
+      for (size_t begin = 0; begin < numel; begin += piece) {
+        const size_t end = std::min(numel, begin + piece);
+        ZINF_RETURN_IF_ERROR(stats_->TimeCopy(device_, compute, [&] {
+          return device_->CopyDeviceToHost(acc + begin, grad + begin, (end - begin) * sizeof(float),
+                                           compute);
+        }));
+        if (pieces && end < numel) board_->LandPiece(gi, p.index_in_group, end, ready);
       }
+      if (part > numel) std::memset(acc + numel, 0, (part - numel) * sizeof(float));
       stats_->AddD2H(bytes);
     }
-    MarkReduced(id);
     ZINF_RETURN_IF_ERROR(device_->RecordEvent(compute_done_.get(), compute));
     ZINF_RETURN_IF_ERROR(device_->StreamWaitEvent(streams_.grad, compute_done_.get()));
     return device_->LaunchHostFunc(streams_.grad, [this, gi, ready] { board_->Land(gi, ready); })

@@ -40,6 +40,11 @@ class GradientPath {
   ~GradientPath();  // drains the adder first: its jobs use this object
   GradientPath(const GradientPath&) = delete;
   GradientPath& operator=(const GradientPath&) = delete;
+  // One rank's gradient copied on the host device's inline compute stream at a window's end
+  // lands in up to kLandPieces pieces of whole multiples of kLandPieceAlign elements
+  // (GroupBoard::LandPiece).
+  static constexpr size_t kLandPieces = 8;
+  static constexpr size_t kLandPieceAlign = size_t{1} << 16;
   Status Init();  // its events and the registered zeros
   Status AllocateGroup(size_t gi);
 

@@ -23,6 +23,7 @@ void GroupBoard::BeginMicroStep(bool boundary, int64_t step) {
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     // Frozen parameters never hand in a gradient: a sub-group of only those is complete at once.
     groups_[gi].pending = layout_->group(gi).trainable;
+    groups_[gi].partial = -1;
     if (boundary && groups_[gi].pending == 0) groups_[gi].ready_step = step + 1;
   }
 }
@@ -105,8 +106,31 @@ void GroupBoard::Land(size_t gi, int64_t ready) {
   Group& g = groups_[gi];
   if (--g.pending == 0 && ready > 0) {
     g.ready_step = ready;
+    g.partial = -1;
     cv_.NotifyAll();
   }
+}
+
+void GroupBoard::LandPiece(size_t gi, size_t index, size_t landed, int64_t ready) {
+  MutexLock lock(&mu_);
+  Group& g = groups_[gi];
+  // Only the group's last gradient: the others (landed or not) must be whole for the step.
+  if (ready <= 0 || g.pending != 1) return;
+  g.partial = static_cast<int>(index);
+  g.partial_landed = landed;
+  g.partial_step = ready;
+  cv_.NotifyAll();
+}
+
+Status GroupBoard::WaitLanded(size_t gi, int64_t step, size_t upto) {
+  MutexLock lock(&mu_);
+  Group& g = groups_[gi];
+  while (!stopping_ && g.ready_step < step &&
+         !(g.partial >= 0 && g.partial_step == step && g.partial_landed >= upto)) {
+    cv_.Wait(&mu_);
+  }
+  if (stopping_) return Status::FailedPrecondition("engine shutting down");
+  return Status::OK();
 }
 
 void GroupBoard::NoteGradRelease() {
@@ -180,18 +204,25 @@ bool GroupBoard::failed() const {
 }
 
 Status GroupBoard::WaitGroupReady(size_t gi, const OptimizerTask& task, bool speculate, float* coef,
-                                  bool* coef_known, std::vector<uint8_t>* with_grad) {
+                                  bool* coef_known, std::vector<uint8_t>* with_grad, int* partial) {
   MutexLock lock(&mu_);
   Group& g = groups_[gi];
   waiting_group_ = gi;
   waiting_step_ = task.step;
   cv_.NotifyAll();  // a trainer waiting for a gradient block re-checks for a deadlock
-  while (!stopping_ && !(g.ready_step >= task.step &&
-                         (speculate || !task.clip || clip_coefs_.count(task.step) != 0))) {
+  // (Landing in pieces: only without clipping, where nothing else is waited for.)
+  auto landing = [&] {
+    return partial != nullptr && !task.clip && g.ready_step < task.step && g.partial >= 0 &&
+           g.partial_step == task.step && g.partial_landed > 0;
+  };
+  while (!stopping_ && !landing() &&
+         !(g.ready_step >= task.step &&
+           (speculate || !task.clip || clip_coefs_.count(task.step) != 0))) {
     cv_.Wait(&mu_);
   }
   waiting_group_ = SIZE_MAX;
   if (stopping_) return Status::FailedPrecondition("engine shutting down");
+  if (partial != nullptr) *partial = landing() ? g.partial : -1;
   *coef_known = !task.clip || clip_coefs_.count(task.step) != 0;
   *coef = task.clip && *coef_known ? clip_coefs_[task.step] : 1.0f;
   if (std::isnan(*coef)) return NormFailedError(task.step);

@@ -58,6 +58,11 @@ class GroupBoard {
   // ---- Any thread (stream callbacks, the trainer at Step) ----
   // One gradient of sub-group `gi` landed; `ready` > 0: the window ends with step `ready`.
   void Land(size_t gi, int64_t ready) EXCLUDES(mu_);
+  // The first `landed` elements of the partition of the group's parameter `index` are in its
+  // accumulator, the rest still coming (its Land follows), in the window that ends with step
+  // `ready` > 0. Once it is the group's only gradient still to land, the optimizer may step
+  // what has landed (WaitGroupReady's `partial`, WaitLanded).
+  void LandPiece(size_t gi, size_t index, size_t landed, int64_t ready) EXCLUDES(mu_);
   // A streaming accumulator block went back to its pool.
   void NoteGradRelease() EXCLUDES(mu_);
   // Streaming accumulators: calls `try_take` (under the lock) until it succeeds; fails when
@@ -75,8 +80,15 @@ class GroupBoard {
   // Waits until sub-group `gi` is ready for `task` and, with clipping, the norm is known, or
   // with `speculate` not (then *coef_known is false and *coef 1). Takes the group's has-grad
   // flags; *coef gets the clipping coefficient. Fails when the norm failed (SetNormFailed).
+  // `partial` not null (no clipping): also returns, with *partial the parameter's index,
+  // once every gradient of the group has landed but one that is landing piece by piece
+  // (LandPiece); -1 when the group is whole.
   Status WaitGroupReady(size_t gi, const OptimizerTask& task, bool speculate, float* coef,
-                        bool* coef_known, std::vector<uint8_t>* with_grad) EXCLUDES(mu_);
+                        bool* coef_known, std::vector<uint8_t>* with_grad, int* partial = nullptr)
+      EXCLUDES(mu_);
+  // After WaitGroupReady gave a partial group: waits until `upto` elements of the parameter
+  // landing in pieces are there, or the whole group has landed.
+  Status WaitLanded(size_t gi, int64_t step, size_t upto) EXCLUDES(mu_);
   // The verdict of a clipped task: with `wait`, waits for it; without, *known says whether it
   // is there. Fails when the norm failed or the board stops.
   Status Verdict(const OptimizerTask& task, bool wait, float* coef, bool* known) EXCLUDES(mu_);
@@ -96,6 +108,11 @@ class GroupBoard {
     // window's gradients from then on).
     int64_t ready_step = 0;
     int64_t stepped_step = 0;
+    // The parameter (index) landing piece by piece as the group's last gradient, its elements
+    // landed so far, and the step its window ends with (LandPiece); -1: none.
+    int partial = -1;
+    size_t partial_landed = 0;
+    int64_t partial_step = 0;
   };
 
   const Layout* const layout_;

@@ -46,6 +46,11 @@ void StatsRecorder::CountSpeculation(uint64_t speculated, uint64_t kept, uint64_
   c_.redo_seconds += redo_seconds;
 }
 
+void StatsRecorder::CountLanding() {
+  MutexLock lock(&mu_);
+  ++c_.landing;
+}
+
 namespace {
 double CpuSeconds(clockid_t clock) {
   timespec ts{};
@@ -100,6 +105,7 @@ void StatsRecorder::FinishStep(const StepSources& sources, StepStats* st) {
   st->redone_groups = c.redone;
   st->rolled_back_groups = c.rolled_back;
   st->speculation_redo_seconds = c.redo_seconds;
+  st->landing_groups = c.landing;
   // (Step runs on the trainer's thread; so did the first FinishStep, at FinishRegistration.)
   const double process = CpuSeconds(CLOCK_PROCESS_CPUTIME_ID);
   const double trainer = CpuSeconds(CLOCK_THREAD_CPUTIME_ID);

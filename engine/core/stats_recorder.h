@@ -21,6 +21,7 @@ class StatsRecorder {
     uint64_t hits = 0, misses = 0;
     uint64_t speculated = 0, kept = 0, redone = 0, rolled_back = 0;
     double redo_seconds = 0;
+    uint64_t landing = 0;
   };
 
   void AddH2D(uint64_t bytes) EXCLUDES(mu_);
@@ -33,6 +34,8 @@ class StatsRecorder {
   // Speculative steps: sub-groups speculated, kept, redone, rolled back; redo seconds.
   void CountSpeculation(uint64_t speculated, uint64_t kept, uint64_t redone, uint64_t rolled_back,
                         double redo_seconds) EXCLUDES(mu_);
+  // A sub-group stepped as its last gradient landed (StepStats::landing_groups).
+  void CountLanding() EXCLUDES(mu_);
   // The counters so far; they start again from zero.
   Counters Take() EXCLUDES(mu_);
 

@@ -92,6 +92,10 @@ struct StepStats {
   uint64_t redone_groups = 0;
   uint64_t rolled_back_groups = 0;
   double speculation_redo_seconds = 0;
+  // Sub-groups the CPU optimizer began before their last gradient had landed whole, stepping
+  // it piece by piece as it landed (one rank on the host device, at a window's end, without
+  // clipping: GradientPath's inline copy).
+  uint64_t landing_groups = 0;
 };
 
 // Calls visit(name, value) for every StepStats field, in declaration order, so that a front end
@@ -126,6 +130,7 @@ void VisitStepStats(const StepStats& s, Visit&& visit) {
   visit("redone_groups", s.redone_groups);
   visit("rolled_back_groups", s.rolled_back_groups);
   visit("speculation_redo_seconds", s.speculation_redo_seconds);
+  visit("landing_groups", s.landing_groups);
 }
 
 #if __cplusplus >= 202002L  // a requires-expression; the check runs in every C++20 build
@@ -141,9 +146,9 @@ constexpr bool BraceInitializable(std::index_sequence<I...>) {
   return requires { T{(static_cast<void>(I), AnyField{})...}; };
 }
 }  // namespace internal
-// VisitStepStats visits 28 fields: a field added to StepStats without a visit fails here.
-static_assert(internal::BraceInitializable<StepStats>(std::make_index_sequence<28>()) &&
-                  !internal::BraceInitializable<StepStats>(std::make_index_sequence<29>()),
+// VisitStepStats visits 29 fields: a field added to StepStats without a visit fails here.
+static_assert(internal::BraceInitializable<StepStats>(std::make_index_sequence<29>()) &&
+                  !internal::BraceInitializable<StepStats>(std::make_index_sequence<30>()),
               "StepStats gained or lost a field: update VisitStepStats and this count");
 #endif
 
