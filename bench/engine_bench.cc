@@ -401,7 +401,7 @@ int Main(int argc, char** argv) {
   }
   std::vector<double> effs, step_secs, nvme_busy, copy_busy, opt_busy, idle_secs, d2h;
   std::vector<double> cpu_total, cpu_trainer, cpu_optimizer, cpu_util;
-  uint64_t speculated = 0, kept = 0, redone = 0;
+  uint64_t speculated = 0, kept = 0, redone = 0, landing = 0;
   // The cores this process may run on: the CPU-seconds figures against cores x step time.
   cpu_set_t affinity;
   CPU_ZERO(&affinity);
@@ -478,6 +478,7 @@ int Main(int argc, char** argv) {
       speculated += st->speculated_groups;
       kept += st->kept_groups;
       redone += st->redone_groups;
+      landing += st->landing_groups;
     }
   }
   engine->reset();   // drains the engine's streams before its gradient source goes
@@ -518,6 +519,8 @@ int Main(int argc, char** argv) {
   j["speculated_groups"] = speculated;
   j["kept_groups"] = kept;
   j["redone_groups"] = redone;
+  // Sub-groups stepped while their last gradient was landing (the undelayed host device).
+  j["landing_groups"] = landing;
   j["median_d2h_bytes"] = median(d2h);
   j["median_overlap_efficiency"] = median(effs);
   j["ranks"] = comm->world_size();
