@@ -253,8 +253,9 @@ int Main(int argc, char** argv) {
       ->check(FiniteNumber())
       ->check(CLI::Range(0.0, 1e30));
   app.add_option("--speculative-step", f.speculative_step,
-                 "zinf.speculative_step with clipping: on, off or auto (on when the optimizer "
-                 "is offloaded); the bench adds one snapshot per sub-group to the pinned budget")
+                 "zinf.speculative_step with clipping: on, off or auto (on a GPU when the "
+                 "optimizer states are in CPU memory; off on the host device); the bench adds "
+                 "one snapshot per sub-group to the pinned budget")
       ->check(CLI::IsMember({"on", "off", "auto"}));
   // Presets first, then explicit flags win: parse twice.
   if (int rc = ParseCommandLine(app, argc, argv); rc >= 0) return rc;

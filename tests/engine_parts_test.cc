@@ -283,8 +283,9 @@ TEST(PinnedPlanTest, StreamingAccumulatorsGetWhatTheBudgetLeaves) {
 }
 
 // Speculative-step snapshots (clipping): one block per sub-group the CPU steps, of the largest
-// one's [master | m | v], from what the budget leaves; "auto" goes without when nothing is
-// left, true is refused then, and nothing is planned without clipping or with it off.
+// one's [master | m | v], from what the budget leaves; "auto" goes without on the host device
+// or when nothing is left, true is refused then, and nothing is planned without clipping or
+// with it off.
 TEST(PinnedPlanTest, SpeculationSnapshotsComeFromWhatTheBudgetLeaves) {
   Layout l = ThreeParams(1);
   l.Freeze(2048, Tier::kCpu, 1.0);  // three sub-groups of 6,144, 2,048 and 10,240 elements
@@ -297,34 +298,38 @@ TEST(PinnedPlanTest, SpeculationSnapshotsComeFromWhatTheBudgetLeaves) {
   EXPECT_FALSE(plan->speculation_wanted);  // no clipping: nothing waits for the norm
   EXPECT_EQ(plan->snapshot_blocks, 0u);
   c.gradient_clipping = 1.0;
-  plan = PlanPinnedMemory(l, c, true);
+  plan = PlanPinnedMemory(l, c, /*device_is_host=*/true);
   ASSERT_TRUE(plan.ok());
-  EXPECT_TRUE(plan->speculation_wanted);           // "auto", the optimizer on the CPU
+  EXPECT_FALSE(plan->speculation_wanted);  // "auto" on the host device: off
+  // "auto" on a GPU (device_is_host false from here on), the optimizer on the CPU.
+  plan = PlanPinnedMemory(l, c, false);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_TRUE(plan->speculation_wanted);
   EXPECT_EQ(plan->snapshot_block_bytes, 122880u);  // 10,240 x 3 x 4 bytes, page aligned
   EXPECT_EQ(plan->snapshot_blocks, 3u);
   EXPECT_EQ(plan->snapshots_min, 0u);
   // Room for two: "auto" takes half of it (one), true both.
   c.pinned_budget_bytes = plan->fixed + plan->grads_min + 2 * 122880 + 100;
-  plan = PlanPinnedMemory(l, c, true);
+  plan = PlanPinnedMemory(l, c, false);
   ASSERT_TRUE(plan.ok());
   EXPECT_EQ(plan->snapshot_blocks, 1u);
   c.speculative_step = SpeculativeStep::kOn;
-  plan = PlanPinnedMemory(l, c, true);
+  plan = PlanPinnedMemory(l, c, false);
   ASSERT_TRUE(plan.ok());
   EXPECT_EQ(plan->snapshot_blocks, 2u);
   c.speculative_step = SpeculativeStep::kAuto;
   // No room: "auto" goes without, true is refused naming the key and the snapshot.
   c.pinned_budget_bytes = plan->fixed + plan->grads_min;
-  plan = PlanPinnedMemory(l, c, true);
+  plan = PlanPinnedMemory(l, c, false);
   ASSERT_TRUE(plan.ok());
   EXPECT_EQ(plan->snapshot_blocks, 0u);
   c.speculative_step = SpeculativeStep::kOn;
-  Result<PinnedPlan> refused = PlanPinnedMemory(l, c, true);
+  Result<PinnedPlan> refused = PlanPinnedMemory(l, c, false);
   ASSERT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
   EXPECT_NE(refused.status().message().find("speculative"), std::string::npos);
   EXPECT_NE(refused.status().message().find("zinf.pinned_budget_bytes"), std::string::npos);
   c.speculative_step = SpeculativeStep::kOff;
-  plan = PlanPinnedMemory(l, c, true);
+  plan = PlanPinnedMemory(l, c, false);
   ASSERT_TRUE(plan.ok());
   EXPECT_FALSE(plan->speculation_wanted);
   // The optimizer on the device: "auto" is off.
@@ -334,7 +339,7 @@ TEST(PinnedPlanTest, SpeculationSnapshotsComeFromWhatTheBudgetLeaves) {
   Layout d = ThreeParams(1);
   d.Freeze(2048, Tier::kDevice, 1.0);
   c.offload_param.tier = Tier::kDevice;
-  plan = PlanPinnedMemory(d, c, true);
+  plan = PlanPinnedMemory(d, c, false);
   ASSERT_TRUE(plan.ok());
   EXPECT_FALSE(plan->speculation_wanted);
   // NVMe states: "auto" is off (their reads and writes would compete with the backward's);
@@ -343,11 +348,11 @@ TEST(PinnedPlanTest, SpeculationSnapshotsComeFromWhatTheBudgetLeaves) {
   v.Freeze(2048, Tier::kNvme, 1.0);
   c.offload_param.tier = Tier::kCpu;
   c.offload_optimizer.tier = Tier::kNvme;
-  plan = PlanPinnedMemory(v, c, true);
+  plan = PlanPinnedMemory(v, c, false);
   ASSERT_TRUE(plan.ok());
   EXPECT_FALSE(plan->speculation_wanted);
   c.speculative_step = SpeculativeStep::kOn;
-  plan = PlanPinnedMemory(v, c, true);
+  plan = PlanPinnedMemory(v, c, false);
   ASSERT_TRUE(plan.ok());
   EXPECT_TRUE(plan->speculation_wanted);
   EXPECT_EQ(plan->snapshot_blocks, 3u);

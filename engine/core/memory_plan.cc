@@ -82,13 +82,14 @@ Result<PinnedPlan> PlanPinnedMemory(const Layout& layout, const EngineConfig& co
   plan.grads_min = plan.stream_grads ? std::min<uint64_t>(groups, 2) * max_group_grads : grads_all;
   plan.fixed = pinned;
   // Speculation acts only where the optimizer waits for the norm: with clipping. "auto": with
-  // the states in CPU memory. With NVMe states it moves their reads and writes into the
-  // backward, where they compete with its parameter fetches (slower on the 3.15B run,
-  // bench/RESULTS.md issue 31).
+  // the states in CPU memory, on a GPU. With NVMe states it moves their reads and writes into
+  // the backward, where they compete with its parameter fetches (slower on the 3.15B run); on
+  // the host device the backward and its copies run on the cores speculation would use, and
+  // its snapshots cost more than waiting saves (bench/RESULTS.md, issue 31).
   plan.speculation_wanted =
       config.gradient_clipping > 0 && cpu_stepped > 0 &&
       (config.speculative_step == SpeculativeStep::kOn ||
-       (config.speculative_step == SpeculativeStep::kAuto &&
+       (config.speculative_step == SpeculativeStep::kAuto && !device_is_host &&
         config.offload_optimizer.tier == Tier::kCpu && config.offload_optimizer.ratio > 0));
   if (plan.speculation_wanted) {
     // (NVMe states are redone in their snapshot block, so it is a state buffer's size.)

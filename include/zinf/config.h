@@ -119,8 +119,10 @@ struct EngineConfig {
   // pinned budget; once the global norm is known the step is kept (no clipping), redone from
   // the snapshot with the clipping coefficient, or rolled back (a non-finite norm: the step
   // fails as without speculation). The results are those of the step that waits for the norm,
-  // bit for bit. "auto": on when the optimizer states are in CPU memory (offload_optimizer.device
-  // cpu; with nvme the speculated sub-groups' reads and writes compete with the backward's) and
+  // bit for bit. "auto": on when the device is a GPU (on the host device the backward and its
+  // copies take the cores speculation would use: slower than waiting there), the optimizer
+  // states are in CPU memory (offload_optimizer.device cpu; with nvme the speculated
+  // sub-groups' reads and writes compete with the backward's) and
   // half of what the pinned budget leaves has room for a snapshot (it takes at most that half,
   // one block per sub-group; true takes what it needs of all of it), else off, and not in a step
   // after one whose norm was clipped (clipping comes in runs, where speculating steps everything
