@@ -200,15 +200,21 @@ TEST(GroupBoardTest, ALandingGradientIsSteppedPieceByPieceOnlyAsTheGroupsLast) {
   EXPECT_TRUE(whole.get().ok());
   board.MarkStepped(0, 1);
 
+  // "a" whole, then the first 1,024 elements of "b", in a micro-step that ends the window with
+  // step `ready` (0: not at the window's end).
+  auto land_a_then_a_piece_of_b = [&](int64_t ready) {
+    board.MarkHasGrad(0, 0);
+    board.Land(0, ready);
+    board.MarkHasGrad(0, 1);
+    board.LandPiece(0, 1, 1024, ready);
+  };
+
   // With clipping the group waits whole, and for the norm.
   board.BeginMicroStep(/*boundary=*/true, /*step=*/1);
   const OptimizerTask step2{2, /*clip=*/true, 1e-3f};
   Ready c;
   std::future<Status> clipped = wait_ready(step2, &c);
-  board.MarkHasGrad(0, 0);
-  board.Land(0, 2);
-  board.MarkHasGrad(0, 1);
-  board.LandPiece(0, 1, 1024, 2);
+  land_a_then_a_piece_of_b(2);
   EXPECT_TRUE(waits(clipped));
   board.Land(0, 2);
   board.SetClipCoef(2, 0.5f);
@@ -222,10 +228,7 @@ TEST(GroupBoardTest, ALandingGradientIsSteppedPieceByPieceOnlyAsTheGroupsLast) {
   const OptimizerTask step3{3, /*clip=*/false, 1e-3f};
   Ready n;
   std::future<Status> inside = wait_ready(step3, &n);
-  board.MarkHasGrad(0, 0);
-  board.Land(0, 0);
-  board.MarkHasGrad(0, 1);
-  board.LandPiece(0, 1, 1024, 0);
+  land_a_then_a_piece_of_b(0);
   EXPECT_TRUE(waits(inside));
   // Stopping wakes every waiter with an error.
   EXPECT_TRUE(board.Stop(-1).ok());
