@@ -77,9 +77,9 @@ class OptimizerPipeline {
   //
   // `landing` >= 0 (no clipping, not speculative): the index in the group of a parameter
   // whose gradient is still landing piece by piece (GroupBoard::LandPiece); it is stepped
-  // last, in kPieces pieces, each once its gradient has landed (GroupBoard::WaitLanded).
+  // last, in up to kPieces pieces, each once its gradient has landed (GroupBoard::WaitLanded).
   //
-  // `upload_pieces` (parameters on the device): each parameter is stepped in kPieces pieces
+  // `upload_pieces` (parameters on the device): each parameter is stepped in up to kPieces pieces
   // (whole tiles of the optimizer's; fewer for a parameter of fewer tiles), and each piece's
   // copy to the device is issued as soon as it is stepped, so that the copies run under the
   // step instead of after it (the task's last sub-groups, kPiecedLastGroups, whose copies

@@ -59,9 +59,10 @@ class GroupBoard {
   // One gradient of sub-group `gi` landed; `ready` > 0: the window ends with step `ready`.
   void Land(size_t gi, int64_t ready) EXCLUDES(mu_);
   // The first `landed` elements of the partition of the group's parameter `index` are in its
-  // accumulator, the rest still coming (its Land follows), in the window that ends with step
-  // `ready` > 0. Once it is the group's only gradient still to land, the optimizer may step
-  // what has landed (WaitGroupReady's `partial`, WaitLanded).
+  // accumulator, the rest still coming (its Land follows, unless the copy fails: the engine
+  // then stops, and Stop ends the waits), in the window that ends with step `ready` > 0. Once it is
+  // the group's only gradient still to land, the optimizer may step what has landed
+  // (WaitGroupReady's `partial`, WaitLanded).
   void LandPiece(size_t gi, size_t index, size_t landed, int64_t ready) EXCLUDES(mu_);
   // A streaming accumulator block went back to its pool.
   void NoteGradRelease() EXCLUDES(mu_);
