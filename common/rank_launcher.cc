@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -91,7 +92,27 @@ int LaunchRanks(const char* program, int argc, char** argv, int nproc) {
     return 1;
   }
   // The ranks' environment, built before forking (the child only calls async-signal-safe
-  // functions and exec).
+  // functions and exec). The job's identity: the caller's ZINF_JOB_ID, else a fresh one.
+  std::string job_id;
+  if (const char* given = std::getenv("ZINF_JOB_ID"); given != nullptr && *given != '\0') {
+    job_id = given;
+  } else {
+    std::random_device random;
+    char hex[33];
+    std::snprintf(hex, sizeof(hex), "%08x%08x%08x%08x", random(), random(), random(), random());
+    job_id = hex;
+  }
+  // The program itself, by its real path: exec of /proc/self/exe would name the ranks "exe"
+  // in ps and top.
+  std::error_code exe_error;
+  const std::string exe = std::filesystem::read_symlink("/proc/self/exe", exe_error).string();
+  if (exe_error) {
+    std::fprintf(stderr, "%s: finding this program's path (/proc/self/exe): %s\n", program,
+                 exe_error.message().c_str());
+    std::error_code ec;
+    std::filesystem::remove_all(store, ec);  // best effort: nothing was started
+    return 1;
+  }
   const std::vector<std::string> args_copy = args;
   std::vector<std::vector<std::string>> envs(nproc);
   for (int r = 0; r < nproc; ++r) {
@@ -99,7 +120,7 @@ int LaunchRanks(const char* program, int argc, char** argv, int nproc) {
       const std::string kv = *e;
       const std::string key = kv.substr(0, kv.find('='));
       if (key == "RANK" || key == "LOCAL_RANK" || key == "WORLD_SIZE" ||
-          key == "LOCAL_WORLD_SIZE" || key == "ZINF_STORE_FOLDER") {
+          key == "LOCAL_WORLD_SIZE" || key == "ZINF_STORE_FOLDER" || key == "ZINF_JOB_ID") {
         continue;
       }
       envs[r].push_back(kv);
@@ -109,6 +130,7 @@ int LaunchRanks(const char* program, int argc, char** argv, int nproc) {
     envs[r].push_back("WORLD_SIZE=" + std::to_string(nproc));
     envs[r].push_back("LOCAL_WORLD_SIZE=" + std::to_string(nproc));
     envs[r].push_back("ZINF_STORE_FOLDER=" + store);
+    envs[r].push_back("ZINF_JOB_ID=" + job_id);
   }
   std::vector<char*> cargv;
   for (const std::string& a : args_copy) cargv.push_back(const_cast<char*>(a.c_str()));
@@ -137,8 +159,8 @@ int LaunchRanks(const char* program, int argc, char** argv, int nproc) {
       (void)sigaction(SIGINT, &old_int, nullptr);
       (void)sigaction(SIGTERM, &old_term, nullptr);
       (void)sigaction(SIGCHLD, &old_chld, nullptr);
-      execve("/proc/self/exe", cargv.data(), cenvs[r].data());
-      static const char kMsg[] = "rank launcher: exec of /proc/self/exe failed\n";
+      execve(exe.c_str(), cargv.data(), cenvs[r].data());
+      static const char kMsg[] = "rank launcher: exec of the program failed\n";
       (void)!write(2, kMsg, sizeof(kMsg) - 1);
       _exit(127);
     }

@@ -22,6 +22,7 @@
 
 #include "common/utf8.h"
 #include "engine/core/memory_plan.h"
+#include "engine/core/rank_agreement.h"
 #include "engine/engine_impl.h"
 #include "zinf/cpu_adam.h"
 #include "zinf/log.h"
@@ -154,11 +155,31 @@ Status Engine::FinishRegistration() {
   if (m.layout.frozen()) {
     return Status::FailedPrecondition("an earlier FinishRegistration failed; recreate the engine");
   }
+  // The ranks agree on what they train before any other collective: a rank with another
+  // model or setting is refused on every rank, naming the difference (never a collective of
+  // another size, which gloo aborts on, or a wait for the collective timeout).
+  ZINF_RETURN_IF_ERROR(AgreeAcrossRanks(
+      m.collectives.get(), m.world, "the model and its training settings",
+      DescribeForAgreement(m.config, m.layout, m.agreement),
+      "Start every rank with the same model, configuration and trainer settings."));
   ZINF_RETURN_IF_ERROR(m.Place());
+  m.initial_hashes.clear();
   Status init = m.InitStores();
   // The initial values are in the stores (or init failed): the callbacks, and whatever they
   // hold (a spill file of the values, the trainer's buffers), are not needed any more.
   m.inits.clear();
+  if (m.world > 1) {
+    // Every rank learns whether every rank initialised, then whether they hold the same
+    // values (ranks that initialise differently train a mix of models).
+    init = m.collectives->Agree(init, "initialising the parameters");
+    if (init.ok() && !m.initial_hashes.empty()) {
+      init = AgreeAcrossRanks(m.collectives.get(), m.world, "the initial parameter values",
+                              DescribeValues(m.layout, m.initial_hashes),
+                              "Every rank must initialise the model identically: seed every "
+                              "rank's random generator the same, or load the same weights on "
+                              "every rank.");
+    }
+  }
   ZINF_RETURN_IF_ERROR(init);
   ZINF_RETURN_IF_ERROR(m.pipeline->Start());
   m.registered = true;
@@ -166,6 +187,22 @@ Status Engine::FinishRegistration() {
   // The statistics of the first step start here (its swap traffic after the initialisation).
   StepStats unused;
   m.stats.FinishStep({0, 0, 0, m.swap.get(), m.optimizer->cpu_seconds()}, &unused);
+  return Status::OK();
+}
+
+Status Engine::RequireAgreement(const std::string& name, const std::string& value) {
+  Impl& m = *impl_;
+  if (m.registered || m.layout.frozen()) {
+    return Status::FailedPrecondition("RequireAgreement('" + name +
+                                      "') after registration ended: call it before "
+                                      "FinishRegistration");
+  }
+  if (name.empty() || name.find_first_of("\n:") != std::string::npos ||
+      value.find('\n') != std::string::npos) {
+    return Status::InvalidArgument("RequireAgreement: the name '" + name +
+                                   "' must be a non-empty line without ':', the value one line");
+  }
+  m.agreement.emplace_back(name, value);
   return Status::OK();
 }
 
@@ -336,6 +373,10 @@ Status Engine::Impl::InitStores() {
       if (!resume.active) {
         full.assign(p.padded_numel, 0.0f);
         inits[id](full.data(), p.info.numel);
+        if (world > 1) {
+          initial_hashes.resize(layout.num_params(), 0);
+          initial_hashes[id] = XXH3_64bits(full.data(), p.info.numel * sizeof(float));
+        }
         std::memcpy(master + p.slice_offset,
                     full.data() + static_cast<size_t>(rank) * p.info.partition_numel,
                     p.info.partition_numel * sizeof(float));
@@ -392,6 +433,10 @@ Status Engine::Impl::InitFrozen(size_t gi, const ParamStore::Resume& resume,
           "); register it with the same values (the same base weights) to resume");
     }
     param_store->set_value_hash(id, hash);
+    if (world > 1 && !resume.active) {
+      initial_hashes.resize(layout.num_params(), 0);
+      initial_hashes[id] = hash;
+    }
     ZINF_ASSIGN_OR_RETURN(PinnedBuffer image, arena->Allocate(layout.PartBytes(id)));
     ZINF_RETURN_IF_ERROR(EncodeFrozen(
         id, full.data() + static_cast<size_t>(rank) * p.info.partition_numel, image.data()));

@@ -52,6 +52,12 @@ struct Engine::Impl {
   const int world;
   Layout layout;
   std::vector<std::function<void(float*, size_t)>> inits;  // until the stores are initialised
+  // A trainer's own settings every rank must share (RequireAgreement), compared with the
+  // engine's at FinishRegistration.
+  std::vector<std::pair<std::string, std::string>> agreement;
+  // The initial values' xxh3 per parameter (InitStores, when it calls the inits), compared
+  // across the ranks; empty when the values came from a durable store.
+  std::vector<uint64_t> initial_hashes;
 
   EngineStreams streams;
   std::unique_ptr<CpuOptimizer> optimizer;

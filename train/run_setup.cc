@@ -308,6 +308,23 @@ int OpenSession(const Flags& f, const RunPlan& plan, const EngineConfig& config,
   if (Status st = s->engine->SetCommitUserData(RunRecord(plan.model, f.seed)); !st.ok()) {
     return FailSetup("creating the engine", st);
   }
+  // What every rank must run alike beyond the engine's settings (compared across the ranks
+  // at FinishRegistration, with the model's parameters and initial values).
+  const std::pair<const char*, std::string> trainer_settings[] = {
+      {"zinf-train --steps", std::to_string(f.steps)},
+      {"zinf-train --batch", std::to_string(f.batch)},
+      {"zinf-train --seq", std::to_string(f.seq)},
+      {"zinf-train --warmup", f.warmup < 0 ? "default" : std::to_string(f.warmup)},
+      {"zinf-train --seed", std::to_string(f.seed)},
+      {"zinf-train model", plan.model.name + " " + std::to_string(plan.model.layers) + " layers, d_model " +
+                               std::to_string(plan.model.d_model) + ", " +
+                               std::to_string(plan.model.heads) + " heads"},
+  };
+  for (const auto& [name, value] : trainer_settings) {
+    if (Status st = s->engine->RequireAgreement(name, value); !st.ok()) {
+      return FailSetup("creating the engine", st);
+    }
+  }
   Result<std::unique_ptr<GptTrainer>> trainer = GptTrainer::Create(
       plan.model, f.batch, f.seq, f.seed, s->engine.get(), {}, rank.device.get());
   if (!trainer.ok()) return FailSetup("building the model", trainer.status());

@@ -48,31 +48,40 @@ namespace {
 // exception; they are caught where the group is created.
 class GlooStore final : public gloo::rendezvous::Store {
  public:
-  GlooStore(KeyValueStore* store, std::string prefix, std::chrono::milliseconds timeout)
-      : store_(store), prefix_(std::move(prefix)), timeout_(timeout) {}
+  // Every wait ends by `deadline`: the join as a whole takes at most the timeout, however
+  // many keys gloo waits for.
+  GlooStore(KeyValueStore* store, std::string prefix,
+            std::chrono::steady_clock::time_point deadline)
+      : store_(store), prefix_(std::move(prefix)), deadline_(deadline) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
     Status s = store_->Set(prefix_ + "/" + key, std::string(data.begin(), data.end()));
     if (!s.ok()) throw std::runtime_error(s.ToString());
   }
   std::vector<char> get(const std::string& key) override {
-    Result<std::string> v = store_->Get(prefix_ + "/" + key, timeout_);
+    Result<std::string> v = store_->Get(prefix_ + "/" + key, Left());
     if (!v.ok()) throw std::runtime_error(v.status().ToString());
     return std::vector<char>(v->begin(), v->end());
   }
-  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, Left()); }
   void wait(const std::vector<std::string>& keys,
             const std::chrono::milliseconds& timeout) override {
     for (const std::string& key : keys) {
-      Result<std::string> v = store_->Get(prefix_ + "/" + key, timeout);
+      Result<std::string> v = store_->Get(prefix_ + "/" + key, std::min(timeout, Left()));
       if (!v.ok()) throw std::runtime_error(v.status().ToString());
     }
   }
 
  private:
+  std::chrono::milliseconds Left() const {
+    return std::max(std::chrono::milliseconds(1),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(
+                        deadline_ - std::chrono::steady_clock::now()));
+  }
+
   KeyValueStore* const store_;
   const std::string prefix_;
-  const std::chrono::milliseconds timeout_;
+  const std::chrono::steady_clock::time_point deadline_;
 };
 
 // out[i] = ((in[0][i] + in[1][i]) + in[2][i]) + ..., as LocalComm's OrderedSum.
@@ -423,7 +432,15 @@ Result<std::shared_ptr<KeyValueStore>> RendezvousStore(const ProcessGroupOptions
         " processes needs a rendezvous: MASTER_ADDR and MASTER_PORT (as torchrun sets them), "
         "or a store folder (ZINF_STORE_FOLDER)");
   }
-  return NewTcpStore(o.master_addr, o.master_port, /*serve=*/o.rank == 0, o.timeout);
+  TcpStoreOptions t;
+  t.host = o.master_addr;
+  t.port = o.master_port;
+  t.serve = o.rank == 0;
+  t.timeout = o.timeout;
+  t.job_id = o.job_id;
+  t.listen_addr = o.store_listen_addr;
+  t.max_clients = 2 * o.world_size + 8;  // each rank, and each reconnecting once
+  return NewTcpStore(t);
 }
 
 Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
@@ -486,17 +503,16 @@ Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
                             (attr.iface.empty() ? attr.hostname : "interface " + attr.iface) + ")";
   std::shared_ptr<gloo::rendezvous::Context> context;
   std::vector<std::string> members(options.world_size);
-  try {
-    auto dev = gloo::transport::tcp::CreateDevice(attr);
-    context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.world_size);
-    context->setTimeout(options.timeout);
-    GlooStore gs(store.get(), options.prefix, options.timeout);
-    context->connectFullMesh(gs, dev);
-  } catch (const std::exception& e) {
-    return Status::FailedPrecondition("joining " + where + " failed: " + e.what());
-  }
-  // Who is who, for the message when a peer dies. Written after the mesh so that a rank that
-  // reads them knows every rank wrote its own.
+  // The join as a whole waits at most the timeout. Every rank first says who it is and waits
+  // for all the others to have said so: a rank that never came, or stopped, is found here,
+  // within the deadline, before gloo connects pairs (whose first connect waits five times the
+  // timeout for a peer that published its address and then stopped).
+  const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+  auto left = [&deadline] {
+    return std::max(std::chrono::milliseconds(1),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(
+                        deadline - std::chrono::steady_clock::now()));
+  };
   char host_name[256] = {0};
   if (gethostname(host_name, sizeof(host_name) - 1) != 0) {
     return ErrnoToStatus(errno, "NewGlooComm: gethostname");
@@ -505,10 +521,21 @@ Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
   ZINF_RETURN_IF_ERROR(store->Set(options.prefix + "/member/" + std::to_string(options.rank), me)
                            .WithContext("joining " + where));
   for (int r = 0; r < options.world_size; ++r) {
-    Result<std::string> m =
-        store->Get(options.prefix + "/member/" + std::to_string(r), options.timeout);
+    Result<std::string> m = store->Get(options.prefix + "/member/" + std::to_string(r), left());
     if (!m.ok()) return m.status().WithContext("joining " + where);
     members[r] = *m;
+  }
+  try {
+    auto dev = gloo::transport::tcp::CreateDevice(attr);
+    context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.world_size);
+    // gloo waits five times the context's timeout for a pair's first connect: during the
+    // mesh the timeout is a fifth of what the deadline leaves, then the collectives' own.
+    context->setTimeout(std::max(std::chrono::milliseconds(1), left() / 5));
+    GlooStore gs(store.get(), options.prefix, deadline);
+    context->connectFullMesh(gs, dev);
+    context->setTimeout(options.timeout);
+  } catch (const std::exception& e) {
+    return Status::FailedPrecondition("joining " + where + " failed: " + e.what());
   }
   auto group = std::make_shared<Group>();
   group->options = options;
@@ -517,13 +544,17 @@ Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
   group->members = std::move(members);
   Group* const group_ptr = group.get();
   auto comm = std::make_unique<GlooComm>(host, std::move(group));
-  // Everyone has read the members before rank 0's store may go.
   ZINF_RETURN_IF_ERROR(comm->Barrier().WithContext("joining " + where));
-  // Nothing needs the store after the join: it goes now (rank 0's server, a Python store and
-  // its GIL with it) rather than with the last queued collective, on whatever thread that is.
+  // Nothing needs the store after the join: a client's goes now (a Python store and its GIL
+  // with it) rather than with the last queued collective, on whatever thread that is. Rank 0
+  // keeps serving the TCP store it made while the group lives, so that the port stays this
+  // job's: a second job started on it fails at once (the port is in use), where a free port
+  // would let its rank 0 serve the late ranks of this one.
+  const bool own_server =
+      options.rank == 0 && options.store == nullptr && options.store_folder.empty();
   {
     MutexLock lock(&group_ptr->mu);
-    group_ptr->store.reset();
+    if (!own_server) group_ptr->store.reset();
     group_ptr->options.store.reset();
   }
   return std::unique_ptr<Communicator>(std::move(comm));

@@ -1,5 +1,8 @@
 // ProcessGroupFromEnv (zinf/comm.h): a process's place in its group, from what launchers set.
+#include <xxhash.h>
+
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -29,6 +32,13 @@ Result<int> IntVar(const char* name, int fallback, int min) {
 }
 
 }  // namespace
+
+std::string JobTag(const std::string& job_id) {
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx",
+                static_cast<unsigned long long>(XXH3_64bits(job_id.data(), job_id.size())));
+  return hex;
+}
 
 Result<ProcessGroupOptions> ProcessGroupFromEnv() {
   ProcessGroupOptions o;
@@ -81,6 +91,21 @@ Result<ProcessGroupOptions> ProcessGroupFromEnv() {
     return Status::InvalidArgument("the rendezvous port " + std::to_string(o.master_port) +
                                    " is not a TCP port: set ZINF_STORE_PORT");
   }
+  if (const char* listen = Env("ZINF_STORE_LISTEN_ADDR")) o.store_listen_addr = listen;
+  // The job's identity: ours, else torchrun's run id ("none" is its default when not given).
+  if (const char* job = Env("ZINF_JOB_ID")) {
+    o.job_id = job;
+  } else if (const char* run = Env("TORCHELASTIC_RUN_ID"); run != nullptr &&
+                                                            std::string(run) != "none") {
+    o.job_id = run;
+  }
+  if (o.job_id.size() > 256) {
+    return Status::InvalidArgument("ZINF_JOB_ID is " + std::to_string(o.job_id.size()) +
+                                   " bytes long; at most 256");
+  }
+  // Keys carry the job (a digest: the id itself is the store's password), so that two jobs
+  // sharing a store folder or a store never read each other's keys.
+  if (!o.job_id.empty()) o.prefix += "/job-" + JobTag(o.job_id);
   // A restarted group (torchrun --max-restarts) must not read the dead attempt's keys.
   if (const char* attempt = Env("TORCHELASTIC_RESTART_COUNT")) {
     o.prefix += "/attempt" + std::string(attempt);

@@ -1,10 +1,21 @@
 // The rendezvous stores of zinf/comm.h: a TCP key-value store served by rank 0 (what
 // MASTER_ADDR:MASTER_PORT name) and a folder store. Only addresses and ids pass through them,
-// a few hundred bytes per rank, once per group: simplicity over speed.
+// a few hundred bytes per rank, once per group: simplicity over speed, but nothing trusted.
+//
+// The TCP store answers only its own job. Every connection opens with a handshake naming the
+// job (TcpStoreOptions::job_id); until it has passed, the server reads at most the handshake's
+// bytes and answers nothing else, and a connection that does not complete it within
+// kHandshakeWindow is closed. The server never blocks: its sockets are non-blocking, replies
+// wait in a bounded per-client buffer (a client that stops reading is dropped, not waited
+// for), connections, keys and values are bounded in number and size, and garbage drops the
+// connection that sent it. Keys are written once: a second SET of a key with another value is
+// refused (two processes claiming one rank, e.g. two jobs on one port without job ids).
 //
 // Wire format (host byte order: every rank of a group runs the same build):
-//   request  SET: u8 1, u32 key length, key, u32 value length, value   -> reply u8 1
-//   request  GET: u8 2, u32 key length, key                            -> reply u32 length, value
+//   hello  : "ZINFKV02", u32 job id length, job id          -> reply u8 status
+//   SET    : u8 1, u32 key length, key, u32 value length, value -> reply u8 status
+//   GET    : u8 2, u32 key length, key                     -> reply u8 1, u32 length, value
+// status: 1 ok, 2 another job's store, 3 the key holds another value, 4 the store is full.
 // A GET of a key not yet set is answered when some client sets it.
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -16,6 +27,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -36,9 +48,22 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+constexpr char kMagic[8] = {'Z', 'I', 'N', 'F', 'K', 'V', '0', '2'};
 constexpr uint8_t kSet = 1;
 constexpr uint8_t kGet = 2;
-constexpr uint32_t kMaxField = 1u << 20;  // keys and values are addresses and ids
+constexpr uint8_t kReplyOk = 1;
+constexpr uint8_t kReplyOtherJob = 2;
+constexpr uint8_t kReplyAlreadySet = 3;
+constexpr uint8_t kReplyFull = 4;
+constexpr uint32_t kMaxJobId = 256;
+constexpr uint32_t kMaxKey = 4096;
+constexpr uint32_t kMaxValue = 1u << 20;  // values are addresses and ids
+// What the server holds at most: every value of the store, the unanswered replies of one
+// client, connections that have not passed the handshake (each holds at most its bytes).
+constexpr size_t kMaxStoreBytes = size_t{64} << 20;
+constexpr size_t kMaxPendingReply = size_t{4} << 20;
+constexpr int kMaxStrangers = 64;
+constexpr auto kHandshakeWindow = std::chrono::seconds(10);
 
 std::string Where(const std::string& host, int port) {
   return (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" +
@@ -47,12 +72,40 @@ std::string Where(const std::string& host, int port) {
 
 Status SysError(const std::string& what) { return ErrnoToStatus(errno, what); }
 
-// Writes all of `data`, retrying short writes and EINTR.
-Status WriteAll(int fd, const void* data, size_t n, const std::string& what) {
+int64_t MillisLeft(Clock::time_point deadline) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+}
+
+// Waits until `fd` is ready for `events` or `deadline` passes (false, errno ETIMEDOUT).
+bool WaitReady(int fd, short events, Clock::time_point deadline) {
+  for (;;) {
+    const int64_t left = MillisLeft(deadline);
+    if (left <= 0) {
+      errno = ETIMEDOUT;
+      return false;
+    }
+    pollfd pfd{fd, events, 0};
+    const int ready = poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left, 1000)));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready < 0) return false;
+    if (ready > 0) return true;
+  }
+}
+
+// Writes all of `data` to a non-blocking socket before `deadline`, retrying short writes.
+Status WriteAll(int fd, const void* data, size_t n, Clock::time_point deadline,
+                const std::string& what) {
   const char* p = static_cast<const char*>(data);
   while (n > 0) {
-    const ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+    const ssize_t w = send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (!WaitReady(fd, POLLOUT, deadline)) {
+        if (errno == ETIMEDOUT) return Status::FailedPrecondition(what + ": timed out sending");
+        return SysError(what + ": poll");
+      }
+      continue;
+    }
     if (w <= 0) return SysError(what);
     p += w;
     n -= static_cast<size_t>(w);
@@ -64,16 +117,12 @@ Status WriteAll(int fd, const void* data, size_t n, const std::string& what) {
 Status ReadAll(int fd, void* data, size_t n, Clock::time_point deadline, const std::string& what) {
   char* p = static_cast<char*>(data);
   while (n > 0) {
-    const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-    if (left <= 0) return Status::FailedPrecondition(what + ": timed out");
-    pollfd pfd{fd, POLLIN, 0};
-    const int ready = poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left, 1000)));
-    if (ready < 0 && errno == EINTR) continue;
-    if (ready < 0) return SysError(what + ": poll");
-    if (ready == 0) continue;
-    const ssize_t r = recv(fd, p, n, 0);
-    if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (!WaitReady(fd, POLLIN, deadline)) {
+      if (errno == ETIMEDOUT) return Status::FailedPrecondition(what + ": timed out");
+      return SysError(what + ": poll");
+    }
+    const ssize_t r = recv(fd, p, n, MSG_DONTWAIT);
+    if (r < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
     if (r < 0) return SysError(what);
     if (r == 0) return Status::IoError(what + ": the store closed the connection");
     p += r;
@@ -98,6 +147,34 @@ Result<addrinfo*> Resolve(const std::string& host, int port, bool passive) {
   return res;
 }
 
+void AppendField(std::string* out, const std::string& f) {
+  const uint32_t n = static_cast<uint32_t>(f.size());
+  out->append(reinterpret_cast<const char*>(&n), sizeof(n));
+  *out += f;
+}
+
+// Parses a u32-length-prefixed field of at most `max` bytes at *pos. 1: parsed (*pos past
+// it); 0: incomplete; -1: malformed.
+int Field(const std::string& in, size_t* pos, uint32_t max, std::string* out) {
+  uint32_t n = 0;
+  if (in.size() < *pos + sizeof(n)) return 0;
+  std::memcpy(&n, in.data() + *pos, sizeof(n));
+  if (n > max) return -1;
+  if (in.size() < *pos + sizeof(n) + n) return 0;
+  out->assign(in.data() + *pos + sizeof(n), n);
+  *pos += sizeof(n) + n;
+  return 1;
+}
+
+// Equal without an early exit on the first differing byte (the job id is a shared secret).
+bool SameSecret(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
+  }
+  return diff == 0;
+}
+
 // ---- The server ------------------------------------------------------------------------------
 
 class StoreServer {
@@ -115,41 +192,38 @@ class StoreServer {
     }
   }
 
-  Status Start(const std::string& host, int port) {
-    ZINF_ASSIGN_OR_RETURN(addrinfo * res, Resolve(host, port, false));
-    // Listen on every interface of the resolved family: the ranks reach this process by
-    // MASTER_ADDR, which may name any of its interfaces.
+  Status Start(const TcpStoreOptions& o) {
+    job_id_ = o.job_id;
+    max_members_ = std::max(1, o.max_clients);
+    // Listen on the address MASTER_ADDR names (the ranks reach this process by it), not on
+    // every interface: "0.0.0.0" or "::" as listen_addr asks for that.
+    const std::string listen_host = o.listen_addr.empty() ? o.host : o.listen_addr;
+    ZINF_ASSIGN_OR_RETURN(addrinfo * res, Resolve(listen_host, o.port, false));
+    sockaddr_storage addr{};
+    std::memcpy(&addr, res->ai_addr, std::min<size_t>(res->ai_addrlen, sizeof(addr)));
+    const socklen_t len = res->ai_addrlen;
     const int family = res->ai_family;
     freeaddrinfo(res);
-    listen_fd_ = socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    listen_fd_ = socket(family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (listen_fd_ < 0) return SysError("rendezvous store: socket");
     const int one = 1;
     if (setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0) {
       return SysError("rendezvous store: SO_REUSEADDR");
     }
-    sockaddr_storage addr{};
-    socklen_t len = 0;
-    if (family == AF_INET6) {
-      auto* a = reinterpret_cast<sockaddr_in6*>(&addr);
-      a->sin6_family = AF_INET6;
-      a->sin6_addr = in6addr_any;
-      a->sin6_port = htons(static_cast<uint16_t>(port));
-      len = sizeof(*a);
-    } else {
-      auto* a = reinterpret_cast<sockaddr_in*>(&addr);
-      a->sin_family = AF_INET;
-      a->sin_addr.s_addr = htonl(INADDR_ANY);
-      a->sin_port = htons(static_cast<uint16_t>(port));
-      len = sizeof(*a);
-    }
     if (bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
       const int err = errno;
-      return Status::FailedPrecondition(
-          "rank 0 cannot serve the rendezvous store on port " + std::to_string(port) + ": " +
-          std::strerror(err) +
-          (err == EADDRINUSE ? " (another program, or an earlier job, holds it: pick another "
-                               "MASTER_PORT)"
-                             : ""));
+      std::string why = std::strerror(err);
+      if (err == EADDRINUSE) {
+        why += " (another job's rendezvous, or another program, holds it: give each job its "
+               "own MASTER_PORT)";
+      } else if (err == EADDRNOTAVAIL) {
+        why += " (" + listen_host +
+               " is not an address of this machine: set ZINF_STORE_LISTEN_ADDR to one, or to "
+               "0.0.0.0 to listen on every interface)";
+      }
+      return Status::FailedPrecondition("rank 0 cannot serve the rendezvous store on " +
+                                        Where(listen_host, o.port) + ": " + why +
+                                        "; check MASTER_ADDR / MASTER_PORT");
     }
     if (listen(listen_fd_, 1024) != 0) return SysError("rendezvous store: listen");
     if (pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) return SysError("rendezvous store: pipe");
@@ -159,7 +233,11 @@ class StoreServer {
 
  private:
   struct Client {
-    std::string in;  // bytes received, not yet a whole request
+    bool member = false;   // passed the handshake
+    bool closing = false;  // dropped once `out` is sent
+    Clock::time_point handshake_deadline;
+    std::string in;   // bytes received, not yet a whole request
+    std::string out;  // replies not yet sent
   };
 
   void Serve() {
@@ -167,8 +245,18 @@ class StoreServer {
       std::vector<pollfd> fds;
       fds.push_back({wake_[0], POLLIN, 0});
       fds.push_back({listen_fd_, POLLIN, 0});
-      for (auto& [fd, client] : clients_) fds.push_back({fd, POLLIN, 0});
-      const int ready = poll(fds.data(), fds.size(), -1);
+      int64_t wait_ms = -1;
+      const Clock::time_point now = Clock::now();
+      for (auto& [fd, c] : clients_) {
+        fds.push_back({fd, static_cast<short>(POLLIN | (c.out.empty() ? 0 : POLLOUT)), 0});
+        if (!c.member) {
+          const int64_t left = std::max<int64_t>(
+              0, std::chrono::duration_cast<std::chrono::milliseconds>(c.handshake_deadline - now)
+                     .count());
+          wait_ms = wait_ms < 0 ? left : std::min(wait_ms, left);
+        }
+      }
+      const int ready = poll(fds.data(), fds.size(), static_cast<int>(wait_ms));
       if (ready < 0 && errno == EINTR) continue;
       if (ready < 0) {
         LogWarning(std::string("rendezvous store: poll failed: ") + std::strerror(errno) +
@@ -176,99 +264,177 @@ class StoreServer {
         return;
       }
       if (fds[0].revents != 0) return;
-      if (fds[1].revents & POLLIN) {
-        const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-        if (fd >= 0) {
-          clients_[fd] = Client{};
-        } else if (errno != EINTR && errno != EAGAIN && errno != ECONNABORTED) {
-          LogWarning(std::string("rendezvous store: accept failed: ") + std::strerror(errno));
-        }
-      }
+      std::vector<int> doomed;
       for (size_t i = 2; i < fds.size(); ++i) {
+        const int fd = fds[i].fd;
         if (fds[i].revents == 0) continue;
-        if (!Receive(fds[i].fd)) Drop(fds[i].fd);
+        bool keep = true;
+        if (fds[i].revents & POLLOUT) keep = Flush(fd);
+        if (keep && (fds[i].revents & (POLLIN | POLLHUP | POLLERR))) keep = Receive(fd, &doomed);
+        if (!keep) doomed.push_back(fd);
       }
+      const Clock::time_point after = Clock::now();
+      for (auto& [fd, c] : clients_) {
+        if (!c.member && after >= c.handshake_deadline) doomed.push_back(fd);
+      }
+      for (int fd : doomed) Drop(fd);
+      if (fds[1].revents & POLLIN) Accept();
     }
   }
 
-  // Reads what is there and answers whole requests; false when the client is gone or broke
-  // the protocol.
-  bool Receive(int fd) {
-    char buf[4096];
-    const ssize_t r = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
-    if (r < 0 && (errno == EINTR || errno == EAGAIN)) return true;
-    if (r <= 0) return false;
-    std::string& in = clients_[fd].in;
-    in.append(buf, static_cast<size_t>(r));
+  void Accept() {
     for (;;) {
-      size_t pos = 0;
+      const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0) {
+        if (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK && errno != ECONNABORTED) {
+          LogWarning(std::string("rendezvous store: accept failed: ") + std::strerror(errno));
+        }
+        return;
+      }
+      int strangers = 0;
+      int members = 0;
+      for (auto& [other, c] : clients_) (c.member ? members : strangers) += 1;
+      // Over the bounds: closed unread. A member reconnecting after a failure is counted
+      // with the strangers until its handshake.
+      if (strangers >= kMaxStrangers || members + strangers >= max_members_ + kMaxStrangers) {
+        close(fd);
+        continue;
+      }
+      Client c;
+      c.handshake_deadline = Clock::now() + kHandshakeWindow;
+      clients_[fd] = std::move(c);
+    }
+  }
+
+  // Sends what `fd` has waiting; false when the client is gone. A client that is closing is
+  // dropped once its last reply is out.
+  bool Flush(int fd) {
+    Client& c = clients_[fd];
+    while (!c.out.empty()) {
+      const ssize_t w = send(fd, c.out.data(), c.out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+      if (w <= 0) return false;
+      c.out.erase(0, static_cast<size_t>(w));
+    }
+    if (c.out.size() > kMaxPendingReply) return false;  // it stopped reading
+    return !(c.closing && c.out.empty());
+  }
+
+  // Queues a reply and sends what the socket takes now.
+  bool Reply(int fd, const std::string& bytes) {
+    clients_[fd].out += bytes;
+    return Flush(fd);
+  }
+
+  // Reads what is there and answers whole requests; false when the client is gone or broke
+  // the protocol. Waiters answered here whose connection failed go to `doomed`.
+  bool Receive(int fd, std::vector<int>* doomed) {
+    Client& c = clients_[fd];
+    char buf[65536];
+    const ssize_t r = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+    if (r < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    if (r <= 0) return false;
+    if (c.closing) return true;  // nothing more is read from it
+    c.in.append(buf, static_cast<size_t>(r));
+    for (;;) {
+      if (!c.member) {
+        // The handshake: nothing else is read, and nothing but its status sent, before it.
+        if (c.in.size() < sizeof(kMagic)) return true;
+        if (std::memcmp(c.in.data(), kMagic, sizeof(kMagic)) != 0) return false;
+        size_t pos = sizeof(kMagic);
+        std::string job;
+        const int f = Field(c.in, &pos, kMaxJobId, &job);
+        if (f < 0) return false;
+        if (f == 0) return true;
+        c.in.erase(0, pos);
+        if (!SameSecret(job, job_id_)) {
+          c.closing = true;
+          c.in.clear();
+          return Reply(fd, std::string(1, static_cast<char>(kReplyOtherJob)));
+        }
+        int members = 0;
+        for (auto& [other, o] : clients_) members += o.member ? 1 : 0;
+        if (members >= max_members_) return false;
+        c.member = true;
+        if (!Reply(fd, std::string(1, static_cast<char>(kReplyOk)))) return false;
+        continue;
+      }
+      if (c.in.empty()) return true;
+      const uint8_t op = static_cast<uint8_t>(c.in[0]);
+      if (op != kSet && op != kGet) return false;
+      size_t pos = 1;
       std::string key;
       std::string value;
-      if (in.size() < 1) return true;
-      const uint8_t op = static_cast<uint8_t>(in[0]);
-      pos = 1;
-      if (op != kSet && op != kGet) return false;
-      if (!Field(in, &pos, &key)) return pos != 0;  // pos 0: malformed
-      if (op == kSet && !Field(in, &pos, &value)) return pos != 0;
-      in.erase(0, pos);
+      int f = Field(c.in, &pos, kMaxKey, &key);
+      if (f <= 0) return f == 0;
       if (op == kSet) {
-        const uint8_t ok = 1;
-        if (!WriteAll(fd, &ok, 1, "store reply").ok()) return false;
-        auto waiting = waiting_.find(key);
-        if (waiting != waiting_.end()) {
-          for (int w : waiting->second) {
-            if (clients_.count(w) != 0) (void)!Answer(w, value);  // a dead waiter is dropped later
-          }
-          waiting_.erase(waiting);
-        }
-        values_[key] = std::move(value);
+        f = Field(c.in, &pos, kMaxValue, &value);
+        if (f <= 0) return f == 0;
+      }
+      c.in.erase(0, pos);
+      if (op == kSet) {
+        if (!Set(fd, key, std::move(value), doomed)) return false;
       } else {
         auto found = values_.find(key);
         if (found != values_.end()) {
-          if (!Answer(fd, found->second)) return false;
+          std::string reply(1, static_cast<char>(kReplyOk));
+          AppendField(&reply, found->second);
+          if (!Reply(fd, reply)) return false;
         } else {
           waiting_[key].push_back(fd);
         }
       }
+      if (c.closing) return Flush(fd);
     }
   }
 
-  // Parses a u32-length-prefixed field at *pos. false with *pos unchanged when incomplete,
-  // false with *pos = 0 when malformed.
-  static bool Field(const std::string& in, size_t* pos, std::string* out) {
-    uint32_t n = 0;
-    if (in.size() < *pos + sizeof(n)) return false;
-    std::memcpy(&n, in.data() + *pos, sizeof(n));
-    if (n > kMaxField) {
-      *pos = 0;
-      return false;
+  bool Set(int fd, const std::string& key, std::string value, std::vector<int>* doomed) {
+    auto found = values_.find(key);
+    if (found != values_.end()) {
+      // Written once: the same value again is a harmless retry; another is a second process
+      // claiming what one already holds.
+      const uint8_t status = found->second == value ? kReplyOk : kReplyAlreadySet;
+      return Reply(fd, std::string(1, static_cast<char>(status)));
     }
-    if (in.size() < *pos + sizeof(n) + n) return false;
-    out->assign(in.data() + *pos + sizeof(n), n);
-    *pos += sizeof(n) + n;
+    if (stored_bytes_ + key.size() + value.size() > kMaxStoreBytes) {
+      clients_[fd].closing = true;
+      return Reply(fd, std::string(1, static_cast<char>(kReplyFull)));
+    }
+    if (!Reply(fd, std::string(1, static_cast<char>(kReplyOk)))) return false;
+    auto waiting = waiting_.find(key);
+    if (waiting != waiting_.end()) {
+      std::string reply(1, static_cast<char>(kReplyOk));
+      AppendField(&reply, value);
+      for (int w : waiting->second) {
+        if (clients_.count(w) != 0 && !Reply(w, reply)) doomed->push_back(w);
+      }
+      waiting_.erase(waiting);
+    }
+    stored_bytes_ += key.size() + value.size();
+    values_[key] = std::move(value);
     return true;
   }
 
-  static bool Answer(int fd, const std::string& value) {
-    const uint32_t n = static_cast<uint32_t>(value.size());
-    return WriteAll(fd, &n, sizeof(n), "store reply").ok() &&
-           WriteAll(fd, value.data(), n, "store reply").ok();
-  }
-
   void Drop(int fd) {
+    if (clients_.erase(fd) == 0) return;  // listed twice
     close(fd);
-    clients_.erase(fd);
-    for (auto& [key, fds] : waiting_) {
+    for (auto it = waiting_.begin(); it != waiting_.end();) {
+      auto& fds = it->second;
       fds.erase(std::remove(fds.begin(), fds.end(), fd), fds.end());
+      it = fds.empty() ? waiting_.erase(it) : std::next(it);
     }
   }
 
+  std::string job_id_;
+  int max_members_ = 1;
   int listen_fd_ = -1;
   int wake_[2] = {-1, -1};
   std::thread thread_;
   // Touched only by the server thread (and by the destructor after joining it).
   std::map<int, Client> clients_;
   std::map<std::string, std::string> values_;
+  size_t stored_bytes_ = 0;
   std::map<std::string, std::vector<int>> waiting_;
 };
 
@@ -276,23 +442,34 @@ class StoreServer {
 
 class TcpStore final : public KeyValueStore {
  public:
-  TcpStore(std::string host, int port, std::chrono::milliseconds timeout)
-      : host_(std::move(host)), port_(port), timeout_(timeout) {}
+  explicit TcpStore(TcpStoreOptions o) : o_(std::move(o)) {}
   ~TcpStore() override {
     MutexLock lock(&mu_);
     if (fd_ >= 0) close(fd_);
     fd_ = -1;
   }
 
-  Status StartServer() { return server_.Start(host_, port_); }
+  Status StartServer() { return server_.Start(o_); }
 
   Status Set(const std::string& key, const std::string& value) override {
     MutexLock lock(&mu_);
-    const Clock::time_point deadline = Clock::now() + timeout_;
+    const Clock::time_point deadline = Clock::now() + o_.timeout;
+    const std::string what = "rendezvous store " + Where(o_.host, o_.port);
     Status s = Connect(deadline);
-    if (s.ok()) s = Send(kSet, key, &value);
-    uint8_t ok = 0;
-    if (s.ok()) s = ReadAll(fd_, &ok, 1, deadline, "rendezvous store " + Where(host_, port_));
+    if (s.ok()) s = Send(kSet, key, &value, deadline);
+    uint8_t status = 0;
+    if (s.ok()) s = ReadAll(fd_, &status, 1, deadline, what);
+    if (s.ok() && status == kReplyAlreadySet) {
+      s = Status::FailedPrecondition(
+          what + " already holds another value for it: another process joined this job as the "
+                 "same rank (a rank started twice, or two jobs on one MASTER_PORT: give each job "
+                 "its own port, or set ZINF_JOB_ID to a value of its own on every rank of a job)");
+    } else if (s.ok() && status == kReplyFull) {
+      s = Status::ResourceExhausted(what + " is full (" + std::to_string(kMaxStoreBytes >> 20) +
+                                    " MiB of keys and values)");
+    } else if (s.ok() && status != kReplyOk) {
+      s = Status::Corruption(what + ": an unknown reply " + std::to_string(status));
+    }
     if (!s.ok()) Reset();
     return s.WithContext("setting '" + key + "'");
   }
@@ -300,14 +477,19 @@ class TcpStore final : public KeyValueStore {
   Result<std::string> Get(const std::string& key, std::chrono::milliseconds timeout) override {
     MutexLock lock(&mu_);
     const Clock::time_point deadline = Clock::now() + timeout;
-    const std::string what = "rendezvous store " + Where(host_, port_) + ": waiting " +
+    const std::string what = "rendezvous store " + Where(o_.host, o_.port) + ": waiting " +
                              std::to_string(timeout.count() / 1000.0) + " s for '" + key +
                              "' (is every rank of the group started?)";
     Status s = Connect(deadline);
-    if (s.ok()) s = Send(kGet, key, nullptr);
+    if (s.ok()) s = Send(kGet, key, nullptr, deadline);
+    uint8_t status = 0;
+    if (s.ok()) s = ReadAll(fd_, &status, 1, deadline, what);
+    if (s.ok() && status != kReplyOk) {
+      s = Status::Corruption(what + ": an unknown reply " + std::to_string(status));
+    }
     uint32_t n = 0;
     if (s.ok()) s = ReadAll(fd_, &n, sizeof(n), deadline, what);
-    if (s.ok() && n > kMaxField)
+    if (s.ok() && n > kMaxValue)
       s = Status::Corruption(what + ": a value of " + std::to_string(n) + " bytes");
     std::string value(s.ok() ? n : 0, '\0');
     if (s.ok() && n > 0) s = ReadAll(fd_, value.data(), n, deadline, what);
@@ -319,48 +501,91 @@ class TcpStore final : public KeyValueStore {
   }
 
  private:
+  // Connects and passes the handshake before `deadline`, retrying while rank 0 starts.
   Status Connect(Clock::time_point deadline) REQUIRES(mu_) {
     if (fd_ >= 0) return Status::OK();
+    const std::string where = Where(o_.host, o_.port);
     std::string last = "no attempt";
     while (Clock::now() < deadline) {
-      Result<addrinfo*> res = Resolve(host_, port_, false);
+      Result<addrinfo*> res = Resolve(o_.host, o_.port, false);
       if (!res.ok()) return res.status();
-      for (addrinfo* ai = *res; ai != nullptr; ai = ai->ai_next) {
-        const int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        if (fd < 0) continue;
-        if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
-          const int one = 1;
-          // Small requests: do not wait to coalesce them. Best effort.
-          (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-          fd_ = fd;
-          freeaddrinfo(*res);
-          return Status::OK();
+      for (addrinfo* ai = *res; ai != nullptr && fd_ < 0; ai = ai->ai_next) {
+        const int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        if (fd < 0) {
+          last = std::strerror(errno);
+          continue;
         }
-        last = std::strerror(errno);
-        close(fd);
+        int rc = connect(fd, ai->ai_addr, ai->ai_addrlen);
+        if (rc != 0 && errno == EINPROGRESS) {
+          int err = 0;
+          socklen_t len = sizeof(err);
+          if (!WaitReady(fd, POLLOUT, deadline)) {
+            err = errno;
+          } else if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) {
+            err = errno;
+          }
+          rc = err == 0 ? 0 : -1;
+          errno = err;
+        }
+        if (rc != 0) {
+          last = std::strerror(errno);
+          close(fd);
+          continue;
+        }
+        const int one = 1;
+        // Small requests: do not wait to coalesce them. Best effort.
+        (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        fd_ = fd;
       }
       freeaddrinfo(*res);
+      if (fd_ >= 0) {
+        Status s = Handshake(deadline);
+        if (s.ok()) return s;
+        Reset();
+        if (s.code() == StatusCode::kFailedPrecondition) return s;  // another job's store
+        last = s.message();
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(50));  // rank 0 may not listen yet
     }
-    return Status::FailedPrecondition("cannot reach the rendezvous store at " +
-                                      Where(host_, port_) + " (" + last +
+    return Status::FailedPrecondition("cannot reach the rendezvous store at " + where + " (" +
+                                      last +
                                       "): is rank 0 running, and MASTER_ADDR / MASTER_PORT the "
                                       "same on every rank?");
   }
 
-  Status Send(uint8_t op, const std::string& key, const std::string* value) REQUIRES(mu_) {
-    std::string req(1, static_cast<char>(op));
-    auto field = [&req](const std::string& f) {
-      const uint32_t n = static_cast<uint32_t>(f.size());
-      req.append(reinterpret_cast<const char*>(&n), sizeof(n));
-      req += f;
-    };
-    if (key.size() > kMaxField || (value != nullptr && value->size() > kMaxField)) {
-      return Status::InvalidArgument("rendezvous store: a key or value over 1 MiB");
+  Status Handshake(Clock::time_point deadline) REQUIRES(mu_) {
+    const std::string where = Where(o_.host, o_.port);
+    std::string hello(kMagic, sizeof(kMagic));
+    AppendField(&hello, o_.job_id);
+    ZINF_RETURN_IF_ERROR(WriteAll(fd_, hello.data(), hello.size(), deadline, where));
+    uint8_t status = 0;
+    ZINF_RETURN_IF_ERROR(ReadAll(fd_, &status, 1, deadline, where));
+    if (status == kReplyOtherJob) {
+      return Status::FailedPrecondition(
+          "the rendezvous store at " + where +
+          " belongs to another job (its job id is not this rank's" +
+          (o_.job_id.empty() ? std::string(", which is unset") : std::string()) +
+          "): two jobs were started on one MASTER_PORT; give each job its own MASTER_PORT, and "
+          "every rank of one job the same ZINF_JOB_ID");
     }
-    field(key);
-    if (value != nullptr) field(*value);
-    return WriteAll(fd_, req.data(), req.size(), "rendezvous store " + Where(host_, port_));
+    if (status != kReplyOk) {
+      return Status::Corruption("the rendezvous store at " + where +
+                                " answered the handshake with " + std::to_string(status) +
+                                ": is MASTER_PORT another program's?");
+    }
+    return Status::OK();
+  }
+
+  Status Send(uint8_t op, const std::string& key, const std::string* value,
+              Clock::time_point deadline) REQUIRES(mu_) {
+    if (key.size() > kMaxKey || (value != nullptr && value->size() > kMaxValue)) {
+      return Status::InvalidArgument("rendezvous store: a key over 4 KiB or a value over 1 MiB");
+    }
+    std::string req(1, static_cast<char>(op));
+    AppendField(&req, key);
+    if (value != nullptr) AppendField(&req, *value);
+    return WriteAll(fd_, req.data(), req.size(), deadline,
+                    "rendezvous store " + Where(o_.host, o_.port));
   }
 
   void Reset() REQUIRES(mu_) {
@@ -368,9 +593,7 @@ class TcpStore final : public KeyValueStore {
     fd_ = -1;
   }
 
-  const std::string host_;
-  const int port_;
-  const std::chrono::milliseconds timeout_;
+  const TcpStoreOptions o_;
   StoreServer server_;  // serving only on rank 0
   Mutex mu_;
   int fd_ GUARDED_BY(mu_) = -1;
@@ -435,18 +658,35 @@ class FileStore final : public KeyValueStore {
 
 }  // namespace
 
-Result<std::shared_ptr<KeyValueStore>> NewTcpStore(const std::string& host, int port, bool serve,
-                                                   std::chrono::milliseconds timeout) {
-  if (port <= 0 || port > 65535) {
-    return Status::InvalidArgument("the rendezvous port " + std::to_string(port) +
+Result<std::shared_ptr<KeyValueStore>> NewTcpStore(const TcpStoreOptions& options) {
+  if (options.port <= 0 || options.port > 65535) {
+    return Status::InvalidArgument("the rendezvous port " + std::to_string(options.port) +
                                    " is not a TCP port (1-65535); check MASTER_PORT");
   }
-  if (host.empty()) {
+  if (options.host.empty()) {
     return Status::InvalidArgument("the rendezvous needs a host; set MASTER_ADDR");
   }
-  auto store = std::make_shared<TcpStore>(host, port, timeout);
-  if (serve) ZINF_RETURN_IF_ERROR(store->StartServer());
+  if (options.job_id.size() > kMaxJobId) {
+    return Status::InvalidArgument("the job id (ZINF_JOB_ID) is " +
+                                   std::to_string(options.job_id.size()) + " bytes; at most " +
+                                   std::to_string(kMaxJobId));
+  }
+  if (options.timeout.count() <= 0) {
+    return Status::InvalidArgument("the rendezvous timeout must be positive");
+  }
+  auto store = std::make_shared<TcpStore>(options);
+  if (options.serve) ZINF_RETURN_IF_ERROR(store->StartServer());
   return std::shared_ptr<KeyValueStore>(std::move(store));
+}
+
+Result<std::shared_ptr<KeyValueStore>> NewTcpStore(const std::string& host, int port, bool serve,
+                                                   std::chrono::milliseconds timeout) {
+  TcpStoreOptions o;
+  o.host = host;
+  o.port = port;
+  o.serve = serve;
+  o.timeout = timeout;
+  return NewTcpStore(o);
 }
 
 Result<std::shared_ptr<KeyValueStore>> NewFileStore(const std::string& folder) {

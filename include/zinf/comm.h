@@ -77,10 +77,29 @@ class KeyValueStore {
   virtual Result<std::string> Get(const std::string& key, std::chrono::milliseconds timeout) = 0;
 };
 
-// A store served over TCP by rank 0 on host:port (what MASTER_ADDR:MASTER_PORT name): rank 0
-// listens there (EADDRINUSE is an error naming the port), every rank connects (retrying until
-// `timeout` while rank 0 starts). The server runs on a thread of rank 0's store object, so
-// rank 0 keeps it until its communicator is gone.
+// A store served over TCP by rank 0 on host:port (what MASTER_ADDR:MASTER_PORT name).
+struct TcpStoreOptions {
+  std::string host;
+  int port = 0;
+  bool serve = false;  // rank 0: serve the store (EADDRINUSE is an error naming the port)
+  // Every connection's wait: connecting (retried while rank 0 starts), sending, a SET's reply.
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+  // The job's identity, checked in a handshake before any key is read or written: a client
+  // of another job (or a stranger) is refused and told so. At most 256 bytes; "" matches "".
+  std::string job_id;
+  // Where the server listens: "" the address `host` resolves to (never every interface
+  // unless asked: "0.0.0.0" or "::").
+  std::string listen_addr;
+  // The job's members connected at once (the ranks; a few more for reconnections).
+  int max_clients = 64;
+};
+// The server (rank 0) runs on a thread of the store object: keep the result as long as the
+// group lives. It never blocks on a client (a client that stops reading is dropped), bounds
+// what it holds (64 MiB of keys and values, 4 MiB of unread replies per client, 64 connections
+// that have not passed the handshake, each closed after 10 s), and keys are written once: a
+// SET of a key that holds another value fails (a second process claiming a rank).
+Result<std::shared_ptr<KeyValueStore>> NewTcpStore(const TcpStoreOptions& options);
+// The same without a job id, on `host`'s address.
 Result<std::shared_ptr<KeyValueStore>> NewTcpStore(const std::string& host, int port, bool serve,
                                                    std::chrono::milliseconds timeout);
 // A store in a folder every rank can read and write (one machine, or a shared filesystem):
@@ -100,6 +119,13 @@ struct ProcessGroupOptions {
   std::string store_folder;
   std::string master_addr;
   int master_port = 0;
+  // The job's identity (ZINF_JOB_ID, else torchrun's TORCHELASTIC_RUN_ID): the TCP store
+  // answers only ranks that present it, and it is part of every key (two jobs meeting in one
+  // store never pair). zinf-train --nproc generates one; "" where no launcher gives one.
+  std::string job_id;
+  // Where rank 0's TCP store listens (ZINF_STORE_LISTEN_ADDR): "" the address MASTER_ADDR
+  // resolves to; "0.0.0.0" every interface.
+  std::string store_listen_addr;
   // Keys of this group in the store start with this (a store may be shared with other users,
   // e.g. torch.distributed's; each group a process creates needs its own prefix).
   std::string prefix = "zinf";
@@ -118,9 +144,14 @@ struct ProcessGroupOptions {
 // instead of MASTER_ADDR:MASTER_PORT. Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True: its
 // agent serves torch's store on MASTER_PORT) zinf's store goes on MASTER_PORT + 1;
 // ZINF_STORE_PORT sets the port explicitly. TORCHELASTIC_RESTART_COUNT joins the key prefix
-// (a restarted group never reads a dead attempt's keys). InvalidArgument naming the variable for a
+// (a restarted group never reads a dead attempt's keys). ZINF_JOB_ID (else TORCHELASTIC_RUN_ID
+// unless it is "none") is the job id; ZINF_STORE_LISTEN_ADDR the store's listen address. InvalidArgument naming the variable for a
 // malformed or inconsistent value (RANK >= WORLD_SIZE, WORLD_SIZE > 1 without a rendezvous).
 Result<ProcessGroupOptions> ProcessGroupFromEnv();
+
+// A job id's tag in key names: 16 hex digits of its xxh3 (the id itself is the store's
+// password and stays out of keys and file names).
+std::string JobTag(const std::string& job_id);
 
 // The store `options` names for its rendezvous (options.store; a folder store; else a TCP
 // store on master_addr:master_port, served by rank 0: keep the result as long as the group

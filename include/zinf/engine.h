@@ -63,7 +63,19 @@ class Engine {
   Result<ParamId> RegisterParameter(const ParamSpec& spec);
   // Places every registered parameter in its tier and builds the optimizer sub-groups. Called
   // by the first Acquire when not called before; registration ends with it.
+  //
+  // With several ranks it first compares across them what must be equal (the parameters in
+  // registration order with shapes and trainable flags, the optimizer and its
+  // hyperparameters, dtypes, tiers, clipping, accumulation, the RequireAgreement settings),
+  // then, once the stores are initialised, the initial values (xxh3 of each parameter): a
+  // difference fails FinishRegistration on every rank with FailedPrecondition naming the
+  // first difference and both ranks' values, before any other collective. A rank whose
+  // initialisation failed fails the others too ("another rank failed").
   Status FinishRegistration();
+  // Adds a trainer's own setting to what every rank must agree on at FinishRegistration
+  // (steps, batch size, a schedule: anything that changes which collectives a rank issues or
+  // what it computes). One line each; before FinishRegistration.
+  Status RequireAgreement(const std::string& name, const std::string& value);
   // Optional: the Acquire sequence of one micro-step (forward then backward), as a hint that
   // replaces recording it from the first step.
   Status SetAcquireOrder(const std::vector<ParamId>& order);

@@ -11,6 +11,7 @@ client that speaks torch's protocol can use it.
 """
 
 import datetime
+import hashlib
 import itertools
 import os
 
@@ -101,14 +102,43 @@ def group(summary):
         return None
     timeout = float(summary["collective_timeout_seconds"])
     import torch.distributed as dist
-    # A restarted group (torchrun --max-restarts) must not read the dead attempt's keys.
+    # A restarted group (torchrun --max-restarts) must not read the dead attempt's keys; two
+    # jobs meeting in one store (one MASTER_PORT) must not read each other's.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore("zinf/attempt%s/%d" % (attempt, next(_groups)),
+    job = job_id()
+    tag = "job-" + hashlib.sha256(job.encode()).hexdigest()[:16] + "/" if job else ""
+    store = dist.PrefixStore("zinf/%sattempt%s/%d" % (tag, attempt, next(_groups)),
                              _rendezvous(rank, world, timeout))
+    _claim(store, rank, world)
     return {"rank": rank, "world_size": world, "local_rank": local_rank,
             "local_world_size": local_world, "prefix": "g", "timeout_seconds": timeout,
             "store": store, "master_addr": os.environ.get("MASTER_ADDR", ""),
             "listen_addr": os.environ.get("ZINF_LISTEN_ADDR", "")}
+
+
+def job_id():
+    """The job's identity: ZINF_JOB_ID, else torchrun's run id ("" when neither is given)."""
+    job = os.environ.get("ZINF_JOB_ID", "")
+    if not job:
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        job = run if run != "none" else ""
+    return job
+
+
+def _claim(store, rank, world):
+    """Counts this process in as `rank`: a second process claiming the same rank of the same
+    job (a rank started twice, or two jobs on one MASTER_PORT without job ids) is refused
+    before it can pair with the others."""
+    try:
+        claims = store.add("claim/%d" % rank, 1)
+    except (RuntimeError, OSError) as e:
+        raise error("FailedPrecondition", "rank %d: the rendezvous store failed: %s" % (rank, e))
+    if claims > 1:
+        raise error("FailedPrecondition",
+                    "rank %d of this job has already joined (%d processes claimed it): a rank "
+                    "started twice, or two jobs on one MASTER_PORT; give each job its own "
+                    "MASTER_PORT, or every rank of a job the same ZINF_JOB_ID of its own"
+                    % (rank, claims))
 
 
 def sampler(dataset, world, rank, shuffle):

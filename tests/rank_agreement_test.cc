@@ -1,0 +1,175 @@
+// Ranks agree before they train (engine/core/rank_agreement.h): ranks whose model, settings or
+// initial values differ are refused at FinishRegistration on every rank, naming the first
+// difference and both values, before any other collective (ranks as threads on LocalComm; the
+// same with processes on GlooComm is in engine_multiprocess_test).
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/core/rank_agreement.h"
+#include "zinf/comm.h"
+#include "zinf/engine.h"
+#include "zinf/device.h"
+
+namespace zinf {
+namespace {
+
+struct RankSetup {
+  float lr = 1e-2f;
+  double clipping = 0;
+  int layers = 2;
+  uint64_t seed = 7;
+  std::string trainer_steps = "10";
+};
+
+EngineConfig Config(const RankSetup& s) {
+  EngineConfig c;
+  c.offload_param.tier = Tier::kCpu;
+  c.offload_optimizer.tier = Tier::kCpu;
+  c.param_persistence_threshold = 0;
+  c.optimizer.lr = s.lr;
+  c.gradient_clipping = s.clipping;
+  c.optimizer_threads = 1;
+  c.pinned_budget_bytes = 16ull << 20;
+  return c;
+}
+
+// What each rank's FinishRegistration returned, and how many collectives it had issued
+// before (none may follow a refusal: the test's second phase runs one more on every rank).
+struct RankResult {
+  Status finish;
+  Status after;  // a Barrier after the refusal: every rank is still in step
+};
+
+std::vector<RankResult> RunRanks(const std::vector<RankSetup>& setups) {
+  const int n = static_cast<int>(setups.size());
+  std::vector<std::unique_ptr<Device>> devices;
+  std::vector<Device*> raw;
+  for (int r = 0; r < n; ++r) {
+    devices.push_back(NewHostDevice({}));
+    raw.push_back(devices.back().get());
+  }
+  Result<std::vector<std::unique_ptr<Communicator>>> comms = NewLocalComms(raw);
+  EXPECT_TRUE(comms.ok());
+  std::vector<RankResult> out(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      const RankSetup& s = setups[r];
+      Communicator* comm = (*comms)[r].get();
+      Result<std::unique_ptr<Engine>> engine = Engine::Create(Config(s), raw[r], comm);
+      if (!engine.ok()) {
+        out[r].finish = engine.status();
+        return;
+      }
+      Status st = (*engine)->RequireAgreement("trainer steps", s.trainer_steps);
+      for (int l = 0; l < s.layers && st.ok(); ++l) {
+        ParamSpec p;
+        p.name = "layer" + std::to_string(l) + ".weight";
+        p.shape = {4, 33};
+        const uint64_t seed = s.seed;
+        p.init = [seed, l](float* d, size_t k) {
+          for (size_t i = 0; i < k; ++i) d[i] = static_cast<float>((seed * 31 + l * 7 + i) % 13);
+        };
+        st = (*engine)->RegisterParameter(p).status();
+      }
+      if (st.ok()) st = (*engine)->FinishRegistration();
+      out[r].finish = st;
+      out[r].after = comm->Barrier();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return out;
+}
+
+TEST(RankAgreement, SameRanksAgree) {
+  std::vector<RankResult> r = RunRanks({RankSetup{}, RankSetup{}, RankSetup{}});
+  for (const RankResult& x : r) {
+    EXPECT_TRUE(x.finish.ok()) << x.finish.ToString();
+    EXPECT_TRUE(x.after.ok()) << x.after.ToString();
+  }
+}
+
+// The message every rank gets, with the setting, rank 0's value and the other rank's.
+void ExpectRefused(const std::vector<RankResult>& r, const std::vector<std::string>& parts) {
+  for (size_t k = 0; k < r.size(); ++k) {
+    ASSERT_FALSE(r[k].finish.ok()) << "rank " << k;
+    EXPECT_EQ(r[k].finish.code(), StatusCode::kFailedPrecondition);
+    EXPECT_EQ(r[k].finish.message(), r[0].finish.message()) << "rank " << k;
+    for (const std::string& part : parts) {
+      EXPECT_NE(r[k].finish.message().find(part), std::string::npos)
+          << "rank " << k << " lacks \"" << part << "\": " << r[k].finish.ToString();
+    }
+    EXPECT_TRUE(r[k].after.ok()) << "rank " << k << ": " << r[k].after.ToString();
+  }
+}
+
+TEST(RankAgreement, AnotherLearningRateIsNamed) {
+  RankSetup other;
+  other.lr = 3e-2f;
+  ExpectRefused(RunRanks({RankSetup{}, other}),
+                {"the ranks disagree on the model and its training settings",
+                 "optimizer.lr: rank 0 has 0.0099999", "rank 1 has 0.029999"});
+}
+
+TEST(RankAgreement, AnotherClippingIsNamed) {
+  RankSetup other;
+  other.clipping = 1.0;
+  ExpectRefused(RunRanks({RankSetup{}, RankSetup{}, other}),
+                {"gradient_clipping: rank 0 has 0, rank 2 has 1"});
+}
+
+// Rank 1 with a layer more: gloo aborted on the first collective of another size before.
+TEST(RankAgreement, AnotherModelIsNamed) {
+  RankSetup other;
+  other.layers = 3;
+  ExpectRefused(RunRanks({RankSetup{}, other}), {"parameters: rank 0 has 2, rank 1 has 3"});
+}
+
+TEST(RankAgreement, ATrainersOwnSettingIsNamed) {
+  RankSetup other;
+  other.trainer_steps = "20";
+  ExpectRefused(RunRanks({RankSetup{}, other}), {"trainer steps: rank 0 has 10, rank 1 has 20"});
+}
+
+TEST(RankAgreement, OtherInitialValuesAreNamed) {
+  RankSetup other;
+  other.seed = 8;
+  ExpectRefused(RunRanks({RankSetup{}, other}),
+                {"the ranks disagree on the initial parameter values",
+                 "the initial value of 'layer0.weight' (xxh3): rank 0 has", "seed every rank"});
+}
+
+TEST(RankAgreement, RequireAgreementChecksItsArguments) {
+  std::unique_ptr<Device> device = NewHostDevice({});
+  Result<std::vector<std::unique_ptr<Communicator>>> comms = NewLocalComms({device.get()});
+  ASSERT_TRUE(comms.ok());
+  Result<std::unique_ptr<Engine>> engine =
+      Engine::Create(Config(RankSetup{}), device.get(), (*comms)[0].get());
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  EXPECT_EQ((*engine)->RequireAgreement("a: b", "c").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*engine)->RequireAgreement("a", "two\nlines").code(), StatusCode::kInvalidArgument);
+  ParamSpec p;
+  p.name = "w";
+  p.shape = {8};
+  p.init = [](float* d, size_t k) {
+    for (size_t i = 0; i < k; ++i) d[i] = 1;
+  };
+  ASSERT_TRUE((*engine)->RegisterParameter(p).ok());
+  ASSERT_TRUE((*engine)->FinishRegistration().ok());
+  EXPECT_EQ((*engine)->RequireAgreement("late", "1").code(), StatusCode::kFailedPrecondition);
+}
+
+TEST(RankAgreement, FirstDifferenceNamesTheLine) {
+  EXPECT_EQ(FirstDifference("a: 1\nb: 2\n", 3, "a: 1\nb: 5\n"), "b: rank 0 has 2, rank 3 has 5");
+  EXPECT_EQ(FirstDifference("a: 1\n", 1, "a: 1\nc: 9\n"), "rank 1 has c: 9, which rank 0 has not");
+  EXPECT_EQ(FirstDifference("a: 1\nc: 9\n", 1, "a: 1\n"), "rank 0 has c: 9, which rank 1 has not");
+  EXPECT_EQ(FirstDifference("x: 1\n", 2, "y: 1\n"), "rank 0 has x: 1 where rank 2 has y: 1");
+}
+
+}  // namespace
+}  // namespace zinf
