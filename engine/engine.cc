@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <system_error>
 
 #include "common/utf8.h"
@@ -190,6 +191,47 @@ Status Engine::FinishRegistration() {
   return Status::OK();
 }
 
+namespace {
+
+// How many ranks wrote the swap store in the first NVMe folder of `config`: one subfolder
+// rank<k> per rank with several, the folder itself with one; 0 when it holds nothing.
+int RanksThatWroteTheStore(const EngineConfig& config) {
+  const std::vector<std::string>& paths = config.offload_optimizer.tier == Tier::kNvme
+                                              ? config.offload_optimizer.nvme_paths
+                                              : config.offload_param.nvme_paths;
+  if (paths.empty()) return 0;
+  std::error_code ec;
+  int ranks = 0;
+  bool files = false;
+  for (const auto& entry : std::filesystem::directory_iterator(paths[0], ec)) {
+    const std::string name = entry.path().filename().string();
+    if (entry.is_directory(ec) && name.size() > 4 && name.rfind("rank", 0) == 0 &&
+        name.find_first_not_of("0123456789", 4) == std::string::npos &&
+        !std::filesystem::is_empty(entry.path(), ec)) {
+      ranks = std::max(ranks, std::stoi(name.substr(4)) + 1);
+    } else if (entry.is_regular_file(ec)) {
+      files = true;
+    }
+  }
+  return ranks > 0 ? ranks : (files ? 1 : 0);
+}
+
+// A failed resume of a durable store that another number of ranks wrote says so, with both
+// counts (a store is bound to its world size; checkpoints move between them).
+Status WithWorldHint(const Status& failed, const EngineConfig& config, int world) {
+  const int wrote = RanksThatWroteTheStore(config);
+  if (wrote == 0 || wrote == world) return failed;
+  return Status(failed.code(),
+                failed.message() + " (the store there was written by " + std::to_string(wrote) +
+                    (wrote == 1 ? " rank" : " ranks") + ", and this run has " +
+                    std::to_string(world) + ": a durable store resumes with the number of ranks "
+                    "that wrote it; resume with " + std::to_string(wrote) +
+                    ", or save a checkpoint there and load it with " + std::to_string(world) +
+                    ")");
+}
+
+}  // namespace
+
 Status Engine::RequireAgreement(const std::string& name, const std::string& value) {
   Impl& m = *impl_;
   if (m.registered || m.layout.frozen()) {
@@ -267,8 +309,10 @@ Status Engine::Impl::Place() {
     so.overwrite = config.durable_overwrite;
     if (resume_store) {
       const CommitRecord record(&layout, &config, world);
-      ZINF_ASSIGN_OR_RETURN(CommitRecord::Agreement a,
-                            record.AgreeOnCommit(collectives.get(), rank, so.paths));
+      Result<CommitRecord::Agreement> agreed =
+          record.AgreeOnCommit(collectives.get(), rank, so.paths);
+      if (!agreed.ok()) return WithWorldHint(agreed.status(), config, world);
+      const CommitRecord::Agreement a = *agreed;
       so.reopen_previous = a.previous;
       if (a.fresh) {  // nothing was ever committed: a fresh start replaces nothing of value
         resume_store = false;
@@ -277,8 +321,9 @@ Status Engine::Impl::Place() {
     }
     Result<std::unique_ptr<SwapStore>> opened = SwapStore::Open(so);
     if (!opened.ok() && resume_store) {
-      return opened.status().WithContext("ResumeFromStore: reopening the swap store in " +
-                                         so.paths[0]);
+      return WithWorldHint(opened.status().WithContext(
+                               "ResumeFromStore: reopening the swap store in " + so.paths[0]),
+                           config, world);
     }
     if (!opened.ok() && opened.status().code() == StatusCode::kAlreadyExists) {
       return CommitRecord::ExplainExisting(so.paths);

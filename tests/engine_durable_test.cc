@@ -432,6 +432,33 @@ TEST(EngineDurable, RanksOneCommitApartResumeAtTheCommitTheyShare) {
   }
 }
 
+// A durable store resumed with another number of ranks than wrote it: refused naming both
+// counts (before: "no swap store", as if nothing were there).
+TEST(EngineDurable, ResumeWithAnotherNumberOfRanksNamesBothCounts) {
+  RunOptions o;
+  o.ranks = 2;
+  o.durable = true;
+  o.param_tier = Tier::kCpu;
+  o.optimizer_tier = Tier::kNvme;
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  {
+    DurableLeg leg;
+    leg.to_micro = 1;
+    RunDurableLeg(o, dir.path(), &leg);
+    ASSERT_TRUE(leg.status[0].ok() && leg.status[1].ok()) << leg.status[0].ToString();
+  }
+  o.ranks = 1;
+  DurableLeg leg;
+  leg.from_micro = 1;
+  leg.to_micro = 2;
+  RunDurableLeg(o, dir.path(), &leg);
+  ASSERT_FALSE(leg.status[0].ok());
+  EXPECT_NE(leg.status[0].message().find("written by 2 ranks, and this run has 1"),
+            std::string::npos)
+      << leg.status[0].ToString();
+}
+
 // A checkpoint load starts a new history. Two ranks at step 3 load a step-2 checkpoint and
 // train step 3 again with another learning rate; rank 0 commits it, rank 1 fails first. Both
 // stores now hold a "step 3", from different histories: the resume must take the step 3 both

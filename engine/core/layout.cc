@@ -58,7 +58,10 @@ Result<ParamLayout> Layout::Describe(const std::string& name, const std::vector<
   p.info.name = name;
   p.info.shape = shape;
   p.info.numel = numel;
-  p.info.partition_numel = RoundUp((numel + world_ - 1) / world_, kPartitionAlign);
+  // int8 frozen weights: partitions start on the int8 block grid of the whole tensor, so that
+  // every block holds the same elements, and the same values decode, on any number of ranks.
+  const size_t align = frozen_int8_ && !trainable ? kInt8StateBlock : kPartitionAlign;
+  p.info.partition_numel = RoundUp((numel + world_ - 1) / world_, align);
   p.padded_numel = p.info.partition_numel * world_;
   p.info.persistent = numel <= persistence_threshold;
   p.info.trainable = trainable;

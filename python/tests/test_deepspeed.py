@@ -336,6 +336,31 @@ def test_deepspeed_initialize_returns_its_tuple_and_engine_methods(scratch):
         engine.load_checkpoint(scratch, load_module_only=True)
 
 
+def test_the_latest_tag_is_refused_and_a_load_never_starts_from_scratch_silently(scratch):
+    """Before: tag="latest" wrote into save_dir/latest/, failed with a raw IsADirectoryError,
+    left latest.tmp.<pid>, and the next load_checkpoint(save_dir) returned (None, None)."""
+    engine, _, _, _ = zinf.initialize(model=Llama(), config=make_config())
+    ids, tgt = batch(0)
+    engine.backward(engine(ids, tgt))
+    engine.step()
+    with pytest.raises(zinf.ZinfError, match="tag 'latest' is taken"):
+        engine.save_checkpoint(scratch, tag="latest")
+    assert not os.path.exists(os.path.join(scratch, "latest"))
+    assert [n for n in os.listdir(scratch) if n.startswith("latest")] == []
+    # Checkpoints without a `latest` naming one: an error naming them, not (None, None).
+    assert engine.save_checkpoint(scratch, tag="a", save_latest=False)
+    with pytest.raises(zinf.ZinfError, match=r"holds checkpoints \(a\) but no 'latest'"):
+        engine.load_checkpoint(scratch)
+    # A `latest` that is not a file: named, on save and on load.
+    os.mkdir(os.path.join(scratch, "latest"))
+    with pytest.raises(zinf.ZinfError, match="is not a file"):
+        engine.save_checkpoint(scratch, tag="b")
+    assert [n for n in os.listdir(scratch) if n.startswith("latest.tmp")] == []
+    with pytest.raises(zinf.ZinfError, match="is not a file"):
+        engine.load_checkpoint(scratch)
+    assert engine.load_checkpoint(scratch, tag="a")[0] == os.path.join(scratch, "a")
+
+
 def test_a_subset_of_parameters_trains_and_the_rest_stay(scratch):
     torch.manual_seed(5)
     model = Llama()

@@ -50,6 +50,10 @@ class DeepSpeedEngine(ZinfEngine):
         tag = str(tag)
         if not tag or os.sep in tag or tag in (".", ".."):
             raise error("InvalidArgument", "save_checkpoint: tag %r is not a folder name" % tag)
+        if tag == "latest" or tag.startswith("latest.tmp"):
+            raise error("InvalidArgument", "save_checkpoint: tag %r is taken: save_dir/latest is "
+                                           "the file that names the newest checkpoint; pick "
+                                           "another tag" % tag)
         os.makedirs(save_dir, exist_ok=True)
         self._save(os.path.join(save_dir, tag), {} if client_state is None else client_state,
                    extra={"tag": tag})
@@ -73,7 +77,16 @@ class DeepSpeedEngine(ZinfEngine):
                         "model.load_state_dict)")
         if tag is None:
             latest = os.path.join(load_dir, "latest")
+            if os.path.lexists(latest) and not os.path.isfile(latest):
+                raise error("Corruption", "%s is not a file: it should name the newest "
+                                          "checkpoint folder (pass a tag, or remove it)" % latest)
             if not os.path.isfile(latest):
+                held = _checkpoint_folders(load_dir)
+                if held:
+                    # Never a silent fresh start where checkpoints are.
+                    raise error("NotFound", "%s holds checkpoints (%s) but no 'latest' file "
+                                            "naming the newest: pass tag= to load one"
+                                % (load_dir, ", ".join(held)))
                 logger.warning("zinf: no checkpoint to load: %s does not exist (pass a tag)",
                                latest)
                 return None, None
@@ -136,17 +149,48 @@ class DeepSpeedEngine(ZinfEngine):
             pin_memory=pin_memory and self.device.type == "cuda", drop_last=drop_last)
 
 
+def _checkpoint_folders(load_dir):
+    """The names of the folders in load_dir that hold something (tag folders, as
+    save_checkpoint writes them)."""
+    try:
+        names = sorted(os.listdir(load_dir))
+    except OSError:
+        return []
+    held = []
+    for n in names:
+        path = os.path.join(load_dir, n)
+        if n.startswith(".") or not os.path.isdir(path) or os.path.islink(path):
+            continue
+        try:
+            if os.listdir(path):
+                held.append(n)
+        except OSError:
+            pass  # unreadable: not one we could load either
+    return held
+
+
 def _write_latest(save_dir, tag):
-    """save_dir/latest = tag, replaced atomically (written, synced, renamed)."""
+    """save_dir/latest = tag, replaced atomically (written, synced, renamed); the temporary
+    file never stays behind."""
     path = os.path.join(save_dir, "latest")
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise error("FailedPrecondition", "save_checkpoint: %s is not a file (it should name the "
+                                          "newest checkpoint); remove it" % path)
     tmp = "%s.tmp.%d" % (path, os.getpid())
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        os.write(fd, tag.encode("utf-8"))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            os.write(fd, tag.encode("utf-8"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass  # already gone
+        raise error("IoError", "save_checkpoint: writing %s: %s" % (path, e))
     dfd = os.open(save_dir, os.O_RDONLY)
     try:
         os.fsync(dfd)
