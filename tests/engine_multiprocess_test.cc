@@ -189,6 +189,68 @@ TEST(EngineMultiProcess, CheckpointFromProcessesResumesInThreads) {
   EXPECT_EQ(FirstBitDifference(a.params, straight.params), "");
 }
 
+// Rank processes with different models (rank 1 a layer more) or settings (another learning
+// rate): before, the first gather of another size aborted rank 0 inside gloo (SIGABRT,
+// "op.preamble.length <= op.nbytes") or the ranks trained each by its own rules; now every
+// rank fails FinishRegistration with the first difference named, and exits by itself.
+TEST(EngineMultiProcess, RanksThatDisagreeAreRefusedNotAborted) {
+  struct Case {
+    int layers1;
+    float lr1;
+    const char* names;
+  };
+  for (const Case& c : {Case{3, 1e-2f, "parameters: rank 0 has 2, rank 1 has 3"},
+                        Case{2, 2e-2f, "optimizer.lr: rank 0 has 0.0099999"}}) {
+    SCOPED_TRACE(c.names);
+    testing::TempDir store;
+    ASSERT_TRUE(store.ok());
+    std::vector<test::RankExit> exits =
+        test::RunProcessRanks(2, std::chrono::seconds(120), [&](int rank) -> test::ChildResult {
+          std::unique_ptr<Device> device = NewTestHostDevice(HostDeviceOptions{});
+          ProcessGroupOptions g;
+          g.rank = rank;
+          g.world_size = 2;
+          g.store_folder = store.path();
+          g.timeout = std::chrono::milliseconds(60000);
+          Result<std::unique_ptr<Communicator>> comm = NewGlooComm(device.get(), g);
+          if (!comm.ok()) return {comm.status(), ""};
+          EngineConfig cfg;
+          cfg.offload_param.tier = Tier::kCpu;
+          cfg.offload_optimizer.tier = Tier::kCpu;
+          cfg.param_persistence_threshold = 0;
+          cfg.optimizer_threads = 1;
+          cfg.pinned_budget_bytes = 16ull << 20;
+          cfg.optimizer.lr = rank == 1 ? c.lr1 : 1e-2f;
+          Result<std::unique_ptr<Engine>> engine = Engine::Create(cfg, device.get(), comm->get());
+          if (!engine.ok()) return {engine.status(), ""};
+          std::vector<ParamId> ids;
+          for (int l = 0; l < (rank == 1 ? c.layers1 : 2); ++l) {
+            ParamSpec p;
+            p.name = "layer" + std::to_string(l);
+            p.shape = {1000 * (l + 1)};
+            p.init = [](float* d, size_t n) {
+              for (size_t i = 0; i < n; ++i) d[i] = 0.001f * static_cast<float>(i % 50);
+            };
+            Result<ParamId> id = (*engine)->RegisterParameter(p);
+            if (!id.ok()) return {id.status(), ""};
+            ids.push_back(*id);
+          }
+          // What aborted before: the first acquire's gathers, of other sizes on the two ranks.
+          Result<std::vector<void*>> views = (*engine)->Acquire(ids);
+          return {views.ok() ? Status::OK() : views.status(), ""};
+        });
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(exits[r].signal, 0) << "rank " << r << ": " << exits[r].report;
+      EXPECT_EQ(exits[r].exit_code, 1) << "rank " << r << ": " << exits[r].report;
+      EXPECT_NE(exits[r].report.find("the ranks disagree on the model and its training settings"),
+                std::string::npos)
+          << "rank " << r << ": " << exits[r].report;
+      EXPECT_NE(exits[r].report.find(c.names), std::string::npos)
+          << "rank " << r << ": " << exits[r].report;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace engine_test
 }  // namespace zinf

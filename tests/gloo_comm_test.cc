@@ -352,6 +352,110 @@ TEST(GlooComm, StalledPeerTimesOut) {
   EXPECT_LT(took, 5.5) << out;
 }
 
+// Two jobs started on one MASTER_PORT: job B's rank 1 reaches job A's store before A's own
+// rank 1 comes. Before, A's rank 0 paired with B's rank 1 (both trained on a mix, exit 0); now
+// B's rank 1 is refused at once, naming the other job, and A's ranks pair with each other.
+TEST(GlooComm, TwoJobsOnOnePortNeverPair) {
+  const int port = test::FreePort();
+  ASSERT_GT(port, 0);
+  TempDir flags;
+  ASSERT_TRUE(flags.ok());
+  const std::string b_done = flags.path() + "/b-done";
+  // Process 0: job A's rank 0; process 1: job B's rank 1; process 2: job A's rank 1, started
+  // once B's rank 1 has finished.
+  std::vector<RankExit> exits =
+      RunProcessRanks(3, std::chrono::seconds(60), [&](int proc) -> ChildResult {
+        const bool job_a = proc != 1;
+        const int rank = proc == 0 ? 0 : 1;
+        if (proc == 2) {
+          const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+          while (access(b_done.c_str(), F_OK) != 0 && std::chrono::steady_clock::now() < until) {
+            std::this_thread::sleep_for(milliseconds(20));
+          }
+        }
+        auto device = NewHostDevice(HostDeviceOptions{});
+        ProcessGroupOptions o;
+        o.rank = rank;
+        o.world_size = 2;
+        o.master_addr = "127.0.0.1";
+        o.master_port = port;
+        o.job_id = job_a ? "job-a" : "job-b";
+        o.timeout = milliseconds(20000);
+        Result<std::unique_ptr<Communicator>> comm = NewGlooComm(device.get(), o);
+        if (proc == 1) {
+          FILE* f = std::fopen(b_done.c_str(), "w");
+          if (f != nullptr) std::fclose(f);
+        }
+        if (!comm.ok()) return {comm.status(), ""};
+        float v = job_a ? 1.0f : 100.0f;
+        Status s = (*comm)->AllReduceSum(&v, 1, device->ComputeStream());
+        if (s.ok()) s = device->SynchronizeStream(device->ComputeStream());
+        return {s, std::to_string(v)};
+      });
+  for (int p : {0, 2}) {
+    ASSERT_TRUE(ReportOk(exits[p])) << "job A process " << p << ": " << exits[p].report;
+    EXPECT_EQ(Output(exits[p]), "2.000000") << "job A process " << p;
+  }
+  ASSERT_FALSE(ReportOk(exits[1])) << exits[1].report;
+  EXPECT_NE(exits[1].report.find("belongs to another job"), std::string::npos) << exits[1].report;
+  EXPECT_EQ(exits[1].signal, 0);
+}
+
+// A rank that stops (SIGSTOP) once it has published its address, before pairing: the others'
+// join fails within about the timeout. Before, gloo waited five times the timeout for the
+// pair's first connect (101 s at a 20 s timeout; 50 minutes at the default).
+TEST(GlooComm, ARankStoppedWhileJoiningFailsTheOthersWithinTheTimeout) {
+  TempDir store;
+  ASSERT_TRUE(store.ok());
+  const milliseconds timeout(4000);
+  // gloo's key for rank 1's address, as the folder store names it (prefix "zinf").
+  const std::string published = store.path() + "/zinf%2f1";
+  std::vector<RankExit> exits =
+      RunProcessRanks(2, std::chrono::seconds(90), [&](int rank) -> ChildResult {
+        if (rank == 1) {
+          Result<Rank> r = Join(1, 2, store.path(), milliseconds(60000));
+          return {r.ok() ? Status::OK() : r.status(), ""};
+        }
+        // Rank 0 says it is here (so that rank 1 goes on to publish its address), waits for
+        // that address, stops rank 1, then joins.
+        auto folder = NewFileStore(store.path());
+        if (!folder.ok()) return {folder.status(), ""};
+        char host[256] = {0};
+        gethostname(host, sizeof(host) - 1);
+        Status s = (*folder)->Set("zinf/member/0", std::string(host) + " " +
+                                                       std::to_string(getpid()));
+        // gloo's own first key (each rank's host name, rank_<r>), which rank 1 waits for
+        // before it publishes its pairs' addresses under "<r>".
+        if (s.ok()) s = (*folder)->Set("zinf/rank_0", host);
+        if (!s.ok()) return {s, ""};
+        Result<std::string> member = (*folder)->Get("zinf/member/1", milliseconds(30000));
+        if (!member.ok()) return {member.status(), ""};
+        const pid_t peer = static_cast<pid_t>(std::stol(member->substr(member->rfind(' ') + 1)));
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+        while (access(published.c_str(), F_OK) != 0 && std::chrono::steady_clock::now() < until) {
+          std::this_thread::sleep_for(milliseconds(5));
+        }
+        if (access(published.c_str(), F_OK) != 0) {
+          return {Status::Internal("rank 1 never published its address"), ""};
+        }
+        kill(peer, SIGSTOP);
+        const auto start = std::chrono::steady_clock::now();
+        Result<Rank> r = Join(0, 2, store.path(), timeout);
+        const double took =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        kill(peer, SIGKILL);  // the test's own child, by pid
+        return {Status::OK(), (r.ok() ? std::string("joined") : r.status().ToString()) + "\n" +
+                                  std::to_string(took)};
+      });
+  ASSERT_TRUE(ReportOk(exits[0])) << exits[0].report;
+  const std::string out = Output(exits[0]);
+  EXPECT_NE(out.find("joining the group of 2 processes"), std::string::npos) << out;
+  const double took = std::stod(out.substr(out.find('\n') + 1));
+  // About 1.2 times the timeout here; 5 times (20 s) before. The bound leaves room for a
+  // loaded machine.
+  EXPECT_LT(took, 3.5 * timeout.count() / 1000.0) << out;
+}
+
 // ---- ProcessGroupFromEnv ---------------------------------------------------------------------
 
 // Sets exactly `vars` of the launcher's variables for its lifetime; restores them after.
@@ -382,7 +486,10 @@ class ScopedEnv {
                                            "OMPI_COMM_WORLD_LOCAL_RANK",
                                            "OMPI_COMM_WORLD_LOCAL_SIZE",
                                            "ZINF_STORE_FOLDER",
-                                           "ZINF_LISTEN_ADDR"};
+                                           "ZINF_LISTEN_ADDR",
+                                           "ZINF_JOB_ID",
+                                           "TORCHELASTIC_RUN_ID",
+                                           "ZINF_STORE_LISTEN_ADDR"};
   std::vector<std::pair<std::string, std::string>> saved_;
 };
 
@@ -420,6 +527,33 @@ TEST(ProcessGroupFromEnv, Variants) {
     EXPECT_EQ(o->rank, 2);
     EXPECT_EQ(o->world_size, 3);
     EXPECT_EQ(o->store_folder, "/tmp");
+  }
+  {
+    // The job's identity: ZINF_JOB_ID, else torchrun's run id unless it is "none"; keys
+    // carry its tag, not the id.
+    ScopedEnv env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"ZINF_STORE_FOLDER", "/tmp"},
+                   {"TORCHELASTIC_RUN_ID", "run7"}, {"ZINF_STORE_LISTEN_ADDR", "0.0.0.0"}});
+    auto o = ProcessGroupFromEnv();
+    ASSERT_TRUE(o.ok()) << o.status().ToString();
+    EXPECT_EQ(o->job_id, "run7");
+    EXPECT_EQ(o->store_listen_addr, "0.0.0.0");
+    EXPECT_EQ(o->prefix, "zinf/job-" + JobTag("run7"));
+    EXPECT_EQ(o->prefix.find("run7"), std::string::npos);
+  }
+  {
+    ScopedEnv env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"ZINF_STORE_FOLDER", "/tmp"},
+                   {"TORCHELASTIC_RUN_ID", "none"}});
+    auto o = ProcessGroupFromEnv();
+    ASSERT_TRUE(o.ok());
+    EXPECT_EQ(o->job_id, "");
+    EXPECT_EQ(o->prefix, "zinf");
+  }
+  {
+    ScopedEnv env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"ZINF_STORE_FOLDER", "/tmp"},
+                   {"TORCHELASTIC_RUN_ID", "run7"}, {"ZINF_JOB_ID", "mine"}});
+    auto o = ProcessGroupFromEnv();
+    ASSERT_TRUE(o.ok());
+    EXPECT_EQ(o->job_id, "mine");
   }
   struct Bad {
     std::vector<std::pair<std::string, std::string>> vars;
