@@ -246,3 +246,61 @@ def test_killed_rank_fails_the_others_fast(scratch):
         assert "Rank 1 (pid" in outputs[r] or "1 (pid" in outputs[r], outputs[r][-3000:]
         assert "no longer running" in outputs[r], outputs[r][-3000:]
     assert time.time() - start < 90  # interpreter start-up included; the failure itself is fast
+
+
+def _start_rank(r, world, port, scratch, extra_env=None, args=()):
+    e = env()
+    e.update({"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
+              "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": str(port)})
+    e.update(extra_env or {})
+    return subprocess.Popen(
+        [sys.executable, WORKER, "--out", os.path.join(scratch, "out%d-%s" % (r, port)),
+         "--timeout", "60", "--steps", "2"] + list(args),
+        env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _finish(p, timeout=120):
+    try:
+        return p.communicate(timeout=timeout)[0].decode(errors="replace")
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_two_jobs_on_one_port_never_pair(scratch):
+    """Job B's rank 1 reaches job A's store before A's own rank 1: before, it waited there
+    (or, without job ids, paired with A's rank 0); now it fails at once naming the other job,
+    and job A trains."""
+    port = free_port()
+    a0 = _start_rank(0, 2, port, scratch, {"ZINF_JOB_ID": "job-a"})
+    try:
+        start = time.time()
+        b1 = _start_rank(1, 2, port, scratch, {"ZINF_JOB_ID": "job-b"})
+        out_b = _finish(b1)
+        assert b1.returncode not in (0, None), out_b[-3000:]
+        assert "belongs to another job" in out_b, out_b[-3000:]
+        assert time.time() - start < 50, out_b[-3000:]  # not the 60 s collective timeout
+        a1 = _start_rank(1, 2, port, scratch, {"ZINF_JOB_ID": "job-a"})
+        out_a1 = _finish(a1)
+        assert a1.returncode == 0, out_a1[-3000:]
+    finally:
+        out_a0 = _finish(a0)
+    assert a0.returncode == 0, out_a0[-3000:]
+
+
+def test_ranks_with_another_setting_are_refused_naming_it(scratch):
+    """Rank 1 with another gradient clipping: before, both waited for the collective timeout
+    and blamed "different collectives"; now both fail at once naming the setting."""
+    port = free_port()
+    start = time.time()
+    procs = [_start_rank(0, 2, port, scratch),
+             _start_rank(1, 2, port, scratch, args=("--clip", "1.0"))]
+    outs = [_finish(p) for p in procs]
+    for r, p in enumerate(procs):
+        assert p.returncode not in (0, None), outs[r][-3000:]
+        assert "the ranks disagree on the model and its training settings" in outs[r], \
+            outs[r][-3000:]
+        assert "gradient_clipping: rank 0 has 0, rank 1 has 1" in outs[r], outs[r][-3000:]
+    assert time.time() - start < 50  # interpreter start-up included; not the 60 s timeout

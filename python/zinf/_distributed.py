@@ -107,8 +107,9 @@ def group(summary):
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     job = job_id()
     tag = "job-" + hashlib.sha256(job.encode()).hexdigest()[:16] + "/" if job else ""
-    store = dist.PrefixStore("zinf/%sattempt%s/%d" % (tag, attempt, next(_groups)),
-                             _rendezvous(rank, world, timeout))
+    base = _rendezvous(rank, world, timeout)
+    _same_job(base, rank, tag, timeout)
+    store = dist.PrefixStore("zinf/%sattempt%s/%d" % (tag, attempt, next(_groups)), base)
     _claim(store, rank, world)
     return {"rank": rank, "world_size": world, "local_rank": local_rank,
             "local_world_size": local_world, "prefix": "g", "timeout_seconds": timeout,
@@ -123,6 +124,28 @@ def job_id():
         run = os.environ.get("TORCHELASTIC_RUN_ID", "")
         job = run if run != "none" else ""
     return job
+
+
+def _same_job(store, rank, tag, timeout):
+    """Rank 0 marks the store with its job's tag; the other ranks check the mark, so that a
+    rank of another job that reached this store (two jobs on one MASTER_PORT) fails at once,
+    saying so, instead of waiting for keys its own rank 0 will never write there."""
+    mark = tag or "job-none/"
+    try:
+        if rank == 0:
+            store.set("zinf/job", mark)
+            return
+        store.wait(["zinf/job"], datetime.timedelta(seconds=timeout))
+        held = store.get("zinf/job").decode(errors="replace")
+    except (RuntimeError, OSError) as e:
+        raise error("FailedPrecondition", "rank %d: the rendezvous store failed: %s" % (rank, e))
+    if held != mark:
+        raise error("FailedPrecondition",
+                    "rank %d: the rendezvous store at %s:%s belongs to another job (its job id "
+                    "is not this rank's): two jobs were started on one MASTER_PORT; give each "
+                    "job its own MASTER_PORT, and every rank of one job the same ZINF_JOB_ID"
+                    % (rank, os.environ.get("MASTER_ADDR", "?"),
+                       os.environ.get("MASTER_PORT", "?")))
 
 
 def _claim(store, rank, world):
