@@ -232,6 +232,12 @@ Status WithWorldHint(const Status& failed, const EngineConfig& config, int world
 
 }  // namespace
 
+Status Engine::CompareAcrossRanks(const std::string& what, const std::string& text,
+                                  const std::string& remedy) {
+  Impl& m = *impl_;
+  return AgreeAcrossRanks(m.collectives.get(), m.world, what, text, remedy);
+}
+
 Status Engine::RequireAgreement(const std::string& name, const std::string& value) {
   Impl& m = *impl_;
   if (m.registered || m.layout.frozen()) {

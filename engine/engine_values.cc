@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "common/utf8.h"
+#include "engine/core/rank_agreement.h"
 #include "engine/engine_impl.h"
 #include "engine/persistence/checkpoint_folder.h"
 #include "zinf/log.h"
@@ -265,6 +266,28 @@ Status Engine::SetParameterValues(const std::vector<ParamId>& ids,
   if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
   ZINF_RETURN_IF_ERROR(m.CheckBetweenSteps("SetParameterValues"));
   ZINF_RETURN_IF_ERROR(m.budget->ReclaimScratch());
+  if (m.world > 1) {
+    // The ranks set the same parameters to the same values, or nothing is set: each rank
+    // keeps only its slice, so different values would leave a parameter part one, part the
+    // other. Compared before anything is written (the values are filled twice).
+    std::string text = "parameters set: " + std::to_string(ids.size()) + "\n";
+    std::vector<float> full;
+    Status filled;
+    for (ParamId id = 0; id < m.layout.num_params() && filled.ok(); ++id) {
+      if (!wanted[id]) continue;
+      const ParamLayout& p = m.layout.param(id);
+      full.assign(p.padded_numel, 0.0f);
+      filled = fill(id, full.data()).WithContext("values of '" + p.info.name + "'");
+      text += "the values set for '" + p.info.name + "' (xxh3): " +
+              HashHex(XXH3_64bits(full.data(), p.info.numel * sizeof(float))) + "\n";
+    }
+    ZINF_RETURN_IF_ERROR(m.collectives->Agree(filled, "SetParameterValues"));
+    ZINF_RETURN_IF_ERROR(AgreeAcrossRanks(
+        m.collectives.get(), m.world, "the parameter values being set", text,
+        "Nothing was set. Every rank must set the same parameters to the same values (each "
+        "rank keeps its own partition of a parameter): write them on every rank alike, or "
+        "compute them on one rank and broadcast them first."));
+  }
   ZINF_RETURN_IF_ERROR(m.collectives->Agree(m.FinishPendingUpdate(), "SetParameterValues"));
   m.gather_states.reset();
   size_t group_bytes = 0;

@@ -144,6 +144,71 @@ TEST(RankAgreement, OtherInitialValuesAreNamed) {
                  "the initial value of 'layer0.weight' (xxh3): rank 0 has", "seed every rank"});
 }
 
+// SetParameterValues with other values (or other parameters) on one rank: refused on every
+// rank before anything is written (before: each rank kept its slice of its own values, a
+// parameter half one value, half the other). CompareAcrossRanks names what each rank does.
+TEST(RankAgreement, ValuesSetDifferentlyAreRefusedAndNothingIsSet) {
+  const int n = 2;
+  std::vector<std::unique_ptr<Device>> devices;
+  std::vector<Device*> raw;
+  for (int r = 0; r < n; ++r) {
+    devices.push_back(NewHostDevice({}));
+    raw.push_back(devices.back().get());
+  }
+  Result<std::vector<std::unique_ptr<Communicator>>> comms = NewLocalComms(raw);
+  ASSERT_TRUE(comms.ok());
+  std::vector<Status> set_other(n), set_same(n), compare(n);
+  std::vector<std::vector<float>> after_other(n), after_same(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      Result<std::unique_ptr<Engine>> engine =
+          Engine::Create(Config(RankSetup{}), raw[r], (*comms)[r].get());
+      if (!engine.ok()) {
+        set_other[r] = engine.status();
+        return;
+      }
+      ParamSpec p;
+      p.name = "w";
+      p.shape = {100};
+      p.init = [](float* d, size_t k) {
+        for (size_t i = 0; i < k; ++i) d[i] = 0.5f;
+      };
+      Result<ParamId> id = (*engine)->RegisterParameter(p);
+      if (!id.ok() || !(*engine)->FinishRegistration().ok()) return;
+      const float mine = static_cast<float>(r + 1);
+      set_other[r] = (*engine)->SetParameterValues({*id}, [mine](ParamId, float* d) {
+        for (int i = 0; i < 100; ++i) d[i] = mine;
+        return Status::OK();
+      });
+      after_other[r].resize(100);
+      (void)(*engine)->GatherMasterParameter(*id, after_other[r].data());  // checked below
+      set_same[r] = (*engine)->SetParameterValues({*id}, [](ParamId, float* d) {
+        for (int i = 0; i < 100; ++i) d[i] = 7.0f;
+        return Status::OK();
+      });
+      after_same[r].resize(100);
+      (void)(*engine)->GatherMasterParameter(*id, after_same[r].data());  // checked below
+      compare[r] = (*engine)->CompareAcrossRanks(
+          "what they do next", r == 0 ? "next: a write of 'w'" : "next: a forward", "Remedy.");
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < n; ++r) {
+    ASSERT_FALSE(set_other[r].ok()) << "rank " << r;
+    EXPECT_NE(set_other[r].message().find("the ranks disagree on the parameter values being "
+                                          "set: the values set for 'w' (xxh3): rank 0 has"),
+              std::string::npos)
+        << set_other[r].ToString();
+    EXPECT_EQ(after_other[r], std::vector<float>(100, 0.5f)) << "rank " << r;
+    EXPECT_TRUE(set_same[r].ok()) << set_same[r].ToString();
+    EXPECT_EQ(after_same[r], std::vector<float>(100, 7.0f)) << "rank " << r;
+    EXPECT_EQ(compare[r].message(),
+              "the ranks disagree on what they do next: next: rank 0 has a write of 'w', rank 1 "
+              "has a forward. Remedy.");
+  }
+}
+
 TEST(RankAgreement, RequireAgreementChecksItsArguments) {
   std::unique_ptr<Device> device = NewHostDevice({});
   Result<std::vector<std::unique_ptr<Communicator>>> comms = NewLocalComms({device.get()});

@@ -76,6 +76,14 @@ class Engine {
   // (steps, batch size, a schedule: anything that changes which collectives a rank issues or
   // what it computes). One line each; before FinishRegistration.
   Status RequireAgreement(const std::string& name, const std::string& value);
+  // Compares `text` ("name: value" lines) across the ranks (collective: every rank calls it
+  // at the same point): OK when every rank passed the same text, else FailedPrecondition on
+  // every rank, "the ranks disagree on <what>: <the first differing line, rank 0's value and
+  // the other rank's>. <remedy>". One 16-byte all-gather when they agree. For a front end
+  // whose ranks could take different paths between steps (Python: a write or read of a
+  // parameter on some ranks only), before the collectives those paths issue.
+  Status CompareAcrossRanks(const std::string& what, const std::string& text,
+                            const std::string& remedy);
   // Optional: the Acquire sequence of one micro-step (forward then backward), as a hint that
   // replaces recording it from the first step.
   Status SetAcquireOrder(const std::vector<ParamId>& order);

@@ -249,6 +249,12 @@ void PyEngine::GatherMaster(ParamId id, uintptr_t out) {
   WithoutGil([&] { return engine().GatherMasterParameter(id, reinterpret_cast<float*>(out)); });
 }
 
+void PyEngine::CompareAcrossRanks(const std::string& what, const std::string& text,
+                                  const std::string& remedy) {
+  CheckUsable();
+  WithoutGil([&] { return engine().CompareAcrossRanks(what, text, remedy); });
+}
+
 void PyEngine::LoadSafetensors(const safetensors::Checkpoint& ckpt,
                                const std::vector<std::pair<ParamId, std::string>>& mapping,
                                bool allow_reshape) {

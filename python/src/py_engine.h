@@ -80,6 +80,9 @@ class PyEngine {
   void SaveCheckpoint(const std::string& dir, const std::string& user_data);
   py::bytes LoadCheckpoint(const std::string& dir);
   void GatherMaster(ParamId id, uintptr_t out);
+  // Engine::CompareAcrossRanks (collective), without the GIL.
+  void CompareAcrossRanks(const std::string& what, const std::string& text,
+                          const std::string& remedy);
   void LoadSafetensors(const safetensors::Checkpoint& ckpt,
                        const std::vector<std::pair<ParamId, std::string>>& mapping,
                        bool allow_reshape);

@@ -28,6 +28,21 @@ def model_and_data(seed=0):
     return model, x, y
 
 
+def diverge(engine, model, rank, how):
+    w = model[0].weight
+    if how == "fill-rank":
+        with torch.no_grad():
+            w.fill_(rank + 1)
+    elif how == "fill-rank0" and rank == 0:
+        with torch.no_grad():
+            w.fill_(1.0)
+    elif how == "load-rank0" and rank == 0:
+        fresh, _, _ = model_and_data(seed=3)
+        model.load_state_dict(fresh.state_dict())
+    elif how == "read-rank0" and rank == 0:
+        print("rank 0 reads", float(w.sum()))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--states", default="cpu")
@@ -41,6 +56,10 @@ def main():
     ap.add_argument("--save", default=None)
     ap.add_argument("--load", default=None)
     ap.add_argument("--out", required=True)
+    # After step 1, before the next forward: "fill-rank" fills a weight with rank + 1 on
+    # every rank; "fill-rank0" fills it on rank 0 only; "load-rank0" loads a state dict on
+    # rank 0 only; "read-rank0" reads a weight on rank 0 only (issue 38's hostile cases).
+    ap.add_argument("--diverge", default="")
     args = ap.parse_args()
     model, x, y = model_and_data()
     cfg = make_config(param=args.param, states=args.states, nvme=args.nvme, lr=1e-2,
@@ -56,6 +75,8 @@ def main():
     rows = x.shape[0] // (world * args.gas)
     losses, grad_norms = [], []
     for step in range(args.steps):
+        if step == 1 and args.diverge:
+            diverge(engine, model, rank, args.diverge)
         if step == args.kill_at and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         total = 0.0

@@ -304,3 +304,26 @@ def test_ranks_with_another_setting_are_refused_naming_it(scratch):
             outs[r][-3000:]
         assert "gradient_clipping: rank 0 has 0, rank 1 has 1" in outs[r], outs[r][-3000:]
     assert time.time() - start < 50  # interpreter start-up included; not the 60 s timeout
+
+
+@pytest.mark.parametrize("how,names", [
+    ("fill-rank", "the ranks disagree on the parameter values being set: the values set for "
+                  "'0.weight'"),
+    ("fill-rank0", "next: rank 0 has write parameter '0.weight' (fill_), rank 1 has a forward"),
+    ("load-rank0", "next: rank 0 has model.load_state_dict, rank 1 has a forward"),
+    ("read-rank0", "next: rank 0 has read parameter '0.weight' outside a forward, rank 1 has "
+                   "a forward"),
+])
+def test_writes_and_reads_on_some_ranks_only_are_refused_on_every_rank(scratch, how, names):
+    """Before: fill_(rank + 1) left the weight half 1, half 2 (exit 0); a write on rank 0 only
+    waited for the collective timeout; load_state_dict on rank 0 only aborted rank 0 inside
+    gloo (SIGABRT). Now every rank fails at once, naming what each did."""
+    port = free_port()
+    start = time.time()
+    procs = [_start_rank(r, 2, port, scratch, args=("--diverge", how, "--steps", "3"))
+             for r in range(2)]
+    outs = [_finish(p) for p in procs]
+    for r, p in enumerate(procs):
+        assert p.returncode == 1, (r, p.returncode, outs[r][-3000:])  # an error, not a signal
+        assert names in outs[r], (r, outs[r][-3000:])
+    assert time.time() - start < 50  # not the 60 s collective timeout

@@ -29,6 +29,7 @@ import weakref
 import torch
 
 # base_data stays reachable as zinf._access.base_data (tests read the placeholder through it).
+from . import _state
 from ._calls import DISABLE, base_data, plain, set_base_data, storage_ptr  # noqa: F401
 from ._optim import error
 from ._residency import Frame
@@ -64,6 +65,9 @@ class ParamAccess:
         # backward runs (its acquires are training ones).
         residency = e._residency
         inference = (not residency.traced) if residency.stack else not e._micro.in_backward
+        if not residency.stack and not e._micro.in_backward and need:
+            e._between_steps("read parameter %s outside a forward"
+                             % ", ".join("'%s'" % r.names[0] for r in need))
         if inference:
             e._micro.check_inference_read(need[0])
         frame = Frame()
@@ -108,6 +112,9 @@ class ParamAccess:
         what = getattr(func, "__name__", "a write")
         e._enter("writing parameter '%s'" % recs[0].names[0])
         e._micro.check_writable(recs[0], what, bool(e._residency.stack))
+        if self._batch is None:
+            e._between_steps("write parameter %s (%s)"
+                             % (", ".join("'%s'" % r.names[0] for r in recs), what))
         if self._batch is not None and what == "copy_" and len(recs) == 1 and \
                 len(args) >= 2 and not kwargs and isinstance(args[1], torch.Tensor) and \
                 args[1].shape == recs[0].shape:
@@ -122,7 +129,7 @@ class ParamAccess:
         scratch = {}
         try:
             for r in recs:
-                values = e.gather(r.param)
+                values = _state.gather(e, r, torch.float32)
                 scratch[r.id] = values.to(e.device) if e.device.type != "cpu" else values
                 set_base_data(r.param, scratch[r.id])
             with DISABLE():
@@ -162,6 +169,7 @@ class ParamAccess:
                                                    value.device, rec.dtype, tuple(rec.shape),
                                                    e.device))
         e._micro.check_writable(rec, ".data =", bool(e._residency.stack))
+        e._between_steps("write parameter '%s' (.data =)" % rec.names[0])
         self._set_values([(rec, plain(value).detach())])
 
     def _set_values(self, pairs):
@@ -190,6 +198,7 @@ class ParamAccess:
         e._enter("load_state_dict")
         if self._batch is not None:
             return original(state_dict, strict)
+        e._between_steps("model.load_state_dict")
         self._batch = {}
         try:
             try:

@@ -114,6 +114,21 @@ class ZinfEngine:
         self._driver.check(what)
         self._ensure_registered()
 
+    def _between_steps(self, action):
+        """With several ranks: the ranks compare what they are about to do (one small
+        collective) before a path that issues collectives of its own (a forward's gathers, a
+        step, a read, write or load of parameters outside a forward). A rank that takes
+        another path (rank 0 alone prints a weight, loads a state dict, saves a checkpoint)
+        is refused on every rank, naming both paths, instead of pairing its collectives with
+        the others' unrelated ones (an abort inside gloo, or a wait for the timeout)."""
+        if self.world_size > 1:
+            self._core.compare_across_ranks(
+                "what they do next", "next: " + action,
+                "A managed parameter is partitioned across the ranks, so a forward, a step, "
+                "and every read, write, gather, save or load of parameters outside a forward "
+                "is a step every rank takes together: do it on every rank alike (to print or "
+                "save on one rank, gather on every rank first).")
+
     def _check_open(self):
         if self._closed:
             raise error("FailedPrecondition", "this zinf engine was closed")
@@ -158,6 +173,7 @@ class ZinfEngine:
         parameter that got a gradient, then the learning-rate scheduler (if any) steps.
         Returns the step's statistics (a dict)."""
         self._enter("engine.step")
+        self._between_steps("engine.step()")
         self._residency.unwind()
         self._residency.end_backward()
         self._core.drain()
@@ -267,6 +283,7 @@ class ZinfEngine:
         self._save(str(save_dir), client_state)
 
     def _save(self, path, client_state, extra=None):
+        self._between_steps("save a checkpoint")
         _state.save(self, path, client_state, extra)
 
     def load_checkpoint(self, load_dir):
@@ -276,6 +293,7 @@ class ZinfEngine:
         return None if user is None else user.get("client_state")
 
     def _load(self, path):
+        self._between_steps("load a checkpoint")
         return _state.load(self, path)
 
     def resume_from_store(self):
@@ -291,7 +309,9 @@ class ZinfEngine:
     def gather(self, param, dtype=torch.float32):
         """A parameter's values (fp32 master; frozen: stored copy) as a new CPU `dtype` tensor."""
         self._enter("gather")
-        return _state.gather(self, self._managed(param), dtype)
+        rec = self._managed(param)
+        self._between_steps("gather parameter '%s'" % rec.names[0])
+        return _state.gather(self, rec, dtype)
 
     def full_state_dict(self, dtype=torch.float32):
         """The model's state_dict with the real parameter values (the fp32 masters, or cast to

@@ -132,6 +132,7 @@ class ModuleHooks:
         frame = Frame()
         if not res.stack:
             e._enter("the model's forward")
+            e._between_steps("a forward of the model")
             res.flush()
             self._check_parameters(e)
             res.traced = torch.is_grad_enabled() and e.module.training

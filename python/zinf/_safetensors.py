@@ -39,6 +39,7 @@ def load_safetensors(engine, path, name_map=None, strict=True, allow_reshape=Fal
     Returns {"loaded": [...], "missing": [...], "unexpected": [...]}.
     """
     engine._enter("load_safetensors")
+    engine._between_steps("zinf.load_safetensors")
     ckpt = _zinf.Safetensors(str(path))
     tensors = ckpt.tensors()
     to_file = _mapper(name_map)
@@ -130,6 +131,7 @@ def save_safetensors(engine, save_dir, shard_size="5G", dtype=torch.float32, met
     the base). One tensor in host memory at a time; every file is written to a temporary name
     and renamed, the index last."""
     engine._enter("save_safetensors")
+    engine._between_steps("zinf.save_safetensors")
     if isinstance(shard_size, str):
         shard_bytes = _zinf.parse_byte_size(shard_size, "shard_size")
     else:
