@@ -3,12 +3,18 @@
 // mid-run ends the run within seconds, naming it, with no process left behind; what is not
 // supported with several ranks yet is refused.
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <algorithm>
 #include <filesystem>
+#include <sstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -135,6 +141,166 @@ TEST(ZinfTrainRanks, CheckpointsResumeAcrossRuns) {
   EXPECT_NE(refused.stderr_text.find("--durable is not supported with several ranks"),
             std::string::npos)
       << refused.stderr_text;
+}
+
+// Starts zinf-train as rank `rank` of `world` (a store folder rendezvous), stdout and stderr
+// into work/out<rank> and work/err<rank>; the pid, or -1.
+pid_t StartRank(const std::string& work, int rank, int world, const std::string& store,
+                std::vector<std::string> args) {
+  args.insert(args.begin(), ZINF_TRAIN_BIN);
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string kv = *e;
+    if (kv.rfind("RANK=", 0) == 0 || kv.rfind("WORLD_SIZE=", 0) == 0 ||
+        kv.rfind("LOCAL_RANK=", 0) == 0 || kv.rfind("LOCAL_WORLD_SIZE=", 0) == 0 ||
+        kv.rfind("ZINF_", 0) == 0) {
+      continue;
+    }
+    env.push_back(kv);
+  }
+  for (const std::string& kv :
+       {"RANK=" + std::to_string(rank), "WORLD_SIZE=" + std::to_string(world),
+        "LOCAL_RANK=" + std::to_string(rank), "LOCAL_WORLD_SIZE=" + std::to_string(world),
+        "ZINF_STORE_FOLDER=" + store, std::string("OPENBLAS_NUM_THREADS=1")}) {
+    env.push_back(kv);
+  }
+  std::vector<char*> envp;
+  for (std::string& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  const std::string out = work + "/out" + std::to_string(rank);
+  const std::string err = work + "/err" + std::to_string(rank);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&fa);
+  return rc == 0 ? pid : -1;
+}
+
+// Waits for `pid` at most `seconds` (then kills it, by its pid: the test's own child); its
+// exit code, 128 + signal, or -1 when it had to be killed.
+int WaitRank(pid_t pid, int seconds) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  int status = 0;
+  for (;;) {
+    const pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) break;
+    if (r < 0 && errno != EINTR) return -1;
+    if (std::chrono::steady_clock::now() > until) {
+      kill(pid, SIGKILL);
+      while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+      }
+      return -1;
+    }
+    usleep(20000);
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// Ranks started by hand with different flags (issue 38): before, another --seed, --lr,
+// --state-dtype or --batch trained to exit 0 with each rank stepping by its own rules, and
+// another --steps or clipping waited for the collective timeout; now both ranks fail at
+// setup naming the flag and both values.
+TEST(ZinfTrainRanks, RanksStartedWithDifferentFlagsAreRefusedNamingTheFlag) {
+  struct Case {
+    std::vector<std::string> rank1;
+    std::string names;
+  };
+  for (const Case& c : std::vector<Case>{
+           {{"--seed", "2"}, "zinf-train --seed: rank 0 has 1, rank 1 has 2"},
+           {{"--lr", "0.003"}, "optimizer.lr: rank 0 has 0.00100"},
+           {{"--state-dtype", "bf16"}, "zinf.optimizer_state_dtype: rank 0 has fp32, rank 1 has bf16"},
+           {{"--steps", "5"}, "zinf-train --steps: rank 0 has 4, rank 1 has 5"},
+           {{"--gradient-clipping", "1"}, "gradient_clipping: rank 0 has"},
+       }) {
+    SCOPED_TRACE(c.names);
+    TempDir dir;
+    ASSERT_TRUE(dir.ok());
+    const std::string store = dir.path() + "/store";
+    ASSERT_TRUE(std::filesystem::create_directory(store));
+    std::vector<std::string> a0 = Args(dir.path() + "/swap", 2, 4);
+    a0.insert(a0.end(), {"--lr", "0.001"});
+    // Rank 1: the same flags, one of them given another value (or added).
+    std::vector<std::string> a1 = a0;
+    auto flag = std::find(a1.begin(), a1.end(), c.rank1[0]);
+    if (flag != a1.end()) {
+      *(flag + 1) = c.rank1[1];
+    } else {
+      a1.insert(a1.end(), c.rank1.begin(), c.rank1.end());
+    }
+    const pid_t p0 = StartRank(dir.path(), 0, 2, store, a0);
+    const pid_t p1 = StartRank(dir.path(), 1, 2, store, a1);
+    ASSERT_GT(p0, 0);
+    ASSERT_GT(p1, 0);
+    const int rc0 = WaitRank(p0, 240), rc1 = WaitRank(p1, 240);
+    for (int r : {0, 1}) {
+      const std::string err = zinf::testing::ReadFile(dir.path() + "/err" + std::to_string(r));
+      EXPECT_EQ(r == 0 ? rc0 : rc1, 2) << "rank " << r << ": " << err;  // a setup error
+      EXPECT_NE(err.find("the ranks disagree on the model and its training settings"),
+                std::string::npos)
+          << "rank " << r << ": " << err;
+      EXPECT_NE(err.find(c.names), std::string::npos) << "rank " << r << ": " << err;
+    }
+  }
+}
+
+// --nproc ranks show as zinf-train in ps and top (before: "exe", from exec of /proc/self/exe),
+// and carry a job id of their own (the rendezvous answers only the job's ranks).
+TEST(ZinfTrainRanks, RankProcessesAreNamedAndCarryAJobId) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  std::vector<std::string> args = Args(dir.path() + "/swap", 2, 400);
+  args.insert(args.begin(), {ZINF_TRAIN_BIN, "--nproc", "2"});
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  const std::string out = dir.path() + "/out", err = dir.path() + "/err";
+  posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  pid_t supervisor = -1;
+  ASSERT_EQ(posix_spawn(&supervisor, argv[0], &fa, nullptr, argv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&fa);
+  // The supervisor's children, once both have exec'd (their names are then the program's).
+  std::vector<std::string> names, jobs;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < until) {
+    names.clear();
+    jobs.clear();
+    std::istringstream children(zinf::testing::ReadFile(
+        "/proc/" + std::to_string(supervisor) + "/task/" + std::to_string(supervisor) +
+        "/children"));
+    for (pid_t child; children >> child;) {
+      std::string comm = zinf::testing::ReadFile("/proc/" + std::to_string(child) + "/comm");
+      if (!comm.empty() && comm.back() == '\n') comm.pop_back();
+      names.push_back(comm);
+      const std::string env =
+          zinf::testing::ReadFile("/proc/" + std::to_string(child) + "/environ");
+      const size_t at = env.find("ZINF_JOB_ID=");
+      jobs.push_back(at == std::string::npos ? "" : env.substr(at + 12, env.find('\0', at) - at - 12));
+    }
+    // Exec'd: the environment is the one the supervisor built (a forked child not yet
+    // exec'd still has the supervisor's name and environment).
+    if (names.size() == 2 && !jobs[0].empty() && !jobs[1].empty()) {
+      break;
+    }
+    usleep(20000);
+  }
+  kill(supervisor, SIGTERM);  // our own child: it passes the signal on to its ranks
+  const int rc = WaitRank(supervisor, 60);
+  EXPECT_NE(rc, -1);
+  ASSERT_EQ(names.size(), 2u) << zinf::testing::ReadFile(err);
+  EXPECT_EQ(names[0], "zinf-train");
+  EXPECT_EQ(names[1], "zinf-train");
+  ASSERT_EQ(jobs.size(), 2u);
+  EXPECT_EQ(jobs[0].size(), 32u) << jobs[0];
+  EXPECT_EQ(jobs[0], jobs[1]);
 }
 
 }  // namespace
