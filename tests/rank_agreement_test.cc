@@ -13,6 +13,7 @@
 #include "engine/core/rank_agreement.h"
 #include "zinf/comm.h"
 #include "zinf/engine.h"
+#include "tests/test_util.h"
 #include "zinf/device.h"
 
 namespace zinf {
@@ -206,6 +207,64 @@ TEST(RankAgreement, ValuesSetDifferentlyAreRefusedAndNothingIsSet) {
     EXPECT_EQ(compare[r].message(),
               "the ranks disagree on what they do next: next: rank 0 has a write of 'w', rank 1 "
               "has a forward. Remedy.");
+  }
+}
+
+// Runs `body(rank, engine)` on `ranks` thread ranks, each with one parameter registered.
+std::vector<Status> OnRanks(int ranks, const std::function<Status(int, Engine*)>& body) {
+  std::vector<std::unique_ptr<Device>> devices;
+  std::vector<Device*> raw;
+  for (int r = 0; r < ranks; ++r) {
+    devices.push_back(NewHostDevice({}));
+    raw.push_back(devices.back().get());
+  }
+  Result<std::vector<std::unique_ptr<Communicator>>> comms = NewLocalComms(raw);
+  std::vector<Status> out(ranks, comms.status());
+  if (!comms.ok()) return out;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r) {
+    threads.emplace_back([&, r] {
+      out[r] = [&]() -> Status {
+        ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                              Engine::Create(Config(RankSetup{}), raw[r], (*comms)[r].get()));
+        ParamSpec p;
+        p.name = "w";
+        p.shape = {1000};
+        p.init = [](float* d, size_t k) {
+          for (size_t i = 0; i < k; ++i) d[i] = 0.25f;
+        };
+        ZINF_RETURN_IF_ERROR(engine->RegisterParameter(p).status());
+        ZINF_RETURN_IF_ERROR(engine->FinishRegistration());
+        return body(r, engine.get());
+      }();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return out;
+}
+
+// A checkpoint saved by 3 ranks, each with its own user data (Python's client_state), loaded
+// by 2 and by 4: each rank gets the data its rank saved (before: every rank got rank 0's);
+// rank 3, which the saving run did not have, gets rank 0's.
+TEST(RankCheckpoint, AReshardedLoadGivesEachRankItsOwnUserData) {
+  testing::TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  for (const Status& s : OnRanks(3, [&](int r, Engine* e) {
+         return e->SaveCheckpoint(dir.path(), "data of rank " + std::to_string(r));
+       })) {
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  }
+  for (int ranks : {2, 4}) {
+    std::vector<std::string> got(ranks);
+    for (const Status& s : OnRanks(ranks, [&](int r, Engine* e) {
+           return e->LoadCheckpoint(dir.path(), &got[r]);
+         })) {
+      ASSERT_TRUE(s.ok()) << s.ToString();
+    }
+    for (int r = 0; r < ranks; ++r) {
+      EXPECT_EQ(got[r], "data of rank " + std::to_string(r < 3 ? r : 0))
+          << ranks << " ranks, rank " << r;
+    }
   }
 }
 

@@ -387,7 +387,10 @@ Status Checkpointer::ValidateResharded(const std::string& folder, int saved_worl
       // The saved parts must tile the tensor as `saved_world` ranks cut it (Layout's rule):
       // a manifest that says otherwise would leave holes that load as zeros.
       const uint64_t expected = RoundUp((t.numel + saved_world - 1) / saved_world, kPartitionAlign);
-      if (t.partition_numel != expected) {
+      // int8 frozen weights are cut on the int8 block grid instead; they store nothing here.
+      const uint64_t int8_grid =
+          RoundUp((t.numel + saved_world - 1) / saved_world, kInt8StateBlock);
+      if (t.partition_numel != expected && !(t.frozen && t.partition_numel == int8_grid)) {
         return Status::Corruption(man_path + ": tensor '" + t.name + "' has a part of " +
                                   std::to_string(t.partition_numel) + " elements; " +
                                   std::to_string(saved_world) + " ranks cut its " +
@@ -414,7 +417,11 @@ Status Checkpointer::ValidateResharded(const std::string& folder, int saved_worl
   man.step = first.step;
   man.optimizer = first.optimizer;
   man.state_dtype = first.state_dtype;
-  man.user_data = first.user_data;
+  // The trainer's own data (a client_state, its data position): each rank's own where that
+  // rank saved one, rank 0's for ranks the saving run did not have.
+  man.user_data = static_cast<size_t>(rank_) < reader->saved_.size()
+                      ? reader->saved_[rank_].man.user_data
+                      : first.user_data;
   for (size_t gi = 0; gi < layout_->num_groups(); ++gi) {
     CheckpointGroup g;
     g.numel = layout_->group(gi).numel;
