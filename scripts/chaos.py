@@ -43,6 +43,22 @@ The faults (the `kind` column):
                 so, and ends identical (a restart from step 0 is silent-wrong);
   fifo          --data or --config is a FIFO or a device: refused at once (a hang is a crash).
 
+Ranks as processes (two zinf-train ranks started by hand on this machine's loopback, as a
+launcher would, against a 2-rank run of the same command as the reference):
+  two-jobs      job A's rank 0 serves the rendezvous on a port; job B's rank 1 (another job
+                id, or none) reaches it first: B's rank is refused at once naming the other
+                job, and job A's own rank 1 then trains with it to the reference;
+  rank-flags    rank 1 started with one flag of another value (--seed, --lr, --steps, --batch,
+                --state-dtype, --gradient-clipping, --warmup): both ranks refused, naming it;
+  store-stranger a foreign process works rank 0's store during the rendezvous (reads keys with
+                the old protocol, presents a guessed job id, sends garbage, sets keys, opens
+                many connections, or connects and stays silent): it gets nothing but the
+                refusal, and the job trains to the reference;
+  stop-join     rank 1 stopped (SIGSTOP) while joining: rank 0 fails with a message within
+                a few collective timeouts (6 s here), never waits for ever.
+Two more classes there: hang (a rank that did not end in time) and foreign-access (a stranger
+that was answered with anything but the refusal, or whose key was taken).
+
 A run that ends with exit 0 but did not do what was asked counts as silent-wrong even when its
 parameters match: a resume that restarted from step 0 while a commit or a checkpoint held a
 later step, or one that should have been refused.
@@ -68,10 +84,21 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6
-CLASSES = ["identical", "clear-error", "silent-wrong", "data-loss", "crash", "skipped"]
-BAD = {"silent-wrong", "data-loss", "crash"}
+CLASSES = ["identical", "clear-error", "silent-wrong", "data-loss", "crash", "hang",
+           "foreign-access", "skipped"]
+BAD = {"silent-wrong", "data-loss", "crash", "hang", "foreign-access"}
 KINDS = ["kill-time", "kill-point", "flip", "truncate", "remove", "disk-full", "concurrent",
-         "folder-order", "index-loss", "takeover", "index-edit", "ckpt-fallback", "fifo"]
+         "folder-order", "index-loss", "takeover", "index-edit", "ckpt-fallback", "fifo",
+         "two-jobs", "rank-flags", "store-stranger", "stop-join"]
+# rank-flags: the flag rank 1 gets another value of, and what the refusal names.
+RANK_FLAGS = [("--seed", "2", "zinf-train --seed"), ("--lr", "0.003", "optimizer.lr"),
+              ("--steps", str(STEPS + 1), "zinf-train --steps"),
+              ("--batch", "3", "zinf-train --batch"),
+              ("--state-dtype", "bf16", "zinf.optimizer_state_dtype"),
+              ("--gradient-clipping", "0.5", "gradient_clipping"),
+              ("--warmup", "3", "zinf-train --warmup")]
+STRANGERS = ["read", "guess", "garbage", "set", "flood", "silent"]
+MP_TIMEOUT = 6  # zinf.collective_timeout_seconds of the stop-join cases
 # Named kill points and how many times each fires in a 6-step run (roughly): a point that
 # never fires leaves an uninterrupted run, which must then be identical.
 CRASH_POINTS = {
@@ -140,6 +167,7 @@ class Campaign:
         self.reference = None
         self.ref_seconds = None
         self.loop_reason = self.loop_unavailable()
+        self.mp_ref = None  # the 2-rank reference checksum, made by the first such case
 
     # ---- running zinf-train ----
 
@@ -629,6 +657,220 @@ class Campaign:
                 return what, "silent-wrong", "an empty device read as a config"
             return what, "silent-wrong", "it ran on a %s" % target
         if run.rc != 2 or not run.clear_error():
+            return what, "crash", "rc %s: %s" % (run.rc, run.last_error())
+        return what, "clear-error", run.last_error()
+
+    # ---- ranks as processes ----
+
+    def mp_argv(self, swap, extra=()):
+        return [self.train, "--preset", "tiny", "--steps", str(STEPS), "--batch", "2", "--seq",
+                "32", "--warmup", "2", "--lr", "0.001", "--param-tier", "nvme", "--data",
+                self.data, "--json", "--nvme", swap] + list(extra)
+
+    def start_rank(self, argv, rank, port=None, folder=None, job=None):
+        env = {k: v for k, v in self.env.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                            "MASTER_ADDR", "MASTER_PORT", "ZINF_JOB_ID", "ZINF_STORE_FOLDER")}
+        env.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                    "LOCAL_WORLD_SIZE": "2"})
+        if port is not None:
+            env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        if folder is not None:
+            env["ZINF_STORE_FOLDER"] = folder
+        if job is not None:
+            env["ZINF_JOB_ID"] = job
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                text=True, errors="replace")
+
+    def mp_reference(self):
+        if self.mp_ref is None:
+            work = os.path.join(self.base, "mp-reference")
+            r = self.run(self.mp_argv(work + "/swap", ["--nproc", "2"]))
+            shutil.rmtree(work, ignore_errors=True)
+            if r.rc != 0 or not r.checksum:
+                raise SystemExit("chaos: the 2-rank reference run failed (rc %s): %s"
+                                 % (r.rc, r.last_error()))
+            self.mp_ref = r.checksum
+        return self.mp_ref
+
+    @staticmethod
+    def free_port():
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    @staticmethod
+    def wait_listening(port, proc, seconds=60):
+        """Until something accepts connections on 127.0.0.1:port (rank 0's store)."""
+        import socket
+        until = time.time() + seconds
+        while time.time() < until and proc.poll() is None:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    return True
+            except OSError:
+                time.sleep(0.02)
+        return False
+
+    def rank_outcome(self, run, must_fail, names=None, rank=0):
+        """A rank's class: (class, detail). Rank 0 reports the run's checksum."""
+        if run.timed_out:
+            return "hang", "no end after %.0f s" % self.args.timeout
+        if run.rc == 0:
+            if must_fail:
+                return "silent-wrong", "it trained (exit 0) instead of refusing"
+            if rank == 0 and run.checksum != self.mp_reference():
+                return "silent-wrong", "ended on %s, not %s" % (run.checksum, self.mp_ref)
+            return "identical", ""
+        if not run.clear_error():
+            return "crash", "rc %s: %s" % (run.rc, run.last_error())
+        if not must_fail:
+            return "crash", "a rank that had to train failed: " + run.last_error()
+        if names and names not in run.err:
+            return "crash", "the refusal does not name %r: %s" % (names, run.last_error())
+        return "clear-error", run.last_error()
+
+    @staticmethod
+    def worst(outcomes):
+        order = ["foreign-access", "hang", "crash", "data-loss", "silent-wrong", "clear-error",
+                 "identical"]
+        return min(outcomes, key=lambda o: order.index(o[0]))
+
+    def case_two_jobs(self, rng, work):
+        self.mp_reference()
+        port = self.free_port()
+        b_job = rng.choice(["job-b", None])
+        what = "job B's rank 1 (%s) reaches job A's store first" % (
+            "job id job-b" if b_job else "no job id")
+        t0 = time.time()
+        a0 = self.start_rank(self.mp_argv(work + "/a"), 0, port=port, job="job-a")
+        outcomes = []
+        if not self.wait_listening(port, a0):
+            run = self.finish(a0, t0)
+            return what, "crash", "job A's rank 0 never served its store: " + run.last_error()
+        b1 = self.start_rank(self.mp_argv(work + "/b"), 1, port=port, job=b_job)
+        outcomes.append(self.rank_outcome(self.finish(b1, time.time()), True, "another job"))
+        a1 = self.start_rank(self.mp_argv(work + "/a"), 1, port=port, job="job-a")
+        outcomes.append(self.rank_outcome(self.finish(a0, t0), False))
+        outcomes.append(self.rank_outcome(self.finish(a1, t0), False, rank=1))
+        cls, detail = self.worst(outcomes)
+        return what, ("identical" if cls in ("identical", "clear-error") else cls), detail
+
+    def case_rank_flags(self, rng, work):
+        flag, value, names = rng.choice(RANK_FLAGS)
+        what = "rank 1 with %s %s" % (flag, value)
+        folder = os.path.join(work, "store")
+        os.makedirs(folder)
+        argv0 = self.mp_argv(work + "/swap")
+        argv1 = list(argv0)
+        if flag in argv1:
+            argv1[argv1.index(flag) + 1] = value
+        else:
+            argv1 += [flag, value]
+        t0 = time.time()
+        ranks = [self.start_rank(argv0, 0, folder=folder), self.start_rank(argv1, 1, folder=folder)]
+        outcomes = [self.rank_outcome(self.finish(p, t0), True, names) for p in ranks]
+        return (what,) + self.worst(outcomes)
+
+    def stranger(self, how, port):
+        """What a foreign process gets from rank 0's store: (bytes received, sockets to close
+        once the job is done)."""
+        import socket
+        import struct
+
+        def field(b):
+            return struct.pack("=I", len(b)) + b
+
+        def talk(payload, keep=False):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            got = b""
+            try:
+                if payload:
+                    sock.sendall(payload)
+                if keep:
+                    return got, sock
+                sock.settimeout(15)
+                while True:
+                    chunk = sock.recv(65536)
+                    if not chunk:
+                        break
+                    got += chunk
+            except OSError:
+                pass  # reset by the store: what it sent is in `got`
+            sock.close()
+            return got, None
+
+        if how == "read":  # the old protocol's GET of gloo's keys
+            got = b""
+            for key in (b"zinf/rank_0", b"zinf/0", b"zinf/member/0"):
+                got += talk(b"\x02" + field(key))[0]
+            return got, []
+        if how == "guess":
+            return talk(b"ZINFKV02" + field(b"guess") + b"\x02" + field(b"zinf/0"))[0], []
+        if how == "garbage":
+            return talk(bytes(random.Random(port).getrandbits(8) for _ in range(5000)))[0], []
+        if how == "set":  # a SET under a guessed id, then without any hello
+            got = talk(b"ZINFKV02" + field(b"") + b"\x01" + field(b"zinf/member/1") +
+                       field(b"intruder 1"))[0]
+            return got + talk(b"\x01" + field(b"zinf/1") + field(b"\0" * 64))[0], []
+        keep = []
+        for _ in range(200 if how == "flood" else 1):
+            try:
+                keep.append(talk(b"", keep=True)[1])
+            except OSError:
+                break  # refused: the store closes what is over its bound
+        return b"", keep
+
+    def case_store_stranger(self, rng, work):
+        self.mp_reference()
+        how = rng.choice(STRANGERS)
+        what = "a stranger (%s) at rank 0's store" % how
+        port = self.free_port()
+        t0 = time.time()
+        a0 = self.start_rank(self.mp_argv(work + "/swap"), 0, port=port, job="the-job")
+        if not self.wait_listening(port, a0):
+            run = self.finish(a0, t0)
+            return what, "crash", "rank 0 never served its store: " + run.last_error()
+        got, keep = self.stranger(how, port)
+        a1 = self.start_rank(self.mp_argv(work + "/swap"), 1, port=port, job="the-job")
+        outcomes = [self.rank_outcome(self.finish(a0, t0), False),
+                    self.rank_outcome(self.finish(a1, t0), False, rank=1)]
+        for sock in keep:
+            sock.close()
+        refusal = b"\x02" if how == "guess" else (b"\x02" if how == "set" else b"")
+        if got != refusal:
+            outcomes.append(("foreign-access", "the stranger got %r" % got[:80]))
+        return (what,) + self.worst(outcomes)
+
+    def case_stop_join(self, rng, work):
+        delay = rng.uniform(0.0, 1.5)
+        what = "rank 1 stopped %.1f s after its start" % delay
+        folder = os.path.join(work, "store")
+        os.makedirs(folder)
+        config = os.path.join(work, "config.json")
+        with open(config, "w") as f:
+            json.dump({"zinf": {"collective_timeout_seconds": MP_TIMEOUT}}, f)
+        argv = self.mp_argv(work + "/swap", ["--config", config])
+        t0 = time.time()
+        r1 = self.start_rank(argv, 1, folder=folder)
+        time.sleep(delay)
+        r1.send_signal(signal.SIGSTOP)
+        r0 = self.start_rank(argv, 0, folder=folder)
+        try:
+            out, err = r0.communicate(timeout=20 * MP_TIMEOUT)
+            run = Run(r0.returncode, out, err, time.time() - t0)
+        except subprocess.TimeoutExpired:
+            r0.kill()
+            out, err = r0.communicate()
+            run = Run(r0.returncode, out, err, time.time() - t0, timed_out=True)
+        r1.kill()  # our own child, by its handle
+        r1.communicate()
+        if run.timed_out:
+            return what, "hang", "rank 0 still waiting after %d s" % (20 * MP_TIMEOUT)
+        if run.rc == 0:
+            return what, "silent-wrong", "rank 0 finished with its peer stopped"
+        if not run.clear_error():
             return what, "crash", "rc %s: %s" % (run.rc, run.last_error())
         return what, "clear-error", run.last_error()
 

@@ -265,6 +265,27 @@ TEST(TcpStore, ASilentStrangerIsClosed) {
   close(fd);
 }
 
+// 100 connections that never say hello (over the bound of 64): the job's own client still
+// gets in at once; before, it was closed unread until the strangers' 10 s window ran out.
+TEST(TcpStore, AFloodOfSilentConnectionsKeepsNoRankOut) {
+  const int port = FreePort();
+  ASSERT_GT(port, 0);
+  auto server = NewTcpStore(Options(port, "job", true));
+  ASSERT_TRUE(server.ok());
+  std::vector<int> flood;
+  for (int i = 0; i < 100; ++i) {
+    const int fd = Dial("127.0.0.1", port);
+    if (fd >= 0) flood.push_back(fd);
+  }
+  EXPECT_EQ(flood.size(), 100u);
+  TcpStoreOptions o = Options(port, "job", false);
+  o.timeout = milliseconds(5000);  // half the strangers' window
+  auto member = NewTcpStore(o);
+  ASSERT_TRUE(member.ok());
+  EXPECT_TRUE((*member)->Set("k", "v").ok());
+  for (int fd : flood) close(fd);
+}
+
 TEST(TcpStore, ArgumentsAreChecked) {
   TcpStoreOptions o = Options(0, "", false);
   EXPECT_EQ(NewTcpStore(o).status().code(), StatusCode::kInvalidArgument);

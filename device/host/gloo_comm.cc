@@ -64,10 +64,12 @@ class GlooStore final : public gloo::rendezvous::Store {
     return std::vector<char>(v->begin(), v->end());
   }
   void wait(const std::vector<std::string>& keys) override { wait(keys, Left()); }
+  // gloo passes its context's timeout, which is shortened during the mesh (see NewGlooComm):
+  // a wait for a peer's key takes what the join's deadline leaves instead.
   void wait(const std::vector<std::string>& keys,
-            const std::chrono::milliseconds& timeout) override {
+            const std::chrono::milliseconds& /*gloo's*/) override {
     for (const std::string& key : keys) {
-      Result<std::string> v = store_->Get(prefix_ + "/" + key, std::min(timeout, Left()));
+      Result<std::string> v = store_->Get(prefix_ + "/" + key, Left());
       if (!v.ok()) throw std::runtime_error(v.status().ToString());
     }
   }

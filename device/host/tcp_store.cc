@@ -291,15 +291,27 @@ class StoreServer {
         }
         return;
       }
-      int strangers = 0;
       int members = 0;
-      for (auto& [other, c] : clients_) (c.member ? members : strangers) += 1;
-      // Over the bounds: closed unread. A member reconnecting after a failure is counted
-      // with the strangers until its handshake.
-      if (strangers >= kMaxStrangers || members + strangers >= max_members_ + kMaxStrangers) {
-        close(fd);
+      int oldest = -1;  // the stranger that has waited longest
+      std::vector<int> strangers;
+      for (auto& [other, c] : clients_) {
+        if (c.member) {
+          ++members;
+          continue;
+        }
+        strangers.push_back(other);
+        if (oldest < 0 || c.handshake_deadline < clients_[oldest].handshake_deadline) {
+          oldest = other;
+        }
+      }
+      if (members >= max_members_ + kMaxStrangers) {
+        close(fd);  // over every bound: closed unread
         continue;
       }
+      // At the bound of connections that have not said who they are, the one that has waited
+      // longest goes: a flood of silent connections cannot keep the job's own ranks out (a
+      // rank says hello as soon as it connects).
+      if (static_cast<int>(strangers.size()) >= kMaxStrangers) Drop(oldest);
       Client c;
       c.handshake_deadline = Clock::now() + kHandshakeWindow;
       clients_[fd] = std::move(c);
