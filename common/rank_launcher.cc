@@ -12,6 +12,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
+#include <exception>
 #include <filesystem>
 #include <random>
 #include <string>
@@ -97,15 +99,30 @@ int LaunchRanks(const char* program, int argc, char** argv, int nproc) {
   if (const char* given = std::getenv("ZINF_JOB_ID"); given != nullptr && *given != '\0') {
     job_id = given;
   } else {
-    std::random_device random;
+    uint32_t words[4] = {0, 0, 0, 0};
+    try {
+      std::random_device random;
+      for (uint32_t& w : words) w = random();
+    } catch (const std::exception&) {
+      // No entropy source: the time and this process's id still tell jobs apart.
+      const uint64_t now = static_cast<uint64_t>(
+          std::chrono::steady_clock::now().time_since_epoch().count());
+      words[0] = static_cast<uint32_t>(now);
+      words[1] = static_cast<uint32_t>(now >> 32);
+      words[2] = static_cast<uint32_t>(getpid());
+      words[3] = static_cast<uint32_t>(std::time(nullptr));
+    }
     char hex[33];
-    std::snprintf(hex, sizeof(hex), "%08x%08x%08x%08x", random(), random(), random(), random());
+    std::snprintf(hex, sizeof(hex), "%08x%08x%08x%08x", words[0], words[1], words[2], words[3]);
     job_id = hex;
   }
   // The program itself, by its real path: exec of /proc/self/exe would name the ranks "exe"
   // in ps and top.
   std::error_code exe_error;
-  const std::string exe = std::filesystem::read_symlink("/proc/self/exe", exe_error).string();
+  std::string exe = std::filesystem::read_symlink("/proc/self/exe", exe_error).string();
+  // Replaced while running (a rebuild): the path names the new file or "... (deleted)"; the
+  // running program's own inode is still /proc/self/exe.
+  if (!exe_error && access(exe.c_str(), X_OK) != 0) exe = "/proc/self/exe";
   if (exe_error) {
     std::fprintf(stderr, "%s: finding this program's path (/proc/self/exe): %s\n", program,
                  exe_error.message().c_str());

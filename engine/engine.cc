@@ -15,6 +15,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -152,34 +153,35 @@ Result<ParamId> Engine::RegisterParameter(const ParamSpec& spec) {
 Status Engine::FinishRegistration() {
   Impl& m = *impl_;
   if (m.registered) return Status::OK();
-  if (m.layout.num_params() == 0) return Status::FailedPrecondition("no parameters registered");
   if (m.layout.frozen()) {
     return Status::FailedPrecondition("an earlier FinishRegistration failed; recreate the engine");
   }
   // The ranks agree on what they train before any other collective: a rank with another
   // model or setting is refused on every rank, naming the difference (never a collective of
   // another size, which gloo aborts on, or a wait for the collective timeout).
+  std::vector<std::pair<std::string, std::string>> settings = m.agreement;
+  settings.emplace_back("resume from the durable store", m.resume_store ? "yes" : "no");
   ZINF_RETURN_IF_ERROR(AgreeAcrossRanks(
       m.collectives.get(), m.world, "the model and its training settings",
-      DescribeForAgreement(m.config, m.layout, m.agreement),
+      DescribeForAgreement(m.config, m.layout, settings),
       "Start every rank with the same model, configuration and trainer settings."));
-  ZINF_RETURN_IF_ERROR(m.Place());
+  if (m.layout.num_params() == 0) return Status::FailedPrecondition("no parameters registered");
+  Status placed = m.Place();
+  // A rank that cannot place its stores fails the others too (no collective in Place
+  // without a resume; a resume's agreement on the commit has its own).
+  if (m.world > 1 && !m.resume_store) placed = m.collectives->Agree(placed, "placing the parameters");
+  ZINF_RETURN_IF_ERROR(placed);
   m.initial_hashes.clear();
   Status init = m.InitStores();
   // The initial values are in the stores (or init failed): the callbacks, and whatever they
   // hold (a spill file of the values, the trainer's buffers), are not needed any more.
   m.inits.clear();
   if (m.world > 1) {
-    // Every rank learns whether every rank initialised, then whether they hold the same
-    // values (ranks that initialise differently train a mix of models).
+    // Every rank learns whether every rank initialised. Whether they hold the same values
+    // (ranks that initialise differently train a mix of models) is compared at the first
+    // call that uses them, after any load that replaces them.
     init = m.collectives->Agree(init, "initialising the parameters");
-    if (init.ok() && !m.initial_hashes.empty()) {
-      init = AgreeAcrossRanks(m.collectives.get(), m.world, "the initial parameter values",
-                              DescribeValues(m.layout, m.initial_hashes),
-                              "Every rank must initialise the model identically: seed every "
-                              "rank's random generator the same, or load the same weights on "
-                              "every rank.");
-    }
+    m.values_unchecked = init.ok() && !m.initial_hashes.empty();
   }
   ZINF_RETURN_IF_ERROR(init);
   ZINF_RETURN_IF_ERROR(m.pipeline->Start());
@@ -203,13 +205,17 @@ int RanksThatWroteTheStore(const EngineConfig& config) {
   std::error_code ec;
   int ranks = 0;
   bool files = false;
-  for (const auto& entry : std::filesystem::directory_iterator(paths[0], ec)) {
-    const std::string name = entry.path().filename().string();
-    if (entry.is_directory(ec) && name.size() > 4 && name.rfind("rank", 0) == 0 &&
-        name.find_first_not_of("0123456789", 4) == std::string::npos &&
-        !std::filesystem::is_empty(entry.path(), ec)) {
-      ranks = std::max(ranks, std::stoi(name.substr(4)) + 1);
-    } else if (entry.is_regular_file(ec)) {
+  std::filesystem::directory_iterator it(paths[0], ec);
+  for (; !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    int k = -1;
+    const char* digits = name.c_str() + 4;
+    if (it->is_directory(ec) && name.size() > 4 && name.size() < 12 &&
+        name.rfind("rank", 0) == 0 &&
+        std::from_chars(digits, name.c_str() + name.size(), k).ptr == name.c_str() + name.size() &&
+        !std::filesystem::is_empty(it->path(), ec)) {
+      ranks = std::max(ranks, k + 1);
+    } else if (it->is_regular_file(ec)) {
       files = true;
     }
   }
@@ -231,6 +237,18 @@ Status WithWorldHint(const Status& failed, const EngineConfig& config, int world
 }
 
 }  // namespace
+
+Status Engine::Impl::CheckInitialValues() {
+  if (!values_unchecked) return Status::OK();
+  values_unchecked = false;
+  Status s = AgreeAcrossRanks(collectives.get(), world, "the initial parameter values",
+                              DescribeValues(layout, initial_hashes),
+                              "Every rank must initialise the model identically (seed every "
+                              "rank's random generator the same), or load the same weights "
+                              "on every rank before training.");
+  if (!s.ok()) broken = s;  // the ranks hold a mix of models
+  return s;
+}
 
 Status Engine::CompareAcrossRanks(const std::string& what, const std::string& text,
                                   const std::string& remedy) {
@@ -591,6 +609,7 @@ Result<std::vector<void*>> Engine::Acquire(const std::vector<ParamId>& ids, Acqu
   Impl& m = *impl_;
   if (!m.broken.ok()) return m.broken;
   if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  ZINF_RETURN_IF_ERROR(m.CheckInitialValues());
   const bool training = mode == AcquireMode::kTraining;
   for (ParamId id : ids) {
     if (id >= m.layout.num_params()) {
@@ -659,6 +678,7 @@ Result<StepStats> Engine::Step() {
   Impl& m = *impl_;
   if (!m.broken.ok()) return m.broken;
   if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  ZINF_RETURN_IF_ERROR(m.CheckInitialValues());
   m.KickTask();
   const bool boundary = m.clock.boundary();
   // Gradients of this micro-step must have landed before the next one starts: the streams'

@@ -58,6 +58,11 @@ struct Engine::Impl {
   // The initial values' xxh3 per parameter (InitStores, when it calls the inits), compared
   // across the ranks; empty when the values came from a durable store.
   std::vector<uint64_t> initial_hashes;
+  // Several ranks: the initial values are compared at the first call that uses them
+  // (CheckInitialValues), so that a load that replaces them first (SetParameterValues,
+  // LoadCheckpoint) is not refused for values nobody trains on. 0 in initial_hashes: replaced.
+  bool values_unchecked = false;
+  Status CheckInitialValues();
 
   EngineStreams streams;
   std::unique_ptr<CpuOptimizer> optimizer;

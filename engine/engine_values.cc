@@ -84,6 +84,7 @@ Status Engine::RemoveCheckpoints(const std::string& dir) {
 Status Engine::SaveCheckpoint(const std::string& dir, const std::string& user_data) {
   Impl& m = *impl_;
   if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  ZINF_RETURN_IF_ERROR(m.CheckInitialValues());
   ZINF_RETURN_IF_ERROR(m.CheckBetweenSteps("SaveCheckpoint"));
   if (!IsValidUtf8(user_data)) {
     return Status::InvalidArgument(
@@ -125,6 +126,11 @@ Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data,
     return s;
   }
   m.clock.Reset(man.step, man.step);
+  // The trainable values are the checkpoint's now, the same on every rank; frozen ones stay
+  // as registered (each rank checked them against the checkpoint's hashes).
+  for (ParamId id = 0; id < m.initial_hashes.size(); ++id) {
+    if (m.layout.param(id).info.trainable) m.initial_hashes[id] = 0;
+  }
   for (ParamId id = 0; id < m.layout.num_params(); ++id) {
     // (A frozen tensor is never stepped.)
     const int64_t updates = man.tensors[id].updates >= 0 ? man.tensors[id].updates : man.step;
@@ -146,6 +152,7 @@ Status Engine::GatherMasterParameter(ParamId id, float* out) {
   if (id >= m.layout.num_params() || out == nullptr) {
     return Status::InvalidArgument("GatherMasterParameter: bad id or null output");
   }
+  ZINF_RETURN_IF_ERROR(m.CheckInitialValues());
   // The optimizer steps of finished windows (delayed update: the last one may still run).
   ZINF_RETURN_IF_ERROR(m.board->WaitDone(m.clock.step()));
   const ParamLayout& p = m.layout.param(id);
@@ -343,6 +350,10 @@ Status Engine::SetParameterValues(const std::vector<ParamId>& ids,
                      "; recreate the engine and load again");
     }
     return agreed;
+  }
+  // Set alike on every rank (compared above): no longer the initial values to compare.
+  for (ParamId id : ids) {
+    if (id < m.initial_hashes.size()) m.initial_hashes[id] = 0;
   }
   // Durable: the new values are a new history, committed at once.
   m.durable->NewLineage(m.clock.step());

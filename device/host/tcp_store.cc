@@ -256,6 +256,16 @@ class StoreServer {
           wait_ms = wait_ms < 0 ? left : std::min(wait_ms, left);
         }
       }
+      // After an accept failure (out of descriptors or memory) the listening socket stays
+      // readable: it is left out of the poll for a while instead of spinning on it.
+      if (Clock::now() < accept_paused_until_) {
+        fds[1].fd = -1;  // poll ignores a negative descriptor
+        const int64_t pause = std::chrono::duration_cast<std::chrono::milliseconds>(
+                                  accept_paused_until_ - Clock::now())
+                                  .count() +
+                              1;
+        wait_ms = wait_ms < 0 ? pause : std::min(wait_ms, pause);
+      }
       const int ready = poll(fds.data(), fds.size(), static_cast<int>(wait_ms));
       if (ready < 0 && errno == EINTR) continue;
       if (ready < 0) {
@@ -287,31 +297,37 @@ class StoreServer {
       const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (fd < 0) {
         if (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK && errno != ECONNABORTED) {
-          LogWarning(std::string("rendezvous store: accept failed: ") + std::strerror(errno));
+          const Clock::time_point now = Clock::now();
+          accept_paused_until_ = now + std::chrono::milliseconds(100);
+          if (now >= next_accept_warning_) {  // at most one warning in 10 s
+            next_accept_warning_ = now + std::chrono::seconds(10);
+            LogWarning(std::string("rendezvous store: accept failed: ") + std::strerror(errno) +
+                       "; retrying in 100 ms");
+          }
         }
         return;
       }
-      int members = 0;
+      int strangers = 0;
       int oldest = -1;  // the stranger that has waited longest
-      std::vector<int> strangers;
       for (auto& [other, c] : clients_) {
-        if (c.member) {
-          ++members;
-          continue;
-        }
-        strangers.push_back(other);
+        if (c.member) continue;
+        ++strangers;
         if (oldest < 0 || c.handshake_deadline < clients_[oldest].handshake_deadline) {
           oldest = other;
         }
       }
-      if (members >= max_members_ + kMaxStrangers) {
-        close(fd);  // over every bound: closed unread
-        continue;
-      }
       // At the bound of connections that have not said who they are, the one that has waited
-      // longest goes: a flood of silent connections cannot keep the job's own ranks out (a
-      // rank says hello as soon as it connects).
-      if (static_cast<int>(strangers.size()) >= kMaxStrangers) Drop(oldest);
+      // longest goes once it has had a moment to say hello (a rank says it as soon as it
+      // connects): a flood of silent connections cannot keep the job's ranks out. A flood
+      // faster than that closes the newcomers unread; a rank's client then connects again.
+      if (strangers >= kMaxStrangers) {
+        const auto waited = kHandshakeWindow - (clients_[oldest].handshake_deadline - Clock::now());
+        if (waited < std::chrono::milliseconds(50)) {
+          close(fd);
+          continue;
+        }
+        Drop(oldest);
+      }
       Client c;
       c.handshake_deadline = Clock::now() + kHandshakeWindow;
       clients_[fd] = std::move(c);
@@ -448,6 +464,8 @@ class StoreServer {
   std::map<std::string, std::string> values_;
   size_t stored_bytes_ = 0;
   std::map<std::string, std::vector<int>> waiting_;
+  Clock::time_point accept_paused_until_{};
+  Clock::time_point next_accept_warning_{};
 };
 
 // ---- The client ------------------------------------------------------------------------------

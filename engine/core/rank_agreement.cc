@@ -85,6 +85,7 @@ std::string DescribeForAgreement(const EngineConfig& c, const Layout& layout,
 std::string DescribeValues(const Layout& layout, const std::vector<uint64_t>& hashes) {
   std::ostringstream o;
   for (ParamId id = 0; id < layout.num_params() && id < hashes.size(); ++id) {
+    if (hashes[id] == 0) continue;  // replaced since (a load)
     char hex[17];
     std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(hashes[id]));
     o << "the initial value of '" << layout.param(id).info.name << "' (xxh3): " << hex << "\n";

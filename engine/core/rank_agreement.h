@@ -24,7 +24,7 @@ namespace zinf {
 std::string DescribeForAgreement(const EngineConfig& config, const Layout& layout,
                                  const std::vector<std::pair<std::string, std::string>>& extra);
 
-// "initial value of 'name': <xxh3 hex>" per parameter.
+// "the initial value of 'name' (xxh3): <hex>" per parameter whose hash is not 0.
 std::string DescribeValues(const Layout& layout, const std::vector<uint64_t>& hashes);
 
 // Compares `text` ("name: value" lines) across the ranks: a 16-byte digest first (the common

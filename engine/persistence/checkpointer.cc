@@ -251,8 +251,10 @@ Status Checkpointer::Validate(const std::string& folder, RankManifest* man, int*
   for (size_t i = 0; i < num_params; ++i) {
     const ParamLayout& p = layout_->param(static_cast<ParamId>(i));
     const CheckpointTensor& t = man->tensors[i];
-    if (t.partition_numel != p.info.partition_numel || t.sub_group != p.info.sub_group ||
-        (!t.frozen && t.slice_offset != p.slice_offset)) {
+    // A frozen tensor stores nothing here (its value is checked by hash): its part may be cut
+    // otherwise (int8 frozen weights on the block grid since issue 38).
+    if ((!t.frozen && t.partition_numel != p.info.partition_numel) ||
+        t.sub_group != p.info.sub_group || (!t.frozen && t.slice_offset != p.slice_offset)) {
       return mismatch("tensor '" + t.name +
                       "' lies elsewhere in the sub-groups (same "
                       "sub_group_size?)");

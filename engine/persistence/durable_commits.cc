@@ -111,8 +111,12 @@ Status CommitRecord::Check(const std::string& meta, Point* out) const {
           ps[i].at(4).get<size_t>() != p.slice_offset) {
         return mismatch(
             "parameter " + std::to_string(i) + " is '" + ps[i].at(0).get<std::string>() +
-            "' with " + std::to_string(ps[i].at(1).get<size_t>()) + " elements, this model has '" +
-            p.info.name + "' with " + std::to_string(p.info.numel) + " (same sub_group_size?)");
+            "' with " + std::to_string(ps[i].at(1).get<size_t>()) + " elements in parts of " +
+            std::to_string(ps[i].at(2).get<size_t>()) + ", this model has '" + p.info.name +
+            "' with " + std::to_string(p.info.numel) + " in parts of " +
+            std::to_string(p.info.partition_numel) +
+            " (same sub_group_size? int8 frozen weights are cut on their block grid since "
+            "issue 38: a store written before cannot resume them; load a checkpoint instead)");
       }
     }
     out->step = j.at("step").get<int64_t>();

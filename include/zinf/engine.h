@@ -66,11 +66,15 @@ class Engine {
   //
   // With several ranks it first compares across them what must be equal (the parameters in
   // registration order with shapes and trainable flags, the optimizer and its
-  // hyperparameters, dtypes, tiers, clipping, accumulation, the RequireAgreement settings),
-  // then, once the stores are initialised, the initial values (xxh3 of each parameter): a
-  // difference fails FinishRegistration on every rank with FailedPrecondition naming the
+  // hyperparameters, dtypes, tiers, clipping, accumulation, the RequireAgreement settings):
+  // a difference fails FinishRegistration on every rank with FailedPrecondition naming the
   // first difference and both ranks' values, before any other collective. A rank whose
-  // initialisation failed fails the others too ("another rank failed").
+  // placement or initialisation failed fails the others too ("another rank failed"). The
+  // initial values (xxh3 of each parameter) are compared at the first call that uses them
+  // (Acquire, Step, GatherMasterParameter, SaveCheckpoint), leaving out those a
+  // SetParameterValues or LoadCheckpoint replaced before: ranks that initialise differently
+  // and then load the same weights train; ranks that train on different initial values are
+  // refused there, on every rank, and the engine stops.
   Status FinishRegistration();
   // Adds a trainer's own setting to what every rank must agree on at FinishRegistration
   // (steps, batch size, a schedule: anything that changes which collectives a rank issues or
@@ -215,6 +219,10 @@ class Engine {
   // room). A failing `fill` stops the load: when sub-groups were already written (or with
   // several ranks) the engine refuses to train on (recreate it), else nothing changed: check
   // the sources before calling. With zinf.durable the store commits the new values.
+  // With several ranks every rank must pass the same ids and values: `fill` is called twice
+  // per parameter (must give the same values both times), first to compare the values'
+  // xxh3 across the ranks, and a difference is refused on every rank (FailedPrecondition
+  // naming the parameter) before anything is written.
   // Inference acquires (AcquireMode::kInference) are refused between a boundary micro-step's
   // first ReduceGradient and its Step: the optimizer may be rewriting the parameters then.
   Status SetParameterValues(const std::vector<ParamId>& ids,

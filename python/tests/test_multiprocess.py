@@ -256,7 +256,7 @@ def _start_rank(r, world, port, scratch, extra_env=None, args=()):
     e.update(extra_env or {})
     return subprocess.Popen(
         [sys.executable, WORKER, "--out", os.path.join(scratch, "out%d-%s" % (r, port)),
-         "--timeout", "60", "--steps", "2"] + list(args),
+         "--timeout", "300", "--steps", "2"] + list(args),
         env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -281,7 +281,7 @@ def test_two_jobs_on_one_port_never_pair(scratch):
         out_b = _finish(b1)
         assert b1.returncode not in (0, None), out_b[-3000:]
         assert "belongs to another job" in out_b, out_b[-3000:]
-        assert time.time() - start < 50, out_b[-3000:]  # not the 60 s collective timeout
+        assert time.time() - start < 150, out_b[-3000:]  # not the 300 s collective timeout
         a1 = _start_rank(1, 2, port, scratch, {"ZINF_JOB_ID": "job-a"})
         out_a1 = _finish(a1)
         assert a1.returncode == 0, out_a1[-3000:]
@@ -303,7 +303,7 @@ def test_ranks_with_another_setting_are_refused_naming_it(scratch):
         assert "the ranks disagree on the model and its training settings" in outs[r], \
             outs[r][-3000:]
         assert "gradient_clipping: rank 0 has 0, rank 1 has 1" in outs[r], outs[r][-3000:]
-    assert time.time() - start < 50  # interpreter start-up included; not the 60 s timeout
+    assert time.time() - start < 150  # interpreter start-up included; not the 300 s timeout
 
 
 @pytest.mark.parametrize("how,names", [
@@ -326,4 +326,4 @@ def test_writes_and_reads_on_some_ranks_only_are_refused_on_every_rank(scratch, 
     for r, p in enumerate(procs):
         assert p.returncode == 1, (r, p.returncode, outs[r][-3000:])  # an error, not a signal
         assert names in outs[r], (r, outs[r][-3000:])
-    assert time.time() - start < 50  # not the 60 s collective timeout
+    assert time.time() - start < 150  # not the 300 s collective timeout

@@ -38,6 +38,8 @@ and gradient hooks), MicroStep (_microstep.py: the accumulation window and its r
 Driver (_driver.py), ParamAccess (_access.py: reads and writes outside the hooks) and
 _state.py (checkpoints, gather, full_state_dict).
 """
+import os
+
 import torch
 
 from . import _autograd, _state, _zinf
@@ -152,6 +154,7 @@ class ZinfEngine:
         loss as is) and, with several ranks, by the world size (gradients are averaged over the
         ranks, as DeepSpeed's). One backward per micro-step."""
         self._enter("engine.backward")
+        self._between_steps("engine.backward")
         self._sync_lr()
         self._micro.losses.append(loss.detach())
         if self._scale_wrt_gas and self._gas > 1:
@@ -283,7 +286,7 @@ class ZinfEngine:
         self._save(str(save_dir), client_state)
 
     def _save(self, path, client_state, extra=None):
-        self._between_steps("save a checkpoint")
+        self._between_steps("save the checkpoint %s" % os.path.basename(path.rstrip("/")))
         _state.save(self, path, client_state, extra)
 
     def load_checkpoint(self, load_dir):
@@ -293,7 +296,7 @@ class ZinfEngine:
         return None if user is None else user.get("client_state")
 
     def _load(self, path):
-        self._between_steps("load a checkpoint")
+        self._between_steps("load the checkpoint %s" % os.path.basename(path.rstrip("/")))
         return _state.load(self, path)
 
     def resume_from_store(self):

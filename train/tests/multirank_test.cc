@@ -264,8 +264,16 @@ TEST(ZinfTrainRanks, RankProcessesAreNamedAndCarryAJobId) {
   const std::string out = dir.path() + "/out", err = dir.path() + "/err";
   posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
   posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  // Without a job id of the test's own (the supervisor passes a given one on).
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (std::string(*e).rfind("ZINF_JOB_ID=", 0) != 0) env.emplace_back(*e);
+  }
+  std::vector<char*> envp;
+  for (std::string& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
   pid_t supervisor = -1;
-  ASSERT_EQ(posix_spawn(&supervisor, argv[0], &fa, nullptr, argv.data(), environ), 0);
+  ASSERT_EQ(posix_spawn(&supervisor, argv[0], &fa, nullptr, argv.data(), envp.data()), 0);
   posix_spawn_file_actions_destroy(&fa);
   // The supervisor's children, once both have exec'd (their names are then the program's).
   std::vector<std::string> names, jobs;
