@@ -105,8 +105,8 @@ int LaunchRanks(const char* program, int argc, char** argv, int nproc) {
       for (uint32_t& w : words) w = random();
     } catch (const std::exception&) {
       // No entropy source: the time and this process's id still tell jobs apart.
-      const uint64_t now = static_cast<uint64_t>(
-          std::chrono::steady_clock::now().time_since_epoch().count());
+      const uint64_t now =
+          static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
       words[0] = static_cast<uint32_t>(now);
       words[1] = static_cast<uint32_t>(now >> 32);
       words[2] = static_cast<uint32_t>(getpid());

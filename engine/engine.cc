@@ -169,7 +169,8 @@ Status Engine::FinishRegistration() {
   Status placed = m.Place();
   // A rank that cannot place its stores fails the others too (no collective in Place
   // without a resume; a resume's agreement on the commit has its own).
-  if (m.world > 1 && !m.resume_store) placed = m.collectives->Agree(placed, "placing the parameters");
+  if (m.world > 1 && !m.resume_store)
+    placed = m.collectives->Agree(placed, "placing the parameters");
   ZINF_RETURN_IF_ERROR(placed);
   m.initial_hashes.clear();
   Status init = m.InitStores();
@@ -210,8 +211,7 @@ int RanksThatWroteTheStore(const EngineConfig& config) {
     const std::string name = it->path().filename().string();
     int k = -1;
     const char* digits = name.c_str() + 4;
-    if (it->is_directory(ec) && name.size() > 4 && name.size() < 12 &&
-        name.rfind("rank", 0) == 0 &&
+    if (it->is_directory(ec) && name.size() > 4 && name.size() < 12 && name.rfind("rank", 0) == 0 &&
         std::from_chars(digits, name.c_str() + name.size(), k).ptr == name.c_str() + name.size() &&
         !std::filesystem::is_empty(it->path(), ec)) {
       ranks = std::max(ranks, k + 1);
@@ -227,13 +227,14 @@ int RanksThatWroteTheStore(const EngineConfig& config) {
 Status WithWorldHint(const Status& failed, const EngineConfig& config, int world) {
   const int wrote = RanksThatWroteTheStore(config);
   if (wrote == 0 || wrote == world) return failed;
-  return Status(failed.code(),
-                failed.message() + " (the store there was written by " + std::to_string(wrote) +
-                    (wrote == 1 ? " rank" : " ranks") + ", and this run has " +
-                    std::to_string(world) + ": a durable store resumes with the number of ranks "
-                    "that wrote it; resume with " + std::to_string(wrote) +
-                    ", or save a checkpoint there and load it with " + std::to_string(world) +
-                    ")");
+  return Status(failed.code(), failed.message() + " (the store there was written by " +
+                                   std::to_string(wrote) + (wrote == 1 ? " rank" : " ranks") +
+                                   ", and this run has " + std::to_string(world) +
+                                   ": a durable store resumes with the number of ranks "
+                                   "that wrote it; resume with " +
+                                   std::to_string(wrote) +
+                                   ", or save a checkpoint there and load it with " +
+                                   std::to_string(world) + ")");
 }
 
 }  // namespace

@@ -285,8 +285,8 @@ Status Engine::SetParameterValues(const std::vector<ParamId>& ids,
       const ParamLayout& p = m.layout.param(id);
       full.assign(p.padded_numel, 0.0f);
       filled = fill(id, full.data()).WithContext("values of '" + p.info.name + "'");
-      text += "the values set for '" + p.info.name + "' (xxh3): " +
-              HashHex(XXH3_64bits(full.data(), p.info.numel * sizeof(float))) + "\n";
+      text += "the values set for '" + p.info.name +
+              "' (xxh3): " + HashHex(XXH3_64bits(full.data(), p.info.numel * sizeof(float))) + "\n";
     }
     ZINF_RETURN_IF_ERROR(m.collectives->Agree(filled, "SetParameterValues"));
     ZINF_RETURN_IF_ERROR(AgreeAcrossRanks(

@@ -422,8 +422,8 @@ TEST(GlooComm, ARankStoppedWhileJoiningFailsTheOthersWithinTheTimeout) {
         if (!folder.ok()) return {folder.status(), ""};
         char host[256] = {0};
         gethostname(host, sizeof(host) - 1);
-        Status s = (*folder)->Set("zinf/member/0", std::string(host) + " " +
-                                                       std::to_string(getpid()));
+        Status s =
+            (*folder)->Set("zinf/member/0", std::string(host) + " " + std::to_string(getpid()));
         // gloo's own first key (each rank's host name, rank_<r>), which rank 1 waits for
         // before it publishes its pairs' addresses under "<r>".
         if (s.ok()) s = (*folder)->Set("zinf/rank_0", host);
@@ -536,8 +536,11 @@ TEST(ProcessGroupFromEnv, Variants) {
   {
     // The job's identity: ZINF_JOB_ID, else torchrun's run id unless it is "none"; keys
     // carry its tag, not the id.
-    ScopedEnv env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"ZINF_STORE_FOLDER", "/tmp"},
-                   {"TORCHELASTIC_RUN_ID", "run7"}, {"ZINF_STORE_LISTEN_ADDR", "0.0.0.0"}});
+    ScopedEnv env({{"RANK", "0"},
+                   {"WORLD_SIZE", "2"},
+                   {"ZINF_STORE_FOLDER", "/tmp"},
+                   {"TORCHELASTIC_RUN_ID", "run7"},
+                   {"ZINF_STORE_LISTEN_ADDR", "0.0.0.0"}});
     auto o = ProcessGroupFromEnv();
     ASSERT_TRUE(o.ok()) << o.status().ToString();
     EXPECT_EQ(o->job_id, "run7");
@@ -546,7 +549,9 @@ TEST(ProcessGroupFromEnv, Variants) {
     EXPECT_EQ(o->prefix.find("run7"), std::string::npos);
   }
   {
-    ScopedEnv env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"ZINF_STORE_FOLDER", "/tmp"},
+    ScopedEnv env({{"RANK", "0"},
+                   {"WORLD_SIZE", "2"},
+                   {"ZINF_STORE_FOLDER", "/tmp"},
                    {"TORCHELASTIC_RUN_ID", "none"}});
     auto o = ProcessGroupFromEnv();
     ASSERT_TRUE(o.ok());
@@ -554,8 +559,11 @@ TEST(ProcessGroupFromEnv, Variants) {
     EXPECT_EQ(o->prefix, "zinf");
   }
   {
-    ScopedEnv env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"ZINF_STORE_FOLDER", "/tmp"},
-                   {"TORCHELASTIC_RUN_ID", "run7"}, {"ZINF_JOB_ID", "mine"}});
+    ScopedEnv env({{"RANK", "0"},
+                   {"WORLD_SIZE", "2"},
+                   {"ZINF_STORE_FOLDER", "/tmp"},
+                   {"TORCHELASTIC_RUN_ID", "run7"},
+                   {"ZINF_JOB_ID", "mine"}});
     auto o = ProcessGroupFromEnv();
     ASSERT_TRUE(o.ok());
     EXPECT_EQ(o->job_id, "mine");

@@ -2,6 +2,8 @@
 // initial values differ are refused at FinishRegistration on every rank, naming the first
 // difference and both values, before any other collective (ranks as threads on LocalComm; the
 // same with processes on GlooComm is in engine_multiprocess_test).
+#include "engine/core/rank_agreement.h"
+
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -10,11 +12,10 @@
 #include <thread>
 #include <vector>
 
-#include "engine/core/rank_agreement.h"
-#include "zinf/comm.h"
-#include "zinf/engine.h"
 #include "tests/test_util.h"
+#include "zinf/comm.h"
 #include "zinf/device.h"
+#include "zinf/engine.h"
 
 namespace zinf {
 namespace {
@@ -46,8 +47,8 @@ struct RankResult {
   Status after;  // a Barrier after the refusal: every rank is still in step
 };
 
-std::vector<RankResult> RunRanks(const std::vector<RankSetup>& setups) {
-  const int n = static_cast<int>(setups.size());
+// Runs body(rank, device, comm) on `n` ranks as threads (LocalComm), and joins them.
+void OnThreadRanks(int n, const std::function<void(int, Device*, Communicator*)>& body) {
   std::vector<std::unique_ptr<Device>> devices;
   std::vector<Device*> raw;
   for (int r = 0; r < n; ++r) {
@@ -55,38 +56,41 @@ std::vector<RankResult> RunRanks(const std::vector<RankSetup>& setups) {
     raw.push_back(devices.back().get());
   }
   Result<std::vector<std::unique_ptr<Communicator>>> comms = NewLocalComms(raw);
-  EXPECT_TRUE(comms.ok());
-  std::vector<RankResult> out(n);
+  ASSERT_TRUE(comms.ok()) << comms.status().ToString();
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      const RankSetup& s = setups[r];
-      Communicator* comm = (*comms)[r].get();
-      Result<std::unique_ptr<Engine>> engine = Engine::Create(Config(s), raw[r], comm);
-      if (!engine.ok()) {
-        out[r].finish = engine.status();
-        return;
-      }
-      Status st = (*engine)->RequireAgreement("trainer steps", s.trainer_steps);
-      for (int l = 0; l < s.layers && st.ok(); ++l) {
-        ParamSpec p;
-        p.name = "layer" + std::to_string(l) + ".weight";
-        p.shape = {4, 33};
-        const uint64_t seed = s.seed;
-        p.init = [seed, l](float* d, size_t k) {
-          for (size_t i = 0; i < k; ++i) d[i] = static_cast<float>((seed * 31 + l * 7 + i) % 13);
-        };
-        st = (*engine)->RegisterParameter(p).status();
-      }
-      if (st.ok()) st = (*engine)->FinishRegistration();
-      // The initial values are compared at their first use.
-      std::vector<float> w(4 * 33);
-      if (st.ok()) st = (*engine)->GatherMasterParameter(0, w.data());
-      out[r].finish = st;
-      out[r].after = comm->Barrier();
-    });
+    threads.emplace_back([&, r] { body(r, raw[r], (*comms)[r].get()); });
   }
   for (std::thread& t : threads) t.join();
+}
+
+std::vector<RankResult> RunRanks(const std::vector<RankSetup>& setups) {
+  std::vector<RankResult> out(setups.size());
+  OnThreadRanks(static_cast<int>(setups.size()), [&](int r, Device* device, Communicator* comm) {
+    const RankSetup& s = setups[r];
+    Result<std::unique_ptr<Engine>> engine = Engine::Create(Config(s), device, comm);
+    if (!engine.ok()) {
+      out[r].finish = engine.status();
+      return;
+    }
+    Status st = (*engine)->RequireAgreement("trainer steps", s.trainer_steps);
+    for (int l = 0; l < s.layers && st.ok(); ++l) {
+      ParamSpec p;
+      p.name = "layer" + std::to_string(l) + ".weight";
+      p.shape = {4, 33};
+      const uint64_t seed = s.seed;
+      p.init = [seed, l](float* d, size_t k) {
+        for (size_t i = 0; i < k; ++i) d[i] = static_cast<float>((seed * 31 + l * 7 + i) % 13);
+      };
+      st = (*engine)->RegisterParameter(p).status();
+    }
+    if (st.ok()) st = (*engine)->FinishRegistration();
+    // The initial values are compared at their first use.
+    std::vector<float> w(4 * 33);
+    if (st.ok()) st = (*engine)->GatherMasterParameter(0, w.data());
+    out[r].finish = st;
+    out[r].after = comm->Barrier();
+  });
   return out;
 }
 
@@ -153,51 +157,38 @@ TEST(RankAgreement, OtherInitialValuesAreNamed) {
 // parameter half one value, half the other). CompareAcrossRanks names what each rank does.
 TEST(RankAgreement, ValuesSetDifferentlyAreRefusedAndNothingIsSet) {
   const int n = 2;
-  std::vector<std::unique_ptr<Device>> devices;
-  std::vector<Device*> raw;
-  for (int r = 0; r < n; ++r) {
-    devices.push_back(NewHostDevice({}));
-    raw.push_back(devices.back().get());
-  }
-  Result<std::vector<std::unique_ptr<Communicator>>> comms = NewLocalComms(raw);
-  ASSERT_TRUE(comms.ok());
   std::vector<Status> set_other(n), set_same(n), compare(n);
   std::vector<std::vector<float>> after_other(n), after_same(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      Result<std::unique_ptr<Engine>> engine =
-          Engine::Create(Config(RankSetup{}), raw[r], (*comms)[r].get());
-      if (!engine.ok()) {
-        set_other[r] = engine.status();
-        return;
-      }
-      ParamSpec p;
-      p.name = "w";
-      p.shape = {100};
-      p.init = [](float* d, size_t k) {
-        for (size_t i = 0; i < k; ++i) d[i] = 0.5f;
-      };
-      Result<ParamId> id = (*engine)->RegisterParameter(p);
-      if (!id.ok() || !(*engine)->FinishRegistration().ok()) return;
-      const float mine = static_cast<float>(r + 1);
-      set_other[r] = (*engine)->SetParameterValues({*id}, [mine](ParamId, float* d) {
-        for (int i = 0; i < 100; ++i) d[i] = mine;
-        return Status::OK();
-      });
-      after_other[r].resize(100);
-      (void)(*engine)->GatherMasterParameter(*id, after_other[r].data());  // checked below
-      set_same[r] = (*engine)->SetParameterValues({*id}, [](ParamId, float* d) {
-        for (int i = 0; i < 100; ++i) d[i] = 7.0f;
-        return Status::OK();
-      });
-      after_same[r].resize(100);
-      (void)(*engine)->GatherMasterParameter(*id, after_same[r].data());  // checked below
-      compare[r] = (*engine)->CompareAcrossRanks(
-          "what they do next", r == 0 ? "next: a write of 'w'" : "next: a forward", "Remedy.");
+  OnThreadRanks(n, [&](int r, Device* device, Communicator* comm) {
+    Result<std::unique_ptr<Engine>> engine = Engine::Create(Config(RankSetup{}), device, comm);
+    if (!engine.ok()) {
+      set_other[r] = engine.status();
+      return;
+    }
+    ParamSpec p;
+    p.name = "w";
+    p.shape = {100};
+    p.init = [](float* d, size_t k) {
+      for (size_t i = 0; i < k; ++i) d[i] = 0.5f;
+    };
+    Result<ParamId> id = (*engine)->RegisterParameter(p);
+    if (!id.ok() || !(*engine)->FinishRegistration().ok()) return;
+    const float mine = static_cast<float>(r + 1);
+    set_other[r] = (*engine)->SetParameterValues({*id}, [mine](ParamId, float* d) {
+      for (int i = 0; i < 100; ++i) d[i] = mine;
+      return Status::OK();
     });
-  }
-  for (std::thread& t : threads) t.join();
+    after_other[r].resize(100);
+    (void)(*engine)->GatherMasterParameter(*id, after_other[r].data());  // checked below
+    set_same[r] = (*engine)->SetParameterValues({*id}, [](ParamId, float* d) {
+      for (int i = 0; i < 100; ++i) d[i] = 7.0f;
+      return Status::OK();
+    });
+    after_same[r].resize(100);
+    (void)(*engine)->GatherMasterParameter(*id, after_same[r].data());  // checked below
+    compare[r] = (*engine)->CompareAcrossRanks(
+        "what they do next", r == 0 ? "next: a write of 'w'" : "next: a forward", "Remedy.");
+  });
   for (int r = 0; r < n; ++r) {
     ASSERT_FALSE(set_other[r].ok()) << "rank " << r;
     EXPECT_NE(set_other[r].message().find("the ranks disagree on the parameter values being "
@@ -214,35 +205,27 @@ TEST(RankAgreement, ValuesSetDifferentlyAreRefusedAndNothingIsSet) {
 }
 
 // Runs `body(rank, engine)` on `ranks` thread ranks, each with one parameter registered.
-std::vector<Status> OnRanks(int ranks, const std::function<Status(int, Engine*)>& body) {
-  std::vector<std::unique_ptr<Device>> devices;
-  std::vector<Device*> raw;
-  for (int r = 0; r < ranks; ++r) {
-    devices.push_back(NewHostDevice({}));
-    raw.push_back(devices.back().get());
-  }
-  Result<std::vector<std::unique_ptr<Communicator>>> comms = NewLocalComms(raw);
-  std::vector<Status> out(ranks, comms.status());
-  if (!comms.ok()) return out;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < ranks; ++r) {
-    threads.emplace_back([&, r] {
-      out[r] = [&]() -> Status {
-        ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
-                              Engine::Create(Config(RankSetup{}), raw[r], (*comms)[r].get()));
-        ParamSpec p;
-        p.name = "w";
-        p.shape = {1000};
-        p.init = [](float* d, size_t k) {
-          for (size_t i = 0; i < k; ++i) d[i] = 0.25f;
-        };
-        ZINF_RETURN_IF_ERROR(engine->RegisterParameter(p).status());
-        ZINF_RETURN_IF_ERROR(engine->FinishRegistration());
-        return body(r, engine.get());
-      }();
-    });
-  }
-  for (std::thread& t : threads) t.join();
+// Runs body(rank, engine) on `ranks` thread ranks, each engine with one parameter "w" of
+// 1000 elements registered (0.25, or init(rank)'s values) and registration finished.
+using InitOf = std::function<std::function<void(float*, size_t)>(int rank)>;
+std::vector<Status> OnRanks(int ranks, const std::function<Status(int, Engine*)>& body,
+                            const InitOf& init = {}) {
+  std::vector<Status> out(ranks);
+  OnThreadRanks(ranks, [&](int r, Device* device, Communicator* comm) {
+    out[r] = [&]() -> Status {
+      ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                            Engine::Create(Config(RankSetup{}), device, comm));
+      ParamSpec p;
+      p.name = "w";
+      p.shape = {1000};
+      p.init = init ? init(r) : [](float* d, size_t k) {
+        for (size_t i = 0; i < k; ++i) d[i] = 0.25f;
+      };
+      ZINF_RETURN_IF_ERROR(engine->RegisterParameter(p).status());
+      ZINF_RETURN_IF_ERROR(engine->FinishRegistration());
+      return body(r, engine.get());
+    }();
+  });
   return out;
 }
 
@@ -252,16 +235,15 @@ std::vector<Status> OnRanks(int ranks, const std::function<Status(int, Engine*)>
 TEST(RankCheckpoint, AReshardedLoadGivesEachRankItsOwnUserData) {
   testing::TempDir dir;
   ASSERT_TRUE(dir.ok());
-  for (const Status& s : OnRanks(3, [&](int r, Engine* e) {
+  for (const Status& s : OnRanks(3, [&](int r, Engine*e) {
          return e->SaveCheckpoint(dir.path(), "data of rank " + std::to_string(r));
        })) {
     ASSERT_TRUE(s.ok()) << s.ToString();
   }
   for (int ranks : {2, 4}) {
     std::vector<std::string> got(ranks);
-    for (const Status& s : OnRanks(ranks, [&](int r, Engine* e) {
-           return e->LoadCheckpoint(dir.path(), &got[r]);
-         })) {
+    for (const Status& s :
+         OnRanks(ranks, [&](int r, Engine*e) { return e->LoadCheckpoint(dir.path(), &got[r]); })) {
       ASSERT_TRUE(s.ok()) << s.ToString();
     }
     for (int r = 0; r < ranks; ++r) {
@@ -277,45 +259,25 @@ TEST(RankCheckpoint, AReshardedLoadGivesEachRankItsOwnUserData) {
 TEST(RankAgreement, DifferentInitialValuesReplacedByALoadAreNotRefused) {
   testing::TempDir dir;
   ASSERT_TRUE(dir.ok());
-  for (const Status& s : OnRanks(2, [&](int r, Engine* e) {
-         return e->SaveCheckpoint(dir.path(), "");
-       })) {
+  for (const Status& s :
+       OnRanks(2, [&](int r, Engine*e) { return e->SaveCheckpoint(dir.path(), ""); })) {
     ASSERT_TRUE(s.ok()) << s.ToString();
   }
-  auto init = [](int r) {
+  const InitOf init = [](int r) -> std::function<void(float*, size_t)> {
     return [r](float* d, size_t k) {
       for (size_t i = 0; i < k; ++i) d[i] = static_cast<float>(r * 10 + i % 7);
     };
   };
+  // Then the values' first use: a gather.
   auto on_two = [&](const std::function<Status(Engine*)>& body) {
-    std::vector<std::unique_ptr<Device>> devices;
-    std::vector<Device*> raw;
-    for (int r = 0; r < 2; ++r) {
-      devices.push_back(NewHostDevice({}));
-      raw.push_back(devices.back().get());
-    }
-    auto comms = NewLocalComms(raw);
-    std::vector<Status> out(2);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r) {
-      threads.emplace_back([&, r] {
-        out[r] = [&]() -> Status {
-          ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
-                                Engine::Create(Config(RankSetup{}), raw[r], (*comms)[r].get()));
-          ParamSpec p;
-          p.name = "w";
-          p.shape = {1000};
-          p.init = init(r);
-          ZINF_RETURN_IF_ERROR(engine->RegisterParameter(p).status());
-          ZINF_RETURN_IF_ERROR(engine->FinishRegistration());
-          ZINF_RETURN_IF_ERROR(body(engine.get()));
+    return OnRanks(
+        2,
+        [&](int, Engine* e) -> Status {
+          ZINF_RETURN_IF_ERROR(body(e));
           std::vector<float> v(1000);
-          return engine->GatherMasterParameter(0, v.data());
-        }();
-      });
-    }
-    for (std::thread& t : threads) t.join();
-    return out;
+          return e->GatherMasterParameter(0, v.data());
+        },
+        init);
   };
   for (const Status& s : on_two([&](Engine* e) { return e->LoadCheckpoint(dir.path()); })) {
     EXPECT_TRUE(s.ok()) << s.ToString();

@@ -316,8 +316,8 @@ int OpenSession(const Flags& f, const RunPlan& plan, const EngineConfig& config,
       {"zinf-train --seq", std::to_string(f.seq)},
       {"zinf-train --warmup", f.warmup < 0 ? "default" : std::to_string(f.warmup)},
       {"zinf-train --seed", std::to_string(f.seed)},
-      {"zinf-train model", plan.model.name + " " + std::to_string(plan.model.layers) + " layers, d_model " +
-                               std::to_string(plan.model.d_model) + ", " +
+      {"zinf-train model", plan.model.name + " " + std::to_string(plan.model.layers) +
+                               " layers, d_model " + std::to_string(plan.model.d_model) + ", " +
                                std::to_string(plan.model.heads) + " heads"},
   };
   for (const auto& [name, value] : trainer_settings) {

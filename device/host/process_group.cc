@@ -95,8 +95,8 @@ Result<ProcessGroupOptions> ProcessGroupFromEnv() {
   // The job's identity: ours, else torchrun's run id ("none" is its default when not given).
   if (const char* job = Env("ZINF_JOB_ID")) {
     o.job_id = job;
-  } else if (const char* run = Env("TORCHELASTIC_RUN_ID"); run != nullptr &&
-                                                            std::string(run) != "none") {
+  } else if (const char* run = Env("TORCHELASTIC_RUN_ID");
+             run != nullptr && std::string(run) != "none") {
     o.job_id = run;
   }
   if (o.job_id.size() > 256) {

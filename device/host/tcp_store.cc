@@ -214,8 +214,9 @@ class StoreServer {
       const int err = errno;
       std::string why = std::strerror(err);
       if (err == EADDRINUSE) {
-        why += " (another job's rendezvous, or another program, holds it: give each job its "
-               "own MASTER_PORT)";
+        why +=
+            " (another job's rendezvous, or another program, holds it: give each job its "
+            "own MASTER_PORT)";
       } else if (err == EADDRNOTAVAIL) {
         why += " (" + listen_host +
                " is not an address of this machine: set ZINF_STORE_LISTEN_ADDR to one, or to "
@@ -491,9 +492,10 @@ class TcpStore final : public KeyValueStore {
     if (s.ok()) s = ReadAll(fd_, &status, 1, deadline, what);
     if (s.ok() && status == kReplyAlreadySet) {
       s = Status::FailedPrecondition(
-          what + " already holds another value for it: another process joined this job as the "
-                 "same rank (a rank started twice, or two jobs on one MASTER_PORT: give each job "
-                 "its own port, or set ZINF_JOB_ID to a value of its own on every rank of a job)");
+          what +
+          " already holds another value for it: another process joined this job as the "
+          "same rank (a rank started twice, or two jobs on one MASTER_PORT: give each job "
+          "its own port, or set ZINF_JOB_ID to a value of its own on every rank of a job)");
     } else if (s.ok() && status == kReplyFull) {
       s = Status::ResourceExhausted(what + " is full (" + std::to_string(kMaxStoreBytes >> 20) +
                                     " MiB of keys and values)");

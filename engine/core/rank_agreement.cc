@@ -58,8 +58,7 @@ std::string DescribeForAgreement(const EngineConfig& c, const Layout& layout,
   o << "zero_optimization.stage3_param_persistence_threshold: " << c.param_persistence_threshold
     << "\n";
   o << "zero_optimization.offload_param.device: " << TierName(c.offload_param.tier) << "\n";
-  o << "zero_optimization.offload_optimizer.device: " << TierName(c.offload_optimizer.tier)
-    << "\n";
+  o << "zero_optimization.offload_optimizer.device: " << TierName(c.offload_optimizer.tier) << "\n";
   o << "zero_optimization.offload_optimizer.ratio: " << Num(c.offload_optimizer.ratio) << "\n";
   o << "zinf.delayed_update: " << (c.delayed_update ? "true" : "false") << " after "
     << c.delayed_update_after << "\n";
@@ -128,8 +127,8 @@ Status AgreeAcrossRanks(HostCollectives* collectives, int world, const std::stri
   std::vector<uint64_t> lengths(world);
   ZINF_RETURN_IF_ERROR(collectives->AllGather(&length, lengths.data(), sizeof(length), doing));
   const uint64_t longest = *std::max_element(lengths.begin(), lengths.end());
-  const size_t chunk = std::max<size_t>(
-      1, HostCollectives::kSmallScratchBytes / (static_cast<size_t>(world) + 1));
+  const size_t chunk =
+      std::max<size_t>(1, HostCollectives::kSmallScratchBytes / (static_cast<size_t>(world) + 1));
   std::vector<std::string> texts(world, std::string(longest, '\0'));
   std::string send(chunk, '\0');
   std::vector<char> recv(chunk * world);

@@ -145,8 +145,9 @@ struct ProcessGroupOptions {
 // agent serves torch's store on MASTER_PORT) zinf's store goes on MASTER_PORT + 1;
 // ZINF_STORE_PORT sets the port explicitly. TORCHELASTIC_RESTART_COUNT joins the key prefix
 // (a restarted group never reads a dead attempt's keys). ZINF_JOB_ID (else TORCHELASTIC_RUN_ID
-// unless it is "none") is the job id; ZINF_STORE_LISTEN_ADDR the store's listen address. InvalidArgument naming the variable for a
-// malformed or inconsistent value (RANK >= WORLD_SIZE, WORLD_SIZE > 1 without a rendezvous).
+// unless it is "none") is the job id; ZINF_STORE_LISTEN_ADDR the store's listen address.
+// InvalidArgument naming the variable for a malformed or inconsistent value (RANK >= WORLD_SIZE,
+// WORLD_SIZE > 1 without a rendezvous).
 Result<ProcessGroupOptions> ProcessGroupFromEnv();
 
 // A job id's tag in key names: 16 hex digits of its xxh3 (the id itself is the store's

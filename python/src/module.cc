@@ -222,8 +222,8 @@ PYBIND11_MODULE(_zinf, m) {
       .def("save_checkpoint", &PyEngine::SaveCheckpoint, py::arg("dir"), py::arg("user_data"))
       .def("load_checkpoint", &PyEngine::LoadCheckpoint, py::arg("dir"))
       .def("gather_master", &PyEngine::GatherMaster, py::arg("id"), py::arg("out_ptr"))
-      .def("compare_across_ranks", &PyEngine::CompareAcrossRanks, py::arg("what"),
-           py::arg("text"), py::arg("remedy"))
+      .def("compare_across_ranks", &PyEngine::CompareAcrossRanks, py::arg("what"), py::arg("text"),
+           py::arg("remedy"))
       .def("load_safetensors", &PyEngine::LoadSafetensors, py::arg("checkpoint"),
            py::arg("mapping"), py::arg("allow_reshape") = false)
       .def("save_safetensors", &PyEngine::SaveSafetensors, py::arg("dir"), py::arg("mapping"),

@@ -2,20 +2,20 @@
 // same model as one rank with N times the batch (loss curve within 0.5 %); a rank killed
 // mid-run ends the run within seconds, naming it, with no process left behind; what is not
 // supported with several ranks yet is refused.
-#include <gtest/gtest.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
-#include <algorithm>
 #include <filesystem>
-#include <sstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -214,7 +214,8 @@ TEST(ZinfTrainRanks, RanksStartedWithDifferentFlagsAreRefusedNamingTheFlag) {
   for (const Case& c : std::vector<Case>{
            {{"--seed", "2"}, "zinf-train --seed: rank 0 has 1, rank 1 has 2"},
            {{"--lr", "0.003"}, "optimizer.lr: rank 0 has 0.00100"},
-           {{"--state-dtype", "bf16"}, "zinf.optimizer_state_dtype: rank 0 has fp32, rank 1 has bf16"},
+           {{"--state-dtype", "bf16"},
+            "zinf.optimizer_state_dtype: rank 0 has fp32, rank 1 has bf16"},
            {{"--steps", "5"}, "zinf-train --steps: rank 0 has 4, rank 1 has 5"},
            {{"--gradient-clipping", "1"}, "gradient_clipping: rank 0 has"},
        }) {
@@ -281,9 +282,9 @@ TEST(ZinfTrainRanks, RankProcessesAreNamedAndCarryAJobId) {
   while (std::chrono::steady_clock::now() < until) {
     names.clear();
     jobs.clear();
-    std::istringstream children(zinf::testing::ReadFile(
-        "/proc/" + std::to_string(supervisor) + "/task/" + std::to_string(supervisor) +
-        "/children"));
+    std::istringstream children(zinf::testing::ReadFile("/proc/" + std::to_string(supervisor) +
+                                                        "/task/" + std::to_string(supervisor) +
+                                                        "/children"));
     for (pid_t child; children >> child;) {
       std::string comm = zinf::testing::ReadFile("/proc/" + std::to_string(child) + "/comm");
       if (!comm.empty() && comm.back() == '\n') comm.pop_back();
@@ -291,7 +292,8 @@ TEST(ZinfTrainRanks, RankProcessesAreNamedAndCarryAJobId) {
       const std::string env =
           zinf::testing::ReadFile("/proc/" + std::to_string(child) + "/environ");
       const size_t at = env.find("ZINF_JOB_ID=");
-      jobs.push_back(at == std::string::npos ? "" : env.substr(at + 12, env.find('\0', at) - at - 12));
+      jobs.push_back(at == std::string::npos ? ""
+                                             : env.substr(at + 12, env.find('\0', at) - at - 12));
     }
     // Exec'd: the environment is the one the supervisor built (a forked child not yet
     // exec'd still has the supervisor's name and environment).
