@@ -49,7 +49,8 @@ launcher would, against a 2-rank run of the same command as the reference):
                 id, or none) reaches it first: B's rank is refused at once naming the other
                 job, and job A's own rank 1 then trains with it to the reference;
   rank-flags    rank 1 started with one flag of another value (--seed, --lr, --steps, --batch,
-                --state-dtype, --gradient-clipping, --warmup): both ranks refused, naming it;
+                --state-dtype, --gradient-clipping, --warmup, --grad-accum): both ranks
+                refused, naming it;
   store-stranger a foreign process works rank 0's store during the rendezvous (reads keys with
                 the old protocol, presents a guessed job id, sends garbage, sets keys, opens
                 many connections, or connects and stays silent): it gets nothing but the
@@ -96,7 +97,8 @@ RANK_FLAGS = [("--seed", "2", "zinf-train --seed"), ("--lr", "0.003", "optimizer
               ("--batch", "3", "zinf-train --batch"),
               ("--state-dtype", "bf16", "zinf.optimizer_state_dtype"),
               ("--gradient-clipping", "0.5", "gradient_clipping"),
-              ("--warmup", "3", "zinf-train --warmup")]
+              ("--warmup", "3", "zinf-train --warmup"),
+              ("--grad-accum", "2", "gradient_accumulation_steps")]
 STRANGERS = ["read", "guess", "garbage", "set", "flood", "silent"]
 MP_TIMEOUT = 6  # zinf.collective_timeout_seconds of the stop-join cases
 # Named kill points and how many times each fires in a 6-step run (roughly): a point that
