@@ -56,6 +56,38 @@ int ExitCodeOf(int status) {
   return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
 }
 
+// The job's identity for its ranks: the caller's ZINF_JOB_ID, else a fresh 32-hex one.
+std::string JobIdForRanks() {
+  if (const char* given = std::getenv("ZINF_JOB_ID"); given != nullptr && *given != '\0') {
+    return given;
+  }
+  uint32_t words[4] = {0, 0, 0, 0};
+  try {
+    std::random_device random;
+    for (uint32_t& w : words) w = random();
+  } catch (const std::exception&) {
+    // No entropy source: the time and this process's id still tell jobs apart.
+    const uint64_t now =
+        static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+    words[0] = static_cast<uint32_t>(now);
+    words[1] = static_cast<uint32_t>(now >> 32);
+    words[2] = static_cast<uint32_t>(getpid());
+    words[3] = static_cast<uint32_t>(std::time(nullptr));
+  }
+  char hex[33];
+  std::snprintf(hex, sizeof(hex), "%08x%08x%08x%08x", words[0], words[1], words[2], words[3]);
+  return hex;
+}
+
+// The program itself, by its real path: exec of /proc/self/exe would name the ranks "exe" in
+// ps and top. Unreadable, or replaced while running (a rebuild: the path names the new file
+// or "... (deleted)"): /proc/self/exe, still the running program's own inode.
+std::string ProgramPath() {
+  std::error_code ec;
+  const std::string exe = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+  return !ec && access(exe.c_str(), X_OK) == 0 ? exe : "/proc/self/exe";
+}
+
 }  // namespace
 
 int LaunchRanks(const char* program, int argc, char** argv, int nproc) {
@@ -94,42 +126,9 @@ int LaunchRanks(const char* program, int argc, char** argv, int nproc) {
     return 1;
   }
   // The ranks' environment, built before forking (the child only calls async-signal-safe
-  // functions and exec). The job's identity: the caller's ZINF_JOB_ID, else a fresh one.
-  std::string job_id;
-  if (const char* given = std::getenv("ZINF_JOB_ID"); given != nullptr && *given != '\0') {
-    job_id = given;
-  } else {
-    uint32_t words[4] = {0, 0, 0, 0};
-    try {
-      std::random_device random;
-      for (uint32_t& w : words) w = random();
-    } catch (const std::exception&) {
-      // No entropy source: the time and this process's id still tell jobs apart.
-      const uint64_t now =
-          static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-      words[0] = static_cast<uint32_t>(now);
-      words[1] = static_cast<uint32_t>(now >> 32);
-      words[2] = static_cast<uint32_t>(getpid());
-      words[3] = static_cast<uint32_t>(std::time(nullptr));
-    }
-    char hex[33];
-    std::snprintf(hex, sizeof(hex), "%08x%08x%08x%08x", words[0], words[1], words[2], words[3]);
-    job_id = hex;
-  }
-  // The program itself, by its real path: exec of /proc/self/exe would name the ranks "exe"
-  // in ps and top.
-  std::error_code exe_error;
-  std::string exe = std::filesystem::read_symlink("/proc/self/exe", exe_error).string();
-  // Replaced while running (a rebuild): the path names the new file or "... (deleted)"; the
-  // running program's own inode is still /proc/self/exe.
-  if (!exe_error && access(exe.c_str(), X_OK) != 0) exe = "/proc/self/exe";
-  if (exe_error) {
-    std::fprintf(stderr, "%s: finding this program's path (/proc/self/exe): %s\n", program,
-                 exe_error.message().c_str());
-    std::error_code ec;
-    std::filesystem::remove_all(store, ec);  // best effort: nothing was started
-    return 1;
-  }
+  // functions and exec).
+  const std::string job_id = JobIdForRanks();
+  const std::string exe = ProgramPath();
   const std::vector<std::string> args_copy = args;
   std::vector<std::vector<std::string>> envs(nproc);
   for (int r = 0; r < nproc; ++r) {

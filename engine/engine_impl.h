@@ -63,6 +63,10 @@ struct Engine::Impl {
   // LoadCheckpoint) is not refused for values nobody trains on. 0 in initial_hashes: replaced.
   bool values_unchecked = false;
   Status CheckInitialValues();
+  // SetParameterValues with several ranks: the `count` parameters marked in `wanted` and
+  // their values (xxh3, from a first call of `fill`) compared across the ranks.
+  Status CompareValuesToSet(size_t count, const std::vector<uint8_t>& wanted,
+                            const std::function<Status(ParamId, float*)>& fill);
 
   EngineStreams streams;
   std::unique_ptr<CpuOptimizer> optimizer;

@@ -254,6 +254,30 @@ Status Engine::Impl::SetFrozen(ParamId id, const std::function<Status(ParamId, f
   return Status::OK();
 }
 
+Status Engine::Impl::CompareValuesToSet(size_t count, const std::vector<uint8_t>& wanted,
+                                        const std::function<Status(ParamId, float*)>& fill) {
+  // The ranks set the same parameters to the same values, or nothing is set: each rank keeps
+  // only its slice, so different values would leave a parameter part one, part the other.
+  // Compared before anything is written (the values are filled twice).
+  std::string text = "parameters set: " + std::to_string(count) + "\n";
+  std::vector<float> full;
+  Status filled;
+  for (ParamId id = 0; id < layout.num_params() && filled.ok(); ++id) {
+    if (!wanted[id]) continue;
+    const ParamLayout& p = layout.param(id);
+    full.assign(p.padded_numel, 0.0f);
+    filled = fill(id, full.data()).WithContext("values of '" + p.info.name + "'");
+    text += "the values set for '" + p.info.name +
+            "' (xxh3): " + HashHex(XXH3_64bits(full.data(), p.info.numel * sizeof(float))) + "\n";
+  }
+  ZINF_RETURN_IF_ERROR(collectives->Agree(filled, "SetParameterValues"));
+  return AgreeAcrossRanks(
+      collectives.get(), world, "the parameter values being set", text,
+      "Nothing was set. Every rank must set the same parameters to the same values (each "
+      "rank keeps its own partition of a parameter): write them on every rank alike, or "
+      "compute them on one rank and broadcast them first.");
+}
+
 Status Engine::SetParameterValues(const std::vector<ParamId>& ids,
                                   const std::function<Status(ParamId, float*)>& fill) {
   Impl& m = *impl_;
@@ -273,28 +297,7 @@ Status Engine::SetParameterValues(const std::vector<ParamId>& ids,
   if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
   ZINF_RETURN_IF_ERROR(m.CheckBetweenSteps("SetParameterValues"));
   ZINF_RETURN_IF_ERROR(m.budget->ReclaimScratch());
-  if (m.world > 1) {
-    // The ranks set the same parameters to the same values, or nothing is set: each rank
-    // keeps only its slice, so different values would leave a parameter part one, part the
-    // other. Compared before anything is written (the values are filled twice).
-    std::string text = "parameters set: " + std::to_string(ids.size()) + "\n";
-    std::vector<float> full;
-    Status filled;
-    for (ParamId id = 0; id < m.layout.num_params() && filled.ok(); ++id) {
-      if (!wanted[id]) continue;
-      const ParamLayout& p = m.layout.param(id);
-      full.assign(p.padded_numel, 0.0f);
-      filled = fill(id, full.data()).WithContext("values of '" + p.info.name + "'");
-      text += "the values set for '" + p.info.name +
-              "' (xxh3): " + HashHex(XXH3_64bits(full.data(), p.info.numel * sizeof(float))) + "\n";
-    }
-    ZINF_RETURN_IF_ERROR(m.collectives->Agree(filled, "SetParameterValues"));
-    ZINF_RETURN_IF_ERROR(AgreeAcrossRanks(
-        m.collectives.get(), m.world, "the parameter values being set", text,
-        "Nothing was set. Every rank must set the same parameters to the same values (each "
-        "rank keeps its own partition of a parameter): write them on every rank alike, or "
-        "compute them on one rank and broadcast them first."));
-  }
+  if (m.world > 1) ZINF_RETURN_IF_ERROR(m.CompareValuesToSet(ids.size(), wanted, fill));
   ZINF_RETURN_IF_ERROR(m.collectives->Agree(m.FinishPendingUpdate(), "SetParameterValues"));
   m.gather_states.reset();
   size_t group_bytes = 0;

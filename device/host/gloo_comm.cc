@@ -423,6 +423,25 @@ class GlooComm final : public Communicator {
   uint32_t next_tag_ = 0;
 };
 
+// Every rank says who it is ("host pid", for the message when a peer dies) and waits until
+// all the others have, each wait within what `left()` says the join's deadline leaves.
+Result<std::vector<std::string>> ExchangeMembers(
+    KeyValueStore* store, const ProcessGroupOptions& options,
+    const std::function<std::chrono::milliseconds()>& left) {
+  char host_name[256] = {0};
+  if (gethostname(host_name, sizeof(host_name) - 1) != 0) {
+    return ErrnoToStatus(errno, "NewGlooComm: gethostname");
+  }
+  const std::string me = std::string(host_name) + " " + std::to_string(getpid());
+  ZINF_RETURN_IF_ERROR(store->Set(options.prefix + "/member/" + std::to_string(options.rank), me));
+  std::vector<std::string> members(options.world_size);
+  for (int r = 0; r < options.world_size; ++r) {
+    ZINF_ASSIGN_OR_RETURN(members[r],
+                          store->Get(options.prefix + "/member/" + std::to_string(r), left()));
+  }
+  return members;
+}
+
 }  // namespace
 
 Result<std::shared_ptr<KeyValueStore>> RendezvousStore(const ProcessGroupOptions& o) {
@@ -515,18 +534,9 @@ Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
                     std::chrono::duration_cast<std::chrono::milliseconds>(
                         deadline - std::chrono::steady_clock::now()));
   };
-  char host_name[256] = {0};
-  if (gethostname(host_name, sizeof(host_name) - 1) != 0) {
-    return ErrnoToStatus(errno, "NewGlooComm: gethostname");
-  }
-  const std::string me = std::string(host_name) + " " + std::to_string(getpid());
-  ZINF_RETURN_IF_ERROR(store->Set(options.prefix + "/member/" + std::to_string(options.rank), me)
-                           .WithContext("joining " + where));
-  for (int r = 0; r < options.world_size; ++r) {
-    Result<std::string> m = store->Get(options.prefix + "/member/" + std::to_string(r), left());
-    if (!m.ok()) return m.status().WithContext("joining " + where);
-    members[r] = *m;
-  }
+  Result<std::vector<std::string>> joined = ExchangeMembers(store.get(), options, left);
+  if (!joined.ok()) return joined.status().WithContext("joining " + where);
+  members = std::move(joined).value();
   try {
     auto dev = gloo::transport::tcp::CreateDevice(attr);
     context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.world_size);
