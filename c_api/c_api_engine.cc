@@ -76,6 +76,12 @@ int zinf_engine_create(const char* config_json, zinf_engine** out) {
 
 int zinf_engine_register(zinf_engine* engine, const char* name, const int64_t* shape, size_t ndim,
                          const float* init, uint32_t* id) {
+  return zinf_engine_register_in_group(engine, name, shape, ndim, init, 0, id);
+}
+
+int zinf_engine_register_in_group(zinf_engine* engine, const char* name, const int64_t* shape,
+                                  size_t ndim, const float* init, size_t param_group,
+                                  uint32_t* id) {
   if (!Live(engine, "zinf_engine_register")) return -1;
   if (name == nullptr || shape == nullptr || init == nullptr || id == nullptr || ndim == 0) {
     return Fail("zinf_engine_register: name, shape (ndim > 0), init and id are required");
@@ -83,6 +89,7 @@ int zinf_engine_register(zinf_engine* engine, const char* name, const int64_t* s
   return zinf::capi::Guarded("zinf_engine_register", [&] {
     zinf::ParamSpec spec;
     spec.name = name;
+    spec.param_group = param_group;
     spec.shape.assign(shape, shape + ndim);
     size_t numel = 1;
     for (size_t i = 0; i < ndim; ++i) {
@@ -172,6 +179,18 @@ int zinf_engine_gather_master(zinf_engine* engine, uint32_t id, float* out) {
 int zinf_engine_set_learning_rate(zinf_engine* engine, float lr) {
   if (!Live(engine, "zinf_engine_set_learning_rate")) return -1;
   return FromStatus(engine->engine->SetLearningRate(lr));
+}
+
+int zinf_engine_set_param_group(zinf_engine* engine, size_t group, float lr, float beta1,
+                                float beta2, float eps, float weight_decay) {
+  if (!Live(engine, "zinf_engine_set_param_group")) return -1;
+  zinf::ParamGroupHyper hp;
+  hp.lr = lr;
+  hp.beta1 = beta1;
+  hp.beta2 = beta2;
+  hp.eps = eps;
+  hp.weight_decay = weight_decay;
+  return FromStatus(engine->engine->SetParamGroup(group, hp));
 }
 
 int64_t zinf_engine_global_step(const zinf_engine* engine) {

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <sstream>
 #include <system_error>
 
 #include "common/utf8.h"
@@ -146,6 +147,13 @@ Result<ParamId> Engine::RegisterParameter(const ParamSpec& spec) {
                                      FormatBytes(m.device->MemoryInfo().budget))
         .WithKey("zinf.device_budget_bytes");
   }
+  if (spec.param_group >= m.groups.size()) {
+    return Status::InvalidArgument(
+        "parameter '" + spec.name + "': parameter group " + std::to_string(spec.param_group) +
+        " does not exist (" + std::to_string(m.groups.size()) +
+        " defined); define it with SetParamGroup before registering its parameters");
+  }
+  p.info.param_group = spec.param_group;
   m.inits.push_back(spec.init);
   return m.layout.Add(std::move(p));
 }
@@ -161,6 +169,14 @@ Status Engine::FinishRegistration() {
   // another size, which gloo aborts on, or a wait for the collective timeout).
   std::vector<std::pair<std::string, std::string>> settings = m.agreement;
   settings.emplace_back("resume from the durable store", m.resume_store ? "yes" : "no");
+  for (size_t g = 0; g < m.groups.size(); ++g) {
+    const ParamGroupHyper& h = m.groups[g];
+    std::ostringstream text;
+    text.precision(9);
+    text << "lr " << h.lr << ", betas " << h.beta1 << ", " << h.beta2 << ", eps " << h.eps
+         << ", weight_decay " << h.weight_decay;
+    settings.emplace_back("parameter group " + std::to_string(g), text.str());
+  }
   ZINF_RETURN_IF_ERROR(AgreeAcrossRanks(
       m.collectives.get(), m.world, "the model and its training settings",
       DescribeForAgreement(m.config, m.layout, settings),

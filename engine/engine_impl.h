@@ -41,7 +41,8 @@ struct Engine::Impl {
         world(cm->world_size()),
         layout(world, c.bf16 ? 2 : 4, c.optimizer_state_type, c.frozen_int8),
         clock(config),
-        lr(c.optimizer.lr) {}
+        groups{ParamGroupHyper{c.optimizer.lr, c.optimizer.beta1, c.optimizer.beta2,
+                               c.optimizer.eps, c.optimizer.weight_decay}} {}
   ~Impl();
 
   const EngineConfig config;
@@ -98,7 +99,9 @@ struct Engine::Impl {
   std::string commit_user_data;   // SetCommitUserData's text, for the commits
 
   StepClock clock;  // steps, micro-steps, the version read, the window's boundary
-  float lr;         // the learning rate of the next task
+  // The parameter groups' hyperparameters of the next task (SetParamGroup; group 0 the
+  // config's optimizer.params).
+  std::vector<ParamGroupHyper> groups;
   Status broken;    // once set, every call fails with it
   // GatherMasterParameter's copy of one sub-group's states.
   std::unique_ptr<AlignedBuffer> gather_states;
@@ -137,7 +140,7 @@ struct Engine::Impl {
   void KickTask() {
     gather_states.reset();
     if (!clock.StartMicroStep()) return;
-    board->Push({clock.step() + 1, config.gradient_clipping > 0, lr});
+    board->Push({clock.step() + 1, config.gradient_clipping > 0, groups});
   }
   // Between steps: waits for the optimizer step still running (delayed update) and makes its
   // parameters the ones the next micro-step reads, as a checkpoint resume would.

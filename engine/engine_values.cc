@@ -384,9 +384,48 @@ Status Engine::SetLearningRate(float lr) {
   if (!std::isfinite(lr) || lr < 0) {
     return Status::InvalidArgument("SetLearningRate: the learning rate must be finite and >= 0");
   }
-  impl_->lr = lr;
+  for (ParamGroupHyper& g : impl_->groups) g.lr = lr;
   return Status::OK();
 }
+
+Status Engine::SetParamGroup(size_t group, const ParamGroupHyper& hp) {
+  Impl& m = *impl_;
+  const std::string where = "parameter group " + std::to_string(group);
+  if (group > m.groups.size()) {
+    return Status::InvalidArgument("SetParamGroup: " + where + " is beyond the next one (" +
+                                   std::to_string(m.groups.size()) +
+                                   "); add the groups in order");
+  }
+  if (group == m.groups.size() && m.registered) {
+    return Status::FailedPrecondition("SetParamGroup: " + where +
+                                      " is new, and groups are added before FinishRegistration "
+                                      "(their parameters name them when registered)");
+  }
+  const std::pair<const char*, float> values[] = {{"lr", hp.lr},
+                                                  {"betas[0]", hp.beta1},
+                                                  {"betas[1]", hp.beta2},
+                                                  {"eps", hp.eps},
+                                                  {"weight_decay", hp.weight_decay}};
+  for (const auto& [key, v] : values) {
+    const bool beta = key[0] == 'b';
+    const bool lion = m.config.optimizer.type == OptimizerType::kLion;
+    if (!std::isfinite(v) || v < 0 || (beta && (lion ? v > 1 : v >= 1))) {
+      return Status::InvalidArgument("SetParamGroup: " + where + ": " + key + " = " +
+                                     std::to_string(v) + " must be finite and " +
+                                     (beta ? (lion ? "in [0, 1]" : "in [0, 1)") : ">= 0"));
+    }
+  }
+  if (group == m.groups.size()) {
+    m.groups.push_back(hp);
+  } else {
+    m.groups[group] = hp;
+  }
+  return Status::OK();
+}
+
+size_t Engine::num_param_groups() const { return impl_->groups.size(); }
+
+ParamGroupHyper Engine::param_group(size_t group) const { return impl_->groups.at(group); }
 
 int64_t Engine::global_step() const { return impl_->clock.step(); }
 int Engine::rank() const { return impl_->rank; }

@@ -389,16 +389,18 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
   return first;
 }
 
-OptimizerHyperParams OptimizerPipeline::HyperParams(const OptimizerTask& task, float coef) const {
-  const EngineConfig& config = *ctx_.config;
+OptimizerHyperParams OptimizerPipeline::HyperParams(const OptimizerTask& task, float coef,
+                                                    size_t group) const {
   OptimizerHyperParams hp;
-  hp.kind = OptimizerKindFor(config.optimizer.type);
+  hp.kind = OptimizerKindFor(ctx_.config->optimizer.type);
   hp.step = task.step;
-  hp.lr = task.lr;
-  hp.beta1 = config.optimizer.beta1;
-  hp.beta2 = config.optimizer.beta2;
-  hp.eps = config.optimizer.eps;
-  hp.weight_decay = config.optimizer.weight_decay;
+  // The engine checks each parameter's group when it is registered.
+  const ParamGroupHyper& g = task.groups.at(group);
+  hp.lr = g.lr;
+  hp.beta1 = g.beta1;
+  hp.beta2 = g.beta2;
+  hp.eps = g.eps;
+  hp.weight_decay = g.weight_decay;
   hp.grad_scale = coef;
   return hp;
 }
@@ -506,7 +508,7 @@ Status OptimizerPipeline::StepGroupOnDevice(size_t gi, const OptimizerTask& task
   Device* device = ctx_.device;
   Stream* stream = ctx_.streams.update;
   const bool copies = ctx_.config->bf16;
-  OptimizerHyperParams hp = HyperParams(task, coef);
+  OptimizerHyperParams hp = HyperParams(task, coef, 0);
   const int buf = Buf(task.step);
   const auto t0 = Clock::now();
   // The gradients accumulated in device memory (GradientPath); with clipping the norm's
@@ -553,6 +555,7 @@ Status OptimizerPipeline::StepGroupOnDevice(size_t gi, const OptimizerTask& task
       }
       continue;
     }
+    hp = HyperParams(task, coef, p.info.param_group);
     hp.step = m_.states->updates(id) + 1;
     if (copies) {
       t.param_copy = dst;
@@ -580,7 +583,7 @@ Status OptimizerPipeline::StepGroup(size_t gi, float* master, uint16_t* copy_out
   if (landing >= 0 && snapshot != nullptr) {
     return Status::Internal("a speculative step of a sub-group whose gradient is still landing");
   }
-  OptimizerHyperParams hp = HyperParams(task, coef);
+  OptimizerHyperParams hp = HyperParams(task, coef, 0);
   const auto t0 = Clock::now();
   const size_t tile = m_.optimizer->tile_elements();
   // Per tile of the parameter being stepped: whether its pre-step values are in the snapshot.
@@ -626,6 +629,7 @@ Status OptimizerPipeline::StepGroup(size_t gi, float* master, uint16_t* copy_out
       }
       continue;
     }
+    hp = HyperParams(task, coef, p.info.param_group);
     OptimizerTensors t = PartTensors(id, hp, master, m_.grads->Acc(id));
     if (copy_out != nullptr) {
       t.param_copy = copy_out + p.slice_offset;

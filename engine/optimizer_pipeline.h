@@ -54,7 +54,8 @@ class OptimizerPipeline {
   void Loop();
   // One task: every sub-group, in backward order.
   Status Run(const OptimizerTask& task);
-  OptimizerHyperParams HyperParams(const OptimizerTask& task, float coef) const;
+  // Step `task`'s hyperparameters for a parameter of parameter group `group`.
+  OptimizerHyperParams HyperParams(const OptimizerTask& task, float coef, size_t group) const;
   // A sub-group kept on the device, with its parameters on the device: stepped by
   // Device::OptimizerStep on the update stream, the parameters written into their device
   // stores by the step itself (bf16) or a device copy (fp32). `with_grad[j]`: whether the

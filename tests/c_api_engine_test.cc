@@ -267,6 +267,44 @@ TEST(CApiEngine, CheckpointDurableResumeAndLearningRate) {
   EXPECT_NE(0, zinf_engine_save_checkpoint(nullptr, "x", nullptr));
 }
 
+// A parameter in a group of its own with lr 0 stays where it is while one in group 0 moves;
+// a group that does not exist, or a bad value, is an error naming it.
+TEST(CApiEngine, ParameterGroups) {
+  zinf_engine* e = nullptr;
+  ASSERT_EQ(0, zinf_engine_create(R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.05}}})",
+                                  &e))
+      << zinf_last_error();
+  const int64_t shape[] = {4};
+  const float init[] = {1, 2, 3, 4};
+  uint32_t moving = 0, still = 0;
+  EXPECT_NE(0, zinf_engine_register_in_group(e, "still", shape, 1, init, 1, &still));
+  EXPECT_NE(std::string::npos,
+            std::string(zinf_last_error()).find("parameter group 1 does not exist"))
+      << zinf_last_error();
+  EXPECT_NE(0, zinf_engine_set_param_group(e, 1, 0.0f, 0.9f, 1.5f, 1e-8f, 0.0f));
+  EXPECT_NE(std::string::npos, std::string(zinf_last_error()).find("betas[1]"))
+      << zinf_last_error();
+  ASSERT_EQ(0, zinf_engine_set_param_group(e, 1, 0.0f, 0.9f, 0.999f, 1e-8f, 0.0f))
+      << zinf_last_error();
+  ASSERT_EQ(0, zinf_engine_register(e, "moving", shape, 1, init, &moving)) << zinf_last_error();
+  ASSERT_EQ(0, zinf_engine_register_in_group(e, "still", shape, 1, init, 1, &still))
+      << zinf_last_error();
+  const uint32_t ids[] = {moving, still};
+  void* ptrs[2] = {nullptr, nullptr};
+  ASSERT_EQ(0, zinf_engine_acquire(e, ids, 2, ptrs)) << zinf_last_error();
+  const float grad[] = {0.5f, -0.5f, 0.25f, 1.0f};
+  ASSERT_EQ(0, zinf_engine_reduce_gradient(e, moving, grad)) << zinf_last_error();
+  ASSERT_EQ(0, zinf_engine_reduce_gradient(e, still, grad)) << zinf_last_error();
+  ASSERT_EQ(0, zinf_engine_release(e, ids, 2));
+  ASSERT_EQ(0, zinf_engine_step(e, nullptr)) << zinf_last_error();
+  float a[4], b[4];
+  ASSERT_EQ(0, zinf_engine_gather_master(e, moving, a)) << zinf_last_error();
+  ASSERT_EQ(0, zinf_engine_gather_master(e, still, b)) << zinf_last_error();
+  EXPECT_NE(0, std::memcmp(a, init, sizeof a));
+  EXPECT_EQ(0, std::memcmp(b, init, sizeof b));
+  zinf_engine_destroy(e);
+}
+
 TEST(CApiEngine, Errors) {
   zinf_engine* e = nullptr;
   EXPECT_NE(0, zinf_engine_create("{\"zero_optimization\": {\"stage\": \"three\"}}", &e));

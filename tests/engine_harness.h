@@ -95,6 +95,9 @@ constexpr uint64_t kSubGroupSize = 20000;
 constexpr uint64_t kPersistenceThreshold = 100;
 constexpr float kLr = 1e-2f;
 constexpr float kWeightDecay = 0.01f;
+// RunOptions::param_groups: the biases' parameter group (1), every value unlike the config's
+// (group 0), as Hugging Face's no-decay group for biases and norms.
+inline ParamGroupHyper BiasGroup() { return ParamGroupHyper{3e-2f, 0.8f, 0.99f, 1e-6f, 0.0f}; }
 constexpr float kBeta1 = 0.9f;
 constexpr float kBeta2 = 0.999f;
 constexpr float kEps = 1e-8f;
@@ -212,11 +215,14 @@ class RankTrainer {
 
   // Registers W0, b0, W1, b1, ... in layer order, then ends registration.
   // `finish`: end registration (else the caller does, e.g. by Engine::ResumeFromStore).
-  Status Register(bool finish = true) {
+  // `groups`: the biases in parameter group 1 (BiasGroup()).
+  Status Register(bool finish = true, bool groups = false) {
     ZINF_RETURN_IF_ERROR(setup_);
+    if (groups) ZINF_RETURN_IF_ERROR(engine_->SetParamGroup(1, BiasGroup()));
     const MlpShape& shape = Shape();
     for (int p = 0; p < shape.num_params(); ++p) {
       ParamSpec spec;
+      spec.param_group = groups && p % 2 == 1 ? 1 : 0;
       spec.name = ParamName(p);
       spec.shape = shape.param_shape(p);
       spec.init = [p](float* data, size_t numel) { testing::InitParam(Shape(), p, data, numel); };
@@ -417,6 +423,7 @@ struct RunOptions {
   StateType state_type = StateType::kF32;                // zinf.optimizer_state_dtype
   SpeculativeStep speculative = SpeculativeStep::kAuto;  // zinf.speculative_step
   OptimizerType optimizer = OptimizerType::kAdamW;       // Simulate: AdamW only
+  bool param_groups = false;  // the biases in parameter group 1 (BiasGroup())
   // Simulate only: the states were kept as `states_before` until this optimizer step (a
   // checkpoint saved then, loaded by an engine keeping state_type: converted on load).
   int switch_states_at = -1;
@@ -430,6 +437,7 @@ struct RunOptions {
        << ", device budget " << device_budget_bytes;
     if (delayed) os << ", delayed update";
     if (ratio < 1) os << ", optimizer ratio " << ratio;
+    if (param_groups) os << ", biases in their own parameter group";
     if (swapped_micro_step >= 0) os << ", swapped acquire order at " << swapped_micro_step;
     if (state_type != StateType::kF32) os << ", " << StateTypeName(state_type) << " states";
     if (speculative != SpeculativeStep::kAuto) {
@@ -515,7 +523,7 @@ inline Status RankMain(const RunOptions& o, int rank, Device* device, Communicat
   std::unique_ptr<Engine> engine = std::move(*created);
   RankTrainer trainer(engine.get(), device);
   out->trainer_device_bytes = trainer.device_bytes();
-  ZINF_RETURN_IF_ERROR(trainer.Register());
+  ZINF_RETURN_IF_ERROR(trainer.Register(/*finish=*/true, o.param_groups));
   for (int p = 0; p < Shape().num_params(); ++p) {
     out->infos.push_back(engine->param(trainer.id(p)));
   }
@@ -778,6 +786,16 @@ inline SimResult Simulate(const RunOptions& o) {
     hp.weight_decay = kWeightDecay;
     hp.grad_scale = coef;
     for (int p = 0; p < np; ++p) {
+      if (o.param_groups) {
+        const ParamGroupHyper g = p % 2 == 1 ? BiasGroup()
+                                             : ParamGroupHyper{kLr, kBeta1, kBeta2, kEps,
+                                                               kWeightDecay};
+        hp.lr = g.lr;
+        hp.beta1 = g.beta1;
+        hp.beta2 = g.beta2;
+        hp.eps = g.eps;
+        hp.weight_decay = g.weight_decay;
+      }
       OptimizerTensors t;
       t.param = sim.params[p].data();
       t.grad = acc[p].data();

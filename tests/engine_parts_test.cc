@@ -172,7 +172,7 @@ TEST(GroupBoardTest, ALandingGradientIsSteppedPieceByPieceOnlyAsTheGroupsLast) {
     });
   };
   board.BeginMicroStep(/*boundary=*/true, /*step=*/0);  // the window ends with step 1
-  const OptimizerTask step1{1, /*clip=*/false, 1e-3f};
+  const OptimizerTask step1{1, /*clip=*/false, {ParamGroupHyper{}}};
   Ready r;
   std::future<Status> ready = wait_ready(step1, &r);
   board.MarkHasGrad(0, 1);
@@ -211,7 +211,7 @@ TEST(GroupBoardTest, ALandingGradientIsSteppedPieceByPieceOnlyAsTheGroupsLast) {
 
   // With clipping the group waits whole, and for the norm.
   board.BeginMicroStep(/*boundary=*/true, /*step=*/1);
-  const OptimizerTask step2{2, /*clip=*/true, 1e-3f};
+  const OptimizerTask step2{2, /*clip=*/true, {ParamGroupHyper{}}};
   Ready c;
   std::future<Status> clipped = wait_ready(step2, &c);
   land_a_then_a_piece_of_b(2);
@@ -225,7 +225,7 @@ TEST(GroupBoardTest, ALandingGradientIsSteppedPieceByPieceOnlyAsTheGroupsLast) {
 
   // A micro-step inside the window (ready 0) lands no pieces.
   board.BeginMicroStep(/*boundary=*/false, /*step=*/2);
-  const OptimizerTask step3{3, /*clip=*/false, 1e-3f};
+  const OptimizerTask step3{3, /*clip=*/false, {ParamGroupHyper{}}};
   Ready n;
   std::future<Status> inside = wait_ready(step3, &n);
   land_a_then_a_piece_of_b(0);

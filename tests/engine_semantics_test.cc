@@ -1272,6 +1272,51 @@ TEST(EngineNonFinite, ADurableStoreKeepsTheLastGoodStep) {
   }
 }
 
+// Parameter groups: a parameter naming a group that does not exist, a group added after
+// registration or out of order, and a value the optimizer refuses are each refused, naming
+// the group (and the key); a group's values can change between steps.
+TEST(EngineSemanticsTest, ParameterGroupRefusals) {
+  Rig rig;
+  ASSERT_TRUE(rig.Create(MakeConfig(Placement{Tier::kCpu, Tier::kCpu}, rig.dir.path()),
+                         /*finish=*/false)
+                  .ok());
+  EXPECT_EQ(rig.engine->num_param_groups(), 1u);
+  ParamSpec spec;
+  spec.name = "late";
+  spec.shape = {4};
+  spec.init = [](float* d, size_t n) { std::fill(d, d + n, 0.5f); };
+  spec.param_group = 1;
+  Result<ParamId> r = rig.engine->RegisterParameter(spec);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("parameter group 1 does not exist"), std::string::npos)
+      << r.status().ToString();
+  Status s = rig.engine->SetParamGroup(2, ParamGroupHyper{});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  ParamGroupHyper bad;
+  bad.beta2 = 1.0f;
+  s = rig.engine->SetParamGroup(1, bad);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("parameter group 1: betas[1]"), std::string::npos) << s.ToString();
+  bad = ParamGroupHyper{};
+  bad.weight_decay = -1.0f;
+  EXPECT_NE(rig.engine->SetParamGroup(0, bad).message().find("weight_decay"), std::string::npos);
+  ParamGroupHyper g;
+  g.lr = 0.25f;
+  ASSERT_TRUE(rig.engine->SetParamGroup(1, g).ok());
+  r = rig.engine->RegisterParameter(spec);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(rig.engine->param(*r).param_group, 1u);
+  ASSERT_TRUE(rig.engine->FinishRegistration().ok());
+  EXPECT_EQ(rig.engine->SetParamGroup(2, g).code(), StatusCode::kFailedPrecondition);
+  g.lr = 0.5f;
+  ASSERT_TRUE(rig.engine->SetParamGroup(1, g).ok());
+  EXPECT_EQ(rig.engine->param_group(1).lr, 0.5f);
+  ASSERT_TRUE(rig.engine->SetLearningRate(0.125f).ok());
+  EXPECT_EQ(rig.engine->param_group(0).lr, 0.125f);
+  EXPECT_EQ(rig.engine->param_group(1).lr, 0.125f);
+}
+
 }  // namespace
 }  // namespace zinf
 

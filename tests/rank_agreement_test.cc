@@ -26,6 +26,7 @@ struct RankSetup {
   int layers = 2;
   uint64_t seed = 7;
   std::string trainer_steps = "10";
+  float group1_lr = -1;  // >= 0: the last layer in parameter group 1 with this lr
 };
 
 EngineConfig Config(const RankSetup& s) {
@@ -74,8 +75,14 @@ std::vector<RankResult> RunRanks(const std::vector<RankSetup>& setups) {
       return;
     }
     Status st = (*engine)->RequireAgreement("trainer steps", s.trainer_steps);
+    if (st.ok() && s.group1_lr >= 0) {
+      ParamGroupHyper g;
+      g.lr = s.group1_lr;
+      st = (*engine)->SetParamGroup(1, g);
+    }
     for (int l = 0; l < s.layers && st.ok(); ++l) {
       ParamSpec p;
+      p.param_group = s.group1_lr >= 0 && l == s.layers - 1 ? 1 : 0;
       p.name = "layer" + std::to_string(l) + ".weight";
       p.shape = {4, 33};
       const uint64_t seed = s.seed;
@@ -122,6 +129,20 @@ TEST(RankAgreement, AnotherLearningRateIsNamed) {
   ExpectRefused(RunRanks({RankSetup{}, other}),
                 {"the ranks disagree on the model and its training settings",
                  "optimizer.lr: rank 0 has 0.0099999", "rank 1 has 0.029999"});
+}
+
+// A parameter group's values, and a parameter's group, are compared like the config's.
+TEST(RankAgreement, AnotherParameterGroupIsNamed) {
+  RankSetup grouped;
+  grouped.group1_lr = 0.5f;
+  RankSetup other = grouped;
+  other.group1_lr = 0.25f;
+  ExpectRefused(RunRanks({grouped, other}),
+                {"parameter group 1: rank 0 has lr 0.5,", "rank 1 has lr 0.25,"});
+  ExpectRefused(RunRanks({grouped, RankSetup{}}),
+                {"rank 0 has parameter group 1: lr 0.5", "where rank 1 has parameters: 2"});
+  std::vector<RankResult> same = RunRanks({grouped, grouped});
+  for (const RankResult& x : same) EXPECT_TRUE(x.finish.ok()) << x.finish.ToString();
 }
 
 TEST(RankAgreement, AnotherClippingIsNamed) {

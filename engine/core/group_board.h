@@ -22,7 +22,9 @@ namespace zinf {
 struct OptimizerTask {
   int64_t step = 0;
   bool clip = false;
-  float lr = 0;
+  // Every parameter group's hyperparameters for this step (ParamSpec::param_group indexes it),
+  // as they were when the step's micro-step started.
+  std::vector<ParamGroupHyper> groups;
 };
 
 class GroupBoard {

@@ -76,7 +76,9 @@ std::string DescribeForAgreement(const EngineConfig& c, const Layout& layout,
   for (ParamId id = 0; id < layout.num_params(); ++id) {
     const ParamInfo& p = layout.param(id).info;
     o << "parameter " << id << ": '" << p.name << "' " << Shape(p.shape)
-      << (p.trainable ? "" : " frozen") << "\n";
+      << (p.trainable ? "" : " frozen")
+      << (p.param_group != 0 ? " in parameter group " + std::to_string(p.param_group) : "")
+      << "\n";
   }
   return o.str();
 }

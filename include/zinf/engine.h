@@ -232,9 +232,20 @@ class Engine {
   // counting the optimizer step still running with the delayed update (it waits for it).
   int64_t param_updates(ParamId id) const;
 
-  // The learning rate of the optimizer steps from the next micro-step on (a schedule: warmup,
-  // decay); starts at the config's optimizer.params.lr.
+  // The learning rate of every parameter group's optimizer steps from the next micro-step on
+  // (a schedule: warmup, decay); starts at the config's optimizer.params.lr.
   Status SetLearningRate(float lr);
+  // Parameter groups (ParamGroupHyper). `group` == num_param_groups() adds a group (before
+  // FinishRegistration only, so that parameters registered after it can name it); a smaller
+  // index changes that group's hyperparameters for the optimizer steps from the next
+  // micro-step on (torch's param_groups[i][key] = value). InvalidArgument for a value the
+  // optimizer refuses (not finite, lr, eps or weight_decay < 0, betas outside [0, 1)) or an
+  // index beyond the next one, naming the group and the key. Group 0 is the config's
+  // optimizer.params. Every rank must make the same calls (compared at FinishRegistration;
+  // after it, like SetLearningRate, the caller's).
+  Status SetParamGroup(size_t group, const ParamGroupHyper& hp);
+  size_t num_param_groups() const;
+  ParamGroupHyper param_group(size_t group) const;  // REQUIRES: group < num_param_groups()
 
   int64_t global_step() const;
   int rank() const;        // this rank (the communicator's)

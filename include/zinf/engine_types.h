@@ -14,6 +14,20 @@ namespace zinf {
 
 using ParamId = uint32_t;
 
+// One parameter group's optimizer hyperparameters (torch's param_groups, DeepSpeed's
+// model_parameters groups): every parameter belongs to one group (ParamSpec::param_group), and
+// the optimizer steps it with its group's values. The optimizer type is the engine's
+// (EngineConfig::optimizer.type): Adam and AdamW read every field, Adagrad lr, eps and
+// weight_decay, Lion lr, beta1, beta2 and weight_decay. Group 0 starts as the config's
+// optimizer.params (Engine::SetParamGroup adds and changes groups).
+struct ParamGroupHyper {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+};
+
 struct ParamSpec {
   std::string name;
   std::vector<int64_t> shape;
@@ -28,6 +42,9 @@ struct ParamSpec {
   // init or set with SetParameterValues); loading either into an engine whose value or whose
   // trainable flag differs is refused, naming it. Fixed at registration.
   bool trainable = true;
+  // The parameter group whose hyperparameters step it (Engine::SetParamGroup; 0: the
+  // config's). Must name a group that exists when the parameter is registered.
+  size_t param_group = 0;
 };
 
 // What the engine knows of a registered parameter.
@@ -39,6 +56,7 @@ struct ParamInfo {
   size_t sub_group = 0;        // optimizer sub-group
   bool persistent = false;     // small enough to stay on the device once fetched
   bool trainable = true;       // ParamSpec::trainable
+  size_t param_group = 0;      // ParamSpec::param_group
 };
 
 // Acquire's purpose. kTraining acquires make up the micro-step: they start it (the optimizer

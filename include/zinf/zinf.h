@@ -155,6 +155,16 @@ int zinf_engine_gather_master(zinf_engine* engine, uint32_t id, float* out);
 /* The learning rate of the optimizer steps from the next micro-step on (finite, >= 0). */
 int zinf_engine_set_learning_rate(zinf_engine* engine, float lr);
 
+/* Parameter groups (Engine::SetParamGroup): group == the number of groups adds one (while
+ * parameters are still registered), a smaller one changes its hyperparameters from the next
+ * micro-step on; group 0 is the config's optimizer.params. zinf_engine_register_in_group
+ * registers a parameter in a group that exists (zinf_engine_register: group 0). */
+int zinf_engine_set_param_group(zinf_engine* engine, size_t group, float lr, float beta1,
+                                float beta2, float eps, float weight_decay);
+int zinf_engine_register_in_group(zinf_engine* engine, const char* name, const int64_t* shape,
+                                  size_t ndim, const float* init, size_t param_group,
+                                  uint32_t* id);
+
 /* Optimizer steps taken (after a resume: the step resumed at); -1 for a NULL engine. */
 int64_t zinf_engine_global_step(const zinf_engine* engine);
 

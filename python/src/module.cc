@@ -210,7 +210,7 @@ PYBIND11_MODULE(_zinf, m) {
       .def_property_readonly("warnings", &PyEngine::warnings)
       .def("register", &PyEngine::Register, py::arg("name"), py::arg("shape"), py::arg("trainable"),
            py::arg("ptr") = 0, py::arg("dtype") = "float32", py::arg("spill") = nullptr,
-           py::arg("spill_offset") = 0)
+           py::arg("spill_offset") = 0, py::arg("group") = 0)
       .def("finish_registration", &PyEngine::FinishRegistration, py::arg("resume") = false)
       .def("acquire", &PyEngine::Acquire, py::arg("ids"), py::arg("inference") = false)
       .def("release", &PyEngine::Release, py::arg("ids"))
@@ -231,6 +231,16 @@ PYBIND11_MODULE(_zinf, m) {
            py::arg("extra") = std::vector<PyEngine::HostTensorSpec>{})
       .def("set_parameter_values", &PyEngine::SetParameterValues, py::arg("ids"), py::arg("fill"))
       .def("set_lr", [](PyEngine& e, float lr) { Check(e.engine().SetLearningRate(lr)); })
+      .def(
+          "set_param_group",
+          [](PyEngine& e, size_t group, float lr, float beta1, float beta2, float eps,
+             float weight_decay) {
+            Check(e.engine().SetParamGroup(group, {lr, beta1, beta2, eps, weight_decay}));
+          },
+          py::arg("group"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+          py::arg("weight_decay"))
+      .def_property_readonly("num_param_groups",
+                             [](PyEngine& e) { return e.engine().num_param_groups(); })
       .def_property_readonly("global_step", [](PyEngine& e) { return e.engine().global_step(); })
       .def("param_updates",
            [](PyEngine& e, ParamId id) {

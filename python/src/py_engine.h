@@ -57,10 +57,11 @@ class PyEngine {
   Engine& engine() { return *core_->engine; }
 
   // Registers a parameter whose initial values are read, when registration ends, from host
-  // memory at `ptr` (the caller keeps it alive until then) or from a spill file.
+  // memory at `ptr` (the caller keeps it alive until then) or from a spill file; `group`:
+  // its parameter group (ParamSpec::param_group).
   ParamId Register(const std::string& name, const std::vector<int64_t>& shape, bool trainable,
                    uintptr_t ptr, const std::string& dtype, std::shared_ptr<SpillFile> spill,
-                   uint64_t spill_offset);
+                   uint64_t spill_offset, size_t group);
   void FinishRegistration(bool resume);
 
   // Acquires the parameters and returns one DLPack capsule per parameter: a 1-D tensor of
