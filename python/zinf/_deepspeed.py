@@ -217,10 +217,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
     cfg = Config(config if config is not None else from_args)
     tree = dict(cfg.tree or {})
 
-    trained = None
-    overrides = {}
-    if model_parameters is not None:
-        trained, overrides = _optim.trained_parameters(model_parameters)
+    plan = None
     client = optimizer
     if client is not None and not isinstance(client, torch.optim.Optimizer):
         if callable(client):  # DeepSpeed accepts a factory of the parameters
@@ -229,21 +226,17 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
         else:
             raise TypeError("optimizer must be a torch.optim.Optimizer or a callable")
     if client is not None:
-        tree["optimizer"] = _optim.from_torch(client, tree.get("optimizer"))
-    if overrides:
-        block = dict(tree.get("optimizer") or {"type": "AdamW", "params": {}})
-        params = dict(block.get("params") or {})
-        for key in ("lr", "betas", "eps", "weight_decay"):
-            if key in overrides:
-                params[key] = list(overrides[key]) if key == "betas" else overrides[key]
-        block["params"] = params
-        tree["optimizer"] = block
-    if cfg.tree is not None and (client is not None or overrides):
-        cfg = Config(tree)
+        # The client optimizer's groups (DeepSpeed trains what it holds).
+        tree["optimizer"], plan = _optim.from_torch(client, tree.get("optimizer"))
+        if cfg.tree is not None:
+            cfg = Config(tree)
+    elif model_parameters is not None:
+        plan = _optim.model_parameter_groups(model_parameters,
+                                             _initialize.hyperparameters(cfg))
 
     engine = _initialize.build(model, cfg, device=device, scale_wrt_gas=scale_wrt_gas,
                                engine_class=DeepSpeedEngine, client_optimizer=client,
-                               lr_scheduler=lr_scheduler, trained=trained)
+                               lr_scheduler=lr_scheduler, plan=plan)
     micro = cfg.summary["train_micro_batch_size_per_gpu"]
     if not micro and cfg.summary["train_batch_size"]:
         micro = cfg.summary["train_batch_size"] // max(1, engine._gas)

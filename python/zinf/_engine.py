@@ -48,7 +48,7 @@ from ._calls import set_base_data
 from ._driver import Driver
 from ._hooks import ModuleHooks
 from ._microstep import MicroStep
-from ._optim import ZinfOptimizer, error
+from ._optim import GroupPlan, ZinfOptimizer, error
 from ._packing import Packing
 from ._registry import ParamRegistry
 from ._residency import Residency
@@ -60,7 +60,7 @@ class ZinfEngine:
     """A model trained by zinf. Create it with zinf.initialize(model, config)."""
 
     def __init__(self, model, core, device, scale_wrt_gas=True, hyper=None,
-                 client_optimizer=None, lr_scheduler=None, trained=None):
+                 client_optimizer=None, lr_scheduler=None, plan=None):
         self.module = model
         self.device = torch.device(device)
         self._core = core
@@ -82,21 +82,39 @@ class ZinfEngine:
         self._hooks = ModuleHooks(self, self._registry, self._residency, self._packing,
                                   self._micro)
         self._access = ParamAccess(self)
-        self._lr_pushed = None
+        hyper = hyper or {}
+        self._group_defaults = {"betas": tuple(hyper.get("betas", (0.9, 0.999))),
+                                "eps": hyper.get("eps", 1e-8),
+                                "weight_decay": hyper.get("weight_decay", 0.0)}
+        # The parameter groups go to the engine before the parameters that name them.
+        self._pushed = {}
+        if plan is not None:
+            for i, g in enumerate(plan.groups):
+                self._push_group(i, g)
         _autograd.install()
-        self._registry.register(self, model, trained)
+        self._registry.register(self, model, plan.member if plan is not None else None)
         self._hooks.install(model)
         self._registry.adopt(model, self._access)
-        hyper = hyper or {}
         params = self._registry.params
         trainable = [p.param for p in params if p.trainable]
-        self.optimizer = ZinfOptimizer(trainable or [params[0].param],
-                                       hyper.get("type", "AdamW"), hyper.get("lr", 1e-3),
-                                       hyper.get("betas", (0.9, 0.999)), hyper.get("eps", 1e-8),
-                                       hyper.get("weight_decay", 0.0))
+        if plan is None or client_optimizer is None and len(plan.groups) == 1:
+            groups = trainable or [params[0].param]
+            first = plan.groups[0] if plan is not None else {
+                "lr": hyper.get("lr", 1e-3), "betas": tuple(hyper.get("betas", (0.9, 0.999))),
+                "eps": hyper.get("eps", 1e-8), "weight_decay": hyper.get("weight_decay", 0.0)}
+        else:
+            by_group = [[] for _ in plan.groups]
+            for p in params:
+                g = plan.member.get(id(p.param))
+                if g is not None:
+                    by_group[g].append(p.param)
+            groups = [dict(h, params=ps) for h, ps in zip(plan.groups, by_group)]
+            first = plan.groups[0]
+        self.optimizer = ZinfOptimizer(groups, hyper.get("type", "AdamW"), first["lr"],
+                                       first["betas"], first["eps"], first["weight_decay"])
         if client_optimizer is not None:
             # One set of groups: a scheduler made on the trainer's own optimizer moves zinf's
-            # learning rate (DeepSpeed's wrapper shares them the same way).
+            # hyperparameters (DeepSpeed's wrapper shares them the same way).
             self.optimizer.param_groups = client_optimizer.param_groups
         # A factory (DeepSpeed accepts one) gets the optimizer.
         self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) else \
@@ -237,18 +255,29 @@ class ZinfEngine:
         """[the learning rate of the next optimizer step] (DeepSpeed's list shape)."""
         return [group["lr"] for group in self.optimizer.param_groups]
 
+    def _push_group(self, i, h):
+        key = (h["lr"], tuple(h["betas"]), h["eps"], h["weight_decay"])
+        if self._pushed.get(i) != key:
+            self._core.set_param_group(i, h["lr"], h["betas"][0], h["betas"][1], h["eps"],
+                                       h["weight_decay"])
+            self._pushed[i] = key
+
+    def _group_hypers(self):
+        """Each optimizer group's hyperparameters (lr, betas, eps, weight_decay)."""
+        return [GroupPlan.hyper(g, self._group_defaults, "optimizer param group %d" % i)
+                for i, g in enumerate(self.optimizer.param_groups)]
+
     def _sync_lr(self):
-        """Hands the optimizer groups' learning rate to zinf's optimizer when it changed (a
-        scheduler, or a trainer writing param_groups[i]["lr"])."""
-        lrs = {float(g["lr"]) for g in self.optimizer.param_groups}
-        if len(lrs) != 1:
-            raise error("InvalidArgument",
-                        "the optimizer's param groups hold different learning rates %s; zinf's "
-                        "optimizer has one" % sorted(lrs))
-        lr = lrs.pop()
-        if lr != self._lr_pushed:
-            self._core.set_lr(lr)
-            self._lr_pushed = lr
+        """Hands each optimizer group's hyperparameters to zinf's optimizer when they changed
+        (a scheduler, or a trainer writing param_groups[i][key])."""
+        groups = self.optimizer.param_groups
+        if len(groups) != self._core.num_param_groups:
+            raise error("NotSupported",
+                        "the optimizer holds %d param groups and zinf's engine %d: groups are "
+                        "fixed when the engine is built (pass every group to initialize)"
+                        % (len(groups), self._core.num_param_groups))
+        for i, h in enumerate(self._group_hypers()):
+            self._push_group(i, h)
 
     @property
     def global_step(self):

@@ -34,6 +34,8 @@ def available_memory():
 
 
 def _pinned_budget(cfg, model, trained, device_is_host):
+    # `trained`: ids of the parameters to train (a GroupPlan's members), None: every one
+    # that requires grad.
     """The engine's JSON with zinf.pinned_budget_bytes sized to the model when the config does
     not set it and the default cannot hold what the model needs; refused when the machine
     does not have that much memory available."""
@@ -77,7 +79,7 @@ def hyperparameters(cfg):
 
 
 def build(model, config, device=None, scale_wrt_gas=True, engine_class=ZinfEngine,
-          client_optimizer=None, lr_scheduler=None, trained=None):
+          client_optimizer=None, lr_scheduler=None, plan=None):
     """A new engine over `model` (see zinf.initialize)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError("zinf.initialize: the model must be a torch.nn.Module, got %s"
@@ -88,7 +90,8 @@ def build(model, config, device=None, scale_wrt_gas=True, engine_class=ZinfEngin
     if device is None:
         device = "cuda" if cuda_available() else "cpu"
     dev = torch.device(device)
-    text = _pinned_budget(cfg, model, trained, dev.type == "cpu")
+    text = _pinned_budget(cfg, model, plan.member if plan is not None else None,
+                          dev.type == "cpu")
     group = _distributed.group(cfg.summary)
     if group is not None and dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", group["local_rank"])  # one GPU per process of a machine
@@ -121,7 +124,7 @@ def build(model, config, device=None, scale_wrt_gas=True, engine_class=ZinfEngin
                                                     cfg.summary["nvme_paths"])
     engine = engine_class(model, core, torch_device, scale_wrt_gas=scale_wrt_gas,
                           hyper=hyperparameters(cfg), client_optimizer=client_optimizer,
-                          lr_scheduler=lr_scheduler, trained=trained)
+                          lr_scheduler=lr_scheduler, plan=plan)
     engine.local_rank = group["local_rank"] if group is not None else 0
     if stream is not None:
         engine._stream = stream

@@ -2,10 +2,11 @@
 hyperparameters the way torch's optimizers do, so that torch learning-rate schedulers and code
 written for DeepSpeed (optimizer.param_groups[0]["lr"]) work unchanged.
 
-The engine reads param_groups[0]["lr"] before each micro-step that starts an accumulation
-window's optimizer step and hands it to zinf's optimizer; every group must then hold the same
-learning rate (zinf has one). betas, eps and weight_decay are the config's and fixed: a change
-of them is refused at the next step rather than ignored.
+Parameter groups are the engine's (Engine::SetParamGroup): each group's lr, betas, eps and
+weight_decay step its parameters. The engine reads every group before each micro-step and
+hands a changed value to zinf's optimizer (a scheduler, or a trainer writing
+param_groups[i][key]); the optimizer step of an accumulation window takes the values of the
+window's last micro-step. Groups are fixed at initialize: add_param_group is refused.
 """
 import torch
 
@@ -26,13 +27,22 @@ def error(code, message):
 
 
 class ZinfOptimizer(torch.optim.Optimizer):
-    """Stands for zinf's optimizer (the config's "optimizer"): param_groups hold the
+    """Stands for zinf's optimizer (the config's "optimizer"): param_groups hold each group's
     hyperparameters; step() belongs to engine.step(), zero_grad() clears stray .grad."""
 
     def __init__(self, params, kind, lr, betas, eps, weight_decay):
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self.kind = kind
+        self._fixed = True  # the groups are the engine's from here on
+
+    def add_param_group(self, param_group):
+        if getattr(self, "_fixed", False):
+            raise error("NotSupported",
+                        "optimizer.add_param_group: zinf's parameter groups are fixed when the "
+                        "engine is built; pass every group to initialize (model_parameters or "
+                        "the optimizer)")
+        super().add_param_group(param_group)
 
     def step(self, closure=None):
         raise error("FailedPrecondition",
@@ -45,58 +55,103 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 p.grad = None
 
 
+# The hyperparameter keys of a group zinf's optimizer reads (Adagrad's have no betas).
+HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+class GroupPlan:
+    """Parameter groups as torch's optimizers hold them: `groups`, one dict of
+    hyperparameters per group (lr, betas, eps, weight_decay; floats), and `member`, id(torch
+    parameter) -> its group's index. Parameters in no group are not trained."""
+
+    def __init__(self, groups, member):
+        self.groups = groups
+        self.member = member
+
+    @staticmethod
+    def hyper(group, defaults, where):
+        """A group's hyperparameters: its own keys over `defaults` (the config's)."""
+        out = {}
+        for k in HYPER_KEYS:
+            v = group.get(k, defaults.get(k))
+            try:
+                out[k] = tuple(float(b) for b in v) if k == "betas" else float(v)
+            except (TypeError, ValueError):
+                raise error("InvalidArgument", "%s: %s = %r is not a number" % (where, k, v)) \
+                    from None
+            if k == "betas" and len(out[k]) != 2:
+                raise error("InvalidArgument", "%s: betas = %r: two values" % (where, v))
+        return out
+
+    @classmethod
+    def from_groups(cls, groups, defaults, where):
+        """From torch-style groups (dicts with "params", or parameters: one group)."""
+        groups = list(groups)
+        if not groups:
+            raise error("InvalidArgument", "%s: no parameters" % where)
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        plan = cls([], {})
+        for i, g in enumerate(groups):
+            if not isinstance(g, dict):
+                raise error("InvalidArgument", "%s: group %d is a %s; give every group as a dict "
+                                               "with \"params\" (torch's param groups) or pass "
+                                               "the parameters alone"
+                            % (where, i, type(g).__name__))
+            params = g.get("params", [])
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            for k in ("amsgrad", "maximize", "nesterov"):
+                if g.get(k):
+                    raise error("InvalidArgument", "%s: group %d: %s=True is not implemented by "
+                                                   "zinf's optimizer" % (where, i, k))
+            plan.groups.append(cls.hyper(g, defaults, "%s: group %d" % (where, i)))
+            for p in params:
+                if id(p) in plan.member:
+                    raise error("InvalidArgument", "%s: a parameter is in groups %d and %d; "
+                                                   "torch allows one group per parameter"
+                                % (where, plan.member[id(p)], i))
+                plan.member[id(p)] = i
+        return plan
+
+
+# DeepSpeed's own optimizer classes (deepspeed.ops.adam), and whether each is AdamW.
+def _adam_kind(optimizer):
+    name = type(optimizer).__name__
+    if name in _TORCH_TYPES:
+        return _TORCH_TYPES[name]
+    if getattr(optimizer, "_zinf_kind", None) is not None:
+        return optimizer._zinf_kind
+    return None
+
+
 def from_torch(optimizer, config_block):
-    """The config "optimizer" block for a torch optimizer handed to initialize (DeepSpeed's
-    client optimizer): its type and the first group's hyperparameters. Refuses types zinf
-    has no kernel for, groups that differ, and a config that names an optimizer too."""
+    """The config "optimizer" block (the type and group 0's values) and the GroupPlan for a
+    torch optimizer handed to initialize (DeepSpeed's client optimizer: a torch Adam / AdamW /
+    Adagrad, or deepspeed.ops.adam's DeepSpeedCPUAdam / FusedAdam). Refuses types zinf has no
+    kernel for and a config that names an optimizer too."""
     if config_block is not None:
         raise error("InvalidArgument",
                     "zinf.initialize: an optimizer was passed and the config has an "
                     "\"optimizer\" block; give one of them")
-    kind = _TORCH_TYPES.get(type(optimizer).__name__)
+    kind = _adam_kind(optimizer)
     if kind is None:
         raise error("InvalidArgument",
                     "zinf.initialize: optimizer %s: zinf's optimizer is Adam, AdamW, Adagrad or "
-                    "Lion; pass one of torch.optim.Adam/AdamW/Adagrad, or name it in the "
-                    "config's \"optimizer\"" % type(optimizer).__name__)
-    groups = optimizer.param_groups
-    keys = ("lr", "betas", "eps", "weight_decay") if kind != "Adagrad" else \
-        ("lr", "eps", "weight_decay")
-    first = groups[0]
-    for i, g in enumerate(groups[1:], 1):
-        for k in keys:
-            if g.get(k) != first.get(k):
-                raise error("InvalidArgument",
-                            "zinf.initialize: optimizer param group %d has %s=%r, group 0 has "
-                            "%r; zinf's optimizer applies one set of hyperparameters to every "
-                            "parameter" % (i, k, g.get(k), first.get(k)))
-    for k in ("amsgrad", "maximize", "nesterov"):
-        if first.get(k):
-            raise error("InvalidArgument",
-                        "zinf.initialize: %s=True is not implemented by zinf's optimizer" % k)
-    params = {"lr": float(first["lr"]), "eps": float(first.get("eps", 1e-8)),
-              "weight_decay": float(first.get("weight_decay", 0.0))}
+                    "Lion; pass torch.optim.Adam/AdamW/Adagrad or deepspeed.ops.adam's "
+                    "DeepSpeedCPUAdam/FusedAdam, or name it in the config's \"optimizer\""
+                    % type(optimizer).__name__)
+    defaults = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    plan = GroupPlan.from_groups(optimizer.param_groups, defaults,
+                                 "optimizer %s" % type(optimizer).__name__)
+    first = plan.groups[0]
+    params = {"lr": first["lr"], "eps": first["eps"], "weight_decay": first["weight_decay"]}
     if kind != "Adagrad":
-        params["betas"] = [float(b) for b in first.get("betas", (0.9, 0.999))]
-    return {"type": kind, "params": params}
+        params["betas"] = list(first["betas"])
+    return {"type": kind, "params": params}, plan
 
 
-def trained_parameters(model_parameters):
-    """The set of parameter ids a DeepSpeed-style model_parameters names (parameters or param
-    group dicts), and the groups when there are several with differing hyperparameters."""
-    ids = set()
-    groups = list(model_parameters)
-    for g in groups:
-        if isinstance(g, dict):
-            for p in g.get("params", []):
-                ids.add(id(p))
-        else:
-            ids.add(id(g))
-    hp = [{k: v for k, v in g.items() if k != "params"} for g in groups if isinstance(g, dict)]
-    for i, g in enumerate(hp[1:], 1):
-        if g != hp[0]:
-            raise error("InvalidArgument",
-                        "zinf.initialize: model_parameters group %d has %s, group 0 has %s; "
-                        "zinf's optimizer applies one set of hyperparameters to every "
-                        "parameter (no per-group weight_decay or lr)" % (i, g, hp[0]))
-    return ids, (hp[0] if hp else {})
+def model_parameter_groups(model_parameters, defaults):
+    """The GroupPlan of DeepSpeed's model_parameters (parameters, or torch param-group dicts
+    whose keys override the config's optimizer params, as DeepSpeed's optimizer built from the
+    config takes them)."""
+    return GroupPlan.from_groups(model_parameters, defaults, "zinf.initialize: model_parameters")

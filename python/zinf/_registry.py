@@ -37,8 +37,8 @@ class ParamRegistry:
 
     def register(self, engine, model, trained):
         """Registers every parameter of `model` with `engine`'s core; its data becomes the
-        placeholder. `trained`: ids of the parameters to train (None: every one that requires
-        grad)."""
+        placeholder. `trained`: id(parameter) -> its parameter group, for the parameters to
+        train (None: every one that requires grad, in group 0)."""
         core = engine._core
         names = collections.defaultdict(list)
         for name, param in all_named_parameters(model):
@@ -57,6 +57,7 @@ class ParamRegistry:
                 raise ZinfError("parameter '%s' is %s; zinf manages float32, bfloat16 and "
                                 "float16 parameters" % (name, param.dtype))
             trainable = param.requires_grad and (trained is None or id(param) in trained)
+            group = trained.get(id(param), 0) if trainable and trained is not None else 0
             spill = getattr(param, "_zinf_spill", None)
             if spill is not None:
                 spill_file, offset, version = spill
@@ -71,7 +72,7 @@ class ParamRegistry:
                         "its module's constructor, or load values with zinf.load_safetensors"
                         % name)
                 pid = core.register(name, list(param.shape), trainable,
-                                    spill=spill_file, spill_offset=offset)
+                                    spill=spill_file, spill_offset=offset, group=group)
                 source = None
             else:
                 source = param.detach()
@@ -80,7 +81,8 @@ class ParamRegistry:
                                     "under zinf.Init (or on the CPU) so it has values" % name)
                 source = source.to("cpu").contiguous()
                 pid = core.register(name, list(param.shape), trainable,
-                                    ptr=source.data_ptr(), dtype=FLOAT_DTYPES[param.dtype])
+                                    ptr=source.data_ptr(), dtype=FLOAT_DTYPES[param.dtype],
+                                    group=group)
             p = ManagedParam(pid, param, names[id(param)], engine._dtype, engine.device, engine)
             p.trainable = trainable
             p.source = source

@@ -11,6 +11,7 @@ import json
 import torch
 
 from . import _zinf
+from ._optim import error
 
 ZinfError = _zinf.ZinfError
 
@@ -38,7 +39,9 @@ def save(engine, path, client_state, extra=None):
            "buffers": blob({k: v.detach().cpu() for k, v in
                             persistent_buffers(engine.module).items()}),
            "names": [p.names[0] for p in engine._registry.params],
-           "lr": engine.get_lr()[0]}
+           "lr": engine.get_lr()[0],
+           "param_groups": [{k: (list(v) if k == "betas" else v) for k, v in h.items()}
+                            for h in engine._group_hypers()]}
     if engine.lr_scheduler is not None:
         doc["lr_scheduler"] = blob(engine.lr_scheduler.state_dict())
     doc.update(extra or {})
@@ -73,7 +76,18 @@ def load(engine, path):
         state = torch.load(io.BytesIO(base64.b64decode(user["lr_scheduler"])),
                            weights_only=True)
         engine.lr_scheduler.load_state_dict(state)
-    if user.get("lr") is not None:
+    saved = user.get("param_groups")
+    if saved is not None:
+        groups = engine.optimizer.param_groups
+        if len(saved) != len(groups):
+            raise error("FailedPrecondition",
+                        "%s holds %d parameter groups and this engine's optimizer %d: build the "
+                        "optimizer with the groups it was saved with" % (path, len(saved),
+                                                                           len(groups)))
+        for group, h in zip(groups, saved):  # torch's optimizer.load_state_dict does the same
+            for k, v in h.items():
+                group[k] = tuple(v) if k == "betas" else v
+    elif user.get("lr") is not None:
         for group in engine.optimizer.param_groups:
             group["lr"] = user["lr"]
     engine._sync_lr()
