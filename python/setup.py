@@ -38,11 +38,23 @@ class CMakeBuild(build_ext):
         shutil.copyfile(os.path.join(package, built[0]), target)
 
 
+def compat_files():
+    """zinf/compat's files (the deepspeed package and its metadata), relative to zinf/."""
+    base = os.path.join(HERE, "zinf")
+    out = []
+    for root, dirs, files in os.walk(os.path.join(base, "compat")):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        out += [os.path.relpath(os.path.join(root, f), base) for f in files
+                if not f.endswith(".pyc")]
+    return out
+
+
 setup(
     name="zinf",
     version="0.1.0",
     description="zinf: train models larger than GPU and host memory (ZeRO-Infinity engine)",
     packages=["zinf"],
+    package_data={"zinf": compat_files()},
     ext_modules=[Extension("zinf._zinf", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.8",

@@ -239,6 +239,15 @@ PYBIND11_MODULE(_zinf, m) {
           },
           py::arg("group"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
           py::arg("weight_decay"))
+      .def_property_readonly("device_memory",
+                             [](PyEngine& e) {
+                               const DeviceMemoryInfo m = e.device_memory();
+                               py::dict d;
+                               d["budget"] = m.budget;
+                               d["used"] = m.used;
+                               d["peak"] = m.peak;
+                               return d;
+                             })
       .def_property_readonly("num_param_groups",
                              [](PyEngine& e) { return e.engine().num_param_groups(); })
       .def_property_readonly("global_step", [](PyEngine& e) { return e.engine().global_step(); })

@@ -55,6 +55,8 @@ class PyEngine {
 
   const std::vector<std::string>& warnings() const { return warnings_; }
   Engine& engine() { return *core_->engine; }
+  // The engine's device memory: its budget, the bytes in use and the peak.
+  DeviceMemoryInfo device_memory() const { return core_->device->MemoryInfo(); }
 
   // Registers a parameter whose initial values are read, when registration ends, from host
   // memory at `ptr` (the caller keeps it alive until then) or from a spill file; `group`:

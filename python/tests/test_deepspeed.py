@@ -425,3 +425,42 @@ def test_a_deepspeed_tutorial_script_runs_with_import_zinf_as_deepspeed(scratch)
     assert second["start_step"] == 8 and second["global_steps"] == 6
     # WarmupLR over 4 steps, warmup_max_lr the optimizer's 3e-3: reached after step 4.
     assert second["lr"] == pytest.approx(3e-3, rel=1e-12)
+
+
+def test_batch_arithmetic_is_deepspeeds():
+    """train = micro x accumulation x ranks; any two give the third; an inconsistent triple is
+    refused with the numbers (DeepSpeed's _set_batch_related_parameters)."""
+    from zinf._config import Config, resolve_batch
+
+    def resolved(world, **keys):
+        c = resolve_batch(Config(dict(make_config(), **keys)), world)
+        return (c.summary["train_batch_size"], c.summary["train_micro_batch_size_per_gpu"],
+                c.summary["gradient_accumulation_steps"])
+
+    base = make_config()
+    del base["gradient_accumulation_steps"]
+
+    def only(world, **keys):
+        c = resolve_batch(Config(dict(base, **keys)), world)
+        return (c.summary["train_batch_size"], c.summary["train_micro_batch_size_per_gpu"],
+                c.summary["gradient_accumulation_steps"])
+
+    assert only(2, train_batch_size=16) == (16, 8, 1)
+    assert only(1, train_batch_size=16, train_micro_batch_size_per_gpu=8) == (16, 8, 2)
+    assert only(2, train_batch_size=16, train_micro_batch_size_per_gpu=4) == (16, 4, 2)
+    assert only(2, train_batch_size=32, gradient_accumulation_steps=4) == (32, 4, 4)
+    assert only(2, train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=5) == (30, 3, 5)
+    assert only(4, train_micro_batch_size_per_gpu=3) == (12, 3, 1)
+    # make_config sets accumulation 1: a triple that does not multiply out.
+    with pytest.raises(zinf.ZinfError, match=r"16 != 4 x 1 x 2"):
+        resolved(2, train_batch_size=16, train_micro_batch_size_per_gpu=4)
+    with pytest.raises(zinf.ZinfError, match="not a multiple of 3 x 2 ranks"):
+        only(2, train_batch_size=16, train_micro_batch_size_per_gpu=3)
+    with pytest.raises(zinf.ZinfError, match="train_batch_size: \"auto\""):
+        only(1, train_batch_size="auto")
+    # The engine and its accessors carry the resolved numbers.
+    torch.manual_seed(3)
+    engine, _, _, _ = zinf.initialize(model=Llama(), config=dict(
+        base, train_batch_size=16, train_micro_batch_size_per_gpu=8))
+    assert (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
+            engine.gradient_accumulation_steps()) == (16, 8, 2)

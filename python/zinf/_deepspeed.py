@@ -110,8 +110,8 @@ class DeepSpeedEngine(ZinfEngine):
         return self._micro_batch
 
     def train_batch_size(self):
-        return self._micro_batch * self._gas if self._micro_batch else \
-            self.config.summary["train_batch_size"]
+        """micro x accumulation x ranks (DeepSpeed's arithmetic; zinf._config.resolve_batch)."""
+        return self.config.summary["train_batch_size"] or None
 
     def gradient_accumulation_steps(self):
         return self._gas
@@ -123,8 +123,101 @@ class DeepSpeedEngine(ZinfEngine):
         return bool(self._last_stats and self._last_stats["optimizer_ran"])
 
     def step(self, lr_kwargs=None):
+        boundary = self.__dict__.pop("_boundary_set", None)
+        if boundary is not None and boundary != self.is_gradient_accumulation_boundary():
+            raise error("FailedPrecondition",
+                        "set_gradient_accumulation_boundary(%s) but this step is micro-step %d of "
+                        "%d of its accumulation window: the trainer's accumulation (e.g. "
+                        "accelerate's gradient_accumulation_steps) and the config's "
+                        "gradient_accumulation_steps (%d) must be the same"
+                        % (boundary, self._micro.index % self._gas + 1, self._gas, self._gas))
         self._last_stats = super().step(lr_kwargs)
         return self._last_stats
+
+    def backward(self, loss, allreduce_gradients=True, release_loss=False, retain_graph=False,
+                 scale_wrt_gas=None):
+        """DeepSpeed's backward: scale_wrt_gas (None: initialize's) divides the loss by the
+        accumulation steps; gradients are always reduced across the ranks."""
+        if not allreduce_gradients:
+            raise error("NotSupported", "backward(allreduce_gradients=False): zinf reduces each "
+                                        "gradient as it is produced")
+        keep = self._scale_wrt_gas
+        if scale_wrt_gas is not None:
+            self._scale_wrt_gas = bool(scale_wrt_gas)
+        try:
+            return super().backward(loss, retain_graph=retain_graph)
+        finally:
+            self._scale_wrt_gas = keep
+
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        """What the trainer thinks the next step() is (accelerate sets it every micro-step);
+        zinf counts the window itself and refuses a step where the two differ."""
+        self._boundary_set = bool(is_boundary)
+
+    def bfloat16_enabled(self):
+        return self._dtype == torch.bfloat16
+
+    def fp16_enabled(self):
+        return False
+
+    def amp_enabled(self):
+        return False
+
+    def zero_optimization(self):
+        return True
+
+    def zero_optimization_stage(self):
+        return 3
+
+    def zero_optimization_partition_weights(self):
+        return True
+
+    def zero_cpu_offload(self):
+        return self.config.get("zero_optimization", "offload_optimizer", "device",
+                               default="none") in ("cpu", "nvme")
+
+    @property
+    def global_samples(self):
+        return self.global_steps * (self.train_batch_size() or 0)
+
+    def zero_gather_16bit_weights_on_model_save(self):
+        """The config's zero_optimization.stage3_gather_16bit_weights_on_model_save (DeepSpeed's
+        default False; its alias gather_fp16_weights_on_model_save too)."""
+        z = self.config.get("zero_optimization", default={}) or {}
+        return bool(z.get("stage3_gather_16bit_weights_on_model_save",
+                          z.get("stage3_gather_fp16_weights_on_model_save", False)))
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
+        """The model's state_dict with whole values in the parameters' dtype on rank 0 (an
+        empty dict on the others), as DeepSpeed's; collective."""
+        self._enter("_zero3_consolidated_16bit_state_dict")
+        self._between_steps("_zero3_consolidated_16bit_state_dict")
+        state = self.full_state_dict(dtype=self._dtype)
+        if exclude_frozen_parameters:
+            frozen = {n for p in self._registry.params if not p.trainable for n in p.names}
+            state = type(state)((k, v) for k, v in state.items() if k not in frozen)
+        return state if self.rank == 0 else type(state)()
+
+    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin",
+                         exclude_frozen_parameters=False):
+        """torch.save of the consolidated state_dict into save_dir/save_filename on rank 0."""
+        state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if self.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, os.path.join(save_dir, save_filename))
+        return True
+
+    save_fp16_model = save_16bit_model
+
+    def destroy(self):
+        self.close()
+
+    def __getattr__(self, name):
+        # DeepSpeed's engine hands unknown attributes to the module it wraps.
+        module = self.__dict__.get("module")
+        if module is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(module, name)
 
     def deepspeed_io(self, dataset, batch_size=None, route=None, pin_memory=True,
                      data_sampler=None, collate_fn=None, num_local_io_workers=None):
@@ -237,10 +330,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
     engine = _initialize.build(model, cfg, device=device, scale_wrt_gas=scale_wrt_gas,
                                engine_class=DeepSpeedEngine, client_optimizer=client,
                                lr_scheduler=lr_scheduler, plan=plan)
-    micro = cfg.summary["train_micro_batch_size_per_gpu"]
-    if not micro and cfg.summary["train_batch_size"]:
-        micro = cfg.summary["train_batch_size"] // max(1, engine._gas)
-    engine._micro_batch = micro
+    engine._micro_batch = engine.config.summary["train_micro_batch_size_per_gpu"] or None
     engine._last_stats = None
     if training_data is not None:
         engine.training_dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)

@@ -1,11 +1,12 @@
 """Building an engine for a model: the config split (the engine's part, the Python layer's
 blocks), the pinned budget, the device, the core engine and the ZinfEngine around it."""
 import warnings
+import weakref
 
 import torch
 
 from . import _activations, _distributed, _schedulers, _zinf
-from ._config import Config
+from ._config import Config, resolve_batch
 from ._engine import ZinfEngine
 from ._optim import error
 
@@ -14,6 +15,19 @@ ZinfError = _zinf.ZinfError
 DEFAULT_PINNED = 1 << 30  # the engine's default zinf.pinned_budget_bytes
 # What the machine keeps for everything else when the budget is sized to the model.
 _MEMORY_MARGIN = 1 << 30
+
+
+_engines = []  # weak references to the engines build made, newest last
+
+
+def newest_engine():
+    """The newest engine build made that is still open, or None."""
+    while _engines:
+        e = _engines[-1]()
+        if e is not None and not e._closed:
+            return e
+        _engines.pop()
+    return None
 
 
 def cuda_available():
@@ -85,6 +99,7 @@ def build(model, config, device=None, scale_wrt_gas=True, engine_class=ZinfEngin
         raise TypeError("zinf.initialize: the model must be a torch.nn.Module, got %s"
                         % type(model).__name__)
     cfg = config if isinstance(config, Config) else Config(config)
+    cfg = resolve_batch(cfg, _distributed.from_env()[1])
     for w in cfg.summary["warnings"]:
         warnings.warn("zinf config: " + w, stacklevel=3)
     if device is None:
@@ -131,4 +146,5 @@ def build(model, config, device=None, scale_wrt_gas=True, engine_class=ZinfEngin
     engine.config = cfg
     if activations is not None:
         _activations.configure(activations, engine)
+    _engines.append(weakref.ref(engine))
     return engine

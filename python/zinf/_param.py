@@ -84,7 +84,7 @@ class ManagedParam:
 
     __slots__ = ("id", "param", "names", "shape", "numel", "dtype", "placeholder", "trainable",
                  "state", "grad_state", "fwd_live", "fwd_holders", "bwd_flat", "saved_refs",
-                 "grad_node", "source", "live_ptr", "engine")
+                 "grad_node", "source", "live_ptr", "engine", "gathered")
 
     def __init__(self, pid, param, names, dtype, device, engine):
         self.id = pid
@@ -105,6 +105,9 @@ class ManagedParam:
         self.source = None  # its initial values until registration ends
         self.live_ptr = None  # the storage pointer torch sees while acquired
         self.engine = weakref.ref(engine)
+        # Inside a GatheredParameters block (_gathered.py): the base data is an ordinary
+        # tensor of the whole values, and torch calls act on it without the engine.
+        self.gathered = False
 
     def _next(self, transition):
         """The state `transition` leads to from the current one; raises when it is illegal."""

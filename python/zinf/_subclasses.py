@@ -28,7 +28,7 @@ class ZinfParameter(torch.nn.Parameter):
         if kind != META:
             managed = [t for t in call_tensors(args, kwargs)
                        if type(t) is ZinfParameter and t.__dict__.get("_zinf_rec") is not None]
-            if managed:
+            if managed and not all(t._zinf_rec.gathered for t in managed):
                 access = _access_of(managed[0])
                 if kind == WRITE:
                     written = [t for t in written_tensors(args, kwargs)
@@ -45,7 +45,7 @@ class ZinfParameter(torch.nn.Parameter):
     @property
     def data(self):
         rec = self.__dict__.get("_zinf_rec")
-        if rec is None or rec.state.in_forward:
+        if rec is None or rec.state.in_forward or rec.gathered:
             return base_data(self)
         # Outside its module's forward: a Snapshot of the values (a write to it reaches the
         # parameter; see _access.py's docstring).
@@ -57,6 +57,10 @@ class ZinfParameter(torch.nn.Parameter):
         rec = self.__dict__.get("_zinf_rec")
         if rec is None:
             set_base_data(self, value)
+            return
+        if rec.gathered:  # GatheredParameters: into the gathered values
+            with torch.no_grad():
+                base_data(self).copy_(value)
             return
         _access_of(self).assign(self, value)
 

@@ -1,0 +1,2 @@
+"""deepspeed.checkpoint (zinf)."""
+from . import utils  # noqa: F401

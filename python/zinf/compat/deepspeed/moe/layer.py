@@ -1,0 +1,2 @@
+"""deepspeed.moe.layer (zinf): MoE is refused (deepspeed.moe)."""
+from . import MoE  # noqa: F401

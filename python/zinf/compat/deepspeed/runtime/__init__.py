@@ -1,0 +1,1 @@
+"""deepspeed.runtime: the engine, its config, schedules and ZeRO pieces (served by zinf)."""

@@ -1,0 +1,47 @@
+"""deepspeed.runtime.zero.partition_parameters over zinf: Init, GatheredParameters,
+ZeroParamStatus and register_external_parameter."""
+import enum
+
+import torch
+
+import zinf
+from zinf import _gathered
+
+
+class ZeroParamStatus(enum.Enum):
+    # DeepSpeed's three states of a ZeRO-3 parameter; a ZinfParameter is AVAILABLE while
+    # its module's forward runs (acquired), NOT_AVAILABLE otherwise.
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+class Init(zinf.Init):
+    """deepspeed.zero.Init(module=None, data_parallel_group=None, mem_efficient_linear=True,
+    remote_device=None, pin_memory=False, config_dict_or_path=None, config=None, enabled=True,
+    dtype=None, mpu=None, ...): zinf.Init with DeepSpeed's arguments. The parameters of modules
+    built inside go to a spill file in the config's first nvme_path (or $TMPDIR); their dtype
+    is kept (zinf's engine stores them as the config's bf16 says)."""
+
+    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,
+                 remote_device=None, pin_memory=False, config_dict_or_path=None, config=None,
+                 enabled=True, dtype=None, mpu=None, zero_param_parallel_group=None,
+                 zero_quantized_weights=False, zero_quantized_nontrainable_weights=False,
+                 sequence_data_parallel_group=None, param_swapper=None):
+        if module is not None:
+            raise zinf.ZinfError("deepspeed.zero.Init(module=...): zinf spills the parameters "
+                                 "of modules built inside the context only; build the module "
+                                 "inside `with deepspeed.zero.Init(...):`")
+        if mpu is not None:
+            raise zinf.ZinfError("deepspeed.zero.Init(mpu=...): zinf has no model parallelism")
+        super().__init__(config=config_dict_or_path if config_dict_or_path is not None
+                         else config, enabled=enabled)
+
+
+GatheredParameters = _gathered.GatheredParameters
+
+
+def register_external_parameter(module, parameter):
+    raise zinf.ZinfError("deepspeed.zero.register_external_parameter: zinf fetches the "
+                         "parameters a module owns; use the parameter inside the module that "
+                         "registers it (a tied weight is one parameter under two names)")
