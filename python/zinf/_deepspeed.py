@@ -40,11 +40,11 @@ class DeepSpeedEngine(ZinfEngine):
                         exclude_frozen_parameters=False):
         """DeepSpeed's save: the checkpoint goes to save_dir/<tag> (tag: "global_step<N>" by
         default), and save_dir/latest names it. Each tag folder is a zinf checkpoint folder
-        (written atomically, locked while this engine lives). Returns True."""
+        (written atomically, locked while this engine lives); frozen parameters are recorded
+        by the hash of their values, whatever exclude_frozen_parameters says. Returns True."""
         self._enter("save_checkpoint")
-        if exclude_frozen_parameters:
-            raise error("NotSupported", "save_checkpoint(exclude_frozen_parameters=True): zinf's "
-                                        "checkpoints hold every parameter")
+        # exclude_frozen_parameters: zinf's checkpoints never hold a frozen parameter's values
+        # (each is recorded by the hash of its value, checked at load), so either is served.
         if tag is None:
             tag = "global_step%d" % self.global_steps
         tag = str(tag)
@@ -188,15 +188,16 @@ class DeepSpeedEngine(ZinfEngine):
                           z.get("stage3_gather_fp16_weights_on_model_save", False)))
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
-        """The model's state_dict with whole values in the parameters' dtype on rank 0 (an
-        empty dict on the others), as DeepSpeed's; collective."""
+        """The model's state_dict with whole values in the parameters' dtype on rank 0 (None on
+        the others, which accelerate's save_model reads as "not this rank's to save");
+        collective."""
         self._enter("_zero3_consolidated_16bit_state_dict")
         self._between_steps("_zero3_consolidated_16bit_state_dict")
         state = self.full_state_dict(dtype=self._dtype)
         if exclude_frozen_parameters:
             frozen = {n for p in self._registry.params if not p.trainable for n in p.names}
             state = type(state)((k, v) for k, v in state.items() if k not in frozen)
-        return state if self.rank == 0 else type(state)()
+        return state if self.rank == 0 else None
 
     def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin",
                          exclude_frozen_parameters=False):
@@ -355,16 +356,21 @@ def add_config_arguments(parser):
 def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=None,
                      verbose=True, timeout=None, init_method=None, dist_init_required=None,
                      config=None, rank=-1, world_size=-1):
-    """DeepSpeed's init_distributed: with WORLD_SIZE > 1, torch.distributed's default group
-    (gloo on the CPU, nccl with a GPU) so that the script's own collectives work; zinf's engine
-    joins its own group through that group's store. One rank: nothing to set up."""
+    """DeepSpeed's init_distributed: torch.distributed's default group (gloo on the CPU, nccl
+    with a GPU), one rank included (as DeepSpeed's: torch.distributed.get_rank() works after
+    it), so that the script's own collectives work; zinf's engine joins its own group through
+    the launcher's store. Nothing happens when a default group exists already."""
     rank_env, world, _, _ = _distributed.from_env()
     import torch.distributed as dist
-    if world == 1 or dist.is_initialized():
+    if dist.is_initialized():
         return
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     kwargs = {}
     if timeout is not None:
         kwargs["timeout"] = timeout
+    if world == 1 and init_method is None and "MASTER_ADDR" not in os.environ:
+        # One process without a launcher: an in-process store, no port taken.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        return
     dist.init_process_group(backend, init_method=init_method or "env://", rank=rank_env,
                             world_size=world, **kwargs)

@@ -35,6 +35,9 @@ class ZinfOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.kind = kind
         self._fixed = True  # the groups are the engine's from here on
+        # DeepSpeed's fp16 optimizers report a skipped step here; zinf trains fp32 or bf16
+        # (no loss scaling): a step is never skipped for overflow, a non-finite gradient fails it.
+        self.overflow = False
 
     def add_param_group(self, param_group):
         if getattr(self, "_fixed", False):

@@ -43,7 +43,13 @@ def save(engine, path, client_state, extra=None):
            "param_groups": [{k: (list(v) if k == "betas" else v) for k, v in h.items()}
                             for h in engine._group_hypers()]}
     if engine.lr_scheduler is not None:
-        doc["lr_scheduler"] = blob(engine.lr_scheduler.state_dict())
+        state = engine.lr_scheduler.state_dict()
+        try:
+            # Plain numbers and lists (torch's schedulers, DeepSpeed's): JSON, since torch
+            # 1.13's weights-only loader refuses floats.
+            doc["lr_scheduler_json"] = json.loads(json.dumps(state))
+        except (TypeError, ValueError):
+            doc["lr_scheduler"] = blob(state)
     doc.update(extra or {})
     try:
         user = json.dumps(doc)
@@ -72,7 +78,9 @@ def load(engine, path):
             if name in saved:
                 with torch.no_grad():
                     buf.copy_(saved[name])
-    if engine.lr_scheduler is not None and user.get("lr_scheduler"):
+    if engine.lr_scheduler is not None and user.get("lr_scheduler_json") is not None:
+        engine.lr_scheduler.load_state_dict(user["lr_scheduler_json"])
+    elif engine.lr_scheduler is not None and user.get("lr_scheduler"):
         state = torch.load(io.BytesIO(base64.b64decode(user["lr_scheduler"])),
                            weights_only=True)
         engine.lr_scheduler.load_state_dict(state)

@@ -4,6 +4,7 @@ copy of its values taken outside its module's forward). Each sorts the torch cal
 docstring says what each kind of call does).
 """
 import collections
+import enum
 import weakref
 
 import torch
@@ -17,8 +18,39 @@ from ._optim import error
 # ---- ZinfParameter ---------------------------------------------------------------------------
 
 
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's states of a ZeRO-3 parameter (deepspeed.runtime.zero.partition_parameters
+    re-exports this one): a ZinfParameter is AVAILABLE while its module's forward runs or inside
+    GatheredParameters, NOT_AVAILABLE otherwise."""
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
 class ZinfParameter(torch.nn.Parameter):
-    """A parameter whose values live in a zinf engine (see _access.py's docstring)."""
+    """A parameter whose values live in a zinf engine (see _access.py's docstring).
+
+    DeepSpeed's ZeRO-3 attributes, which Hugging Face's peft and DeepSpeed-Chat read: ds_id (its
+    id in the engine), ds_status, ds_numel and ds_shape (the whole parameter's: a ZinfParameter
+    keeps its shape). No ds_tensor: its numel() is the whole count already."""
+
+    @property
+    def ds_id(self):
+        return self.__dict__["_zinf_rec"].id
+
+    @property
+    def ds_status(self):
+        rec = self.__dict__["_zinf_rec"]
+        return ZeroParamStatus.AVAILABLE if rec.gathered or rec.state.in_forward else \
+            ZeroParamStatus.NOT_AVAILABLE
+
+    @property
+    def ds_numel(self):
+        return self.__dict__["_zinf_rec"].numel
+
+    @property
+    def ds_shape(self):
+        return self.__dict__["_zinf_rec"].shape
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

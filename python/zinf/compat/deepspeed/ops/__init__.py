@@ -1,2 +1,2 @@
 """deepspeed.ops (zinf): the optimizers a script hands to initialize."""
-from . import adam  # noqa: F401
+from . import adagrad, adam, lion  # noqa: F401

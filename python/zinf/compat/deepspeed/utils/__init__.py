@@ -50,3 +50,15 @@ def safe_get_full_grad(param):
 def safe_get_full_optimizer_state(param, optim_state_key):
     raise zinf.ZinfError("safe_get_full_optimizer_state: not provided by zinf (its optimizer "
                          "states are in checkpoints: engine.save_checkpoint)")
+
+
+def set_z3_leaf_modules(model, leaf_module_classes):
+    """Marks the modules of these classes as ZeRO-3 leaves (their parameters fetched together,
+    as zinf fetches every module's own parameters anyway); returns them."""
+    classes = tuple(c for c in leaf_module_classes if isinstance(c, type))
+    names = {c for c in leaf_module_classes if isinstance(c, str)}
+    leaves = [m for m in model.modules()
+              if isinstance(m, classes) or type(m).__name__ in names]
+    for m in leaves:
+        m._z3_leaf = True
+    return leaves

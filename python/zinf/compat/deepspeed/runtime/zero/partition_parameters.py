@@ -1,19 +1,8 @@
 """deepspeed.runtime.zero.partition_parameters over zinf: Init, GatheredParameters,
 ZeroParamStatus and register_external_parameter."""
-import enum
-
-import torch
-
 import zinf
 from zinf import _gathered
-
-
-class ZeroParamStatus(enum.Enum):
-    # DeepSpeed's three states of a ZeRO-3 parameter; a ZinfParameter is AVAILABLE while
-    # its module's forward runs (acquired), NOT_AVAILABLE otherwise.
-    AVAILABLE = 1
-    NOT_AVAILABLE = 2
-    INFLIGHT = 3
+from zinf._subclasses import ZeroParamStatus  # noqa: F401
 
 
 class Init(zinf.Init):
