@@ -11,9 +11,15 @@ trained with zinf's optimizer; parameters and optimizer states live on NVMe by d
 
 Tokens are the file's bytes (vocabulary 256, as zinf-train), so no tokenizer is needed; with
 --load, a checkpoint in Hugging Face Llama names (or one --save wrote) loads by name (the
-vocabulary then comes from the checkpoint's embedding, and the text is still read as bytes:
-bring your own tokens for a real fine-tune). One line per step: loss, tokens/s, NVMe GB/s (read + write), overlap
-efficiency, step time. At the end one JSON line like zinf-train's.
+shapes, vocabulary, rope_theta, rms_norm_eps and tied embeddings then come from the Hugging
+Face config.json beside the weights, tensors the model does not use are named, and the text is
+still read as bytes: bring your own tokens for a real fine-tune). One line per step: loss,
+tokens/s, NVMe GB/s (read + write), overlap efficiency, step time. At the end one JSON line like
+zinf-train's.
+
+Under a launcher (python3 -m zinf.launch --nproc_per_node N python/examples/finetune.py ...)
+each rank trains on its own batches (--batch sequences per rank and micro-step) and rank 0
+reports. The pinned host budget is sized to what the model needs unless --pinned-budget says.
 
 --lora RANK trains LoRA adapters (lora.py beside this file: no peft) on the attention's
 q and v projections and the MLP's three (--lora-targets), with everything else frozen
@@ -60,7 +66,7 @@ def parse_args():
     ap.add_argument("--heads", type=int)
     ap.add_argument("--kv-heads", type=int)
     ap.add_argument("--hidden", type=int, help="MLP width")
-    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--vocab", type=int, help="vocabulary (default 256, or the loaded one)")
     ap.add_argument("--data", default=os.path.join(HERE, "..", "..", "train", "data",
                                                    "corpus.txt"), help="a text file")
     ap.add_argument("--seq", type=int, default=64, help="tokens per sequence")
@@ -78,7 +84,8 @@ def parse_args():
     ap.add_argument("--param-tier", choices=["device", "cpu", "nvme"], default="nvme")
     ap.add_argument("--optimizer-tier", choices=["device", "cpu", "nvme"], default="nvme")
     ap.add_argument("--fp32", action="store_true", help="fp32 parameters (default bf16)")
-    ap.add_argument("--pinned-budget", default="2G")
+    ap.add_argument("--pinned-budget", default=None,
+                    help="pinned host memory (default: what the model needs, at least 128M)")
     ap.add_argument("--device-budget", default=None)
     ap.add_argument("--sub-group-size", type=float, default=2.5e7)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -102,6 +109,16 @@ def parse_args():
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--json", action="store_true", help="only the JSON line on stdout")
     args = ap.parse_args()
+    args.hf, args.hf_path = hf_config(args.load) if args.load else ({}, None)
+    for key, value in args.hf.items():
+        given = getattr(args, key, None)
+        if key in ("rope_theta", "eps", "tie"):
+            continue
+        if given is not None and given != value:
+            ap.error("--%s %d, but %s says %d" % (key.replace("_", "-"), given,
+                                                  args.hf_path, value))
+        setattr(args, key, value)
+    args.vocab = args.vocab or 256
     dim, layers, heads, kv, hidden = PRESETS[args.preset]
     args.dim = args.dim or dim
     args.layers = args.layers or layers
@@ -128,6 +145,31 @@ def parse_args():
     return args
 
 
+# Hugging Face config.json keys -> this script's.
+HF_KEYS = {"hidden_size": "dim", "num_hidden_layers": "layers", "num_attention_heads": "heads",
+           "num_key_value_heads": "kv_heads", "intermediate_size": "hidden",
+           "vocab_size": "vocab", "rope_theta": "rope_theta", "rms_norm_eps": "eps",
+           "tie_word_embeddings": "tie"}
+
+
+def hf_config(load):
+    """The model's shape from the config.json beside `load` (a folder, or a file in one), as
+    this script's names, and that file's path; ({}, None) when there is none."""
+    folder = load if os.path.isdir(load) else os.path.dirname(os.path.abspath(load))
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        return {}, None
+    with open(path) as f:
+        hf = json.load(f)
+    if hf.get("model_type", "llama") not in ("llama", "mistral"):
+        raise SystemExit("finetune: %s describes a %s model; this script builds Llama"
+                         % (path, hf.get("model_type")))
+    if hf.get("rope_scaling"):
+        raise SystemExit("finetune: %s asks for rope_scaling %s, which zinf.models.Llama does "
+                         "not implement" % (path, hf["rope_scaling"]))
+    return {ours: hf[theirs] for theirs, ours in HF_KEYS.items() if theirs in hf}, path
+
+
 def make_config(args):
     cfg = {}
     if args.config:
@@ -150,7 +192,8 @@ def make_config(args):
     cfg["gradient_clipping"] = args.clip
     cfg["bf16"] = {"enabled": not args.fp32}
     z = cfg.setdefault("zinf", {})
-    z.setdefault("pinned_budget_bytes", args.pinned_budget)
+    if args.pinned_budget is not None:
+        z.setdefault("pinned_budget_bytes", args.pinned_budget)
     if args.device_budget:
         z["device_budget_bytes"] = args.device_budget
     if args.frozen_weight_dtype:
@@ -169,11 +212,23 @@ class Batches:
         self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
         self.seq, self.batch, self.seed = seq, batch, seed
 
-    def get(self, step, micro):
-        g = torch.Generator().manual_seed(self.seed * 1000003 + step * 1009 + micro)
+    def get(self, step, micro, rank=0):
+        g = torch.Generator().manual_seed(self.seed * 1000003 + step * 1009 + micro +
+                                          rank * 7919)
         starts = torch.randint(0, len(self.data) - self.seq - 1, (self.batch,), generator=g)
         rows = torch.stack([self.data[s:s + self.seq + 1] for s in starts.tolist()])
         return rows[:, :-1], rows[:, 1:]
+
+
+def pinned_for(model, cfg, device):
+    """A pinned host budget for this model: what the engine needs (gradient partitions,
+    cpu-tier parameters, swap buffers, staging) with a quarter more, in 64 MiB steps, at least
+    128 MiB."""
+    specs = [(n, list(p.shape), p.requires_grad) for n, p in model.named_parameters()]
+    host = device == "cpu" or (device is None and not zinf.cuda_available())
+    need = zinf._zinf.pinned_bytes_needed(json.dumps(cfg), specs, host)
+    step = 64 << 20
+    return max(128 << 20, -(-(need + need // 4) // step) * step)
 
 
 def peak_rss():
@@ -184,7 +239,10 @@ def main():
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    rank = int(os.environ.get("RANK", "0"))
     out = sys.stderr if args.json else sys.stdout
+    if rank != 0:
+        out = open(os.devnull, "w")  # rank 0 reports
     cfg = make_config(args)
     if "nvme" in (args.param_tier, args.optimizer_tier):
         os.makedirs(args.nvme, exist_ok=True)
@@ -198,7 +256,9 @@ def main():
     t0 = time.time()
     with zinf.Init(cfg):
         model = Llama(vocab=vocab, dim=args.dim, layers=args.layers, n_heads=args.heads,
-                      n_kv_heads=args.kv_heads, hidden=args.hidden, max_seq=args.seq)
+                      n_kv_heads=args.kv_heads, hidden=args.hidden, max_seq=args.seq,
+                      rope_theta=args.hf.get("rope_theta", 10000.0),
+                      eps=args.hf.get("eps", 1e-6), tie_embeddings=args.hf.get("tie", False))
         if args.lora:
             add_lora(model, args.lora, args.lora_alpha, args.lora_targets)
     params = sum(p.numel() for p in model.parameters())
@@ -212,6 +272,8 @@ def main():
         print("finetune: LoRA rank %d, alpha %g on %s: %d trainable, %d frozen parameters"
               % (args.lora, args.lora_alpha, ",".join(args.lora_targets), trainable,
                  params - trainable), file=out, flush=True)
+    if args.pinned_budget is None:
+        cfg["zinf"]["pinned_budget_bytes"] = pinned_for(model, cfg, args.device)
     engine = zinf.initialize(model, cfg, device=args.device)
     if args.load:
         hf = any(k.startswith("model.") for k in tensors)  # HF names, else --save's own
@@ -222,6 +284,11 @@ def main():
         print("finetune: loaded %d tensors from %s (%d missing%s)"
               % (len(report["loaded"]), args.load, len(missing),
                  ", besides the new adapters" if args.lora else ""), file=out)
+        if report["unexpected"]:
+            print("finetune: not used (no such tensor in this model): %s%s"
+                  % (", ".join(report["unexpected"][:8]),
+                     " and %d more" % (len(report["unexpected"]) - 8)
+                     if len(report["unexpected"]) > 8 else ""), file=out)
     first = 0
     if args.resume:
         try:
@@ -232,7 +299,7 @@ def main():
                 raise
     data = Batches(args.data, args.seq, args.batch, args.seed)
     device = engine.device
-    tokens = args.batch * args.seq * args.grad_accum
+    tokens = args.batch * args.seq * args.grad_accum * engine.world_size
     losses, seconds, gbps, overlap, details, reads, writes = [], [], [], [], [], [], []
     init_seconds = None
     for step in range(first, args.steps):
@@ -241,7 +308,7 @@ def main():
         t = time.time()
         loss_sum, read, written, eff = 0.0, 0, 0, []
         for micro in range(args.grad_accum):
-            x, y = (z.to(device) for z in data.get(step, micro))
+            x, y = (z.to(device) for z in data.get(step, micro, engine.rank))
             loss = engine(x, y)
             if init_seconds is None:
                 init_seconds = time.time() - t0
@@ -279,6 +346,8 @@ def main():
         "lora": {"rank": args.lora, "alpha": args.lora_alpha, "targets": args.lora_targets}
         if args.lora else None,
         "frozen_weight_dtype": cfg["zinf"].get("frozen_weight_dtype", "as-is"),
+        "pinned_budget_bytes": engine.config.summary["pinned_budget_bytes"],
+        "world_size": engine.world_size,
         "steps": len(losses),
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,
@@ -294,7 +363,8 @@ def main():
         "engine_stats": details,
         "peak_rss_bytes": peak_rss(),
     }
-    print(json.dumps(summary), flush=True)
+    if engine.rank == 0:
+        print(json.dumps(summary), flush=True)
     if losses and not math.isfinite(losses[-1]):
         print("finetune: the loss is not finite; lower --lr", file=sys.stderr)
         return 1

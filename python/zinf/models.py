@@ -51,14 +51,14 @@ def causal_attention(q, k, v):
 class LlamaAttention(nn.Module):
     """Grouped-query attention: n_kv_heads key/value heads shared by n_heads query heads."""
 
-    def __init__(self, dim, n_heads, n_kv_heads, max_seq):
+    def __init__(self, dim, n_heads, n_kv_heads, max_seq, rope_theta=10000.0):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = n_heads, n_kv_heads, dim // n_heads
         self.q_proj = nn.Linear(dim, n_heads * self.hd, bias=False)
         self.k_proj = nn.Linear(dim, n_kv_heads * self.hd, bias=False)
         self.v_proj = nn.Linear(dim, n_kv_heads * self.hd, bias=False)
         self.o_proj = nn.Linear(n_heads * self.hd, dim, bias=False)
-        self.rotary = Rotary(self.hd, max_seq)
+        self.rotary = Rotary(self.hd, max_seq, rope_theta)
 
     def forward(self, x):
         b, t, _ = x.shape
@@ -85,11 +85,11 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, dim, n_heads, n_kv_heads, hidden, max_seq):
+    def __init__(self, dim, n_heads, n_kv_heads, hidden, max_seq, rope_theta=10000.0, eps=1e-6):
         super().__init__()
-        self.input_layernorm = RMSNorm(dim)
-        self.self_attn = LlamaAttention(dim, n_heads, n_kv_heads, max_seq)
-        self.post_attention_layernorm = RMSNorm(dim)
+        self.input_layernorm = RMSNorm(dim, eps)
+        self.self_attn = LlamaAttention(dim, n_heads, n_kv_heads, max_seq, rope_theta)
+        self.post_attention_layernorm = RMSNorm(dim, eps)
         self.mlp = SwiGLU(dim, hidden)
 
     def forward(self, x):
@@ -98,16 +98,21 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    """RMSNorm, rotary embeddings, SwiGLU, grouped-query attention, untied head (HF names)."""
+    """RMSNorm, rotary embeddings, SwiGLU, grouped-query attention (HF names); the head untied
+    unless tie_embeddings (then lm_head.weight is embed_tokens.weight, one parameter).
+    rope_theta and eps are Hugging Face's config.json rope_theta and rms_norm_eps."""
 
     def __init__(self, vocab=64, dim=32, layers=2, n_heads=4, n_kv_heads=2, hidden=64,
-                 max_seq=32):
+                 max_seq=32, rope_theta=10000.0, eps=1e-6, tie_embeddings=False):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(
-            [LlamaBlock(dim, n_heads, n_kv_heads, hidden, max_seq) for _ in range(layers)])
-        self.norm = RMSNorm(dim)
+            [LlamaBlock(dim, n_heads, n_kv_heads, hidden, max_seq, rope_theta, eps)
+             for _ in range(layers)])
+        self.norm = RMSNorm(dim, eps)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
+        if tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, ids, targets=None):
         x = self.embed_tokens(ids)
