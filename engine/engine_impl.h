@@ -102,7 +102,7 @@ struct Engine::Impl {
   // The parameter groups' hyperparameters of the next task (SetParamGroup; group 0 the
   // config's optimizer.params).
   std::vector<ParamGroupHyper> groups;
-  Status broken;    // once set, every call fails with it
+  Status broken;  // once set, every call fails with it
   // GatherMasterParameter's copy of one sub-group's states.
   std::unique_ptr<AlignedBuffer> gather_states;
   size_t gather_group = 0;

@@ -393,8 +393,7 @@ Status Engine::SetParamGroup(size_t group, const ParamGroupHyper& hp) {
   const std::string where = "parameter group " + std::to_string(group);
   if (group > m.groups.size()) {
     return Status::InvalidArgument("SetParamGroup: " + where + " is beyond the next one (" +
-                                   std::to_string(m.groups.size()) +
-                                   "); add the groups in order");
+                                   std::to_string(m.groups.size()) + "); add the groups in order");
   }
   if (group == m.groups.size() && m.registered) {
     return Status::FailedPrecondition("SetParamGroup: " + where +

@@ -271,8 +271,8 @@ TEST(CApiEngine, CheckpointDurableResumeAndLearningRate) {
 // a group that does not exist, or a bad value, is an error naming it.
 TEST(CApiEngine, ParameterGroups) {
   zinf_engine* e = nullptr;
-  ASSERT_EQ(0, zinf_engine_create(R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.05}}})",
-                                  &e))
+  ASSERT_EQ(0,
+            zinf_engine_create(R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.05}}})", &e))
       << zinf_last_error();
   const int64_t shape[] = {4};
   const float init[] = {1, 2, 3, 4};

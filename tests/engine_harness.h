@@ -787,9 +787,8 @@ inline SimResult Simulate(const RunOptions& o) {
     hp.grad_scale = coef;
     for (int p = 0; p < np; ++p) {
       if (o.param_groups) {
-        const ParamGroupHyper g = p % 2 == 1 ? BiasGroup()
-                                             : ParamGroupHyper{kLr, kBeta1, kBeta2, kEps,
-                                                               kWeightDecay};
+        const ParamGroupHyper g =
+            p % 2 == 1 ? BiasGroup() : ParamGroupHyper{kLr, kBeta1, kBeta2, kEps, kWeightDecay};
         hp.lr = g.lr;
         hp.beta1 = g.beta1;
         hp.beta2 = g.beta2;

@@ -77,8 +77,7 @@ std::string DescribeForAgreement(const EngineConfig& c, const Layout& layout,
     const ParamInfo& p = layout.param(id).info;
     o << "parameter " << id << ": '" << p.name << "' " << Shape(p.shape)
       << (p.trainable ? "" : " frozen")
-      << (p.param_group != 0 ? " in parameter group " + std::to_string(p.param_group) : "")
-      << "\n";
+      << (p.param_group != 0 ? " in parameter group " + std::to_string(p.param_group) : "") << "\n";
   }
   return o.str();
 }

@@ -162,8 +162,7 @@ int zinf_engine_set_learning_rate(zinf_engine* engine, float lr);
 int zinf_engine_set_param_group(zinf_engine* engine, size_t group, float lr, float beta1,
                                 float beta2, float eps, float weight_decay);
 int zinf_engine_register_in_group(zinf_engine* engine, const char* name, const int64_t* shape,
-                                  size_t ndim, const float* init, size_t param_group,
-                                  uint32_t* id);
+                                  size_t ndim, const float* init, size_t param_group, uint32_t* id);
 
 /* Optimizer steps taken (after a resume: the step resumed at); -1 for a NULL engine. */
 int64_t zinf_engine_global_step(const zinf_engine* engine);

@@ -104,8 +104,7 @@ PyEngine::PyEngine(const std::string& config_json, const std::string& device, in
 
 ParamId PyEngine::Register(const std::string& name, const std::vector<int64_t>& shape,
                            bool trainable, uintptr_t ptr, const std::string& dtype,
-                           std::shared_ptr<SpillFile> spill, uint64_t spill_offset,
-                           size_t group) {
+                           std::shared_ptr<SpillFile> spill, uint64_t spill_offset, size_t group) {
   ParamSpec spec;
   spec.name = name;
   spec.param_group = group;
