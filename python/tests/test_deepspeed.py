@@ -454,7 +454,7 @@ def test_batch_arithmetic_is_deepspeeds():
     # make_config sets accumulation 1: a triple that does not multiply out.
     with pytest.raises(zinf.ZinfError, match=r"16 != 4 x 1 x 2"):
         resolved(2, train_batch_size=16, train_micro_batch_size_per_gpu=4)
-    with pytest.raises(zinf.ZinfError, match="not a multiple of 3 x 2 ranks"):
+    with pytest.raises(zinf.ZinfError, match="16 is not a multiple of"):
         only(2, train_batch_size=16, train_micro_batch_size_per_gpu=3)
     with pytest.raises(zinf.ZinfError, match="train_batch_size: \"auto\""):
         only(1, train_batch_size="auto")
