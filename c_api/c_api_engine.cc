@@ -86,6 +86,7 @@ int zinf_engine_register_in_group(zinf_engine* engine, const char* name, const i
   if (name == nullptr || shape == nullptr || init == nullptr || id == nullptr || ndim == 0) {
     return Fail("zinf_engine_register: name, shape (ndim > 0), init and id are required");
   }
+  // (zinf_engine_register is this with group 0: the messages name the call users know.)
   return zinf::capi::Guarded("zinf_engine_register", [&] {
     zinf::ParamSpec spec;
     spec.name = name;
@@ -184,13 +185,15 @@ int zinf_engine_set_learning_rate(zinf_engine* engine, float lr) {
 int zinf_engine_set_param_group(zinf_engine* engine, size_t group, float lr, float beta1,
                                 float beta2, float eps, float weight_decay) {
   if (!Live(engine, "zinf_engine_set_param_group")) return -1;
-  zinf::ParamGroupHyper hp;
-  hp.lr = lr;
-  hp.beta1 = beta1;
-  hp.beta2 = beta2;
-  hp.eps = eps;
-  hp.weight_decay = weight_decay;
-  return FromStatus(engine->engine->SetParamGroup(group, hp));
+  return zinf::capi::Guarded("zinf_engine_set_param_group", [&] {
+    zinf::ParamGroupHyper hp;
+    hp.lr = lr;
+    hp.beta1 = beta1;
+    hp.beta2 = beta2;
+    hp.eps = eps;
+    hp.weight_decay = weight_decay;
+    return FromStatus(engine->engine->SetParamGroup(group, hp));
+  });
 }
 
 int64_t zinf_engine_global_step(const zinf_engine* engine) {

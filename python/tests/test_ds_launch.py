@@ -142,3 +142,15 @@ def test_inconsistent_batch_sizes_are_refused_on_every_rank(scratch):
     p = subprocess.run(cmd, cwd=scratch, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0
     assert p.stderr.count("16 != 4 x 4 x 2") >= 2, p.stderr[-4000:]
+
+
+def test_the_launcher_picks_a_local_port_only_where_nothing_says_where_ranks_meet():
+    argv = zinf.launch.torchrun_argv
+    got = argv(["--nproc_per_node", "2", "t.py", "--master_port", "5"])
+    assert got[:3] == ["--master_addr", "127.0.0.1", "--master_port"] and \
+        got[4:] == ["--nproc_per_node", "2", "t.py", "--master_port", "5"]
+    assert argv(["--nproc_per_node=2", "t.py"])[:2] == ["--master_addr", "127.0.0.1"]
+    for given in (["--master_addr", "h", "--nnodes", "2", "t.py"], ["--standalone", "t.py"],
+                  ["--nnodes=2", "--rdzv_endpoint", "h:1", "t.py"],
+                  ["--master_port", "29501", "t.py"], ["--master-addr=h", "t.py"]):
+        assert argv(given) == given, given

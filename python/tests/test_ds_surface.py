@@ -146,3 +146,41 @@ def test_init_distributed_with_one_rank_makes_a_process_group():
                          env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "1"]
+
+
+def test_gathered_parameters_edges(scratch):
+    torch.manual_seed(5)
+    model = Llama()
+    engine = engine_of(model, bf16={"enabled": True})
+    w, emb = model.lm_head.weight, model.embed_tokens.weight
+    assert w.shape == emb.shape
+    master = engine.gather(w)
+    # bf16: a write to one element changes that element of the fp32 master alone.
+    with deepspeed.zero.GatheredParameters([w], modifier_rank=0):
+        assert w.data.dtype == torch.bfloat16
+        w.data[0, 0] = 2.0
+    after = engine.gather(w)
+    want = master.clone()
+    want[0, 0] = 2.0
+    assert torch.equal(after, want)
+    # A call mixing a gathered parameter and a managed one reads the other through the engine.
+    # (Elements whose bf16 value the write leaves as it was keep their fp32 master.)
+    before = engine.gather(w)
+    written = engine.gather(emb).to(torch.bfloat16)
+    with torch.no_grad(), deepspeed.zero.GatheredParameters([w], modifier_rank=0):
+        w.copy_(emb)
+    same = before.to(torch.bfloat16) == written
+    assert 0 < int(same.sum()) < same.numel()
+    assert torch.equal(engine.gather(w), torch.where(same, before, written.float()))
+    # No forward inside a block; the block's parameters are whole afterwards.
+    with pytest.raises(zinf.ZinfError, match="inside GatheredParameters"):
+        with deepspeed.zero.GatheredParameters([w]):
+            engine(*batch(0))
+    engine.backward(engine(*batch(0)))
+    engine.step()
+    # A parameter built under zero.Init holds no values before initialize.
+    with deepspeed.zero.Init(config_dict_or_path=make_config(), enabled=True) as init:
+        lin = torch.nn.Linear(4, 4)
+    assert init.parameters == 2
+    with pytest.raises(zinf.ZinfError, match="before initialize"):
+        deepspeed.zero.GatheredParameters([lin.weight]).__enter__()

@@ -133,8 +133,17 @@ def test_checkpoints_carry_every_groups_values(scratch):
     e2, _, _, _ = zinf.initialize(model=m2, model_parameters=[
         {"params": decay + own}, {"params": no_decay, "weight_decay": 0.0}],
         config=make_config(lr=3e-3))
-    with pytest.raises(zinf.ZinfError, match="3 parameter groups and this engine's optimizer 2"):
+    with pytest.raises(zinf.ZinfError, match="saved with 3 parameter groups.* has 2"):
         e2.load_checkpoint(os.path.join(scratch, "ck"), tag="t")
+    e2.close()
+    # As many groups, other members: refused, naming a parameter in another group.
+    torch.manual_seed(13)
+    m3 = Llama()
+    decay, no_decay, own = grouping(m3)
+    e3, _, _, _ = zinf.initialize(model=m3, model_parameters=[
+        {"params": no_decay}, {"params": decay}, {"params": own}], config=make_config(lr=3e-3))
+    with pytest.raises(zinf.ZinfError, match=r"in group \d.*\(here in group \d\)"):
+        e3.load_checkpoint(os.path.join(scratch, "ck"), tag="t")
 
 
 def test_group_refusals():
@@ -165,3 +174,65 @@ def test_group_refusals():
     optimizer.param_groups[1]["eps"] = -1.0
     with pytest.raises(zinf.ZinfError, match="parameter group 1: eps"):
         engine.backward(engine(*batch(0)))
+
+
+def test_config_schedules_scale_every_group_as_deepspeeds():
+    """WarmupCosineLR scales each group's own rate (DeepSpeed's org_lrs); WarmupLR gives every
+    group the schedule's one rate (DeepSpeed's scalar warmup_max_lr)."""
+    torch.manual_seed(15)
+    model = Llama()
+    decay, no_decay, _ = grouping(model)
+    cfg = make_config(lr=1e-3)
+    cfg["scheduler"] = {"type": "WarmupCosineLR",
+                        "params": {"total_num_steps": 10, "warmup_num_steps": 2,
+                                   "warmup_min_ratio": 0.5, "warmup_type": "linear"}}
+    _, optimizer, _, sched = zinf.initialize(
+        model=model, model_parameters=[{"params": decay}, {"params": no_decay, "lr": 4e-3}],
+        config=cfg)
+    sched.step()
+    sched.step()  # iteration 1: ratio 0.5 + (1/2)(1 - 0.5) = 0.75 of each group's own rate
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([7.5e-4, 3e-3],
+                                                                       rel=1e-12)
+    torch.manual_seed(15)
+    m2 = Llama()
+    decay, no_decay, _ = grouping(m2)
+    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0,
+                                                       "warmup_max_lr": 1e-3,
+                                                       "warmup_num_steps": 4}}
+    _, opt2, _, _ = zinf.initialize(
+        model=m2, model_parameters=[{"params": decay}, {"params": no_decay, "lr": 4e-3}],
+        config=cfg)
+    assert [g["lr"] for g in opt2.param_groups] == [0.0, 0.0]
+
+
+def test_adagrad_options_zinf_lacks_are_refused():
+    torch.manual_seed(16)
+    model = Llama()
+    cfg = {k: v for k, v in make_config().items() if k != "optimizer"}
+    with pytest.raises(zinf.ZinfError, match="group 0: lr_decay=0.1"):
+        zinf.initialize(model=model, optimizer=torch.optim.Adagrad(model.parameters(),
+                                                                   lr_decay=0.1), config=cfg)
+
+
+def test_a_multistep_schedule_survives_a_checkpoint(scratch):
+    """MultiStepLR's state holds a Counter of int milestones, which JSON would turn into string
+    keys (the rate would then never decay after a resume): it is saved as torch.save's bytes."""
+    torch.manual_seed(17)
+    model = Llama()
+    cfg = {k: v for k, v in make_config().items() if k != "optimizer"}
+    client = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, optimizer, _, sched = zinf.initialize(
+        model=model, optimizer=client, config=cfg,
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.MultiStepLR(o, milestones=[2], gamma=0.1))
+    step = lambda: (engine.backward(engine(*batch(0))), engine.step())  # noqa: E731
+    step()
+    engine.save_checkpoint(os.path.join(scratch, "ck"), tag="one")
+    step()
+    step()
+    decayed = optimizer.param_groups[0]["lr"]
+    assert decayed == pytest.approx(1e-3)
+    engine.load_checkpoint(os.path.join(scratch, "ck"), tag="one")
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)
+    step()
+    step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(decayed)

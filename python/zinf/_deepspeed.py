@@ -216,7 +216,8 @@ class DeepSpeedEngine(ZinfEngine):
     def __getattr__(self, name):
         # DeepSpeed's engine hands unknown attributes to the module it wraps.
         module = self.__dict__.get("module")
-        if module is None or name.startswith("__"):
+        if module is None or name.startswith("__") or hasattr(type(self), name):
+            # (hasattr: an engine property that raised AttributeError is not the module's.)
             raise AttributeError(name)
         return getattr(module, name)
 

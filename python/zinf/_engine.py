@@ -73,6 +73,7 @@ class ZinfEngine:
         self.local_rank = 0
         self._dtype = torch.bfloat16 if core.bf16 else torch.float32
         self._closed = False
+        self._gathered = 0  # GatheredParameters blocks open (_gathered.py)
         self._stream = None  # the CUDA stream handle the engine orders against
         self._driver = Driver()
         self._registry = ParamRegistry()
@@ -97,6 +98,9 @@ class ZinfEngine:
         self._registry.adopt(model, self._access)
         params = self._registry.params
         trainable = [p.param for p in params if p.trainable]
+        # Each parameter's group in registration order (-1: not trained), for checkpoints.
+        self._group_of = [(plan.member.get(id(p.param), 0) if plan is not None else 0)
+                          if p.trainable else -1 for p in params]
         if plan is None or client_optimizer is None and len(plan.groups) == 1:
             groups = trainable or [params[0].param]
             first = plan.groups[0] if plan is not None else {

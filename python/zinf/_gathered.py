@@ -21,7 +21,15 @@ def _managed(params):
         params = [params]
     out = []
     for p in params:
-        rec = p.__dict__.get("_zinf_rec") if isinstance(p, torch.Tensor) else None
+        if not isinstance(p, torch.Tensor):
+            continue  # None (an absent bias), as DeepSpeed skips it
+        if getattr(p, "_zinf_spill", None) is not None:
+            raise error("FailedPrecondition",
+                        "GatheredParameters before initialize: a parameter built under "
+                        "zero.Init has handed its values to a spill file and holds none; set "
+                        "its values in its module's constructor, or gather it after "
+                        "deepspeed.initialize")
+        rec = p.__dict__.get("_zinf_rec")
         if rec is not None and all(r is not rec for r in out):
             out.append(rec)
     return out
@@ -60,15 +68,21 @@ class GatheredParameters:
                 raise error("FailedPrecondition", "GatheredParameters: parameter '%s' is "
                                                   "already gathered (nested blocks over one "
                                                   "parameter)" % r.names[0])
+        self.masters = {}
+        self.shown = {}
         try:
             for r in self.recs:
-                values = _state.gather(e, r, r.dtype).to(e.device)
+                master = _state.gather(e, r, torch.float32)
+                values = master.to(dtype=r.dtype, device=e.device)
+                self.masters[r.id] = master
                 self.before[r.id] = values.clone()
+                self.shown[r.id] = values
                 set_base_data(r.param, values)
                 r.gathered = True
         except BaseException:
             self._restore()
             raise
+        e._gathered += 1
         return self
 
     def _restore(self):
@@ -81,8 +95,16 @@ class GatheredParameters:
         if not self.recs:
             return False
         e = self.engine
+        e._gathered -= 1
         try:
-            if exc_type is not None or self.modifier_rank is None:
+            for r in self.recs:
+                held = base_data(r.param)
+                if held.data_ptr() != self.shown[r.id].data_ptr() or \
+                        held.shape != self.shown[r.id].shape:
+                    raise error("Internal", "GatheredParameters: parameter '%s' lost its "
+                                            "gathered values inside the block (nothing was "
+                                            "written)" % r.names[0])
+            if self.modifier_rank is None:
                 return False
             now = {r.id: base_data(r.param).detach().clone() for r in self.recs}
             if e.world_size > 1:
@@ -93,12 +115,33 @@ class GatheredParameters:
                                 "%d's values over torch.distributed: call "
                                 "deepspeed.init_distributed() first"
                                 % (self.modifier_rank, e.world_size, self.modifier_rank))
+                on_gpu = dist.get_backend() == "nccl"
+                # Every rank learns whether every rank finished its block before any value
+                # moves: one that raised makes them all skip the write (none waits alone).
+                ok = torch.tensor([0 if exc_type is not None else 1], dtype=torch.int32)
+                ok = ok.cuda() if on_gpu else ok
+                dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+                if int(ok.item()) == 0:
+                    if exc_type is not None:
+                        return False
+                    raise error("Aborted", "GatheredParameters(modifier_rank=%d): another rank "
+                                           "raised inside the block; nothing was written"
+                                % self.modifier_rank)
                 for r in self.recs:
-                    t = now[r.id].cpu() if dist.get_backend() == "gloo" else now[r.id]
+                    t = now[r.id].cuda() if on_gpu else now[r.id].cpu()
                     dist.broadcast(t, self.modifier_rank)
                     now[r.id] = t.to(e.device)
-            changed = [(r, now[r.id]) for r in self.recs
-                       if not torch.equal(now[r.id], self.before[r.id])]
+            elif exc_type is not None:
+                return False
+            changed = []
+            for r in self.recs:
+                mask = (now[r.id] != self.before[r.id]).cpu()
+                if bool(mask.any()):
+                    # Only the elements written change the fp32 master (a bf16 view of it
+                    # would round every other element).
+                    merged = self.masters[r.id].clone()
+                    merged[mask] = now[r.id].cpu().float()[mask]
+                    changed.append((r, merged))
             self._restore()
             if changed:
                 e._access._set_values(changed)

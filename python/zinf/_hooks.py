@@ -132,6 +132,11 @@ class ModuleHooks:
         frame = Frame()
         if not res.stack:
             e._enter("the model's forward")
+            if e._gathered:
+                raise error("FailedPrecondition",
+                            "a forward of the model inside GatheredParameters: the gathered "
+                            "parameters are ordinary tensors until the block ends; run the "
+                            "forward after it")
             e._between_steps("a forward of the model")
             res.flush()
             self._check_parameters(e)

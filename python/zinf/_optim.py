@@ -144,6 +144,13 @@ def from_torch(optimizer, config_block):
                     "DeepSpeedCPUAdam/FusedAdam, or name it in the config's \"optimizer\""
                     % type(optimizer).__name__)
     defaults = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    if kind == "Adagrad":
+        for i, g in enumerate(optimizer.param_groups):
+            for k in ("lr_decay", "initial_accumulator_value"):
+                if g.get(k, 0):
+                    raise error("InvalidArgument",
+                                "optimizer %s: group %d: %s=%r is not implemented by zinf's "
+                                "Adagrad (0 only)" % (type(optimizer).__name__, i, k, g[k]))
     plan = GroupPlan.from_groups(optimizer.param_groups, defaults,
                                  "optimizer %s" % type(optimizer).__name__)
     first = plan.groups[0]

@@ -16,8 +16,9 @@ behaviour; python/tests/test_deepspeed.py checks every step against a separate t
                     cycle_second_step_size (optionally in stairs), then cycle_min_lr divided by
                     1 + decay_lr_rate * (steps after the cycle) / decay_step_size
 
-zinf's optimizer keeps its betas fixed, so OneCycle's momentum cycling (cycle_momentum, on
-by default in DeepSpeed) is refused with a message rather than silently not done.
+OneCycle's momentum cycling (cycle_momentum, on by default in DeepSpeed) is not implemented
+here, so it is refused with a message rather than silently not done (a schedule of the
+trainer's own may set param_groups[i]["betas"]: the engine takes them).
 """
 import math
 
@@ -63,18 +64,24 @@ class _Schedule:
     def __init__(self, optimizer):
         self.optimizer = optimizer
         self.last_batch_iteration = -1
-        self._last_lr = self._apply(self.lr_at(-1))
+        self._last_lr = self._apply(self.group_lrs(-1))
 
     def lr_at(self, iteration):  # pragma: no cover - every schedule defines it
         raise NotImplementedError
 
-    def _apply(self, lr):
-        for group in self.optimizer.param_groups:
+    def group_lrs(self, iteration):
+        """Every parameter group's rate at `iteration`: the schedule's one rate (DeepSpeed's
+        WarmupLR, WarmupDecayLR and OneCycle give every group the same; WarmupCosineLR scales
+        each group's own)."""
+        return [self.lr_at(iteration) for _ in self.optimizer.param_groups]
+
+    def _apply(self, lrs):
+        for group, lr in zip(self.optimizer.param_groups, lrs):
             group["lr"] = lr
-        return [lr for _ in self.optimizer.param_groups]
+        return list(lrs)
 
     def get_lr(self):
-        return [self.lr_at(self.last_batch_iteration) for _ in self.optimizer.param_groups]
+        return self.group_lrs(self.last_batch_iteration)
 
     def get_last_lr(self):
         return self._last_lr
@@ -83,14 +90,14 @@ class _Schedule:
         if last_batch_iteration is None:
             last_batch_iteration = self.last_batch_iteration + 1
         self.last_batch_iteration = last_batch_iteration
-        self._last_lr = self._apply(self.lr_at(last_batch_iteration))
+        self._last_lr = self._apply(self.group_lrs(last_batch_iteration))
 
     def state_dict(self):
         return {"last_batch_iteration": self.last_batch_iteration}
 
     def load_state_dict(self, state):
         self.last_batch_iteration = state["last_batch_iteration"]
-        self._last_lr = [self.lr_at(self.last_batch_iteration) for _ in self.optimizer.param_groups]
+        self._last_lr = self.group_lrs(self.last_batch_iteration)
 
 
 def _warmup_fraction(iteration, steps, kind):
@@ -150,7 +157,9 @@ class WarmupCosineLR(_Schedule):
         self.cos_min_ratio = cos_min_ratio
         self.warmup_steps = max(2, warmup_num_steps)
         self.warmup_type = warmup_type
-        self.base_lr = optimizer.param_groups[0]["lr"]
+        # Each group's own rate, scaled by the ratio (DeepSpeed's org_lrs).
+        self.base_lrs = [g["lr"] for g in optimizer.param_groups]
+        self.base_lr = self.base_lrs[0]
         super().__init__(optimizer)
 
     def ratio(self, iteration):
@@ -168,6 +177,10 @@ class WarmupCosineLR(_Schedule):
 
     def lr_at(self, iteration):
         return self.base_lr * self.ratio(iteration)
+
+    def group_lrs(self, iteration):
+        r = self.ratio(iteration)
+        return [b * r for b in self.base_lrs]
 
 
 class OneCycle(_Schedule):
@@ -272,8 +285,8 @@ def from_config(block, optimizer):
     # OneCycle
     if params.get("cycle_momentum", True) is not False:
         raise error("InvalidArgument",
-                    "%s.cycle_momentum: OneCycle cycles Adam's beta1 by default, and zinf's "
-                    "optimizer keeps its betas fixed; set \"cycle_momentum\": false to run the "
+                    "%s.cycle_momentum: OneCycle cycles Adam's beta1 by default, which zinf's "
+                    "OneCycle does not implement; set \"cycle_momentum\": false to run the "
                     "learning-rate cycle alone" % where)
     for key in ("cycle_min_lr", "cycle_max_lr"):
         if key not in params:

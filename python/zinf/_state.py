@@ -28,6 +28,45 @@ def persistent_buffers(module):
     return out
 
 
+def _encode(obj):
+    """A scheduler's state as JSON with its types kept (torch 1.13's weights-only loader refuses
+    floats and Counters, and plain JSON would turn MultiStepLR's Counter of int milestones into
+    string keys, so the rate would never decay after a resume). Raises TypeError for anything
+    but numbers, strings, None, lists, tuples, dicts and Counters."""
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, list):
+        return [_encode(v) for v in obj]
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v) for v in obj]}
+    if isinstance(obj, collections.Counter):
+        return {"__counter__": [[_encode(k), _encode(v)] for k, v in obj.items()]}
+    if type(obj) is dict:
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: _encode(v) for k, v in obj.items()}
+        return {"__dict__": [[_encode(k), _encode(v)] for k, v in obj.items()]}
+    raise TypeError("%s is not kept in a checkpoint's JSON" % type(obj).__name__)
+
+
+def _decode(obj):
+    if isinstance(obj, list):
+        return [_decode(v) for v in obj]
+    if isinstance(obj, dict):
+        if "__tuple__" in obj:
+            return tuple(_decode(v) for v in obj["__tuple__"])
+        if "__counter__" in obj:
+            return collections.Counter({_key(k): _decode(v) for k, v in obj["__counter__"]})
+        if "__dict__" in obj:
+            return {_key(k): _decode(v) for k, v in obj["__dict__"]}
+        return {k: _decode(v) for k, v in obj.items()}
+    return obj
+
+
+def _key(k):
+    k = _decode(k)
+    return tuple(k) if isinstance(k, list) else k
+
+
 def save(engine, path, client_state, extra=None):
     """Writes a checkpoint of `engine` into the folder `path` (atomically)."""
     def blob(obj):
@@ -41,15 +80,14 @@ def save(engine, path, client_state, extra=None):
            "names": [p.names[0] for p in engine._registry.params],
            "lr": engine.get_lr()[0],
            "param_groups": [{k: (list(v) if k == "betas" else v) for k, v in h.items()}
-                            for h in engine._group_hypers()]}
+                            for h in engine._group_hypers()],
+           "param_group_of": engine._group_of}
     if engine.lr_scheduler is not None:
         state = engine.lr_scheduler.state_dict()
         try:
-            # Plain numbers and lists (torch's schedulers, DeepSpeed's): JSON, since torch
-            # 1.13's weights-only loader refuses floats.
-            doc["lr_scheduler_json"] = json.loads(json.dumps(state))
-        except (TypeError, ValueError):
-            doc["lr_scheduler"] = blob(state)
+            doc["lr_scheduler_state"] = _encode(state)
+        except TypeError:
+            doc["lr_scheduler"] = blob(state)  # tensors inside: torch's bytes
     doc.update(extra or {})
     try:
         user = json.dumps(doc)
@@ -78,8 +116,8 @@ def load(engine, path):
             if name in saved:
                 with torch.no_grad():
                     buf.copy_(saved[name])
-    if engine.lr_scheduler is not None and user.get("lr_scheduler_json") is not None:
-        engine.lr_scheduler.load_state_dict(user["lr_scheduler_json"])
+    if engine.lr_scheduler is not None and user.get("lr_scheduler_state") is not None:
+        engine.lr_scheduler.load_state_dict(_decode(user["lr_scheduler_state"]))
     elif engine.lr_scheduler is not None and user.get("lr_scheduler"):
         state = torch.load(io.BytesIO(base64.b64decode(user["lr_scheduler"])),
                            weights_only=True)
@@ -87,11 +125,21 @@ def load(engine, path):
     saved = user.get("param_groups")
     if saved is not None:
         groups = engine.optimizer.param_groups
-        if len(saved) != len(groups):
+        member = user.get("param_group_of")
+        if len(saved) != len(groups) or (member is not None and member != engine._group_of):
+            first = next((i for i, (a, b) in enumerate(zip(member or [], engine._group_of))
+                          if a != b), None)
             raise error("FailedPrecondition",
-                        "%s holds %d parameter groups and this engine's optimizer %d: build the "
-                        "optimizer with the groups it was saved with" % (path, len(saved),
-                                                                           len(groups)))
+                        "%s was saved with %d parameter groups%s and this engine's optimizer "
+                        "has %d%s: the parameters, optimizer states and counters were loaded, "
+                        "the groups' hyperparameters were not (they would step other "
+                        "parameters); build the optimizer with the groups it was saved with "
+                        "and load again"
+                        % (path, len(saved),
+                           "" if first is None else ", '%s' in group %d"
+                           % (engine._registry.params[first].names[0], member[first]),
+                           len(groups), "" if first is None else " (here in group %d)"
+                           % engine._group_of[first]))
         for group, h in zip(groups, saved):  # torch's optimizer.load_state_dict does the same
             for k, v in h.items():
                 group[k] = tuple(v) if k == "betas" else v

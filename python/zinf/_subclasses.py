@@ -58,9 +58,11 @@ class ZinfParameter(torch.nn.Parameter):
             kwargs = {}
         kind = classify(func, kwargs)
         if kind != META:
+            # (A parameter inside GatheredParameters holds its values as an ordinary tensor.)
             managed = [t for t in call_tensors(args, kwargs)
-                       if type(t) is ZinfParameter and t.__dict__.get("_zinf_rec") is not None]
-            if managed and not all(t._zinf_rec.gathered for t in managed):
+                       if type(t) is ZinfParameter and t.__dict__.get("_zinf_rec") is not None
+                       and not t._zinf_rec.gathered]
+            if managed:
                 access = _access_of(managed[0])
                 if kind == WRITE:
                     written = [t for t in written_tensors(args, kwargs)

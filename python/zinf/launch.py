@@ -8,8 +8,9 @@ distribution metadata says version 0.16.0+zinf, which accelerate and transformer
     python3 -m zinf.launch --deepspeed-path     # the folder to put first on PYTHONPATH for
                                                 # other launchers (accelerate launch, mpirun)
 
-The launcher is torch's own (zinf.torchrun: torch.distributed.run with Debian 12's fix). With
-no --master_port, --rdzv_endpoint or --standalone, the ranks meet on 127.0.0.1 at a free port.
+The launcher is torch's own (zinf.torchrun: torch.distributed.run with Debian 12's fix). On one
+machine with no --master_addr, --master_port, --rdzv_endpoint, --standalone or --nnodes, the
+ranks meet on 127.0.0.1 at a free port; otherwise torchrun's flags say where.
 A DeepSpeed installed on this machine is not replaced: for the run, zinf's comes first on the
 path, and the launcher says so.
 """
@@ -23,6 +24,11 @@ COMPAT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compat")
 # torchrun flags that choose where the ranks meet.
 _RENDEZVOUS = ("--master_port", "--master-port", "--rdzv_endpoint", "--rdzv-endpoint",
                "--standalone", "--rdzv_backend", "--rdzv-backend")
+
+
+# torchrun flags that take no value (the word after one is the script).
+_NO_VALUE = ("--standalone", "--no_python", "--no-python", "--module", "-m", "--run_path",
+             "--run-path")
 
 
 def deepspeed_path():
@@ -51,6 +57,20 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def torchrun_argv(argv):
+    """torchrun's arguments for `argv` (launcher flags, the script, its arguments): on one
+    machine with nothing saying where the ranks meet, 127.0.0.1 and a free port first."""
+    script_at = next((i for i, a in enumerate(argv) if not a.startswith("-") and
+                      (i == 0 or not argv[i - 1].startswith("-") or "=" in argv[i - 1] or
+                       argv[i - 1] in _NO_VALUE)), len(argv))
+    launcher_flags = [f.split("=")[0] for f in argv[:script_at]]
+    one_node = not any(f in ("--nnodes", "--master_addr", "--master-addr")
+                       for f in launcher_flags)
+    if one_node and not any(f in _RENDEZVOUS for f in launcher_flags):
+        return ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())] + argv
+    return list(argv)
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--deepspeed-path"], ["--deepspeed_path"]):
@@ -65,13 +85,7 @@ def main(argv=None):
               "instead (%s)" % (other, COMPAT), file=sys.stderr)
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [COMPAT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    script_at = next((i for i, a in enumerate(argv) if not a.startswith("-") and
-                      (i == 0 or not argv[i - 1].startswith("--") or "=" in argv[i - 1] or
-                       argv[i - 1] in ("--standalone", "--no_python", "--no-python",
-                                       "--module", "-m"))), len(argv))
-    launcher_flags = argv[:script_at]
-    if not any(f.split("=")[0] in _RENDEZVOUS for f in launcher_flags):
-        argv = ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())] + argv
+    argv = torchrun_argv(argv)
     from . import torchrun
     return torchrun.main(argv)
 

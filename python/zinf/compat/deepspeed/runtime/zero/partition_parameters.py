@@ -1,5 +1,7 @@
 """deepspeed.runtime.zero.partition_parameters over zinf: Init, GatheredParameters,
 ZeroParamStatus and register_external_parameter."""
+import torch
+
 import zinf
 from zinf import _gathered
 from zinf._subclasses import ZeroParamStatus  # noqa: F401
@@ -23,6 +25,13 @@ class Init(zinf.Init):
                                  "inside `with deepspeed.zero.Init(...):`")
         if mpu is not None:
             raise zinf.ZinfError("deepspeed.zero.Init(mpu=...): zinf has no model parallelism")
+        if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
+            raise zinf.ZinfError("deepspeed.zero.Init(dtype=%s): zinf stores parameters as "
+                                 "fp32 or bf16 (the config's bf16.enabled)" % dtype)
+        if zero_quantized_weights or zero_quantized_nontrainable_weights:
+            raise zinf.ZinfError("deepspeed.zero.Init(zero_quantized_*weights=True): quantized "
+                                 "gathers are not implemented; zinf.frozen_weight_dtype "
+                                 "\"int8\" stores frozen weights as int8")
         super().__init__(config=config_dict_or_path if config_dict_or_path is not None
                          else config, enabled=enabled)
 
