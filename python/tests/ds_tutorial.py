@@ -11,6 +11,8 @@ global_steps and learning rate.
 """
 import argparse
 import json
+import os
+import sys
 
 import torch
 import torch.nn as nn
@@ -84,9 +86,13 @@ def main():
             losses.append(loss.item())
             step += 1
         model_engine.save_checkpoint(cmd_args.save_dir, client_state={"step": step})
-    print(json.dumps({"first_loss": losses[0], "last_loss": losses[-1], "steps": len(losses),
-                      "start_step": start, "global_steps": model_engine.global_steps,
-                      "lr": model_engine.get_lr()[0]}))
+    line = json.dumps({"first_loss": losses[0], "last_loss": losses[-1], "steps": len(losses),
+                       "start_step": start, "global_steps": model_engine.global_steps,
+                       "lr": model_engine.get_lr()[0]})
+    # Both ranks share the launcher's stdout: one write(2) per line (a pipe keeps writes under
+    # PIPE_BUF whole), or a buffer flushed mid-line interleaves the two ranks' lines.
+    sys.stdout.flush()
+    os.write(1, (line + "\n").encode())
 
 
 if __name__ == "__main__":
