@@ -19,6 +19,8 @@
 #include "engine/core/stats_recorder.h"
 #include "engine/core/step_clock.h"
 #include "engine/persistence/durable_commits.h"
+#include "engine/speculation.h"
+#include "engine/state_window.h"
 #include "zinf/config.h"
 #include "zinf/cpu_adam.h"
 #include "zinf/device.h"
@@ -51,57 +53,88 @@ class OptimizerPipeline {
   void Join();
 
  private:
+  // One task's working set: its sub-group order, its state window, its first failure (the
+  // sub-groups it speculates are in speculation_, empty again whenever a task ends).
+  struct TaskRun;
+  // How one sub-group is stepped.
+  struct GroupStep {
+    const OptimizerTask* task = nullptr;
+    size_t gi = 0;
+    float coef = 1.0f;  // the clipping coefficient (1: none)
+    // By index in the group: whether the parameter got a gradient in the window; the others
+    // are not updated (their parameter stores are still written, as their buffer may be stale).
+    std::vector<uint8_t> with_grad;
+    // Each gradient is checked for inf and NaN inside the step (tile by tile, see
+    // CpuOptimizer::StepIfFinite); one that holds one sets `non_finite` and fails the group
+    // with NonFinite before anything of the group is written to a store (but for the pieces
+    // of `upload_pieces`), so a non-finite master is never written (the engine must then be
+    // recreated from a checkpoint or the durable store, whose last commit predates the step).
+    // Off: with clipping, the norm checked them.
+    bool check_finite = false;
+    bool non_finite = false;  // out
+    // A speculative step: a block laid out as the states, into which each parameter's slices
+    // get their pre-step values as the step goes (Speculation::KeepTiles); whole once the step
+    // returns, a failure or not.
+    void* snapshot = nullptr;
+    // Parameters on the device: each parameter is stepped in up to kPieces pieces (whole tiles
+    // of the optimizer's; fewer for a parameter of fewer tiles), and each piece's copy to the
+    // device is issued as soon as it is stepped, so that the copies run under the step instead
+    // of after it (the task's last sub-groups, kPiecedLastGroups, whose copies nothing else
+    // would overlap). A non-finite gradient then stops the step with the pieces before it
+    // (finite, stepped values) already copied: the engine stops either way, and with clipping
+    // the norm has checked every gradient before the step.
+    bool upload_pieces = false;
+    // >= 0 (no clipping, not speculative): the index in the group of a parameter whose
+    // gradient is still landing piece by piece (GroupBoard::LandPiece); it is stepped last, in
+    // up to kPieces pieces, each once its gradient has landed (GroupBoard::WaitLanded).
+    int landing = -1;
+  };
   void Loop();
   // One task: every sub-group, in backward order.
   Status Run(const OptimizerTask& task);
+  // The k-th sub-group of the task's order: waits for its gradients, steps it. A failure that
+  // stops the task is returned; one that leaves the sub-group as it was goes to run->first.
+  // The norm failed: the task is drained (run->drained) and run->first returned; nothing else
+  // is stepped.
+  Status StepNext(TaskRun* run, size_t k);
+  // Steps sub-group plan.gi speculatively (its coefficient not yet known).
+  Status StepSpeculatively(TaskRun* run, GroupStep* plan, float* master, PooledBlock states);
+  // The verdict on the speculated sub-groups (see Speculation::Resolve).
+  void Settle(TaskRun* run, float coef, bool roll_back);
+  // The norm failed (not finite, or its collective did): what was speculated is rolled back,
+  // nothing else is stepped, and the task did nothing, which is not an optimizer failure (the
+  // trainer's Step reports the norm's error). Otherwise `s`.
+  Status VerdictFailed(TaskRun* run, const Status& s);
+  // Done with sub-group gi (stepped, or failed and left as it was): the trainer may put the
+  // next window's gradients into its accumulators.
+  void MarkStepped(size_t gi, int64_t step);
+  // Steps plan's sub-group in `master` (its NVMe state block `states`, if any) and queues its
+  // write-backs in the task's window.
+  Status StepAndWrite(TaskRun* run, GroupStep* plan, float* master, PooledBlock states);
   // Step `task`'s hyperparameters for a parameter of parameter group `group`.
   OptimizerHyperParams HyperParams(const OptimizerTask& task, float coef, size_t group) const;
   // A sub-group kept on the device, with its parameters on the device: stepped by
   // Device::OptimizerStep on the update stream, the parameters written into their device
-  // stores by the step itself (bf16) or a device copy (fp32). `with_grad[j]`: whether the
-  // group's j-th parameter got a gradient in the window; the others are not updated (their
-  // parameter stores are still written, as their buffer may be stale).
-  Status StepGroupOnDevice(size_t gi, const OptimizerTask& task, float coef,
-                           const std::vector<uint8_t>& with_grad);
-  // `states`: the sub-group's [master | state 1 | state 2] (Layout::GroupStateBytes).
-  //
-  // `non_finite` not null: each gradient is checked for inf and NaN inside the step (tile by
-  // tile, see CpuOptimizer::StepIfFinite); one that holds one sets it and fails the group
-  // with NonFinite before anything of the group is written to a store (but for the pieces of
-  // `upload_pieces`), so a non-finite master is never written (the engine must then be
-  // recreated from a checkpoint or the durable store, whose last commit predates the step).
-  // Null: with clipping, the norm checked them.
-  //
-  // `snapshot` not null (a speculative step): a block laid out as `states`, into which each
-  // parameter's slices get their pre-step values as the step goes (KeepTiles); whole once
-  // this returns, a failure or not.
-  //
-  // `landing` >= 0 (no clipping, not speculative): the index in the group of a parameter
-  // whose gradient is still landing piece by piece (GroupBoard::LandPiece); it is stepped
-  // last, in up to kPieces pieces, each once its gradient has landed (GroupBoard::WaitLanded).
-  //
-  // `upload_pieces` (parameters on the device): each parameter is stepped in up to kPieces pieces
-  // (whole tiles of the optimizer's; fewer for a parameter of fewer tiles), and each piece's
-  // copy to the device is issued as soon as it is stepped, so that the copies run under the
-  // step instead of after it (the task's last sub-groups, kPiecedLastGroups, whose copies
-  // nothing else would overlap). A non-finite gradient then stops the step with the pieces
-  // before it (finite, stepped values) already copied: the engine stops either way, and with
-  // clipping the norm has checked every gradient before the step.
-  Status StepGroup(size_t gi, float* states, uint16_t* copy_out, const OptimizerTask& task,
-                   float coef, bool* non_finite, const std::vector<uint8_t>& with_grad,
-                   std::vector<Ticket>* writes, void* snapshot = nullptr,
-                   bool upload_pieces = false, int landing = -1);
+  // stores by the step itself (bf16) or a device copy (fp32).
+  Status StepGroupOnDevice(const GroupStep& plan);
+  Status CheckDeviceGradients(const GroupStep& plan, const float* grads);
+  // `master`: the sub-group's [master | state 1 | state 2] (Layout::GroupStateBytes);
+  // `copy_out`: its bf16 parameter copy (bf16 parameters), or null.
+  Status StepGroup(GroupStep* plan, float* master, uint16_t* copy_out,
+                   std::vector<Ticket>* writes);
+  // The group's j-th parameter (a gradient in the window), piece by piece where it lands or
+  // uploads in pieces. `kept`: per tile, whether its pre-step values are in the snapshot.
+  // `*written`: it went to the device piece by piece. `*landing_wait`: seconds waited.
+  Status StepParam(GroupStep* plan, size_t j, float* master, uint16_t* copy_out,
+                   std::vector<uint8_t>* kept, bool* written, double* landing_wait);
+  // A failure at the group's j-th parameter: what was not stepped still holds its pre-step
+  // values (the tiles of j not kept, the parameters after it); the snapshot gets them, so that
+  // it is whole for the rollback whatever failed. Returns s.
+  Status CompleteSnapshot(const GroupStep& plan, size_t j, const std::vector<uint8_t>& kept,
+                          const float* master, const Status& s) const;
   static constexpr size_t kPieces = 8;
   static constexpr size_t kPiecedLastGroups = 2;  // upload_pieces: the task's last two
-  // Copies elements [begin, end) of parameter id's slices (master and states) from its
-  // sub-group's buffer `master` into the same places of `snapshot`, with streaming stores.
-  void KeepTiles(ParamId id, const float* master, void* snapshot, size_t begin, size_t end) const;
-  // fn(byte offset, bytes) for each slice (master, state 1, state 2) of sub-group gi's
-  // parameters in its [master | states] buffer.
-  void ForEachSlice(size_t gi, const std::function<void(size_t, size_t)>& fn) const;
   Status NonFinite(ParamId id, int64_t step) const;
-  // memcpy on the optimizer's threads (a speculated sub-group's snapshot and its restore).
-  void Copy(void* dst, const void* src, size_t bytes);
   // The optimizer's view of parameter `id`'s partition inside its sub-group's buffer `states`
   // ([master | state 1 | state 2]: exp_avg / exp_avg_sq, or Lion's momentum in state 1, or the
   // Adagrad sum in state 2; fp32 or compressed, zinf.optimizer_state_dtype), with fp32
@@ -112,6 +145,7 @@ class OptimizerPipeline {
 
   const EngineContext ctx_;
   const Parts m_;
+  Speculation speculation_;  // the task's speculated sub-groups (optimizer thread)
   std::thread thread_;
   bool last_clipped_ = false;  // the last clipped task's verdict rescaled (optimizer thread)
 };

@@ -44,6 +44,10 @@ class StateStore {
   const std::string& swap_key(size_t gi) const { return groups_[gi].swap_key; }
   float* device_states(size_t gi) const { return groups_[gi].device_states; }
   float* host_states(size_t gi) const { return groups_[gi].host.data; }
+  // Where sub-group gi's states are stepped when they are not on NVMe.
+  float* resident_states(size_t gi) const {
+    return device_states(gi) != nullptr ? device_states(gi) : host_states(gi);
+  }
 
   // Optimizer updates applied to parameter `id` so far: the optimizer thread changes it while
   // it steps the sub-group; others read it between optimizer steps.

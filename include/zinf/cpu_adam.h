@@ -233,6 +233,12 @@ float Bf16ToFp32(uint16_t value);
 uint16_t Fp32ToFp16(float value);
 float Fp16ToFp32(uint16_t value);
 
+// memcpy with non-temporal stores (SSE2): past an unaligned head of under 16 bytes and up to a
+// tail of under 64, the copy neither reads the destination's cache lines first nor leaves them
+// in the cache (for copies read back rarely, such as the pre-step snapshot of a speculative
+// step). The stores are fenced before it returns. Without SSE2, memcpy.
+void StreamCopy(void* dst, const void* src, size_t bytes);
+
 // Frozen weights stored as linear blockwise int8 (zinf.frozen_weight_dtype "int8"), in
 // StateBytes(StateType::kInt8, n) bytes: per block of kInt8StateBlock elements, the codes
 // round(x / scale) (nearest even, in -127..127), then the fp32 scale = the block's largest

@@ -63,6 +63,10 @@ class [[nodiscard]] Status {
   // A copy whose message starts with `context`: "context: message". OK stays OK. The key
   // and errno stay.
   Status WithContext(std::string_view context) const;
+  // Keeps the first failure of several: takes `other` only while this is OK.
+  void Update(const Status& other) {
+    if (ok() && !other.ok()) *this = other;
+  }
   // The configuration key the failure is about, when there is one ("zinf.pinned_budget_bytes"):
   // a front end names its own flag for it without reading the message. "" when none.
   const std::string& key() const { return key_; }
