@@ -1,6 +1,6 @@
 // The engine's façade: creation and its feasibility checks, registration and placement, and
 // the sequencing of micro-steps and optimizer steps over the components that do the work
-// (engine/*.h; the README's layout section names each and what it owns).
+// (engine/*.h; docs/layout.md names each and what it owns).
 //
 // Threads and what they own:
 // - the trainer's thread calls every public method; it alone decides which fetches and

@@ -10,6 +10,7 @@ here=$(pwd)
 cd "$(dirname "$0")/.."
 root=$(pwd)
 scripts/deps.sh
-scripts/build.sh >/dev/null
+echo "zinf: building (scripts/build.sh); the first build takes about 8-10 minutes on 2 cores (its progress follows), later ones rebuild only what changed" >&2
+scripts/build.sh >&2
 cd "$here"
 exec "$root/${ZINF_BUILD_DIR:-build}/train/zinf-train" "$@"

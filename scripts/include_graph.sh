@@ -2,7 +2,7 @@
 # The include graph points one way: a source may include its own folder, the public headers
 # (include/zinf/) and folders of lower layers, never a folder above it or a sibling of its own
 # layer; a public header includes only public and system headers. Layers, lowest first (see
-# the README's layout table):
+# docs/layout.md):
 #   0 common/            1 nvme/, cpu_adam/     2 device/ (host/, cuda/, device_pool.h)
 #   3 formats/, config/  4 engine/core/         5 engine/persistence/
 #   6 engine/ (the façade and the optimizer pipeline)        7 interop/

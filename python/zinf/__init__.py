@@ -14,7 +14,7 @@ or, for a trainer written for DeepSpeed, `import zinf as deepspeed`:
 
 The parameters, gradients and optimizer states live in zinf's tiers (device, pinned host
 memory, NVMe) as the config says; the optimizer is zinf's (Adam, AdamW, Adagrad or Lion from
-the config's "optimizer"), not torch's. See the README's "Using zinf from PyTorch".
+the config's "optimizer"), not torch's. See docs/pytorch.md.
 """
 import torch
 
