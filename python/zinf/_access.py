@@ -31,7 +31,7 @@ import torch
 # base_data stays reachable as zinf._access.base_data (tests read the placeholder through it).
 from . import _state
 from ._calls import DISABLE, base_data, plain, set_base_data, storage_ptr  # noqa: F401
-from ._optim import error
+from ._errors import error
 from ._residency import Frame
 from ._subclasses import Snapshot, is_whole, snapshot
 

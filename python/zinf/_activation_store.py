@@ -11,7 +11,7 @@ import torch
 from torch.utils import dlpack
 
 from . import _zinf
-from ._optim import error
+from ._errors import error
 
 
 class _Kept:

@@ -38,7 +38,7 @@ import torch
 from . import _zinf
 from ._activation_store import ActivationStore
 from ._autograd import ChainedHooks
-from ._optim import error
+from ._errors import error
 
 _DEEPSPEED_NO_EFFECT = ("contiguous_memory_optimization", "number_checkpoints",
                         "synchronize_checkpoint_boundary", "profile")

@@ -8,7 +8,7 @@ import json
 import os
 
 from . import _zinf
-from ._optim import error
+from ._errors import error
 
 PYTHON_BLOCKS = ("scheduler", "activation_checkpointing")
 

@@ -18,7 +18,7 @@ import torch
 from . import _distributed, _initialize, _optim
 from ._config import Config
 from ._engine import ZinfEngine
-from ._optim import error
+from ._errors import error
 
 logger = logging.getLogger("zinf")
 

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from ._optim import error
+from ._errors import error
 
 _groups = itertools.count()  # each engine of a process gets its own keys in the store
 _store = None                # this process's TCPStore, made once (rank 0 serves it)

@@ -4,7 +4,7 @@ backward and step; threads torch starts for autograd run the engine's hooks and 
 """
 import threading
 
-from ._optim import error
+from ._errors import error
 
 
 class Driver:

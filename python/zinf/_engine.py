@@ -46,14 +46,13 @@ from . import _autograd, _state, _zinf
 from ._access import ParamAccess
 from ._calls import set_base_data
 from ._driver import Driver
+from ._errors import ZinfError, error
 from ._hooks import ModuleHooks
 from ._microstep import MicroStep
-from ._optim import GroupPlan, ZinfOptimizer, error
+from ._optim import GroupPlan, ZinfOptimizer
 from ._packing import Packing
 from ._registry import ParamRegistry
 from ._residency import Residency
-
-ZinfError = _zinf.ZinfError
 
 
 class ZinfEngine:

@@ -11,7 +11,7 @@ import torch
 
 from . import _state
 from ._calls import base_data, set_base_data
-from ._optim import error
+from ._errors import error
 
 
 def _managed(params):

@@ -26,7 +26,7 @@ import torch
 
 from . import _zinf
 from ._calls import DISABLE, base_data
-from ._optim import error
+from ._errors import error
 from ._packing import weak_hook
 from ._param import GradState
 from ._residency import Frame

@@ -24,7 +24,7 @@ import threading
 import torch
 
 from . import _config, _zinf
-from ._optim import ZinfError
+from ._errors import ZinfError
 from ._param import FLOAT_DTYPES, placeholder
 
 # The patch of torch.nn.Module constructors is process-wide (class attributes), so it is

@@ -8,7 +8,7 @@ import torch
 from . import _activations, _distributed, _schedulers, _zinf
 from ._config import Config, resolve_batch
 from ._engine import ZinfEngine
-from ._optim import error
+from ._errors import error
 
 ZinfError = _zinf.ZinfError
 

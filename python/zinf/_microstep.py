@@ -9,7 +9,7 @@ micro-step ends.
 """
 import torch
 
-from ._optim import error
+from ._errors import error
 
 
 class MicroStep:

@@ -10,20 +10,10 @@ window's last micro-step. Groups are fixed at initialize: add_param_group is ref
 """
 import torch
 
-from . import _zinf
-
-ZinfError = _zinf.ZinfError
+from ._errors import error
 
 # torch optimizer classes zinf's optimizer can stand for, and its config name for each.
 _TORCH_TYPES = {"Adam": "Adam", "AdamW": "AdamW", "Adagrad": "Adagrad"}
-
-
-def error(code, message):
-    """A ZinfError raised from Python, with a code like the engine's."""
-    e = ZinfError(message)
-    e.code = code
-    e.errno = 0
-    return e
 
 
 class ZinfOptimizer(torch.optim.Optimizer):

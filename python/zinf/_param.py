@@ -27,7 +27,7 @@ import weakref
 import torch
 
 from ._calls import set_base_data
-from ._optim import error
+from ._errors import error
 
 FLOAT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 

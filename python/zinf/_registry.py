@@ -9,7 +9,7 @@ import weakref
 import torch
 
 from . import _zinf
-from ._optim import error
+from ._errors import error
 from ._param import FLOAT_DTYPES, ManagedParam
 from ._subclasses import ZinfParameter
 

@@ -11,7 +11,7 @@ import json
 import torch
 
 from . import _zinf
-from ._optim import error
+from ._errors import error
 
 ZinfError = _zinf.ZinfError
 

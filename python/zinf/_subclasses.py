@@ -11,8 +11,8 @@ import torch
 
 from ._calls import (DISABLE, META, WRITE, base_data, call_tensors, classify, plain,
                      replace_tensor, set_base_data, storage_ptr, written_tensors)
+from ._errors import error
 from ._hooks import frozen_at_initialize, unfrozen_error
-from ._optim import error
 
 
 # ---- ZinfParameter ---------------------------------------------------------------------------
