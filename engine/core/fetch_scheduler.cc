@@ -14,18 +14,10 @@ using Clock = std::chrono::steady_clock;
 
 FetchScheduler::FetchScheduler(const EngineContext& ctx, const ParamStore* store,
                                AcquireTrace* trace, GradientAdder* adder)
-    : layout_(ctx.layout),
-      config_(ctx.config),
-      device_(ctx.device),
-      comm_(ctx.comm),
-      budget_(ctx.budget),
-      stats_(ctx.stats),
+    : ctx_(ctx),
       store_(store),
       trace_(trace),
       adder_(adder),
-      streams_(ctx.streams),
-      arena_(ctx.arena),
-      swap_(ctx.swap),
       res_(ctx.layout->num_params()),
       fetch_status_(ctx.layout->num_params()) {}
 
@@ -33,19 +25,19 @@ FetchScheduler::~FetchScheduler() {
   // The engine synchronised every stream before this: nothing uses the buffers any more. A
   // read still in flight (a prefetch never acquired) must end before its buffers go.
   for (ParamId id : reading_) {
-    Status s = swap_->Wait(res_[id].read);
+    Status s = ctx_.swap->Wait(res_[id].read);
     if (!s.ok()) LogWarning("closing: a parameter read nobody used failed: " + s.ToString());
   }
-  for (const auto& [ptr, bytes] : graveyard_) budget_->Free(ptr, bytes);
+  for (const auto& [ptr, bytes] : graveyard_) ctx_.budget->Free(ptr, bytes);
   for (ParamId id = 0; id < res_.size(); ++id) {
     if (res_[id].device_full != nullptr && !res_[id].aliased) {
-      budget_->Free(res_[id].device_full, layout_->FullBytes(id));
+      ctx_.budget->Free(res_[id].device_full, ctx_.layout->FullBytes(id));
     }
   }
 }
 
 Status FetchScheduler::Init() {
-  ZINF_ASSIGN_OR_RETURN(copy_done_, device_->CreateEvent());
+  ZINF_ASSIGN_OR_RETURN(copy_done_, ctx_.device->CreateEvent());
   return Status::OK();
 }
 
@@ -65,7 +57,7 @@ Status FetchScheduler::Evict(ParamId id) {
   if (r.state == State::kReading) {
     // No stream has touched the buffer yet: once the read into the staging block has ended,
     // both go back. Its error, if any, is reported by the next Acquire of the parameter.
-    Status read = swap_->Wait(r.read);
+    Status read = ctx_.swap->Wait(r.read);
     if (!read.ok()) SetFetchStatus(id, read);
     reading_.erase(std::find(reading_.begin(), reading_.end(), id));
     DropDeviceCopy(id);
@@ -75,10 +67,10 @@ Status FetchScheduler::Evict(ParamId id) {
   // that here (on a GPU the compute stream runs behind the trainer): it goes back after the
   // compute stream's work issued so far when it was acquired (that work read it), or after
   // the gather stream's when it was fetched and never acquired (its copy and gather).
-  Stream* after = r.state == State::kFetching ? streams_.comm : device_->ComputeStream();
-  Status s = budget_->FreeAfter(r.device_full, layout_->FullBytes(id), after);
+  Stream* after = r.state == State::kFetching ? ctx_.streams.comm : ctx_.device->ComputeStream();
+  Status s = ctx_.budget->FreeAfter(r.device_full, ctx_.layout->FullBytes(id), after);
   if (!s.ok()) {
-    return s.WithContext("evicting parameter '" + layout_->param(id).info.name +
+    return s.WithContext("evicting parameter '" + ctx_.layout->param(id).info.name +
                          "' (its device memory stays allocated: nothing is known to be done "
                          "with it)");
   }
@@ -87,7 +79,7 @@ Status FetchScheduler::Evict(ParamId id) {
 }
 
 void FetchScheduler::DropDeviceCopy(ParamId id) {
-  budget_->Free(res_[id].device_full, layout_->FullBytes(id));
+  ctx_.budget->Free(res_[id].device_full, ctx_.layout->FullBytes(id));
   ForgetDeviceCopy(id);
 }
 
@@ -98,19 +90,20 @@ void FetchScheduler::ForgetDeviceCopy(ParamId id) {
   r.device_full = nullptr;
   r.fetched_version = kNotFetched;
   r.state = State::kAbsent;
-  live_elems_ -= layout_->param(id).padded_numel;
-  budget_->Unplan(layout_->FullBytes(id));
+  live_elems_ -= ctx_.layout->param(id).padded_numel;
+  ctx_.budget->Unplan(ctx_.layout->FullBytes(id));
 }
 
 Status FetchScheduler::MakeRoom(uint64_t elems, uint64_t bytes, ParamId for_id) {
-  const ParamLayout& target = layout_->param(for_id);
-  const uint64_t grad_room = GradientScratchBytes(target, *config_);
+  const ParamLayout& target = ctx_.layout->param(for_id);
+  const uint64_t grad_room = GradientScratchBytes(target, *ctx_.config);
   auto fits = [&] {
-    return budget_->Fits(bytes + grad_room) && live_elems_ + elems <= config_->max_live_parameters;
+    return ctx_.budget->Fits(bytes + grad_room) &&
+           live_elems_ + elems <= ctx_.config->max_live_parameters;
   };
   while (!fits()) {
-    if (budget_->has_scratch()) {
-      ZINF_RETURN_IF_ERROR(budget_->ReclaimScratch());
+    if (ctx_.budget->has_scratch()) {
+      ZINF_RETURN_IF_ERROR(ctx_.budget->ReclaimScratch());
       continue;
     }
     // Evict the released parameter whose next use is farthest away.
@@ -119,7 +112,7 @@ Status FetchScheduler::MakeRoom(uint64_t elems, uint64_t bytes, ParamId for_id) 
     for (ParamId id = 0; id < res_.size(); ++id) {
       const Resident& r = res_[id];
       if (r.acquired > 0 || r.aliased || r.device_full == nullptr || id == for_id) continue;
-      const uint64_t d = trace_->ReuseDistance(id, *layout_);
+      const uint64_t d = trace_->ReuseDistance(id, *ctx_.layout);
       if (victim == UINT32_MAX || d > best) {
         victim = id;
         best = d;
@@ -129,8 +122,8 @@ Status FetchScheduler::MakeRoom(uint64_t elems, uint64_t bytes, ParamId for_id) 
       return Status::ResourceExhausted(
                  "device budget too small to fetch parameter '" + target.info.name +
                  "' while the acquired ones stay resident (budget " +
-                 FormatBytes(config_->device_budget_bytes) + ", max_live_parameters " +
-                 std::to_string(config_->max_live_parameters) +
+                 FormatBytes(ctx_.config->device_budget_bytes) + ", max_live_parameters " +
+                 std::to_string(ctx_.config->max_live_parameters) +
                  "); raise zinf.device_budget_bytes / stage3_max_live_parameters or acquire fewer "
                  "parameters at once")
           .WithKey("zinf.device_budget_bytes");
@@ -142,7 +135,7 @@ Status FetchScheduler::MakeRoom(uint64_t elems, uint64_t bytes, ParamId for_id) 
 
 Status FetchScheduler::Fetch(ParamId id, int64_t visible, bool prefetch) {
   Resident& r = res_[id];
-  const ParamLayout& p = layout_->param(id);
+  const ParamLayout& p = ctx_.layout->param(id);
   if (r.aliased) {
     r.device_full = store_->device_part(id, store_->Buf(visible));
     r.state = State::kResident;
@@ -155,19 +148,19 @@ Status FetchScheduler::Fetch(ParamId id, int64_t visible, bool prefetch) {
   // a read and its gather). Prefetches issued in earlier calls may hold it all while their
   // reads are slow.
   std::shared_ptr<PinnedBuffer> staging, decoded;
-  if (config_->offload_param.tier == Tier::kNvme) {
-    ZINF_ASSIGN_OR_RETURN(staging, TakeBlock(id, layout_->PartBytes(id), prefetch));
+  if (ctx_.config->offload_param.tier == Tier::kNvme) {
+    ZINF_ASSIGN_OR_RETURN(staging, TakeBlock(id, ctx_.layout->PartBytes(id), prefetch));
   }
-  if (layout_->StoredInt8(id)) {
-    ZINF_ASSIGN_OR_RETURN(decoded, TakeBlock(id, layout_->DevicePartBytes(id), prefetch));
+  if (ctx_.layout->StoredInt8(id)) {
+    ZINF_ASSIGN_OR_RETURN(decoded, TakeBlock(id, ctx_.layout->DevicePartBytes(id), prefetch));
   }
-  const size_t full = layout_->FullBytes(id);
+  const size_t full = ctx_.layout->FullBytes(id);
   ZINF_RETURN_IF_ERROR(MakeRoom(p.padded_numel, full, id));
-  ZINF_ASSIGN_OR_RETURN(r.device_full, budget_->Alloc(full, "parameter '" + p.info.name + "'"));
+  ZINF_ASSIGN_OR_RETURN(r.device_full, ctx_.budget->Alloc(full, "parameter '" + p.info.name + "'"));
   live_elems_ += p.padded_numel;
-  budget_->Plan(full);
+  ctx_.budget->Plan(full);
   if (!r.ready) {
-    Result<std::unique_ptr<Event>> ev = device_->CreateEvent();
+    Result<std::unique_ptr<Event>> ev = ctx_.device->CreateEvent();
     if (!ev.ok()) {
       DropDeviceCopy(id);
       return ev.status();
@@ -180,11 +173,11 @@ Status FetchScheduler::Fetch(ParamId id, int64_t visible, bool prefetch) {
   const int buf = store_->Buf(visible);
   r.fetched_version = static_cast<uint64_t>(visible);
   r.decoded = std::move(decoded);
-  switch (config_->offload_param.tier) {
+  switch (ctx_.config->offload_param.tier) {
     case Tier::kNvme: {
       // Urgent: the trainer waits on parameters; optimizer read-ahead and write-backs can wait.
-      Result<Ticket> t = swap_->Read(store_->swap_key(id, buf), staging->data(),
-                                     staging->capacity(), /*urgent=*/true);
+      Result<Ticket> t = ctx_.swap->Read(store_->swap_key(id, buf), staging->data(),
+                                         staging->capacity(), /*urgent=*/true);
       if (!t.ok()) {
         DropDeviceCopy(id);  // nothing was issued into it
         return t.status();
@@ -205,12 +198,12 @@ Status FetchScheduler::Fetch(ParamId id, int64_t visible, bool prefetch) {
 
 void FetchScheduler::FailFetch(ParamId id) {
   Resident& r = res_[id];
-  const ParamLayout& p = layout_->param(id);
+  const ParamLayout& p = ctx_.layout->param(id);
   // A buffer without a complete fetch issued into it must not stay: an Acquire would take
   // whatever that memory held for the parameter. Nothing may still write into it when it
   // goes back; when that cannot be known (waiting failed), it stays allocated and unfetched.
-  Status quiet = device_->SynchronizeStream(streams_.copy);
-  if (quiet.ok()) quiet = device_->SynchronizeStream(streams_.comm);
+  Status quiet = ctx_.device->SynchronizeStream(ctx_.streams.copy);
+  if (quiet.ok()) quiet = ctx_.device->SynchronizeStream(ctx_.streams.comm);
   if (quiet.ok()) {
     DropDeviceCopy(id);
     return;
@@ -219,7 +212,7 @@ void FetchScheduler::FailFetch(ParamId id) {
   // closes (after every stream), still counted in the plan, never used again.
   LogWarning("the device copy of '" + p.info.name +
              "' stays allocated until the engine closes after a failed fetch: " + quiet.ToString());
-  graveyard_.push_back({r.device_full, layout_->FullBytes(id)});
+  graveyard_.push_back({r.device_full, ctx_.layout->FullBytes(id)});
   r.device_full = nullptr;
   r.staging.reset();
   r.decoded.reset();
@@ -231,10 +224,10 @@ void FetchScheduler::FailFetch(ParamId id) {
 Status FetchScheduler::IssueCopies(ParamId id, const void* src,
                                    std::shared_ptr<PinnedBuffer> staging) {
   Resident& r = res_[id];
-  const size_t part = layout_->DevicePartBytes(id);
-  char* slot = static_cast<char*>(r.device_full) + static_cast<size_t>(comm_->rank()) * part;
-  Stream* copy = streams_.copy;
-  const bool device_tier = config_->offload_param.tier == Tier::kDevice;
+  const size_t part = ctx_.layout->DevicePartBytes(id);
+  char* slot = static_cast<char*>(r.device_full) + static_cast<size_t>(ctx_.comm->rank()) * part;
+  Stream* copy = ctx_.streams.copy;
+  const bool device_tier = ctx_.config->offload_param.tier == Tier::kDevice;
   if (r.decoded) {
     // int8 frozen weights: dequantised into the decode block by a host function queued on
     // the copy stream before the copy that reads it (off the trainer's thread); the int8
@@ -248,18 +241,18 @@ Status FetchScheduler::IssueCopies(ParamId id, const void* src,
     staging = std::move(decoded);
     src = staging->data();
   }
-  Status s = device_tier ? device_->CopyDeviceToDevice(slot, src, part, copy)
-                         : stats_->TimeCopy(device_, copy, [&] {
-                             return device_->CopyHostToDevice(slot, src, part, copy);
+  Status s = device_tier ? ctx_.device->CopyDeviceToDevice(slot, src, part, copy)
+                         : ctx_.stats->TimeCopy(ctx_.device, copy, [&] {
+                             return ctx_.device->CopyHostToDevice(slot, src, part, copy);
                            });
   // The staging block goes back once the copy out of it has run (a host function that only
   // drops a reference: it never blocks).
-  if (s.ok() && staging) s = device_->LaunchHostFunc(copy, [staging] { staging->Reset(); });
-  if (s.ok() && !device_tier) stats_->AddH2D(part);
-  if (s.ok()) s = device_->RecordEvent(copy_done_.get(), copy);
-  if (s.ok()) s = device_->StreamWaitEvent(streams_.comm, copy_done_.get());
-  if (s.ok()) s = comm_->AllGather(slot, r.device_full, part, streams_.comm);
-  if (s.ok()) s = device_->RecordEvent(r.ready.get(), streams_.comm);
+  if (s.ok() && staging) s = ctx_.device->LaunchHostFunc(copy, [staging] { staging->Reset(); });
+  if (s.ok() && !device_tier) ctx_.stats->AddH2D(part);
+  if (s.ok()) s = ctx_.device->RecordEvent(copy_done_.get(), copy);
+  if (s.ok()) s = ctx_.device->StreamWaitEvent(ctx_.streams.comm, copy_done_.get());
+  if (s.ok()) s = ctx_.comm->AllGather(slot, r.device_full, part, ctx_.streams.comm);
+  if (s.ok()) s = ctx_.device->RecordEvent(r.ready.get(), ctx_.streams.comm);
   if (!s.ok()) {
     FailFetch(id);
     return s;
@@ -271,25 +264,25 @@ Status FetchScheduler::IssueCopies(ParamId id, const void* src,
 
 Result<std::shared_ptr<PinnedBuffer>> FetchScheduler::TakeBlock(ParamId id, size_t bytes,
                                                                 bool prefetch) {
-  Result<PinnedBuffer> buf = arena_->Allocate(bytes);
+  Result<PinnedBuffer> buf = ctx_.arena->Allocate(bytes);
   if (!buf.ok() && !prefetch) {
     // Wait for the blocks in use to come back: one rank, the prefetch reads still in flight
     // (their copies are issued; with several ranks their gathers wait for their Acquire);
     // then the copies in flight, each handing its block back once copied (fetches on the
     // copy stream, gradient partitions on the gradient stream, then summed by the gradient
     // path's adder).
-    if (comm_->world_size() == 1 && !reading_.empty()) {
+    if (ctx_.comm->world_size() == 1 && !reading_.empty()) {
       const ParamId last = reading_.back();
       Status s = FinishRead(last);
       if (!s.ok()) SetFetchStatus(last, s);  // the next Acquire of it reports it
     }
-    ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(streams_.copy));
-    ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(streams_.grad));
+    ZINF_RETURN_IF_ERROR(ctx_.device->SynchronizeStream(ctx_.streams.copy));
+    ZINF_RETURN_IF_ERROR(ctx_.device->SynchronizeStream(ctx_.streams.grad));
     adder_->Drain();
-    buf = arena_->Allocate(bytes);
+    buf = ctx_.arena->Allocate(bytes);
   }
   if (!buf.ok()) {
-    return buf.status().WithContext("staging parameter '" + layout_->param(id).info.name + "'");
+    return buf.status().WithContext("staging parameter '" + ctx_.layout->param(id).info.name + "'");
   }
   return std::make_shared<PinnedBuffer>(std::move(buf).value());
 }
@@ -298,9 +291,9 @@ Status FetchScheduler::QueueDequantize(ParamId id, const void* src,
                                        std::shared_ptr<PinnedBuffer> src_block, void* out) {
   // `out` lives until the copy after this function has read it (IssueCopies' release);
   // `src_block` (null for a cpu-tier home, which lives as long as the engine) until it ran.
-  const size_t n = layout_->param(id).info.partition_numel;
-  const bool bf16 = layout_->elem_size() == 2;
-  return device_->LaunchHostFunc(streams_.copy, [src, src_block, out, n, bf16] {
+  const size_t n = ctx_.layout->param(id).info.partition_numel;
+  const bool bf16 = ctx_.layout->elem_size() == 2;
+  return ctx_.device->LaunchHostFunc(ctx_.streams.copy, [src, src_block, out, n, bf16] {
     if (bf16) {
       DequantizeWeightsInt8Bf16(src, n, static_cast<uint16_t*>(out));
     } else {
@@ -311,8 +304,8 @@ Status FetchScheduler::QueueDequantize(ParamId id, const void* src,
 
 Status FetchScheduler::FinishOneRead(ParamId id) {
   Resident& r = res_[id];
-  Status read = swap_->Wait(r.read);
-  if (!read.ok() && comm_->world_size() == 1) {
+  Status read = ctx_.swap->Wait(r.read);
+  if (!read.ok() && ctx_.comm->world_size() == 1) {
     DropDeviceCopy(id);  // no stream has touched it
     return read;
   }
@@ -343,14 +336,15 @@ Status FetchScheduler::FinishRead(ParamId id) {
     // left it absent: a demand fetch issues it again and reports what fails then.
     if (!s.ok() && res_[first].state == State::kAbsent) SetFetchStatus(first, s);
   }
-  return Status::Internal("no read in flight for parameter '" + layout_->param(id).info.name + "'");
+  return Status::Internal("no read in flight for parameter '" + ctx_.layout->param(id).info.name +
+                          "'");
 }
 
 void FetchScheduler::IssueEndedReads() {
   // With several ranks, when a read ends differs between them, and its gather must be issued
   // at the same point of every rank's call sequence: those wait for their Acquire.
-  if (comm_->world_size() != 1) return;
-  while (!reading_.empty() && swap_->Done(res_[reading_.front()].read)) {
+  if (ctx_.comm->world_size() != 1) return;
+  while (!reading_.empty() && ctx_.swap->Done(res_[reading_.front()].read)) {
     const ParamId first = reading_.front();
     reading_.pop_front();
     Status s = FinishOneRead(first);
@@ -366,16 +360,16 @@ void FetchScheduler::Prefetch(int64_t visible, const Rewriting& rewriting) {
   for (size_t i = trace_->cursor(); i < ids.size(); ++i) {
     const ParamId id = ids[i];
     const Resident& r = res_[id];
-    const ParamLayout& p = layout_->param(id);
+    const ParamLayout& p = ctx_.layout->param(id);
     if (Fresh(id, visible)) continue;
     // Still acquired from an older version (the trainer holds it): its memory must not move.
     if (r.acquired > 0) continue;
     if (rewriting(id)) continue;
-    if (inflight + p.padded_numel > config_->prefetch_bucket_size && inflight > 0) return;
+    if (inflight + p.padded_numel > ctx_.config->prefetch_bucket_size && inflight > 0) return;
     // Only prefetch into free budget: never evict for a prefetch.
-    const uint64_t grad_room = GradientScratchBytes(p, *config_);
-    if (!budget_->Fits(layout_->FullBytes(id) + grad_room)) return;
-    if (live_elems_ + p.padded_numel > config_->max_live_parameters) return;
+    const uint64_t grad_room = GradientScratchBytes(p, *ctx_.config);
+    if (!ctx_.budget->Fits(ctx_.layout->FullBytes(id) + grad_room)) return;
+    if (live_elems_ + p.padded_numel > ctx_.config->max_live_parameters) return;
     if (r.aliased) continue;
     // A prefetch failure resurfaces on demand.
     if (!Fetch(id, visible, /*prefetch=*/true).ok()) return;
@@ -394,21 +388,21 @@ Result<std::vector<void*>> FetchScheduler::Acquire(const std::vector<ParamId>& i
   };
   for (ParamId id : ids) {
     if (training) {
-      const std::string warning = trace_->Check(id, *layout_);
+      const std::string warning = trace_->Check(id, *ctx_.layout);
       if (!warning.empty()) LogWarning(warning);
     }
     Resident& r = res_[id];
     if (training && rewriting(id)) {
       undo();
       return Status::FailedPrecondition(
-          "Acquire('" + layout_->param(id).info.name +
+          "Acquire('" + ctx_.layout->param(id).info.name +
           "') after its ReduceGradient in the same micro-step: with zinf.delayed_update the "
           "optimizer may already be rewriting it; acquire a parameter for the last time before "
           "reducing its gradient");
     }
     const bool fresh = Fresh(id, visible);
     // Prefetch follows the training trace: inference acquires are not its hits or misses.
-    if (training) stats_->CountAcquire(fresh);
+    if (training) ctx_.stats->CountAcquire(fresh);
     if (!fresh) {
       Status s = Fetch(id, visible, /*prefetch=*/false);
       if (!s.ok()) {
@@ -429,18 +423,18 @@ Result<std::vector<void*>> FetchScheduler::Acquire(const std::vector<ParamId>& i
       if (!read.ok()) {
         undo();
         // The peers issue the gathers of this call's other reads now: so does this rank.
-        if (comm_->world_size() > 1) {
+        if (ctx_.comm->world_size() > 1) {
           for (ParamId other : ids) {
             if (res_[other].state != State::kReading) continue;
             Status s = FinishRead(other);
             if (!s.ok()) SetFetchStatus(other, s);
           }
         }
-        return read.WithContext("fetching parameter '" + layout_->param(id).info.name + "'");
+        return read.WithContext("fetching parameter '" + ctx_.layout->param(id).info.name + "'");
       }
     }
     if (r.state == State::kFetching) {
-      Status w = device_->StreamWaitEvent(device_->ComputeStream(), r.ready.get());
+      Status w = ctx_.device->StreamWaitEvent(ctx_.device->ComputeStream(), r.ready.get());
       if (!w.ok()) {
         undo();
         return w;
@@ -457,11 +451,11 @@ Result<std::vector<void*>> FetchScheduler::Acquire(const std::vector<ParamId>& i
       r.fetched_version = kNotFetched;
       Status evicted = Evict(id);
       if (!evicted.ok()) LogWarning(evicted.ToString());  // the fetch's error is the one to report
-      return s.WithContext("fetching parameter '" + layout_->param(id).info.name + "'");
+      return s.WithContext("fetching parameter '" + ctx_.layout->param(id).info.name + "'");
     }
     out.push_back(r.device_full);
   }
-  stats_->AddAcquireWait(std::chrono::duration<double>(Clock::now() - t0).count());
+  ctx_.stats->AddAcquireWait(std::chrono::duration<double>(Clock::now() - t0).count());
   return out;
 }
 
@@ -481,8 +475,8 @@ Status FetchScheduler::Release(const std::vector<ParamId>& ids, int64_t visible,
   for (ParamId id : ids) {
     Resident& r = res_[id];
     if (--r.acquired > 0) continue;
-    if (layout_->param(id).info.persistent || r.aliased) continue;
-    if (trace_->ReuseDistance(id, *layout_) <= config_->max_reuse_distance) continue;
+    if (ctx_.layout->param(id).info.persistent || r.aliased) continue;
+    if (trace_->ReuseDistance(id, *ctx_.layout) <= ctx_.config->max_reuse_distance) continue;
     Status s = Evict(id);
     if (first.ok()) first = s;
   }

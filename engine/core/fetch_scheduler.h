@@ -109,7 +109,7 @@ class FetchScheduler {
   bool Fresh(ParamId id, int64_t visible) const {
     return res_[id].device_full != nullptr && res_[id].fetched_version != kNotFetched &&
            (res_[id].fetched_version == static_cast<uint64_t>(visible) ||
-            !layout_->param(id).info.trainable);
+            !ctx_.layout->param(id).info.trainable);
   }
   // Fetches `id` into device memory (asynchronously: its `ready` event). `prefetch`: give up
   // at once when no pinned staging is free (a demand fetch waits for the copies in flight to
@@ -138,18 +138,10 @@ class FetchScheduler {
   void SetFetchStatus(ParamId id, const Status& s);
   Status TakeFetchStatus(ParamId id);
 
-  const Layout* const layout_;
-  const EngineConfig* const config_;
-  Device* const device_;
-  Communicator* const comm_;
-  DeviceBudget* const budget_;
-  StatsRecorder* const stats_;
+  const EngineContext ctx_;  // the layout, config, device, streams and shared objects
   const ParamStore* const store_;
   AcquireTrace* const trace_;
   GradientAdder* const adder_;
-  const EngineStreams streams_;
-  PinnedArena* const arena_;
-  SwapStore* const swap_;
   std::unique_ptr<Event> copy_done_;
   std::vector<Resident> res_;
   std::deque<ParamId> reading_;  // the kReading parameters, in the order their reads were issued

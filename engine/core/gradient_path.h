@@ -110,17 +110,43 @@ class GradientPath {
   // back and the gradient lands (a host function that only frees and lands).
   Status LandAfterCopy(const ParamLayout& p, void* scratch, size_t scratch_bytes, int64_t ready);
 
-  const Layout* const layout_;
-  const EngineConfig* const config_;
-  Device* const device_;
-  Communicator* const comm_;
-  DeviceBudget* const budget_;
-  StatsRecorder* const stats_;
-  GroupBoard* const board_;
+  // One gradient's way into its accumulator (Reduce), chosen once: the routes below.
+  struct ReduceJob {
+    ParamId id = 0;
+    const ParamLayout* p = nullptr;
+    size_t gi = 0;
+    int64_t ready = 0;
+    bool on_device = false;       // accumulated in device memory (a sub-group the device steps)
+    bool bf16 = false;            // rounded to bf16 for the link (zinf.gradient_transfer_dtype)
+    bool one_rank_first = false;  // one rank, first gradient of the window: no reduction
+    bool first = false;           // the first gradient of the window: copied, not added
+    size_t n = 0;                 // values that cross the link
+    size_t link_bytes = 0;
+    void* scratch = nullptr;  // device scratch (all but the inline route)
+    size_t scratch_bytes = 0;
+  };
+  // Route 1: one rank's first gradient straight into its accumulator on the compute stream
+  // (device accumulators, or the host device's inline stream without bf16).
+  Status ReduceInline(const ReduceJob& job, const float* grad);
+  // Into device scratch, what crosses the link once the gradient stream reaches it: one
+  // rank's first gradient copied (or rounded), else the reduce-scatter's partition (rounded
+  // with bf16). *out: where it is.
+  Status StageForLink(const ReduceJob& job, const float* grad, const void** out);
+  // Route 2: a device accumulator: the partition copied (first) or added, on the gradient stream.
+  Status AccumulateOnDevice(const ReduceJob& job, const void* out, float* acc);
+  // Route 3: the first fp32 gradient copied straight into its host accumulator.
+  Status CopyToAccumulator(const ReduceJob& job, const void* out, float* acc);
+  // Routes 4 and 5: into pinned memory that the adder thread widens (a first bf16 gradient,
+  // in the first half of its own accumulator) or adds (a later micro-step, through staging).
+  Status StageForAdder(const ReduceJob& job, const void* out, float* acc);
+  // A failure once the scratch is taken: no landing callback will free it, so once the
+  // streams that may still use it are done it goes back here (when waiting fails it stays
+  // allocated; the error stops the engine anyway). Returns s.
+  Status ReleaseScratch(const ReduceJob& job, const Status& s);
+
+  const EngineContext ctx_;  // the layout, config, device, streams and shared objects
   FetchScheduler* const fetch_;
   GradientAdder* const adder_;
-  const EngineStreams streams_;
-  PinnedArena* const arena_;
   BlockPool* const grad_pool_;
   const bool streaming_;
   std::unique_ptr<Event> compute_done_;

@@ -75,21 +75,13 @@ class ParamStore {
 
  private:
   // The buffer of `id` that holds what buffer `buf` holds for trainable parameters.
-  int B(ParamId id, int buf) const { return layout_->param(id).info.trainable ? buf : 0; }
+  int B(ParamId id, int buf) const { return ctx_.layout->param(id).info.trainable ? buf : 0; }
   struct Home {
     void* device_part[2] = {nullptr, nullptr};  // Tier::kDevice
     PinnedBuffer host_part[2];                  // Tier::kCpu
     std::string swap_key[2];                    // Tier::kNvme
   };
-  const Layout* const layout_;
-  const EngineConfig* const config_;
-  Device* const device_;
-  DeviceBudget* const budget_;
-  StatsRecorder* const stats_;
-  Stream* const copy_stream_;
-  Stream* const update_stream_;
-  PinnedArena* const arena_;
-  SwapStore* const swap_;
+  const EngineContext ctx_;  // the layout, config, device, streams and shared objects
   const bool delayed_;
   std::vector<Home> homes_;
   std::vector<uint64_t> hashes_;

@@ -61,13 +61,7 @@ class StateStore {
     float* device_states = nullptr;  // kept on the device
     std::string swap_key;            // nvme tier: one tensor
   };
-  const Layout* const layout_;
-  const EngineConfig* const config_;
-  Device* const device_;
-  DeviceBudget* const budget_;
-  Stream* const copy_stream_;
-  Stream* const update_stream_;
-  SwapStore* const swap_;
+  const EngineContext ctx_;  // the layout, config, device, streams and shared objects
   BlockPool* const state_pool_;
   std::vector<Group> groups_;
   std::vector<int64_t> updates_;
