@@ -33,6 +33,7 @@
 #include "bench/bench_util.h"
 #include "common/cli.h"
 #include "common/rank_launcher.h"
+#include "config/engine_flags.h"
 #include "zinf/comm.h"
 #include "zinf/cuda.h"
 #include "zinf/device.h"
@@ -44,35 +45,34 @@
 namespace zinf {
 namespace {
 
+EngineFlags BenchEngineDefaults() {
+  EngineFlags e;
+  e.nvme = {"."};
+  e.param_tier = "nvme";
+  e.optimizer_tier = "cpu";
+  e.optimizer_ratio = 1.0;
+  e.gradient_transfer = "fp32";
+  e.gradient_clipping = 0;
+  e.speculative_step = "auto";
+  e.optimizer_threads = 0;
+  return e;
+}
+
 struct Flags {
   std::string preset = "none";
   int layers = 16;
   uint64_t layer_elems = 4u << 20;
   double compute_ms = 5;
   double copy_gbps = 0;
-  std::string param_tier = "nvme";
-  std::string optimizer_tier = "cpu";
-  std::vector<std::string> nvme = {"."};
   int steps = 4;
   uint64_t sub_group_elems = 8u << 20;
   uint64_t prefetch_elems = 16u << 20;
-  int optimizer_threads = 0;
   bool bf16 = false;
-  bool delayed_update = false;
   std::string device = "host";
-  double optimizer_ratio = 1.0;
-  std::string gradient_transfer = "fp32";
-  double gradient_clipping = 0;           // 0: off
-  std::string speculative_step = "auto";  // zinf.speculative_step
-  int nproc = 0;                          // --nproc: ranks as processes (LaunchRanks)
+  int nproc = 0;  // --nproc: ranks as processes (LaunchRanks)
+  // The engine flags (config/engine_flags.h), with the bench's defaults.
+  EngineFlags engine = BenchEngineDefaults();
 };
-
-Result<Tier> ParseTier(const std::string& s) {
-  if (s == "device" || s == "none") return Tier::kDevice;
-  if (s == "cpu") return Tier::kCpu;
-  if (s == "nvme") return Tier::kNvme;
-  return Status::InvalidArgument("tier '" + s + "': use device, cpu or nvme");
-}
 
 // The bench's "compute" and its busy intervals, for the compute-idle figure.
 class Compute {
@@ -218,45 +218,27 @@ int Main(int argc, char** argv) {
   app.add_option("--copy-gbps", f.copy_gbps, "HostDevice host<->device bandwidth cap (0: none)")
       ->check(FiniteNumber())
       ->check(CLI::Range(0.0, 1e4));
-  app.add_option("--param-tier", f.param_tier, "device, cpu or nvme")
-      ->check(CLI::IsMember({"device", "cpu", "nvme"}));
-  app.add_option("--optimizer-tier", f.optimizer_tier, "device, cpu or nvme")
-      ->check(CLI::IsMember({"device", "cpu", "nvme"}));
-  app.add_option("--nvme", f.nvme, "swap folder (repeatable)");
   app.add_option("--steps", f.steps)->check(CLI::Range(1, 100000));
   app.add_option("--sub-group-elems", f.sub_group_elems)
       ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 34));
   app.add_option("--prefetch-elems", f.prefetch_elems)
       ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 40));
-  app.add_option("--optimizer-threads", f.optimizer_threads)->check(CLI::Range(0, 1024));
   app.add_flag("--bf16", f.bf16, "bf16 parameters on the device");
-  app.add_flag("--delayed-update", f.delayed_update,
-               "one-step delayed parameter update (zinf.delayed_update): a step's optimizer "
-               "runs on during the next step's forward and backward");
   app.add_option("--device", f.device,
                  "host (HostDevice, simulated link) or cuda (GPU 0 and a one-rank NCCL "
                  "communicator)")
       ->check(CLI::IsMember({"host", "cuda"}));
-  app.add_option("--optimizer-ratio", f.optimizer_ratio,
-                 "offload_optimizer.ratio: share of sub-groups stepped by the CPU; the rest "
-                 "stay in device memory and are stepped there")
-      ->check(FiniteNumber())
-      ->check(CLI::Range(0.0, 1.0));
-  app.add_option("--gradient-transfer", f.gradient_transfer,
-                 "zinf.gradient_transfer_dtype: fp32, or bf16 (gradients rounded on the "
-                 "device, half the bytes to the host)")
-      ->check(CLI::IsMember({"fp32", "bf16"}));
-  app.add_option("--gradient-clipping", f.gradient_clipping,
-                 "gradient_clipping (max global L2 norm; 0: off). The bench's gradient is 1e-3 "
-                 "per element, so its norm is 1e-3 x sqrt(layers x layer elements): below it "
-                 "every step clips, above none does")
-      ->check(FiniteNumber())
-      ->check(CLI::Range(0.0, 1e30));
-  app.add_option("--speculative-step", f.speculative_step,
-                 "zinf.speculative_step with clipping: on, off or auto (on a GPU when the "
-                 "optimizer states are in CPU memory; off on the host device); the bench adds "
-                 "one snapshot per sub-group to the pinned budget")
-      ->check(CLI::IsMember({"on", "off", "auto"}));
+  AddEngineFlags(app, &f.engine);
+  app.get_option("--gradient-clipping")
+      ->description(
+          "gradient_clipping (max global L2 norm; 0: off). The bench's gradient is 1e-3 per "
+          "element, so its norm is 1e-3 x sqrt(layers x layer elements): below it every step "
+          "clips, above none does");
+  app.get_option("--speculative-step")
+      ->description(
+          "zinf.speculative_step with clipping: on, off or auto (on a GPU when the optimizer "
+          "states are in CPU memory; off on the host device); the bench adds one snapshot per "
+          "sub-group to the pinned budget");
   // Presets first, then explicit flags win: parse twice.
   if (int rc = ParseCommandLine(app, argc, argv); rc >= 0) return rc;
   if (f.nproc > 1) return LaunchRanks("zinf-engine-bench", argc, argv, f.nproc);
@@ -267,52 +249,38 @@ int Main(int argc, char** argv) {
       p.layers = 16;
       p.layer_elems = 8u << 20;
       p.compute_ms = 1;
-      p.param_tier = "nvme";
-      p.optimizer_tier = "cpu";
+      p.engine.param_tier = "nvme";
+      p.engine.optimizer_tier = "cpu";
       // One core for Adam, one for I/O completions and copies (2-core machine).
-      p.optimizer_threads = 1;
+      p.engine.optimizer_threads = 1;
     } else {
       // Parameters stay on the device (one rank: no fetch copies), states on the CPU: the
       // optimizer and the gradient/parameter copies around it carry the step.
       p.layers = 8;
       p.layer_elems = 16u << 20;
       p.compute_ms = 1;
-      p.param_tier = "device";
-      p.optimizer_tier = "cpu";
+      p.engine.param_tier = "device";
+      p.engine.optimizer_tier = "cpu";
     }
-    p.nvme = f.nvme;
+    p.engine.nvme = f.engine.nvme;
     p.device = f.device;
     f = p;
     if (int rc = ParseCommandLine(app, argc, argv); rc >= 0) return rc;
   }
-  Result<Tier> pt = ParseTier(f.param_tier), ot = ParseTier(f.optimizer_tier);
-  if (!pt.ok() || !ot.ok()) {
-    std::fprintf(stderr, "zinf-engine-bench: %s\n",
-                 (!pt.ok() ? pt.status() : ot.status()).message().c_str());
+  EngineConfig c;
+  if (Status st = ApplyEngineFlags(f.engine, &c); !st.ok()) {
+    std::fprintf(stderr, "zinf-engine-bench: %s\n", st.message().c_str());
     return 2;
   }
-  EngineConfig c;
-  c.offload_param.tier = *pt;
-  c.offload_optimizer.tier = *ot;
-  c.offload_param.nvme_paths = f.nvme;
-  c.offload_optimizer.nvme_paths = f.nvme;
   c.sub_group_size = f.sub_group_elems;
   c.prefetch_bucket_size = f.prefetch_elems;
   c.param_persistence_threshold = 0;
   c.max_reuse_distance = 0;
-  c.optimizer_threads = f.optimizer_threads;
   c.bf16 = f.bf16;
-  c.delayed_update = f.delayed_update;
-  c.offload_optimizer.ratio = f.optimizer_ratio;
-  c.gradient_transfer_bf16 = f.gradient_transfer == "bf16";
-  c.gradient_clipping = f.gradient_clipping;
-  c.speculative_step = f.speculative_step == "on"    ? SpeculativeStep::kOn
-                       : f.speculative_step == "off" ? SpeculativeStep::kOff
-                                                     : SpeculativeStep::kAuto;
   const uint64_t elem = f.bf16 ? 2 : 4;
   // Speculation (with clipping): a snapshot of [master | m | v] per sub-group, about 12 bytes
   // per element of the model, twice ("auto" takes at most half of what the budget leaves).
-  const uint64_t snapshots = f.gradient_clipping > 0 && f.speculative_step != "off"
+  const uint64_t snapshots = f.engine.gradient_clipping > 0 && f.engine.speculative_step != "off"
                                  ? uint64_t{24} * f.layers * f.layer_elems + (64u << 20)
                                  : 0;
   c.pinned_budget_bytes =
@@ -371,8 +339,8 @@ int Main(int argc, char** argv) {
   std::fprintf(stderr,
                "zinf-engine-bench: %d layers x %llu elements, params on %s, optimizer on "
                "%s; initialising stores...\n",
-               f.layers, static_cast<unsigned long long>(f.layer_elems), f.param_tier.c_str(),
-               f.optimizer_tier.c_str());
+               f.layers, static_cast<unsigned long long>(f.layer_elems),
+               f.engine.param_tier.c_str(), f.engine.optimizer_tier.c_str());
   Status s = e.FinishRegistration();
   if (!s.ok()) {
     std::fprintf(stderr, "zinf-engine-bench: %s\n", s.ToString().c_str());
@@ -444,12 +412,12 @@ int Main(int argc, char** argv) {
     j["comm_bytes_sent"] = after.bytes_sent - before.bytes_sent;
     j["comm_seconds"] = after.seconds - before.seconds;
     j["preset"] = f.preset;
-    j["delayed_update"] = f.delayed_update;
+    j["delayed_update"] = f.engine.delayed_update;
     j["device"] = f.device;
-    j["optimizer_ratio"] = f.optimizer_ratio;
-    j["gradient_transfer"] = f.gradient_transfer;
-    j["gradient_clipping"] = f.gradient_clipping;
-    j["speculative_step"] = f.speculative_step;
+    j["optimizer_ratio"] = f.engine.optimizer_ratio;
+    j["gradient_transfer"] = f.engine.gradient_transfer;
+    j["gradient_clipping"] = f.engine.gradient_clipping;
+    j["speculative_step"] = f.engine.speculative_step;
     j["cpu_cores"] = cores;
     // The share of the cores' time the process used: near 1, the step is CPU-bound, and busy
     // times that overlap in wall time competed for the same cores.
@@ -504,12 +472,12 @@ int Main(int argc, char** argv) {
   const double span = median(idle_secs) + 3 * f.layers * f.compute_ms / 1e3;
   j["median_compute_idle_fraction"] = span > 0 ? median(idle_secs) / span : 0.0;
   j["preset"] = f.preset;
-  j["delayed_update"] = f.delayed_update;
+  j["delayed_update"] = f.engine.delayed_update;
   j["device"] = f.device;
-  j["optimizer_ratio"] = f.optimizer_ratio;
-  j["gradient_transfer"] = f.gradient_transfer;
-  j["gradient_clipping"] = f.gradient_clipping;
-  j["speculative_step"] = f.speculative_step;
+  j["optimizer_ratio"] = f.engine.optimizer_ratio;
+  j["gradient_transfer"] = f.engine.gradient_transfer;
+  j["gradient_clipping"] = f.engine.gradient_clipping;
+  j["speculative_step"] = f.engine.speculative_step;
   // CPU seconds per step beside the wall-clock busy times above (which share the cores).
   j["cpu_cores"] = cores;
   j["median_cpu_seconds_total"] = median(cpu_total);

@@ -89,34 +89,19 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 100000000));
   app.add_option("--config", f.config, "DeepSpeed-style JSON config (zero_optimization, bf16, ...)")
       ->check(CLI::ExistingFile);
-  app.add_option("--nvme", f.nvme, "NVMe swap folder (repeatable; default ./zinf-swap)");
   app.add_option(
          "--device", f.device,
          "host (default) or cuda: the engine and the model on GPU 0 (cuBLAS GEMMs, bf16 with "
          "bf16 parameters; parameters, copies, NCCL and the device optimizer there)")
       ->check(CLI::IsMember({"host", "cuda"}));
-  app.add_option("--param-tier", f.param_tier, "where parameters live: device, cpu, nvme");
-  app.add_option("--optimizer-tier", f.optimizer_tier,
-                 "where optimizer states live: device, cpu, nvme");
-  app.add_option("--optimizer-ratio", f.optimizer_ratio,
-                 "share of optimizer sub-groups offloaded to --optimizer-tier (the rest stay "
-                 "in device memory, stepped on the device); default 1")
-      ->check(finite)
-      ->check(CLI::Range(0.0, 1.0));
+  zinf::AddEngineFlags(app, &f.engine);
+  app.get_option("--nvme")->description(
+      "NVMe swap folder (repeatable; default: the config's, or ./zinf-swap)");
+  app.get_option("--optimizer-ratio")
+      ->description(app.get_option("--optimizer-ratio")->get_description() + "; default 1");
   app.add_option("--device-budget", f.device_budget, "device memory budget, e.g. 4G");
   app.add_option("--pinned-budget", f.pinned_budget, "pinned host memory budget, e.g. 2G");
   app.add_flag("--fp32", f.fp32, "store parameters in fp32 (default bf16 with fp32 masters)");
-  app.add_option("--state-dtype", f.state_dtype,
-                 "optimizer states stored as fp32 (default), bf16 or int8 (blockwise 8-bit: "
-                 "about half the bytes of a step's optimizer I/O); the masters stay fp32");
-  app.add_option("--gradient-clipping", f.gradient_clipping,
-                 "max global gradient L2 norm (0: off); default: the config's gradient_clipping")
-      ->check(finite)
-      ->check(CLI::Range(0.0, 1e30));
-  app.add_option("--speculative-step", f.speculative_step,
-                 "with clipping, step optimizer sub-groups before the norm is known and keep, "
-                 "redo or roll back once it is (zinf.speculative_step): on, off or auto")
-      ->check(CLI::IsMember({"on", "off", "auto"}));
   app.add_flag("--durable", f.durable,
                "commit the NVMe swap store after every step, so that --resume continues from "
                "it after a crash without a checkpoint copy (needs optimizer states on NVMe, and "
@@ -124,13 +109,6 @@ int main(int argc, char** argv) {
   app.add_option("--delayed-update-after", f.delayed_update_after,
                  "with --delayed-update: run the first N steps undelayed")
       ->check(CLI::Range(uint64_t{0}, uint64_t{100000000}));
-  app.add_flag("--delayed-update", f.delayed_update,
-               "one-step delayed parameter update: a step's optimizer runs on while the next "
-               "step computes (on the parameters one update older)");
-  app.add_option("--io-backend", f.io_backend,
-                 "the swap store's I/O backend: io_uring (default; libaio, then psync, when "
-                 "the kernel refuses it, with a warning), libaio or psync")
-      ->check(CLI::IsMember({"io_uring", "libaio", "psync"}));
   app.add_option("--data", f.data, "training text (any file; default the repository's corpus)");
   app.add_option("--checkpoint-dir", f.checkpoint_dir, "checkpoint folder (save and --resume)");
   app.add_option("--save-every", f.save_every, "save a checkpoint every N steps (and at the end)")

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "config/engine_flags.h"
 #include "train/gpt.h"
 #include "train/text_data.h"
 #include "train/trainer.h"
@@ -31,10 +32,10 @@ struct Flags {
   double lr = 0;       // 0: config's (or 1e-3)
   int warmup = -1;     // -1: steps / 10, at most 100
   std::string config;
-  std::vector<std::string> nvme;
   std::string device = "host";  // host | cuda
-  std::string param_tier, optimizer_tier;
-  double optimizer_ratio = -1;  // -1: config's (or 1)
+  // The engine flags (config/engine_flags.h); each not given keeps the config's. Without
+  // --nvme: the config's folders, or ./zinf-swap.
+  EngineFlags engine;
   std::string device_budget, pinned_budget;
   std::string data;
   std::string checkpoint_dir;
@@ -44,15 +45,10 @@ struct Flags {
   bool json = false;
   int log_every = 0;  // 0: about 40 lines per run
   bool fp32 = false;
-  bool delayed_update = false;
   uint64_t delayed_update_after = 0;
   bool durable = false;
   bool overwrite = false;
-  std::string io_backend;         // "": config's (io_uring, falling back to libaio, then psync)
-  std::string state_dtype;        // "": config's zinf.optimizer_state_dtype (fp32)
-  double gradient_clipping = -1;  // < 0: the config's gradient_clipping
-  std::string speculative_step;   // "": config's zinf.speculative_step ("auto")
-  int nproc = 0;                  // --nproc: this run as that many rank processes (LaunchRanks)
+  int nproc = 0;  // --nproc: this run as that many rank processes (LaunchRanks)
 };
 
 // The progress stream: stdout, or stderr with --json (the JSON line alone on stdout).

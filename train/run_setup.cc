@@ -27,13 +27,6 @@ using Clock = std::chrono::steady_clock;
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-Result<Tier> ParseTier(const std::string& s, const std::string& flag) {
-  if (s == "device" || s == "none") return Tier::kDevice;
-  if (s == "cpu") return Tier::kCpu;
-  if (s == "nvme") return Tier::kNvme;
-  return Status::InvalidArgument(flag + ": expected device, cpu or nvme, got '" + s + "'");
-}
-
 // The default data file: next to the working directory's checkout, or the source tree's.
 std::string DefaultData() {
   if (std::filesystem::exists(ZINF_DEFAULT_DATA)) return ZINF_DEFAULT_DATA;
@@ -68,45 +61,23 @@ Result<EngineConfig> BuildConfig(const Flags& f) {
     c.pinned_budget_bytes = 1ull << 30;
   }
   if (f.fp32) c.bf16 = false;
-  if (!f.param_tier.empty()) {
-    ZINF_ASSIGN_OR_RETURN(c.offload_param.tier, ParseTier(f.param_tier, "--param-tier"));
-  }
-  if (!f.optimizer_tier.empty()) {
-    ZINF_ASSIGN_OR_RETURN(c.offload_optimizer.tier,
-                          ParseTier(f.optimizer_tier, "--optimizer-tier"));
-  }
-  if (f.optimizer_ratio >= 0) c.offload_optimizer.ratio = f.optimizer_ratio;
-  if (!f.state_dtype.empty()) {
-    Result<StateType> t = ParseStateType(f.state_dtype);
-    if (!t.ok()) {
-      return Status::InvalidArgument("--state-dtype: expected fp32, bf16 or int8, got '" +
-                                     f.state_dtype + "'");
-    }
-    c.optimizer_state_type = *t;
-  }
-  if (f.gradient_clipping >= 0) c.gradient_clipping = f.gradient_clipping;
-  if (!f.speculative_step.empty()) {
-    c.speculative_step = f.speculative_step == "on"    ? SpeculativeStep::kOn
-                         : f.speculative_step == "off" ? SpeculativeStep::kOff
-                                                       : SpeculativeStep::kAuto;
-  }
-  std::vector<std::string> nvme = f.nvme;
-  if (nvme.empty()) {
+  ZINF_RETURN_IF_ERROR(ApplyEngineFlags(f.engine, &c));
+  if (f.engine.nvme.empty()) {
+    // The config's folders (both tiers'), or ./zinf-swap.
+    std::vector<std::string> nvme;
     for (const OffloadConfig* o : {&c.offload_param, &c.offload_optimizer}) {
       for (const std::string& p : o->nvme_paths) {
         if (std::find(nvme.begin(), nvme.end(), p) == nvme.end()) nvme.push_back(p);
       }
     }
+    if (nvme.empty()) nvme.push_back("zinf-swap");
+    c.offload_param.nvme_paths = nvme;
+    c.offload_optimizer.nvme_paths = nvme;
   }
-  if (nvme.empty()) nvme.push_back("zinf-swap");
-  c.offload_param.nvme_paths = nvme;
-  c.offload_optimizer.nvme_paths = nvme;
   if (f.lr > 0) c.optimizer.lr = static_cast<float>(f.lr);
   if (f.grad_accum > 0) c.gradient_accumulation_steps = f.grad_accum;
-  if (f.delayed_update) c.delayed_update = true;
   if (f.delayed_update_after > 0) c.delayed_update_after = f.delayed_update_after;
   if (f.overwrite) c.durable_overwrite = true;
-  if (!f.io_backend.empty()) c.aio.backend = f.io_backend;
   if (f.durable) c.durable = true;
   if (!f.device_budget.empty()) {
     ZINF_ASSIGN_OR_RETURN(c.device_budget_bytes, ParseByteSize(f.device_budget, "--device-budget"));
