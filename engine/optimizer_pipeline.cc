@@ -88,9 +88,8 @@ struct OptimizerPipeline::TaskRun {
 
 Status OptimizerPipeline::Run(const OptimizerTask& task) {
   TaskRun run(this, task);
-  run.may_speculate =
-      task.clip && speculation_.enabled() &&
-      (ctx_.config->speculative_step == SpeculativeStep::kOn || !last_clipped_);
+  run.may_speculate = task.clip && speculation_.enabled() &&
+                      (ctx_.config->speculative_step == SpeculativeStep::kOn || !last_clipped_);
   for (size_t k = 0; k < run.order.size(); ++k) {
     Status s = StepNext(&run, k);
     // A failure that stops the task, or the norm failed (VerdictFailed drained the task):
@@ -138,9 +137,9 @@ Status OptimizerPipeline::StepNext(TaskRun* run, size_t k) {
   // only once it has landed whole).
   const bool speculate = run->may_speculate && !on_device && speculation_.CanTake(gi);
   bool coef_known = true;
-  Status ready = ctx_.board->WaitGroupReady(gi, task, speculate, &plan.coef, &coef_known,
-                                            &plan.with_grad,
-                                            on_device || task.clip ? nullptr : &plan.landing);
+  Status ready =
+      ctx_.board->WaitGroupReady(gi, task, speculate, &plan.coef, &coef_known, &plan.with_grad,
+                                 on_device || task.clip ? nullptr : &plan.landing);
   if (!ready.ok()) return VerdictFailed(run, ready);
   if (on_device) {
     // The device steps it and writes the parameters straight into their device stores.
@@ -165,8 +164,8 @@ Status OptimizerPipeline::StepNext(TaskRun* run, size_t k) {
   // The last sub-groups of an undelayed step: the next forward waits for their parameters,
   // and no later step would run under their copies (the last but one's are still going when
   // the last starts), so they go out piece by piece as these step.
-  plan.upload_pieces = device_params && !ctx_.config->delayed_update &&
-                       k + kPiecedLastGroups >= run->order.size();
+  plan.upload_pieces =
+      device_params && !ctx_.config->delayed_update && k + kPiecedLastGroups >= run->order.size();
   const bool any_grad =
       std::find(plan.with_grad.begin(), plan.with_grad.end(), 1) != plan.with_grad.end();
   if (!coef_known && any_grad) return StepSpeculatively(run, &plan, master, std::move(states));
@@ -470,8 +469,7 @@ Status OptimizerPipeline::StepGroup(GroupStep* plan, float* master, uint16_t* co
     }
   }
   ctx_.stats->AddOptimizerBusy(Since(t0) - landing_wait);
-  return m_.params->WriteGroup(plan->gi, master, copy_out, Buf(plan->task->step), writes,
-                               &written);
+  return m_.params->WriteGroup(plan->gi, master, copy_out, Buf(plan->task->step), writes, &written);
 }
 
 Status OptimizerPipeline::StepParam(GroupStep* plan, size_t j, float* master, uint16_t* copy_out,

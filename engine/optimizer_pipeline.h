@@ -120,8 +120,7 @@ class OptimizerPipeline {
   Status CheckDeviceGradients(const GroupStep& plan, const float* grads);
   // `master`: the sub-group's [master | state 1 | state 2] (Layout::GroupStateBytes);
   // `copy_out`: its bf16 parameter copy (bf16 parameters), or null.
-  Status StepGroup(GroupStep* plan, float* master, uint16_t* copy_out,
-                   std::vector<Ticket>* writes);
+  Status StepGroup(GroupStep* plan, float* master, uint16_t* copy_out, std::vector<Ticket>* writes);
   // The group's j-th parameter (a gradient in the window), piece by piece where it lands or
   // uploads in pieces. `kept`: per tile, whether its pre-step values are in the snapshot.
   // `*written`: it went to the device piece by piece. `*landing_wait`: seconds waited.

@@ -63,8 +63,7 @@ class Speculation {
 
   // Copies elements [begin, end) of parameter id's slices (master and states) from its
   // sub-group's buffer `master` into the same places of `snapshot`, with streaming stores.
-  void KeepTiles(ParamId id, const float* master, void* snapshot, size_t begin,
-                 size_t end) const;
+  void KeepTiles(ParamId id, const float* master, void* snapshot, size_t begin, size_t end) const;
 
  private:
   // Puts g's pre-step values back: NVMe states are redone in the snapshot block itself (a

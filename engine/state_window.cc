@@ -27,8 +27,8 @@ Status StateWindow::ReadAhead() {
     }
     Slot slot;
     ZINF_ASSIGN_OR_RETURN(slot.states, pool_->Take());
-    ZINF_ASSIGN_OR_RETURN(
-        slot.read, ctx_.swap->Read(states_->swap_key(gi), slot.states.data(), slot.states.capacity()));
+    ZINF_ASSIGN_OR_RETURN(slot.read, ctx_.swap->Read(states_->swap_key(gi), slot.states.data(),
+                                                     slot.states.capacity()));
     reading_.push_back(std::move(slot));
     ++next_read_;
   }

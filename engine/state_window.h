@@ -68,8 +68,8 @@ class StateWindow {
     PooledBlock states;
     Ticket read = 0;
   };
-  std::deque<Slot> reading_;      // reads issued, oldest first
-  size_t next_read_ = 0;          // index in order_ of the next sub-group to read
+  std::deque<Slot> reading_;       // reads issued, oldest first
+  size_t next_read_ = 0;           // index in order_ of the next sub-group to read
   std::deque<Retiring> retiring_;  // write-backs in flight, oldest first
   bool drained_ = false;
 };
