@@ -1,4 +1,4 @@
-#include "zinf/safetensors.h"
+#include "zinf/safetensors_engine.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

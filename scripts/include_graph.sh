@@ -7,6 +7,9 @@
 #   3 formats/, config/  4 engine/core/         5 engine/persistence/
 #   6 engine/ (the façade and the optimizer pipeline)        7 interop/
 #   8 c_api/, train/, bench/, python/, tests/, fuzz/ (users of everything below)
+# Public headers (include/zinf/) have the layer of the code that implements them (public_layer_of):
+# a source includes public headers of its layer or below, a public header those of its layer or
+# below, so a format header never pulls in the Engine. A new public header needs a layer there.
 # Both include forms count ("x/y.h" and <x/y.h>: the build puts the root on the include path);
 # a relative include ("../y.h") is resolved against the including file. A source in a folder
 # with no layer is an error (give it one here). Prints every arrow that points back up.
@@ -36,6 +39,23 @@ layer_of() {
     engine) echo 6 ;;
     interop) echo 7 ;;
     c_api | train | bench | python | tests | fuzz) echo 8 ;;
+    *) echo "" ;;
+  esac
+}
+
+# The layer of a public header: that of the folder implementing it.
+public_layer_of() {
+  case "${1##*/}" in
+    status.h | align.h | log.h | crash_point.h) echo 0 ;;  # common/
+    io.h | swap.h) echo 1 ;;                               # nvme/
+    cpu_adam.h) echo 1 ;;                                  # cpu_adam/
+    device.h | comm.h | cuda.h | runtime.h) echo 2 ;;      # device/
+    config.h) echo 3 ;;                                    # config/
+    safetensors.h) echo 3 ;;                               # formats/
+    engine_types.h | plan.h) echo 4 ;;                     # engine/core/
+    engine.h) echo 6 ;;                                    # engine/
+    safetensors_engine.h) echo 7 ;;                        # interop/
+    zinf.h) echo 8 ;;                                      # c_api/
     *) echo "" ;;
   esac
 }
@@ -70,9 +90,13 @@ checked=0
 while IFS= read -r file; do
   [ -f "$file" ] || continue  # deleted in the work tree, not yet in the index
   from=$(folder_of "$file")
-  from_layer=$(layer_of "$from")
-  if [ "$from" != include/zinf ] && [ -z "$from_layer" ]; then
-    echo "include_graph: $file is in $from/, which has no layer; add it to scripts/include_graph.sh" >&2
+  if [ "$from" = include/zinf ]; then
+    from_layer=$(public_layer_of "$file")
+  else
+    from_layer=$(layer_of "$from")
+  fi
+  if [ -z "$from_layer" ]; then
+    echo "include_graph: $file has no layer ($from/); add it to scripts/include_graph.sh" >&2
     bad=1
     continue
   fi
@@ -84,7 +108,17 @@ while IFS= read -r file; do
       target=$(normalize "$dir/$target")
     fi
     case "$target" in
-      zinf/*) continue ;;  # the public headers
+      zinf/*)  # a public header: of this layer or below
+        to_layer=$(public_layer_of "$target")
+        if [ -z "$to_layer" ]; then
+          echo "include_graph: $file includes \"$target\", a public header with no layer; add it to public_layer_of" >&2
+          bad=1
+        elif [ "$to_layer" -gt "$from_layer" ] && [ "$from_layer" -lt 8 ]; then
+          echo "include_graph: $file includes \"$target\": layer $from_layer may not include a public header of layer $to_layer" >&2
+          bad=1
+        fi
+        continue
+        ;;
     esac
     [ -f "$target" ] || continue  # a system or third-party header
     to=$(folder_of "$target")

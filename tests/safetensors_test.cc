@@ -1,6 +1,6 @@
 // safetensors: headers checked as hostile input, sharded checkpoints opened, tensors loaded
 // into an engine (all checks before any change) and exported from it, exactly.
-#include "zinf/safetensors.h"
+#include "zinf/safetensors_engine.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>

@@ -9,7 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 
-#include "zinf/engine.h"
+#include "zinf/plan.h"
 #include "zinf/io.h"
 #include "zinf/log.h"
 #include "zinf/runtime.h"

@@ -25,6 +25,7 @@
 #include "zinf/config.h"
 #include "zinf/device.h"
 #include "zinf/engine_types.h"
+#include "zinf/plan.h"
 #include "zinf/status.h"
 
 namespace zinf {
@@ -40,14 +41,6 @@ struct EngineHooks {
   std::function<void(const std::string& folder)> checkpoint_validated;
 };
 
-// The pinned host memory (zinf.pinned_budget_bytes) that an engine with `config` needs for
-// these parameters, in registration order, on `world_size` ranks: what FinishRegistration's
-// plan takes from the budget (cpu-tier partitions, gradient accumulators, optimizer swap
-// buffers, staging). A trainer can size the budget with it before creating the engine. Reads
-// only each spec's name, shape and trainable flag; InvalidArgument for a parameter
-// RegisterParameter would refuse. `device_is_host`: the host device (Device::IsHost()).
-Result<uint64_t> PinnedBytesNeeded(const EngineConfig& config, const std::vector<ParamSpec>& params,
-                                   int world_size, bool device_is_host);
 
 class Engine {
  public:

@@ -1,9 +1,8 @@
 // What a program needs around its Engine, decided here once for every front end (zinf-train,
-// the C API, the benches, the Python module): a device and the communicator of its rank, the
-// host device's budget rule, and the NVMe plan (the space a model needs on its swap folders,
-// the folders prepared and checked before anything is written). Libraries: NewHostRuntime and
-// HostDeviceBudget in zinf::host_backends, NewRuntime and NewCudaRuntime in zinf::runtime
-// (which links the CUDA backends), the NVMe plan in zinf::engine.
+// the C API, the benches, the Python module): a device and the communicator of its rank, and
+// the host device's budget rule. Libraries: NewHostRuntime and HostDeviceBudget in
+// zinf::host_backends, NewRuntime and NewCudaRuntime in zinf::runtime (which links the CUDA
+// backends). The memory a run needs (pinned bytes, the NVMe plan) is zinf/plan.h.
 #pragma once
 
 #include <cstdint>
@@ -11,7 +10,6 @@
 #include <string>
 
 #include "zinf/comm.h"
-#include "zinf/config.h"
 #include "zinf/cuda.h"
 #include "zinf/device.h"
 #include "zinf/status.h"
@@ -76,22 +74,5 @@ struct RuntimeOptions {
   ProcessGroupOptions group;
 };
 Result<Runtime> NewRuntime(const RuntimeOptions& options);
-
-// ---- The NVMe plan (in zinf::engine) ----------------------------------------------------------
-
-// Bytes the NVMe tiers of `config` need for a model of `params` trainable parameters and
-// `frozen` frozen ones: the parameters in their storage dtype and the optimizer's master and
-// states as stored (the delayed update's second parameter buffer, durable mode's committed
-// copy, 2 % for alignment); a frozen parameter only its stored copy, once. Saturates at
-// UINT64_MAX for counts beyond any disk.
-uint64_t NvmeBytesNeeded(const EngineConfig& config, uint64_t params, uint64_t frozen = 0);
-
-// Prepares the swap folders of `config` for a model of `params` trainable and `frozen` frozen
-// parameters, before anything is written: each inside zinf.allowed_nvme_roots (checked before
-// a folder is created), created when missing, and room for NvmeBytesNeeded on them (the swap
-// files a run will reuse count as free). InvalidArgument naming the folder and the key;
-// ResourceExhausted with the size needed and the free space; the errno of a folder that cannot be
-// created. No-op without NVMe tiers.
-Status PrepareNvmeFolders(const EngineConfig& config, uint64_t params, uint64_t frozen = 0);
 
 }  // namespace zinf

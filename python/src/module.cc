@@ -24,7 +24,7 @@
 #include "zinf/engine.h"
 #include "zinf/log.h"
 #include "zinf/runtime.h"
-#include "zinf/safetensors.h"
+#include "zinf/safetensors_engine.h"
 
 namespace zinf::python {
 namespace {

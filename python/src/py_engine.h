@@ -22,7 +22,7 @@
 #include "zinf/comm.h"
 #include "zinf/device.h"
 #include "zinf/engine.h"
-#include "zinf/safetensors.h"
+#include "zinf/safetensors_engine.h"
 
 namespace zinf::python {
 
