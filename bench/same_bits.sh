@@ -4,15 +4,15 @@
 # states, 2 ranks, bf16 gradient transfer, accumulation), one line each: name, param checksum,
 # last loss. Two builds that print the same lines train the same bits: a refactor's check.
 #
-#   bench/same_bits.sh [BUILD_DIR] [SWAP_DIR]     (defaults: build, /var/tmp/zinf-same-bits)
+#   bench/same_bits.sh [BUILD_DIR] [PARENT_DIR]   (defaults: build, /var/tmp; the swap folder
+#                                                  is a new one inside PARENT_DIR, removed after)
 #   diff <(bench/same_bits.sh /tmp/build-old) <(bench/same_bits.sh build)
 # (--gradient-transfer is a zinf-train flag from issue 40 on: an older build fails the last two.)
 set -euo pipefail
 build=${1:-build}
-swap=${2:-/var/tmp/zinf-same-bits}
 bin="$build/train/zinf-train"
 [ -x "$bin" ] || { echo "same_bits: no $bin (build first)" >&2; exit 2; }
-mkdir -p "$swap"
+swap=$(mktemp -d "${2:-/var/tmp}/zinf-same-bits.XXXXXX")
 trap 'rm -rf "$swap"' EXIT
 run() {
   local name=$1
