@@ -418,6 +418,10 @@ int Main(int argc, char** argv) {
     j["gradient_transfer"] = f.engine.gradient_transfer;
     j["gradient_clipping"] = f.engine.gradient_clipping;
     j["speculative_step"] = f.engine.speculative_step;
+    j["state_dtype"] = f.engine.state_dtype.empty() ? "fp32" : f.engine.state_dtype;
+    j["io_backend"] = f.engine.io_backend.empty() ? "io_uring" : f.engine.io_backend;
+    j["state_dtype"] = f.engine.state_dtype.empty() ? "fp32" : f.engine.state_dtype;
+    j["io_backend"] = f.engine.io_backend.empty() ? "io_uring" : f.engine.io_backend;
     j["cpu_cores"] = cores;
     // The share of the cores' time the process used: near 1, the step is CPU-bound, and busy
     // times that overlap in wall time competed for the same cores.
@@ -478,6 +482,8 @@ int Main(int argc, char** argv) {
   j["gradient_transfer"] = f.engine.gradient_transfer;
   j["gradient_clipping"] = f.engine.gradient_clipping;
   j["speculative_step"] = f.engine.speculative_step;
+  j["state_dtype"] = f.engine.state_dtype.empty() ? "fp32" : f.engine.state_dtype;
+  j["io_backend"] = f.engine.io_backend.empty() ? "io_uring" : f.engine.io_backend;
   // CPU seconds per step beside the wall-clock busy times above (which share the cores).
   j["cpu_cores"] = cores;
   j["median_cpu_seconds_total"] = median(cpu_total);

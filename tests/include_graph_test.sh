@@ -30,7 +30,8 @@ expect() {
   shift 3
   make_tree "$work/t" "$@"
   local out got
-  out=$(bash "$work/t/scripts/include_graph.sh" 2>&1)
+  # (Not a git tree even where $TMPDIR lies inside one: the script then lists files itself.)
+  out=$(GIT_CEILING_DIRECTORIES="$work" bash "$work/t/scripts/include_graph.sh" 2>&1)
   got=$?
   if [ "$got" != "$rc" ] || [[ "$out" != *"$want"* ]]; then
     echo "FAIL: expected exit $rc and \"$want\" for $*; got $got: $out"

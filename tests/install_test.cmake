@@ -69,7 +69,9 @@ file(WRITE "${consumer}/src/engine.cc" "
 #include <zinf/comm.h>
 #include <zinf/device.h>
 #include <zinf/engine.h>
+#include <zinf/plan.h>
 #include <zinf/safetensors.h>
+#include <zinf/safetensors_engine.h>
 int main() {
   auto device = zinf::NewHostDevice(zinf::HostDeviceOptions{});
   auto comms = zinf::NewLocalComms({device.get()});
@@ -84,6 +86,7 @@ int main() {
   spec.name = \"w\";
   spec.shape = {256};
   spec.init = [](float* d, size_t n) { for (size_t i = 0; i < n; ++i) d[i] = 1.0f; };
+  if (zinf::NvmeBytesNeeded(c, 256) != 0) return 6;  // no NVMe tier: nothing needed
   if (!(*e)->RegisterParameter(spec).ok() || !(*e)->FinishRegistration().ok()) return 3;
   std::vector<float> out(256);
   if (!(*e)->GatherMasterParameter(0, out.data()).ok() || out[7] != 1.0f) return 4;

@@ -9,10 +9,9 @@
 #include <cstdlib>
 #include <filesystem>
 
-#include "zinf/plan.h"
 #include "zinf/io.h"
 #include "zinf/log.h"
-#include "zinf/runtime.h"
+#include "zinf/plan.h"
 
 namespace zinf {
 
@@ -305,7 +304,7 @@ Result<SwapStoreOptions> SwapStoreOptionsFor(const EngineConfig& config, int ran
   return so;
 }
 
-// ---- The NVMe plan (zinf/runtime.h) -----------------------------------------------------------
+// ---- The NVMe plan (zinf/plan.h) --------------------------------------------------------------
 
 namespace {
 

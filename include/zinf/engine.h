@@ -41,7 +41,6 @@ struct EngineHooks {
   std::function<void(const std::string& folder)> checkpoint_validated;
 };
 
-
 class Engine {
  public:
   // `device` and `comm` must outlive the engine. One engine per rank, each on its own thread.
