@@ -74,6 +74,19 @@ struct Flags {
   EngineFlags engine = BenchEngineDefaults();
 };
 
+// The run's settings in its JSON report (both the rank report and the single-rank one).
+void ReportSettings(const Flags& f, nlohmann::json* j) {
+  (*j)["preset"] = f.preset;
+  (*j)["delayed_update"] = f.engine.delayed_update;
+  (*j)["device"] = f.device;
+  (*j)["optimizer_ratio"] = f.engine.optimizer_ratio;
+  (*j)["gradient_transfer"] = f.engine.gradient_transfer;
+  (*j)["gradient_clipping"] = f.engine.gradient_clipping;
+  (*j)["speculative_step"] = f.engine.speculative_step;
+  (*j)["state_dtype"] = f.engine.state_dtype.empty() ? "fp32" : f.engine.state_dtype;
+  (*j)["io_backend"] = f.engine.io_backend.empty() ? "io_uring" : f.engine.io_backend;
+}
+
 // The bench's "compute" and its busy intervals, for the compute-idle figure.
 class Compute {
  public:
@@ -411,17 +424,7 @@ int Main(int argc, char** argv) {
     j["comm_collectives"] = after.collectives - before.collectives;
     j["comm_bytes_sent"] = after.bytes_sent - before.bytes_sent;
     j["comm_seconds"] = after.seconds - before.seconds;
-    j["preset"] = f.preset;
-    j["delayed_update"] = f.engine.delayed_update;
-    j["device"] = f.device;
-    j["optimizer_ratio"] = f.engine.optimizer_ratio;
-    j["gradient_transfer"] = f.engine.gradient_transfer;
-    j["gradient_clipping"] = f.engine.gradient_clipping;
-    j["speculative_step"] = f.engine.speculative_step;
-    j["state_dtype"] = f.engine.state_dtype.empty() ? "fp32" : f.engine.state_dtype;
-    j["io_backend"] = f.engine.io_backend.empty() ? "io_uring" : f.engine.io_backend;
-    j["state_dtype"] = f.engine.state_dtype.empty() ? "fp32" : f.engine.state_dtype;
-    j["io_backend"] = f.engine.io_backend.empty() ? "io_uring" : f.engine.io_backend;
+    ReportSettings(f, &j);
     j["cpu_cores"] = cores;
     // The share of the cores' time the process used: near 1, the step is CPU-bound, and busy
     // times that overlap in wall time competed for the same cores.
@@ -475,15 +478,7 @@ int Main(int argc, char** argv) {
   j["median_compute_idle_seconds"] = median(idle_secs);
   const double span = median(idle_secs) + 3 * f.layers * f.compute_ms / 1e3;
   j["median_compute_idle_fraction"] = span > 0 ? median(idle_secs) / span : 0.0;
-  j["preset"] = f.preset;
-  j["delayed_update"] = f.engine.delayed_update;
-  j["device"] = f.device;
-  j["optimizer_ratio"] = f.engine.optimizer_ratio;
-  j["gradient_transfer"] = f.engine.gradient_transfer;
-  j["gradient_clipping"] = f.engine.gradient_clipping;
-  j["speculative_step"] = f.engine.speculative_step;
-  j["state_dtype"] = f.engine.state_dtype.empty() ? "fp32" : f.engine.state_dtype;
-  j["io_backend"] = f.engine.io_backend.empty() ? "io_uring" : f.engine.io_backend;
+  ReportSettings(f, &j);
   // CPU seconds per step beside the wall-clock busy times above (which share the cores).
   j["cpu_cores"] = cores;
   j["median_cpu_seconds_total"] = median(cpu_total);

@@ -84,7 +84,7 @@ void StateWindow::Drain() {
   for (Slot& slot : reading_) {
     // Only waits so that the buffer is free; nobody uses the states of a sub-group never
     // reached, and the failure that stopped the task is the one reported.
-    (void)ctx_.swap->Wait(slot.read);
+    (void)ctx_.swap->Wait(slot.read);  // safe to drop: see above
   }
   reading_.clear();
 }

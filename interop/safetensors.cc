@@ -1,5 +1,3 @@
-#include "zinf/safetensors_engine.h"
-
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -16,6 +14,7 @@
 #include "formats/safetensors_format.h"
 #include "zinf/cpu_adam.h"
 #include "zinf/log.h"
+#include "zinf/safetensors_engine.h"
 
 namespace zinf::safetensors {
 namespace {

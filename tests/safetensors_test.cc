@@ -1,7 +1,5 @@
 // safetensors: headers checked as hostile input, sharded checkpoints opened, tensors loaded
 // into an engine (all checks before any change) and exported from it, exactly.
-#include "zinf/safetensors_engine.h"
-
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -21,6 +19,7 @@
 #include "tests/test_util.h"
 #include "zinf/cpu_adam.h"
 #include "zinf/device.h"
+#include "zinf/safetensors_engine.h"
 
 namespace zinf::safetensors {
 namespace {
