@@ -1,4 +1,5 @@
-// ProcessGroupFromEnv (zinf/comm.h): a process's place in its group, from what launchers set.
+// ProcessGroupFromEnv and RendezvousStore (zinf/comm.h): a process's place in its group, from
+// what launchers set, and the store where the group's processes meet (gloo's and NCCL's).
 #include <xxhash.h>
 
 #include <cerrno>
@@ -117,6 +118,26 @@ Result<ProcessGroupOptions> ProcessGroupFromEnv() {
         "ZINF_STORE_FOLDER (a folder every rank can read and write)");
   }
   return o;
+}
+
+Result<std::shared_ptr<KeyValueStore>> RendezvousStore(const ProcessGroupOptions& o) {
+  if (o.store != nullptr) return o.store;
+  if (!o.store_folder.empty()) return NewFileStore(o.store_folder);
+  if (o.master_addr.empty() || o.master_port == 0) {
+    return Status::InvalidArgument(
+        "a group of " + std::to_string(o.world_size) +
+        " processes needs a rendezvous: MASTER_ADDR and MASTER_PORT (as torchrun sets them), "
+        "or a store folder (ZINF_STORE_FOLDER)");
+  }
+  TcpStoreOptions t;
+  t.host = o.master_addr;
+  t.port = o.master_port;
+  t.serve = o.rank == 0;
+  t.timeout = o.timeout;
+  t.job_id = o.job_id;
+  t.listen_addr = o.store_listen_addr;
+  t.max_clients = 2 * o.world_size + 8;  // each rank, and each reconnecting once
+  return NewTcpStore(t);
 }
 
 }  // namespace zinf

@@ -85,15 +85,9 @@ PyEngine::PyEngine(const std::string& config_json, const std::string& device, in
     co.memory_budget = device_memory;
     co.use_external_compute_stream = use_stream;
     co.external_compute_stream = reinterpret_cast<void*>(cuda_stream);
-    core_->device = Take(NewCudaDevice(co));
-    NcclCommOptions nccl;
-    nccl.rank = group.rank;
-    nccl.world_size = group.world_size;
-    nccl.local_rank = group.local_rank;
-    nccl.timeout_seconds = std::chrono::duration<double>(group.timeout).count();
-    nccl.store = group.store;
-    nccl.store_key = group.prefix + "/nccl/unique_id";
-    core_->comms.push_back(Take(NewNcclComm(core_->device.get(), nccl)));
+    Runtime rank = Take(NewCudaRuntime(co, group));  // its NCCL group meets in group.store
+    core_->device = std::move(rank.device);
+    core_->comms.push_back(std::move(rank.comm));
     core_->dl_device_type = 2;
     core_->dl_device_id = device_index;
   } else {

@@ -1,3 +1,5 @@
+// NewHostRuntime and HostDeviceBudget (zinf/runtime.h): a rank on the host device, and the
+// device budget a host run can afford.
 #include <sys/resource.h>
 #include <unistd.h>
 

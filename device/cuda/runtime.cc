@@ -1,8 +1,8 @@
 // NewRuntime and NewCudaRuntime (zinf/runtime.h): their own library, zinf::runtime, so that only
 // the programs that can run on a GPU link the CUDA backends.
-#include <utility>
-
 #include "zinf/runtime.h"
+
+#include <utility>
 
 namespace zinf {
 
