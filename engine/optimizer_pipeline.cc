@@ -136,11 +136,13 @@ Status OptimizerPipeline::StepNext(TaskRun* run, size_t k) {
   // gradient is landing piece by piece is stepped as it lands (its accumulators are released
   // only once it has landed whole).
   const bool speculate = run->may_speculate && !on_device && speculation_.CanTake(gi);
-  bool coef_known = true;
-  Status ready =
-      ctx_.board->WaitGroupReady(gi, task, speculate, &plan.coef, &coef_known, &plan.with_grad,
-                                 on_device || task.clip ? nullptr : &plan.landing);
-  if (!ready.ok()) return VerdictFailed(run, ready);
+  Result<GroupBoard::GroupReady> ready =
+      ctx_.board->WaitGroupReady(gi, task, speculate, /*allow_partial=*/!on_device && !task.clip);
+  if (!ready.ok()) return VerdictFailed(run, ready.status());
+  plan.coef = ready->coef;
+  plan.with_grad = std::move(ready->with_grad);
+  plan.landing = ready->partial;
+  const bool coef_known = ready->coef_known;
   if (on_device) {
     // The device steps it and writes the parameters straight into their device stores.
     run->first.Update(StepGroupOnDevice(plan));

@@ -159,16 +159,12 @@ TEST(GroupBoardTest, ALandingGradientIsSteppedPieceByPieceOnlyAsTheGroupsLast) {
   auto waits = [](std::future<Status>& f) {
     return f.wait_for(std::chrono::milliseconds(50)) == std::future_status::timeout;
   };
-  struct Ready {
-    float coef = 0;
-    bool known = false;
-    std::vector<uint8_t> with_grad;
-    int partial = -2;
-  };
+  using Ready = GroupBoard::GroupReady;
   auto wait_ready = [&](const OptimizerTask& task, Ready* r) {
-    return std::async(std::launch::async, [&board, task, r] {
-      return board.WaitGroupReady(0, task, /*speculate=*/false, &r->coef, &r->known, &r->with_grad,
-                                  &r->partial);
+    return std::async(std::launch::async, [&board, task, r]() -> Status {
+      ZINF_ASSIGN_OR_RETURN(*r, board.WaitGroupReady(0, task, /*speculate=*/false,
+                                                     /*allow_partial=*/true));
+      return Status::OK();
     });
   };
   board.BeginMicroStep(/*boundary=*/true, /*step=*/0);  // the window ends with step 1
@@ -213,6 +209,7 @@ TEST(GroupBoardTest, ALandingGradientIsSteppedPieceByPieceOnlyAsTheGroupsLast) {
   board.BeginMicroStep(/*boundary=*/true, /*step=*/1);
   const OptimizerTask step2{2, /*clip=*/true, {ParamGroupHyper{}}};
   Ready c;
+  c.partial = -2;  // (so that the -1 below is WaitGroupReady's)
   std::future<Status> clipped = wait_ready(step2, &c);
   land_a_then_a_piece_of_b(2);
   EXPECT_TRUE(waits(clipped));

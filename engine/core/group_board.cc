@@ -203,8 +203,8 @@ bool GroupBoard::failed() const {
   return !optimizer_status_.ok();
 }
 
-Status GroupBoard::WaitGroupReady(size_t gi, const OptimizerTask& task, bool speculate, float* coef,
-                                  bool* coef_known, std::vector<uint8_t>* with_grad, int* partial) {
+Result<GroupBoard::GroupReady> GroupBoard::WaitGroupReady(size_t gi, const OptimizerTask& task,
+                                                          bool speculate, bool allow_partial) {
   MutexLock lock(&mu_);
   Group& g = groups_[gi];
   waiting_group_ = gi;
@@ -212,7 +212,7 @@ Status GroupBoard::WaitGroupReady(size_t gi, const OptimizerTask& task, bool spe
   cv_.NotifyAll();  // a trainer waiting for a gradient block re-checks for a deadlock
   // (Landing in pieces: only without clipping, where nothing else is waited for.)
   auto landing = [&] {
-    return partial != nullptr && !task.clip && g.ready_step < task.step && g.partial >= 0 &&
+    return allow_partial && !task.clip && g.ready_step < task.step && g.partial >= 0 &&
            g.partial_step == task.step && g.partial_landed > 0;
   };
   while (!stopping_ && !landing() &&
@@ -222,13 +222,14 @@ Status GroupBoard::WaitGroupReady(size_t gi, const OptimizerTask& task, bool spe
   }
   waiting_group_ = SIZE_MAX;
   if (stopping_) return Status::FailedPrecondition("engine shutting down");
-  if (partial != nullptr) *partial = landing() ? g.partial : -1;
-  *coef_known = !task.clip || clip_coefs_.count(task.step) != 0;
-  *coef = task.clip && *coef_known ? clip_coefs_[task.step] : 1.0f;
-  if (std::isnan(*coef)) return NormFailedError(task.step);
-  with_grad->swap(g.has_grad);
+  GroupReady ready;
+  ready.partial = landing() ? g.partial : -1;
+  ready.coef_known = !task.clip || clip_coefs_.count(task.step) != 0;
+  ready.coef = task.clip && ready.coef_known ? clip_coefs_[task.step] : 1.0f;
+  if (std::isnan(ready.coef)) return NormFailedError(task.step);
+  ready.with_grad.swap(g.has_grad);
   g.has_grad.assign(layout_->group(gi).params.size(), 0);
-  return Status::OK();
+  return ready;
 }
 
 Status GroupBoard::Verdict(const OptimizerTask& task, bool wait, float* coef, bool* known) {

@@ -80,15 +80,21 @@ class GroupBoard {
   // The oldest task, waiting for one; false when stopping.
   bool NextTask(OptimizerTask* task) EXCLUDES(mu_);
   bool failed() const EXCLUDES(mu_);
+  // What WaitGroupReady hands the optimizer: a sub-group ready to step.
+  struct GroupReady {
+    float coef = 1.0f;               // the clipping coefficient (1: no clipping, or not known yet)
+    bool coef_known = true;          // false: the norm is not known yet (a speculative step)
+    std::vector<uint8_t> with_grad;  // by index in the group: got a gradient in the window
+    // >= 0: the index of the parameter still landing piece by piece (WaitLanded); -1: whole.
+    int partial = -1;
+  };
   // Waits until sub-group `gi` is ready for `task` and, with clipping, the norm is known, or
-  // with `speculate` not (then *coef_known is false and *coef 1). Takes the group's has-grad
-  // flags; *coef gets the clipping coefficient. Fails when the norm failed (SetNormFailed).
-  // `partial` not null (no clipping): also returns, with *partial the parameter's index,
-  // once every gradient of the group has landed but one that is landing piece by piece
-  // (LandPiece); -1 when the group is whole.
-  Status WaitGroupReady(size_t gi, const OptimizerTask& task, bool speculate, float* coef,
-                        bool* coef_known, std::vector<uint8_t>* with_grad, int* partial = nullptr)
-      EXCLUDES(mu_);
+  // with `speculate` not (then coef_known is false and coef 1). Takes the group's has-grad
+  // flags. Fails when the norm failed (SetNormFailed). With `allow_partial` (no clipping) it
+  // also returns once every gradient of the group has landed but one that is landing piece by
+  // piece (LandPiece), named by `partial`.
+  Result<GroupReady> WaitGroupReady(size_t gi, const OptimizerTask& task, bool speculate,
+                                    bool allow_partial) EXCLUDES(mu_);
   // After WaitGroupReady gave a partial group: waits until `upto` elements of the parameter
   // landing in pieces are there, or the whole group has landed.
   Status WaitLanded(size_t gi, int64_t step, size_t upto) EXCLUDES(mu_);
