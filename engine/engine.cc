@@ -1,6 +1,7 @@
-// The engine's façade: creation and its feasibility checks, registration and placement, and
-// the sequencing of micro-steps and optimizer steps over the components that do the work
-// (engine/*.h; docs/layout.md names each and what it owns).
+// The engine's façade: Engine::Create and its feasibility checks, then each call forwarded to
+// Engine::Impl (engine_impl.h), whose registration, placement and sequencing of micro-steps
+// and optimizer steps over the components that do the work are here (engine/core/*.h;
+// docs/layout.md names each and what it owns).
 //
 // Threads and what they own:
 // - the trainer's thread calls every public method; it alone decides which fetches and
@@ -43,38 +44,38 @@ double Since(Clock::time_point t0) {
 }  // namespace
 
 Engine::Impl::~Impl() {
-  if (board) {
+  if (board_) {
     // Delayed update: the last step's optimizer may still run; between micro-steps it needs
     // nothing more from the trainer, so let it finish and report a failure nobody saw.
-    const bool drain = clock.delayed() && registered && !clock.in_micro() && broken.ok();
-    Status unseen = board->Stop(drain ? clock.step() : -1);
+    const bool drain = clock_.delayed() && registered_ && !clock_.in_micro() && broken_.ok();
+    Status unseen = board_->Stop(drain ? clock_.step() : -1);
     if (!unseen.ok()) {
       LogWarning("the last optimizer step failed and was not reported: " + unseen.ToString());
     }
   }
-  if (pipeline) pipeline->Join();
+  if (pipeline_) pipeline_->Join();
   // The compute stream too: buffers whose free waits for it (evicted parameters) go back with
   // the budget below.
   for (Stream* s :
-       {device->ComputeStream(), streams.copy, streams.comm, streams.update, streams.grad}) {
+       {device_->ComputeStream(), streams_.copy, streams_.comm, streams_.update, streams_.grad}) {
     if (s == nullptr) continue;
-    Status synced = device->SynchronizeStream(s);
+    Status synced = device_->SynchronizeStream(s);
     if (!synced.ok()) LogWarning("closing the engine: " + synced.ToString());
   }
   // Device memory and pinned buffers go back before the arena and the budget they came from.
-  pipeline.reset();
-  grads.reset();
-  fetch.reset();
-  adder.reset();  // after the gradient path and the fetch scheduler (they drain it)
-  checkpointer.reset();
-  durable.reset();
-  param_store.reset();
-  states.reset();
-  board.reset();
-  swap.reset();
-  collectives.reset();
-  if (arena) {
-    Status s = device->UnregisterHostMemory(arena->region().base);
+  pipeline_.reset();
+  grads_.reset();
+  fetch_.reset();
+  adder_.reset();  // after the gradient path and the fetch scheduler (they drain it)
+  checkpointer_.reset();
+  durable_.reset();
+  param_store_.reset();
+  states_.reset();
+  board_.reset();
+  swap_.reset();
+  collectives_.reset();
+  if (arena_) {
+    Status s = device_->UnregisterHostMemory(arena_->region().base);
     if (!s.ok()) LogWarning("closing the engine: " + s.ToString());
   }
 }
@@ -101,76 +102,165 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
     }
   }
   auto impl = std::make_unique<Impl>(config, device, comm, hooks);
-  Impl& m = *impl;
-  CpuOptimizer::Options oo;
-  oo.num_threads = config.optimizer_threads;
-  ZINF_ASSIGN_OR_RETURN(m.optimizer, CpuOptimizer::Create(oo));
-  ZINF_ASSIGN_OR_RETURN(m.streams.copy, device->CreateStream("zinf-copy"));
-  ZINF_ASSIGN_OR_RETURN(m.streams.comm, device->CreateStream("zinf-comm"));
-  ZINF_ASSIGN_OR_RETURN(m.streams.update, device->CreateStream("zinf-update"));
-  ZINF_ASSIGN_OR_RETURN(m.streams.grad, device->CreateStream("zinf-grad"));
-  m.budget = std::make_unique<DeviceBudget>(
-      device, config.device_budget_bytes,
-      std::vector<Stream*>{m.streams.comm, m.streams.copy, m.streams.grad});
-  ZINF_ASSIGN_OR_RETURN(m.collectives,
-                        HostCollectives::Create(device, comm, m.budget.get(), m.streams.comm));
-  m.checkpointer = std::make_unique<Checkpointer>(&m.layout, &m.config, m.collectives.get(), m.rank,
-                                                  m.world, hooks.checkpoint_validated);
+  ZINF_RETURN_IF_ERROR(impl->Open());
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+Status Engine::Impl::Open() {
+  CpuOptimizer::Options oo;
+  oo.num_threads = config_.optimizer_threads;
+  ZINF_ASSIGN_OR_RETURN(optimizer_, CpuOptimizer::Create(oo));
+  ZINF_ASSIGN_OR_RETURN(streams_.copy, device_->CreateStream("zinf-copy"));
+  ZINF_ASSIGN_OR_RETURN(streams_.comm, device_->CreateStream("zinf-comm"));
+  ZINF_ASSIGN_OR_RETURN(streams_.update, device_->CreateStream("zinf-update"));
+  ZINF_ASSIGN_OR_RETURN(streams_.grad, device_->CreateStream("zinf-grad"));
+  budget_ = std::make_unique<DeviceBudget>(
+      device_, config_.device_budget_bytes,
+      std::vector<Stream*>{streams_.comm, streams_.copy, streams_.grad});
+  ZINF_ASSIGN_OR_RETURN(collectives_,
+                        HostCollectives::Create(device_, comm_, budget_.get(), streams_.comm));
+  checkpointer_ = std::make_unique<Checkpointer>(&layout_, &config_, collectives_.get(), rank_,
+                                                 world_, hooks_.checkpoint_validated);
+  return Status::OK();
 }
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() = default;
 
+// Each call is Impl's of the same name (zinf/engine.h says what each does).
+
 Result<ParamId> Engine::RegisterParameter(const ParamSpec& spec) {
-  Impl& m = *impl_;
-  ZINF_ASSIGN_OR_RETURN(ParamLayout p, m.layout.Describe(spec.name, spec.shape, spec.trainable,
-                                                         m.config.param_persistence_threshold));
+  return impl_->RegisterParameter(spec);
+}
+
+Status Engine::FinishRegistration() { return impl_->FinishRegistration(); }
+
+Status Engine::CompareAcrossRanks(const std::string& what, const std::string& text,
+                                  const std::string& remedy) {
+  return impl_->CompareAcrossRanks(what, text, remedy);
+}
+
+Status Engine::RequireAgreement(const std::string& name, const std::string& value) {
+  return impl_->RequireAgreement(name, value);
+}
+
+Status Engine::SetCommitUserData(const std::string& user_data) {
+  return impl_->SetCommitUserData(user_data);
+}
+
+Status Engine::ResumeFromStore(StoreResume* resumed) { return impl_->ResumeFromStore(resumed); }
+
+Status Engine::SetAcquireOrder(const std::vector<ParamId>& order) {
+  return impl_->SetAcquireOrder(order);
+}
+
+Result<std::vector<void*>> Engine::Acquire(const std::vector<ParamId>& ids, AcquireMode mode) {
+  return impl_->Acquire(ids, mode);
+}
+
+Status Engine::Release(const std::vector<ParamId>& ids) { return impl_->Release(ids); }
+
+Status Engine::ReduceGradient(ParamId id, const float* grad) {
+  return impl_->ReduceGradient(id, grad);
+}
+
+Result<StepStats> Engine::Step() { return impl_->Step(); }
+
+Status Engine::PrepareCheckpointDir(const std::string& dir) {
+  return impl_->PrepareCheckpointDir(dir);
+}
+
+Status Engine::RemoveCheckpoints(const std::string& dir) { return impl_->RemoveCheckpoints(dir); }
+
+Status Engine::SaveCheckpoint(const std::string& dir, const std::string& user_data) {
+  return impl_->SaveCheckpoint(dir, user_data);
+}
+
+Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data,
+                              bool fall_back_to_older) {
+  return impl_->LoadCheckpoint(dir, user_data, fall_back_to_older);
+}
+
+Status Engine::GatherMasterParameter(ParamId id, float* out) {
+  return impl_->GatherMasterParameter(id, out);
+}
+
+Status Engine::SetParameterValues(const std::vector<ParamId>& ids,
+                                  const std::function<Status(ParamId, float*)>& fill) {
+  return impl_->SetParameterValues(ids, fill);
+}
+
+int64_t Engine::param_updates(ParamId id) const { return impl_->param_updates(id); }
+
+Status Engine::SetLearningRate(float lr) { return impl_->SetLearningRate(lr); }
+
+Status Engine::SetParamGroup(size_t group, const ParamGroupHyper& hp) {
+  return impl_->SetParamGroup(group, hp);
+}
+
+size_t Engine::num_param_groups() const { return impl_->num_param_groups(); }
+
+ParamGroupHyper Engine::param_group(size_t group) const { return impl_->param_group(group); }
+
+int64_t Engine::global_step() const { return impl_->global_step(); }
+
+int Engine::rank() const { return impl_->rank(); }
+
+int Engine::world_size() const { return impl_->world_size(); }
+
+size_t Engine::num_params() const { return impl_->num_params(); }
+
+const ParamInfo& Engine::param(ParamId id) const { return impl_->param(id); }
+
+const EngineConfig& Engine::config() const { return impl_->config(); }
+
+Result<ParamId> Engine::Impl::RegisterParameter(const ParamSpec& spec) {
+  ZINF_ASSIGN_OR_RETURN(ParamLayout p, layout_.Describe(spec.name, spec.shape, spec.trainable,
+                                                        config_.param_persistence_threshold));
   if (!spec.init) {
     return Status::InvalidArgument("parameter '" + spec.name + "': needs a shape and an init");
   }
   // The largest layer must fit the device budget together with its gradient scratch.
-  const uint64_t full = p.padded_numel * m.layout.elem_size();
-  const uint64_t need = full + GradientScratchBytes(p, m.config);
-  if (m.config.device_budget_bytes != 0 && need > m.config.device_budget_bytes) {
+  const uint64_t full = p.padded_numel * layout_.elem_size();
+  const uint64_t need = full + GradientScratchBytes(p, config_);
+  if (config_.device_budget_bytes != 0 && need > config_.device_budget_bytes) {
     return Status::ResourceExhausted("parameter '" + spec.name + "' (" + FormatBytes(full) +
                                      " gathered, plus its gradient) does not fit the device "
                                      "budget of " +
-                                     FormatBytes(m.config.device_budget_bytes) +
+                                     FormatBytes(config_.device_budget_bytes) +
                                      "; raise zinf.device_budget_bytes to at least " +
                                      FormatBytes(need))
         .WithKey("zinf.device_budget_bytes");
   }
-  if (need > m.device->MemoryInfo().budget) {
+  if (need > device_->MemoryInfo().budget) {
     return Status::ResourceExhausted("parameter '" + spec.name + "' needs " + FormatBytes(need) +
                                      " of device memory but the device budget is " +
-                                     FormatBytes(m.device->MemoryInfo().budget))
+                                     FormatBytes(device_->MemoryInfo().budget))
         .WithKey("zinf.device_budget_bytes");
   }
-  if (spec.param_group >= m.groups.size()) {
+  if (spec.param_group >= groups_.size()) {
     return Status::InvalidArgument(
         "parameter '" + spec.name + "': parameter group " + std::to_string(spec.param_group) +
-        " does not exist (" + std::to_string(m.groups.size()) +
+        " does not exist (" + std::to_string(groups_.size()) +
         " defined); define it with SetParamGroup before registering its parameters");
   }
   p.info.param_group = spec.param_group;
-  m.inits.push_back(spec.init);
-  return m.layout.Add(std::move(p));
+  inits_.push_back(spec.init);
+  return layout_.Add(std::move(p));
 }
 
-Status Engine::FinishRegistration() {
-  Impl& m = *impl_;
-  if (m.registered) return Status::OK();
-  if (m.layout.frozen()) {
+Status Engine::Impl::FinishRegistration() {
+  if (registered_) return Status::OK();
+  if (layout_.frozen()) {
     return Status::FailedPrecondition("an earlier FinishRegistration failed; recreate the engine");
   }
   // The ranks agree on what they train before any other collective: a rank with another
   // model or setting is refused on every rank, naming the difference (never a collective of
   // another size, which gloo aborts on, or a wait for the collective timeout).
-  std::vector<std::pair<std::string, std::string>> settings = m.agreement;
-  settings.emplace_back("resume from the durable store", m.resume_store ? "yes" : "no");
-  for (size_t g = 0; g < m.groups.size(); ++g) {
-    const ParamGroupHyper& h = m.groups[g];
+  std::vector<std::pair<std::string, std::string>> settings = agreement_;
+  settings.emplace_back("resume from the durable store", resume_store_ ? "yes" : "no");
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const ParamGroupHyper& h = groups_[g];
     std::ostringstream text;
     text.precision(9);
     text << "lr " << h.lr << ", betas " << h.beta1 << ", " << h.beta2 << ", eps " << h.eps
@@ -178,35 +268,34 @@ Status Engine::FinishRegistration() {
     settings.emplace_back("parameter group " + std::to_string(g), text.str());
   }
   ZINF_RETURN_IF_ERROR(AgreeAcrossRanks(
-      m.collectives.get(), m.world, "the model and its training settings",
-      DescribeForAgreement(m.config, m.layout, settings),
+      collectives_.get(), world_, "the model and its training settings",
+      DescribeForAgreement(config_, layout_, settings),
       "Start every rank with the same model, configuration and trainer settings."));
-  if (m.layout.num_params() == 0) return Status::FailedPrecondition("no parameters registered");
-  Status placed = m.Place();
+  if (layout_.num_params() == 0) return Status::FailedPrecondition("no parameters registered");
+  Status placed = Place();
   // A rank that cannot place its stores fails the others too (no collective in Place
   // without a resume; a resume's agreement on the commit has its own).
-  if (m.world > 1 && !m.resume_store)
-    placed = m.collectives->Agree(placed, "placing the parameters");
+  if (world_ > 1 && !resume_store_) placed = collectives_->Agree(placed, "placing the parameters");
   ZINF_RETURN_IF_ERROR(placed);
-  m.initial_hashes.clear();
-  Status init = m.InitStores();
+  initial_hashes_.clear();
+  Status init = InitStores();
   // The initial values are in the stores (or init failed): the callbacks, and whatever they
   // hold (a spill file of the values, the trainer's buffers), are not needed any more.
-  m.inits.clear();
-  if (m.world > 1) {
+  inits_.clear();
+  if (world_ > 1) {
     // Every rank learns whether every rank initialised. Whether they hold the same values
     // (ranks that initialise differently train a mix of models) is compared at the first
     // call that uses them, after any load that replaces them.
-    init = m.collectives->Agree(init, "initialising the parameters");
-    m.values_unchecked = init.ok() && !m.initial_hashes.empty();
+    init = collectives_->Agree(init, "initialising the parameters");
+    values_unchecked_ = init.ok() && !initial_hashes_.empty();
   }
   ZINF_RETURN_IF_ERROR(init);
-  ZINF_RETURN_IF_ERROR(m.pipeline->Start());
-  m.registered = true;
-  m.BeginMicroStep();
+  ZINF_RETURN_IF_ERROR(pipeline_->Start());
+  registered_ = true;
+  BeginMicroStep();
   // The statistics of the first step start here (its swap traffic after the initialisation).
   StepStats unused;
-  m.stats.FinishStep({0, 0, 0, m.swap.get(), m.optimizer->cpu_seconds()}, &unused);
+  stats_.FinishStep({0, 0, 0, swap_.get(), optimizer_->cpu_seconds()}, &unused);
   return Status::OK();
 }
 
@@ -256,26 +345,24 @@ Status WithWorldHint(const Status& failed, const EngineConfig& config, int world
 }  // namespace
 
 Status Engine::Impl::CheckInitialValues() {
-  if (!values_unchecked) return Status::OK();
-  values_unchecked = false;
-  Status s = AgreeAcrossRanks(collectives.get(), world, "the initial parameter values",
-                              DescribeValues(layout, initial_hashes),
+  if (!values_unchecked_) return Status::OK();
+  values_unchecked_ = false;
+  Status s = AgreeAcrossRanks(collectives_.get(), world_, "the initial parameter values",
+                              DescribeValues(layout_, initial_hashes_),
                               "Every rank must initialise the model identically (seed every "
                               "rank's random generator the same), or load the same weights "
                               "on every rank before training.");
-  if (!s.ok()) broken = s;  // the ranks hold a mix of models
+  if (!s.ok()) broken_ = s;  // the ranks hold a mix of models
   return s;
 }
 
-Status Engine::CompareAcrossRanks(const std::string& what, const std::string& text,
-                                  const std::string& remedy) {
-  Impl& m = *impl_;
-  return AgreeAcrossRanks(m.collectives.get(), m.world, what, text, remedy);
+Status Engine::Impl::CompareAcrossRanks(const std::string& what, const std::string& text,
+                                        const std::string& remedy) {
+  return AgreeAcrossRanks(collectives_.get(), world_, what, text, remedy);
 }
 
-Status Engine::RequireAgreement(const std::string& name, const std::string& value) {
-  Impl& m = *impl_;
-  if (m.registered || m.layout.frozen()) {
+Status Engine::Impl::RequireAgreement(const std::string& name, const std::string& value) {
+  if (registered_ || layout_.frozen()) {
     return Status::FailedPrecondition("RequireAgreement('" + name +
                                       "') after registration ended: call it before "
                                       "FinishRegistration");
@@ -285,45 +372,54 @@ Status Engine::RequireAgreement(const std::string& name, const std::string& valu
     return Status::InvalidArgument("RequireAgreement: the name '" + name +
                                    "' must be a non-empty line without ':', the value one line");
   }
-  m.agreement.emplace_back(name, value);
+  agreement_.emplace_back(name, value);
   return Status::OK();
 }
 
 Status Engine::Impl::Place() {
-  const size_t offloaded = layout.Freeze(config.sub_group_size, config.offload_optimizer.tier,
-                                         config.offload_optimizer.ratio);
-  const size_t groups = layout.GroupOrder().size();  // (the frozen sub-group is not stepped)
-  if (config.offload_optimizer.tier != Tier::kDevice && config.offload_optimizer.ratio < 1 &&
-      rank == 0) {
+  const size_t offloaded = layout_.Freeze(config_.sub_group_size, config_.offload_optimizer.tier,
+                                          config_.offload_optimizer.ratio);
+  const size_t stepped = layout_.GroupOrder().size();  // (the frozen sub-group is not stepped)
+  if (config_.offload_optimizer.tier != Tier::kDevice && config_.offload_optimizer.ratio < 1 &&
+      rank_ == 0) {
     // The split is by whole sub-groups: say what the ratio became.
     char ratio[32];
-    std::snprintf(ratio, sizeof(ratio), "%g", config.offload_optimizer.ratio);
+    std::snprintf(ratio, sizeof(ratio), "%g", config_.offload_optimizer.ratio);
     LogInfo("offload_optimizer.ratio " + std::string(ratio) + ": " + std::to_string(offloaded) +
-            " of " + std::to_string(groups) + " optimizer sub-groups offloaded, " +
-            std::to_string(groups - offloaded) +
+            " of " + std::to_string(stepped) + " optimizer sub-groups offloaded, " +
+            std::to_string(stepped - offloaded) +
             " kept and stepped on the device (lower sub_group_size for a finer split)");
   }
-  ZINF_ASSIGN_OR_RETURN(PinnedPlan plan, PlanPinnedMemory(layout, config, device->IsHost()));
+  ZINF_ASSIGN_OR_RETURN(PinnedPlan plan, PlanPinnedMemory(layout_, config_, device_->IsHost()));
+  ZINF_RETURN_IF_ERROR(AllocatePinned(plan));
+  // The swap store first: every component gets it at construction.
+  if (config_.offload_param.tier == Tier::kNvme || config_.offload_optimizer.tier == Tier::kNvme) {
+    ZINF_RETURN_IF_ERROR(OpenSwapStore());
+  }
+  return BuildComponents(plan);
+}
+
+Status Engine::Impl::AllocatePinned(const PinnedPlan& plan) {
   PinnedArenaOptions ao;
-  ao.bytes = config.pinned_budget_bytes;
-  ao.lock_memory = config.offload_param.pin_memory || config.offload_optimizer.pin_memory;
-  ZINF_ASSIGN_OR_RETURN(arena, PinnedArena::Create(ao));
-  ZINF_RETURN_IF_ERROR(device->RegisterHostMemory(arena->region().base, arena->capacity()));
+  ao.bytes = config_.pinned_budget_bytes;
+  ao.lock_memory = config_.offload_param.pin_memory || config_.offload_optimizer.pin_memory;
+  ZINF_ASSIGN_OR_RETURN(arena_, PinnedArena::Create(ao));
+  ZINF_RETURN_IF_ERROR(device_->RegisterHostMemory(arena_->region().base, arena_->capacity()));
   // The fixed-size buffers first, as pools (see BlockPool); the rest of the arena is staging.
   if (plan.state_blocks > 0) {
-    ZINF_RETURN_IF_ERROR(state_pool.Init(arena.get(), plan.state_block_bytes, plan.state_blocks,
-                                         "optimizer buffers"));
+    ZINF_RETURN_IF_ERROR(state_pool_.Init(arena_.get(), plan.state_block_bytes, plan.state_blocks,
+                                          "optimizer buffers"));
   }
   if (plan.copy_blocks > 0) {
-    ZINF_RETURN_IF_ERROR(copy_pool.Init(arena.get(), plan.copy_block_bytes, plan.copy_blocks,
-                                        "parameter copy buffers"));
+    ZINF_RETURN_IF_ERROR(copy_pool_.Init(arena_.get(), plan.copy_block_bytes, plan.copy_blocks,
+                                         "parameter copy buffers"));
   }
   if (plan.snapshot_blocks > 0) {
-    ZINF_RETURN_IF_ERROR(snapshot_pool.Init(arena.get(), plan.snapshot_block_bytes,
-                                            plan.snapshot_blocks, "speculative-step snapshots"));
+    ZINF_RETURN_IF_ERROR(snapshot_pool_.Init(arena_.get(), plan.snapshot_block_bytes,
+                                             plan.snapshot_blocks, "speculative-step snapshots"));
   }
-  if (plan.speculation_wanted && rank == 0) {
-    const size_t stepped = layout.GroupOrder().size();
+  if (plan.speculation_wanted && rank_ == 0) {
+    const size_t stepped = layout_.GroupOrder().size();
     LogInfo(plan.snapshot_blocks > 0
                 ? "zinf.speculative_step: up to " + std::to_string(plan.snapshot_blocks) + " of " +
                       std::to_string(stepped) +
@@ -336,80 +432,84 @@ Status Engine::Impl::Place() {
                       "gradient norm is known");
   }
   if (plan.stream_grads) {
-    ZINF_RETURN_IF_ERROR(grad_pool.Init(arena.get(), plan.grad_block_bytes, plan.grad_blocks,
-                                        "gradient accumulators"));
+    ZINF_RETURN_IF_ERROR(grad_pool_.Init(arena_.get(), plan.grad_block_bytes, plan.grad_blocks,
+                                         "gradient accumulators"));
   }
+  return Status::OK();
+}
 
-  // The swap store first: every component gets it at construction.
-  if (config.offload_param.tier == Tier::kNvme || config.offload_optimizer.tier == Tier::kNvme) {
-    ZINF_ASSIGN_OR_RETURN(SwapStoreOptions so,
-                          SwapStoreOptionsFor(config, rank, world, *arena, hooks.fault_plan));
-    so.reopen = resume_store;
-    // A fresh store never replaces another one (the store refuses, AlreadyExists) unless
-    // zinf.durable_overwrite says to.
-    so.overwrite = config.durable_overwrite;
-    if (resume_store) {
-      const CommitRecord record(&layout, &config, world);
-      Result<CommitRecord::Agreement> agreed =
-          record.AgreeOnCommit(collectives.get(), rank, so.paths);
-      if (!agreed.ok()) return WithWorldHint(agreed.status(), config, world);
-      const CommitRecord::Agreement a = *agreed;
-      so.reopen_previous = a.previous;
-      if (a.fresh) {  // nothing was ever committed: a fresh start replaces nothing of value
-        resume_store = false;
-        so.reopen = false;
-      }
+Status Engine::Impl::OpenSwapStore() {
+  ZINF_ASSIGN_OR_RETURN(SwapStoreOptions so,
+                        SwapStoreOptionsFor(config_, rank_, world_, *arena_, hooks_.fault_plan));
+  so.reopen = resume_store_;
+  // A fresh store never replaces another one (the store refuses, AlreadyExists) unless
+  // zinf.durable_overwrite says to.
+  so.overwrite = config_.durable_overwrite;
+  if (resume_store_) {
+    const CommitRecord record(&layout_, &config_, world_);
+    Result<CommitRecord::Agreement> agreed =
+        record.AgreeOnCommit(collectives_.get(), rank_, so.paths);
+    if (!agreed.ok()) return WithWorldHint(agreed.status(), config_, world_);
+    const CommitRecord::Agreement a = *agreed;
+    so.reopen_previous = a.previous;
+    if (a.fresh) {  // nothing was ever committed: a fresh start replaces nothing of value
+      resume_store_ = false;
+      so.reopen = false;
     }
-    Result<std::unique_ptr<SwapStore>> opened = SwapStore::Open(so);
-    if (!opened.ok() && resume_store) {
-      return WithWorldHint(opened.status().WithContext(
-                               "ResumeFromStore: reopening the swap store in " + so.paths[0]),
-                           config, world);
-    }
-    if (!opened.ok() && opened.status().code() == StatusCode::kAlreadyExists) {
-      return CommitRecord::ExplainExisting(so.paths);
-    }
-    ZINF_ASSIGN_OR_RETURN(swap, std::move(opened));
   }
+  Result<std::unique_ptr<SwapStore>> opened = SwapStore::Open(so);
+  if (!opened.ok() && resume_store_) {
+    return WithWorldHint(
+        opened.status().WithContext("ResumeFromStore: reopening the swap store in " + so.paths[0]),
+        config_, world_);
+  }
+  if (!opened.ok() && opened.status().code() == StatusCode::kAlreadyExists) {
+    return CommitRecord::ExplainExisting(so.paths);
+  }
+  ZINF_ASSIGN_OR_RETURN(swap_, std::move(opened));
+  return Status::OK();
+}
 
+Status Engine::Impl::BuildComponents(const PinnedPlan& plan) {
   // The components over the frozen layout, once, in dependency order.
-  board = std::make_unique<GroupBoard>(&layout);
+  board_ = std::make_unique<GroupBoard>(&layout_);
   EngineContext ctx;
-  ctx.layout = &layout;
-  ctx.config = &config;
-  ctx.device = device;
-  ctx.comm = comm;
-  ctx.streams = streams;
-  ctx.budget = budget.get();
-  ctx.stats = &stats;
-  ctx.board = board.get();
-  ctx.arena = arena.get();
-  ctx.swap = swap.get();
-  param_store = std::make_unique<ParamStore>(ctx);
-  states = std::make_unique<StateStore>(ctx, &state_pool);
+  ctx.layout = &layout_;
+  ctx.config = &config_;
+  ctx.device = device_;
+  ctx.comm = comm_;
+  ctx.streams = streams_;
+  ctx.budget = budget_.get();
+  ctx.stats = &stats_;
+  ctx.board = board_.get();
+  ctx.arena = arena_.get();
+  ctx.swap = swap_.get();
+  param_store_ = std::make_unique<ParamStore>(ctx);
+  states_ = std::make_unique<StateStore>(ctx, &state_pool_);
+  frozen_ = std::make_unique<FrozenParams>(ctx, param_store_.get(), optimizer_.get());
   try {
-    adder = std::make_unique<GradientAdder>();
+    adder_ = std::make_unique<GradientAdder>();
   } catch (const std::system_error& e) {  // no thread could be started
     return Status::ResourceExhausted(std::string("starting the gradient adder thread: ") +
                                      e.what());
   }
-  fetch = std::make_unique<FetchScheduler>(ctx, param_store.get(), &trace, adder.get());
-  ZINF_RETURN_IF_ERROR(fetch->Init());
-  grads =
-      std::make_unique<GradientPath>(ctx, fetch.get(), adder.get(), &grad_pool, plan.stream_grads);
-  ZINF_RETURN_IF_ERROR(grads->Init());
-  durable = std::make_unique<DurableCommits>(ctx, states.get(), param_store.get());
-  durable->set_user_data(commit_user_data);
+  fetch_ = std::make_unique<FetchScheduler>(ctx, param_store_.get(), &trace_, adder_.get());
+  ZINF_RETURN_IF_ERROR(fetch_->Init());
+  grads_ = std::make_unique<GradientPath>(ctx, fetch_.get(), adder_.get(), &grad_pool_,
+                                          plan.stream_grads);
+  ZINF_RETURN_IF_ERROR(grads_->Init());
+  durable_ = std::make_unique<DurableCommits>(ctx, states_.get(), param_store_.get());
+  durable_->set_user_data(commit_user_data_);
   OptimizerPipeline::Parts parts;
-  parts.states = states.get();
-  parts.params = param_store.get();
-  parts.grads = grads.get();
-  parts.durable = durable.get();
-  parts.optimizer = optimizer.get();
-  parts.state_pool = &state_pool;
-  parts.copy_pool = &copy_pool;
-  parts.snapshot_pool = &snapshot_pool;
-  pipeline = std::make_unique<OptimizerPipeline>(ctx, parts);
+  parts.states = states_.get();
+  parts.params = param_store_.get();
+  parts.grads = grads_.get();
+  parts.durable = durable_.get();
+  parts.optimizer = optimizer_.get();
+  parts.state_pool = &state_pool_;
+  parts.copy_pool = &copy_pool_;
+  parts.snapshot_pool = &snapshot_pool_;
+  pipeline_ = std::make_unique<OptimizerPipeline>(ctx, parts);
   return Status::OK();
 }
 
@@ -418,304 +518,228 @@ Status Engine::Impl::InitStores() {
   // written in the same dtype; everything else is rebuilt from the masters.
   ParamStore::Resume resume;
   CommitRecord::Point point;
-  if (resume_store) {
-    ZINF_RETURN_IF_ERROR(durable->record().Check(swap->committed_meta(), &point));
-    durable->set_lineage(point.lineage);
-    resumed_user_data = point.user_data;
-    reopened_store = true;
-    for (ParamId id = 0; id < layout.num_params(); ++id) {
-      states->set_updates(id, layout.param(id).info.trainable ? point.updates[id] : 0);
+  if (resume_store_) {
+    ZINF_RETURN_IF_ERROR(durable_->record().Check(swap_->committed_meta(), &point));
+    durable_->set_lineage(point.lineage);
+    resumed_user_data_ = point.user_data;
+    reopened_store_ = true;
+    for (ParamId id = 0; id < layout_.num_params(); ++id) {
+      states_->set_updates(id, layout_.param(id).info.trainable ? point.updates[id] : 0);
     }
     resume.active = true;
     resume.stored_params = point.param_keys;
     resume.step = point.step;
     resume.visible = point.visible;
-    if (config.offload_param.tier != Tier::kNvme) {
+    if (config_.offload_param.tier != Tier::kNvme) {
       // Parameter stores of an earlier run with NVMe parameters: stale from now on (this run
       // keeps its parameters elsewhere); drop them so no later resume can trust them.
-      for (const std::string& key : swap->Keys()) {
-        if (key.rfind("param/", 0) == 0) ZINF_RETURN_IF_ERROR(swap->Remove(key));
+      for (const std::string& key : swap_->Keys()) {
+        if (key.rfind("param/", 0) == 0) ZINF_RETURN_IF_ERROR(swap_->Remove(key));
       }
     }
   }
   // Optimizer states per sub-group, parameters per store.
   std::vector<float> full;
-  for (size_t gi = 0; gi < layout.num_groups(); ++gi) {
-    if (layout.group(gi).frozen) {
-      ZINF_RETURN_IF_ERROR(InitFrozen(gi, resume, point.frozen_hashes));
+  for (size_t gi = 0; gi < layout_.num_groups(); ++gi) {
+    if (layout_.group(gi).frozen) {
+      ZINF_RETURN_IF_ERROR(
+          frozen_->InitGroup(gi, resume, point.frozen_hashes, inits_, &initial_hashes_));
+      for (ParamId id : layout_.group(gi).params) {
+        if (world_ == 1 && config_.offload_param.tier == Tier::kDevice) fetch_->Alias(id);
+      }
       continue;
     }
     float* master = nullptr;
     PooledBlock staging;
-    ZINF_RETURN_IF_ERROR(states->Allocate(gi, &master, &staging));
+    ZINF_RETURN_IF_ERROR(states_->Allocate(gi, &master, &staging));
     if (resume.active) {  // durable mode: states on NVMe (checked at Create)
-      ZINF_RETURN_IF_ERROR(states->ReadCommitted(gi, master, staging.capacity()));
+      ZINF_RETURN_IF_ERROR(states_->ReadCommitted(gi, master, staging.capacity()));
     } else {
-      std::memset(master, 0, layout.GroupStateBytes(gi));  // exp_avg and exp_avg_sq start at zero
+      std::memset(master, 0, layout_.GroupStateBytes(gi));  // exp_avg and exp_avg_sq start at zero
     }
-    for (ParamId id : layout.group(gi).params) {
-      const ParamLayout& p = layout.param(id);
+    for (ParamId id : layout_.group(gi).params) {
+      const ParamLayout& p = layout_.param(id);
       const float* part = master + p.slice_offset;
       if (!resume.active) {
         full.assign(p.padded_numel, 0.0f);
-        inits[id](full.data(), p.info.numel);
-        if (world > 1) {
-          initial_hashes.resize(layout.num_params(), 0);
-          initial_hashes[id] = XXH3_64bits(full.data(), p.info.numel * sizeof(float));
+        inits_[id](full.data(), p.info.numel);
+        if (world_ > 1) {
+          initial_hashes_.resize(layout_.num_params(), 0);
+          initial_hashes_[id] = XXH3_64bits(full.data(), p.info.numel * sizeof(float));
         }
         std::memcpy(master + p.slice_offset,
-                    full.data() + static_cast<size_t>(rank) * p.info.partition_numel,
+                    full.data() + static_cast<size_t>(rank_) * p.info.partition_numel,
                     p.info.partition_numel * sizeof(float));
       }
       // The parameter store, in storage dtype.
       PinnedBuffer image;
-      ZINF_ASSIGN_OR_RETURN(image, arena->Allocate(layout.PartBytes(id)));
-      if (config.bf16) {
-        ZINF_RETURN_IF_ERROR(optimizer->ConvertParams(part, image.data(), ParamCopyType::kBf16,
-                                                      p.info.partition_numel));
+      ZINF_ASSIGN_OR_RETURN(image, arena_->Allocate(layout_.PartBytes(id)));
+      if (config_.bf16) {
+        ZINF_RETURN_IF_ERROR(optimizer_->ConvertParams(part, image.data(), ParamCopyType::kBf16,
+                                                       p.info.partition_numel));
       } else {
-        std::memcpy(image.data(), part, layout.PartBytes(id));
+        std::memcpy(image.data(), part, layout_.PartBytes(id));
       }
-      ZINF_RETURN_IF_ERROR(param_store->Init(id, std::move(image), resume));
-      if (world == 1 && config.offload_param.tier == Tier::kDevice) fetch->Alias(id);
+      ZINF_RETURN_IF_ERROR(param_store_->Init(id, std::move(image), resume));
+      if (world_ == 1 && config_.offload_param.tier == Tier::kDevice) fetch_->Alias(id);
     }
-    if (!resume.active) ZINF_RETURN_IF_ERROR(states->Publish(gi, master, staging.capacity()));
-    ZINF_RETURN_IF_ERROR(grads->AllocateGroup(gi));
+    if (!resume.active) ZINF_RETURN_IF_ERROR(states_->Publish(gi, master, staging.capacity()));
+    ZINF_RETURN_IF_ERROR(grads_->AllocateGroup(gi));
   }
   if (resume.active) {
-    clock.Reset(resume.step, resume.visible);
-    board->ResetTo(resume.step);
+    clock_.Reset(resume.step, resume.visible);
+    board_->ResetTo(resume.step);
     return Status::OK();
   }
   // Durable: the initial state is the first commit (a crash in step 1 resumes at step 0).
-  return durable->Commit(0, 0);
+  return durable_->Commit(0, 0);
 }
 
-Status Engine::Impl::InitFrozen(size_t gi, const ParamStore::Resume& resume,
-                                const std::vector<uint64_t>& committed) {
-  // Data, not state: each value comes from its init (also at a resume: the store never
-  // rewrites them), is hashed, and goes to its parameter store in the storage dtype.
-  std::vector<float> full;
-  for (ParamId id : layout.group(gi).params) {
-    const ParamLayout& p = layout.param(id);
-    if (resume.active && id < committed.size() && committed[id] != 0 &&
-        param_store->HoldsCommitted(id, resume)) {
-      // The store holds the committed copy (NVMe parameters): the run goes on with it, as
-      // with every other committed value (a trainer that loads the base after registering,
-      // as from safetensors, registers other values than the ones committed).
-      param_store->set_value_hash(id, committed[id]);
-      ZINF_RETURN_IF_ERROR(param_store->Init(id, PinnedBuffer(), resume));
-      continue;
-    }
-    full.assign(p.padded_numel, 0.0f);
-    inits[id](full.data(), p.info.numel);
-    const uint64_t hash = ValueHash(full.data(), p.info.numel);
-    if (resume.active && id < committed.size() && committed[id] != 0 && committed[id] != hash) {
-      return Status::FailedPrecondition(
-          "ResumeFromStore: the frozen parameter '" + p.info.name +
-          "' is registered with other values than the run that wrote the store had (value "
-          "hash " +
-          HashHex(hash) + ", the store's " + HashHex(committed[id]) +
-          "); register it with the same values (the same base weights) to resume");
-    }
-    param_store->set_value_hash(id, hash);
-    if (world > 1 && !resume.active) {
-      initial_hashes.resize(layout.num_params(), 0);
-      initial_hashes[id] = hash;
-    }
-    ZINF_ASSIGN_OR_RETURN(PinnedBuffer image, arena->Allocate(layout.PartBytes(id)));
-    ZINF_RETURN_IF_ERROR(EncodeFrozen(
-        id, full.data() + static_cast<size_t>(rank) * p.info.partition_numel, image.data()));
-    ZINF_RETURN_IF_ERROR(param_store->Init(id, std::move(image), resume));
-    if (world == 1 && config.offload_param.tier == Tier::kDevice) fetch->Alias(id);
-  }
-  return Status::OK();
-}
-
-uint64_t Engine::Impl::ValueHash(const float* full, size_t n) const {
-  if (!config.bf16) return XXH3_64bits(full, n * sizeof(float));
-  // bf16 storage: the values as stored, so that values exported from the store (rounded
-  // already) and registered again hash the same.
-  XXH3_state_t* state = XXH3_createState();
-  if (state == nullptr || XXH3_64bits_reset(state) != XXH_OK) {
-    XXH3_freeState(state);
-    return 0;  // (no frozen hash: nothing is compared)
-  }
-  float chunk[1024];
-  for (size_t at = 0; at < n; at += 1024) {
-    const size_t len = std::min<size_t>(1024, n - at);
-    for (size_t i = 0; i < len; ++i) chunk[i] = Bf16ToFp32(Fp32ToBf16(full[at + i]));
-    XXH3_64bits_update(state, chunk, len * sizeof(float));
-  }
-  const uint64_t h = XXH3_64bits_digest(state);
-  XXH3_freeState(state);
-  return h;
-}
-
-Status Engine::Impl::EncodeFrozen(ParamId id, const float* part, void* out) {
-  const ParamLayout& p = layout.param(id);
-  if (layout.StoredInt8(id)) {
-    return QuantizeWeightsInt8(part, p.info.partition_numel, out)
-        .WithContext("storing the frozen parameter '" + p.info.name + "' as int8");
-  }
-  if (config.bf16) {
-    return optimizer->ConvertParams(part, out, ParamCopyType::kBf16, p.info.partition_numel);
-  }
-  std::memcpy(out, part, layout.PartBytes(id));
-  return Status::OK();
-}
-
-Status Engine::SetCommitUserData(const std::string& user_data) {
-  Impl& m = *impl_;
+Status Engine::Impl::SetCommitUserData(const std::string& user_data) {
   if (!IsValidUtf8(user_data)) {
     return Status::InvalidArgument(
         "SetCommitUserData: the text is not valid UTF-8 (it goes into the store's JSON index); "
         "encode it, e.g. as base64");
   }
-  if (m.registered) {
+  if (registered_) {
     return Status::FailedPrecondition(
         "SetCommitUserData must come before the first Acquire, Step or FinishRegistration (the "
         "initial commit records it)");
   }
-  m.commit_user_data = user_data;  // the commits' component exists from placement on
+  commit_user_data_ = user_data;  // the commits' component exists from placement on
   return Status::OK();
 }
 
-Status Engine::ResumeFromStore(StoreResume* resumed) {
-  Impl& m = *impl_;
-  if (!m.config.durable) {
+Status Engine::Impl::ResumeFromStore(StoreResume* resumed) {
+  if (!config_.durable) {
     return Status::FailedPrecondition(
         "ResumeFromStore needs zinf.durable (a store that commits every step)");
   }
-  if (m.registered) {
+  if (registered_) {
     return Status::FailedPrecondition(
         "ResumeFromStore must come after registering the parameters and before the first "
         "Acquire, Step or FinishRegistration");
   }
-  m.resume_store = true;
-  m.reopened_store = false;
+  resume_store_ = true;
+  reopened_store_ = false;
   Status s = FinishRegistration();
-  m.resume_store = false;
+  resume_store_ = false;
   if (!s.ok()) {
-    m.broken = Status::FailedPrecondition("ResumeFromStore failed (" + s.message() +
-                                          "); recreate the engine");
+    broken_ = Status::FailedPrecondition("ResumeFromStore failed (" + s.message() +
+                                         "); recreate the engine");
     return s;
   }
   if (resumed != nullptr) {
-    resumed->reopened = m.reopened_store;
-    resumed->step = m.clock.step();
-    resumed->user_data = m.resumed_user_data;
+    resumed->reopened = reopened_store_;
+    resumed->step = clock_.step();
+    resumed->user_data = resumed_user_data_;
   }
   return s;
 }
 
-Status Engine::SetAcquireOrder(const std::vector<ParamId>& order) {
-  Impl& m = *impl_;
+Status Engine::Impl::SetAcquireOrder(const std::vector<ParamId>& order) {
   for (ParamId id : order) {
-    if (id >= m.layout.num_params()) {
+    if (id >= layout_.num_params()) {
       return Status::InvalidArgument("SetAcquireOrder: unknown parameter id " + std::to_string(id));
     }
   }
-  m.trace.SetOrder(order);
+  trace_.SetOrder(order);
   return Status::OK();
 }
 
 // ---- Parameters --------------------------------------------------------------------------------
 
-Result<std::vector<void*>> Engine::Acquire(const std::vector<ParamId>& ids, AcquireMode mode) {
-  Impl& m = *impl_;
-  if (!m.broken.ok()) return m.broken;
-  if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
-  ZINF_RETURN_IF_ERROR(m.CheckInitialValues());
+Result<std::vector<void*>> Engine::Impl::Acquire(const std::vector<ParamId>& ids,
+                                                 AcquireMode mode) {
+  if (!broken_.ok()) return broken_;
+  if (!registered_) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  ZINF_RETURN_IF_ERROR(CheckInitialValues());
   const bool training = mode == AcquireMode::kTraining;
   for (ParamId id : ids) {
-    if (id >= m.layout.num_params()) {
+    if (id >= layout_.num_params()) {
       return Status::InvalidArgument("Acquire: unknown parameter id " + std::to_string(id));
     }
-    if (m.fetch->AcquiredStale(id, m.clock.visible())) {
+    if (fetch_->AcquiredStale(id, clock_.visible())) {
       return Status::FailedPrecondition(
-          "Acquire('" + m.layout.param(id).info.name +
+          "Acquire('" + layout_.param(id).info.name +
           "'): it is still acquired from before the optimizer step "
           "that changed it (its memory holds the old values); release it first");
     }
   }
-  if (!training && m.clock.boundary() && m.grads->reduced_this_micro()) {
+  if (!training && clock_.boundary() && grads_->reduced_this_micro()) {
     // The optimizer may be rewriting the parameter stores of sub-groups whose gradients are
     // complete: an inference fetch now could read a half-written buffer.
     return Status::FailedPrecondition(
         "an inference Acquire between ReduceGradient and Step at an accumulation boundary: the "
         "optimizer may be rewriting the parameters; evaluate between optimizer steps");
   }
-  if (training) m.KickTask();
-  return m.fetch->Acquire(ids, m.clock.visible(), training, m.Rewriting());
+  if (training) KickTask();
+  return fetch_->Acquire(ids, clock_.visible(), training, Rewriting());
 }
 
-Status Engine::Release(const std::vector<ParamId>& ids) {
-  Impl& m = *impl_;
-  if (!m.registered) {
+Status Engine::Impl::Release(const std::vector<ParamId>& ids) {
+  if (!registered_) {
     return Status::FailedPrecondition("Release before any Acquire");
   }
-  return m.fetch->Release(ids, m.clock.visible(), m.Rewriting());
+  return fetch_->Release(ids, clock_.visible(), Rewriting());
 }
 
-Status Engine::ReduceGradient(ParamId id, const float* grad) {
-  Impl& m = *impl_;
-  if (!m.broken.ok()) return m.broken;
-  if (id >= m.layout.num_params()) {
+Status Engine::Impl::ReduceGradient(ParamId id, const float* grad) {
+  if (!broken_.ok()) return broken_;
+  if (id >= layout_.num_params()) {
     return Status::InvalidArgument("ReduceGradient: unknown parameter id " + std::to_string(id));
   }
-  if (!m.registered) return Status::FailedPrecondition("ReduceGradient before any Acquire");
-  m.KickTask();
-  const ParamLayout& p = m.layout.param(id);
+  if (!registered_) return Status::FailedPrecondition("ReduceGradient before any Acquire");
+  KickTask();
+  const ParamLayout& p = layout_.param(id);
   if (!p.info.trainable) {
     return Status::FailedPrecondition("ReduceGradient('" + p.info.name +
                                       "'): the parameter is frozen (registered with trainable "
                                       "false); it takes no gradient");
   }
-  if (m.grads->reduced(id)) {
+  if (grads_->reduced(id)) {
     return Status::FailedPrecondition("ReduceGradient('" + p.info.name +
                                       "') twice in one micro-step");
   }
   // The optimizer step this micro-step completes (0: none); the sub-group's accumulators must
   // be free of the previous window's step (delayed update) before this gradient goes in.
-  const int64_t ready = m.clock.boundary() ? m.clock.step() + 1 : 0;
-  ZINF_RETURN_IF_ERROR(m.WaitStepped(p.info.sub_group));
-  Status s = m.grads->Reduce(id, grad, ready);
+  const int64_t ready = clock_.boundary() ? clock_.step() + 1 : 0;
+  ZINF_RETURN_IF_ERROR(WaitStepped(p.info.sub_group));
+  Status s = grads_->Reduce(id, grad, ready);
   if (!s.ok()) {
     // Part of the gradient may be in its accumulator, and the optimizer may wait for it.
-    return m.Break("the engine stopped: ReduceGradient('" + p.info.name + "') failed part-way", s,
-                   "; recreate it (from a checkpoint) to continue");
+    return Break("the engine stopped: ReduceGradient('" + p.info.name + "') failed part-way", s,
+                 "; recreate it (from a checkpoint) to continue");
   }
   return Status::OK();
 }
 
 // ---- Steps -----------------------------------------------------------------------------------
 
-Result<StepStats> Engine::Step() {
-  Impl& m = *impl_;
-  if (!m.broken.ok()) return m.broken;
-  if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
-  ZINF_RETURN_IF_ERROR(m.CheckInitialValues());
-  m.KickTask();
-  const bool boundary = m.clock.boundary();
+Result<StepStats> Engine::Impl::Step() {
+  if (!broken_.ok()) return broken_;
+  if (!registered_) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  ZINF_RETURN_IF_ERROR(CheckInitialValues());
+  KickTask();
+  const bool boundary = clock_.boundary();
   // Gradients of this micro-step must have landed before the next one starts: the streams'
   // part, then the sums of the adder thread.
-  Status s = m.budget->ReclaimScratch();
+  Status s = budget_->ReclaimScratch();
   if (!s.ok()) {
-    return m.Break("the engine stopped after an error in a previous step", s,
-                   "; recreate it (from a checkpoint) to continue");
+    return Break("the engine stopped after an error in a previous step", s,
+                 "; recreate it (from a checkpoint) to continue");
   }
-  m.grads->Drain();
+  grads_->Drain();
   StepStats st;
   const auto wait0 = Clock::now();
   // A boundary Step that fails part-way has landed some gradients and left the optimizer
   // waiting for the rest: it cannot be retried.
-  auto fail_boundary = [&m](const Status& err) {
-    return m.Break("the engine stopped: a Step at an accumulation boundary failed", err,
-                   "; recreate it (from a checkpoint) to continue");
+  auto fail_boundary = [this](const Status& err) {
+    return Break("the engine stopped: a Step at an accumulation boundary failed", err,
+                 "; recreate it (from a checkpoint) to continue");
   };
   if (boundary) {
-    const int64_t next = m.clock.step() + 1;
+    const int64_t next = clock_.step() + 1;
     // Parameters that got no gradient in the whole window: the optimizer skips them (their
     // has_grad flag is unset); their host accumulators are zeroed so that the clipping norm
     // reads zeros, not the last window's values (device accumulators are not read for them).
@@ -724,56 +748,55 @@ Result<StepStats> Engine::Step() {
     // have final accumulators already: count them as landed.
     // (Streaming accumulators: a sub-group none of whose parameters has a gradient holds no
     // block, and nothing reads its accumulators, so there is nothing to zero.)
-    s = m.grads->CompleteWindow(next);
+    s = grads_->CompleteWindow(next);
     if (!s.ok()) return fail_boundary(s);
-    if (m.config.gradient_clipping > 0) {
+    if (config_.gradient_clipping > 0) {
       // Wait-for-norm: every sub-group waits for the global norm, computed once all gradients
       // have landed (they have: the streams were synchronized above).
       Result<float> coef =
-          m.grads->ClipCoefficient(next, m.optimizer.get(), m.collectives.get(), &st.grad_norm);
+          grads_->ClipCoefficient(next, optimizer_.get(), collectives_.get(), &st.grad_norm);
       if (!coef.ok()) {
         // Sub-groups the optimizer stepped speculatively are rolled back before its task ends;
         // the verdict also frees it from waiting for one.
-        m.board->SetNormFailed(next);
-        (void)m.board->WaitDone(next);  // its result is the rollback's; the norm's is reported
+        board_->SetNormFailed(next);
+        (void)board_->WaitDone(next);  // its result is the rollback's; the norm's is reported
         return fail_boundary(coef.status());
       }
-      m.board->SetClipCoef(next, *coef);
+      board_->SetClipCoef(next, *coef);
     }
     // Without the delayed update, this window's optimizer step must be done: the next
     // micro-step reads its parameters. With it, the next micro-step reads the previous step's
     // (version next - 1), and this one runs on while the trainer goes on.
-    Status opt = m.board->WaitDone(m.clock.DelayedStep(next) ? next - 1 : next);
+    Status opt = board_->WaitDone(clock_.DelayedStep(next) ? next - 1 : next);
     if (!opt.ok()) {
-      return m.Break("the optimizer failed", opt,
-                     "; parameters may be partly updated: recreate the engine from a checkpoint");
+      return Break("the optimizer failed", opt,
+                   "; parameters may be partly updated: recreate the engine from a checkpoint");
     }
-    m.clock.AdvanceStep();
-    m.grads->EndWindow();
+    clock_.AdvanceStep();
+    grads_->EndWindow();
     st.optimizer_ran = true;
     // Durable: the step's writes are complete (the optimizer waited for them): publish them.
     // A delayed step is committed by the optimizer thread once its update is written.
-    s = m.clock.DelayedStep(m.clock.step()) ? Status::OK()
-                                            : m.durable->Commit(m.clock.step(), m.clock.visible());
+    s = clock_.DelayedStep(clock_.step()) ? Status::OK()
+                                          : durable_->Commit(clock_.step(), clock_.visible());
     if (!s.ok()) {
-      return m.Break(
-          "the durable swap store could not commit step " + std::to_string(m.clock.step()), s,
-          "; resume from its last commit");
+      return Break("the durable swap store could not commit step " + std::to_string(clock_.step()),
+                   s, "; resume from its last commit");
     }
   }
   const double opt_wait = Since(wait0);
-  m.clock.EndMicroStep();
-  m.BeginMicroStep();
-  m.trace.EndMicroStep();
+  clock_.EndMicroStep();
+  BeginMicroStep();
+  trace_.EndMicroStep();
   // The updated parameters are in their stores: start fetching the next micro-step's first
   // ones now, while the trainer prepares its next batch.
-  m.fetch->Prefetch(m.clock.visible(), m.Rewriting());
+  fetch_->Prefetch(clock_.visible(), Rewriting());
 
-  st.step = m.clock.step();
-  st.trace_valid = m.trace.valid();
-  m.stats.FinishStep({opt_wait, m.budget->TakePeak(), m.arena ? m.arena->peak_used() : 0,
-                      m.swap.get(), m.optimizer->cpu_seconds()},
-                     &st);
+  st.step = clock_.step();
+  st.trace_valid = trace_.valid();
+  stats_.FinishStep({opt_wait, budget_->TakePeak(), arena_ ? arena_->peak_used() : 0, swap_.get(),
+                     optimizer_->cpu_seconds()},
+                    &st);
   return st;
 }
 

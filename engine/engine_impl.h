@@ -1,5 +1,9 @@
-// The engine's state as its façade sees it: the configuration and handles, the components
-// (engine/*.h) and the step sequencing fields. Private to engine.cc and engine_values.cc.
+// The engine behind its façade: Engine forwards each call to the one of the same name here.
+// Private fields: the constant configuration and handles, the components (engine/core/*.h,
+// the pipeline, persistence), the step sequencing fields; all of them touched by the
+// trainer's thread only (what other threads share lives in the components, under their own
+// locks: GroupBoard, DeviceBudget, StatsRecorder). Implemented in engine.cc and
+// engine_values.cc.
 #pragma once
 
 #include <chrono>
@@ -12,12 +16,14 @@
 #include "engine/core/device_budget.h"
 #include "engine/core/engine_context.h"
 #include "engine/core/fetch_scheduler.h"
+#include "engine/core/frozen_params.h"
 #include "engine/core/gradient_adder.h"
 #include "engine/core/gradient_path.h"
 #include "engine/core/group_board.h"
 #include "engine/core/host_collectives.h"
 #include "engine/core/host_memory.h"
 #include "engine/core/layout.h"
+#include "engine/core/memory_plan.h"
 #include "engine/core/param_store.h"
 #include "engine/core/state_store.h"
 #include "engine/core/stats_recorder.h"
@@ -31,140 +37,176 @@
 
 namespace zinf {
 
-struct Engine::Impl {
+class Engine::Impl {
+ public:
   Impl(const EngineConfig& c, Device* d, Communicator* cm, const EngineHooks& h)
-      : config(c),
-        device(d),
-        comm(cm),
-        hooks(h),
-        rank(cm->rank()),
-        world(cm->world_size()),
-        layout(world, c.bf16 ? 2 : 4, c.optimizer_state_type, c.frozen_int8),
-        clock(config),
-        groups{ParamGroupHyper{c.optimizer.lr, c.optimizer.beta1, c.optimizer.beta2,
-                               c.optimizer.eps, c.optimizer.weight_decay}} {}
+      : config_(c),
+        device_(d),
+        comm_(cm),
+        hooks_(h),
+        rank_(cm->rank()),
+        world_(cm->world_size()),
+        layout_(world_, c.bf16 ? 2 : 4, c.optimizer_state_type, c.frozen_int8),
+        clock_(config_),
+        groups_{ParamGroupHyper{c.optimizer.lr, c.optimizer.beta1, c.optimizer.beta2,
+                                c.optimizer.eps, c.optimizer.weight_decay}} {}
   ~Impl();
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
 
-  const EngineConfig config;
-  Device* const device;
-  Communicator* const comm;
-  const EngineHooks hooks;
-  const int rank;
-  const int world;
-  Layout layout;
-  std::vector<std::function<void(float*, size_t)>> inits;  // until the stores are initialised
+  // Builds what the engine needs before registration (the CPU optimizer, the streams, the
+  // device budget, the collectives, the checkpointer); Engine::Create's last step.
+  Status Open();
+
+  // ---- The façade's calls, as zinf/engine.h describes them (Engine forwards each) ----
+  Result<ParamId> RegisterParameter(const ParamSpec& spec);
+  Status FinishRegistration();
+  Status CompareAcrossRanks(const std::string& what, const std::string& text,
+                            const std::string& remedy);
+  Status RequireAgreement(const std::string& name, const std::string& value);
+  Status SetCommitUserData(const std::string& user_data);
+  Status ResumeFromStore(StoreResume* resumed);
+  Status SetAcquireOrder(const std::vector<ParamId>& order);
+  Result<std::vector<void*>> Acquire(const std::vector<ParamId>& ids, AcquireMode mode);
+  Status Release(const std::vector<ParamId>& ids);
+  Status ReduceGradient(ParamId id, const float* grad);
+  Result<StepStats> Step();
+  Status PrepareCheckpointDir(const std::string& dir);
+  Status RemoveCheckpoints(const std::string& dir);
+  Status SaveCheckpoint(const std::string& dir, const std::string& user_data);
+  Status LoadCheckpoint(const std::string& dir, std::string* user_data, bool fall_back_to_older);
+  Status GatherMasterParameter(ParamId id, float* out);
+  Status SetParameterValues(const std::vector<ParamId>& ids,
+                            const std::function<Status(ParamId, float*)>& fill);
+  int64_t param_updates(ParamId id) const;
+  Status SetLearningRate(float lr);
+  Status SetParamGroup(size_t group, const ParamGroupHyper& hp);
+  size_t num_param_groups() const;
+  ParamGroupHyper param_group(size_t group) const;
+  int64_t global_step() const;
+  int rank() const;
+  int world_size() const;
+  size_t num_params() const;
+  const ParamInfo& param(ParamId id) const;
+  const EngineConfig& config() const;
+
+ private:
+  const EngineConfig config_;
+  Device* const device_;
+  Communicator* const comm_;
+  const EngineHooks hooks_;
+  const int rank_;
+  const int world_;
+  Layout layout_;
+  std::vector<std::function<void(float*, size_t)>> inits_;  // until the stores are initialised
   // A trainer's own settings every rank must share (RequireAgreement), compared with the
   // engine's at FinishRegistration.
-  std::vector<std::pair<std::string, std::string>> agreement;
+  std::vector<std::pair<std::string, std::string>> agreement_;
   // The initial values' xxh3 per parameter (InitStores, when it calls the inits), compared
   // across the ranks; empty when the values came from a durable store.
-  std::vector<uint64_t> initial_hashes;
+  std::vector<uint64_t> initial_hashes_;
   // Several ranks: the initial values are compared at the first call that uses them
   // (CheckInitialValues), so that a load that replaces them first (SetParameterValues,
   // LoadCheckpoint) is not refused for values nobody trains on. 0 in initial_hashes: replaced.
-  bool values_unchecked = false;
+  bool values_unchecked_ = false;
   Status CheckInitialValues();
   // SetParameterValues with several ranks: the `count` parameters marked in `wanted` and
   // their values (xxh3, from a first call of `fill`) compared across the ranks.
   Status CompareValuesToSet(size_t count, const std::vector<uint8_t>& wanted,
                             const std::function<Status(ParamId, float*)>& fill);
 
-  EngineStreams streams;
-  std::unique_ptr<CpuOptimizer> optimizer;
-  std::unique_ptr<DeviceBudget> budget;
-  StatsRecorder stats;
-  std::unique_ptr<HostCollectives> collectives;
-  AcquireTrace trace;
+  EngineStreams streams_;
+  std::unique_ptr<CpuOptimizer> optimizer_;
+  std::unique_ptr<DeviceBudget> budget_;
+  StatsRecorder stats_;
+  std::unique_ptr<HostCollectives> collectives_;
+  AcquireTrace trace_;
 
   // From placement on (FinishRegistration).
-  std::unique_ptr<PinnedArena> arena;
-  BlockPool grad_pool;      // streaming accumulators, one block per sub-group
-  BlockPool state_pool;     // [master | m | v] of one sub-group (NVMe states; initialisation)
-  BlockPool copy_pool;      // the bf16 parameter copy of one sub-group
-  BlockPool snapshot_pool;  // pre-step states of sub-groups stepped speculatively
-  std::unique_ptr<SwapStore> swap;
-  std::unique_ptr<GroupBoard> board;
-  std::unique_ptr<ParamStore> param_store;
-  std::unique_ptr<StateStore> states;
-  std::unique_ptr<GradientAdder> adder;
-  std::unique_ptr<FetchScheduler> fetch;
-  std::unique_ptr<GradientPath> grads;
-  std::unique_ptr<DurableCommits> durable;
-  std::unique_ptr<Checkpointer> checkpointer;
-  std::unique_ptr<OptimizerPipeline> pipeline;
-  bool registered = false;
-  bool resume_store = false;      // ResumeFromStore: InitStores reopens instead of initialising
-  std::string resumed_user_data;  // ResumeFromStore: the commit's SetCommitUserData text
-  bool reopened_store = false;    // ResumeFromStore: a commit was reopened
-  std::string commit_user_data;   // SetCommitUserData's text, for the commits
+  std::unique_ptr<PinnedArena> arena_;
+  BlockPool grad_pool_;      // streaming accumulators, one block per sub-group
+  BlockPool state_pool_;     // [master | m | v] of one sub-group (NVMe states; initialisation)
+  BlockPool copy_pool_;      // the bf16 parameter copy of one sub-group
+  BlockPool snapshot_pool_;  // pre-step states of sub-groups stepped speculatively
+  std::unique_ptr<SwapStore> swap_;
+  std::unique_ptr<GroupBoard> board_;
+  std::unique_ptr<ParamStore> param_store_;
+  std::unique_ptr<StateStore> states_;
+  std::unique_ptr<FrozenParams> frozen_;
+  std::unique_ptr<GradientAdder> adder_;
+  std::unique_ptr<FetchScheduler> fetch_;
+  std::unique_ptr<GradientPath> grads_;
+  std::unique_ptr<DurableCommits> durable_;
+  std::unique_ptr<Checkpointer> checkpointer_;
+  std::unique_ptr<OptimizerPipeline> pipeline_;
+  bool registered_ = false;
+  bool resume_store_ = false;      // ResumeFromStore: InitStores reopens instead of initialising
+  std::string resumed_user_data_;  // ResumeFromStore: the commit's SetCommitUserData text
+  bool reopened_store_ = false;    // ResumeFromStore: a commit was reopened
+  std::string commit_user_data_;   // SetCommitUserData's text, for the commits
 
-  StepClock clock;  // steps, micro-steps, the version read, the window's boundary
+  StepClock clock_;  // steps, micro-steps, the version read, the window's boundary
   // The parameter groups' hyperparameters of the next task (SetParamGroup; group 0 the
   // config's optimizer.params).
-  std::vector<ParamGroupHyper> groups;
-  Status broken;  // once set, every call fails with it
+  std::vector<ParamGroupHyper> groups_;
+  Status broken_;  // once set, every call fails with it
   // GatherMasterParameter's copy of one sub-group's states.
-  std::unique_ptr<AlignedBuffer> gather_states;
-  size_t gather_group = 0;
+  std::unique_ptr<AlignedBuffer> gather_states_;
+  size_t gather_group_ = 0;
 
+  // FinishRegistration's placement: the layout frozen, the pinned arena and its pools
+  // (AllocatePinned), the swap store (OpenSwapStore, with an NVMe tier) and the components
+  // over them (BuildComponents).
   Status Place();
+  Status AllocatePinned(const PinnedPlan& plan);
+  Status OpenSwapStore();
+  Status BuildComponents(const PinnedPlan& plan);
   Status InitStores();
-  // The frozen sub-group `gi`: each parameter's value from its init into its store, hashed;
-  // at a resume the hash must equal the commit's (`committed`, per parameter; 0: unknown).
-  Status InitFrozen(size_t gi, const ParamStore::Resume& resume,
-                    const std::vector<uint64_t>& committed);
-  // What a checkpoint or a commit records of a frozen parameter's whole value (`n` fp32
-  // values): xxh3-64 of the values as the storage dtype holds them (bf16-rounded with bf16
-  // storage; int8 storage is a cut of those per rank, not hashed); 0 if no hash could be taken.
-  uint64_t ValueHash(const float* full, size_t n) const;
-  // This rank's partition (fp32) of frozen parameter `id` in its store's form (PartBytes).
-  Status EncodeFrozen(ParamId id, const float* part, void* out);
   // A parameter the optimizer may be rewriting now (delayed update: its gradient was reduced
   // in this boundary micro-step).
   FetchScheduler::Rewriting Rewriting() const {
-    return [this](ParamId id) { return clock.delayed() && clock.boundary() && grads->reduced(id); };
+    return
+        [this](ParamId id) { return clock_.delayed() && clock_.boundary() && grads_->reduced(id); };
   }
   // Delayed update: waits until the previous window's optimizer step is done with sub-group
   // `gi`, whose accumulators the trainer is about to write. No-op otherwise.
-  Status WaitStepped(size_t gi) { return grads->WaitStepped(gi, clock.step()); }
+  Status WaitStepped(size_t gi) { return grads_->WaitStepped(gi, clock_.step()); }
   // At the start of a micro-step: resets the gradient flags; a micro-step that ends a window
   // hands the optimizer its task at its first call (KickTask).
   void BeginMicroStep() {
-    const bool boundary = clock.PrepareMicroStep();
-    grads->BeginMicroStep();
-    board->BeginMicroStep(boundary, clock.step());
+    const bool boundary = clock_.PrepareMicroStep();
+    grads_->BeginMicroStep();
+    board_->BeginMicroStep(boundary, clock_.step());
   }
   // Hands the optimizer thread the task of a boundary micro-step, at the micro-step's first
   // Acquire, ReduceGradient or Step (so that between steps the optimizer is idle and a
   // checkpoint can be saved or loaded). Its read-ahead of NVMe states overlaps the forward.
   void KickTask() {
-    gather_states.reset();
-    if (!clock.StartMicroStep()) return;
-    board->Push({clock.step() + 1, config.gradient_clipping > 0, groups});
+    gather_states_.reset();
+    if (!clock_.StartMicroStep()) return;
+    board_->Push({clock_.step() + 1, config_.gradient_clipping > 0, groups_});
   }
   // Between steps: waits for the optimizer step still running (delayed update) and makes its
   // parameters the ones the next micro-step reads, as a checkpoint resume would.
   Status FinishPendingUpdate() {
-    ZINF_RETURN_IF_ERROR(board->WaitDone(clock.step()));
-    if (clock.visible() != clock.step()) {
-      clock.MakeVisible();
-      gather_states.reset();
+    ZINF_RETURN_IF_ERROR(board_->WaitDone(clock_.step()));
+    if (clock_.visible() != clock_.step()) {
+      clock_.MakeVisible();
+      gather_states_.reset();
       // Durable: a resume must read what the next micro-step reads (the optimizer is idle).
-      return durable->Commit(clock.step(), clock.visible());
+      return durable_->Commit(clock_.step(), clock_.visible());
     }
     return Status::OK();
   }
   Status CheckBetweenSteps(const char* what) const;
-  // GatherMasterParameter / SetParameterValues of a frozen parameter: its value is its
-  // parameter store's (storage dtype), read or written there; SetFrozen records the new hash.
-  Status GatherFrozen(ParamId id, float* out);
-  // *wrote: whether its store was written to (then a failure may leave part of the values).
-  Status SetFrozen(ParamId id, const std::function<Status(ParamId, float*)>& fill, bool* wrote);
+  // GatherMasterParameter's end: this rank's partition `mine` of `p` gathered into its whole
+  // value at `out` (numel values).
+  Status GatherPartition(const ParamLayout& p, const float* mine, float* out);
   // Every fetched copy goes (it holds values about to change); with `frozen` false, those of
   // frozen parameters stay.
   Status EvictAll(bool frozen = true) {
-    for (ParamId id = 0; id < layout.num_params(); ++id) {
-      if (frozen || layout.param(id).info.trainable) ZINF_RETURN_IF_ERROR(fetch->Evict(id));
+    for (ParamId id = 0; id < layout_.num_params(); ++id) {
+      if (frozen || layout_.param(id).info.trainable) ZINF_RETURN_IF_ERROR(fetch_->Evict(id));
     }
     return Status::OK();
   }
@@ -173,7 +215,7 @@ struct Engine::Impl {
   Status WriteGroupStates(size_t gi, const void* buf, int buf_index);
   // Stops the engine after `s`: every later call fails with "head (s); tail".
   Status Break(const std::string& head, const Status& s, const std::string& tail) {
-    broken = Status::FailedPrecondition(head + " (" + s.message() + ")" + tail);
+    broken_ = Status::FailedPrecondition(head + " (" + s.message() + ")" + tail);
     return s;
   }
 };

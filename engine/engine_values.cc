@@ -1,4 +1,4 @@
-// The façade's calls between optimizer steps: checkpoints, new parameter values, gathering
+// Engine::Impl's calls between optimizer steps: checkpoints, new parameter values, gathering
 // the master weights, and the small accessors.
 #include <xxhash.h>
 
@@ -17,240 +17,180 @@ namespace zinf {
 // ---- Checkpoints and values between steps ---------------------------------------------------
 
 Status Engine::Impl::CheckBetweenSteps(const char* what) const {
-  if (!broken.ok()) return broken;
-  if (!clock.BetweenSteps()) {
+  if (!broken_.ok()) return broken_;
+  if (!clock_.BetweenSteps()) {
     return Status::FailedPrecondition(std::string(what) +
                                       " must be called between optimizer steps (after Step() at "
                                       "an accumulation boundary, before the next Acquire)");
   }
-  for (ParamId id = 0; id < layout.num_params(); ++id) {
-    if (fetch->acquired(id) > 0) {
+  for (ParamId id = 0; id < layout_.num_params(); ++id) {
+    if (fetch_->acquired(id) > 0) {
       return Status::FailedPrecondition(std::string(what) + ": parameter '" +
-                                        layout.param(id).info.name + "' is still acquired");
+                                        layout_.param(id).info.name + "' is still acquired");
     }
   }
   return Status::OK();
 }
 
 Status Engine::Impl::WriteGroupStates(size_t gi, const void* buf, int buf_index) {
-  ZINF_RETURN_IF_ERROR(states->Write(gi, buf));
+  ZINF_RETURN_IF_ERROR(states_->Write(gi, buf));
   // The parameter store: the masters in the storage dtype.
   const float* master = static_cast<const float*>(buf);
   std::unique_ptr<AlignedBuffer> copy;
-  if (config.bf16) {
-    copy = std::make_unique<AlignedBuffer>(layout.group(gi).numel * 2);
+  if (config_.bf16) {
+    copy = std::make_unique<AlignedBuffer>(layout_.group(gi).numel * 2);
     if (copy->data == nullptr) return Status::ResourceExhausted("parameter copy buffer");
-    for (ParamId id : layout.group(gi).params) {
-      const ParamLayout& p = layout.param(id);
-      ZINF_RETURN_IF_ERROR(optimizer->ConvertParams(
+    for (ParamId id : layout_.group(gi).params) {
+      const ParamLayout& p = layout_.param(id);
+      ZINF_RETURN_IF_ERROR(optimizer_->ConvertParams(
           master + p.slice_offset, static_cast<uint16_t*>(copy->data) + p.slice_offset,
           ParamCopyType::kBf16, p.info.partition_numel));
     }
   }
   const uint16_t* copy_out = copy ? static_cast<const uint16_t*>(copy->data) : nullptr;
-  if (config.offload_param.tier != Tier::kNvme) {
-    return param_store->WriteGroup(gi, master, copy_out, buf_index, nullptr);
+  if (config_.offload_param.tier != Tier::kNvme) {
+    return param_store_->WriteGroup(gi, master, copy_out, buf_index, nullptr);
   }
   std::vector<Ticket> writes;
-  Status s = param_store->WriteGroup(gi, master, copy_out, buf_index, &writes);
+  Status s = param_store_->WriteGroup(gi, master, copy_out, buf_index, &writes);
   for (Ticket t : writes) {
-    Status w = swap->Wait(t);
+    Status w = swap_->Wait(t);
     if (s.ok()) s = w;
   }
   return s;
 }
 
-Status Engine::PrepareCheckpointDir(const std::string& dir) {
-  return impl_->checkpointer->Prepare(dir);
+Status Engine::Impl::PrepareCheckpointDir(const std::string& dir) {
+  return checkpointer_->Prepare(dir);
 }
 
 Result<std::vector<std::string>> Engine::ListCheckpoints(const std::string& dir) {
   return checkpoint_folder::ZinfEntries(dir);
 }
 
-Status Engine::RemoveCheckpoints(const std::string& dir) {
-  Impl& m = *impl_;
+Status Engine::Impl::RemoveCheckpoints(const std::string& dir) {
   Status local;
-  if (m.rank == 0) {
-    local = m.checkpointer->HoldsLock(dir)
+  if (rank_ == 0) {
+    local = checkpointer_->HoldsLock(dir)
                 ? checkpoint_folder::RemoveZinfEntries(dir)
                 : Status::FailedPrecondition("RemoveCheckpoints(" + dir +
                                              "): prepare the folder first (PrepareCheckpointDir "
                                              "locks it for this engine)");
   }
-  return m.collectives->Agree(local, "RemoveCheckpoints");
+  return collectives_->Agree(local, "RemoveCheckpoints");
 }
 
-Status Engine::SaveCheckpoint(const std::string& dir, const std::string& user_data) {
-  Impl& m = *impl_;
-  if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
-  ZINF_RETURN_IF_ERROR(m.CheckInitialValues());
-  ZINF_RETURN_IF_ERROR(m.CheckBetweenSteps("SaveCheckpoint"));
+Status Engine::Impl::SaveCheckpoint(const std::string& dir, const std::string& user_data) {
+  if (!registered_) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  ZINF_RETURN_IF_ERROR(CheckInitialValues());
+  ZINF_RETURN_IF_ERROR(CheckBetweenSteps("SaveCheckpoint"));
   if (!IsValidUtf8(user_data)) {
     return Status::InvalidArgument(
         "SaveCheckpoint: the user data is not valid UTF-8 (it goes "
         "into the JSON manifest); encode it, e.g. as base64");
   }
-  ZINF_RETURN_IF_ERROR(m.budget->ReclaimScratch());
-  ZINF_RETURN_IF_ERROR(m.collectives->Agree(m.FinishPendingUpdate(), "SaveCheckpoint"));
-  return m.checkpointer->Save(dir, user_data, m.clock.step(), m.states.get(),
-                              m.param_store->value_hashes());
+  ZINF_RETURN_IF_ERROR(budget_->ReclaimScratch());
+  ZINF_RETURN_IF_ERROR(collectives_->Agree(FinishPendingUpdate(), "SaveCheckpoint"));
+  return checkpointer_->Save(dir, user_data, clock_.step(), states_.get(),
+                             param_store_->value_hashes());
 }
 
-Status Engine::LoadCheckpoint(const std::string& dir, std::string* user_data,
-                              bool fall_back_to_older) {
-  Impl& m = *impl_;
-  if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
-  ZINF_RETURN_IF_ERROR(m.CheckBetweenSteps("LoadCheckpoint"));
-  ZINF_RETURN_IF_ERROR(m.budget->ReclaimScratch());
-  ZINF_RETURN_IF_ERROR(m.collectives->Agree(m.FinishPendingUpdate(), "LoadCheckpoint"));
-  ZINF_ASSIGN_OR_RETURN(
-      std::unique_ptr<CheckpointReader> reader,
-      m.checkpointer->Open(dir, fall_back_to_older, m.param_store->value_hashes()));
+Status Engine::Impl::LoadCheckpoint(const std::string& dir, std::string* user_data,
+                                    bool fall_back_to_older) {
+  if (!registered_) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  ZINF_RETURN_IF_ERROR(CheckBetweenSteps("LoadCheckpoint"));
+  ZINF_RETURN_IF_ERROR(budget_->ReclaimScratch());
+  ZINF_RETURN_IF_ERROR(collectives_->Agree(FinishPendingUpdate(), "LoadCheckpoint"));
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
+                        checkpointer_->Open(dir, fall_back_to_older, param_store_->value_hashes()));
   const RankManifest& man = reader->manifest();
   // Install: fetched parameter copies are stale from here on; each sub-group is read once,
   // verified in that read, and written into the stores.
-  m.gather_states.reset();
-  Status local = m.EvictAll(/*frozen=*/false);  // (a load leaves frozen values as they are)
-  const int buf = m.param_store->Buf(man.step);
-  for (size_t gi = 0; gi < m.layout.num_groups() && local.ok(); ++gi) {
-    if (m.layout.group(gi).frozen) continue;  // their values are the ones registered (hashed)
+  gather_states_.reset();
+  Status local = EvictAll(/*frozen=*/false);  // (a load leaves frozen values as they are)
+  const int buf = param_store_->Buf(man.step);
+  for (size_t gi = 0; gi < layout_.num_groups() && local.ok(); ++gi) {
+    if (layout_.group(gi).frozen) continue;  // their values are the ones registered (hashed)
     Result<const void*> states = reader->ReadGroup(gi);
-    local = states.ok() ? m.WriteGroupStates(gi, *states, buf) : states.status();
+    local = states.ok() ? WriteGroupStates(gi, *states, buf) : states.status();
   }
-  Status s = m.collectives->Agree(local, "LoadCheckpoint");
+  Status s = collectives_->Agree(local, "LoadCheckpoint");
   if (!s.ok()) {
     // Installing had begun: the states may be partly replaced.
-    m.broken = Status::FailedPrecondition("LoadCheckpoint failed while installing states (" +
-                                          s.message() + "); recreate the engine");
+    broken_ = Status::FailedPrecondition("LoadCheckpoint failed while installing states (" +
+                                         s.message() + "); recreate the engine");
     return s;
   }
-  m.clock.Reset(man.step, man.step);
+  clock_.Reset(man.step, man.step);
   // The trainable values are the checkpoint's now, the same on every rank; frozen ones stay
   // as registered (each rank checked them against the checkpoint's hashes).
-  for (ParamId id = 0; id < m.initial_hashes.size(); ++id) {
-    if (m.layout.param(id).info.trainable) m.initial_hashes[id] = 0;
+  for (ParamId id = 0; id < initial_hashes_.size(); ++id) {
+    if (layout_.param(id).info.trainable) initial_hashes_[id] = 0;
   }
-  for (ParamId id = 0; id < m.layout.num_params(); ++id) {
+  for (ParamId id = 0; id < layout_.num_params(); ++id) {
     // (A frozen tensor is never stepped.)
     const int64_t updates = man.tensors[id].updates >= 0 ? man.tensors[id].updates : man.step;
-    m.states->set_updates(id, m.layout.param(id).info.trainable ? updates : 0);
+    states_->set_updates(id, layout_.param(id).info.trainable ? updates : 0);
   }
   // A new history (the same value on every rank: they load the same checkpoint).
-  m.durable->NewLineage(man.step);
-  m.board->ResetTo(man.step);
-  m.BeginMicroStep();
+  durable_->NewLineage(man.step);
+  board_->ResetTo(man.step);
+  BeginMicroStep();
   if (user_data != nullptr) *user_data = man.user_data;
   return Status::OK();
 }
 
 // ---- Inspection ------------------------------------------------------------------------------
 
-Status Engine::GatherMasterParameter(ParamId id, float* out) {
-  Impl& m = *impl_;
-  if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
-  if (id >= m.layout.num_params() || out == nullptr) {
+Status Engine::Impl::GatherMasterParameter(ParamId id, float* out) {
+  if (!registered_) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  if (id >= layout_.num_params() || out == nullptr) {
     return Status::InvalidArgument("GatherMasterParameter: bad id or null output");
   }
-  ZINF_RETURN_IF_ERROR(m.CheckInitialValues());
+  ZINF_RETURN_IF_ERROR(CheckInitialValues());
   // The optimizer steps of finished windows (delayed update: the last one may still run).
-  ZINF_RETURN_IF_ERROR(m.board->WaitDone(m.clock.step()));
-  const ParamLayout& p = m.layout.param(id);
-  if (!p.info.trainable) return m.GatherFrozen(id, out);
+  ZINF_RETURN_IF_ERROR(board_->WaitDone(clock_.step()));
+  const ParamLayout& p = layout_.param(id);
+  if (!p.info.trainable) {  // its value lives in its parameter store alone (storage dtype)
+    std::vector<float> mine(p.info.partition_numel);
+    ZINF_RETURN_IF_ERROR(frozen_->ReadPartition(id, mine.data()));
+    return GatherPartition(p, mine.data(), out);
+  }
   const size_t gi = p.info.sub_group;
-  const size_t part = p.info.partition_numel;
-  const float* host = m.states->host_states(gi);
-  if (m.world == 1 && host != nullptr) {  // the partition is the tensor
-    std::memcpy(out, host + p.slice_offset, p.info.numel * sizeof(float));
-    return Status::OK();
-  }
-  std::vector<float> mine(part);
-  if (host != nullptr) {
-    std::memcpy(mine.data(), host + p.slice_offset, part * 4);
-  } else {
-    // NVMe or device states: read the sub-group once for the consecutive parameters of a
-    // full gather (the cache is dropped when the next micro-step starts or a checkpoint loads).
-    if (m.gather_group != gi || m.gather_states == nullptr) {
-      // One buffer, as large as the largest sub-group, reused from group to group.
-      if (m.gather_states == nullptr) {
-        const size_t largest = m.layout.LargestGroupStateBytes();
-        m.gather_states = std::make_unique<AlignedBuffer>(largest);
-        if (m.gather_states->data == nullptr) {
-          m.gather_states.reset();
-          return Status::ResourceExhausted("gather buffer of " + FormatBytes(largest));
-        }
+  const float* host = states_->host_states(gi);
+  if (host != nullptr) return GatherPartition(p, host + p.slice_offset, out);
+  // NVMe or device states: read the sub-group once for the consecutive parameters of a full
+  // gather (the cache is dropped when the next micro-step starts or a checkpoint loads).
+  if (gather_group_ != gi || gather_states_ == nullptr) {
+    // One buffer, as large as the largest sub-group, reused from group to group.
+    if (gather_states_ == nullptr) {
+      const size_t largest = layout_.LargestGroupStateBytes();
+      gather_states_ = std::make_unique<AlignedBuffer>(largest);
+      if (gather_states_->data == nullptr) {
+        gather_states_.reset();
+        return Status::ResourceExhausted("gather buffer of " + FormatBytes(largest));
       }
-      Status s = m.states->Read(gi, m.gather_states->data);
-      if (!s.ok()) {
-        m.gather_states.reset();
-        return s;
-      }
-      m.gather_group = gi;
     }
-    const float* src = static_cast<const float*>(m.gather_states->data) + p.slice_offset;
-    if (m.world == 1) {
-      std::memcpy(out, src, p.info.numel * sizeof(float));
-      return Status::OK();
+    Status s = states_->Read(gi, gather_states_->data);
+    if (!s.ok()) {
+      gather_states_.reset();
+      return s;
     }
-    std::memcpy(mine.data(), src, part * 4);
+    gather_group_ = gi;
   }
-  std::vector<float> gathered(p.padded_numel);
-  ZINF_RETURN_IF_ERROR(m.collectives->AllGather(mine.data(), gathered.data(), part * 4,
-                                                "gathering '" + p.info.name + "'"));
-  std::memcpy(out, gathered.data(), p.info.numel * sizeof(float));
-  return Status::OK();
+  return GatherPartition(p, static_cast<const float*>(gather_states_->data) + p.slice_offset, out);
 }
 
-Status Engine::Impl::GatherFrozen(ParamId id, float* out) {
-  // Its value lives in its parameter store alone (storage dtype).
-  const ParamLayout& p = layout.param(id);
-  const size_t part = p.info.partition_numel;
-  AlignedBuffer stored(RoundUp(layout.PartBytes(id), 4096));
-  if (stored.data == nullptr) {
-    return Status::ResourceExhausted("gathering '" + p.info.name + "': a buffer of " +
-                                     FormatBytes(layout.PartBytes(id)));
-  }
-  ZINF_RETURN_IF_ERROR(param_store->ReadFrozen(id, stored.data, stored.bytes)
-                           .WithContext("reading the frozen parameter '" + p.info.name + "'"));
-  std::vector<float> mine(part);
-  if (layout.StoredInt8(id) && !config.bf16) {
-    DequantizeWeightsInt8(stored.data, part, mine.data());
-  } else if (layout.StoredInt8(id)) {  // as the fetch decodes it: into bf16
-    std::vector<uint16_t> b(part);
-    DequantizeWeightsInt8Bf16(stored.data, part, b.data());
-    for (size_t i = 0; i < part; ++i) mine[i] = Bf16ToFp32(b[i]);
-  } else if (config.bf16) {
-    const uint16_t* b = static_cast<const uint16_t*>(stored.data);
-    for (size_t i = 0; i < part; ++i) mine[i] = Bf16ToFp32(b[i]);
-  } else {
-    std::memcpy(mine.data(), stored.data, part * sizeof(float));
-  }
-  if (world == 1) {
-    std::memcpy(out, mine.data(), p.info.numel * sizeof(float));
+Status Engine::Impl::GatherPartition(const ParamLayout& p, const float* mine, float* out) {
+  if (world_ == 1) {  // the partition is the tensor
+    std::memcpy(out, mine, p.info.numel * sizeof(float));
     return Status::OK();
   }
   std::vector<float> gathered(p.padded_numel);
-  ZINF_RETURN_IF_ERROR(collectives->AllGather(mine.data(), gathered.data(), part * 4,
-                                              "gathering '" + p.info.name + "'"));
+  ZINF_RETURN_IF_ERROR(collectives_->AllGather(mine, gathered.data(),
+                                               p.info.partition_numel * sizeof(float),
+                                               "gathering '" + p.info.name + "'"));
   std::memcpy(out, gathered.data(), p.info.numel * sizeof(float));
-  return Status::OK();
-}
-
-Status Engine::Impl::SetFrozen(ParamId id, const std::function<Status(ParamId, float*)>& fill,
-                               bool* wrote) {
-  const ParamLayout& p = layout.param(id);
-  std::vector<float> full(p.padded_numel, 0.0f);
-  ZINF_RETURN_IF_ERROR(fill(id, full.data()).WithContext("values of '" + p.info.name + "'"));
-  AlignedBuffer image(RoundUp(layout.PartBytes(id), 4096));
-  if (image.data == nullptr) {
-    return Status::ResourceExhausted("values of '" + p.info.name + "': a buffer of " +
-                                     FormatBytes(layout.PartBytes(id)));
-  }
-  ZINF_RETURN_IF_ERROR(EncodeFrozen(
-      id, full.data() + static_cast<size_t>(rank) * p.info.partition_numel, image.data));
-  *wrote = true;  // from here on the store may hold part of the new values
-  ZINF_RETURN_IF_ERROR(param_store->WriteFrozen(id, image.data, image.bytes));
-  param_store->set_value_hash(id, ValueHash(full.data(), p.info.numel));
   return Status::OK();
 }
 
@@ -262,140 +202,135 @@ Status Engine::Impl::CompareValuesToSet(size_t count, const std::vector<uint8_t>
   std::string text = "parameters set: " + std::to_string(count) + "\n";
   std::vector<float> full;
   Status filled;
-  for (ParamId id = 0; id < layout.num_params() && filled.ok(); ++id) {
+  for (ParamId id = 0; id < layout_.num_params() && filled.ok(); ++id) {
     if (!wanted[id]) continue;
-    const ParamLayout& p = layout.param(id);
+    const ParamLayout& p = layout_.param(id);
     full.assign(p.padded_numel, 0.0f);
     filled = fill(id, full.data()).WithContext("values of '" + p.info.name + "'");
     text += "the values set for '" + p.info.name +
             "' (xxh3): " + HashHex(XXH3_64bits(full.data(), p.info.numel * sizeof(float))) + "\n";
   }
-  ZINF_RETURN_IF_ERROR(collectives->Agree(filled, "SetParameterValues"));
+  ZINF_RETURN_IF_ERROR(collectives_->Agree(filled, "SetParameterValues"));
   return AgreeAcrossRanks(
-      collectives.get(), world, "the parameter values being set", text,
+      collectives_.get(), world_, "the parameter values being set", text,
       "Nothing was set. Every rank must set the same parameters to the same values (each "
       "rank keeps its own partition of a parameter): write them on every rank alike, or "
       "compute them on one rank and broadcast them first.");
 }
 
-Status Engine::SetParameterValues(const std::vector<ParamId>& ids,
-                                  const std::function<Status(ParamId, float*)>& fill) {
-  Impl& m = *impl_;
+Status Engine::Impl::SetParameterValues(const std::vector<ParamId>& ids,
+                                        const std::function<Status(ParamId, float*)>& fill) {
   if (!fill) return Status::InvalidArgument("SetParameterValues: no fill function");
-  std::vector<uint8_t> wanted(m.layout.num_params(), 0);
+  std::vector<uint8_t> wanted(layout_.num_params(), 0);
   for (ParamId id : ids) {
-    if (id >= m.layout.num_params()) {
+    if (id >= layout_.num_params()) {
       return Status::InvalidArgument("SetParameterValues: unknown parameter id " +
                                      std::to_string(id));
     }
     if (wanted[id]) {
       return Status::InvalidArgument("SetParameterValues: parameter '" +
-                                     m.layout.param(id).info.name + "' is listed twice");
+                                     layout_.param(id).info.name + "' is listed twice");
     }
     wanted[id] = 1;
   }
-  if (!m.registered) ZINF_RETURN_IF_ERROR(FinishRegistration());
-  ZINF_RETURN_IF_ERROR(m.CheckBetweenSteps("SetParameterValues"));
-  ZINF_RETURN_IF_ERROR(m.budget->ReclaimScratch());
-  if (m.world > 1) ZINF_RETURN_IF_ERROR(m.CompareValuesToSet(ids.size(), wanted, fill));
-  ZINF_RETURN_IF_ERROR(m.collectives->Agree(m.FinishPendingUpdate(), "SetParameterValues"));
-  m.gather_states.reset();
+  if (!registered_) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  ZINF_RETURN_IF_ERROR(CheckBetweenSteps("SetParameterValues"));
+  ZINF_RETURN_IF_ERROR(budget_->ReclaimScratch());
+  if (world_ > 1) ZINF_RETURN_IF_ERROR(CompareValuesToSet(ids.size(), wanted, fill));
+  ZINF_RETURN_IF_ERROR(collectives_->Agree(FinishPendingUpdate(), "SetParameterValues"));
+  gather_states_.reset();
   size_t group_bytes = 0;
   Status local;
   bool changed = false;  // some value was written
-  for (ParamId id = 0; id < m.layout.num_params() && local.ok(); ++id) {
+  for (ParamId id = 0; id < layout_.num_params() && local.ok(); ++id) {
     if (!wanted[id]) continue;
-    local = m.fetch->Evict(id);  // a fetched copy holds the old values
-    if (local.ok() && !m.layout.param(id).info.trainable) {
+    local = fetch_->Evict(id);  // a fetched copy holds the old values
+    if (local.ok() && !layout_.param(id).info.trainable) {
       bool wrote = false;
-      local = m.SetFrozen(id, fill, &wrote);  // its store alone
+      local = frozen_->Set(id, fill, &wrote);  // its store alone
       changed = changed || wrote;
       continue;
     }
-    group_bytes =
-        std::max(group_bytes, m.layout.GroupStateBytes(m.layout.param(id).info.sub_group));
+    group_bytes = std::max(group_bytes, layout_.GroupStateBytes(layout_.param(id).info.sub_group));
   }
   if (local.ok() && group_bytes > 0) {
     HostStates host;
-    local = AllocateHostStates(m.arena.get(), group_bytes, &host);
+    local = AllocateHostStates(arena_.get(), group_bytes, &host);
     std::vector<float> full;
-    for (size_t gi = 0; gi < m.layout.num_groups() && local.ok(); ++gi) {
-      const GroupLayout& g = m.layout.group(gi);
+    for (size_t gi = 0; gi < layout_.num_groups() && local.ok(); ++gi) {
+      const GroupLayout& g = layout_.group(gi);
       if (g.frozen ||
           std::none_of(g.params.begin(), g.params.end(), [&](ParamId id) { return wanted[id]; })) {
         continue;
       }
       float* master = static_cast<float*>(host.data());
-      local = m.states->Read(gi, master);
+      local = states_->Read(gi, master);
       for (size_t j = 0; j < g.params.size() && local.ok(); ++j) {
-        const ParamLayout& p = m.layout.param(g.params[j]);
+        const ParamLayout& p = layout_.param(g.params[j]);
         if (!wanted[g.params[j]]) continue;
         full.assign(p.padded_numel, 0.0f);
         local = fill(g.params[j], full.data()).WithContext("values of '" + p.info.name + "'");
         if (local.ok()) {
           std::memcpy(master + p.slice_offset,
-                      full.data() + static_cast<size_t>(m.rank) * p.info.partition_numel,
+                      full.data() + static_cast<size_t>(rank_) * p.info.partition_numel,
                       p.info.partition_numel * sizeof(float));
         }
       }
       if (local.ok()) {
         changed = true;
-        local = m.WriteGroupStates(gi, master, m.param_store->Buf(m.clock.visible()));
+        local = WriteGroupStates(gi, master, param_store_->Buf(clock_.visible()));
       }
     }
   }
-  Status agreed = m.collectives->Agree(local, "SetParameterValues");
+  Status agreed = collectives_->Agree(local, "SetParameterValues");
   if (!agreed.ok()) {
     // Some rank may hold new values in part of its sub-groups: the model is neither the old
     // one nor the new one.
-    if (changed || m.world > 1) {
-      return m.Break("SetParameterValues failed part-way", agreed,
-                     "; recreate the engine and load again");
+    if (changed || world_ > 1) {
+      return Break("SetParameterValues failed part-way", agreed,
+                   "; recreate the engine and load again");
     }
     return agreed;
   }
   // Set alike on every rank (compared above): no longer the initial values to compare.
   for (ParamId id : ids) {
-    if (id < m.initial_hashes.size()) m.initial_hashes[id] = 0;
+    if (id < initial_hashes_.size()) initial_hashes_[id] = 0;
   }
   // Durable: the new values are a new history, committed at once.
-  m.durable->NewLineage(m.clock.step());
-  Status committed = m.durable->Commit(m.clock.step(), m.clock.visible());
+  durable_->NewLineage(clock_.step());
+  Status committed = durable_->Commit(clock_.step(), clock_.visible());
   if (!committed.ok()) {
-    return m.Break("the durable swap store could not commit the loaded values", committed,
-                   "; resume from its last commit");
+    return Break("the durable swap store could not commit the loaded values", committed,
+                 "; resume from its last commit");
   }
   return Status::OK();
 }
 
-int64_t Engine::param_updates(ParamId id) const {
-  const Impl& m = *impl_;
-  m.layout.params().at(id);  // throws std::out_of_range on a bad id, as documented
-  if (!m.registered) return 0;
+int64_t Engine::Impl::param_updates(ParamId id) const {
+  layout_.params().at(id);  // throws std::out_of_range on a bad id, as documented
+  if (!registered_) return 0;
   // The optimizer thread counts the updates of a step still running (delayed update): wait
   // for it. A failed step's count is what it reached; that failure is reported by the calls
   // that run steps, so it is not repeated here.
-  (void)m.board->WaitDone(
-      m.clock.step());  // safe: the failure is the step-running calls' to report
-  return m.states->updates(id);
+  (void)board_->WaitDone(clock_.step());  // safe: the failure is the step-running calls' to report
+  return states_->updates(id);
 }
 
-Status Engine::SetLearningRate(float lr) {
+Status Engine::Impl::SetLearningRate(float lr) {
   if (!std::isfinite(lr) || lr < 0) {
     return Status::InvalidArgument("SetLearningRate: the learning rate must be finite and >= 0");
   }
-  for (ParamGroupHyper& g : impl_->groups) g.lr = lr;
+  for (ParamGroupHyper& g : groups_) g.lr = lr;
   return Status::OK();
 }
 
-Status Engine::SetParamGroup(size_t group, const ParamGroupHyper& hp) {
-  Impl& m = *impl_;
+Status Engine::Impl::SetParamGroup(size_t group, const ParamGroupHyper& hp) {
   const std::string where = "parameter group " + std::to_string(group);
-  if (group > m.groups.size()) {
+  if (group > groups_.size()) {
     return Status::InvalidArgument("SetParamGroup: " + where + " is beyond the next one (" +
-                                   std::to_string(m.groups.size()) + "); add the groups in order");
+                                   std::to_string(groups_.size()) + "); add the groups in order");
   }
-  if (group == m.groups.size() && m.registered) {
+  if (group == groups_.size() && registered_) {
     return Status::FailedPrecondition("SetParamGroup: " + where +
                                       " is new, and groups are added before FinishRegistration "
                                       "(their parameters name them when registered)");
@@ -407,30 +342,35 @@ Status Engine::SetParamGroup(size_t group, const ParamGroupHyper& hp) {
                                                   {"weight_decay", hp.weight_decay}};
   for (const auto& [key, v] : values) {
     const bool beta = key[0] == 'b';
-    const bool lion = m.config.optimizer.type == OptimizerType::kLion;
+    const bool lion = config_.optimizer.type == OptimizerType::kLion;
     if (!std::isfinite(v) || v < 0 || (beta && (lion ? v > 1 : v >= 1))) {
       return Status::InvalidArgument("SetParamGroup: " + where + ": " + key + " = " +
                                      std::to_string(v) + " must be finite and " +
                                      (beta ? (lion ? "in [0, 1]" : "in [0, 1)") : ">= 0"));
     }
   }
-  if (group == m.groups.size()) {
-    m.groups.push_back(hp);
+  if (group == groups_.size()) {
+    groups_.push_back(hp);
   } else {
-    m.groups[group] = hp;
+    groups_[group] = hp;
   }
   return Status::OK();
 }
 
-size_t Engine::num_param_groups() const { return impl_->groups.size(); }
+size_t Engine::Impl::num_param_groups() const { return groups_.size(); }
 
-ParamGroupHyper Engine::param_group(size_t group) const { return impl_->groups.at(group); }
+ParamGroupHyper Engine::Impl::param_group(size_t group) const { return groups_.at(group); }
 
-int64_t Engine::global_step() const { return impl_->clock.step(); }
-int Engine::rank() const { return impl_->rank; }
-int Engine::world_size() const { return impl_->world; }
-size_t Engine::num_params() const { return impl_->layout.num_params(); }
-const ParamInfo& Engine::param(ParamId id) const { return impl_->layout.params().at(id).info; }
-const EngineConfig& Engine::config() const { return impl_->config; }
+int64_t Engine::Impl::global_step() const { return clock_.step(); }
+
+int Engine::Impl::rank() const { return rank_; }
+
+int Engine::Impl::world_size() const { return world_; }
+
+size_t Engine::Impl::num_params() const { return layout_.num_params(); }
+
+const ParamInfo& Engine::Impl::param(ParamId id) const { return layout_.params().at(id).info; }
+
+const EngineConfig& Engine::Impl::config() const { return config_; }
 
 }  // namespace zinf

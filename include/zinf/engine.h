@@ -247,7 +247,7 @@ class Engine {
   const EngineConfig& config() const;
 
  private:
-  struct Impl;
+  class Impl;
   explicit Engine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
