@@ -211,46 +211,56 @@ Status CheckStreamLength(const std::string& what, size_t n) {
   return Status::OK();
 }
 
-}  // namespace
+// `v` (the hyperparameter `name` of the step `what`) is finite and at least `lo`.
+Status CheckFiniteAtLeast(const std::string& what, const char* name, float v, float lo) {
+  if (!std::isfinite(v) || v < lo) {
+    return Status::InvalidArgument(what + ": " + name + " must be finite and >= " + Num(lo) +
+                                   " (got " + Num(v) + ")");
+  }
+  return Status::OK();
+}
 
-Status ValidateOptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t) {
-  if (!IsValidKind(hp.kind))
-    return Status::InvalidArgument("optimizer step: unknown optimizer kind");
-  const std::string what = std::string(OptimizerKindName(hp.kind)) + " step";
-  const bool adam_like = hp.kind == OptimizerKind::kAdam || hp.kind == OptimizerKind::kAdamW;
+// beta1 and beta2 of an Adam-like or Lion step are in [0, 1) (Lion: [0, 1]).
+Status CheckBetas(const std::string& what, const OptimizerHyperParams& hp) {
+  // Adam's bias corrections divide by 1 - beta^step, so a beta of 1 is rejected; Lion has
+  // none and accepts beta = 1 (a frozen momentum).
+  const bool closed = hp.kind == OptimizerKind::kLion;
+  for (auto [name, beta] : {std::pair{"beta1", hp.beta1}, std::pair{"beta2", hp.beta2}}) {
+    const bool ok = beta >= 0.0f && (closed ? beta <= 1.0f : beta < 1.0f);  // false for NaN
+    if (!ok) {
+      return Status::InvalidArgument(what + ": " + name + " must be in [0, 1" +
+                                     (closed ? "]" : ")") + " (got " + Num(beta) + ")");
+    }
+  }
+  return Status::OK();
+}
+
+// The hyperparameters `hp.kind` reads are in range (the first one that is not is named).
+Status CheckHyperParams(const std::string& what, const OptimizerHyperParams& hp) {
   if (hp.step < 1) {
     return Status::InvalidArgument(what + ": step must be >= 1 (got " + std::to_string(hp.step) +
                                    "); steps are counted from 1, as torch's state['step'] after "
                                    "its increment");
   }
-  auto finite_at_least = [&](const char* name, float v, float lo) -> Status {
-    if (!std::isfinite(v) || v < lo) {
-      return Status::InvalidArgument(what + ": " + name + " must be finite and >= " + Num(lo) +
-                                     " (got " + Num(v) + ")");
-    }
-    return Status::OK();
-  };
-  ZINF_RETURN_IF_ERROR(finite_at_least("lr", hp.lr, 0.0f));
-  ZINF_RETURN_IF_ERROR(finite_at_least("weight_decay", hp.weight_decay, 0.0f));
+  ZINF_RETURN_IF_ERROR(CheckFiniteAtLeast(what, "lr", hp.lr, 0.0f));
+  ZINF_RETURN_IF_ERROR(CheckFiniteAtLeast(what, "weight_decay", hp.weight_decay, 0.0f));
   if (!std::isfinite(hp.grad_scale) || !(hp.grad_scale > 0.0f)) {
     return Status::InvalidArgument(what + ": grad_scale must be finite and > 0 (got " +
                                    Num(hp.grad_scale) + ")");
   }
-  if (hp.kind != OptimizerKind::kLion) ZINF_RETURN_IF_ERROR(finite_at_least("eps", hp.eps, 0.0f));
-  if (hp.kind == OptimizerKind::kAdagrad) {
-    ZINF_RETURN_IF_ERROR(finite_at_least("lr_decay", hp.lr_decay, 0.0f));
-  } else {
-    // Adam's bias corrections divide by 1 - beta^step, so a beta of 1 is rejected; Lion has
-    // none and accepts beta = 1 (a frozen momentum).
-    const bool closed = hp.kind == OptimizerKind::kLion;
-    for (auto [name, beta] : {std::pair{"beta1", hp.beta1}, std::pair{"beta2", hp.beta2}}) {
-      const bool ok = beta >= 0.0f && (closed ? beta <= 1.0f : beta < 1.0f);  // false for NaN
-      if (!ok) {
-        return Status::InvalidArgument(what + ": " + name + " must be in [0, 1" +
-                                       (closed ? "]" : ")") + " (got " + Num(beta) + ")");
-      }
-    }
+  if (hp.kind != OptimizerKind::kLion) {
+    ZINF_RETURN_IF_ERROR(CheckFiniteAtLeast(what, "eps", hp.eps, 0.0f));
   }
+  if (hp.kind == OptimizerKind::kAdagrad) {
+    return CheckFiniteAtLeast(what, "lr_decay", hp.lr_decay, 0.0f);
+  }
+  return CheckBetas(what, hp);
+}
+
+// The tensors' types are known and supported by `hp.kind`, and the states are in the slots of
+// their type (exp_avg / exp_avg_sq / sum for fp32, state1 / state2 for compressed ones).
+Status CheckTensorTypes(const std::string& what, const OptimizerHyperParams& hp,
+                        const OptimizerTensors& t) {
   if (t.grad_type != GradType::kF32 && t.grad_type != GradType::kBf16 &&
       t.grad_type != GradType::kF16) {
     return Status::InvalidArgument(what + ": unknown gradient type");
@@ -280,19 +290,29 @@ Status ValidateOptimizerStep(const OptimizerHyperParams& hp, const OptimizerTens
                                    ": state1/state2 are for compressed states (state_type bf16 "
                                    "or int8); fp32 states go in exp_avg, exp_avg_sq or sum");
   }
-  ZINF_RETURN_IF_ERROR(CheckStreamLength(what, t.n));
-  if (t.n == 0) return Status::OK();
-  if (compressed) {
-    const size_t align = t.state_type == StateType::kInt8 ? alignof(float) : alignof(uint16_t);
-    for (auto [name, q] : {std::pair{"state1", t.state1}, std::pair{"state2", t.state2}}) {
-      if (reinterpret_cast<uintptr_t>(q) % align != 0) {
-        return Status::InvalidArgument(
-            what + ": " + StateTypeName(t.state_type) + " " + name + " must be " +
-            std::to_string(align) + "-byte aligned" +
-            (t.state_type == StateType::kInt8 ? " (it holds fp32 block scales)" : ""));
-      }
+  return Status::OK();
+}
+
+// Compressed states: state1 and state2 are aligned for their element (int8 blocks hold fp32
+// scales).
+Status CheckStateAlignment(const std::string& what, const OptimizerTensors& t) {
+  const size_t align = t.state_type == StateType::kInt8 ? alignof(float) : alignof(uint16_t);
+  for (auto [name, q] : {std::pair{"state1", t.state1}, std::pair{"state2", t.state2}}) {
+    if (reinterpret_cast<uintptr_t>(q) % align != 0) {
+      return Status::InvalidArgument(
+          what + ": " + StateTypeName(t.state_type) + " " + name + " must be " +
+          std::to_string(align) + "-byte aligned" +
+          (t.state_type == StateType::kInt8 ? " (it holds fp32 block scales)" : ""));
     }
   }
+  return Status::OK();
+}
+
+// The buffers the step reads and writes (n > 0) are non-null and do not overlap.
+Status CheckStepBuffers(const std::string& what, const OptimizerHyperParams& hp,
+                        const OptimizerTensors& t) {
+  const bool compressed = t.state_type != StateType::kF32;
+  const bool adam_like = hp.kind == OptimizerKind::kAdam || hp.kind == OptimizerKind::kAdamW;
   NamedBuffer buffers[5];
   int count = 0;
   buffers[count++] = {"param", t.param, t.n * 4};
@@ -313,6 +333,21 @@ Status ValidateOptimizerStep(const OptimizerHyperParams& hp, const OptimizerTens
     buffers[count++] = {"param_copy", t.param_copy, t.n * ParamCopyTypeSize(t.param_copy_type)};
   }
   return CheckBuffers(what, buffers, count);
+}
+
+}  // namespace
+
+Status ValidateOptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t) {
+  if (!IsValidKind(hp.kind)) {
+    return Status::InvalidArgument("optimizer step: unknown optimizer kind");
+  }
+  const std::string what = std::string(OptimizerKindName(hp.kind)) + " step";
+  ZINF_RETURN_IF_ERROR(CheckHyperParams(what, hp));
+  ZINF_RETURN_IF_ERROR(CheckTensorTypes(what, hp, t));
+  ZINF_RETURN_IF_ERROR(CheckStreamLength(what, t.n));
+  if (t.n == 0) return Status::OK();
+  if (t.state_type != StateType::kF32) ZINF_RETURN_IF_ERROR(CheckStateAlignment(what, t));
+  return CheckStepBuffers(what, hp, t);
 }
 
 namespace cpu_adam_internal {

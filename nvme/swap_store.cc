@@ -85,6 +85,92 @@ Result<SwapIndex> ReadIndexFile(const std::string& path,
   return index;
 }
 
+// Open's checks of the options that need no folder; `align` is the store's alignment.
+Status CheckStoreOptions(const SwapStoreOptions& options, uint64_t align) {
+  if (options.chunk_size == 0 || options.chunk_size % align != 0) {
+    return Status::InvalidArgument("swap store: chunk size " + std::to_string(options.chunk_size) +
+                                   " must be a positive multiple of " + std::to_string(align));
+  }
+  if (options.capacity_per_path % align != 0 || options.max_capacity_per_path % align != 0) {
+    return Status::InvalidArgument("swap store: capacities must be multiples of " +
+                                   std::to_string(align) + " bytes");
+  }
+  if (options.max_capacity_per_path != 0 &&
+      options.capacity_per_path > options.max_capacity_per_path) {
+    return Status::InvalidArgument("swap store: capacity per path exceeds its maximum");
+  }
+  if (options.retained_commits != 1 && options.retained_commits != 2) {
+    return Status::InvalidArgument("swap store: retained_commits is " +
+                                   std::to_string(options.retained_commits) + "; use 1 or 2");
+  }
+  if (options.reopen_previous && !(options.durable && options.reopen)) {
+    return Status::InvalidArgument("swap store: reopen_previous needs durable and reopen");
+  }
+  return Status::OK();
+}
+
+// Each nvme path is valid UTF-8 and names an existing folder (the first one that is not is
+// named, with what to do).
+Status CheckNvmePaths(const std::vector<std::string>& paths) {
+  for (const std::string& dir : paths) {
+    if (!IsValidUtf8(dir)) {
+      return Status::InvalidArgument("nvme path '" + dir +
+                                     "' is not valid UTF-8 (the swap index records it); use a "
+                                     "folder whose path is");
+    }
+    struct stat st {};
+    if (stat(dir.c_str(), &st) != 0) {
+      const int err = errno;
+      if (err == ENOENT) {
+        return Status::NotFound("nvme path '" + dir +
+                                "' does not exist: create the folder or pass another path");
+      }
+      return ErrnoToStatus(err, "nvme path '" + dir + "'");
+    }
+    if (!S_ISDIR(st.st_mode)) {
+      return Status::InvalidArgument("nvme path '" + dir +
+                                     "' is not a folder: pass the folder to hold swap files");
+    }
+  }
+  return Status::OK();
+}
+
+// Opens the swap file at `path` (created empty unless `reopen`) and returns its descriptor:
+// with O_DIRECT while `*direct`; where the filesystem refuses it, buffered, with `*direct`
+// cleared and one warning per Open (`*warned_buffered`).
+Result<int> OpenSwapFile(const std::string& path, bool reopen, bool* direct,
+                         bool* warned_buffered) {
+  // A reopened store's files must be there (a missing one is damage, not a new file).
+  const int flags = O_RDWR | O_CLOEXEC | O_NOFOLLOW | (reopen ? 0 : O_CREAT | O_TRUNC);
+  int fd = -1;
+  auto open_failed = [&](int err) {
+    if (reopen && err == ENOENT) {
+      return Status::Corruption("swap file " + path +
+                                " of the store is missing: the store cannot be reopened");
+    }
+    return ErrnoToStatus(err, "opening swap file " + path);
+  };
+  if (*direct) {
+    fd = open(path.c_str(), flags | O_DIRECT, 0600);
+    if (fd < 0 && errno == EINVAL) {
+      *direct = false;
+      if (!*warned_buffered) {
+        LogWarning("O_DIRECT refused on " + path +
+                   " (tmpfs or a filesystem without direct I/O): using buffered I/O, which "
+                   "goes through the page cache");
+        *warned_buffered = true;
+      }
+    } else if (fd < 0) {
+      return open_failed(errno);
+    }
+  }
+  if (fd < 0) {
+    fd = open(path.c_str(), flags, 0600);
+    if (fd < 0) return open_failed(errno);
+  }
+  return fd;
+}
+
 }  // namespace
 
 struct SwapStore::Impl {
@@ -209,6 +295,21 @@ struct SwapStore::Impl {
   // After a reopen: every folder carries this store's mark, saying it committed (written for
   // a store from before marks, or where a mark was lost).
   Status EnsureMarks();
+  // Open's first step: takes each folder's lock, once however often it is listed.
+  Status LockFolders();
+  // Surveys the folders; a reopen checks that they hold this store's index, a fresh store
+  // refuses another store's (unless overwrite), clears them and, when kept, marks them.
+  Status ClaimFolders();
+  // Opens (or creates) the swap file of each folder into `files` and returns the files' sizes
+  // (0 for new ones); a store not kept unlinks them at once.
+  Result<std::vector<uint64_t>> OpenSwapFiles();
+  // Creates the space on the files, whose sizes are `sizes`.
+  void CreateSpace(std::vector<uint64_t> sizes) EXCLUDES(mu);
+  // Grows each file to capacity_per_path.
+  Status PreallocateFiles() EXCLUDES(mu);
+  // Starts the I/O queue on the backend asked for (io_uring falls back to libaio, then psync,
+  // with a warning) and the hash worker.
+  Status StartIoBackend();
   // Reopen, before any file is opened: the first folder holds the index, or Open fails saying
   // what the folders hold instead (nothing, a store that never committed, another order, a
   // lost index).
@@ -252,48 +353,26 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
   }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  const uint64_t align = impl->alignment;
-  if (options.chunk_size == 0 || options.chunk_size % align != 0) {
-    return Status::InvalidArgument("swap store: chunk size " + std::to_string(options.chunk_size) +
-                                   " must be a positive multiple of " + std::to_string(align));
-  }
-  if (options.capacity_per_path % align != 0 || options.max_capacity_per_path % align != 0) {
-    return Status::InvalidArgument("swap store: capacities must be multiples of " +
-                                   std::to_string(align) + " bytes");
-  }
-  if (options.max_capacity_per_path != 0 &&
-      options.capacity_per_path > options.max_capacity_per_path) {
-    return Status::InvalidArgument("swap store: capacity per path exceeds its maximum");
-  }
-  if (options.retained_commits != 1 && options.retained_commits != 2) {
-    return Status::InvalidArgument("swap store: retained_commits is " +
-                                   std::to_string(options.retained_commits) + "; use 1 or 2");
-  }
-  if (options.reopen_previous && !(options.durable && options.reopen)) {
-    return Status::InvalidArgument("swap store: reopen_previous needs durable and reopen");
-  }
-  for (const std::string& dir : options.paths) {
-    if (!IsValidUtf8(dir)) {
-      return Status::InvalidArgument("nvme path '" + dir +
-                                     "' is not valid UTF-8 (the swap index records it); use a "
-                                     "folder whose path is");
-    }
-    struct stat st {};
-    if (stat(dir.c_str(), &st) != 0) {
-      const int err = errno;
-      if (err == ENOENT) {
-        return Status::NotFound("nvme path '" + dir +
-                                "' does not exist: create the folder or pass another path");
-      }
-      return ErrnoToStatus(err, "nvme path '" + dir + "'");
-    }
-    if (!S_ISDIR(st.st_mode)) {
-      return Status::InvalidArgument("nvme path '" + dir +
-                                     "' is not a folder: pass the folder to hold swap files");
-    }
-  }
+  ZINF_RETURN_IF_ERROR(CheckStoreOptions(options, impl->alignment));
+  ZINF_RETURN_IF_ERROR(CheckNvmePaths(options.paths));
   // Every folder locked before anything in one is touched: a second store (another run, or
   // another engine of this process) on the same folder is refused, naming the holder.
+  ZINF_RETURN_IF_ERROR(impl->LockFolders());
+  // What the folders hold decides what Open may do: a fresh store never replaces another one
+  // (unless told to), a reopened one must find its own folders in its order.
+  ZINF_RETURN_IF_ERROR(impl->ClaimFolders());
+  ZINF_ASSIGN_OR_RETURN(std::vector<uint64_t> sizes, impl->OpenSwapFiles());
+  impl->CreateSpace(std::move(sizes));
+  if (options.reopen) {
+    ZINF_RETURN_IF_ERROR(impl->Reopen());
+    ZINF_RETURN_IF_ERROR(impl->EnsureMarks());
+  }
+  ZINF_RETURN_IF_ERROR(impl->PreallocateFiles());
+  ZINF_RETURN_IF_ERROR(impl->StartIoBackend());
+  return std::unique_ptr<SwapStore>(new SwapStore(std::move(impl)));
+}
+
+Status SwapStore::Impl::LockFolders() {
   std::vector<std::string> locked;  // canonical paths (a folder may be listed twice)
   for (const std::string& dir : options.paths) {
     char* real = realpath(dir.c_str(), nullptr);
@@ -304,65 +383,41 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
     locked.push_back(canonical);
     ZINF_ASSIGN_OR_RETURN(std::unique_ptr<FolderLock> lock,
                           FolderLock::Acquire(dir, kLockName, "swap folder"));
-    impl->locks.push_back(std::move(lock));
+    locks.push_back(std::move(lock));
   }
-  // What the folders hold decides what Open may do: a fresh store never replaces another one
-  // (unless told to), a reopened one must find its own folders in its order.
-  ZINF_ASSIGN_OR_RETURN(impl->folders, swap_folders::SurveyFolders(options.paths));
+  return Status::OK();
+}
+
+Status SwapStore::Impl::ClaimFolders() {
+  ZINF_ASSIGN_OR_RETURN(folders, swap_folders::SurveyFolders(options.paths));
+  if (options.reopen) return CheckBeforeReopen();
+  if (!options.overwrite) {
+    Status refused = swap_folders::RefuseToReplace(folders);
+    if (!refused.ok()) {
+      return Status(refused.code(), refused.message() +
+                                        ": reopen that store, give other folders, or replace "
+                                        "it (SwapStoreOptions::overwrite)");
+    }
+  }
+  ZINF_RETURN_IF_ERROR(swap_folders::ClearFolders(folders));
+  if (!options.remove_on_close) {
+    ZINF_ASSIGN_OR_RETURN(store_id, swap_folders::NewStoreId());
+    ZINF_RETURN_IF_ERROR(swap_folders::WriteMarks(folders, store_id, /*committed=*/false));
+  }
+  return Status::OK();
+}
+
+Result<std::vector<uint64_t>> SwapStore::Impl::OpenSwapFiles() {
   const bool keep = !options.remove_on_close;
-  if (options.reopen) {
-    ZINF_RETURN_IF_ERROR(impl->CheckBeforeReopen());
-  } else {
-    if (!options.overwrite) {
-      Status refused = swap_folders::RefuseToReplace(impl->folders);
-      if (!refused.ok()) {
-        return Status(refused.code(), refused.message() +
-                                          ": reopen that store, give other folders, or replace "
-                                          "it (SwapStoreOptions::overwrite)");
-      }
-    }
-    ZINF_RETURN_IF_ERROR(swap_folders::ClearFolders(impl->folders));
-    if (keep) {
-      ZINF_ASSIGN_OR_RETURN(impl->store_id, swap_folders::NewStoreId());
-      ZINF_RETURN_IF_ERROR(
-          swap_folders::WriteMarks(impl->folders, impl->store_id, /*committed=*/false));
-    }
-  }
   bool warned_buffered = false;
   std::vector<uint64_t> sizes;
   for (size_t i = 0; i < options.paths.size(); ++i) {
     const std::string path = SwapFileName(options.paths[i], i);
-    // A reopened store's files must be there (a missing one is damage, not a new file).
-    const int flags = O_RDWR | O_CLOEXEC | O_NOFOLLOW | (options.reopen ? 0 : O_CREAT | O_TRUNC);
-    int fd = -1;
     bool direct = options.direct_io;
-    auto open_failed = [&](int err) {
-      if (options.reopen && err == ENOENT) {
-        return Status::Corruption("swap file " + path +
-                                  " of the store is missing: the store cannot be reopened");
-      }
-      return ErrnoToStatus(err, "opening swap file " + path);
-    };
-    if (direct) {
-      fd = open(path.c_str(), flags | O_DIRECT, 0600);
-      if (fd < 0 && errno == EINVAL) {
-        direct = false;
-        if (!warned_buffered) {
-          LogWarning("O_DIRECT refused on " + path +
-                     " (tmpfs or a filesystem without direct I/O): using buffered I/O, which "
-                     "goes through the page cache");
-          warned_buffered = true;
-        }
-      } else if (fd < 0) {
-        return open_failed(errno);
-      }
-    }
-    if (fd < 0) {
-      fd = open(path.c_str(), flags, 0600);
-      if (fd < 0) return open_failed(errno);
-    }
-    if (!direct) impl->direct_io = false;
-    impl->files.push_back({fd, path});
+    ZINF_ASSIGN_OR_RETURN(const int fd,
+                          OpenSwapFile(path, options.reopen, &direct, &warned_buffered));
+    if (!direct) direct_io = false;
+    files.push_back({fd, path});
     struct stat st {};
     if (fchmod(fd, 0600) != 0) return ErrnoToStatus(errno, "fchmod 0600 " + path);
     if (fstat(fd, &st) != 0) return ErrnoToStatus(errno, "fstat " + path);
@@ -375,27 +430,29 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
   if (!keep) {
     for (const std::string& dir : options.paths) ZINF_RETURN_IF_ERROR(SyncFolder(dir));
   }
+  return sizes;
+}
+
+void SwapStore::Impl::CreateSpace(std::vector<uint64_t> sizes) {
   SwapSpaceOptions so;
   so.chunk_size = options.chunk_size;
-  so.alignment = impl->alignment;
+  so.alignment = alignment;
   so.growth_step = options.growth_step;
   so.max_capacity_per_path = options.max_capacity_per_path;
   so.reserve_bytes = options.reserve_bytes;
-  {
-    MutexLock lock(&impl->mu);
-    impl->space = std::make_unique<SwapSpace>(so, impl->files, std::move(sizes));
-  }
-  if (options.reopen) {
-    ZINF_RETURN_IF_ERROR(impl->Reopen());
-    ZINF_RETURN_IF_ERROR(impl->EnsureMarks());
-  }
-  {
-    MutexLock lock(&impl->mu);
-    for (size_t f = 0; f < impl->files.size(); ++f) {
-      ZINF_RETURN_IF_ERROR(impl->space->Preallocate(f, options.capacity_per_path));
-    }
-  }
+  MutexLock lock(&mu);
+  space = std::make_unique<SwapSpace>(so, files, std::move(sizes));
+}
 
+Status SwapStore::Impl::PreallocateFiles() {
+  MutexLock lock(&mu);
+  for (size_t f = 0; f < files.size(); ++f) {
+    ZINF_RETURN_IF_ERROR(space->Preallocate(f, options.capacity_per_path));
+  }
+  return Status::OK();
+}
+
+Status SwapStore::Impl::StartIoBackend() {
   // The backend: the one asked for; when that is io_uring (the default) and it cannot be set
   // up here, libaio, then psync, with one warning naming the real cause.
   std::vector<IoBackendKind> kinds = {options.backend};
@@ -412,13 +469,13 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
       if (options.fault_plan) b = NewFaultyBackend(std::move(b), options.fault_plan);
       IoQueueOptions qopt;
       qopt.block_size = options.block_size;
-      Result<std::unique_ptr<IoQueue>> queue =
-          IoQueue::Start(std::move(b), impl->files, options.registered_regions, qopt);
-      if (queue.ok()) {
-        impl->queue = std::move(queue).value();
+      Result<std::unique_ptr<IoQueue>> started =
+          IoQueue::Start(std::move(b), files, options.registered_regions, qopt);
+      if (started.ok()) {
+        queue = std::move(started).value();
         // (Always: a reopened store may hold checksums although this one writes none.)
         try {
-          impl->hasher = std::make_unique<HashWorker>();
+          hasher = std::make_unique<HashWorker>();
         } catch (const std::system_error& e) {  // no thread could be started
           return Status::ResourceExhausted(std::string("swap store: starting its hash thread: ") +
                                            e.what());
@@ -429,9 +486,9 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
                      "); the swap store uses " + IoBackendKindName(kind) +
                      " (zinf.io_backend / --io-backend choose one)");
         }
-        return std::unique_ptr<SwapStore>(new SwapStore(std::move(impl)));
+        return Status::OK();
       }
-      failed = queue.status();
+      failed = started.status();
     }
     if (first_failure.ok()) first_failure = failed;
   }

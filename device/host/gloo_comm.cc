@@ -442,10 +442,8 @@ Result<std::vector<std::string>> ExchangeMembers(
   return members;
 }
 
-}  // namespace
-
-Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
-                                                  const ProcessGroupOptions& options) {
+// The device as the HostDevice gloo needs (it moves host memory), or why it is not one.
+Result<HostDevice*> GlooHostDevice(Device* device) {
   auto* host = dynamic_cast<HostDevice*>(device);
   if (host == nullptr) {
     return Status::InvalidArgument("NewGlooComm: the device " +
@@ -454,6 +452,11 @@ Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
                                         : "'" + device->Name() + "' is not a HostDevice") +
                                    "; gloo moves host memory (GPU ranks use NewNcclComm)");
   }
+  return host;
+}
+
+// The options name a rank of the world and a positive timeout.
+Status CheckGroupOptions(const ProcessGroupOptions& options) {
   if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {
     return Status::InvalidArgument("NewGlooComm: rank " + std::to_string(options.rank) +
                                    " is not a rank of a world of " +
@@ -462,15 +465,24 @@ Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
   if (options.timeout.count() <= 0) {
     return Status::InvalidArgument("NewGlooComm: the timeout must be positive");
   }
-  // gloo writes to its sockets with writev, which raises SIGPIPE when a peer has died: with
-  // the default action that would kill this rank instead of failing the collective. Ignored
-  // (as Python does at startup) unless the program installed a handler of its own.
+  return Status::OK();
+}
+
+// gloo writes to its sockets with writev, which raises SIGPIPE when a peer has died: with
+// the default action that would kill this rank instead of failing the collective. Ignored
+// (as Python does at startup) unless the program installed a handler of its own.
+void IgnoreDefaultSigpipe() {
   struct sigaction old {};
   if (sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL &&
       (old.sa_flags & SA_SIGINFO) == 0) {
     signal(SIGPIPE, SIG_IGN);
   }
-  ZINF_ASSIGN_OR_RETURN(std::shared_ptr<KeyValueStore> store, RendezvousStore(options));
+}
+
+// Where this rank listens: ZINF_LISTEN_ADDR, else GLOO_SOCKET_IFNAME's interface, else the
+// address that routes to MASTER_ADDR, else loopback; refused when that is a loopback address
+// that ranks on other machines would have to reach.
+Result<gloo::transport::tcp::attr> ListenAttr(const ProcessGroupOptions& options) {
   gloo::transport::tcp::attr attr;
   if (!options.listen_addr.empty()) {
     attr.hostname = options.listen_addr;
@@ -499,9 +511,70 @@ Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
         "machine's address on their network, or GLOO_SOCKET_IFNAME to its interface, or give "
         "MASTER_ADDR as an address");
   }
-  const std::string where = "the group of " + std::to_string(options.world_size) +
-                            " processes (rank " + std::to_string(options.rank) + ", listening on " +
-                            (attr.iface.empty() ? attr.hostname : "interface " + attr.iface) + ")";
+  return attr;
+}
+
+// The group as the join's errors name it: its size, this rank and where it listens.
+std::string GroupDescription(const ProcessGroupOptions& options,
+                             const gloo::transport::tcp::attr& attr) {
+  return "the group of " + std::to_string(options.world_size) + " processes (rank " +
+         std::to_string(options.rank) + ", listening on " +
+         (attr.iface.empty() ? attr.hostname : "interface " + attr.iface) + ")";
+}
+
+// What is left until `deadline`, at least 1 ms.
+std::chrono::milliseconds TimeLeft(std::chrono::steady_clock::time_point deadline) {
+  return std::max(std::chrono::milliseconds(1),
+                  std::chrono::duration_cast<std::chrono::milliseconds>(
+                      deadline - std::chrono::steady_clock::now()));
+}
+
+// Connects this rank to every other (gloo's full mesh, addresses exchanged through `store`)
+// by `deadline`; returns the context with the collectives' timeout set. `where` names the
+// group in the error.
+Result<std::shared_ptr<gloo::rendezvous::Context>> ConnectFullMesh(
+    KeyValueStore* store, const ProcessGroupOptions& options,
+    const gloo::transport::tcp::attr& attr, std::chrono::steady_clock::time_point deadline,
+    const std::string& where) {
+  std::shared_ptr<gloo::rendezvous::Context> context;
+  try {
+    auto dev = gloo::transport::tcp::CreateDevice(attr);
+    context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.world_size);
+    // gloo waits five times the context's timeout for a pair's first connect: during the
+    // mesh the timeout is a fifth of what the deadline leaves, then the collectives' own.
+    context->setTimeout(std::max(std::chrono::milliseconds(1), TimeLeft(deadline) / 5));
+    GlooStore gs(store, options.prefix, deadline);
+    context->connectFullMesh(gs, dev);
+    context->setTimeout(options.timeout);
+  } catch (const std::exception& e) {
+    return Status::FailedPrecondition("joining " + where + " failed: " + e.what());
+  }
+  return context;
+}
+
+// Once joined, nothing needs the store: a client's goes now (a Python store and its GIL with
+// it) rather than with the last queued collective, on whatever thread that is. Rank 0 keeps
+// serving the TCP store it made while the group lives, so that the port stays this job's: a
+// second job started on it fails at once (the port is in use), where a free port would let
+// its rank 0 serve the late ranks of this one.
+void ReleaseRendezvousStore(Group& group, const ProcessGroupOptions& options) {
+  const bool own_server =
+      options.rank == 0 && options.store == nullptr && options.store_folder.empty();
+  MutexLock lock(&group.mu);
+  if (!own_server) group.store.reset();
+  group.options.store.reset();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
+                                                  const ProcessGroupOptions& options) {
+  ZINF_ASSIGN_OR_RETURN(HostDevice* const host, GlooHostDevice(device));
+  ZINF_RETURN_IF_ERROR(CheckGroupOptions(options));
+  IgnoreDefaultSigpipe();
+  ZINF_ASSIGN_OR_RETURN(std::shared_ptr<KeyValueStore> store, RendezvousStore(options));
+  ZINF_ASSIGN_OR_RETURN(const gloo::transport::tcp::attr attr, ListenAttr(options));
+  const std::string where = GroupDescription(options, attr);
   std::shared_ptr<gloo::rendezvous::Context> context;
   std::vector<std::string> members(options.world_size);
   // The join as a whole waits at most the timeout. Every rank first says who it is and waits
@@ -509,26 +582,11 @@ Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
   // within the deadline, before gloo connects pairs (whose first connect waits five times the
   // timeout for a peer that published its address and then stopped).
   const auto deadline = std::chrono::steady_clock::now() + options.timeout;
-  auto left = [&deadline] {
-    return std::max(std::chrono::milliseconds(1),
-                    std::chrono::duration_cast<std::chrono::milliseconds>(
-                        deadline - std::chrono::steady_clock::now()));
-  };
+  auto left = [&deadline] { return TimeLeft(deadline); };
   Result<std::vector<std::string>> joined = ExchangeMembers(store.get(), options, left);
   if (!joined.ok()) return joined.status().WithContext("joining " + where);
   members = std::move(joined).value();
-  try {
-    auto dev = gloo::transport::tcp::CreateDevice(attr);
-    context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.world_size);
-    // gloo waits five times the context's timeout for a pair's first connect: during the
-    // mesh the timeout is a fifth of what the deadline leaves, then the collectives' own.
-    context->setTimeout(std::max(std::chrono::milliseconds(1), left() / 5));
-    GlooStore gs(store.get(), options.prefix, deadline);
-    context->connectFullMesh(gs, dev);
-    context->setTimeout(options.timeout);
-  } catch (const std::exception& e) {
-    return Status::FailedPrecondition("joining " + where + " failed: " + e.what());
-  }
+  ZINF_ASSIGN_OR_RETURN(context, ConnectFullMesh(store.get(), options, attr, deadline, where));
   auto group = std::make_shared<Group>();
   group->options = options;
   group->context = std::move(context);
@@ -537,18 +595,7 @@ Result<std::unique_ptr<Communicator>> NewGlooComm(Device* device,
   Group* const group_ptr = group.get();
   auto comm = std::make_unique<GlooComm>(host, std::move(group));
   ZINF_RETURN_IF_ERROR(comm->Barrier().WithContext("joining " + where));
-  // Nothing needs the store after the join: a client's goes now (a Python store and its GIL
-  // with it) rather than with the last queued collective, on whatever thread that is. Rank 0
-  // keeps serving the TCP store it made while the group lives, so that the port stays this
-  // job's: a second job started on it fails at once (the port is in use), where a free port
-  // would let its rank 0 serve the late ranks of this one.
-  const bool own_server =
-      options.rank == 0 && options.store == nullptr && options.store_folder.empty();
-  {
-    MutexLock lock(&group_ptr->mu);
-    if (!own_server) group_ptr->store.reset();
-    group_ptr->options.store.reset();
-  }
+  ReleaseRendezvousStore(*group_ptr, options);
   return std::unique_ptr<Communicator>(std::move(comm));
 }
 
