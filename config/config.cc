@@ -456,133 +456,165 @@ Status ParseRoot(ObjectReader& root, EngineConfig* config, ParseContext* ctx) {
   return Status::OK();
 }
 
-Status Validate(const EngineConfig& c) {
-  auto invalid = [](const std::string& path, const std::string& what) {
-    return Status::InvalidArgument(path + ": " + what).WithKey(path);
-  };
+// The InvalidArgument for key `path`: "<path>: <what>", with the key attached for front ends.
+Status InvalidKey(const std::string& path, const std::string& what) {
+  return Status::InvalidArgument(path + ": " + what).WithKey(path);
+}
+
+// The zero_optimization section: both offloads, then the sub-group and live-parameter sizes.
+Status ValidateZeroOptimization(const EngineConfig& c) {
   const std::pair<const OffloadConfig*, const char*> offloads[] = {
       {&c.offload_param, kOffloadParam}, {&c.offload_optimizer, kOffloadOptimizer}};
   for (const auto& [offload, path] : offloads) {
     if (offload->tier == Tier::kNvme && offload->nvme_paths.empty()) {
-      return invalid(std::string(path) + ".nvme_path",
-                     "device is \"nvme\" but no NVMe path is set; set \"nvme_path\": "
-                     "\"/local_nvme\" (a directory on an NVMe drive) there, or list paths in "
-                     "zinf.nvme_paths");
+      return InvalidKey(std::string(path) + ".nvme_path",
+                        "device is \"nvme\" but no NVMe path is set; set \"nvme_path\": "
+                        "\"/local_nvme\" (a directory on an NVMe drive) there, or list paths in "
+                        "zinf.nvme_paths");
     }
     if (offload->buffer_count < 1) {
-      return invalid(std::string(path) + ".buffer_count", "must be at least 1, got 0");
+      return InvalidKey(std::string(path) + ".buffer_count", "must be at least 1, got 0");
     }
   }
   if (c.offload_param.buffer_size == 0) {
-    return invalid(std::string(kOffloadParam) + ".buffer_size",
-                   "must be positive (elements per swap buffer), got 0");
+    return InvalidKey(std::string(kOffloadParam) + ".buffer_size",
+                      "must be positive (elements per swap buffer), got 0");
   }
   if (!(c.offload_optimizer.ratio >= 0 && c.offload_optimizer.ratio <= 1)) {
-    return invalid(std::string(kOffloadOptimizer) + ".ratio",
-                   "must be in [0, 1] (the fraction of optimizer state offloaded), got " +
-                       FormatNumber(c.offload_optimizer.ratio));
+    return InvalidKey(std::string(kOffloadOptimizer) + ".ratio",
+                      "must be in [0, 1] (the fraction of optimizer state offloaded), got " +
+                          FormatNumber(c.offload_optimizer.ratio));
   }
   if (c.sub_group_size == 0) {
-    return invalid(std::string(kZero) + ".sub_group_size",
-                   "must be positive (elements per optimizer sub-group, e.g. 1e9), got 0");
+    return InvalidKey(std::string(kZero) + ".sub_group_size",
+                      "must be positive (elements per optimizer sub-group, e.g. 1e9), got 0");
   }
   if (c.max_live_parameters == 0) {
-    return invalid(std::string(kZero) + ".stage3_max_live_parameters",
-                   "must be positive (elements resident on the device, e.g. 1e9), got 0");
+    return InvalidKey(std::string(kZero) + ".stage3_max_live_parameters",
+                      "must be positive (elements resident on the device, e.g. 1e9), got 0");
   }
+  return Status::OK();
+}
 
-  const OptimizerConfig& o = c.optimizer;
+// The optimizer section's params: lr, betas, eps, weight_decay.
+Status ValidateOptimizer(const OptimizerConfig& o) {
   if (!(o.lr >= 0))
-    return invalid("optimizer.params.lr", "must be >= 0, got " + FormatNumber(o.lr));
+    return InvalidKey("optimizer.params.lr", "must be >= 0, got " + FormatNumber(o.lr));
   const std::pair<float, const char*> betas[] = {{o.beta1, "beta1"}, {o.beta2, "beta2"}};
   for (const auto& [beta, name] : betas) {
     if (!(beta >= 0 && beta < 1)) {
-      return invalid("optimizer.params.betas", std::string(name) + " must be in [0, 1), got " +
-                                                   FormatNumber(beta) +
-                                                   "; typical values are [0.9, 0.999]");
+      return InvalidKey("optimizer.params.betas", std::string(name) + " must be in [0, 1), got " +
+                                                      FormatNumber(beta) +
+                                                      "; typical values are [0.9, 0.999]");
     }
   }
   if (!(o.eps > 0)) {
-    return invalid("optimizer.params.eps", "must be > 0 (e.g. 1e-8), got " + FormatNumber(o.eps));
+    return InvalidKey("optimizer.params.eps",
+                      "must be > 0 (e.g. 1e-8), got " + FormatNumber(o.eps));
   }
   if (!(o.weight_decay >= 0)) {
-    return invalid("optimizer.params.weight_decay",
-                   "must be >= 0, got " + FormatNumber(o.weight_decay));
+    return InvalidKey("optimizer.params.weight_decay",
+                      "must be >= 0, got " + FormatNumber(o.weight_decay));
   }
+  return Status::OK();
+}
 
+// The top-level batch keys: accumulation steps, clipping, and a train_batch_size that the
+// micro batch times the accumulation steps divides.
+Status ValidateBatch(const EngineConfig& c) {
   if (c.gradient_accumulation_steps < 1) {
-    return invalid("gradient_accumulation_steps",
-                   "must be at least 1, got " + std::to_string(c.gradient_accumulation_steps));
+    return InvalidKey("gradient_accumulation_steps",
+                      "must be at least 1, got " + std::to_string(c.gradient_accumulation_steps));
   }
   if (!(c.gradient_clipping >= 0)) {
-    return invalid("gradient_clipping",
-                   "must be >= 0 (0 turns clipping off), got " + FormatNumber(c.gradient_clipping));
+    return InvalidKey("gradient_clipping", "must be >= 0 (0 turns clipping off), got " +
+                                               FormatNumber(c.gradient_clipping));
   }
   if (c.train_batch_size > 0 && c.train_micro_batch_size_per_gpu > 0) {
     unsigned __int128 per_rank = static_cast<unsigned __int128>(c.train_micro_batch_size_per_gpu) *
                                  static_cast<unsigned>(c.gradient_accumulation_steps);
     if (c.train_batch_size % per_rank != 0) {
-      return invalid("train_batch_size",
-                     std::to_string(c.train_batch_size) +
-                         " is not a multiple of train_micro_batch_size_per_gpu (" +
-                         std::to_string(c.train_micro_batch_size_per_gpu) +
-                         ") x gradient_accumulation_steps (" +
-                         std::to_string(c.gradient_accumulation_steps) +
-                         "); it must equal micro batch x accumulation steps x data-parallel ranks");
+      return InvalidKey("train_batch_size",
+                        std::to_string(c.train_batch_size) +
+                            " is not a multiple of train_micro_batch_size_per_gpu (" +
+                            std::to_string(c.train_micro_batch_size_per_gpu) +
+                            ") x gradient_accumulation_steps (" +
+                            std::to_string(c.gradient_accumulation_steps) +
+                            "); it must equal micro batch x accumulation steps x data-parallel "
+                            "ranks");
     }
   }
+  return Status::OK();
+}
 
-  if (c.aio.block_size == 0 || c.aio.block_size % 4096 != 0) {
-    return invalid("aio.block_size",
-                   "must be a positive multiple of 4096 bytes (e.g. 1048576), got " +
-                       std::to_string(c.aio.block_size));
+// The aio section: block size, queue depth, thread count.
+Status ValidateAio(const AioConfig& aio) {
+  if (aio.block_size == 0 || aio.block_size % 4096 != 0) {
+    return InvalidKey("aio.block_size",
+                      "must be a positive multiple of 4096 bytes (e.g. 1048576), got " +
+                          std::to_string(aio.block_size));
   }
-  if (c.aio.queue_depth < 1 || c.aio.queue_depth > 4096) {
-    return invalid("aio.queue_depth",
-                   "must be in 1..4096, got " + std::to_string(c.aio.queue_depth));
+  if (aio.queue_depth < 1 || aio.queue_depth > 4096) {
+    return InvalidKey("aio.queue_depth",
+                      "must be in 1..4096, got " + std::to_string(aio.queue_depth));
   }
-  if (c.aio.thread_count < 1 || c.aio.thread_count > 1024) {
-    return invalid("aio.thread_count",
-                   "must be in 1..1024, got " + std::to_string(c.aio.thread_count));
+  if (aio.thread_count < 1 || aio.thread_count > 1024) {
+    return InvalidKey("aio.thread_count",
+                      "must be in 1..1024, got " + std::to_string(aio.thread_count));
   }
+  return Status::OK();
+}
 
+// The zinf section: its ranges, then the combinations it refuses (int8 frozen weights on the
+// device tier, int8 states with Adagrad).
+Status ValidateZinf(const EngineConfig& c) {
   if (!(c.collective_timeout_seconds >= 1 && c.collective_timeout_seconds <= 7 * 86400)) {
-    return invalid("zinf.collective_timeout_seconds",
-                   "must be in 1..604800 seconds (how long a rank waits in a collective for its "
-                   "peers), got " +
-                       std::to_string(c.collective_timeout_seconds));
+    return InvalidKey("zinf.collective_timeout_seconds",
+                      "must be in 1..604800 seconds (how long a rank waits in a collective for "
+                      "its peers), got " +
+                          std::to_string(c.collective_timeout_seconds));
   }
   if (c.optimizer_threads < 0 || c.optimizer_threads > 4096) {
-    return invalid("zinf.optimizer_threads",
-                   "must be in 0..4096 (0: every CPU), got " + std::to_string(c.optimizer_threads));
+    return InvalidKey("zinf.optimizer_threads", "must be in 0..4096 (0: every CPU), got " +
+                                                    std::to_string(c.optimizer_threads));
   }
   if (c.nvme_capacity_bytes != 0 &&
       (c.nvme_capacity_bytes % 4096 != 0 || c.nvme_capacity_bytes < (uint64_t{1} << 20))) {
-    return invalid("zinf.nvme_capacity_bytes",
-                   "must be 0 (no limit) or a multiple of 4096 bytes of at least 1 MiB (the swap "
-                   "file's growth limit per folder, e.g. \"64G\"), got " +
-                       std::to_string(c.nvme_capacity_bytes));
+    return InvalidKey("zinf.nvme_capacity_bytes",
+                      "must be 0 (no limit) or a multiple of 4096 bytes of at least 1 MiB (the "
+                      "swap file's growth limit per folder, e.g. \"64G\"), got " +
+                          std::to_string(c.nvme_capacity_bytes));
   }
   if (c.pinned_budget_bytes == 0) {
-    return invalid("zinf.pinned_budget_bytes",
-                   "must be positive (pinned host memory for transfers), e.g. \"1G\"; got 0");
+    return InvalidKey("zinf.pinned_budget_bytes",
+                      "must be positive (pinned host memory for transfers), e.g. \"1G\"; got 0");
   }
   if (!(c.host_copy_gbps >= 0)) {
-    return invalid("zinf.host_copy_gbps",
-                   "must be >= 0 (0 means memcpy speed), got " + FormatNumber(c.host_copy_gbps));
+    return InvalidKey("zinf.host_copy_gbps",
+                      "must be >= 0 (0 means memcpy speed), got " + FormatNumber(c.host_copy_gbps));
   }
   if (c.frozen_int8 && c.offload_param.tier == Tier::kDevice) {
-    return invalid("zinf.frozen_weight_dtype",
-                   "\"int8\" stores frozen weights on the cpu or nvme tier (dequantised on the "
-                   "host as they are fetched); set offload_param.device cpu or nvme, or keep "
-                   "\"as-is\"");
+    return InvalidKey("zinf.frozen_weight_dtype",
+                      "\"int8\" stores frozen weights on the cpu or nvme tier (dequantised on "
+                      "the host as they are fetched); set offload_param.device cpu or nvme, or "
+                      "keep \"as-is\"");
   }
   if (c.optimizer_state_type == StateType::kInt8 && c.optimizer.type == OptimizerType::kAdagrad) {
-    return invalid("zinf.optimizer_state_dtype",
-                   "\"int8\" is not supported with optimizer type Adagrad (its sum of squares only "
-                   "grows, which a blockwise 8-bit code cannot follow); use \"fp32\" or \"bf16\"");
+    return InvalidKey("zinf.optimizer_state_dtype",
+                      "\"int8\" is not supported with optimizer type Adagrad (its sum of squares "
+                      "only grows, which a blockwise 8-bit code cannot follow); use \"fp32\" or "
+                      "\"bf16\"");
   }
   return Status::OK();
+}
+
+// Every section in the order a user reads the config; the first failing key is reported.
+Status Validate(const EngineConfig& c) {
+  ZINF_RETURN_IF_ERROR(ValidateZeroOptimization(c));
+  ZINF_RETURN_IF_ERROR(ValidateOptimizer(c.optimizer));
+  ZINF_RETURN_IF_ERROR(ValidateBatch(c));
+  ZINF_RETURN_IF_ERROR(ValidateAio(c.aio));
+  return ValidateZinf(c);
 }
 
 }  // namespace

@@ -113,10 +113,11 @@ std::string SerializeRankManifest(const RankManifest& m) {
   return j.dump(1) + "\n";
 }
 
-Result<RankManifest> ParseRankManifest(const std::string& text, const std::string& where) {
-  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return Status::Corruption(where + ": not valid JSON");
-  if (!j.is_object()) return Status::Corruption(where + ": expected a JSON object");
+namespace {
+
+// The manifest's format version, once its format name, the version's range and its seal
+// (the manifest's own checksum) check.
+Result<uint64_t> CheckManifestFormat(const json& j, const std::string& where) {
   ZINF_ASSIGN_OR_RETURN(std::string format, Str(j, "format", where));
   if (format != kFormatName) {
     return Status::Corruption(where + ": not a zinf checkpoint manifest (format \"" + format +
@@ -129,40 +130,52 @@ Result<RankManifest> ParseRankManifest(const std::string& text, const std::strin
                                 std::to_string(kCheckpointFormatVersion) + ")");
   }
   ZINF_RETURN_IF_ERROR(CheckJsonSeal(j, where, /*required=*/true));
-  RankManifest m;
+  return version;
+}
+
+// The manifest's scalar fields into *m (rank and world, step, optimizer, state dtype from
+// version 3 on, states file, its size, user data); *state_type: how its states are stored.
+Status ParseManifestFields(const json& j, uint64_t version, const std::string& where,
+                           RankManifest* m, StateType* state_type) {
   ZINF_ASSIGN_OR_RETURN(uint64_t world, U64(j, "world", where));
   ZINF_ASSIGN_OR_RETURN(uint64_t rank, U64(j, "rank", where));
   if (world < 1 || world > 65536 || rank >= world) {
     return Status::Corruption(where + ": rank " + std::to_string(rank) + " of world " +
                               std::to_string(world) + " is impossible");
   }
-  m.world = static_cast<int>(world);
-  m.rank = static_cast<int>(rank);
+  m->world = static_cast<int>(world);
+  m->rank = static_cast<int>(rank);
   ZINF_ASSIGN_OR_RETURN(uint64_t step, U64(j, "step", where));
   if (step > static_cast<uint64_t>(std::numeric_limits<int64_t>::max() / 2)) {
     return Status::Corruption(where + ": step out of range");
   }
-  m.step = static_cast<int64_t>(step);
-  ZINF_ASSIGN_OR_RETURN(m.optimizer, Str(j, "optimizer", where));
-  StateType state_type = StateType::kF32;
+  m->step = static_cast<int64_t>(step);
+  ZINF_ASSIGN_OR_RETURN(m->optimizer, Str(j, "optimizer", where));
+  *state_type = StateType::kF32;
   if (version >= 3) {
-    ZINF_ASSIGN_OR_RETURN(m.state_dtype, Str(j, "state_dtype", where));
-    Result<StateType> parsed = ParseStateType(m.state_dtype);
+    ZINF_ASSIGN_OR_RETURN(m->state_dtype, Str(j, "state_dtype", where));
+    Result<StateType> parsed = ParseStateType(m->state_dtype);
     if (!parsed.ok()) {
-      return Status::NotSupported(where + ": optimizer states stored as \"" + m.state_dtype +
+      return Status::NotSupported(where + ": optimizer states stored as \"" + m->state_dtype +
                                   "\", which this build does not know (fp32, bf16, int8): "
                                   "written by a newer zinf?");
     }
-    state_type = *parsed;
+    *state_type = *parsed;
   }
-  ZINF_ASSIGN_OR_RETURN(m.states_file, Str(j, "states_file", where));
-  if (m.states_file.empty() || m.states_file.find('/') != std::string::npos ||
-      m.states_file == "." || m.states_file == "..") {
+  ZINF_ASSIGN_OR_RETURN(m->states_file, Str(j, "states_file", where));
+  if (m->states_file.empty() || m->states_file.find('/') != std::string::npos ||
+      m->states_file == "." || m->states_file == "..") {
     return Status::Corruption(where + ": states_file must be a plain file name");
   }
-  ZINF_ASSIGN_OR_RETURN(m.file_bytes, U64(j, "file_bytes", where));
-  ZINF_ASSIGN_OR_RETURN(m.user_data, Str(j, "user_data", where));
+  ZINF_ASSIGN_OR_RETURN(m->file_bytes, U64(j, "file_bytes", where));
+  ZINF_ASSIGN_OR_RETURN(m->user_data, Str(j, "user_data", where));
+  return Status::OK();
+}
 
+// "groups" into m->groups: each sub-group's size and offset, which must lie inside the
+// states file (m->file_bytes) with its states stored as `state_type`.
+Status ParseManifestGroups(const json& j, StateType state_type, const std::string& where,
+                           RankManifest* m) {
   auto groups = j.find("groups");
   if (groups == j.end() || !groups->is_array()) {
     return Status::Corruption(where + ": \"groups\" must be an array");
@@ -176,62 +189,89 @@ Result<RankManifest> ParseRankManifest(const std::string& text, const std::strin
     ZINF_ASSIGN_OR_RETURN(cg.offset, U64(g, "offset", gw));
     if (cg.numel > kMaxElems || cg.offset > kMaxElems ||
         cg.offset + cg.numel * sizeof(float) + 2 * StateBytes(state_type, cg.numel) >
-            m.file_bytes) {
+            m->file_bytes) {
       return Status::Corruption(gw + ": extends past the end of the states file (" +
-                                std::to_string(m.file_bytes) + " bytes)");
+                                std::to_string(m->file_bytes) + " bytes)");
     }
-    m.groups.push_back(cg);
+    m->groups.push_back(cg);
   }
+  return Status::OK();
+}
+
+// One entry of "tensors" (`tw` names it in messages), checked against m's sub-groups and
+// step: a frozen tensor's value hash, or a trainable one's slice, checksums and update count.
+Result<CheckpointTensor> ParseManifestTensor(const json& t, const RankManifest& m, std::string tw) {
+  if (!t.is_object()) return Status::Corruption(tw + ": expected an object");
+  CheckpointTensor ct;
+  ZINF_ASSIGN_OR_RETURN(ct.name, Str(t, "name", tw));
+  tw += " ('" + ct.name + "')";
+  ZINF_ASSIGN_OR_RETURN(ct.numel, U64(t, "numel", tw));
+  ZINF_ASSIGN_OR_RETURN(ct.partition_numel, U64(t, "partition_numel", tw));
+  ZINF_ASSIGN_OR_RETURN(ct.sub_group, U64(t, "sub_group", tw));
+  if (t.contains("frozen")) {  // no slice, no states: its value's hash
+    ZINF_ASSIGN_OR_RETURN(ct.value_hash, ParseHex(t["frozen"], tw + ": frozen"));
+    ct.frozen = true;
+    if (ct.numel > kMaxElems || ct.partition_numel > kMaxElems || ct.sub_group >= m.groups.size() ||
+        m.groups[ct.sub_group].numel != 0) {
+      return Status::Corruption(tw + ": a frozen tensor outside a state-less sub-group");
+    }
+    return ct;
+  }
+  ZINF_ASSIGN_OR_RETURN(ct.slice_offset, U64(t, "slice_offset", tw));
+  if (ct.numel > kMaxElems || ct.partition_numel > kMaxElems) {
+    return Status::Corruption(tw + ": size out of range");
+  }
+  if (ct.sub_group >= m.groups.size() ||
+      ct.slice_offset + ct.partition_numel > m.groups[ct.sub_group].numel) {
+    return Status::Corruption(tw + ": lies outside its sub-group");
+  }
+  auto hashes = t.find("xxh3");
+  if (hashes == t.end() || !hashes->is_array() || hashes->size() != 3) {
+    return Status::Corruption(tw + ": \"xxh3\" must hold three checksums");
+  }
+  for (int k = 0; k < 3; ++k) {
+    ZINF_ASSIGN_OR_RETURN(ct.hash[k], ParseHex((*hashes)[k], tw + ": xxh3"));
+  }
+  if (t.contains("updates")) {
+    const uint64_t step = static_cast<uint64_t>(m.step);  // parsed as unsigned, never negative
+    ZINF_ASSIGN_OR_RETURN(uint64_t updates, U64(t, "updates", tw));
+    if (updates > step) {
+      return Status::Corruption(tw + ": " + std::to_string(updates) +
+                                " updates, more than the checkpoint's step " +
+                                std::to_string(step));
+    }
+    ct.updates = static_cast<int64_t>(updates);
+  }
+  return ct;
+}
+
+// "tensors" into m->tensors, in order (after the groups they refer to).
+Status ParseManifestTensors(const json& j, const std::string& where, RankManifest* m) {
   auto tensors = j.find("tensors");
   if (tensors == j.end() || !tensors->is_array()) {
     return Status::Corruption(where + ": \"tensors\" must be an array");
   }
   for (size_t i = 0; i < tensors->size(); ++i) {
-    std::string tw = where + ": tensors[" + std::to_string(i) + "]";
-    const json& t = (*tensors)[i];
-    if (!t.is_object()) return Status::Corruption(tw + ": expected an object");
-    CheckpointTensor ct;
-    ZINF_ASSIGN_OR_RETURN(ct.name, Str(t, "name", tw));
-    tw += " ('" + ct.name + "')";
-    ZINF_ASSIGN_OR_RETURN(ct.numel, U64(t, "numel", tw));
-    ZINF_ASSIGN_OR_RETURN(ct.partition_numel, U64(t, "partition_numel", tw));
-    ZINF_ASSIGN_OR_RETURN(ct.sub_group, U64(t, "sub_group", tw));
-    if (t.contains("frozen")) {  // no slice, no states: its value's hash
-      ZINF_ASSIGN_OR_RETURN(ct.value_hash, ParseHex(t["frozen"], tw + ": frozen"));
-      ct.frozen = true;
-      if (ct.numel > kMaxElems || ct.partition_numel > kMaxElems ||
-          ct.sub_group >= m.groups.size() || m.groups[ct.sub_group].numel != 0) {
-        return Status::Corruption(tw + ": a frozen tensor outside a state-less sub-group");
-      }
-      m.tensors.push_back(std::move(ct));
-      continue;
-    }
-    ZINF_ASSIGN_OR_RETURN(ct.slice_offset, U64(t, "slice_offset", tw));
-    if (ct.numel > kMaxElems || ct.partition_numel > kMaxElems) {
-      return Status::Corruption(tw + ": size out of range");
-    }
-    if (ct.sub_group >= m.groups.size() ||
-        ct.slice_offset + ct.partition_numel > m.groups[ct.sub_group].numel) {
-      return Status::Corruption(tw + ": lies outside its sub-group");
-    }
-    auto hashes = t.find("xxh3");
-    if (hashes == t.end() || !hashes->is_array() || hashes->size() != 3) {
-      return Status::Corruption(tw + ": \"xxh3\" must hold three checksums");
-    }
-    for (int k = 0; k < 3; ++k) {
-      ZINF_ASSIGN_OR_RETURN(ct.hash[k], ParseHex((*hashes)[k], tw + ": xxh3"));
-    }
-    if (t.contains("updates")) {
-      ZINF_ASSIGN_OR_RETURN(uint64_t updates, U64(t, "updates", tw));
-      if (updates > step) {
-        return Status::Corruption(tw + ": " + std::to_string(updates) +
-                                  " updates, more than the checkpoint's step " +
-                                  std::to_string(step));
-      }
-      ct.updates = static_cast<int64_t>(updates);
-    }
-    m.tensors.push_back(std::move(ct));
+    ZINF_ASSIGN_OR_RETURN(
+        CheckpointTensor ct,
+        ParseManifestTensor((*tensors)[i], *m, where + ": tensors[" + std::to_string(i) + "]"));
+    m->tensors.push_back(std::move(ct));
   }
+  return Status::OK();
+}
+
+}  // namespace
+
+Result<RankManifest> ParseRankManifest(const std::string& text, const std::string& where) {
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return Status::Corruption(where + ": not valid JSON");
+  if (!j.is_object()) return Status::Corruption(where + ": expected a JSON object");
+  ZINF_ASSIGN_OR_RETURN(const uint64_t version, CheckManifestFormat(j, where));
+  RankManifest m;
+  StateType state_type = StateType::kF32;
+  ZINF_RETURN_IF_ERROR(ParseManifestFields(j, version, where, &m, &state_type));
+  ZINF_RETURN_IF_ERROR(ParseManifestGroups(j, state_type, where, &m));
+  ZINF_RETURN_IF_ERROR(ParseManifestTensors(j, where, &m));
   return m;
 }
 

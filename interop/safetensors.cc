@@ -328,53 +328,76 @@ Status LoadIntoEngine(Engine* engine, const Checkpoint& ckpt,
       ids, [&](ParamId id, float* data) { return ReadTensorF32(ckpt, *source.at(id), data); });
 }
 
-Status SaveFromEngine(Engine* engine, const std::vector<std::pair<ParamId, std::string>>& mapping,
-                      const std::string& dir, uint64_t shard_bytes, DType dtype,
-                      const std::map<std::string, std::string>& metadata,
-                      const std::vector<HostTensor>& extra) {
-  namespace fs = std::filesystem;
-  if (engine == nullptr) return Status::InvalidArgument("SaveFromEngine: no engine");
-  if (dtype != DType::kF32 && dtype != DType::kBF16) {
-    return Status::InvalidArgument(std::string("export dtype ") + DTypeName(dtype) +
-                                   ": F32 or BF16");
-  }
-  if (shard_bytes == 0) return Status::InvalidArgument("the shard size must be positive");
-  const size_t esize = DTypeSize(dtype);
-  // Shards: consecutive tensors up to shard_bytes of data each. Entry i < mapping.size() is
-  // a parameter, the rest are the `extra` host tensors.
-  struct Shard {
-    std::vector<size_t> entries;
-    uint64_t bytes = 0;
-  };
-  std::vector<Shard> shards;
-  std::set<std::string> names;
-  size_t largest = 0;
-  auto numel_of = [](const std::vector<int64_t>& shape) {
-    uint64_t n = 1;
-    for (int64_t d : shape) n *= static_cast<uint64_t>(d);
-    return n;
-  };
+namespace {
+
+// The tensors of one export: entry i < mapping.size() is parameter mapping[i], the rest are
+// the `extra` host tensors.
+struct ExportEntries {
+  Engine* engine;
+  const std::vector<std::pair<ParamId, std::string>>& mapping;
+  const std::vector<HostTensor>& extra;
+  DType dtype;   // the parameters' dtype in the files
+  size_t esize;  // and its size
+
+  size_t size() const { return mapping.size() + extra.size(); }
+  bool is_param(size_t i) const { return i < mapping.size(); }
+  const HostTensor& host(size_t i) const { return extra[i - mapping.size()]; }
+  const std::string& name(size_t i) const { return is_param(i) ? mapping[i].second : host(i).name; }
+};
+
+// Consecutive entries of an export, up to the shard size of data (or one larger tensor).
+struct ExportShard {
+  std::vector<size_t> entries;
+  uint64_t bytes = 0;
+};
+
+// How an export is cut into files.
+struct ShardPlan {
+  std::vector<ExportShard> shards;
+  std::vector<std::string> files;  // shard k's file name
+  size_t largest = 0;              // the most elements of one parameter
+};
+
+// The elements of a tensor of `shape` (1 for a scalar).
+uint64_t NumelOf(const std::vector<int64_t>& shape) {
+  uint64_t n = 1;
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+// Refuses a host tensor with a negative dimension, or with elements but no data.
+Status CheckHostTensors(const std::vector<HostTensor>& extra) {
   for (const HostTensor& t : extra) {
     for (int64_t d : t.shape) {
       if (d < 0) return Status::InvalidArgument("tensor '" + t.name + "': a negative dimension");
     }
-    if (t.data == nullptr && numel_of(t.shape) > 0) {
+    if (t.data == nullptr && NumelOf(t.shape) > 0) {
       return Status::InvalidArgument("tensor '" + t.name + "': no data");
     }
   }
-  for (size_t i = 0; i < mapping.size() + extra.size(); ++i) {
-    const bool param = i < mapping.size();
-    const std::string& name = param ? mapping[i].second : extra[i - mapping.size()].name;
-    if (param && mapping[i].first >= engine->num_params()) {
-      return Status::InvalidArgument("unknown parameter id " + std::to_string(mapping[i].first));
+  return Status::OK();
+}
+
+// Checks each entry's parameter id and name (non-empty, not reserved, not repeated) and cuts
+// the entries, in order, into shards of up to `shard_bytes` of data, each with its file name.
+Result<ShardPlan> PlanShards(const ExportEntries& e, uint64_t shard_bytes) {
+  ShardPlan plan;
+  std::set<std::string> names;
+  for (size_t i = 0; i < e.size(); ++i) {
+    const bool param = e.is_param(i);
+    const std::string& name = e.name(i);
+    if (param && e.mapping[i].first >= e.engine->num_params()) {
+      return Status::InvalidArgument("unknown parameter id " + std::to_string(e.mapping[i].first));
     }
     if (name.empty() || name == "__metadata__" || !names.insert(name).second) {
       return Status::InvalidArgument("tensor name '" + name + "' is empty, reserved or repeated");
     }
-    const HostTensor* host = param ? nullptr : &extra[i - mapping.size()];
-    const uint64_t bytes = param ? engine->param(mapping[i].first).numel * esize
-                                 : numel_of(host->shape) * DTypeSize(host->dtype);
-    if (param) largest = std::max<size_t>(largest, engine->param(mapping[i].first).numel);
+    const uint64_t bytes = param ? e.engine->param(e.mapping[i].first).numel * e.esize
+                                 : NumelOf(e.host(i).shape) * DTypeSize(e.host(i).dtype);
+    if (param) {
+      plan.largest = std::max<size_t>(plan.largest, e.engine->param(e.mapping[i].first).numel);
+    }
+    std::vector<ExportShard>& shards = plan.shards;
     if (shards.empty() ||
         (shards.back().bytes + bytes > shard_bytes && !shards.back().entries.empty())) {
       shards.emplace_back();
@@ -382,125 +405,211 @@ Status SaveFromEngine(Engine* engine, const std::vector<std::pair<ParamId, std::
     shards.back().entries.push_back(i);
     shards.back().bytes += bytes;
   }
-  const bool writer = engine->rank() == 0;
-  std::vector<std::string> files;
-  for (size_t k = 0; k < shards.size(); ++k) {
+  for (size_t k = 0; k < plan.shards.size(); ++k) {
     char name[64];
-    std::snprintf(name, sizeof(name), "model-%05zu-of-%05zu.safetensors", k + 1, shards.size());
-    files.push_back(shards.size() == 1 ? "model.safetensors" : name);
+    std::snprintf(name, sizeof(name), "model-%05zu-of-%05zu.safetensors", k + 1,
+                  plan.shards.size());
+    plan.files.push_back(plan.shards.size() == 1 ? "model.safetensors" : name);
   }
-  Status local;
-  if (writer) {
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    if (ec) local = Status::IoError("creating " + dir + ": " + ec.message());
-    // A checkpoint already there is replaced only when zinf wrote it (its files carry the
-    // marker); its index (or single file) goes first, so that an export that fails part-way
-    // never leaves an index over a mix of old and new shards.
-    if (local.ok()) local = PrepareExportFolder(dir);
+  return plan;
+}
+
+// Rank 0: creates `dir` and readies it for the export.
+Status CreateExportFolder(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return Status::IoError("creating " + dir + ": " + ec.message());
+  // A checkpoint already there is replaced only when zinf wrote it (its files carry the
+  // marker); its index (or single file) goes first, so that an export that fails part-way
+  // never leaves an index over a mix of old and new shards.
+  return PrepareExportFolder(dir);
+}
+
+// The safetensors header of `shard` (its tensors' dtypes, shapes and offsets; `metadata` with
+// the export marker), padded with spaces so that the data is 8-byte aligned.
+Result<std::string> ShardHeaderText(const ExportEntries& e, const ExportShard& shard,
+                                    const std::map<std::string, std::string>& metadata) {
+  json header = json::object();
+  header["__metadata__"] = metadata;
+  header["__metadata__"][kExportMarker] = "1";
+  uint64_t at = 0;
+  for (size_t i : shard.entries) {
+    if (!e.is_param(i)) {
+      const HostTensor& t = e.host(i);
+      const uint64_t bytes = NumelOf(t.shape) * DTypeSize(t.dtype);
+      header[t.name] = {
+          {"dtype", DTypeName(t.dtype)}, {"shape", t.shape}, {"data_offsets", {at, at + bytes}}};
+      at += bytes;
+      continue;
+    }
+    const ParamInfo& p = e.engine->param(e.mapping[i].first);
+    header[e.mapping[i].second] = {{"dtype", DTypeName(e.dtype)},
+                                   {"shape", p.shape},
+                                   {"data_offsets", {at, at + p.numel * e.esize}}};
+    at += p.numel * e.esize;
   }
-  std::vector<float> values(std::max<size_t>(largest, 1));
-  std::vector<uint16_t> half(dtype == DType::kBF16 ? values.size() : 0);
-  uint64_t total = 0;
-  for (size_t k = 0; k < shards.size(); ++k) {
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const json::exception& ex) {
+    return Status::InvalidArgument(std::string("a tensor name or metadata string is not "
+                                               "valid UTF-8 (") +
+                                   ex.what() + ")");
+  }
+  text.resize((text.size() + 7) / 8 * 8, ' ');  // data 8-byte aligned
+  return text;
+}
+
+// Writes an export's shard files. Every rank gathers each parameter (a collective, whatever
+// happened to rank 0's files); only the writer (rank 0) writes, and its first failure stops
+// the writing but not the gathers, so that no rank is left waiting.
+class ShardWriter {
+ public:
+  // `status`: the writer's so far (its folder's preparation); `largest`: the most elements of
+  // one parameter (the gather buffer's size).
+  ShardWriter(const ExportEntries& entries, const std::string& dir, bool writer, size_t largest,
+              Status status)
+      : e_(entries),
+        dir_(dir),
+        writer_(writer),
+        status_(std::move(status)),
+        values_(std::max<size_t>(largest, 1)),
+        half_(entries.dtype == DType::kBF16 ? values_.size() : 0) {}
+
+  // The writer's first failure (OK on the other ranks).
+  const Status& status() const { return status_; }
+
+  // Writes `shard` into `file` in the export folder, renamed into place once complete. Returns
+  // a gather's failure, which ends the export on every rank; a write's goes to status().
+  Status WriteShard(const ExportShard& shard, const std::string& file,
+                    const std::map<std::string, std::string>& metadata) {
     AtomicFile out;
     uint64_t data_start = 0;
-    if (writer && local.ok()) {
-      json header = json::object();
-      header["__metadata__"] = metadata;
-      header["__metadata__"][kExportMarker] = "1";
-      uint64_t at = 0;
-      for (size_t i : shards[k].entries) {
-        if (i >= mapping.size()) {
-          const HostTensor& t = extra[i - mapping.size()];
-          const uint64_t bytes = numel_of(t.shape) * DTypeSize(t.dtype);
-          header[t.name] = {{"dtype", DTypeName(t.dtype)},
-                            {"shape", t.shape},
-                            {"data_offsets", {at, at + bytes}}};
-          at += bytes;
-          continue;
-        }
-        const ParamInfo& p = engine->param(mapping[i].first);
-        header[mapping[i].second] = {{"dtype", DTypeName(dtype)},
-                                     {"shape", p.shape},
-                                     {"data_offsets", {at, at + p.numel * esize}}};
-        at += p.numel * esize;
-      }
-      std::string text;
-      try {
-        text = header.dump();
-      } catch (const json::exception& e) {
-        local = Status::InvalidArgument(std::string("a tensor name or metadata string is not "
-                                                    "valid UTF-8 (") +
-                                        e.what() + ")");
-      }
-      text.resize((text.size() + 7) / 8 * 8, ' ');  // data 8-byte aligned
-      unsigned char len[8];
-      for (int b = 0; b < 8; ++b) len[b] = static_cast<unsigned char>(text.size() >> (8 * b));
-      if (local.ok()) local = out.Create(dir + "/" + files[k]);
-      if (local.ok()) local = PwriteAll(out.fd(), len, 8, 0, out.tmp());
-      if (local.ok()) local = PwriteAll(out.fd(), text.data(), text.size(), 8, out.tmp());
-      data_start = 8 + text.size();
+    if (writing()) data_start = StartFile(shard, file, metadata, &out);
+    ZINF_RETURN_IF_ERROR(WriteTensors(shard, data_start, &out));
+    if (writing()) status_ = out.Commit();
+    return Status::OK();
+  }
+
+ private:
+  bool writing() const { return writer_ && status_.ok(); }
+
+  // Creates `file` and writes the header length and the header; returns where the data
+  // starts. A failure goes to status_.
+  uint64_t StartFile(const ExportShard& shard, const std::string& file,
+                     const std::map<std::string, std::string>& metadata, AtomicFile* out) {
+    Result<std::string> text = ShardHeaderText(e_, shard, metadata);
+    if (!text.ok()) {
+      status_ = text.status();
+      return 0;  // nothing is written from here on
     }
-    uint64_t at = data_start;
-    for (size_t i : shards[k].entries) {
-      if (i >= mapping.size()) {
-        const HostTensor& t = extra[i - mapping.size()];
-        const uint64_t bytes = numel_of(t.shape) * DTypeSize(t.dtype);
-        if (!writer || !local.ok()) continue;
-        if (bytes > 0) local = PwriteAll(out.fd(), t.data, bytes, at, out.tmp());
+    unsigned char len[8];
+    for (int b = 0; b < 8; ++b) len[b] = static_cast<unsigned char>(text->size() >> (8 * b));
+    status_ = out->Create(dir_ + "/" + file);
+    if (status_.ok()) status_ = PwriteAll(out->fd(), len, 8, 0, out->tmp());
+    if (status_.ok()) status_ = PwriteAll(out->fd(), text->data(), text->size(), 8, out->tmp());
+    return 8 + text->size();
+  }
+
+  // The data of `shard`'s tensors, from `at` in `out`: each parameter gathered on every rank
+  // (the gather's failure returned), written in the export dtype while writing() holds.
+  Status WriteTensors(const ExportShard& shard, uint64_t at, AtomicFile* out) {
+    for (size_t i : shard.entries) {
+      if (!e_.is_param(i)) {
+        const HostTensor& t = e_.host(i);
+        const uint64_t bytes = NumelOf(t.shape) * DTypeSize(t.dtype);
+        if (!writing()) continue;
+        if (bytes > 0) status_ = PwriteAll(out->fd(), t.data, bytes, at, out->tmp());
         at += bytes;
         continue;
       }
-      const auto& [id, name] = mapping[i];
-      const size_t n = engine->param(id).numel;
+      const auto& [id, name] = e_.mapping[i];
+      const size_t n = e_.engine->param(id).numel;
       // Collective: every rank gathers, whatever happened to rank 0's file.
-      Status g = engine->GatherMasterParameter(id, values.data());
+      Status g = e_.engine->GatherMasterParameter(id, values_.data());
       if (!g.ok()) return g.WithContext("exporting '" + name + "'");
-      if (!writer || !local.ok()) continue;
-      const void* src = values.data();
-      if (dtype == DType::kBF16) {
-        for (size_t e = 0; e < n; ++e) half[e] = Fp32ToBf16(values[e]);
-        src = half.data();
+      if (!writing()) continue;
+      const void* src = values_.data();
+      if (e_.dtype == DType::kBF16) {
+        for (size_t k = 0; k < n; ++k) half_[k] = Fp32ToBf16(values_[k]);
+        src = half_.data();
       }
-      local = PwriteAll(out.fd(), src, n * esize, at, out.tmp());
-      at += n * esize;
+      status_ = PwriteAll(out->fd(), src, n * e_.esize, at, out->tmp());
+      at += n * e_.esize;
     }
-    if (writer && local.ok()) local = out.Commit();
-    total += shards[k].bytes;
+    return Status::OK();
   }
-  if (!writer || !local.ok()) return local;
-  if (shards.size() > 1) {
-    json index;
-    index["metadata"] = {{"total_size", total}};
-    index["weight_map"] = json::object();
-    for (size_t k = 0; k < shards.size(); ++k) {
-      for (size_t i : shards[k].entries) {
-        const std::string& name =
-            i < mapping.size() ? mapping[i].second : extra[i - mapping.size()].name;
-        index["weight_map"][name] = files[k];
-      }
-    }
-    AtomicFile out;
-    std::string text;
-    try {
-      text = index.dump(2) + "\n";
-    } catch (const json::exception& e) {
-      return Status::InvalidArgument(std::string("a tensor name is not valid UTF-8 (") + e.what() +
-                                     ")");
-    }
-    ZINF_RETURN_IF_ERROR(out.Create(dir + "/model.safetensors.index.json"));
-    ZINF_RETURN_IF_ERROR(PwriteAll(out.fd(), text.data(), text.size(), 0, out.tmp()));
-    ZINF_RETURN_IF_ERROR(out.Commit());
+
+  const ExportEntries& e_;
+  const std::string dir_;
+  const bool writer_;
+  Status status_;
+  std::vector<float> values_;   // one gathered parameter
+  std::vector<uint16_t> half_;  // and converted to bf16
+};
+
+// Rank 0, for an export of several shards: model.safetensors.index.json, naming each tensor's
+// file and the total data size.
+Status WriteShardIndex(const ExportEntries& e, const ShardPlan& plan, const std::string& dir) {
+  uint64_t total = 0;
+  for (const ExportShard& shard : plan.shards) total += shard.bytes;
+  json index;
+  index["metadata"] = {{"total_size", total}};
+  index["weight_map"] = json::object();
+  for (size_t k = 0; k < plan.shards.size(); ++k) {
+    for (size_t i : plan.shards[k].entries) index["weight_map"][e.name(i)] = plan.files[k];
   }
-  // Shards of an earlier zinf export that this one does not consist of: removed.
+  AtomicFile out;
+  std::string text;
+  try {
+    text = index.dump(2) + "\n";
+  } catch (const json::exception& ex) {
+    return Status::InvalidArgument(std::string("a tensor name is not valid UTF-8 (") + ex.what() +
+                                   ")");
+  }
+  ZINF_RETURN_IF_ERROR(out.Create(dir + "/model.safetensors.index.json"));
+  ZINF_RETURN_IF_ERROR(PwriteAll(out.fd(), text.data(), text.size(), 0, out.tmp()));
+  return out.Commit();
+}
+
+// Rank 0: removes the shards of an earlier zinf export in `dir` that this one (`files`) does
+// not consist of; one that cannot be removed is only logged.
+void RemoveStaleExportFiles(const std::string& dir, const std::vector<std::string>& files) {
   std::set<std::string> keep(files.begin(), files.end());
   for (const std::string& n : ExportFilesIn(dir)) {
     if (keep.count(n) != 0 || n == "model.safetensors.index.json") continue;
     std::error_code rm;
-    fs::remove(dir + "/" + n, rm);
+    std::filesystem::remove(dir + "/" + n, rm);
     if (rm) LogWarning("could not remove the stale export file " + dir + "/" + n);
   }
+}
+
+}  // namespace
+
+Status SaveFromEngine(Engine* engine, const std::vector<std::pair<ParamId, std::string>>& mapping,
+                      const std::string& dir, uint64_t shard_bytes, DType dtype,
+                      const std::map<std::string, std::string>& metadata,
+                      const std::vector<HostTensor>& extra) {
+  if (engine == nullptr) return Status::InvalidArgument("SaveFromEngine: no engine");
+  if (dtype != DType::kF32 && dtype != DType::kBF16) {
+    return Status::InvalidArgument(std::string("export dtype ") + DTypeName(dtype) +
+                                   ": F32 or BF16");
+  }
+  if (shard_bytes == 0) return Status::InvalidArgument("the shard size must be positive");
+  const ExportEntries entries{engine, mapping, extra, dtype, DTypeSize(dtype)};
+  ZINF_RETURN_IF_ERROR(CheckHostTensors(extra));
+  ZINF_ASSIGN_OR_RETURN(const ShardPlan plan, PlanShards(entries, shard_bytes));
+  const bool writer = engine->rank() == 0;
+  Status local;
+  if (writer) local = CreateExportFolder(dir);
+  // Every rank gathers the parameters; rank 0 alone writes, its first failure returned here.
+  ShardWriter shard_writer(entries, dir, writer, plan.largest, std::move(local));
+  for (size_t k = 0; k < plan.shards.size(); ++k) {
+    ZINF_RETURN_IF_ERROR(shard_writer.WriteShard(plan.shards[k], plan.files[k], metadata));
+  }
+  if (!writer || !shard_writer.status().ok()) return shard_writer.status();
+  if (plan.shards.size() > 1) ZINF_RETURN_IF_ERROR(WriteShardIndex(entries, plan, dir));
+  RemoveStaleExportFiles(dir, plan.files);
   return FsyncPath(dir, /*directory=*/true);
 }
 

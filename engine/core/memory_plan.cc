@@ -15,51 +15,83 @@
 
 namespace zinf {
 
-Result<PinnedPlan> PlanPinnedMemory(const Layout& layout, const EngineConfig& config,
-                                    bool device_is_host) {
-  // Pinned memory: cpu-tier partitions, gradient accumulators, staging for nvme reads and
-  // optimizer buffers. All of it must fit the pinned budget.
-  PinnedPlan plan;
+namespace {
+
+// The parameters' share of the plan.
+struct ParamTotals {
+  uint64_t cpu_tier_bytes = 0;  // cpu-tier partitions, pinned
+  uint64_t max_part = 0;        // the largest partition in fp32, page rounded
+};
+
+// The trainable sub-groups' share of the plan (frozen ones have no states, no gradients).
+struct GroupTotals {
+  uint64_t max_group = 0;     // the largest one's elements
+  size_t kept_on_device = 0;  // those whose states stay in device memory
+  uint64_t host_groups = 0;   // those whose gradients accumulate in pinned memory
+  uint64_t grads_all = 0;     // their accumulators, page rounded
+  uint64_t max_group_grads = 0;
+  uint64_t cpu_stepped = 0;  // those the CPU steps
+  uint64_t max_cpu_group_states = 0;
+};
+
+// The cpu-tier partitions (two of a trainable one with the delayed update) and the largest
+// partition.
+ParamTotals TallyParams(const Layout& layout, const EngineConfig& config) {
   const bool delayed = config.delayed_update;
-  uint64_t pinned = 0;
-  uint64_t max_part = 0, max_group = 0;
+  ParamTotals t;
   for (ParamId id = 0; id < layout.num_params(); ++id) {
     const ParamLayout& p = layout.param(id);
     const uint64_t part = RoundUp(layout.PartBytes(id), 4096);
     // (A frozen parameter's value never changes: one buffer.)
     const bool two = delayed && p.info.trainable;
-    if (config.offload_param.tier == Tier::kCpu) pinned += two ? 2 * part : part;
-    max_part = std::max<uint64_t>(max_part, RoundUp(p.info.partition_numel * sizeof(float), 4096));
+    if (config.offload_param.tier == Tier::kCpu) t.cpu_tier_bytes += two ? 2 * part : part;
+    t.max_part =
+        std::max<uint64_t>(t.max_part, RoundUp(p.info.partition_numel * sizeof(float), 4096));
   }
-  uint64_t grads_all = 0, max_group_grads = 0;
-  uint64_t host_groups = 0;  // sub-groups whose gradients accumulate in pinned memory
-  size_t kept_on_device = 0;
-  uint64_t cpu_stepped = 0, max_cpu_group_states = 0;  // sub-groups the CPU steps
+  return t;
+}
+
+// Which trainable sub-groups keep states on the device, which the CPU steps and what their
+// gradient accumulators take.
+GroupTotals TallyGroups(const Layout& layout, const EngineConfig& config) {
+  GroupTotals t;
   for (size_t gi = 0; gi < layout.num_groups(); ++gi) {
     if (layout.group(gi).frozen) continue;  // no states, no gradients
-    max_group = std::max<uint64_t>(max_group, layout.group(gi).numel);
-    if (layout.group(gi).on_device) ++kept_on_device;
+    t.max_group = std::max<uint64_t>(t.max_group, layout.group(gi).numel);
+    if (layout.group(gi).on_device) ++t.kept_on_device;
     // A sub-group the device steps accumulates its gradients in device memory.
     if (layout.group(gi).on_device && config.offload_param.tier == Tier::kDevice) continue;
-    ++cpu_stepped;
-    max_cpu_group_states = std::max<uint64_t>(max_cpu_group_states, layout.GroupStateBytes(gi));
-    ++host_groups;
-    grads_all += RoundUp(layout.GroupGradBytes(gi), 4096);
-    max_group_grads = std::max<uint64_t>(max_group_grads, RoundUp(layout.GroupGradBytes(gi), 4096));
+    ++t.cpu_stepped;
+    t.max_cpu_group_states = std::max<uint64_t>(t.max_cpu_group_states, layout.GroupStateBytes(gi));
+    ++t.host_groups;
+    t.grads_all += RoundUp(layout.GroupGradBytes(gi), 4096);
+    t.max_group_grads =
+        std::max<uint64_t>(t.max_group_grads, RoundUp(layout.GroupGradBytes(gi), 4096));
   }
+  return t;
+}
+
+// The optimizer's pools into *plan: state blocks (NVMe states' swap buffers, or one for
+// initialising device states) and bf16 parameter copy blocks. Returns the bytes they take.
+uint64_t PlanOptimizerPools(const Layout& layout, const EngineConfig& config,
+                            const GroupTotals& groups, bool device_is_host, PinnedPlan* plan) {
   const uint64_t buffers = std::max<uint32_t>(config.offload_optimizer.buffer_count, 3);
-  plan.state_block_bytes = RoundUp(layout.LargestGroupStateBytes(), 4096);
+  plan->state_block_bytes = RoundUp(layout.LargestGroupStateBytes(), 4096);
   if (config.offload_optimizer.tier == Tier::kNvme) {
-    plan.state_blocks = buffers;
-  } else if (kept_on_device > 0 && !device_is_host) {
-    plan.state_blocks = 1;  // initialising device states
+    plan->state_blocks = buffers;
+  } else if (groups.kept_on_device > 0 && !device_is_host) {
+    plan->state_blocks = 1;  // initialising device states
   }
-  pinned += plan.state_blocks * plan.state_block_bytes;
   const bool copies = config.bf16;
-  plan.copy_block_bytes = max_group * 2;
-  plan.copy_blocks = copies ? buffers : 0;
-  pinned += buffers * RoundUp(max_group * (copies ? 2 : 0), 4096);
-  // Staging for nvme parameter reads and gradient landing: a few partitions at a time.
+  plan->copy_block_bytes = groups.max_group * 2;
+  plan->copy_blocks = copies ? buffers : 0;
+  return plan->state_blocks * plan->state_block_bytes +
+         buffers * RoundUp(groups.max_group * (copies ? 2 : 0), 4096);
+}
+
+// Staging for nvme parameter reads and gradient landing: a few partitions at a time; with
+// int8 frozen weights also a block of the parameter dtype to dequantise into per fetch.
+uint64_t StagingBytes(const Layout& layout, const EngineConfig& config, uint64_t max_part) {
   uint64_t total_part = 0;
   for (const ParamLayout& p : layout.params()) total_part += p.info.partition_numel;
   const uint64_t staging =
@@ -68,64 +100,105 @@ Result<PinnedPlan> PlanPinnedMemory(const Layout& layout, const EngineConfig& co
                                  total_part) *
                   layout.elem_size(),
               4096);
-  // int8 frozen weights: a block of the parameter dtype to dequantise into per fetch.
   const uint64_t dequantise = config.frozen_int8 && layout.num_frozen() > 0 ? max_part : 0;
-  pinned += staging + dequantise;
-  // Gradient accumulators. Streaming: two sub-groups' worth is enough (the one the backward
-  // fills and the one being stepped); whatever the budget has left goes to them, so backward
-  // can run ahead of the optimizer.
-  plan.stream_grads = config.gradient_accumulation_steps <= 1 && config.gradient_clipping <= 0 &&
-                      max_group_grads > 0;
-  const uint64_t groups = host_groups;
-  plan.grad_block_bytes = max_group_grads;
-  plan.grads_min = plan.stream_grads ? std::min<uint64_t>(groups, 2) * max_group_grads : grads_all;
-  plan.fixed = pinned;
+  return staging + dequantise;
+}
+
+// Gradient accumulators into *plan. Streaming: two sub-groups' worth is enough (the one the
+// backward fills and the one being stepped); whatever the budget has left goes to them
+// (SharePinnedSpare), so backward can run ahead of the optimizer.
+void PlanGradientAccumulators(const EngineConfig& config, const GroupTotals& groups,
+                              PinnedPlan* plan) {
+  plan->stream_grads = config.gradient_accumulation_steps <= 1 && config.gradient_clipping <= 0 &&
+                       groups.max_group_grads > 0;
+  plan->grad_block_bytes = groups.max_group_grads;
+  plan->grads_min = plan->stream_grads
+                        ? std::min<uint64_t>(groups.host_groups, 2) * groups.max_group_grads
+                        : groups.grads_all;
+}
+
+// Whether speculative steps are wanted and, if so, their snapshot block and least share, into
+// *plan (after PlanOptimizerPools: an NVMe state block bounds the snapshot block from below).
+void PlanSpeculation(const EngineConfig& config, const GroupTotals& groups, bool device_is_host,
+                     PinnedPlan* plan) {
   // Speculation acts only where the optimizer waits for the norm: with clipping. "auto": with
   // the states in CPU memory, on a GPU. With NVMe states it moves their reads and writes into
   // the backward, where they compete with its parameter fetches (slower on the 3.15B run); on
   // the host device the backward and its copies run on the cores speculation would use, and
   // its snapshots cost more than waiting saves (bench/RESULTS.md, issue 31).
-  plan.speculation_wanted =
-      config.gradient_clipping > 0 && cpu_stepped > 0 &&
+  plan->speculation_wanted =
+      config.gradient_clipping > 0 && groups.cpu_stepped > 0 &&
       (config.speculative_step == SpeculativeStep::kOn ||
        (config.speculative_step == SpeculativeStep::kAuto && !device_is_host &&
         config.offload_optimizer.tier == Tier::kCpu && config.offload_optimizer.ratio > 0));
-  if (plan.speculation_wanted) {
-    // (NVMe states are redone in their snapshot block, so it is a state buffer's size.)
-    plan.snapshot_block_bytes = RoundUp(max_cpu_group_states, 4096);
-    if (config.offload_optimizer.tier == Tier::kNvme) {
-      plan.snapshot_block_bytes = std::max(plan.snapshot_block_bytes, plan.state_block_bytes);
-    }
-    if (config.speculative_step == SpeculativeStep::kOn) {
-      plan.snapshots_min = plan.snapshot_block_bytes;
-    }
+  if (!plan->speculation_wanted) return;
+  // (NVMe states are redone in their snapshot block, so it is a state buffer's size.)
+  plan->snapshot_block_bytes = RoundUp(groups.max_cpu_group_states, 4096);
+  if (config.offload_optimizer.tier == Tier::kNvme) {
+    plan->snapshot_block_bytes = std::max(plan->snapshot_block_bytes, plan->state_block_bytes);
   }
-  if (pinned + plan.grads_min + plan.snapshots_min > config.pinned_budget_bytes) {
-    return Status::ResourceExhausted(
-               "the pinned host budget of " + FormatBytes(config.pinned_budget_bytes) +
-               " is too small: this model needs about " +
-               FormatBytes(pinned + plan.grads_min + plan.snapshots_min) +
-               " (gradient partitions, cpu-tier parameters, optimizer swap buffers and staging" +
-               (plan.snapshots_min > 0
-                    ? ", and one speculative-step snapshot of " + FormatBytes(plan.snapshots_min) +
-                          " for zinf.speculative_step true (\"auto\" goes without)"
-                    : std::string()) +
-               "); raise zinf.pinned_budget_bytes or lower sub_group_size")
-        .WithKey("zinf.pinned_budget_bytes");
+  if (config.speculative_step == SpeculativeStep::kOn) {
+    plan->snapshots_min = plan->snapshot_block_bytes;
   }
-  if (plan.speculation_wanted && plan.snapshot_block_bytes > 0) {
+}
+
+// ResourceExhausted, naming what to raise, when `fixed` bytes and the accumulators' and
+// snapshots' least shares do not fit the pinned budget.
+Status CheckPinnedBudget(const EngineConfig& config, uint64_t fixed, const PinnedPlan& plan) {
+  if (fixed + plan.grads_min + plan.snapshots_min <= config.pinned_budget_bytes) {
+    return Status::OK();
+  }
+  return Status::ResourceExhausted(
+             "the pinned host budget of " + FormatBytes(config.pinned_budget_bytes) +
+             " is too small: this model needs about " +
+             FormatBytes(fixed + plan.grads_min + plan.snapshots_min) +
+             " (gradient partitions, cpu-tier parameters, optimizer swap buffers and staging" +
+             (plan.snapshots_min > 0
+                  ? ", and one speculative-step snapshot of " + FormatBytes(plan.snapshots_min) +
+                        " for zinf.speculative_step true (\"auto\" goes without)"
+                  : std::string()) +
+             "); raise zinf.pinned_budget_bytes or lower sub_group_size")
+      .WithKey("zinf.pinned_budget_bytes");
+}
+
+// What the budget has left beyond `fixed` bytes, shared out into *plan: snapshot blocks for
+// speculation, and streaming gradient blocks beyond the least two.
+void SharePinnedSpare(const EngineConfig& config, uint64_t fixed, const GroupTotals& groups,
+                      PinnedPlan* plan) {
+  if (plan->speculation_wanted && plan->snapshot_block_bytes > 0) {
     // What the budget has left (the accumulators stay whole with clipping). The arena's rest
     // is staging for prefetches and gradient landing, which run deeper with more: "auto" takes
     // half of it at most, true all it needs.
-    uint64_t spare = config.pinned_budget_bytes - pinned - plan.grads_min;
+    uint64_t spare = config.pinned_budget_bytes - fixed - plan->grads_min;
     if (config.speculative_step == SpeculativeStep::kAuto) spare /= 2;
-    plan.snapshot_blocks = std::min<uint64_t>(cpu_stepped, spare / plan.snapshot_block_bytes);
+    plan->snapshot_blocks =
+        std::min<uint64_t>(groups.cpu_stepped, spare / plan->snapshot_block_bytes);
   }
-  if (plan.stream_grads) {
-    const uint64_t spare = config.pinned_budget_bytes - pinned;
-    plan.grad_blocks = std::min<uint64_t>(
-        groups, std::max<uint64_t>(spare / max_group_grads, std::min<uint64_t>(groups, 2)));
+  if (plan->stream_grads) {
+    const uint64_t spare = config.pinned_budget_bytes - fixed;
+    plan->grad_blocks = std::min<uint64_t>(
+        groups.host_groups, std::max<uint64_t>(spare / groups.max_group_grads,
+                                               std::min<uint64_t>(groups.host_groups, 2)));
   }
+}
+
+}  // namespace
+
+Result<PinnedPlan> PlanPinnedMemory(const Layout& layout, const EngineConfig& config,
+                                    bool device_is_host) {
+  // Pinned memory: cpu-tier partitions, gradient accumulators, staging for nvme reads and
+  // optimizer buffers. All of it must fit the pinned budget.
+  PinnedPlan plan;
+  const ParamTotals params = TallyParams(layout, config);
+  const GroupTotals groups = TallyGroups(layout, config);
+  uint64_t pinned = params.cpu_tier_bytes;
+  pinned += PlanOptimizerPools(layout, config, groups, device_is_host, &plan);
+  pinned += StagingBytes(layout, config, params.max_part);
+  PlanGradientAccumulators(config, groups, &plan);
+  plan.fixed = pinned;
+  PlanSpeculation(config, groups, device_is_host, &plan);
+  ZINF_RETURN_IF_ERROR(CheckPinnedBudget(config, pinned, plan));
+  SharePinnedSpare(config, pinned, groups, &plan);
   return plan;
 }
 

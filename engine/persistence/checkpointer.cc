@@ -48,6 +48,67 @@ std::string JoinList(const std::vector<std::string>& items) {
   return list;
 }
 
+// Records sub-group gi's tensors in *man when it is frozen: data, not state, recorded by each
+// value's hash in `hashes`.
+void RecordFrozenTensors(const Layout& layout, size_t gi, const std::vector<uint64_t>& hashes,
+                         RankManifest* man) {
+  for (ParamId id : layout.group(gi).params) {
+    CheckpointTensor& t = man->tensors[id];
+    const ParamLayout& p = layout.param(id);
+    t.name = p.info.name;
+    t.numel = p.info.numel;
+    t.partition_numel = p.info.partition_numel;
+    t.sub_group = gi;
+    t.frozen = true;
+    t.value_hash = hashes[id];
+    t.updates = 0;  // never stepped
+  }
+}
+
+// Records trainable sub-group gi's tensors in *man: where each slice lies, its update count in
+// `states`, and the checksums of its master and states in `group_states` (the sub-group's).
+void RecordTrainableTensors(const Layout& layout, size_t gi, const StateStore& states,
+                            const void* group_states, RankManifest* man) {
+  const char* f = static_cast<const char*>(group_states);
+  for (ParamId id : layout.group(gi).params) {
+    const ParamLayout& p = layout.param(id);
+    CheckpointTensor& t = man->tensors[id];
+    t.name = p.info.name;
+    t.numel = p.info.numel;
+    t.partition_numel = p.info.partition_numel;
+    t.sub_group = gi;
+    t.slice_offset = p.slice_offset;
+    t.updates = states.updates(id);
+    for (int k = 0; k < 3; ++k) {
+      t.hash[k] = XXH3_64bits(f + layout.SliceOffsetIn(id, k), layout.SliceBytesIn(id, k));
+    }
+  }
+}
+
+// Writes `man` to a new file at `path`, fsync'ed.
+Status WriteManifestFile(const std::string& path, const RankManifest& man) {
+  const std::string text = SerializeRankManifest(man);  // names and user data are UTF-8
+  ZINF_ASSIGN_OR_RETURN(int mfd, CreateExclusive(path));
+  Status s = PwriteAll(mfd, text.data(), text.size(), 0, path);
+  if (s.ok() && fsync(mfd) != 0) s = ErrnoToStatus(errno, "fsync of " + path);
+  close(mfd);
+  return s;
+}
+
+// Rank 0, once every rank's files are in the staging folder: it gets its final name, then
+// `latest` names it; then the checkpoints older than the newest readable one before it go.
+Status CommitStaged(const std::string& dir, int64_t step) {
+  ZINF_RETURN_IF_ERROR(checkpoint_folder::MarkIncoming(dir));
+  ZINF_ASSIGN_OR_RETURN(const std::string name, checkpoint_folder::Commit(dir, step));
+  checkpoint_folder::Prune(dir, name, &ReadableCheckpoint);
+  return Status::OK();
+}
+
+// The FailedPrecondition of a checkpoint (`where` names it) saved from another model.
+Status ModelMismatch(const std::string& where, const std::string& what) {
+  return Status::FailedPrecondition(where + ": the checkpoint does not match this model: " + what);
+}
+
 }  // namespace
 
 Status Checkpointer::LockDir(const std::string& dir, bool create) {
@@ -99,24 +160,57 @@ std::string Checkpointer::FrozenMismatch(const CheckpointTensor& t, ParamId id) 
          "engine), or load its values by name (safetensors) instead";
 }
 
+Status Checkpointer::PrepareStaging(const std::string& dir, const std::string& incoming) {
+  ZINF_RETURN_IF_ERROR(LockDir(dir, /*create=*/true));
+  std::error_code ec;
+  std::filesystem::remove_all(incoming, ec);
+  if (ec) {
+    return Status::IoError("preparing checkpoint folder " + incoming + ": " + ec.message());
+  }
+  if (mkdir(incoming.c_str(), 0700) != 0) return ErrnoToStatus(errno, "creating " + incoming);
+  return Status::OK();
+}
+
+Status Checkpointer::WriteRankFiles(const std::string& incoming, StateStore* states,
+                                    const std::vector<uint64_t>& hashes, RankManifest* man) const {
+  const std::string states_path = incoming + "/" + man->states_file;
+  AlignedBuffer buf(layout_->LargestGroupStateBytes());
+  if (buf.data == nullptr) return Status::ResourceExhausted("checkpoint staging buffer");
+  ZINF_ASSIGN_OR_RETURN(int fd, CreateExclusive(states_path));
+  uint64_t offset = 0;
+  Status s;
+  man->tensors.resize(layout_->num_params());
+  for (size_t gi = 0; gi < layout_->num_groups() && s.ok(); ++gi) {
+    const GroupLayout& g = layout_->group(gi);
+    if (g.frozen) {  // data, not state: recorded by value hash
+      RecordFrozenTensors(*layout_, gi, hashes, man);
+      man->groups.push_back({0, offset});
+      continue;
+    }
+    s = states->Read(gi, buf.data);
+    if (!s.ok()) {
+      s = s.WithContext("reading optimizer states of sub-group " + std::to_string(gi));
+      break;
+    }
+    RecordTrainableTensors(*layout_, gi, *states, buf.data, man);
+    s = PwriteAll(fd, buf.data, layout_->GroupStateBytes(gi), offset, states_path);
+    man->groups.push_back({g.numel, offset});
+    offset += layout_->GroupStateBytes(gi);
+  }
+  if (s.ok() && fsync(fd) != 0) s = ErrnoToStatus(errno, "fsync of " + states_path);
+  close(fd);
+  ZINF_RETURN_IF_ERROR(s);
+  man->file_bytes = offset;
+  return WriteManifestFile(incoming + "/rank" + std::to_string(rank_) + ".json", *man);
+}
+
 Status Checkpointer::Save(const std::string& dir, const std::string& user_data, int64_t step,
                           StateStore* states, const std::vector<uint64_t>& hashes) {
-  namespace fs = std::filesystem;
   const std::string incoming = dir + "/" + checkpoint_folder::kIncoming;
   // Rank 0 makes sure of the folder (created 0700, writable, locked) and prepares an empty
   // staging folder.
   Status local;
-  if (rank_ == 0) {
-    local = LockDir(dir, /*create=*/true);
-    std::error_code ec;
-    if (local.ok()) fs::remove_all(incoming, ec);
-    if (local.ok() && !ec && mkdir(incoming.c_str(), 0700) != 0) {
-      local = ErrnoToStatus(errno, "creating " + incoming);
-    }
-    if (local.ok() && ec) {
-      local = Status::IoError("preparing checkpoint folder " + incoming + ": " + ec.message());
-    }
-  }
+  if (rank_ == 0) local = PrepareStaging(dir, incoming);
   ZINF_RETURN_IF_ERROR(collectives_->Agree(local, "SaveCheckpoint"));
 
   // Every rank writes its states file and manifest.
@@ -128,79 +222,12 @@ Status Checkpointer::Save(const std::string& dir, const std::string& user_data, 
   man.state_dtype = StateTypeName(layout_->state_type());
   man.states_file = "rank" + std::to_string(rank_) + ".states";
   man.user_data = user_data;
-  const std::string states_path = incoming + "/" + man.states_file;
-  local = [&]() -> Status {
-    AlignedBuffer buf(layout_->LargestGroupStateBytes());
-    if (buf.data == nullptr) return Status::ResourceExhausted("checkpoint staging buffer");
-    ZINF_ASSIGN_OR_RETURN(int fd, CreateExclusive(states_path));
-    uint64_t offset = 0;
-    Status s;
-    man.tensors.resize(layout_->num_params());
-    for (size_t gi = 0; gi < layout_->num_groups() && s.ok(); ++gi) {
-      const GroupLayout& g = layout_->group(gi);
-      if (g.frozen) {  // data, not state: recorded by value hash
-        for (ParamId id : g.params) {
-          CheckpointTensor& t = man.tensors[id];
-          const ParamLayout& p = layout_->param(id);
-          t.name = p.info.name;
-          t.numel = p.info.numel;
-          t.partition_numel = p.info.partition_numel;
-          t.sub_group = gi;
-          t.frozen = true;
-          t.value_hash = hashes[id];
-          t.updates = 0;  // never stepped
-        }
-        man.groups.push_back({0, offset});
-        continue;
-      }
-      s = states->Read(gi, buf.data);
-      if (!s.ok()) {
-        s = s.WithContext("reading optimizer states of sub-group " + std::to_string(gi));
-        break;
-      }
-      const char* f = static_cast<const char*>(buf.data);
-      for (ParamId id : g.params) {
-        const ParamLayout& p = layout_->param(id);
-        CheckpointTensor& t = man.tensors[id];
-        t.name = p.info.name;
-        t.numel = p.info.numel;
-        t.partition_numel = p.info.partition_numel;
-        t.sub_group = gi;
-        t.slice_offset = p.slice_offset;
-        t.updates = states->updates(id);
-        for (int k = 0; k < 3; ++k) {
-          t.hash[k] = XXH3_64bits(f + layout_->SliceOffsetIn(id, k), layout_->SliceBytesIn(id, k));
-        }
-      }
-      s = PwriteAll(fd, buf.data, layout_->GroupStateBytes(gi), offset, states_path);
-      man.groups.push_back({g.numel, offset});
-      offset += layout_->GroupStateBytes(gi);
-    }
-    if (s.ok() && fsync(fd) != 0) s = ErrnoToStatus(errno, "fsync of " + states_path);
-    close(fd);
-    ZINF_RETURN_IF_ERROR(s);
-    man.file_bytes = offset;
-    const std::string man_path = incoming + "/rank" + std::to_string(rank_) + ".json";
-    const std::string text = SerializeRankManifest(man);  // names and user data are UTF-8
-    ZINF_ASSIGN_OR_RETURN(int mfd, CreateExclusive(man_path));
-    s = PwriteAll(mfd, text.data(), text.size(), 0, man_path);
-    if (s.ok() && fsync(mfd) != 0) s = ErrnoToStatus(errno, "fsync of " + man_path);
-    close(mfd);
-    return s;
-  }();
+  local = WriteRankFiles(incoming, states, hashes, &man);
   ZINF_RETURN_IF_ERROR(collectives_->Agree(local, "SaveCheckpoint"));
   CrashPoint("checkpoint.files");
 
-  // Rank 0 commits: the staging folder gets its final name, then `latest` names it; then the
-  // checkpoints older than the newest readable one before it go.
-  if (rank_ == 0) {
-    local = checkpoint_folder::MarkIncoming(dir);
-    if (local.ok()) {
-      Result<std::string> name = checkpoint_folder::Commit(dir, step);
-      local = name.status();
-      if (name.ok()) checkpoint_folder::Prune(dir, *name, &ReadableCheckpoint);
-    }
-  }
+  // Rank 0 commits the staging folder and prunes; every rank learns the result.
+  if (rank_ == 0) local = CommitStaged(dir, step);
   return collectives_->Agree(local, "SaveCheckpoint");
 }
 
@@ -332,85 +359,86 @@ Status Checkpointer::ConvertGroupStates(size_t gi, StateType from, const void* s
 // beyond the tensor is zero. fp32 and bf16 states are element-addressable; int8 states are
 // stored in blocks of a saved slice and are refused.
 
-Status Checkpointer::ValidateResharded(const std::string& folder, int saved_world,
-                                       CheckpointReader* reader) {
-  const std::string where = folder + " (saved by " + std::to_string(saved_world) +
-                            " ranks, loading into " + std::to_string(world_) + ")";
-  auto mismatch = [&](const std::string& what) {
-    return Status::FailedPrecondition(where +
-                                      ": the checkpoint does not match this model: " + what);
-  };
+Status Checkpointer::AddSavedRank(const std::string& folder, int saved_world, int q,
+                                  const std::string& where, CheckpointReader* reader) const {
+  CheckpointReader::Saved saved;
+  const std::string man_path = folder + "/rank" + std::to_string(q) + ".json";
+  ZINF_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(man_path, 1 << 30));
+  ZINF_ASSIGN_OR_RETURN(saved.man, ParseRankManifest(text, man_path));
+  const RankManifest& m = saved.man;
+  if (m.world != saved_world || m.rank != q) {
+    return Status::Corruption(man_path + " says rank " + std::to_string(m.rank) + " of " +
+                              std::to_string(m.world) + "; rank0.json says " +
+                              std::to_string(saved_world) + " ranks");
+  }
+  if (m.optimizer != OptimizerTypeName(config_->optimizer.type)) {
+    return ModelMismatch(where, "optimizer " + m.optimizer + ", this engine runs " +
+                                    OptimizerTypeName(config_->optimizer.type));
+  }
+  ZINF_ASSIGN_OR_RETURN(const StateType type, ParseStateType(m.state_dtype));
+  if (type == StateType::kInt8) {
+    return Status::NotSupported(
+        where +
+        ": its optimizer states are int8 (blockwise per saved slice), which cannot be "
+        "cut for another number of ranks; load it with " +
+        std::to_string(saved_world) + " ranks, or save it from a run with fp32 or bf16 states");
+  }
+  if (q > 0 && (m.step != reader->saved_[0].man.step ||
+                m.state_dtype != reader->saved_[0].man.state_dtype)) {
+    return Status::Corruption(man_path + ": step or state dtype differs from rank 0's");
+  }
+  ZINF_RETURN_IF_ERROR(CheckSavedTensors(m, man_path, saved_world, where));
+  saved.path = folder + "/" + m.states_file;
+  uint64_t file_size = 0;
+  ZINF_ASSIGN_OR_RETURN(saved.fd, OpenRegularFile(saved.path, "checkpoint states", &file_size));
+  reader->saved_.push_back(std::move(saved));  // the reader closes its file from here on
+  const CheckpointReader::Saved& added = reader->saved_.back();
+  if (file_size != added.man.file_bytes) {
+    return Status::Corruption(added.path + " has " + std::to_string(file_size) +
+                              " bytes, its manifest says " + std::to_string(added.man.file_bytes) +
+                              " (a torn checkpoint)");
+  }
+  return Status::OK();
+}
+
+Status Checkpointer::CheckSavedTensors(const RankManifest& m, const std::string& man_path,
+                                       int saved_world, const std::string& where) const {
   const size_t num_params = layout_->num_params();
-  for (int q = 0; q < saved_world; ++q) {
-    CheckpointReader::Saved saved;
-    const std::string man_path = folder + "/rank" + std::to_string(q) + ".json";
-    ZINF_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(man_path, 1 << 30));
-    ZINF_ASSIGN_OR_RETURN(saved.man, ParseRankManifest(text, man_path));
-    const RankManifest& m = saved.man;
-    if (m.world != saved_world || m.rank != q) {
-      return Status::Corruption(man_path + " says rank " + std::to_string(m.rank) + " of " +
-                                std::to_string(m.world) + "; rank0.json says " +
-                                std::to_string(saved_world) + " ranks");
+  if (m.tensors.size() != num_params) {
+    return ModelMismatch(where, std::to_string(m.tensors.size()) + " tensors, this engine has " +
+                                    std::to_string(num_params));
+  }
+  for (size_t i = 0; i < num_params; ++i) {
+    const ParamLayout& p = layout_->param(static_cast<ParamId>(i));
+    const CheckpointTensor& t = m.tensors[i];
+    if (t.name != p.info.name || t.numel != p.info.numel) {
+      return ModelMismatch(where, "tensor " + std::to_string(i) + " is '" + t.name + "' with " +
+                                      std::to_string(t.numel) + " elements, this engine has '" +
+                                      p.info.name + "' with " + std::to_string(p.info.numel));
     }
-    if (m.optimizer != OptimizerTypeName(config_->optimizer.type)) {
-      return mismatch("optimizer " + m.optimizer + ", this engine runs " +
-                      OptimizerTypeName(config_->optimizer.type));
+    if (t.sub_group >= m.groups.size()) {
+      return Status::Corruption(man_path + ": tensor '" + t.name + "' names a missing sub-group");
     }
-    ZINF_ASSIGN_OR_RETURN(const StateType type, ParseStateType(m.state_dtype));
-    if (type == StateType::kInt8) {
-      return Status::NotSupported(
-          where +
-          ": its optimizer states are int8 (blockwise per saved slice), which cannot be "
-          "cut for another number of ranks; load it with " +
-          std::to_string(saved_world) + " ranks, or save it from a run with fp32 or bf16 states");
+    if (std::string why = FrozenMismatch(t, static_cast<ParamId>(i)); !why.empty()) {
+      return ModelMismatch(where, why + OldFormatHint(m));
     }
-    if (q > 0 && (m.step != reader->saved_[0].man.step ||
-                  m.state_dtype != reader->saved_[0].man.state_dtype)) {
-      return Status::Corruption(man_path + ": step or state dtype differs from rank 0's");
-    }
-    if (m.tensors.size() != num_params) {
-      return mismatch(std::to_string(m.tensors.size()) + " tensors, this engine has " +
-                      std::to_string(num_params));
-    }
-    for (size_t i = 0; i < num_params; ++i) {
-      const ParamLayout& p = layout_->param(static_cast<ParamId>(i));
-      const CheckpointTensor& t = m.tensors[i];
-      if (t.name != p.info.name || t.numel != p.info.numel) {
-        return mismatch("tensor " + std::to_string(i) + " is '" + t.name + "' with " +
-                        std::to_string(t.numel) + " elements, this engine has '" + p.info.name +
-                        "' with " + std::to_string(p.info.numel));
-      }
-      if (t.sub_group >= m.groups.size()) {
-        return Status::Corruption(man_path + ": tensor '" + t.name + "' names a missing sub-group");
-      }
-      if (std::string why = FrozenMismatch(t, static_cast<ParamId>(i)); !why.empty()) {
-        return mismatch(why + OldFormatHint(m));
-      }
-      // The saved parts must tile the tensor as `saved_world` ranks cut it (Layout's rule):
-      // a manifest that says otherwise would leave holes that load as zeros.
-      const uint64_t expected = RoundUp((t.numel + saved_world - 1) / saved_world, kPartitionAlign);
-      // int8 frozen weights are cut on the int8 block grid instead; they store nothing here.
-      const uint64_t int8_grid =
-          RoundUp((t.numel + saved_world - 1) / saved_world, kInt8StateBlock);
-      if (t.partition_numel != expected && !(t.frozen && t.partition_numel == int8_grid)) {
-        return Status::Corruption(man_path + ": tensor '" + t.name + "' has a part of " +
-                                  std::to_string(t.partition_numel) + " elements; " +
-                                  std::to_string(saved_world) + " ranks cut its " +
-                                  std::to_string(t.numel) + " into parts of " +
-                                  std::to_string(expected));
-      }
-    }
-    saved.path = folder + "/" + m.states_file;
-    uint64_t file_size = 0;
-    ZINF_ASSIGN_OR_RETURN(saved.fd, OpenRegularFile(saved.path, "checkpoint states", &file_size));
-    reader->saved_.push_back(std::move(saved));
-    if (file_size != m.file_bytes) {
-      return Status::Corruption(reader->saved_.back().path + " has " + std::to_string(file_size) +
-                                " bytes, its manifest says " + std::to_string(m.file_bytes) +
-                                " (a torn checkpoint)");
+    // The saved parts must tile the tensor as `saved_world` ranks cut it (Layout's rule):
+    // a manifest that says otherwise would leave holes that load as zeros.
+    const uint64_t expected = RoundUp((t.numel + saved_world - 1) / saved_world, kPartitionAlign);
+    // int8 frozen weights are cut on the int8 block grid instead; they store nothing here.
+    const uint64_t int8_grid = RoundUp((t.numel + saved_world - 1) / saved_world, kInt8StateBlock);
+    if (t.partition_numel != expected && !(t.frozen && t.partition_numel == int8_grid)) {
+      return Status::Corruption(man_path + ": tensor '" + t.name + "' has a part of " +
+                                std::to_string(t.partition_numel) + " elements; " +
+                                std::to_string(saved_world) + " ranks cut its " +
+                                std::to_string(t.numel) + " into parts of " +
+                                std::to_string(expected));
     }
   }
-  // This rank's manifest, as if it had saved it in this layout.
+  return Status::OK();
+}
+
+void Checkpointer::SynthesizeManifest(CheckpointReader* reader) const {
   const RankManifest& first = reader->saved_[0].man;
   RankManifest& man = reader->man_;
   man = RankManifest{};
@@ -429,7 +457,7 @@ Status Checkpointer::ValidateResharded(const std::string& folder, int saved_worl
     g.numel = layout_->group(gi).numel;
     man.groups.push_back(g);
   }
-  for (size_t i = 0; i < num_params; ++i) {
+  for (size_t i = 0; i < layout_->num_params(); ++i) {
     const ParamLayout& p = layout_->param(static_cast<ParamId>(i));
     CheckpointTensor t;
     t.name = p.info.name;
@@ -442,22 +470,36 @@ Status Checkpointer::ValidateResharded(const std::string& folder, int saved_worl
     t.value_hash = first.tensors[i].value_hash;
     man.tensors.push_back(t);
   }
-  // Pass 1: every saved slice this rank will take from is read and verified now.
-  reader->file_type_ = *ParseStateType(first.state_dtype);
-  for (size_t i = 0; i < num_params; ++i) {
+}
+
+Status Checkpointer::VerifySlicesTaken(const CheckpointReader& reader) const {
+  for (size_t i = 0; i < layout_->num_params(); ++i) {
     if (!layout_->param(static_cast<ParamId>(i)).info.trainable) continue;  // nothing stored
     const size_t part = layout_->param(static_cast<ParamId>(i)).info.partition_numel;
     const uint64_t begin = static_cast<uint64_t>(rank_) * part, end = begin + part;
-    for (const CheckpointReader::Saved& saved : reader->saved_) {
+    for (const CheckpointReader::Saved& saved : reader.saved_) {
       const CheckpointTensor& t = saved.man.tensors[i];
       const uint64_t sb = static_cast<uint64_t>(saved.man.rank) * t.partition_numel;
       if (sb >= end || sb + t.partition_numel <= begin) continue;
       for (int k = 0; k < 3; ++k) {
-        ZINF_RETURN_IF_ERROR(ReadSavedSlice(saved, i, k, reader->file_type_, 0, 0, nullptr));
+        ZINF_RETURN_IF_ERROR(ReadSavedSlice(saved, i, k, reader.file_type_, 0, 0, nullptr));
       }
     }
   }
   return Status::OK();
+}
+
+Status Checkpointer::ValidateResharded(const std::string& folder, int saved_world,
+                                       CheckpointReader* reader) {
+  const std::string where = folder + " (saved by " + std::to_string(saved_world) +
+                            " ranks, loading into " + std::to_string(world_) + ")";
+  for (int q = 0; q < saved_world; ++q) {
+    ZINF_RETURN_IF_ERROR(AddSavedRank(folder, saved_world, q, where, reader));
+  }
+  SynthesizeManifest(reader);
+  // Pass 1: every saved slice this rank will take from is read and verified now.
+  reader->file_type_ = *ParseStateType(reader->saved_[0].man.state_dtype);
+  return VerifySlicesTaken(*reader);
 }
 
 Status Checkpointer::ReadSavedSlice(const CheckpointReader::Saved& saved, size_t i, int k,

@@ -95,6 +95,12 @@ class Checkpointer {
   friend class CheckpointReader;
   // Rank 0: locks `dir` (with `create`: creates it 0700 and checks it is writable first).
   Status LockDir(const std::string& dir, bool create);
+  // Save, rank 0: `dir` created and locked (LockDir), `incoming` in it an empty new folder.
+  Status PrepareStaging(const std::string& dir, const std::string& incoming);
+  // Save, every rank: its states file (each sub-group of `states`, or a frozen one's value
+  // hashes) and its manifest in `incoming`; fills *man's tensors, sub-groups and size.
+  Status WriteRankFiles(const std::string& incoming, StateStore* states,
+                        const std::vector<uint64_t>& hashes, RankManifest* man) const;
   // Sub-group gi's [master | state 1 | state 2] with its states stored as `from` (src) into
   // this engine's state dtype (dst, GroupStateBytes(gi) bytes).
   Status ConvertGroupStates(size_t gi, StateType from, const void* src, void* dst) const;
@@ -110,6 +116,18 @@ class Checkpointer {
   // saving rank's manifest must describe this model, every slice this rank takes from them is
   // verified; fills reader->saved_ and synthesizes reader->man_ for this rank's layout.
   Status ValidateResharded(const std::string& folder, int saved_world, CheckpointReader* reader);
+  // ValidateResharded's steps. Saved rank q's manifest, checked against rank 0's and this
+  // model, with its states file opened, appended to reader->saved_ (`where` names the load).
+  Status AddSavedRank(const std::string& folder, int saved_world, int q, const std::string& where,
+                      CheckpointReader* reader) const;
+  // Manifest `m` (of `man_path`)'s tensors against this model's: names, sizes, sub-groups,
+  // frozen values, and parts cut as `saved_world` ranks cut them.
+  Status CheckSavedTensors(const RankManifest& m, const std::string& man_path, int saved_world,
+                           const std::string& where) const;
+  // reader->man_: this rank's manifest as if it had saved it in this layout.
+  void SynthesizeManifest(CheckpointReader* reader) const;
+  // Reads and verifies every saved slice that this rank's parts of the tensors overlap.
+  Status VerifySlicesTaken(const CheckpointReader& reader) const;
   // Reads state k (0: master) of tensor i of a saved rank's slice and verifies it against its
   // checksum, in bounded chunks; bytes [copy_from, copy_from + copy_bytes) of the slice go to
   // `dst` (null: verify only).

@@ -12,6 +12,125 @@ namespace zinf {
 
 namespace {
 const char* StorageName(const EngineConfig& c) { return c.bf16 ? "bf16" : "fp32"; }
+
+// The FailedPrecondition of a store that another model or configuration wrote.
+Status StoreMismatch(const std::string& what) {
+  return Status::FailedPrecondition(
+      "ResumeFromStore: the swap store was written by a different model or configuration: " + what);
+}
+
+// The settings the store was written with (format, ranks, delayed update, optimizer, parameter
+// and state dtypes) against this engine's. Throws nlohmann::json::exception on a missing or
+// mistyped field (CommitRecord::Check reports it).
+Status CheckWriterSettings(const nlohmann::json& j, const EngineConfig& config,
+                           const Layout& layout, int world) {
+  const bool delayed = config.delayed_update;
+  if (j.at("format").get<std::string>() != "zinf-durable-1") {
+    return StoreMismatch("unknown format");
+  }
+  if (const int saved = j.at("world").get<int>(); saved != world) {
+    return StoreMismatch("written by " + std::to_string(saved) + " ranks, this engine is one of " +
+                         std::to_string(world) +
+                         "; a durable store resumes only with the number of ranks that wrote "
+                         "it (resume with " +
+                         std::to_string(saved) +
+                         " and save a checkpoint: checkpoints load into any number of ranks)");
+  }
+  if (j.value("delayed", false) != delayed) {
+    return StoreMismatch(std::string("zinf.delayed_update was ") + (delayed ? "off" : "on") +
+                         " (the parameter stores are laid out per setting)");
+  }
+  const std::string opt = j.at("optimizer").get<std::string>();
+  if (opt != OptimizerTypeName(config.optimizer.type)) {
+    return StoreMismatch("optimizer " + opt + ", this engine runs " +
+                         OptimizerTypeName(config.optimizer.type));
+  }
+  const std::string storage = j.at("storage").get<std::string>();
+  if (storage != StorageName(config)) {
+    return StoreMismatch("parameters stored as " + storage + " (the bf16 setting differs)");
+  }
+  // Commits from before compressed states have none: fp32.
+  const std::string states = j.value("state_dtype", std::string("fp32"));
+  if (states != StateTypeName(layout.state_type())) {
+    return StoreMismatch("optimizer states stored as " + states + ", this engine keeps " +
+                         StateTypeName(layout.state_type()) + " (zinf.optimizer_state_dtype)");
+  }
+  return Status::OK();
+}
+
+// The record's "params" against this model's: the same parameters, trainable or frozen as
+// then, cut the same way. Throws nlohmann::json::exception on a missing or mistyped field.
+Status CheckParamLayouts(const nlohmann::json& ps, const std::vector<ParamLayout>& params) {
+  if (ps.size() != params.size()) {
+    return StoreMismatch(std::to_string(ps.size()) + " parameters, this model registers " +
+                         std::to_string(params.size()));
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ParamLayout& p = params[i];
+    // Which parameters train must be what the store was written with (a commit from before
+    // frozen parameters were recorded kept states for all of them).
+    const bool was_frozen = ps[i].size() >= 7 && ps[i].at(6).is_string();
+    if (ps[i].at(0).get<std::string>() == p.info.name && was_frozen == p.info.trainable) {
+      return StoreMismatch(
+          "parameter '" + p.info.name + "' was " + (was_frozen ? "frozen" : "trainable") +
+          " when the store was written and is " + (was_frozen ? "trainable" : "frozen") +
+          " now; resume with the same trainable set (or load a checkpoint's values "
+          "by name into a fresh run)");
+    }
+    if (ps[i].at(0).get<std::string>() != p.info.name ||
+        ps[i].at(1).get<size_t>() != p.info.numel ||
+        ps[i].at(2).get<size_t>() != p.info.partition_numel ||
+        ps[i].at(3).get<size_t>() != p.info.sub_group ||
+        ps[i].at(4).get<size_t>() != p.slice_offset) {
+      return StoreMismatch(
+          "parameter " + std::to_string(i) + " is '" + ps[i].at(0).get<std::string>() + "' with " +
+          std::to_string(ps[i].at(1).get<size_t>()) + " elements in parts of " +
+          std::to_string(ps[i].at(2).get<size_t>()) + ", this model has '" + p.info.name +
+          "' with " + std::to_string(p.info.numel) + " in parts of " +
+          std::to_string(p.info.partition_numel) +
+          " (same sub_group_size? int8 frozen weights are cut on their block grid since "
+          "issue 38: a store written before cannot resume them; load a checkpoint instead)");
+    }
+  }
+  return Status::OK();
+}
+
+// The commit's step, parameter version, lineage, parameter tier, user data, and each
+// parameter's update count and frozen value hash, into *out (filled as read, so partly on an
+// error). Throws nlohmann::json::exception on a missing or mistyped field.
+Status ReadCommitPoint(const nlohmann::json& j, const nlohmann::json& ps,
+                       const std::vector<ParamLayout>& params, CommitRecord::Point* out) {
+  out->step = j.at("step").get<int64_t>();
+  out->visible = j.value("visible", out->step);
+  out->lineage = j.value("lineage", uint64_t{0});
+  out->param_keys = j.at("param_tier").get<std::string>() == "nvme";
+  out->user_data = j.value("user_data", std::string());
+  if (out->step < 0) return StoreMismatch("negative step");
+  if (out->visible > out->step || out->visible < out->step - 1 || out->visible < 0) {
+    return StoreMismatch("parameter version " + std::to_string(out->visible) + " at step " +
+                         std::to_string(out->step));
+  }
+  out->updates.assign(params.size(), out->step);
+  out->frozen_hashes.assign(params.size(), 0);
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (ps[i].size() < 6) continue;  // a commit from before per-parameter counts
+    const int64_t u = ps[i].at(5).get<int64_t>();
+    if (u < 0 || u > out->step) {
+      return StoreMismatch("parameter '" + params[i].info.name + "' has " + std::to_string(u) +
+                           " updates at step " + std::to_string(out->step));
+    }
+    out->updates[i] = u;
+    if (ps[i].size() >= 7 && ps[i].at(6).is_string()) {
+      Result<uint64_t> h = ParseHashHex(ps[i].at(6).get<std::string>());
+      if (!h.ok())
+        return Status::Corruption("ResumeFromStore: the commit record's hash of '" +
+                                  params[i].info.name + "' is not 16 hex digits");
+      out->frozen_hashes[i] = *h;
+    }
+  }
+  return Status::OK();
+}
+
 }  // namespace
 
 std::string CommitRecord::Meta(int64_t at_step, int64_t at_visible, uint64_t lineage,
@@ -47,106 +166,15 @@ Status CommitRecord::Check(const std::string& meta, Point* out) const {
   if (meta.empty()) {
     return Status::NotFound("ResumeFromStore: the swap store has no commit to resume from");
   }
-  auto mismatch = [](const std::string& what) {
-    return Status::FailedPrecondition(
-        "ResumeFromStore: the swap store was written by a different model or configuration: " +
-        what);
-  };
   nlohmann::json j = nlohmann::json::parse(meta, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) {
     return Status::Corruption("ResumeFromStore: the store's commit record is not valid JSON");
   }
-  const bool delayed = config_->delayed_update;
-  const std::vector<ParamLayout>& params = layout_->params();
   try {
-    if (j.at("format").get<std::string>() != "zinf-durable-1") return mismatch("unknown format");
-    if (const int saved = j.at("world").get<int>(); saved != world_) {
-      return mismatch("written by " + std::to_string(saved) + " ranks, this engine is one of " +
-                      std::to_string(world_) +
-                      "; a durable store resumes only with the number of ranks that wrote it "
-                      "(resume with " +
-                      std::to_string(saved) +
-                      " and save a checkpoint: checkpoints load into any number of ranks)");
-    }
-    if (j.value("delayed", false) != delayed) {
-      return mismatch(std::string("zinf.delayed_update was ") + (delayed ? "off" : "on") +
-                      " (the parameter stores are laid out per setting)");
-    }
-    const std::string opt = j.at("optimizer").get<std::string>();
-    if (opt != OptimizerTypeName(config_->optimizer.type)) {
-      return mismatch("optimizer " + opt + ", this engine runs " +
-                      OptimizerTypeName(config_->optimizer.type));
-    }
-    const std::string storage = j.at("storage").get<std::string>();
-    if (storage != StorageName(*config_)) {
-      return mismatch("parameters stored as " + storage + " (the bf16 setting differs)");
-    }
-    // Commits from before compressed states have none: fp32.
-    const std::string states = j.value("state_dtype", std::string("fp32"));
-    if (states != StateTypeName(layout_->state_type())) {
-      return mismatch("optimizer states stored as " + states + ", this engine keeps " +
-                      StateTypeName(layout_->state_type()) + " (zinf.optimizer_state_dtype)");
-    }
-    const auto& ps = j.at("params");
-    if (ps.size() != params.size()) {
-      return mismatch(std::to_string(ps.size()) + " parameters, this model registers " +
-                      std::to_string(params.size()));
-    }
-    for (size_t i = 0; i < params.size(); ++i) {
-      const ParamLayout& p = params[i];
-      // Which parameters train must be what the store was written with (a commit from before
-      // frozen parameters were recorded kept states for all of them).
-      const bool was_frozen = ps[i].size() >= 7 && ps[i].at(6).is_string();
-      if (ps[i].at(0).get<std::string>() == p.info.name && was_frozen == p.info.trainable) {
-        return mismatch(
-            "parameter '" + p.info.name + "' was " + (was_frozen ? "frozen" : "trainable") +
-            " when the store was written and is " + (was_frozen ? "trainable" : "frozen") +
-            " now; resume with the same trainable set (or load a checkpoint's values "
-            "by name into a fresh run)");
-      }
-      if (ps[i].at(0).get<std::string>() != p.info.name ||
-          ps[i].at(1).get<size_t>() != p.info.numel ||
-          ps[i].at(2).get<size_t>() != p.info.partition_numel ||
-          ps[i].at(3).get<size_t>() != p.info.sub_group ||
-          ps[i].at(4).get<size_t>() != p.slice_offset) {
-        return mismatch(
-            "parameter " + std::to_string(i) + " is '" + ps[i].at(0).get<std::string>() +
-            "' with " + std::to_string(ps[i].at(1).get<size_t>()) + " elements in parts of " +
-            std::to_string(ps[i].at(2).get<size_t>()) + ", this model has '" + p.info.name +
-            "' with " + std::to_string(p.info.numel) + " in parts of " +
-            std::to_string(p.info.partition_numel) +
-            " (same sub_group_size? int8 frozen weights are cut on their block grid since "
-            "issue 38: a store written before cannot resume them; load a checkpoint instead)");
-      }
-    }
-    out->step = j.at("step").get<int64_t>();
-    out->visible = j.value("visible", out->step);
-    out->lineage = j.value("lineage", uint64_t{0});
-    out->param_keys = j.at("param_tier").get<std::string>() == "nvme";
-    out->user_data = j.value("user_data", std::string());
-    if (out->step < 0) return mismatch("negative step");
-    if (out->visible > out->step || out->visible < out->step - 1 || out->visible < 0) {
-      return mismatch("parameter version " + std::to_string(out->visible) + " at step " +
-                      std::to_string(out->step));
-    }
-    out->updates.assign(params.size(), out->step);
-    out->frozen_hashes.assign(params.size(), 0);
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (ps[i].size() < 6) continue;  // a commit from before per-parameter counts
-      const int64_t u = ps[i].at(5).get<int64_t>();
-      if (u < 0 || u > out->step) {
-        return mismatch("parameter '" + params[i].info.name + "' has " + std::to_string(u) +
-                        " updates at step " + std::to_string(out->step));
-      }
-      out->updates[i] = u;
-      if (ps[i].size() >= 7 && ps[i].at(6).is_string()) {
-        Result<uint64_t> h = ParseHashHex(ps[i].at(6).get<std::string>());
-        if (!h.ok())
-          return Status::Corruption("ResumeFromStore: the commit record's hash of '" +
-                                    params[i].info.name + "' is not 16 hex digits");
-        out->frozen_hashes[i] = *h;
-      }
-    }
+    ZINF_RETURN_IF_ERROR(CheckWriterSettings(j, *config_, *layout_, world_));
+    const nlohmann::json& ps = j.at("params");
+    ZINF_RETURN_IF_ERROR(CheckParamLayouts(ps, layout_->params()));
+    ZINF_RETURN_IF_ERROR(ReadCommitPoint(j, ps, layout_->params(), out));
   } catch (const nlohmann::json::exception& ex) {
     return Status::Corruption(std::string("ResumeFromStore: the store's commit record is "
                                           "missing a field (") +
