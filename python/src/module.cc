@@ -41,14 +41,47 @@ py::dict InspectCheckpoint(const safetensors::Checkpoint& ckpt) {
   return out;
 }
 
-}  // namespace
-}  // namespace zinf::python
+// parse_config's dict: the settings the Python layer reads from a parsed config.
+py::dict ConfigSummary(const EngineConfig& c, const std::vector<std::string>& warnings) {
+  py::dict d;
+  d["warnings"] = warnings;
+  d["param_tier"] = TierName(c.offload_param.tier);
+  d["optimizer_tier"] = TierName(c.offload_optimizer.tier);
+  std::vector<std::string> paths = c.offload_param.nvme_paths;
+  for (const std::string& p : c.offload_optimizer.nvme_paths) {
+    if (std::find(paths.begin(), paths.end(), p) == paths.end()) paths.push_back(p);
+  }
+  d["nvme_paths"] = paths;
+  d["bf16"] = c.bf16;
+  d["lr"] = c.optimizer.lr;
+  d["optimizer_type"] = std::string(c.optimizer.type == OptimizerType::kAdam      ? "Adam"
+                                    : c.optimizer.type == OptimizerType::kAdamW   ? "AdamW"
+                                    : c.optimizer.type == OptimizerType::kAdagrad ? "Adagrad"
+                                                                                  : "Lion");
+  d["betas"] = py::make_tuple(c.optimizer.beta1, c.optimizer.beta2);
+  d["eps"] = c.optimizer.eps;
+  d["weight_decay"] = c.optimizer.weight_decay;
+  d["train_micro_batch_size_per_gpu"] = c.train_micro_batch_size_per_gpu;
+  d["train_batch_size"] = c.train_batch_size;
+  d["gradient_accumulation_steps"] = c.gradient_accumulation_steps;
+  d["gradient_clipping"] = c.gradient_clipping;
+  d["durable"] = c.durable;
+  d["delayed_update"] = c.delayed_update;
+  d["optimizer_state_dtype"] = StateTypeName(c.optimizer_state_type);
+  // As the config writes it: true, false or "auto".
+  if (c.speculative_step == SpeculativeStep::kAuto) {
+    d["speculative_step"] = py::str("auto");
+  } else {
+    d["speculative_step"] = py::bool_(c.speculative_step == SpeculativeStep::kOn);
+  }
+  d["device_budget_bytes"] = c.device_budget_bytes;
+  d["pinned_budget_bytes"] = c.pinned_budget_bytes;
+  d["collective_timeout_seconds"] = c.collective_timeout_seconds;
+  return d;
+}
 
-PYBIND11_MODULE(_zinf, m) {
-  using namespace zinf;
-  using namespace zinf::python;
-  m.doc() = "zinf's engine (the C++ core of the zinf package; see zinf/__init__.py)";
-
+// zinf.ZinfError, raised for every failed Status (its code and errno as attributes).
+void BindErrors(py::module_& m) {
   static py::exception<ZinfException> error(m, "ZinfError", PyExc_RuntimeError);
   g_error = error.ptr();
   py::register_exception_translator([](std::exception_ptr p) {
@@ -61,7 +94,11 @@ PYBIND11_MODULE(_zinf, m) {
       PyErr_SetObject(g_error, err.ptr());
     }
   });
+}
 
+// Module-level functions: the build's and the machine's facts, config parsing and planning,
+// zinf's log.
+void BindFunctions(py::module_& m) {
   m.def("cuda_device_count", &CudaDeviceCount,
         "CUDA devices zinf can use (0 when built without CUDA or without a driver)");
   m.def("cpu_isa", [] { return std::string(CpuIsaName(BestCpuIsa())); });
@@ -74,41 +111,7 @@ PYBIND11_MODULE(_zinf, m) {
       [](const std::string& json) {
         std::vector<std::string> warnings;
         EngineConfig c = Take(ParseEngineConfig(json, &warnings));
-        py::dict d;
-        d["warnings"] = warnings;
-        d["param_tier"] = TierName(c.offload_param.tier);
-        d["optimizer_tier"] = TierName(c.offload_optimizer.tier);
-        std::vector<std::string> paths = c.offload_param.nvme_paths;
-        for (const std::string& p : c.offload_optimizer.nvme_paths) {
-          if (std::find(paths.begin(), paths.end(), p) == paths.end()) paths.push_back(p);
-        }
-        d["nvme_paths"] = paths;
-        d["bf16"] = c.bf16;
-        d["lr"] = c.optimizer.lr;
-        d["optimizer_type"] = std::string(c.optimizer.type == OptimizerType::kAdam      ? "Adam"
-                                          : c.optimizer.type == OptimizerType::kAdamW   ? "AdamW"
-                                          : c.optimizer.type == OptimizerType::kAdagrad ? "Adagrad"
-                                                                                        : "Lion");
-        d["betas"] = py::make_tuple(c.optimizer.beta1, c.optimizer.beta2);
-        d["eps"] = c.optimizer.eps;
-        d["weight_decay"] = c.optimizer.weight_decay;
-        d["train_micro_batch_size_per_gpu"] = c.train_micro_batch_size_per_gpu;
-        d["train_batch_size"] = c.train_batch_size;
-        d["gradient_accumulation_steps"] = c.gradient_accumulation_steps;
-        d["gradient_clipping"] = c.gradient_clipping;
-        d["durable"] = c.durable;
-        d["delayed_update"] = c.delayed_update;
-        d["optimizer_state_dtype"] = StateTypeName(c.optimizer_state_type);
-        // As the config writes it: true, false or "auto".
-        if (c.speculative_step == SpeculativeStep::kAuto) {
-          d["speculative_step"] = py::str("auto");
-        } else {
-          d["speculative_step"] = py::bool_(c.speculative_step == SpeculativeStep::kOn);
-        }
-        d["device_budget_bytes"] = c.device_budget_bytes;
-        d["pinned_budget_bytes"] = c.pinned_budget_bytes;
-        d["collective_timeout_seconds"] = c.collective_timeout_seconds;
-        return d;
+        return ConfigSummary(c, warnings);
       },
       py::arg("json"), "parses a config (InvalidArgument naming the key path); a summary dict");
   m.def("parse_byte_size", [](const std::string& text, const std::string& what) {
@@ -138,7 +141,11 @@ PYBIND11_MODULE(_zinf, m) {
   m.def("log_info", [](const std::string& line) { LogInfo(line); });
   m.def("log_warning", [](const std::string& line) { LogWarning(line); });
   m.def("format_bytes", [](uint64_t n) { return FormatBytes(n); });
+}
 
+// The files the Python layer drives: saved activations on NVMe, the zinf.Init spill file,
+// safetensors checkpoints.
+void BindFiles(py::module_& m) {
   py::class_<ActivationSwap, std::shared_ptr<ActivationSwap>>(m, "ActivationSwap")
       .def(py::init<const std::vector<std::string>&, uint64_t, const std::string&, uint32_t,
                     uint32_t>(),
@@ -198,7 +205,10 @@ PYBIND11_MODULE(_zinf, m) {
                                   it->second.bytes);
           },
           "(file, offset, bytes) of a tensor's data (checked against its file's size)");
+}
 
+// The engine (PyEngine).
+void BindEngine(py::module_& m) {
   py::class_<PyEngine>(m, "Engine")
       .def(py::init<const std::string&, const std::string&, int, bool, uintptr_t, uint64_t,
                     const py::object&>(),
@@ -262,4 +272,15 @@ PYBIND11_MODULE(_zinf, m) {
       .def_property_readonly("gradient_accumulation_steps", [](PyEngine& e) {
         return e.engine().config().gradient_accumulation_steps;
       });
+}
+
+}  // namespace
+}  // namespace zinf::python
+
+PYBIND11_MODULE(_zinf, m) {
+  m.doc() = "zinf's engine (the C++ core of the zinf package; see zinf/__init__.py)";
+  zinf::python::BindErrors(m);
+  zinf::python::BindFunctions(m);
+  zinf::python::BindFiles(m);
+  zinf::python::BindEngine(m);
 }
