@@ -544,6 +544,8 @@ Status Engine::Impl::InitStores() {
     if (layout_.group(gi).frozen) {
       ZINF_RETURN_IF_ERROR(
           frozen_->InitGroup(gi, resume, point.frozen_hashes, inits_, &initial_hashes_));
+      // (A parameter whose store kept its committed copy is never aliased: that needs NVMe
+      // parameters, an alias the device tier.)
       for (ParamId id : layout_.group(gi).params) {
         if (world_ == 1 && config_.offload_param.tier == Tier::kDevice) fetch_->Alias(id);
       }

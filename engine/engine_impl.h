@@ -107,7 +107,7 @@ class Engine::Impl {
   std::vector<uint64_t> initial_hashes_;
   // Several ranks: the initial values are compared at the first call that uses them
   // (CheckInitialValues), so that a load that replaces them first (SetParameterValues,
-  // LoadCheckpoint) is not refused for values nobody trains on. 0 in initial_hashes: replaced.
+  // LoadCheckpoint) is not refused for values nobody trains on. 0 in initial_hashes_: replaced.
   bool values_unchecked_ = false;
   Status CheckInitialValues();
   // SetParameterValues with several ranks: the `count` parameters marked in `wanted` and
@@ -163,7 +163,8 @@ class Engine::Impl {
   Status BuildComponents(const PinnedPlan& plan);
   Status InitStores();
   // A parameter the optimizer may be rewriting now (delayed update: its gradient was reduced
-  // in this boundary micro-step).
+  // in this boundary micro-step). The function reads clock_ and grads_: FetchScheduler calls
+  // it on the trainer's thread only.
   FetchScheduler::Rewriting Rewriting() const {
     return
         [this](ParamId id) { return clock_.delayed() && clock_.boundary() && grads_->reduced(id); };

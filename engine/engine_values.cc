@@ -186,8 +186,11 @@ Status Engine::Impl::GatherPartition(const ParamLayout& p, const float* mine, fl
     std::memcpy(out, mine, p.info.numel * sizeof(float));
     return Status::OK();
   }
+  // A copy of its own: the collective's upload may still read it when the collective fails,
+  // and `mine` may be states the optimizer rewrites after this call.
+  const std::vector<float> part(mine, mine + p.info.partition_numel);
   std::vector<float> gathered(p.padded_numel);
-  ZINF_RETURN_IF_ERROR(collectives_->AllGather(mine, gathered.data(),
+  ZINF_RETURN_IF_ERROR(collectives_->AllGather(part.data(), gathered.data(),
                                                p.info.partition_numel * sizeof(float),
                                                "gathering '" + p.info.name + "'"));
   std::memcpy(out, gathered.data(), p.info.numel * sizeof(float));
