@@ -53,7 +53,7 @@ setup(
     name="zinf",
     version="0.1.0",
     description="zinf: train models larger than GPU and host memory (ZeRO-Infinity engine)",
-    packages=["zinf"],
+    packages=["zinf", "zinf._ds"],
     package_data={"zinf": compat_files()},
     ext_modules=[Extension("zinf._zinf", sources=[])],
     cmdclass={"build_ext": CMakeBuild},

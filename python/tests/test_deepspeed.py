@@ -7,7 +7,7 @@ in is driven the same way; a training script in the shape of DeepSpeed's tutoria
 
 The transcription below follows deepspeed/runtime/lr_schedules.py statement by statement
 (its classes' state: last_batch_iteration starting at -1, step() after every optimizer step);
-zinf's own schedules (zinf/_schedulers.py) are written differently, so the comparison checks
+zinf's own schedules (zinf/_ds/schedulers.py) are written differently, so the comparison checks
 one against the other. 1e-12: both compute in double precision from the same inputs; the
 only difference allowed is rounding (the order of a few operations), far below 1e-12 for rates
 around 1e-3.

@@ -18,14 +18,16 @@ the config's "optimizer"), not torch's. See docs/pytorch.md.
 """
 import torch
 
-from . import _deepspeed, _initialize, _zinf, checkpointing
+from . import _initialize, _zinf, checkpointing
 from ._activations import checkpoint
 from ._config import config_text
-from ._deepspeed import DeepSpeedEngine, add_config_arguments, init_distributed
+from ._ds import initialize as _ds_initialize
+from ._ds.engine import DeepSpeedEngine
+from ._ds.initialize import add_config_arguments, init_distributed
+from ._ds.schedulers import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from ._engine import ZinfEngine, ZinfError
 from ._init import Init
 from ._safetensors import load_safetensors, save_safetensors
-from ._schedulers import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from ._subclasses import Snapshot, ZinfParameter
 
 __version__ = "0.1.0"
@@ -85,10 +87,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
     if model is None:
         raise TypeError("zinf.initialize: pass the model: initialize(model, config) or "
                         "initialize(args=..., model=..., config=...)")
-    return _deepspeed.initialize(args=args, model=model, optimizer=optimizer,
-                                 model_parameters=model_parameters, training_data=training_data,
-                                 lr_scheduler=lr_scheduler, distributed_port=distributed_port,
-                                 mpu=mpu, dist_init_required=dist_init_required,
-                                 collate_fn=collate_fn, config=config,
-                                 config_params=config_params, device=device,
-                                 scale_wrt_gas=scale_wrt_gas)
+    return _ds_initialize.initialize(
+        args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+        training_data=training_data, lr_scheduler=lr_scheduler,
+        distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
+        collate_fn=collate_fn, config=config, config_params=config_params, device=device,
+        scale_wrt_gas=scale_wrt_gas)

@@ -23,13 +23,11 @@ call that involves it:
 The engine keeps acquired memory, placeholders and releases (_residency.py); this module
 decides what a call is (_calls.py) and which of the engine's paths serves it.
 """
-import ctypes
 import weakref
 
 import torch
 
 # base_data stays reachable as zinf._access.base_data (tests read the placeholder through it).
-from . import _state
 from ._calls import DISABLE, base_data, plain, set_base_data, storage_ptr  # noqa: F401
 from ._errors import error
 from ._residency import Frame
@@ -40,42 +38,47 @@ from ._subclasses import Snapshot, is_whole, snapshot
 
 
 class ParamAccess:
-    """Serves the reads and writes of an engine's parameters outside its module hooks."""
+    """Serves the reads and writes of an engine's parameters outside its module hooks.
 
-    def __init__(self, engine):
-        self._engine = weakref.ref(engine)
+    The model holds it (its load_state_dict), so it holds the engine's context weakly: a
+    dropped engine's core goes with it."""
+
+    def __init__(self, ctx, residency, packing):
+        self._ctx = weakref.ref(ctx)
+        self._residency = residency
+        self._packing = packing
         self._batch = None  # {param id: (record, source tensor)} while load_state_dict runs
 
     @property
-    def engine(self):
-        return self._engine()
+    def ctx(self):
+        return self._ctx()
 
     # -- Reads
 
     def read(self, func, args, kwargs, managed):
-        e = self.engine
+        e = self.ctx
         recs = []
         for t in managed:
             if t._zinf_rec not in recs:
                 recs.append(t._zinf_rec)
-        e._enter("reading parameter '%s'" % recs[0].names[0])
+        e.enter("reading parameter '%s'" % recs[0].names[0])
         need = [r for r in recs if not r.state.in_forward]
         grad = torch.is_grad_enabled() and any(r.param.requires_grad for r in need)
         # Outside a forward a read starts no micro-step: an inference acquire, unless a
         # backward runs (its acquires are training ones).
-        residency = e._residency
-        inference = (not residency.traced) if residency.stack else not e._micro.in_backward
-        if not residency.stack and not e._micro.in_backward and need:
-            e._between_steps("read parameter %s outside a forward"
+        residency = self._residency
+        inference = (not residency.traced) if residency.stack else not e.micro.in_backward
+        if not residency.stack and not e.micro.in_backward and need:
+            e.between_steps("read parameter %s outside a forward"
                              % ", ".join("'%s'" % r.names[0] for r in need))
         if inference:
-            e._micro.check_inference_read(need[0])
+            e.micro.check_inference_read(need[0])
         frame = Frame()
         residency.acquire_forward(need, frame, inference=inference)
         try:
             hooks = None
-            if grad and not e._packing.own_hooks_innermost():
-                hooks = e._packing.hooks()
+            if grad and not self._packing.own_hooks_innermost():
+                hooks = self._packing.hooks()
             if hooks is not None:
                 with hooks:
                     with DISABLE():
@@ -104,16 +107,16 @@ class ParamAccess:
     # -- Writes
 
     def write(self, func, args, kwargs, written, managed):
-        e = self.engine
+        e = self.ctx
         recs = []
         for t in written:
             if t._zinf_rec not in recs:
                 recs.append(t._zinf_rec)
         what = getattr(func, "__name__", "a write")
-        e._enter("writing parameter '%s'" % recs[0].names[0])
-        e._micro.check_writable(recs[0], what, bool(e._residency.stack))
+        e.enter("writing parameter '%s'" % recs[0].names[0])
+        e.micro.check_writable(recs[0], what, e.forward_running)
         if self._batch is None:
-            e._between_steps("write parameter %s (%s)"
+            e.between_steps("write parameter %s (%s)"
                              % (", ".join("'%s'" % r.names[0] for r in recs), what))
         if self._batch is not None and what == "copy_" and len(recs) == 1 and \
                 len(args) >= 2 and not kwargs and isinstance(args[1], torch.Tensor) and \
@@ -125,11 +128,12 @@ class ParamAccess:
                    if t._zinf_rec not in recs and not t._zinf_rec.state.in_forward]
         frame = Frame()
         if sources:
-            e._residency.acquire_forward([t._zinf_rec for t in sources], frame, inference=True)
+            self._residency.acquire_forward([t._zinf_rec for t in sources], frame,
+                                            inference=True)
         scratch = {}
         try:
             for r in recs:
-                values = _state.gather(e, r, torch.float32)
+                values = e.gather(r, torch.float32)
                 scratch[r.id] = values.to(e.device) if e.device.type != "cpu" else values
                 set_base_data(r.param, scratch[r.id])
             with DISABLE():
@@ -137,7 +141,7 @@ class ParamAccess:
         finally:
             for r in recs:
                 set_base_data(r.param, r.placeholder)
-            e._residency.release_forward(frame)
+            self._residency.release_forward(frame)
         for r in recs:
             v = scratch[r.id]
             if v.shape != r.shape or v.dtype != torch.float32:
@@ -145,14 +149,14 @@ class ParamAccess:
                             "%s on parameter '%s' would change its shape or dtype to %s %s; "
                             "zinf keeps a parameter's shape (nothing was written)"
                             % (what, r.names[0], tuple(v.shape), v.dtype))
-        self._set_values([(r, scratch[r.id]) for r in recs])
+        e.set_values([(r, scratch[r.id]) for r in recs])
         return written[0] if out is None else out
 
     def assign(self, param, value):
         """`param.data = value`: new values of the same shape, dtype and device."""
         rec = param._zinf_rec
-        e = self.engine
-        e._enter("assigning parameter '%s'.data" % rec.names[0])
+        e = self.ctx
+        e.enter("assigning parameter '%s'.data" % rec.names[0])
         if isinstance(value, Snapshot) and value._zinf_of() is param and value._zinf_whole \
                 and value._version == 0:
             return  # its own values, unchanged (model.float() or .to(the same device))
@@ -168,25 +172,9 @@ class ParamAccess:
                         "under torch.no_grad()" % (rec.names[0], value.dtype, tuple(value.shape),
                                                    value.device, rec.dtype, tuple(rec.shape),
                                                    e.device))
-        e._micro.check_writable(rec, ".data =", bool(e._residency.stack))
-        e._between_steps("write parameter '%s' (.data =)" % rec.names[0])
-        self._set_values([(rec, plain(value).detach())])
-
-    def _set_values(self, pairs):
-        """Hands fp32 copies of `pairs` [(record, tensor)] to the engine in one call."""
-        e = self.engine
-        values = {}
-        for r, t in pairs:
-            values[r.id] = t.detach().to(device="cpu", dtype=torch.float32).contiguous()
-            if not bool(torch.isfinite(values[r.id]).all()):
-                e._warn_nonfinite(r)
-
-        def fill(pid, ptr):
-            v = values[pid]
-            ctypes.memmove(ptr, v.data_ptr(), v.numel() * 4)
-
-        e._core.set_parameter_values(sorted(values), fill)
-        e._values_set()
+        e.micro.check_writable(rec, ".data =", e.forward_running)
+        e.between_steps("write parameter '%s' (.data =)" % rec.names[0])
+        e.set_values([(rec, plain(value).detach())])
 
     # -- load_state_dict
 
@@ -194,11 +182,11 @@ class ParamAccess:
         """model.load_state_dict through the engine: the same keys, shapes and strictness as
         torch's; every copy torch makes into a parameter is collected and loaded in one pass
         when torch's load has checked everything, and nothing is loaded when it fails."""
-        e = self.engine
-        e._enter("load_state_dict")
+        e = self.ctx
+        e.enter("load_state_dict")
         if self._batch is not None:
             return original(state_dict, strict)
-        e._between_steps("model.load_state_dict")
+        e.between_steps("model.load_state_dict")
         self._batch = {}
         try:
             try:
@@ -210,5 +198,5 @@ class ParamAccess:
         finally:
             self._batch = None
         if batch:
-            self._set_values([batch[k] for k in sorted(batch)])
+            e.set_values([batch[k] for k in sorted(batch)])
         return result

@@ -33,73 +33,81 @@ How a parameter is used (every nn.Module that owns parameters gets forward hooks
 ZinfEngine is a façade over collaborators, each owning its part of the state: ParamRegistry
 (_registry.py: the managed parameters, registration), ManagedParam (_param.py: each one's
 state, with checked transitions), Residency (_residency.py: what is acquired, for which
-holder), Packing (_packing.py: saved tensors as references), ModuleHooks (_hooks.py: forward
-and gradient hooks), MicroStep (_microstep.py: the accumulation window and its refusals),
-Driver (_driver.py), ParamAccess (_access.py: reads and writes outside the hooks) and
-_state.py (checkpoints, gather, full_state_dict).
+holder), Packing (_packing.py: saved tensors as references), ModuleHooks (_module_hooks.py:
+forward and gradient hooks), MicroStep (_microstep.py: the accumulation window and its
+refusals), Driver (_driver.py), ParamAccess (_access.py: reads and writes outside the hooks)
+and _checkpoint.py (checkpoints, resuming from the store, full_state_dict). What they share
+(the core, the entry checks) is one EngineContext (_context.py), handed to each at
+construction: no other module reads the engine's private fields. Code that is handed an
+engine by the user (zinf.load_safetensors, GatheredParameters, the DeepSpeed engine in _ds/)
+reaches its context through context_of(engine).
 """
-import os
+import weakref
 
 import torch
 
-from . import _autograd, _state, _zinf
+from . import _autograd, _checkpoint
 from ._access import ParamAccess
 from ._calls import set_base_data
+from ._context import EngineContext
 from ._driver import Driver
-from ._errors import ZinfError, error
-from ._hooks import ModuleHooks
+from ._errors import ZinfError
 from ._microstep import MicroStep
-from ._optim import GroupPlan, ZinfOptimizer
+from ._module_hooks import ModuleHooks
+from ._optim import GroupSync, ZinfOptimizer
 from ._packing import Packing
 from ._registry import ParamRegistry
 from ._residency import Residency
+
+
+def context_of(engine):
+    """`engine`'s EngineContext: for the package's code that is handed an engine (by the user,
+    or through a parameter) rather than built by it."""
+    return engine._ctx
+
+
+def access_of(engine):
+    """`engine`'s ParamAccess (what a ZinfParameter hands its reads and writes to)."""
+    return engine._access
 
 
 class ZinfEngine:
     """A model trained by zinf. Create it with zinf.initialize(model, config)."""
 
     def __init__(self, model, core, device, scale_wrt_gas=True, hyper=None,
-                 client_optimizer=None, lr_scheduler=None, plan=None):
+                 client_optimizer=None, lr_scheduler=None, plan=None, stream=None):
         self.module = model
         self.device = torch.device(device)
-        self._core = core
-        self._scale_wrt_gas = scale_wrt_gas
-        self._gas = max(1, core.gradient_accumulation_steps)
         # Data parallelism across processes (zinf._distributed): each rank its own micro-batch,
         # gradients averaged over the ranks, as DeepSpeed does.
         self.rank = core.rank
         self.world_size = core.world_size
         self.local_rank = 0
-        self._dtype = torch.bfloat16 if core.bf16 else torch.float32
-        self._closed = False
-        self._gathered = 0  # GatheredParameters blocks open (_gathered.py)
-        self._stream = None  # the CUDA stream handle the engine orders against
-        self._driver = Driver()
         self._registry = ParamRegistry()
-        self._micro = MicroStep(self._gas)
+        self._micro = MicroStep(max(1, core.gradient_accumulation_steps))
         self._residency = Residency(self, self._registry, self._micro)
-        self._packing = Packing(self._residency, self.device)
-        self._hooks = ModuleHooks(self, self._registry, self._residency, self._packing,
-                                  self._micro)
-        self._access = ParamAccess(self)
         hyper = hyper or {}
-        self._group_defaults = {"betas": tuple(hyper.get("betas", (0.9, 0.999))),
-                                "eps": hyper.get("eps", 1e-8),
-                                "weight_decay": hyper.get("weight_decay", 0.0)}
+        self._groups = GroupSync({"betas": tuple(hyper.get("betas", (0.9, 0.999))),
+                                  "eps": hyper.get("eps", 1e-8),
+                                  "weight_decay": hyper.get("weight_decay", 0.0)})
+        # `stream`: the CUDA stream handle the engine orders against (None on the host device).
+        self._ctx = ctx = EngineContext(
+            core, self.device, torch.bfloat16 if core.bf16 else torch.float32,
+            self._micro.gas, scale_wrt_gas, Driver(), self._registry, self._micro,
+            self._residency, self._groups, weakref.WeakMethod(self._sync_lr), stream)
+        self._packing = Packing(self._residency, self.device)
+        self._hooks = ModuleHooks(ctx, model, self._residency, self._packing)
+        self._access = ParamAccess(ctx, self._residency, self._packing)
         # The parameter groups go to the engine before the parameters that name them.
-        self._pushed = {}
         if plan is not None:
             for i, g in enumerate(plan.groups):
-                self._push_group(i, g)
+                self._groups.push(core, i, g)
         _autograd.install()
-        self._registry.register(self, model, plan.member if plan is not None else None)
+        self._registry.register(ctx, self, model, plan.member if plan is not None else None)
         self._hooks.install(model)
         self._registry.adopt(model, self._access)
         params = self._registry.params
         trainable = [p.param for p in params if p.trainable]
-        # Each parameter's group in registration order (-1: not trained), for checkpoints.
-        self._group_of = [(plan.member.get(id(p.param), 0) if plan is not None else 0)
-                          if p.trainable else -1 for p in params]
         if plan is None or client_optimizer is None and len(plan.groups) == 1:
             groups = trainable or [params[0].param]
             first = plan.groups[0] if plan is not None else {
@@ -124,38 +132,42 @@ class ZinfEngine:
             lr_scheduler
         self._sync_lr()
 
+    # ---- The context's fields, under the names the engine's own code (and tests) use -----------
+
+    @property
+    def _core(self):
+        return self._ctx.core  # None once closed
+
+    @property
+    def _closed(self):
+        return self._ctx.closed
+
+    @property
+    def _gas(self):
+        return self._ctx.gas
+
+    @property
+    def _dtype(self):
+        return self._ctx.dtype
+
+    @property
+    def _stream(self):
+        return self._ctx.stream
+
     def _ensure_registered(self):
-        if not self._registry.registered:
-            self._registry.finish(self._core)
+        self._ctx.ensure_registered()
 
     def _enter(self, what):
-        """The checks every entry point makes before changing anything."""
-        if self._closed:
-            raise error("FailedPrecondition",
-                        "%s: this zinf engine was closed (its parameters hold no values unless "
-                        "it was closed with restore=True)" % what)
-        self._driver.check(what)
-        self._ensure_registered()
+        """The checks every entry point makes before changing anything (EngineContext.enter)."""
+        self._ctx.enter(what)
 
     def _between_steps(self, action):
-        """With several ranks: the ranks compare what they are about to do (one small
-        collective) before a path that issues collectives of its own (a forward's gathers, a
-        step, a read, write or load of parameters outside a forward). A rank that takes
-        another path (rank 0 alone prints a weight, loads a state dict, saves a checkpoint)
-        is refused on every rank, naming both paths, instead of pairing its collectives with
-        the others' unrelated ones (an abort inside gloo, or a wait for the timeout)."""
-        if self.world_size > 1:
-            self._core.compare_across_ranks(
-                "what they do next", "next: " + action,
-                "A managed parameter is partitioned across the ranks, so a forward, a step, "
-                "and every read, write, gather, save or load of parameters outside a forward "
-                "is a step every rank takes together: do it on every rank alike (to print or "
-                "save on one rank, gather on every rank first).")
+        """With several ranks: the ranks agree on what they do next (see
+        EngineContext.between_steps)."""
+        self._ctx.between_steps(action)
 
     def _check_open(self):
-        if self._closed:
-            raise error("FailedPrecondition", "this zinf engine was closed")
-        self._driver.check("a call")
+        self._ctx.check_open()
 
     # ---- Forward and backward -----------------------------------------------------------------
 
@@ -178,7 +190,7 @@ class ZinfEngine:
         self._between_steps("engine.backward")
         self._sync_lr()
         self._micro.losses.append(loss.detach())
-        if self._scale_wrt_gas and self._gas > 1:
+        if self._ctx.scale_wrt_gas and self._gas > 1:
             loss = loss / self._gas
         if self.world_size > 1:
             loss = loss / self.world_size
@@ -227,14 +239,6 @@ class ZinfEngine:
             self._sync_lr()
         return stats
 
-    def _values_set(self):
-        """Parameter values were set or loaded: the next optimizer step is the first on them."""
-        self._micro.values_set()
-
-    def _warn_nonfinite(self, p):
-        _zinf.log_warning("parameter '%s' is being set to values that hold inf or NaN; the next "
-                          "optimizer step will stop on them" % p.names[0])
-
     def zero_grad(self):
         """DeepSpeed's engine.zero_grad(): zinf keeps gradients in its own accumulators (an
         accumulation window's are summed until the optimizer runs, then cleared by it), so
@@ -258,29 +262,10 @@ class ZinfEngine:
         """[the learning rate of the next optimizer step] (DeepSpeed's list shape)."""
         return [group["lr"] for group in self.optimizer.param_groups]
 
-    def _push_group(self, i, h):
-        key = (h["lr"], tuple(h["betas"]), h["eps"], h["weight_decay"])
-        if self._pushed.get(i) != key:
-            self._core.set_param_group(i, h["lr"], h["betas"][0], h["betas"][1], h["eps"],
-                                       h["weight_decay"])
-            self._pushed[i] = key
-
-    def _group_hypers(self):
-        """Each optimizer group's hyperparameters (lr, betas, eps, weight_decay)."""
-        return [GroupPlan.hyper(g, self._group_defaults, "optimizer param group %d" % i)
-                for i, g in enumerate(self.optimizer.param_groups)]
-
     def _sync_lr(self):
         """Hands each optimizer group's hyperparameters to zinf's optimizer when they changed
         (a scheduler, or a trainer writing param_groups[i][key])."""
-        groups = self.optimizer.param_groups
-        if len(groups) != self._core.num_param_groups:
-            raise error("NotSupported",
-                        "the optimizer holds %d param groups and zinf's engine %d: groups are "
-                        "fixed when the engine is built (pass every group to initialize)"
-                        % (len(groups), self._core.num_param_groups))
-        for i, h in enumerate(self._group_hypers()):
-            self._push_group(i, h)
+        self._groups.sync(self._core, self.optimizer.param_groups)
 
     @property
     def global_step(self):
@@ -306,37 +291,26 @@ class ZinfEngine:
 
     # ---- State ----------------------------------------------------------------------------------
 
-    def _persistent_buffers(self):
-        return _state.persistent_buffers(self.module)
-
     def save_checkpoint(self, save_dir, client_state=None):
         """Saves the optimizer states, the step counters, the learning rate and scheduler, the
         model's persistent buffers and `client_state` (JSON-serialisable: data position...)
         into `save_dir` (atomically: the previous checkpoint stays valid until this one is
         complete)."""
         self._enter("save_checkpoint")
-        self._save(str(save_dir), client_state)
-
-    def _save(self, path, client_state, extra=None):
-        self._between_steps("save the checkpoint %s" % os.path.basename(path.rstrip("/")))
-        _state.save(self, path, client_state, extra)
+        _checkpoint.save(self._ctx, self, str(save_dir), client_state)
 
     def load_checkpoint(self, load_dir):
         """Restores the newest checkpoint in `load_dir`; returns its client_state."""
         self._enter("load_checkpoint")
-        user = self._load(str(load_dir))
+        user = _checkpoint.load(self._ctx, self, str(load_dir))
         return None if user is None else user.get("client_state")
-
-    def _load(self, path):
-        self._between_steps("load the checkpoint %s" % os.path.basename(path.rstrip("/")))
-        return _state.load(self, path)
 
     def resume_from_store(self):
         """With zinf.durable: continue from the swap store's last committed step (instead of
         initial values or a checkpoint). Call it right after initialize, before anything else.
         Buffers are not in the store: they keep the values the model was built with."""
         self._check_open()
-        _state.resume_from_store(self)
+        _checkpoint.resume_from_store(self._ctx)
 
     def _managed(self, param):
         return self._registry.managed(param)
@@ -346,7 +320,7 @@ class ZinfEngine:
         self._enter("gather")
         rec = self._managed(param)
         self._between_steps("gather parameter '%s'" % rec.names[0])
-        return _state.gather(self, rec, dtype)
+        return self._ctx.gather(rec, dtype)
 
     def full_state_dict(self, dtype=torch.float32):
         """The model's state_dict with the real parameter values (the fp32 masters, or cast to
@@ -354,7 +328,7 @@ class ZinfEngine:
         Holds the whole model in host memory: for large models export with
         zinf.save_safetensors instead."""
         self._enter("full_state_dict")
-        return _state.full_state_dict(self, dtype)
+        return _checkpoint.full_state_dict(self._registry, self, dtype)
 
     def parameters_info(self):
         """[(name, shape, numel, trainable)] of the managed parameters, in registration order."""
@@ -368,7 +342,7 @@ class ZinfEngine:
         no values (any use of them is refused, naming them)."""
         if self._closed:
             return
-        self._driver.check("close")
+        self._ctx.driver.check("close")
         self._residency.unwind()
         self._residency.end_backward()
         params = self._registry.params
@@ -382,8 +356,8 @@ class ZinfEngine:
         self.module.__dict__.pop("load_state_dict", None)
         for p in params:
             p.param._zinf_engine = None
-        self._closed = True
-        self._core = None
+        self._ctx.closed = True
+        self._ctx.core = None
 
     def __del__(self):
         try:

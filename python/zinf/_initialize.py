@@ -5,9 +5,11 @@ import weakref
 
 import torch
 
-from . import _activations, _distributed, _schedulers, _zinf
-from ._config import Config, resolve_batch
-from ._engine import ZinfEngine
+from . import _activations, _distributed, _zinf
+from ._config import Config
+from ._ds import schedulers as _schedulers
+from ._ds.batch import resolve_batch
+from ._engine import ZinfEngine, context_of
 from ._errors import error
 
 ZinfError = _zinf.ZinfError
@@ -24,7 +26,7 @@ def newest_engine():
     """The newest engine build made that is still open, or None."""
     while _engines:
         e = _engines[-1]()
-        if e is not None and not e._closed:
+        if e is not None and not context_of(e).closed:
             return e
         _engines.pop()
     return None
@@ -139,10 +141,8 @@ def build(model, config, device=None, scale_wrt_gas=True, engine_class=ZinfEngin
                                                     cfg.summary["nvme_paths"])
     engine = engine_class(model, core, torch_device, scale_wrt_gas=scale_wrt_gas,
                           hyper=hyperparameters(cfg), client_optimizer=client_optimizer,
-                          lr_scheduler=lr_scheduler, plan=plan)
+                          lr_scheduler=lr_scheduler, plan=plan, stream=stream)
     engine.local_rank = group["local_rank"] if group is not None else 0
-    if stream is not None:
-        engine._stream = stream
     engine.config = cfg
     if activations is not None:
         _activations.configure(activations, engine)

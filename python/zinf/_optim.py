@@ -107,6 +107,39 @@ class GroupPlan:
         return plan
 
 
+class GroupSync:
+    """Each parameter group's hyperparameters as zinf's optimizer last got them (one per
+    engine): a group goes to the core (Engine::SetParamGroup) only when its values changed (a
+    scheduler, or a trainer writing param_groups[i][key])."""
+
+    def __init__(self, defaults):
+        self.defaults = defaults  # the config's betas, eps and weight_decay
+        self._pushed = {}  # group index -> the values the core has
+
+    def push(self, core, i, h):
+        """Hands group `i`'s hyperparameters `h` to `core` unless it has them already."""
+        key = (h["lr"], tuple(h["betas"]), h["eps"], h["weight_decay"])
+        if self._pushed.get(i) != key:
+            core.set_param_group(i, h["lr"], h["betas"][0], h["betas"][1], h["eps"],
+                                 h["weight_decay"])
+            self._pushed[i] = key
+
+    def hypers(self, param_groups):
+        """Each of the optimizer's groups' hyperparameters (lr, betas, eps, weight_decay)."""
+        return [GroupPlan.hyper(g, self.defaults, "optimizer param group %d" % i)
+                for i, g in enumerate(param_groups)]
+
+    def sync(self, core, param_groups):
+        """Hands each of the optimizer's groups to `core` when it changed."""
+        if len(param_groups) != core.num_param_groups:
+            raise error("NotSupported",
+                        "the optimizer holds %d param groups and zinf's engine %d: groups are "
+                        "fixed when the engine is built (pass every group to initialize)"
+                        % (len(param_groups), core.num_param_groups))
+        for i, h in enumerate(self.hypers(param_groups)):
+            self.push(core, i, h)
+
+
 # DeepSpeed's own optimizer classes (deepspeed.ops.adam), and whether each is AdamW.
 def _adam_kind(optimizer):
     name = type(optimizer).__name__

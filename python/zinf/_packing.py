@@ -27,12 +27,12 @@ class SavedRef:
         self.stride = t.stride()
         self.offset = t.storage_offset()
         self.dtype = t.dtype
-        p.saved_refs += 1
+        p.add_saved_ref()
 
     def __del__(self):
-        self.p.saved_refs -= 1
+        unneeded = self.p.drop_saved_ref()
         residency = self.residency()
-        if residency is not None and self.p.saved_refs == 0 and self.p.state.in_backward:
+        if residency is not None and unneeded:
             residency.deferred.append(self.p)
 
 
@@ -72,10 +72,7 @@ class Packing:
         p = saved.p
         if not p.state.in_backward:
             self._residency.acquire_backward(p)
-        base = p.bwd_flat
-        if saved.dtype != base.dtype:
-            base = base.view(saved.dtype)
-        return base.as_strided(saved.size, saved.stride, saved.offset)
+        return p.backward_view(saved.size, saved.stride, saved.offset, saved.dtype)
 
     def hooks(self):
         """A saved_tensors_hooks context with this engine's pack and unpack, chained to the

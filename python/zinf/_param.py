@@ -15,7 +15,9 @@ state only once its work is done, so one that fails midway leaves the parameter 
 
 Both at once happens when a module runs forward while backward holds its parameter (a
 checkpointed segment recomputed in backward, a read of the parameter in a backward function):
-the two holds are counted apart and each releases its own.
+the two holds are counted apart and each releases its own. The counts are kept here too
+(forward holders, autograd's saved references); Residency (_residency.py) acquires and releases
+the memory when they say so, as FSDP2's FSDPParamGroup does for its FSDPParams.
 
 The gradient has a state of its own, per micro-step (GradState): PENDING until the backward
 hands the parameter's gradient to the engine (REDUCED), PENDING again when the micro-step ends
@@ -105,7 +107,7 @@ class ManagedParam:
         self.source = None  # its initial values until registration ends
         self.live_ptr = None  # the storage pointer torch sees while acquired
         self.engine = weakref.ref(engine)
-        # Inside a GatheredParameters block (_gathered.py): the base data is an ordinary
+        # Inside a GatheredParameters block (_ds/gathered.py): the base data is an ordinary
         # tensor of the whole values, and torch calls act on it without the engine.
         self.gathered = False
 
@@ -156,3 +158,35 @@ class ManagedParam:
 
     def end_micro_step(self):
         self.grad_state = GradState.PENDING
+
+    # -- Who holds it (Residency releases the memory when the last holder of a kind is gone)
+
+    def add_forward_holder(self):
+        """A module call (or an access outside the forward) holds it."""
+        self.fwd_holders += 1
+
+    def drop_forward_holder(self):
+        """A forward holder returned; whether it was the last."""
+        self.fwd_holders -= 1
+        return self.fwd_holders == 0
+
+    def add_saved_ref(self):
+        """Autograd saved a reference to its memory (_packing.py)."""
+        self.saved_refs += 1
+
+    def drop_saved_ref(self):
+        """A saved reference died; whether backward no longer needs the memory."""
+        self.saved_refs -= 1
+        return self.backward_unneeded
+
+    @property
+    def backward_unneeded(self):
+        """Held in backward with no saved reference left to read it."""
+        return self.saved_refs == 0 and self.state.in_backward
+
+    def backward_view(self, size, stride, offset, dtype):
+        """The view of the memory backward holds that a saved reference stands for."""
+        base = self.bwd_flat
+        if dtype != base.dtype:
+            base = base.view(dtype)
+        return base.as_strided(size, stride, offset)

@@ -33,13 +33,15 @@ class ParamRegistry:
     def __init__(self):
         self.params = []  # ManagedParam, in registration order (their ids)
         self.by_obj = {}  # id(torch parameter) -> ManagedParam
+        self.group_of = []  # each one's optimizer group, in registration order (-1: not trained)
         self.registered = False  # the engine's registration has ended (it holds the values)
 
-    def register(self, engine, model, trained):
-        """Registers every parameter of `model` with `engine`'s core; its data becomes the
+    def register(self, ctx, engine, model, trained):
+        """Registers every parameter of `model` with the core of `ctx` (the EngineContext of
+        `engine`, which each parameter then names weakly as its owner); its data becomes the
         placeholder. `trained`: id(parameter) -> its parameter group, for the parameters to
         train (None: every one that requires grad, in group 0)."""
-        core = engine._core
+        core = ctx.core
         names = collections.defaultdict(list)
         for name, param in all_named_parameters(model):
             names[id(param)].append(name)
@@ -83,11 +85,12 @@ class ParamRegistry:
                 pid = core.register(name, list(param.shape), trainable,
                                     ptr=source.data_ptr(), dtype=FLOAT_DTYPES[param.dtype],
                                     group=group)
-            p = ManagedParam(pid, param, names[id(param)], engine._dtype, engine.device, engine)
+            p = ManagedParam(pid, param, names[id(param)], ctx.dtype, ctx.device, engine)
             p.trainable = trainable
             p.source = source
             self.params.append(p)
             self.by_obj[id(param)] = p
+            self.group_of.append(group if trainable else -1)
             param._zinf_engine = weakref.ref(engine)
             param.data = p.placeholder
             if hasattr(param, "_zinf_spill"):
@@ -95,8 +98,8 @@ class ParamRegistry:
         # Buffers live in torch, on the engine's device.
         for module in model.modules():
             for key, buf in list(module._buffers.items()):
-                if buf is not None and buf.device != engine.device:
-                    module._buffers[key] = buf.to(engine.device)
+                if buf is not None and buf.device != ctx.device:
+                    module._buffers[key] = buf.to(ctx.device)
 
     def adopt(self, model, access):
         """Every managed parameter becomes a ZinfParameter (reads and writes outside the hooks

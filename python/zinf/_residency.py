@@ -73,14 +73,13 @@ class Residency:
                 core.release([p.id for p in need])
                 raise
         for p in owned:
-            p.fwd_holders += 1
+            p.add_forward_holder()
             frame.params.append(p)
 
     def release_forward(self, frame):
         done = []
         for p in frame.params:
-            p.fwd_holders -= 1
-            if p.fwd_holders == 0:
+            if p.drop_forward_holder():
                 p.release_forward()
                 if not p.state.in_backward:
                     self._drop_live(p)
@@ -131,7 +130,7 @@ class Residency:
         deferred, self.deferred = self.deferred, []
         done = []
         for p in deferred:
-            if p.saved_refs == 0 and p.state.in_backward:
+            if p.backward_unneeded:
                 self._drop_backward(p, done)
         if done:
             self._core().release(done)

@@ -5,7 +5,8 @@ import os
 import torch
 
 from . import _zinf
-from ._engine import ZinfError
+from ._checkpoint import persistent_buffers
+from ._engine import ZinfError, context_of
 
 
 # torch dtype <-> the format's dtype names (little-endian bytes, as torch keeps them here).
@@ -38,13 +39,14 @@ def load_safetensors(engine, path, name_map=None, strict=True, allow_reshape=Fal
     damaged header is an error naming the file. Optimizer states are left as they are.
     Returns {"loaded": [...], "missing": [...], "unexpected": [...]}.
     """
-    engine._enter("load_safetensors")
-    engine._between_steps("zinf.load_safetensors")
+    ctx = context_of(engine)
+    ctx.enter("load_safetensors")
+    ctx.between_steps("zinf.load_safetensors")
     ckpt = _zinf.Safetensors(str(path))
     tensors = ckpt.tensors()
     to_file = _mapper(name_map)
     mapping, loaded, missing, used = [], [], [], set()
-    for p in engine._registry.params:
+    for p in ctx.registry.params:
         found = None
         for n in p.names:
             f = to_file(n)
@@ -58,7 +60,7 @@ def load_safetensors(engine, path, name_map=None, strict=True, allow_reshape=Fal
         loaded.append(p.names[0])
         used.add(found)
     buffers = []
-    for name, buf in engine._persistent_buffers().items():
+    for name, buf in persistent_buffers(engine.module).items():
         f = to_file(name)
         if f is None or f not in tensors:
             continue
@@ -84,8 +86,8 @@ def load_safetensors(engine, path, name_map=None, strict=True, allow_reshape=Fal
                         + (" and %d more" % (len(unexpected) - 8) if len(unexpected) > 8 else ""))
         raise ZinfError("load_safetensors(%s): %s; nothing was loaded (pass name_map, or "
                         "strict=False)" % (path, "; ".join(what)))
-    engine._core.load_safetensors(ckpt, mapping, allow_reshape)
-    engine._values_set()
+    ctx.core.load_safetensors(ckpt, mapping, allow_reshape)
+    ctx.values_set()
     for buf, f, dtype in buffers:
         if dtype in _FLOAT_NAMES:
             values = torch.empty(buf.shape, dtype=torch.float32)
@@ -130,8 +132,9 @@ def save_safetensors(engine, save_dir, shard_size="5G", dtype=torch.float32, met
     frozen base. Buffers are then left out unless `buffers=True` is passed (they belong to
     the base). One tensor in host memory at a time; every file is written to a temporary name
     and renamed, the index last."""
-    engine._enter("save_safetensors")
-    engine._between_steps("zinf.save_safetensors")
+    ctx = context_of(engine)
+    ctx.enter("save_safetensors")
+    ctx.between_steps("zinf.save_safetensors")
     if isinstance(shard_size, str):
         shard_bytes = _zinf.parse_byte_size(shard_size, "shard_size")
     else:
@@ -141,7 +144,7 @@ def save_safetensors(engine, save_dir, shard_size="5G", dtype=torch.float32, met
         raise ZinfError("save_safetensors: dtype torch.float32 or torch.bfloat16")
     meta = {"format": "pt"}
     meta.update(metadata or {})
-    params = engine._registry.params
+    params = ctx.registry.params
     if trainable_only:
         params = [p for p in params if p.trainable]
         if not params:
@@ -153,7 +156,7 @@ def save_safetensors(engine, save_dir, shard_size="5G", dtype=torch.float32, met
     mapping = [(p.id, p.names[0]) for p in params]
     extra, keep = [], []
     if buffers:
-        for name, buf in engine._persistent_buffers().items():
+        for name, buf in persistent_buffers(engine.module).items():
             t = buf.detach()
             if t.is_floating_point():
                 t = t.to(dtype)
@@ -164,5 +167,5 @@ def save_safetensors(engine, save_dir, shard_size="5G", dtype=torch.float32, met
             t = t.to("cpu").contiguous()
             keep.append(t)
             extra.append((name, _ST_DTYPES[t.dtype], list(t.shape), t.data_ptr()))
-    engine._core.save_safetensors(str(save_dir), mapping, shard_bytes, names[dtype], meta, extra)
+    ctx.core.save_safetensors(str(save_dir), mapping, shard_bytes, names[dtype], meta, extra)
     del keep

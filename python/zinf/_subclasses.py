@@ -12,7 +12,7 @@ import torch
 from ._calls import (DISABLE, META, WRITE, base_data, call_tensors, classify, plain,
                      replace_tensor, set_base_data, storage_ptr, written_tensors)
 from ._errors import error
-from ._hooks import frozen_at_initialize, unfrozen_error
+from ._module_hooks import frozen_at_initialize, unfrozen_error
 
 
 # ---- ZinfParameter ---------------------------------------------------------------------------
@@ -120,7 +120,7 @@ class ZinfParameter(torch.nn.Parameter):
 
 def _check_requires_grad(func, args, kwargs):
     """Refuses requires_grad=True on a parameter registered frozen (trainability is fixed at
-    zinf.initialize: see _hooks.py); freezing, and every other setter, passes."""
+    zinf.initialize: see _module_hooks.py); freezing, and every other setter, passes."""
     if func.__name__ == "__set__":
         if getattr(getattr(func, "__self__", None), "__name__", "") != "requires_grad":
             return
@@ -132,7 +132,7 @@ def _check_requires_grad(func, args, kwargs):
     if not value or rec is None or not frozen_at_initialize(rec):
         return
     engine = rec.engine()
-    if engine is None or engine._closed:
+    if engine is None or _engine.context_of(engine).closed:
         return
     with DISABLE():
         if param.requires_grad:  # set past this check: the forward refuses it
@@ -140,7 +140,7 @@ def _check_requires_grad(func, args, kwargs):
     raise unfrozen_error(rec.names, "requires_grad=True after zinf.initialize is refused")
 
 
-def _access_of(param):
+def _engine_of(param):
     rec = param._zinf_rec
     engine = rec.engine()
     if engine is None:
@@ -148,7 +148,11 @@ def _access_of(param):
                     "parameter '%s' belonged to a zinf engine that no longer exists: its values "
                     "went with it (keep the engine, or close(restore=True) it to hand the "
                     "values back to torch)" % rec.names[0])
-    return engine._access
+    return engine
+
+
+def _access_of(param):
+    return _engine.access_of(_engine_of(param))
 
 
 # ---- Snapshot ---------------------------------------------------------------------------------
@@ -222,7 +226,8 @@ def _write_snapshot(func, args, kwargs, snap):
                     "write the parameter itself (p.copy_(t) or p[i] = v under torch.no_grad(), "
                     "nn.init, model.load_state_dict)"
                     % ("the values" if snap._zinf_whole else "a part", snap._zinf_name))
-    access = _access_of(param)
+    engine = _engine_of(param)
+    access = _engine.access_of(engine)
     new_args = tuple(replace_tensor(a, snap, param) for a in args)
     new_kwargs = {k: replace_tensor(v, snap, param) for k, v in kwargs.items()}
     with torch.no_grad():  # a snapshot is detached, as the view it stands for
@@ -230,6 +235,9 @@ def _write_snapshot(func, args, kwargs, snap):
                      [t for t in call_tensors(new_args, new_kwargs) if type(t) is ZinfParameter])
     # The snapshot shows what the parameter holds now, as the view would.
     with DISABLE():
-        snap.copy_(access.engine.gather(param).reshape(snap.shape))
+        snap.copy_(engine.gather(param).reshape(snap.shape))
     return snap
 
+
+# Last: _engine imports this module (through _access); the functions above use it when called.
+from . import _engine  # noqa: E402

@@ -17,7 +17,7 @@ import importlib.metadata as _metadata
 import zinf as _zinf
 from zinf import ZinfError, add_config_arguments, init_distributed, initialize  # noqa: F401
 from zinf import checkpointing  # noqa: F401  (deepspeed.checkpointing: activation checkpoints)
-from zinf._deepspeed import DeepSpeedEngine  # noqa: F401
+from zinf._ds.engine import DeepSpeedEngine  # noqa: F401
 
 from . import accelerator, comm, compression, moe, ops, runtime, utils, zero  # noqa: F401
 from . import checkpoint  # noqa: F401

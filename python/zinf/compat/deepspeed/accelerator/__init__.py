@@ -7,9 +7,11 @@ import torch
 import zinf
 
 def _engine():
-    """The newest live engine zinf.initialize made, or None."""
-    from zinf import _initialize
-    return _initialize.newest_engine()
+    """The context (zinf._context.EngineContext) of the newest live engine zinf.initialize
+    made, or None."""
+    from zinf import _engine, _initialize
+    e = _initialize.newest_engine()
+    return None if e is None else _engine.context_of(e)
 
 
 class ZinfAccelerator:
@@ -63,19 +65,19 @@ class ZinfAccelerator:
     def memory_allocated(self, device_index=None):
         e = _engine()
         if e is not None:
-            return e._core.device_memory["used"]
+            return e.core.device_memory["used"]
         return torch.cuda.memory_allocated(device_index) if self._name == "cuda" else 0
 
     def max_memory_allocated(self, device_index=None):
         e = _engine()
         if e is not None:
-            return e._core.device_memory["peak"]
+            return e.core.device_memory["peak"]
         return torch.cuda.max_memory_allocated(device_index) if self._name == "cuda" else 0
 
     def total_memory(self, device_index=None):
         e = _engine()
         if e is not None:
-            return e._core.device_memory["budget"]
+            return e.core.device_memory["budget"]
         if self._name == "cuda":
             return torch.cuda.get_device_properties(device_index or 0).total_memory
         return zinf._zinf.physical_memory()

@@ -1,6 +1,7 @@
 """deepspeed.runtime.config.DeepSpeedConfig: a config (dict or JSON path) with DeepSpeed's batch
 arithmetic applied (train = micro x accumulation x ranks) and the values the integrations read."""
-from zinf._config import Config, resolve_batch
+from zinf._config import Config
+from zinf._ds.batch import resolve_batch
 from zinf._distributed import from_env
 
 

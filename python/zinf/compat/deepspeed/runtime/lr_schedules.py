@@ -1,6 +1,6 @@
 """deepspeed.runtime.lr_schedules: DeepSpeed's schedules, zinf's implementation of them
-(zinf._schedulers: the same formulas, checked against a transcription of DeepSpeed's)."""
-from zinf._schedulers import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR  # noqa: F401
+(zinf._ds.schedulers: the same formulas, checked against a transcription of DeepSpeed's)."""
+from zinf._ds.schedulers import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR  # noqa: F401
 
 LR_SCHEDULE = "lr_schedule"
 LR_RANGE_TEST = "LRRangeTest"

@@ -3,7 +3,7 @@ ZeroParamStatus and register_external_parameter."""
 import torch
 
 import zinf
-from zinf import _gathered
+from zinf._ds import gathered as _gathered
 from zinf._subclasses import ZeroParamStatus  # noqa: F401
 
 

@@ -1,4 +1,5 @@
-"""The hooks an engine puts on the model (what FSDP2's FSDPState owns).
+"""The hooks an engine puts on the model's modules and parameters (what FSDP2's FSDPState
+owns): ModuleHooks.
 
 - Forward: before a module runs, its own parameters are acquired (fetched to the engine's
   device, gathered) and `param.data` becomes a tensor over the engine's memory; after the
@@ -17,7 +18,8 @@
   with gradients; at step() if a gradient reached it anyway). Freezing a trained parameter is
   fine: it gets no gradient and the optimizer skips it.
 
-Every hook holds the engine weakly: the model never keeps a dropped engine alive.
+Every hook holds the engine's collaborators weakly: the model never keeps a dropped engine (or
+its core) alive.
 """
 import collections
 import weakref
@@ -62,15 +64,15 @@ def unfrozen_error(names, what):
 class ParameterDict(collections.OrderedDict):
     """A module's `_parameters` that acquires a parameter read during the engine's forward."""
 
-    def __init__(self, engine, items):
+    def __init__(self, residency, items):
         super().__init__(items)
-        self._zinf_engine = weakref.ref(engine)
+        self._zinf_residency = weakref.ref(residency)
 
     def __getitem__(self, key):
         value = collections.OrderedDict.__getitem__(self, key)
-        engine = self._zinf_engine()
-        if engine is not None and engine._residency.stack and value is not None:
-            engine._residency.touch(value)
+        residency = self._zinf_residency()
+        if residency is not None and residency.stack and value is not None:
+            residency.touch(value)
         return value
 
     def __reduce__(self):  # copies and pickles see a plain dict
@@ -78,25 +80,26 @@ class ParameterDict(collections.OrderedDict):
 
 
 class ModuleHooks:
-    """Installs, runs and removes an engine's module and gradient hooks (one per engine)."""
+    """Installs, runs and removes an engine's module and gradient hooks (one per engine).
+    `model`: the engine's module (its outermost call enters the engine)."""
 
-    def __init__(self, engine, registry, residency, packing, micro):
-        self._engine = weakref.ref(engine)
-        self._registry = registry
+    def __init__(self, ctx, model, residency, packing):
+        self._ctx = ctx
+        self._model = model
+        self._registry = ctx.registry
         self._residency = residency
         self._packing = packing
-        self._micro = micro
+        self._micro = ctx.micro
         self._handles = []
         self._direct = {}  # module -> the ManagedParams it owns (acquired when it runs)
 
     def install(self, model):
-        engine = self._engine()
         by_obj = self._registry.by_obj
         for module in model.modules():
             owned = [by_obj[id(v)] for v in module._parameters.values()
                      if v is not None and id(v) in by_obj]
             self._direct[module] = owned
-            module._parameters = ParameterDict(engine, module._parameters.items())
+            module._parameters = ParameterDict(self._residency, module._parameters.items())
             self._handles.append(module.register_forward_pre_hook(weak_hook(self, "pre_forward")))
             self._handles.append(module.register_forward_hook(weak_hook(self, "post_forward")))
         with torch.enable_grad():
@@ -123,26 +126,27 @@ class ModuleHooks:
     # -- Forward
 
     def pre_forward(self, module, inputs):
-        e = self._engine()
-        if e is None or e._closed:
+        e = self._ctx
+        if e.closed:
             return
         res = self._residency
-        if module is e.module and res.stack:
+        model = self._model
+        if module is model and res.stack:
             res.unwind()  # a forward that raised left its frames
         frame = Frame()
         if not res.stack:
-            e._enter("the model's forward")
-            if e._gathered:
+            e.enter("the model's forward")
+            if e.gathered:
                 raise error("FailedPrecondition",
                             "a forward of the model inside GatheredParameters: the gathered "
                             "parameters are ordinary tensors until the block ends; run the "
                             "forward after it")
-            e._between_steps("a forward of the model")
+            e.between_steps("a forward of the model")
             res.flush()
             self._check_parameters(e)
-            res.traced = torch.is_grad_enabled() and e.module.training
+            res.traced = torch.is_grad_enabled() and model.training
             if res.traced:
-                e._sync_lr()
+                e.sync_lr()
                 self._micro.started = True
             if torch.is_grad_enabled():
                 # Every tensor autograd saves inside this call that lies in a parameter's
@@ -156,8 +160,7 @@ class ModuleHooks:
             res.acquire_forward(owned, frame)
 
     def post_forward(self, module, inputs, output):
-        e = self._engine()
-        if e is None or e._closed or not self._residency.stack:
+        if self._ctx.closed or not self._residency.stack:
             return
         self._residency.close_frame(self._residency.stack.pop())
 
@@ -179,8 +182,8 @@ class ModuleHooks:
                             if frozen_at_initialize(p) and p.param.requires_grad]
             if unfrozen:
                 raise unfrozen_error(unfrozen, "requires_grad is True in this forward")
-        if e._stream is not None and torch.cuda.current_stream(e.device).cuda_stream != \
-                e._stream:
+        if e.stream is not None and torch.cuda.current_stream(e.device).cuda_stream != \
+                e.stream:
             raise ZinfError("torch's current CUDA stream changed since zinf.initialize; the "
                             "engine orders its copies against the stream it was created with: "
                             "train on that stream (or create the engine under the stream you "
@@ -189,17 +192,17 @@ class ModuleHooks:
     # -- Gradients
 
     def _grad_hook(self, p):
-        engine = weakref.ref(self._engine())
+        hooks = weakref.ref(self)
 
         def hook(grad_inputs, grad_outputs):
-            e = engine()
-            if e is None or e._closed:  # the node outlives the engine: torch's again
+            h = hooks()
+            if h is None or h._ctx.closed:  # the node outlives the engine: torch's again
                 return
             with torch._C.DisableTorchFunction():
                 grad = p.param.grad
                 p.param.grad = None
             if grad is not None and p.trainable:
-                e._hooks.reduce(p, grad)
+                h.reduce(p, grad)
 
         return hook
 
@@ -213,12 +216,12 @@ class ModuleHooks:
                             % (p.names[0], tuple(grad.shape), tuple(p.shape)))
         if p.grad_state is GradState.REDUCED:
             raise self._micro.second_gradient(p)
-        e = self._engine()
+        e = self._ctx
         g = grad.detach()
         if g.dtype != torch.float32 or g.device != e.device or not g.is_contiguous():
             g = g.to(device=e.device, dtype=torch.float32).contiguous()
         self._micro.started = True
-        e._core.reduce_gradient(p.id, g.data_ptr())
+        e.core.reduce_gradient(p.id, g.data_ptr())
         self._micro.gradient_reduced(p)
         self._residency.flush()
 

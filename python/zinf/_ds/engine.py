@@ -1,24 +1,17 @@
-"""DeepSpeed's surface over zinf, so that a trainer written for DeepSpeed runs with
-`import zinf as deepspeed`:
-
-    model_engine, optimizer, loader, scheduler = deepspeed.initialize(
-        args=args, model=model, model_parameters=model.parameters(), training_data=dataset)
-
-initialize() called this way (the model as a keyword, or args first) returns DeepSpeed's
-4-tuple and a DeepSpeedEngine: a ZinfEngine whose save_checkpoint / load_checkpoint take
-DeepSpeed's arguments (tags: one checkpoint folder per tag under the directory, and a
-`latest` file naming the newest) and return its shapes, plus DeepSpeed's accessors.
+"""DeepSpeedEngine: what deepspeed.initialize returns (initialize.py), a ZinfEngine whose
+save_checkpoint / load_checkpoint take DeepSpeed's arguments (tags: one checkpoint folder per
+tag under the directory, and a `latest` file naming the newest) and return its shapes, plus
+DeepSpeed's accessors. It uses the engine's context (context_of) and _checkpoint.py, never the
+engine's private fields.
 """
-import argparse
 import logging
 import os
 
 import torch
 
-from . import _distributed, _initialize, _optim
-from ._config import Config
-from ._engine import ZinfEngine
-from ._errors import error
+from .. import _checkpoint, _distributed
+from .._engine import ZinfEngine, context_of
+from .._errors import error
 
 logger = logging.getLogger("zinf")
 
@@ -27,6 +20,7 @@ class DeepSpeedEngine(ZinfEngine):
     """A ZinfEngine with DeepSpeed's checkpoint signatures and accessors."""
 
     training_dataloader = None
+    _last_stats = None  # the last step()'s statistics
 
     @property
     def global_rank(self):
@@ -42,7 +36,7 @@ class DeepSpeedEngine(ZinfEngine):
         default), and save_dir/latest names it. Each tag folder is a zinf checkpoint folder
         (written atomically, locked while this engine lives); frozen parameters are recorded
         by the hash of their values, whatever exclude_frozen_parameters says. Returns True."""
-        self._enter("save_checkpoint")
+        context_of(self).enter("save_checkpoint")
         # exclude_frozen_parameters: zinf's checkpoints never hold a frozen parameter's values
         # (each is recorded by the hash of its value, checked at load), so either is served.
         if tag is None:
@@ -55,8 +49,8 @@ class DeepSpeedEngine(ZinfEngine):
                                            "the file that names the newest checkpoint; pick "
                                            "another tag" % tag)
         os.makedirs(save_dir, exist_ok=True)
-        self._save(os.path.join(save_dir, tag), {} if client_state is None else client_state,
-                   extra={"tag": tag})
+        _checkpoint.save(context_of(self), self, os.path.join(save_dir, tag),
+                         {} if client_state is None else client_state, extra={"tag": tag})
         if save_latest and self.rank == 0:
             _write_latest(save_dir, tag)
         return True
@@ -67,7 +61,7 @@ class DeepSpeedEngine(ZinfEngine):
         """DeepSpeed's load: load_dir/<tag>, or the tag load_dir/latest names. Returns
         (load_path, client_state), or (None, None) with a warning when load_dir has no
         `latest` (and no tag was given), as DeepSpeed does."""
-        self._enter("load_checkpoint")
+        context_of(self).enter("load_checkpoint")
         if load_module_only or not load_optimizer_states or custom_load_fn is not None:
             raise error("NotSupported",
                         "load_checkpoint: zinf restores a checkpoint whole (parameters, "
@@ -100,21 +94,24 @@ class DeepSpeedEngine(ZinfEngine):
         if not load_lr_scheduler_states:
             self.lr_scheduler = None
         try:
-            user = self._load(path)
+            user = _checkpoint.load(context_of(self), self, path)
         finally:
             self.lr_scheduler = scheduler
         client = None if user is None else user.get("client_state")
         return path, ({} if client is None else client)
 
+    def _micro_batch(self):
+        return self.config.summary["train_micro_batch_size_per_gpu"] or None
+
     def train_micro_batch_size_per_gpu(self):
-        return self._micro_batch
+        return self._micro_batch()
 
     def train_batch_size(self):
-        """micro x accumulation x ranks (DeepSpeed's arithmetic; zinf._config.resolve_batch)."""
+        """micro x accumulation x ranks (DeepSpeed's arithmetic: _ds/batch.py)."""
         return self.config.summary["train_batch_size"] or None
 
     def gradient_accumulation_steps(self):
-        return self._gas
+        return context_of(self).gas
 
     def get_global_grad_norm(self):
         return self._last_stats.get("grad_norm") if self._last_stats else None
@@ -124,13 +121,14 @@ class DeepSpeedEngine(ZinfEngine):
 
     def step(self, lr_kwargs=None):
         boundary = self.__dict__.pop("_boundary_set", None)
+        ctx = context_of(self)
         if boundary is not None and boundary != self.is_gradient_accumulation_boundary():
             raise error("FailedPrecondition",
                         "set_gradient_accumulation_boundary(%s) but this step is micro-step %d of "
                         "%d of its accumulation window: the trainer's accumulation (e.g. "
                         "accelerate's gradient_accumulation_steps) and the config's "
                         "gradient_accumulation_steps (%d) must be the same"
-                        % (boundary, self._micro.index % self._gas + 1, self._gas, self._gas))
+                        % (boundary, ctx.micro.index % ctx.gas + 1, ctx.gas, ctx.gas))
         self._last_stats = super().step(lr_kwargs)
         return self._last_stats
 
@@ -141,13 +139,14 @@ class DeepSpeedEngine(ZinfEngine):
         if not allreduce_gradients:
             raise error("NotSupported", "backward(allreduce_gradients=False): zinf reduces each "
                                         "gradient as it is produced")
-        keep = self._scale_wrt_gas
+        ctx = context_of(self)
+        keep = ctx.scale_wrt_gas
         if scale_wrt_gas is not None:
-            self._scale_wrt_gas = bool(scale_wrt_gas)
+            ctx.scale_wrt_gas = bool(scale_wrt_gas)
         try:
             return super().backward(loss, retain_graph=retain_graph)
         finally:
-            self._scale_wrt_gas = keep
+            ctx.scale_wrt_gas = keep
 
     def set_gradient_accumulation_boundary(self, is_boundary):
         """What the trainer thinks the next step() is (accelerate sets it every micro-step);
@@ -155,7 +154,7 @@ class DeepSpeedEngine(ZinfEngine):
         self._boundary_set = bool(is_boundary)
 
     def bfloat16_enabled(self):
-        return self._dtype == torch.bfloat16
+        return context_of(self).dtype == torch.bfloat16
 
     def fp16_enabled(self):
         return False
@@ -191,11 +190,12 @@ class DeepSpeedEngine(ZinfEngine):
         """The model's state_dict with whole values in the parameters' dtype on rank 0 (None on
         the others, which accelerate's save_model reads as "not this rank's to save");
         collective."""
-        self._enter("_zero3_consolidated_16bit_state_dict")
-        self._between_steps("_zero3_consolidated_16bit_state_dict")
-        state = self.full_state_dict(dtype=self._dtype)
+        ctx = context_of(self)
+        ctx.enter("_zero3_consolidated_16bit_state_dict")
+        ctx.between_steps("_zero3_consolidated_16bit_state_dict")
+        state = self.full_state_dict(dtype=ctx.dtype)
         if exclude_frozen_parameters:
-            frozen = {n for p in self._registry.params if not p.trainable for n in p.names}
+            frozen = {n for p in ctx.registry.params if not p.trainable for n in p.names}
             state = type(state)((k, v) for k, v in state.items() if k not in frozen)
         return state if self.rank == 0 else None
 
@@ -228,7 +228,7 @@ class DeepSpeedEngine(ZinfEngine):
         loader.sampler.set_epoch(epoch) for a new order each epoch)."""
         if not isinstance(dataset, torch.utils.data.Dataset):
             raise TypeError("training_data must be a torch.utils.data.Dataset")
-        size = batch_size or self._micro_batch
+        size = batch_size or self._micro_batch()
         if not size:
             raise error("InvalidArgument", "training_data needs a batch size: set "
                                            "train_micro_batch_size_per_gpu (or "
@@ -291,87 +291,3 @@ def _write_latest(save_dir, tag):
         os.fsync(dfd)
     finally:
         os.close(dfd)
-
-
-def initialize(args=None, model=None, optimizer=None, model_parameters=None,
-               training_data=None, lr_scheduler=None, distributed_port=None, mpu=None,
-               dist_init_required=None, collate_fn=None, config=None, config_params=None,
-               device=None, scale_wrt_gas=True):
-    """DeepSpeed's initialize (see zinf.initialize)."""
-    _distributed.from_env()  # a malformed launcher environment fails before anything is built
-    if mpu is not None:
-        raise error("NotSupported", "zinf.initialize: model parallelism (mpu) is not provided")
-    if config is not None and config_params is not None:
-        raise error("InvalidArgument", "zinf.initialize: config and config_params are both "
-                                       "given; pass one")
-    config = config if config is not None else config_params
-    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
-    if from_args is not None and config is not None:
-        raise error("InvalidArgument", "zinf.initialize: a config came both in args "
-                                       "(--deepspeed_config) and in the call; pass one")
-    cfg = Config(config if config is not None else from_args)
-    tree = dict(cfg.tree or {})
-
-    plan = None
-    client = optimizer
-    if client is not None and not isinstance(client, torch.optim.Optimizer):
-        if callable(client):  # DeepSpeed accepts a factory of the parameters
-            params = model_parameters if model_parameters is not None else model.parameters()
-            client = client(params)
-        else:
-            raise TypeError("optimizer must be a torch.optim.Optimizer or a callable")
-    if client is not None:
-        # The client optimizer's groups (DeepSpeed trains what it holds).
-        tree["optimizer"], plan = _optim.from_torch(client, tree.get("optimizer"))
-        if cfg.tree is not None:
-            cfg = Config(tree)
-    elif model_parameters is not None:
-        plan = _optim.model_parameter_groups(model_parameters,
-                                             _initialize.hyperparameters(cfg))
-
-    engine = _initialize.build(model, cfg, device=device, scale_wrt_gas=scale_wrt_gas,
-                               engine_class=DeepSpeedEngine, client_optimizer=client,
-                               lr_scheduler=lr_scheduler, plan=plan)
-    engine._micro_batch = engine.config.summary["train_micro_batch_size_per_gpu"] or None
-    engine._last_stats = None
-    if training_data is not None:
-        engine.training_dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
-    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
-
-
-def add_config_arguments(parser):
-    """DeepSpeed's command-line flags: --deepspeed, --deepspeed_config (and the deprecated
-    --deepscale, --deepscale_config)."""
-    if not isinstance(parser, argparse.ArgumentParser):
-        raise TypeError("add_config_arguments: an argparse.ArgumentParser")
-    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations (zinf)")
-    group.add_argument("--deepspeed", default=False, action="store_true",
-                       help="run with zinf (accepted for DeepSpeed scripts)")
-    group.add_argument("--deepspeed_config", default=None, type=str,
-                       help="the DeepSpeed-style JSON config")
-    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
-    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
-    return parser
-
-
-def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=None,
-                     verbose=True, timeout=None, init_method=None, dist_init_required=None,
-                     config=None, rank=-1, world_size=-1):
-    """DeepSpeed's init_distributed: torch.distributed's default group (gloo on the CPU, nccl
-    with a GPU), one rank included (as DeepSpeed's: torch.distributed.get_rank() works after
-    it), so that the script's own collectives work; zinf's engine joins its own group through
-    the launcher's store. Nothing happens when a default group exists already."""
-    rank_env, world, _, _ = _distributed.from_env()
-    import torch.distributed as dist
-    if dist.is_initialized():
-        return
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    kwargs = {}
-    if timeout is not None:
-        kwargs["timeout"] = timeout
-    if world == 1 and init_method is None and "MASTER_ADDR" not in os.environ:
-        # One process without a launcher: an in-process store, no port taken.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-        return
-    dist.init_process_group(backend, init_method=init_method or "env://", rank=rank_env,
-                            world_size=world, **kwargs)

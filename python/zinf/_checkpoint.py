@@ -1,12 +1,17 @@
-"""An engine's state beyond the current micro-step: checkpoints (what the Python side adds to
-the engine's own: client_state, buffers, learning rate and scheduler), resuming from the swap
-store, and the parameters' full values (full_state_dict). The engine's checkpoint folder holds
-the parameters, optimizer states and counters; this module fills and reads its user document.
+"""Checkpoints of an engine (what the Python side adds to the engine's own: client_state,
+buffers, learning rate and scheduler), resuming from the swap store, and the parameters' full
+values (full_state_dict). The engine's checkpoint folder holds the parameters, optimizer states
+and counters; this module fills and reads its user document.
+
+Each function takes the engine's EngineContext (_context.py) for the core and the managed
+parameters, and the engine itself only for its public training state (module, optimizer,
+lr_scheduler).
 """
 import base64
 import collections
 import io
 import json
+import os
 
 import torch
 
@@ -67,8 +72,15 @@ def _key(k):
     return tuple(k) if isinstance(k, list) else k
 
 
-def save(engine, path, client_state, extra=None):
-    """Writes a checkpoint of `engine` into the folder `path` (atomically)."""
+def _folder(path):
+    return os.path.basename(path.rstrip("/"))
+
+
+def save(ctx, engine, path, client_state, extra=None):
+    """Writes a checkpoint of `engine` into the folder `path` (atomically; every rank
+    together), with `extra` keys in its user document (the DeepSpeed engine's tag)."""
+    ctx.between_steps("save the checkpoint %s" % _folder(path))
+
     def blob(obj):
         out = io.BytesIO()
         torch.save(obj, out)
@@ -77,11 +89,11 @@ def save(engine, path, client_state, extra=None):
     doc = {"format": _FORMAT, "client_state": client_state,
            "buffers": blob({k: v.detach().cpu() for k, v in
                             persistent_buffers(engine.module).items()}),
-           "names": [p.names[0] for p in engine._registry.params],
+           "names": [p.names[0] for p in ctx.registry.params],
            "lr": engine.get_lr()[0],
            "param_groups": [{k: (list(v) if k == "betas" else v) for k, v in h.items()}
-                            for h in engine._group_hypers()],
-           "param_group_of": engine._group_of}
+                            for h in ctx.groups.hypers(engine.optimizer.param_groups)],
+           "param_group_of": ctx.registry.group_of}
     if engine.lr_scheduler is not None:
         state = engine.lr_scheduler.state_dict()
         try:
@@ -93,16 +105,17 @@ def save(engine, path, client_state, extra=None):
         user = json.dumps(doc)
     except (TypeError, ValueError) as e:
         raise ZinfError("save_checkpoint: client_state must be JSON-serialisable (%s)" % e)
-    engine._core.save_checkpoint(path, user)
+    ctx.core.save_checkpoint(path, user)
 
 
-def load(engine, path):
-    """Restores the checkpoint in the folder `path`; returns its user document (None when it was
-    not written by the Python side)."""
-    core = engine._core
+def load(ctx, engine, path):
+    """Restores the checkpoint in the folder `path` into `engine` (every rank together); returns
+    its user document (None when it was not written by the Python side)."""
+    ctx.between_steps("load the checkpoint %s" % _folder(path))
+    core = ctx.core
     raw = core.load_checkpoint(path)
-    engine._micro.values_set()
-    engine._micro.restart(core.global_step * engine._gas)
+    ctx.micro.values_set()
+    ctx.micro.restart(core.global_step * ctx.gas)
     try:
         user = json.loads(raw.decode("utf-8")) if raw else {}
     except ValueError:
@@ -126,8 +139,9 @@ def load(engine, path):
     if saved is not None:
         groups = engine.optimizer.param_groups
         member = user.get("param_group_of")
-        if len(saved) != len(groups) or (member is not None and member != engine._group_of):
-            first = next((i for i, (a, b) in enumerate(zip(member or [], engine._group_of))
+        group_of = ctx.registry.group_of
+        if len(saved) != len(groups) or (member is not None and member != group_of):
+            first = next((i for i, (a, b) in enumerate(zip(member or [], group_of))
                           if a != b), None)
             raise error("FailedPrecondition",
                         "%s was saved with %d parameter groups%s and this engine's optimizer "
@@ -137,39 +151,32 @@ def load(engine, path):
                         "and load again"
                         % (path, len(saved),
                            "" if first is None else ", '%s' in group %d"
-                           % (engine._registry.params[first].names[0], member[first]),
+                           % (ctx.registry.params[first].names[0], member[first]),
                            len(groups), "" if first is None else " (here in group %d)"
-                           % engine._group_of[first]))
+                           % group_of[first]))
         for group, h in zip(groups, saved):  # torch's optimizer.load_state_dict does the same
             for k, v in h.items():
                 group[k] = tuple(v) if k == "betas" else v
     elif user.get("lr") is not None:
         for group in engine.optimizer.param_groups:
             group["lr"] = user["lr"]
-    engine._sync_lr()
+    ctx.groups.sync(core, engine.optimizer.param_groups)
     return user
 
 
-def resume_from_store(engine):
+def resume_from_store(ctx):
     """Ends registration from the swap store's last committed step (zinf.durable)."""
-    if engine._registry.registered:
+    if ctx.registry.registered:
         raise ZinfError("resume_from_store must come right after initialize, before any "
                         "forward, step or checkpoint call")
-    engine._registry.finish(engine._core, resume=True)
-    engine._micro.index = engine._core.global_step * engine._gas
+    ctx.registry.finish(ctx.core, resume=True)
+    ctx.micro.index = ctx.core.global_step * ctx.gas
 
 
-def gather(engine, p, dtype):
-    """`p`'s full values: its fp32 master, or a frozen one's stored copy (a new CPU tensor, in
-    `dtype`)."""
-    out = torch.empty(p.shape, dtype=torch.float32)
-    engine._core.gather_master(p.id, out.data_ptr())
-    return out if dtype == torch.float32 else out.to(dtype)
-
-
-def full_state_dict(engine, dtype):
-    """The model's state_dict with every parameter's gathered values (tied ones once)."""
-    by_obj = engine._registry.by_obj
+def full_state_dict(registry, engine, dtype):
+    """The model's state_dict with every parameter's gathered values (tied ones once, each
+    through engine.gather)."""
+    by_obj = registry.by_obj
     gathered = {}
     out = collections.OrderedDict()
     for key, value in engine.module.state_dict(keep_vars=True).items():

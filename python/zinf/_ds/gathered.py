@@ -9,9 +9,9 @@ between optimizer steps, with no forward inside it.
 """
 import torch
 
-from . import _state
-from ._calls import base_data, set_base_data
-from ._errors import error
+from .._calls import base_data, set_base_data
+from .._engine import context_of
+from .._errors import error
 
 
 def _managed(params):
@@ -53,15 +53,15 @@ class GatheredParameters:
             raise error("InvalidArgument", "GatheredParameters: the parameters belong to %d "
                                            "engines; gather each engine's separately"
                         % len(engines))
-        e = next(iter(engines.values()))
-        self.engine = e
+        self.engine = next(iter(engines.values()))
+        e = self.ctx = context_of(self.engine)
         names = ", ".join("'%s'" % r.names[0] for r in self.recs[:4])
-        e._enter("GatheredParameters")
+        e.enter("GatheredParameters")
         if self.modifier_rank is not None:
             for r in self.recs:
-                e._micro.check_writable(r, "GatheredParameters(modifier_rank=%d)"
-                                        % self.modifier_rank, bool(e._residency.stack))
-        e._between_steps("GatheredParameters(%s%s)" % (names, ", ..." if len(self.recs) > 4
+                e.micro.check_writable(r, "GatheredParameters(modifier_rank=%d)"
+                                       % self.modifier_rank, e.forward_running)
+        e.between_steps("GatheredParameters(%s%s)" % (names, ", ..." if len(self.recs) > 4
                                                        else ""))
         for r in self.recs:
             if r.gathered:
@@ -72,7 +72,7 @@ class GatheredParameters:
         self.shown = {}
         try:
             for r in self.recs:
-                master = _state.gather(e, r, torch.float32)
+                master = e.gather(r, torch.float32)
                 values = master.to(dtype=r.dtype, device=e.device)
                 self.masters[r.id] = master
                 self.before[r.id] = values.clone()
@@ -82,7 +82,7 @@ class GatheredParameters:
         except BaseException:
             self._restore()
             raise
-        e._gathered += 1
+        e.gathered += 1
         return self
 
     def _restore(self):
@@ -94,8 +94,8 @@ class GatheredParameters:
     def __exit__(self, exc_type, exc, tb):
         if not self.recs:
             return False
-        e = self.engine
-        e._gathered -= 1
+        e = self.ctx
+        e.gathered -= 1
         try:
             for r in self.recs:
                 held = base_data(r.param)
@@ -144,7 +144,7 @@ class GatheredParameters:
                     changed.append((r, merged))
             self._restore()
             if changed:
-                e._access._set_values(changed)
+                e.set_values(changed)
         finally:
             self._restore()
         return False

@@ -22,7 +22,7 @@ trainer's own may set param_groups[i]["betas"]: the engine takes them).
 """
 import math
 
-from ._errors import error
+from .._errors import error
 
 TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
 
