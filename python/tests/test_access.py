@@ -281,3 +281,36 @@ def test_a_closed_engines_parameters_refuse_use_unless_restored():
     engine.close(restore=True)
     assert type(model.norm.weight) is nn.Parameter
     assert all(torch.equal(model.state_dict()[k], want[k]) for k in want)
+
+
+def test_a_dropped_engine_is_named_after_a_direct_call_that_raised():
+    """A direct model(x) call that raises leaves its forward frame and saved-tensor hooks
+    behind; once the engine is dropped, a parameter read says the engine is gone (ZinfError),
+    it does not acquire through the dead engine (an AttributeError, which hasattr() would take
+    for a missing parameter), and autograd elsewhere is not broken by the hooks."""
+    import gc
+
+    class Boom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x):
+            self.a(x)
+            raise RuntimeError("boom")
+
+    model = Boom()
+    engine = zinf.initialize(model, make_config(), device="cpu")
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.randn(2, 4))
+    del engine
+    gc.collect()
+    assert hasattr(model.b, "weight")
+    with pytest.raises(zinf.ZinfError, match="no longer exists"):
+        model.b.weight + 1
+    # The raised call left the engine's saved-tensor hooks on torch's stack: with the engine
+    # gone they hand autograd what it saved, so backward elsewhere in the process still works.
+    x = torch.randn(3, requires_grad=True)
+    (x * x).sum().backward()
+    assert torch.equal(x.grad, 2 * x.detach())

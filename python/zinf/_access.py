@@ -40,13 +40,15 @@ from ._subclasses import Snapshot, is_whole, snapshot
 class ParamAccess:
     """Serves the reads and writes of an engine's parameters outside its module hooks.
 
-    The model holds it (its load_state_dict), so it holds the engine's context weakly: a
-    dropped engine's core goes with it."""
+    The model holds it (its load_state_dict), so it holds the engine's context and
+    collaborators weakly: a dropped engine's core goes with it, and so does its residency,
+    whose frames a model called directly may have left behind (a parameter read then says
+    the engine is gone instead of acquiring through a dead one)."""
 
     def __init__(self, ctx, residency, packing):
         self._ctx = weakref.ref(ctx)
-        self._residency = residency
-        self._packing = packing
+        self._residency = weakref.ref(residency)
+        self._packing = weakref.ref(packing)
         self._batch = None  # {param id: (record, source tensor)} while load_state_dict runs
 
     @property
@@ -66,7 +68,7 @@ class ParamAccess:
         grad = torch.is_grad_enabled() and any(r.param.requires_grad for r in need)
         # Outside a forward a read starts no micro-step: an inference acquire, unless a
         # backward runs (its acquires are training ones).
-        residency = self._residency
+        residency = self._residency()
         inference = (not residency.traced) if residency.stack else not e.micro.in_backward
         if not residency.stack and not e.micro.in_backward and need:
             e.between_steps("read parameter %s outside a forward"
@@ -77,8 +79,9 @@ class ParamAccess:
         residency.acquire_forward(need, frame, inference=inference)
         try:
             hooks = None
-            if grad and not self._packing.own_hooks_innermost():
-                hooks = self._packing.hooks()
+            packing = self._packing()
+            if grad and not packing.own_hooks_innermost():
+                hooks = packing.hooks()
             if hooks is not None:
                 with hooks:
                     with DISABLE():
@@ -127,8 +130,9 @@ class ParamAccess:
         sources = [t for t in managed
                    if t._zinf_rec not in recs and not t._zinf_rec.state.in_forward]
         frame = Frame()
+        residency = self._residency()
         if sources:
-            self._residency.acquire_forward([t._zinf_rec for t in sources], frame,
+            residency.acquire_forward([t._zinf_rec for t in sources], frame,
                                             inference=True)
         scratch = {}
         try:
@@ -141,7 +145,7 @@ class ParamAccess:
         finally:
             for r in recs:
                 set_base_data(r.param, r.placeholder)
-            self._residency.release_forward(frame)
+            residency.release_forward(frame)
         for r in recs:
             v = scratch[r.id]
             if v.shape != r.shape or v.dtype != torch.float32:

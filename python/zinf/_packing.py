@@ -13,6 +13,7 @@ zinf.checkpoint): _autograd.py.
 import weakref
 
 from . import _autograd
+from ._errors import error
 
 
 class SavedRef:
@@ -36,18 +37,29 @@ class SavedRef:
             residency.deferred.append(self.p)
 
 
-def weak_hook(obj, method):
-    """A hook that calls obj.method while obj lives (None after): what torch keeps of a hook
-    (a module's, a graph's) never keeps an engine alive."""
+def weak_hook(obj, method, orphan=None):
+    """A hook that calls obj.method while obj lives, `orphan` (or nothing: None) after: what
+    torch keeps of a hook (a module's, a graph's) never keeps an engine alive."""
     ref = weakref.ref(obj)
 
     def hook(*args):
         o = ref()
         if o is not None:
             return getattr(o, method)(*args)
-        return None
+        return orphan(*args) if orphan is not None else None
 
     return hook
+
+
+def _unpack_orphan(saved):
+    """The unpack of hooks whose engine is gone (a direct call of the model that raised leaves
+    its hooks on torch's stack): what it saved as itself comes back; a reference into a dead
+    engine's parameter cannot."""
+    if isinstance(saved, SavedRef):
+        raise error("FailedPrecondition",
+                    "a tensor saved for backward lay in a parameter of a zinf engine that no "
+                    "longer exists; run backward before dropping the engine")
+    return saved
 
 
 class Packing:
@@ -79,7 +91,7 @@ class Packing:
         pair innermost when it is entered."""
         pack = weak_hook(self, "pack")
         pack.zinf_packing = weakref.ref(self)  # whose hooks these are (own_hooks_innermost)
-        return _autograd.ChainedHooks(pack, weak_hook(self, "unpack"))
+        return _autograd.ChainedHooks(pack, weak_hook(self, "unpack", orphan=_unpack_orphan))
 
     def own_hooks_innermost(self):
         """Whether the saved-tensor hooks autograd calls now are this engine's."""
