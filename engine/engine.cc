@@ -495,7 +495,7 @@ Status Engine::Impl::BuildComponents(const PinnedPlan& plan) {
   }
   fetch_ = std::make_unique<FetchScheduler>(ctx, param_store_.get(), &trace_, adder_.get());
   ZINF_RETURN_IF_ERROR(fetch_->Init());
-  grads_ = std::make_unique<GradientPath>(ctx, fetch_.get(), adder_.get(), &grad_pool_,
+  grads_ = std::make_unique<GradientWindow>(ctx, fetch_.get(), adder_.get(), &grad_pool_,
                                           plan.stream_grads);
   ZINF_RETURN_IF_ERROR(grads_->Init());
   durable_ = std::make_unique<DurableCommits>(ctx, states_.get(), param_store_.get());

@@ -18,7 +18,7 @@
 #include "engine/core/fetch_scheduler.h"
 #include "engine/core/frozen_params.h"
 #include "engine/core/gradient_adder.h"
-#include "engine/core/gradient_path.h"
+#include "engine/core/gradient_window.h"
 #include "engine/core/group_board.h"
 #include "engine/core/host_collectives.h"
 #include "engine/core/host_memory.h"
@@ -135,7 +135,7 @@ class Engine::Impl {
   std::unique_ptr<FrozenParams> frozen_;
   std::unique_ptr<GradientAdder> adder_;
   std::unique_ptr<FetchScheduler> fetch_;
-  std::unique_ptr<GradientPath> grads_;
+  std::unique_ptr<GradientWindow> grads_;
   std::unique_ptr<DurableCommits> durable_;
   std::unique_ptr<Checkpointer> checkpointer_;
   std::unique_ptr<OptimizerPipeline> pipeline_;

@@ -136,13 +136,20 @@ Status OptimizerPipeline::StepNext(TaskRun* run, size_t k) {
   // gradient is landing piece by piece is stepped as it lands (its accumulators are released
   // only once it has landed whole).
   const bool speculate = run->may_speculate && !on_device && speculation_.CanTake(gi);
-  Result<GroupBoard::GroupReady> ready =
-      ctx_.board->WaitGroupReady(gi, task, speculate, /*allow_partial=*/!on_device && !task.clip);
+  Result<GradientWindow::ReadyGroup> ready = m_.grads->WaitReady(gi, task, speculate);
   if (!ready.ok()) return VerdictFailed(run, ready.status());
   plan.coef = ready->coef;
   plan.with_grad = std::move(ready->with_grad);
   plan.landing = ready->partial;
+  plan.grads = ready->grads;
   const bool coef_known = ready->coef_known;
+  if (on_device != ready->on_device) {
+    run->first.Update(Status::Internal("sub-group " + std::to_string(gi) + " is stepped on the " +
+                                       (on_device ? "device" : "host") + " with gradients on the " +
+                                       (ready->on_device ? "device" : "host")));
+    MarkStepped(gi, task.step);
+    return Status::OK();
+  }
   if (on_device) {
     // The device steps it and writes the parameters straight into their device stores.
     run->first.Update(StepGroupOnDevice(plan));
@@ -156,7 +163,7 @@ Status OptimizerPipeline::StepNext(TaskRun* run, size_t k) {
     Result<PooledBlock> read = run->window.TakeRead(gi);
     if (!read.ok()) {
       run->first.Update(read.status());
-      if (plan.landing >= 0) run->first.Update(ctx_.board->WaitLanded(gi, task.step, SIZE_MAX));
+      if (plan.landing >= 0) run->first.Update(m_.grads->WaitLanded(gi, task.step, SIZE_MAX));
       MarkStepped(gi, task.step);
       return Status::OK();  // this sub-group keeps its old values; the step reports the failure
     }
@@ -179,7 +186,7 @@ Status OptimizerPipeline::StepNext(TaskRun* run, size_t k) {
     ctx_.stats->CountLanding();
     // (A failure may have stopped the step before every piece had landed, above or at the
     // state read: the trainer is still copying into the accumulators MarkStepped releases.)
-    run->first.Update(ctx_.board->WaitLanded(gi, task.step, SIZE_MAX));
+    run->first.Update(m_.grads->WaitLanded(gi, task.step, SIZE_MAX));
   }
   // Every gradient of the sub-group has landed and been used: its accumulators can go.
   MarkStepped(gi, task.step);
@@ -235,10 +242,7 @@ Status OptimizerPipeline::VerdictFailed(TaskRun* run, const Status& s) {
   return run->first;
 }
 
-void OptimizerPipeline::MarkStepped(size_t gi, int64_t step) {
-  m_.grads->ReleaseBuffer(gi);
-  ctx_.board->MarkStepped(gi, step);
-}
+void OptimizerPipeline::MarkStepped(size_t gi, int64_t step) { m_.grads->Release(gi, step); }
 
 Status OptimizerPipeline::StepAndWrite(TaskRun* run, GroupStep* plan, float* master,
                                        PooledBlock states) {
@@ -362,11 +366,11 @@ Status OptimizerPipeline::StepGroupOnDevice(const GroupStep& plan) {
   OptimizerHyperParams hp = HyperParams(task, plan.coef, 0);
   const int buf = Buf(task.step);
   const auto t0 = Clock::now();
-  // The gradients accumulated in device memory (GradientPath); with clipping the norm's
+  // The gradients accumulated in device memory (GradientWindow); with clipping the norm's
   // finite check covered them.
   float* master = m_.states->device_states(gi);
-  const float* grads = m_.grads->group_grads(gi);
-  if (!m_.grads->on_device(gi) || grads == nullptr) {
+  const float* grads = plan.grads;
+  if (grads == nullptr) {
     return Status::Internal("sub-group " + std::to_string(gi) +
                             " is stepped on the device without device gradients");
   }
@@ -517,7 +521,7 @@ Status OptimizerPipeline::StepParam(GroupStep* plan, size_t j, float* master, ui
     Status s = u.status();
     if (s.ok() && lands) {
       const auto w0 = Clock::now();
-      s = ctx_.board->WaitLanded(plan->gi, task.step, end);
+      s = m_.grads->WaitLanded(plan->gi, task.step, end);
       *landing_wait += Since(w0);  // waiting, not stepping: not busy time
     }
     if (s.ok()) {

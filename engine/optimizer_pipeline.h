@@ -10,7 +10,7 @@
 
 #include "engine/core/device_budget.h"
 #include "engine/core/engine_context.h"
-#include "engine/core/gradient_path.h"
+#include "engine/core/gradient_window.h"
 #include "engine/core/group_board.h"
 #include "engine/core/host_memory.h"
 #include "engine/core/layout.h"
@@ -35,7 +35,7 @@ class OptimizerPipeline {
   struct Parts {
     StateStore* states = nullptr;
     ParamStore* params = nullptr;
-    GradientPath* grads = nullptr;
+    GradientWindow* grads = nullptr;
     DurableCommits* durable = nullptr;
     CpuOptimizer* optimizer = nullptr;
     BlockPool* state_pool = nullptr;
@@ -61,6 +61,10 @@ class OptimizerPipeline {
     const OptimizerTask* task = nullptr;
     size_t gi = 0;
     float coef = 1.0f;  // the clipping coefficient (1: none)
+    // A sub-group the device steps: its accumulators in device memory
+    // (GradientWindow::ReadyGroup::grads). Host sub-groups read GradientWindow::Acc, also when
+    // a speculative step is stepped again.
+    const float* grads = nullptr;
     // By index in the group: whether the parameter got a gradient in the window; the others
     // are not updated (their parameter stores are still written, as their buffer may be stale).
     std::vector<uint8_t> with_grad;
@@ -86,7 +90,7 @@ class OptimizerPipeline {
     bool upload_pieces = false;
     // >= 0 (no clipping, not speculative): the index in the group of a parameter whose
     // gradient is still landing piece by piece (GroupBoard::LandPiece); it is stepped last, in
-    // up to kPieces pieces, each once its gradient has landed (GroupBoard::WaitLanded).
+    // up to kPieces pieces, each once its gradient has landed (GradientWindow::WaitLanded).
     int landing = -1;
   };
   void Loop();

@@ -147,7 +147,7 @@ TEST(AcquireTraceTest, GivenOrderIsCompleteUnlessEmpty) {
   EXPECT_FALSE(t.valid());
 }
 
-// A sub-group's last gradient landing piece by piece (GradientPath's inline copy): the
+// A sub-group's last gradient landing piece by piece (GradientWindow's inline copy): the
 // optimizer may start on it once it is the only one missing and a piece has landed, and then
 // steps each piece once it is there; not with clipping (the norm needs every gradient), not
 // for a piece of a gradient that is not the last, nor outside the window's end.

@@ -1018,7 +1018,7 @@ TEST(EngineRegistration, DuplicateNamesOverflowingShapesAndBadNamesAreRefused) {
 
 // The last sub-groups of an undelayed step reach the device piece by piece as they are
 // stepped (OptimizerPipeline::StepGroup, upload_pieces), and a sub-group's large last gradient
-// is stepped as its pieces land (GradientPath's inline copy, GroupBoard::LandPiece): what the
+// is stepped as its pieces land (GradientWindow's inline copy, GroupBoard::LandPiece): what the
 // trainer reads after each step is the masters (rounded to bf16 with bf16 parameters), and the
 // masters are those of the same steps without either, bit for bit: with fp32 and int8 states,
 // and speculating. A non-finite value in a landing gradient's last piece fails the step.

@@ -29,7 +29,7 @@ struct ParamLayout {
   size_t index_in_group = 0;  // position in its sub-group's `params`
 };
 
-// The most device scratch a gradient of `p` takes in GradientPath::Reduce: the padded full
+// The most device scratch a gradient of `p` takes in GradientWindow::Reduce: the padded full
 // gradient and this rank's reduced partition (fp32), plus the partition rounded to bf16 with
 // zinf.gradient_transfer_dtype "bf16". Eviction and prefetch leave this much room.
 inline size_t GradientScratchBytes(const ParamLayout& p, const EngineConfig& config) {

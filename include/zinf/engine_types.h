@@ -112,7 +112,7 @@ struct StepStats {
   double speculation_redo_seconds = 0;
   // Sub-groups the CPU optimizer began before their last gradient had landed whole, stepping
   // it piece by piece as it landed (one rank on the host device, at a window's end, without
-  // clipping: GradientPath's inline copy).
+  // clipping: GradientWindow's inline copy).
   uint64_t landing_groups = 0;
 };
 

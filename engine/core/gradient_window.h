@@ -1,9 +1,11 @@
-// Gradients from the trainer to the optimizer: each parameter's gradient is reduce-scattered
-// (or, on one rank, copied) into the pinned fp32 accumulators of its sub-group (device memory
-// for a sub-group the device steps), and the group board learns when a sub-group's gradients
-// have landed. Accumulators live as long as
-// the engine, or, streaming (no accumulation, no clipping), are blocks of a pool that a
-// sub-group holds from its first gradient until the optimizer has stepped it.
+// One accumulation window's gradients, from the trainer to the optimizer: each parameter's
+// gradient is reduce-scattered (or, on one rank, copied) into the pinned fp32 accumulators of
+// its sub-group (device memory for a sub-group the device steps); the window records that it
+// arrived (once: the trainer's flag and the group board's has-grad), lands it, hands the
+// optimizer each sub-group once it is ready (WaitReady: the board's verdict with the
+// accumulators) and takes it back when the optimizer is done (Release). Accumulators live as
+// long as the engine, or, streaming (no accumulation, no clipping), are blocks of a pool that
+// a sub-group holds from its first gradient until Release.
 #pragma once
 
 #include <cstdint>
@@ -30,16 +32,16 @@
 
 namespace zinf {
 
-class GradientPath {
+class GradientWindow {
  public:
   // Staging comes from the context's arena; the accumulators, streaming, from `grad_pool`,
   // else AllocateGroup gives each sub-group its own. Later micro-steps' gradients are summed
   // by `adder`. The reduce-scatters run on the comm stream, the landing on the grad stream.
-  GradientPath(const EngineContext& ctx, FetchScheduler* fetch, GradientAdder* adder,
-               BlockPool* grad_pool, bool streaming);
-  ~GradientPath();  // drains the adder first: its jobs use this object
-  GradientPath(const GradientPath&) = delete;
-  GradientPath& operator=(const GradientPath&) = delete;
+  GradientWindow(const EngineContext& ctx, FetchScheduler* fetch, GradientAdder* adder,
+                 BlockPool* grad_pool, bool streaming);
+  ~GradientWindow();  // drains the adder first: its jobs use this object
+  GradientWindow(const GradientWindow&) = delete;
+  GradientWindow& operator=(const GradientWindow&) = delete;
   // One rank's gradient copied on the host device's inline compute stream at a window's end
   // lands in up to kLandPieces pieces of whole multiples of kLandPieceAlign elements
   // (GroupBoard::LandPiece).
@@ -83,13 +85,29 @@ class GradientPath {
   // The trainable parameter of sub-group `gi` not reduced yet in this micro-step ("" if none).
   std::string Unreduced(size_t gi) const;
 
-  // ---- Optimizer thread (between the group's landing and MarkStepped) ----
-  // Host memory, or device memory for a sub-group the device steps (on_device).
-  float* group_grads(size_t gi) const { return groups_[gi].data; }
-  bool on_device(size_t gi) const { return groups_[gi].on_device; }
+  // ---- Optimizer thread (from a sub-group's WaitReady to its Release) ----
+  // A sub-group ready to step: the board's verdict (GroupBoard::GroupReady) and where its
+  // accumulators are: host memory, or device memory for a sub-group the device steps.
+  struct ReadyGroup : GroupBoard::GroupReady {
+    const float* grads = nullptr;  // the sub-group's accumulators, laid out as its partitions
+    bool on_device = false;
+  };
+  // Waits until sub-group `gi` is ready for `task` (GroupBoard::WaitGroupReady, `speculate`
+  // as there). Without clipping a host sub-group is handed over once all but a last gradient
+  // landing piece by piece are in (`partial`; WaitLanded follows).
+  Result<ReadyGroup> WaitReady(size_t gi, const OptimizerTask& task, bool speculate);
+  // After a partial ReadyGroup: waits until `upto` elements of its landing parameter are in
+  // (SIZE_MAX: the whole group).
+  Status WaitLanded(size_t gi, int64_t step, size_t upto) {
+    return ctx_.board->WaitLanded(gi, step, upto);
+  }
+  // Parameter `id`'s accumulator (its partition), from its sub-group's WaitReady to its
+  // Release.
   float* Acc(ParamId id) const;
-  // Streaming: gives back the accumulators of a stepped sub-group.
-  void ReleaseBuffer(size_t gi);
+  // The optimizer is done with sub-group `gi` for `step` (stepped, or failed and left as it
+  // was): streaming accumulators go back to their pool, and the trainer may put the next
+  // window's gradients in.
+  void Release(size_t gi, int64_t step);
 
  private:
   struct Flags {
@@ -105,6 +123,8 @@ class GradientPath {
   // Streaming: gives sub-group `gi` its accumulators, waiting (bounded) for the optimizer to
   // free a block when all are taken. No-op when it has them.
   Status EnsureBuffer(size_t gi);
+  // Streaming: gives back the accumulators of a stepped sub-group.
+  void ReleaseBuffer(size_t gi);
   void MarkReduced(ParamId id);
   // Once the gradient stream has copied `p`'s gradient into its accumulator: the scratch goes
   // back and the gradient lands (a host function that only frees and lands).

@@ -1,4 +1,4 @@
-#include "engine/core/gradient_path.h"
+#include "engine/core/gradient_window.h"
 
 #include <cmath>
 #include <cstdlib>
@@ -46,8 +46,8 @@ void AddWidened(float* acc, const uint16_t* add, size_t n) {
 
 }  // namespace
 
-GradientPath::GradientPath(const EngineContext& ctx, FetchScheduler* fetch, GradientAdder* adder,
-                           BlockPool* grad_pool, bool streaming)
+GradientWindow::GradientWindow(const EngineContext& ctx, FetchScheduler* fetch,
+                               GradientAdder* adder, BlockPool* grad_pool, bool streaming)
     : ctx_(ctx),
       fetch_(fetch),
       adder_(adder),
@@ -56,7 +56,7 @@ GradientPath::GradientPath(const EngineContext& ctx, FetchScheduler* fetch, Grad
       flags_(ctx.layout->num_params()),
       groups_(ctx.layout->num_groups()) {}
 
-GradientPath::~GradientPath() {
+GradientWindow::~GradientWindow() {
   adder_->Drain();  // its queued jobs write into this object's accumulators
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     if (groups_[gi].on_device) ctx_.budget->Free(groups_[gi].data, ctx_.layout->GroupGradBytes(gi));
@@ -68,7 +68,7 @@ GradientPath::~GradientPath() {
   std::free(zeros_);
 }
 
-Status GradientPath::Init() {
+Status GradientWindow::Init() {
   ZINF_ASSIGN_OR_RETURN(compute_done_, ctx_.device->CreateEvent());
   ZINF_ASSIGN_OR_RETURN(comm_done_, ctx_.device->CreateEvent());
   // At most kPartitionAlign * world_size - 1 elements of padding per parameter.
@@ -86,7 +86,7 @@ Status GradientPath::Init() {
   return Status::OK();
 }
 
-Status GradientPath::AllocateGroup(size_t gi) {
+Status GradientWindow::AllocateGroup(size_t gi) {
   Group& g = groups_[gi];
   if (ctx_.layout->group(gi).on_device && ctx_.config->offload_param.tier == Tier::kDevice) {
     // Stepped on the device (OptimizerPipeline::StepGroupOnDevice): its gradients accumulate
@@ -106,21 +106,21 @@ Status GradientPath::AllocateGroup(size_t gi) {
   return Status::OK();
 }
 
-float* GradientPath::Acc(ParamId id) const {
+float* GradientWindow::Acc(ParamId id) const {
   const ParamLayout& p = ctx_.layout->param(id);
   return groups_[p.info.sub_group].data + p.slice_offset;
 }
 
-void GradientPath::BeginMicroStep() {
+void GradientWindow::BeginMicroStep() {
   for (Flags& f : flags_) f.reduced_this_micro = false;
   reduced_this_micro_ = false;
 }
 
-void GradientPath::EndWindow() {
+void GradientWindow::EndWindow() {
   for (Flags& f : flags_) f.seen_this_window = false;
 }
 
-std::string GradientPath::Unreduced(size_t gi) const {
+std::string GradientWindow::Unreduced(size_t gi) const {
   for (ParamId q : ctx_.layout->group(gi).params) {
     if (ctx_.layout->param(q).info.trainable && !flags_[q].reduced_this_micro) {
       return ctx_.layout->param(q).info.name;
@@ -129,7 +129,7 @@ std::string GradientPath::Unreduced(size_t gi) const {
   return std::string();
 }
 
-void GradientPath::MarkReduced(ParamId id) {
+void GradientWindow::MarkReduced(ParamId id) {
   const ParamLayout& p = ctx_.layout->param(id);
   flags_[id].seen_this_window = true;
   flags_[id].reduced_this_micro = true;
@@ -137,7 +137,7 @@ void GradientPath::MarkReduced(ParamId id) {
   ctx_.board->MarkHasGrad(p.info.sub_group, p.index_in_group);
 }
 
-Status GradientPath::EnsureBuffer(size_t gi) {
+Status GradientWindow::EnsureBuffer(size_t gi) {
   Group& g = groups_[gi];
   if (g.data != nullptr) return Status::OK();
   if (!streaming_) return Status::Internal("gradient accumulators missing");
@@ -156,7 +156,25 @@ Status GradientPath::EnsureBuffer(size_t gi) {
       std::chrono::seconds(300));
 }
 
-void GradientPath::ReleaseBuffer(size_t gi) {
+Result<GradientWindow::ReadyGroup> GradientWindow::WaitReady(size_t gi, const OptimizerTask& task,
+                                                             bool speculate) {
+  const Group& g = groups_[gi];
+  ZINF_ASSIGN_OR_RETURN(GroupBoard::GroupReady board,
+                        ctx_.board->WaitGroupReady(gi, task, speculate,
+                                                   /*allow_partial=*/!g.on_device && !task.clip));
+  ReadyGroup ready;
+  static_cast<GroupBoard::GroupReady&>(ready) = std::move(board);
+  ready.grads = g.data;
+  ready.on_device = g.on_device;
+  return ready;
+}
+
+void GradientWindow::Release(size_t gi, int64_t step) {
+  ReleaseBuffer(gi);
+  ctx_.board->MarkStepped(gi, step);
+}
+
+void GradientWindow::ReleaseBuffer(size_t gi) {
   Group& g = groups_[gi];
   if (g.block.data() == nullptr) return;
   g.data = nullptr;
@@ -164,8 +182,8 @@ void GradientPath::ReleaseBuffer(size_t gi) {
   ctx_.board->NoteGradRelease();
 }
 
-Status GradientPath::LandAfterCopy(const ParamLayout& p, void* scratch, size_t scratch_bytes,
-                                   int64_t ready) {
+Status GradientWindow::LandAfterCopy(const ParamLayout& p, void* scratch, size_t scratch_bytes,
+                                     int64_t ready) {
   const size_t gi = p.info.sub_group;
   return ctx_.device
       ->LaunchHostFunc(ctx_.streams.grad,
@@ -176,7 +194,7 @@ Status GradientPath::LandAfterCopy(const ParamLayout& p, void* scratch, size_t s
       .WithContext("landing the gradient of '" + p.info.name + "'");
 }
 
-Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
+Status GradientWindow::Reduce(ParamId id, const float* grad, int64_t ready) {
   const ParamLayout& p = ctx_.layout->param(id);
   ReduceJob job;
   job.id = id;
@@ -221,7 +239,7 @@ Status GradientPath::Reduce(ParamId id, const float* grad, int64_t ready) {
   return Status::OK();
 }
 
-Status GradientPath::ReduceInline(const ReduceJob& job, const float* grad) {
+Status GradientWindow::ReduceInline(const ReduceJob& job, const float* grad) {
   const ParamLayout& p = *job.p;
   const ParamId id = job.id;
   const size_t part = p.info.partition_numel;
@@ -267,7 +285,7 @@ Status GradientPath::ReduceInline(const ReduceJob& job, const float* grad) {
       .WithContext("landing the gradient of '" + p.info.name + "'");
 }
 
-Status GradientPath::StageForLink(const ReduceJob& job, const float* grad, const void** out) {
+Status GradientWindow::StageForLink(const ReduceJob& job, const float* grad, const void** out) {
   const ParamLayout& p = *job.p;
   Device* device = ctx_.device;
   Stream* compute = device->ComputeStream();
@@ -306,7 +324,7 @@ Status GradientPath::StageForLink(const ReduceJob& job, const float* grad, const
   return s;
 }
 
-Status GradientPath::AccumulateOnDevice(const ReduceJob& job, const void* out, float* acc) {
+Status GradientWindow::AccumulateOnDevice(const ReduceJob& job, const void* out, float* acc) {
   const size_t part = job.p->info.partition_numel;
   const size_t n = job.n;
   Stream* grad = ctx_.streams.grad;
@@ -323,7 +341,7 @@ Status GradientPath::AccumulateOnDevice(const ReduceJob& job, const void* out, f
   return s.ok() ? s : ReleaseScratch(job, s);
 }
 
-Status GradientPath::CopyToAccumulator(const ReduceJob& job, const void* out, float* acc) {
+Status GradientWindow::CopyToAccumulator(const ReduceJob& job, const void* out, float* acc) {
   const size_t part = job.p->info.partition_numel;
   const size_t n = job.n;
   // Straight into the accumulator; landed by a host function once copied.
@@ -337,7 +355,7 @@ Status GradientPath::CopyToAccumulator(const ReduceJob& job, const void* out, fl
   return s.ok() ? s : ReleaseScratch(job, s);
 }
 
-Status GradientPath::StageForAdder(const ReduceJob& job, const void* out, float* acc) {
+Status GradientWindow::StageForAdder(const ReduceJob& job, const void* out, float* acc) {
   const ParamLayout& p = *job.p;
   const size_t part = p.info.partition_numel;
   const size_t n = job.n;
@@ -396,7 +414,7 @@ Status GradientPath::StageForAdder(const ReduceJob& job, const void* out, float*
   return s.ok() ? s : ReleaseScratch(job, s);
 }
 
-Status GradientPath::ReleaseScratch(const ReduceJob& job, const Status& s) {
+Status GradientWindow::ReleaseScratch(const ReduceJob& job, const Status& s) {
   Stream* compute = ctx_.device->ComputeStream();
   if (ctx_.device->SynchronizeStream(compute).ok() &&
       ctx_.device->SynchronizeStream(ctx_.streams.grad).ok() &&
@@ -406,7 +424,7 @@ Status GradientPath::ReleaseScratch(const ReduceJob& job, const Status& s) {
   return s;
 }
 
-Status GradientPath::CompleteWindow(int64_t ready) {
+Status GradientWindow::CompleteWindow(int64_t ready) {
   for (ParamId id = 0; id < flags_.size(); ++id) {
     const ParamLayout& p = ctx_.layout->param(id);
     if (flags_[id].reduced_this_micro || !p.info.trainable) continue;
@@ -423,7 +441,7 @@ Status GradientPath::CompleteWindow(int64_t ready) {
   return Status::OK();
 }
 
-Status GradientPath::WaitStepped(size_t gi, int64_t step) {
+Status GradientWindow::WaitStepped(size_t gi, int64_t step) {
   if (!ctx_.config->delayed_update) return Status::OK();
   double waited = 0;
   Status s = ctx_.board->WaitStepped(gi, step, &waited);
@@ -431,8 +449,8 @@ Status GradientPath::WaitStepped(size_t gi, int64_t step) {
   return s;
 }
 
-Result<float> GradientPath::ClipCoefficient(int64_t step, CpuOptimizer* optimizer,
-                                            HostCollectives* collectives, double* norm) {
+Result<float> GradientWindow::ClipCoefficient(int64_t step, CpuOptimizer* optimizer,
+                                              HostCollectives* collectives, double* norm) {
   ZINF_ASSIGN_OR_RETURN(const double local, LocalSumSquares(optimizer));
   float total = static_cast<float>(local);
   ZINF_RETURN_IF_ERROR(
@@ -452,7 +470,7 @@ Result<float> GradientPath::ClipCoefficient(int64_t step, CpuOptimizer* optimize
              : 1.0f;
 }
 
-Result<double> GradientPath::LocalSumSquares(CpuOptimizer* optimizer) {
+Result<double> GradientWindow::LocalSumSquares(CpuOptimizer* optimizer) {
   // Accumulators on the device: summed there (all queued, then one wait), each parameter
   // that got no gradient in the window counting zero, as its zeroed host accumulator would.
   std::vector<GradStats> on_device(flags_.size());
