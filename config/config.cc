@@ -39,6 +39,20 @@ const char* TierName(Tier tier) {
   return "unknown";
 }
 
+const char* OptimizerConfigName(OptimizerType type) {
+  switch (type) {
+    case OptimizerType::kAdam:
+      return "Adam";
+    case OptimizerType::kAdamW:
+      return "AdamW";
+    case OptimizerType::kAdagrad:
+      return "Adagrad";
+    case OptimizerType::kLion:
+      return "Lion";
+  }
+  return "unknown";
+}
+
 namespace {
 
 // Key paths of the sections, used in messages and in validation.

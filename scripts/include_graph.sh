@@ -46,7 +46,7 @@ layer_of() {
 # The layer of a public header: that of the folder implementing it.
 public_layer_of() {
   case "${1##*/}" in
-    status.h | align.h | log.h | crash_point.h) echo 0 ;;  # common/
+    status.h | align.h | log.h | crash_point.h | field_count.h) echo 0 ;;  # common/ (field_count.h: header-only)
     io.h | swap.h) echo 1 ;;                               # nvme/
     cpu_adam.h) echo 1 ;;                                  # cpu_adam/
     device.h | comm.h | cuda.h | runtime.h) echo 2 ;;      # device/

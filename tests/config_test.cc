@@ -4,6 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -716,6 +719,74 @@ TEST(LoadEngineConfigTest, ParseErrorsStartWithThePath) {
   c = LoadEngineConfig(path, nullptr);
   ASSERT_FALSE(c.ok());
   EXPECT_THAT(c.status().message(), HasSubstr(path + ": invalid JSON at line 3, column "));
+}
+
+// VisitEngineConfig names every field by its config key, once, with the value a config writes:
+// a config built from what it visits parses back to the same config, and a config that sets
+// every key (but the stage, which has one value) to something other than its default shows each
+// visited value changed, so no key is visited under another field's name.
+nlohmann::json VisitedTree(const EngineConfig& c, std::map<std::string, std::string>* flat) {
+  nlohmann::json tree = nlohmann::json::object();
+  const std::set<std::string> top = {"gradient_clipping", "gradient_accumulation_steps",
+                                     "train_micro_batch_size_per_gpu", "train_batch_size"};
+  VisitEngineConfig(c, [&](const char* key, const auto& value) {
+    const nlohmann::json v = value;
+    EXPECT_TRUE(flat->emplace(key, v.dump()).second) << key << " visited twice";
+    std::string path = key;
+    if (path.find('.') == std::string::npos && !top.count(path)) path = "zinf." + path;
+    nlohmann::json* at = &tree;
+    for (size_t dot; (dot = path.find('.')) != std::string::npos; path.erase(0, dot + 1)) {
+      at = &(*at)[path.substr(0, dot)];
+    }
+    (*at)[path] = v;
+  });
+  return tree;
+}
+
+TEST(ConfigTest, TheVisitorNamesEveryFieldByItsKey) {
+  const char* every = R"({
+    "zero_optimization": {"stage": 3, "sub_group_size": 1234, "stage3_prefetch_bucket_size": 99,
+      "stage3_max_live_parameters": 200, "stage3_max_reuse_distance": 300,
+      "stage3_param_persistence_threshold": 10,
+      "offload_param": {"device": "nvme", "nvme_path": "/tmp/zinf_p", "buffer_count": 5,
+        "buffer_size": 1000, "max_in_cpu": 2000, "pin_memory": false},
+      "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/zinf_o", "buffer_count": 6,
+        "pin_memory": false, "pipeline_read": true, "pipeline_write": true, "ratio": 0.25}},
+    "aio": {"block_size": 65536, "queue_depth": 8, "thread_count": 2, "single_submit": true,
+      "overlap_events": false},
+    "optimizer": {"type": "Lion", "params": {"lr": 0.01, "betas": [0.8, 0.95], "eps": 1e-6,
+      "weight_decay": 0.1}},
+    "bf16": {"enabled": true}, "gradient_clipping": 1.5, "gradient_accumulation_steps": 2,
+    "train_micro_batch_size_per_gpu": 4, "train_batch_size": 8,
+    "zinf": {"io_backend": "psync", "device_budget_bytes": "1G", "pinned_budget_bytes": "256M",
+      "nvme_capacity_bytes": "10G", "nvme_reserve_bytes": "1G", "delayed_update": true,
+      "delayed_update_after": 3, "durable": true, "durable_overwrite": true, "checksums": true,
+      "gradient_transfer_dtype": "bf16", "optimizer_state_dtype": "bf16",
+      "frozen_weight_dtype": "int8", "optimizer_threads": 2, "speculative_step": true,
+      "collective_timeout_seconds": 60, "host_copy_gbps": 10, "allowed_nvme_roots": ["/tmp"]}
+  })";
+  std::vector<std::string> warnings;
+  Result<EngineConfig> c = ParseEngineConfig(every, &warnings);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_THAT(warnings, ::testing::IsEmpty());
+  std::map<std::string, std::string> flat, defaults, again;
+  const nlohmann::json tree = VisitedTree(*c, &flat);
+  VisitedTree(EngineConfig{}, &defaults);
+  // 6 offload_param keys, 7 offload_optimizer, 6 other zero_optimization keys, 5 aio and the
+  // backend, 5 optimizer keys (betas one), bf16 and 4 other top-level keys, 17 zinf keys.
+  EXPECT_EQ(flat.size(), 6 + 7 + 6 + 6 + 5 + 5 + 17u);
+  for (const auto& [key, value] : flat) {
+    if (key == "zero_optimization.stage") continue;
+    EXPECT_NE(value, defaults.at(key)) << key << " reads as its default";
+  }
+  Result<EngineConfig> back = ParseEngineConfig(tree.dump(), &warnings);
+  ASSERT_TRUE(back.ok()) << back.status().ToString() << "\n" << tree.dump(2);
+  EXPECT_THAT(warnings, ::testing::IsEmpty());
+  VisitedTree(*back, &again);
+  EXPECT_EQ(again, flat);
+  // "auto", a string, for the default speculative step.
+  EXPECT_EQ(defaults.at("speculative_step"), "\"auto\"");
+  EXPECT_EQ(defaults.at("zero_optimization.offload_param.device"), "\"none\"");
 }
 
 }  // namespace

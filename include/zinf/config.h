@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "zinf/cpu_adam.h"  // StateType
+#include "zinf/field_count.h"
 #include "zinf/status.h"
 
 namespace zinf {
@@ -39,6 +40,9 @@ struct AioConfig {
 };
 
 enum class OptimizerType { kAdam, kAdamW, kAdagrad, kLion };
+// "Adam", "AdamW", "Adagrad" or "Lion": optimizer.type as a config names it (checkpoints
+// record the lower-case names of engine/core/layout.h OptimizerTypeName).
+const char* OptimizerConfigName(OptimizerType type);
 
 struct OptimizerConfig {
   OptimizerType type = OptimizerType::kAdamW;
@@ -140,6 +144,85 @@ struct EngineConfig {
   // are resolved (checked by Engine::Create), so a config cannot point the swapper elsewhere.
   std::vector<std::string> allowed_nvme_roots;
 };
+
+// Calls visit(name, value) for every EngineConfig field, in declaration order, so that a front
+// end (the Python module's parse_config) reports them all without copying field by field.
+// Names are the config's keys: DeepSpeed's by their path ("zero_optimization.offload_param.
+// device", "optimizer.params.lr"), zinf's own by their name inside "zinf" ("durable"); values
+// as a config writes them (an offload device "none", "cpu" or "nvme"; optimizer_state_dtype
+// "int8"; speculative_step true, false or "auto"), numbers and lists as parsed. Two fields are
+// visited as one key (optimizer.params.betas); an offload's nvme_path includes zinf.nvme_paths.
+template <typename Visit>
+void VisitEngineConfig(const EngineConfig& c, Visit&& visit) {
+  // The keys each offload has (OffloadConfig holds both's).
+  auto offload = [&](const std::string& key, const OffloadConfig& o, bool param) {
+    visit((key + ".device").c_str(), o.tier == Tier::kDevice ? "none" : TierName(o.tier));
+    visit((key + ".nvme_path").c_str(), o.nvme_paths);
+    visit((key + ".buffer_count").c_str(), o.buffer_count);
+    if (param) {
+      visit((key + ".buffer_size").c_str(), o.buffer_size);
+      visit((key + ".max_in_cpu").c_str(), o.max_in_cpu);
+    }
+    visit((key + ".pin_memory").c_str(), o.pin_memory);
+    if (!param) {
+      visit((key + ".pipeline_read").c_str(), o.pipeline_read);
+      visit((key + ".pipeline_write").c_str(), o.pipeline_write);
+      visit((key + ".ratio").c_str(), o.ratio);
+    }
+  };
+  visit("zero_optimization.stage", c.zero_stage);
+  offload("zero_optimization.offload_param", c.offload_param, true);
+  offload("zero_optimization.offload_optimizer", c.offload_optimizer, false);
+  visit("zero_optimization.sub_group_size", c.sub_group_size);
+  visit("zero_optimization.stage3_prefetch_bucket_size", c.prefetch_bucket_size);
+  visit("zero_optimization.stage3_max_live_parameters", c.max_live_parameters);
+  visit("zero_optimization.stage3_max_reuse_distance", c.max_reuse_distance);
+  visit("zero_optimization.stage3_param_persistence_threshold", c.param_persistence_threshold);
+  visit("aio.block_size", c.aio.block_size);
+  visit("aio.queue_depth", c.aio.queue_depth);
+  visit("aio.thread_count", c.aio.thread_count);
+  visit("aio.single_submit", c.aio.single_submit);
+  visit("aio.overlap_events", c.aio.overlap_events);
+  visit("io_backend", c.aio.backend);
+  visit("optimizer.type", OptimizerConfigName(c.optimizer.type));
+  visit("optimizer.params.lr", c.optimizer.lr);
+  visit("optimizer.params.betas", std::vector<float>{c.optimizer.beta1, c.optimizer.beta2});
+  visit("optimizer.params.eps", c.optimizer.eps);
+  visit("optimizer.params.weight_decay", c.optimizer.weight_decay);
+  visit("bf16.enabled", c.bf16);
+  visit("gradient_clipping", c.gradient_clipping);
+  visit("gradient_accumulation_steps", c.gradient_accumulation_steps);
+  visit("train_micro_batch_size_per_gpu", c.train_micro_batch_size_per_gpu);
+  visit("train_batch_size", c.train_batch_size);
+  visit("device_budget_bytes", c.device_budget_bytes);
+  visit("pinned_budget_bytes", c.pinned_budget_bytes);
+  visit("nvme_capacity_bytes", c.nvme_capacity_bytes);
+  visit("nvme_reserve_bytes", c.nvme_reserve_bytes);  // UINT64_MAX: 2 %, at most 4 GiB
+  visit("delayed_update", c.delayed_update);
+  visit("delayed_update_after", c.delayed_update_after);
+  visit("durable", c.durable);
+  visit("durable_overwrite", c.durable_overwrite);
+  visit("checksums", c.checksums);
+  visit("gradient_transfer_dtype", c.gradient_transfer_bf16 ? "bf16" : "fp32");
+  visit("optimizer_state_dtype", StateTypeName(c.optimizer_state_type));
+  visit("frozen_weight_dtype", c.frozen_int8 ? "int8" : "as-is");
+  visit("optimizer_threads", c.optimizer_threads);
+  if (c.speculative_step == SpeculativeStep::kAuto) {
+    visit("speculative_step", "auto");
+  } else {
+    visit("speculative_step", c.speculative_step == SpeculativeStep::kOn);
+  }
+  visit("collective_timeout_seconds", c.collective_timeout_seconds);
+  visit("host_copy_gbps", c.host_copy_gbps);
+  visit("allowed_nvme_roots", c.allowed_nvme_roots);
+}
+
+#ifdef ZINF_HAS_FIELD_COUNT_CHECK
+// The fields VisitEngineConfig visits: one added without a visit fails here.
+static_assert(HasFields<EngineConfig, 32> && HasFields<OffloadConfig, 9> &&
+                  HasFields<AioConfig, 6> && HasFields<OptimizerConfig, 6>,
+              "EngineConfig gained or lost a field: update VisitEngineConfig and these counts");
+#endif
 
 // Parses a JSON config. Unknown keys add one warning each to *warnings (key path named);
 // wrong types or values fail with a Status naming the key path ("zero_optimization.

@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "zinf/field_count.h"
+
 namespace zinf {
 
 using ParamId = uint32_t;
@@ -151,22 +153,9 @@ void VisitStepStats(const StepStats& s, Visit&& visit) {
   visit("landing_groups", s.landing_groups);
 }
 
-#if __cplusplus >= 202002L  // a requires-expression; the check runs in every C++20 build
-namespace internal {
-// Converts to any field type: StepStats{AnyField{}...} compiles with at most as many values as
-// StepStats has fields.
-struct AnyField {
-  template <typename T>
-  operator T() const;
-};
-template <typename T, size_t... I>
-constexpr bool BraceInitializable(std::index_sequence<I...>) {
-  return requires { T{(static_cast<void>(I), AnyField{})...}; };
-}
-}  // namespace internal
+#ifdef ZINF_HAS_FIELD_COUNT_CHECK
 // VisitStepStats visits 29 fields: a field added to StepStats without a visit fails here.
-static_assert(internal::BraceInitializable<StepStats>(std::make_index_sequence<29>()) &&
-                  !internal::BraceInitializable<StepStats>(std::make_index_sequence<30>()),
+static_assert(HasFields<StepStats, 29>,
               "StepStats gained or lost a field: update VisitStepStats and this count");
 #endif
 

@@ -41,42 +41,17 @@ py::dict InspectCheckpoint(const safetensors::Checkpoint& ckpt) {
   return out;
 }
 
-// parse_config's dict: the settings the Python layer reads from a parsed config.
+// parse_config's dict: every config field by its key (VisitEngineConfig), the parse's
+// warnings, and "nvme_paths": the NVMe folders of both offloads, each once.
 py::dict ConfigSummary(const EngineConfig& c, const std::vector<std::string>& warnings) {
   py::dict d;
+  VisitEngineConfig(c, [&](const char* key, const auto& value) { d[key] = value; });
   d["warnings"] = warnings;
-  d["param_tier"] = TierName(c.offload_param.tier);
-  d["optimizer_tier"] = TierName(c.offload_optimizer.tier);
   std::vector<std::string> paths = c.offload_param.nvme_paths;
   for (const std::string& p : c.offload_optimizer.nvme_paths) {
     if (std::find(paths.begin(), paths.end(), p) == paths.end()) paths.push_back(p);
   }
   d["nvme_paths"] = paths;
-  d["bf16"] = c.bf16;
-  d["lr"] = c.optimizer.lr;
-  d["optimizer_type"] = std::string(c.optimizer.type == OptimizerType::kAdam      ? "Adam"
-                                    : c.optimizer.type == OptimizerType::kAdamW   ? "AdamW"
-                                    : c.optimizer.type == OptimizerType::kAdagrad ? "Adagrad"
-                                                                                  : "Lion");
-  d["betas"] = py::make_tuple(c.optimizer.beta1, c.optimizer.beta2);
-  d["eps"] = c.optimizer.eps;
-  d["weight_decay"] = c.optimizer.weight_decay;
-  d["train_micro_batch_size_per_gpu"] = c.train_micro_batch_size_per_gpu;
-  d["train_batch_size"] = c.train_batch_size;
-  d["gradient_accumulation_steps"] = c.gradient_accumulation_steps;
-  d["gradient_clipping"] = c.gradient_clipping;
-  d["durable"] = c.durable;
-  d["delayed_update"] = c.delayed_update;
-  d["optimizer_state_dtype"] = StateTypeName(c.optimizer_state_type);
-  // As the config writes it: true, false or "auto".
-  if (c.speculative_step == SpeculativeStep::kAuto) {
-    d["speculative_step"] = py::str("auto");
-  } else {
-    d["speculative_step"] = py::bool_(c.speculative_step == SpeculativeStep::kOn);
-  }
-  d["device_budget_bytes"] = c.device_budget_bytes;
-  d["pinned_budget_bytes"] = c.pinned_budget_bytes;
-  d["collective_timeout_seconds"] = c.collective_timeout_seconds;
   return d;
 }
 

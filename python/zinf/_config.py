@@ -102,7 +102,7 @@ class Config:
 
 
 def parse(config):
-    """The config's JSON text and a summary of the fields the Python layer uses (raises
+    """The config's JSON text and a summary: every field by its config key (raises
     ZinfError naming the key path for a bad value; warnings come back in the summary)."""
     c = Config(config)
     return c.text, c.summary

@@ -87,10 +87,11 @@ def hyperparameters(cfg):
     engine's float32 copies, so that schedules computed from them are exact)."""
     s = cfg.summary
     params = cfg.get("optimizer", "params", default={}) or {}
-    out = {"type": s["optimizer_type"], "lr": float(params.get("lr", s["lr"])),
-           "betas": tuple(float(b) for b in params.get("betas", s["betas"])),
-           "eps": float(params.get("eps", s["eps"])),
-           "weight_decay": float(params.get("weight_decay", s["weight_decay"]))}
+    out = {"type": s["optimizer.type"], "lr": float(params.get("lr", s["optimizer.params.lr"])),
+           "betas": tuple(float(b) for b in params.get("betas", s["optimizer.params.betas"])),
+           "eps": float(params.get("eps", s["optimizer.params.eps"])),
+           "weight_decay": float(params.get("weight_decay",
+                                            s["optimizer.params.weight_decay"]))}
     return out
 
 

@@ -17,7 +17,7 @@ class DeepSpeedConfig:
         self.gradient_accumulation_steps = s["gradient_accumulation_steps"]
         self.zero_optimization_stage = cfg.get("zero_optimization", "stage", default=3)
         self.zero_enabled = self.zero_optimization_stage > 0
-        self.bfloat16_enabled = bool(s["bf16"])
+        self.bfloat16_enabled = bool(s["bf16.enabled"])
         self.fp16_enabled = False
         self.gradient_clipping = cfg.get("gradient_clipping", default=0.0)
         self.optimizer_name = cfg.get("optimizer", "type")
