@@ -350,16 +350,177 @@ std::optional<IsaChoice> ParseIsa(const std::string& s) {
   return IsaChoice{*isa};
 }
 
+// What every measured case shares: the flags, the buffers and the roofline kernel, and the
+// step counter (each Step call takes the next step number, across all cases).
+struct BenchState {
+  const Flags& f;
+  Buffers& b;
+  RooflineFn roofline;
+  int64_t step = 1;
+};
+
+// One (optimizer, gradient type, parameter-copy type) case, timed for every state type.
+struct StepCase {
+  OptimizerKind kind;
+  GradType grad;
+  ParamCopyType copy;
+};
+
+// Timed repeats of one case: the step per state type (empty where the optimizer has no such
+// states), and the roofline once per repeat.
+struct CaseTimes {
+  std::vector<std::vector<double>> step_s;
+  std::vector<double> roof_s;
+};
+
+CaseTimes TimeCase(BenchState& s, CpuOptimizer& opt, const StepCase& c,
+                   const std::vector<StateType>& states) {
+  // The state types interleaved repeat by repeat, with one roofline run per repeat.
+  CaseTimes times;
+  times.step_s.resize(states.size());
+  for (int r = 0; r < s.f.warmup + s.f.repeats; ++r) {
+    const double roof = TimeRoofline(opt, s.b, s.roofline);
+    if (r >= s.f.warmup) times.roof_s.push_back(roof);
+    for (size_t k = 0; k < states.size(); ++k) {
+      if (c.kind == OptimizerKind::kAdagrad && states[k] == StateType::kInt8) continue;
+      const OptimizerTensors t = Tensors(s.b, c.kind, c.grad, c.copy, states[k]);
+      const auto t0 = Clock::now();
+      CheckOk(opt.Step(HyperParams(c.kind, s.step++), t), "step");
+      if (r >= s.f.warmup) times.step_s[k].push_back(Seconds(t0, Clock::now()));
+    }
+  }
+  return times;
+}
+
+// Prints one JSON line per state type that ran.
+void ReportCase(const Flags& f, const CpuOptimizer& opt, const StepCase& c,
+                const std::vector<StateType>& states, const CaseTimes& times) {
+  const double roof_med = Median(times.roof_s);
+  const double roof_gbps = kRooflineBytesPerElement * static_cast<double>(f.n) / roof_med / 1e9;
+  std::optional<double> fp32_med;
+  for (size_t k = 0; k < states.size(); ++k) {
+    if (states[k] == StateType::kF32) fp32_med = Median(times.step_s[k]);
+  }
+  for (size_t k = 0; k < states.size(); ++k) {
+    const std::vector<double>& step_s = times.step_s[k];
+    if (step_s.empty()) {
+      std::fprintf(stderr, "zinf-adam-bench: %s has no int8 states; skipped\n",
+                   OptimizerKindName(c.kind));
+      continue;
+    }
+    const double med = Median(step_s);
+    const double bytes = StepBytesPerElement(c.kind, c.grad, c.copy, states[k], f.n);
+    const double gbps = bytes * static_cast<double>(f.n) / med / 1e9;
+    nlohmann::json j = {
+        {"optimizer", OptimizerKindName(c.kind)},
+        {"isa", CpuIsaName(opt.isa())},
+        {"kernel", opt.kernel_name()},
+        {"threads", opt.num_threads()},
+        {"bind", opt.bound_to_cores()},
+        {"n", f.n},
+        {"grad_dtype", GradTypeName(c.grad)},
+        {"param_out", ParamCopyTypeName(c.copy)},
+        {"state_dtype", StateTypeName(states[k])},
+        {"repeats", f.repeats},
+        {"ms_median", med * 1e3},
+        {"ms_min", *std::min_element(step_s.begin(), step_s.end()) * 1e3},
+        {"ns_per_elem", med * 1e9 / static_cast<double>(f.n)},
+        {"bytes_per_elem", bytes},
+        {"gbps", gbps},
+        {"roofline_ms_median", roof_med * 1e3},
+        {"roofline_gbps", roof_gbps},
+        {"roofline_ratio", gbps / roof_gbps},
+    };
+    if (fp32_med && states[k] != StateType::kF32) j["ns_vs_fp32"] = med / *fp32_med;
+    std::printf("%s\n", j.dump().c_str());
+    std::fflush(stdout);
+  }
+}
+
+// Timed repeats of --compare-unfused: the fused step, the fp32 step and the conversion pass
+// after it, the bf16-gradient step with its conversion, and the plain-store conversion (empty
+// unless plain).
+struct UnfusedTimes {
+  std::vector<double> fused_s, unfused_s, step32_s, convert_s, unfused_bf16_s, plain_s;
+};
+
+UnfusedTimes TimeUnfused(BenchState& s, CpuOptimizer& opt, OptimizerKind kind, bool plain) {
+  const Flags& f = s.f;
+  Buffers& b = s.b;
+  const OptimizerTensors fused = Tensors(b, kind, GradType::kBf16, ParamCopyType::kBf16);
+  const OptimizerTensors fp32 = Tensors(b, kind, GradType::kF32, ParamCopyType::kNone);
+  const OptimizerTensors bf16_grads = Tensors(b, kind, GradType::kBf16, ParamCopyType::kNone);
+  UnfusedTimes times;
+  for (int r = 0; r < f.warmup + f.repeats; ++r) {
+    auto t0 = Clock::now();
+    CheckOk(opt.Step(HyperParams(kind, s.step++), fused), "fused step");
+    auto t1 = Clock::now();
+    CheckOk(opt.Step(HyperParams(kind, s.step++), fp32), "fp32 step");
+    auto t2 = Clock::now();
+    CheckOk(opt.ConvertParams(fp32.param, b.copy.as<uint16_t>(), ParamCopyType::kBf16, f.n),
+            "conversion");
+    auto t3 = Clock::now();
+    CheckOk(opt.Step(HyperParams(kind, s.step++), bf16_grads), "bf16-gradient step");
+    CheckOk(opt.ConvertParams(fp32.param, b.copy.as<uint16_t>(), ParamCopyType::kBf16, f.n),
+            "conversion");
+    auto t5 = Clock::now();
+    if (plain) {
+      opt.ParallelFor(f.n, [&](size_t begin, size_t end) {
+        ConvertPlainAvx512Bf16(fp32.param, b.copy.as<uint16_t>(), begin, end);
+      });
+    }
+    auto t6 = Clock::now();
+    if (r < f.warmup) continue;
+    times.plain_s.push_back(Seconds(t5, t6));
+    times.fused_s.push_back(Seconds(t0, t1));
+    times.step32_s.push_back(Seconds(t1, t2));
+    times.convert_s.push_back(Seconds(t2, t3));
+    times.unfused_s.push_back(Seconds(t1, t3));
+    times.unfused_bf16_s.push_back(Seconds(t3, t5));
+  }
+  return times;
+}
+
+void ReportUnfused(const Flags& f, const CpuOptimizer& opt, OptimizerKind kind, bool plain,
+                   const UnfusedTimes& t) {
+  const double n = static_cast<double>(f.n);
+  const double fused_med = Median(t.fused_s);
+  nlohmann::json j = {
+      {"compare", "unfused"},
+      {"optimizer", OptimizerKindName(kind)},
+      {"isa", CpuIsaName(opt.isa())},
+      {"kernel", opt.kernel_name()},
+      {"threads", opt.num_threads()},
+      {"n", f.n},
+      {"repeats", f.repeats},
+      {"fused_ns_per_elem", fused_med * 1e9 / n},
+      {"unfused_ns_per_elem", Median(t.unfused_s) * 1e9 / n},
+      {"unfused_fp32_step_ns_per_elem", Median(t.step32_s) * 1e9 / n},
+      {"unfused_convert_ns_per_elem", Median(t.convert_s) * 1e9 / n},
+      {"fused_speedup", Median(t.unfused_s) / fused_med},
+      {"fused_speedup_vs_bf16_grads_unfused", Median(t.unfused_bf16_s) / fused_med},
+  };
+  if (plain) {
+    // The same fp32 step followed by the plain-store conversion pass.
+    std::vector<double> unfused_plain;
+    for (size_t k = 0; k < t.step32_s.size(); ++k)
+      unfused_plain.push_back(t.step32_s[k] + t.plain_s[k]);
+    j["plain_convert_ns_per_elem"] = Median(t.plain_s) * 1e9 / n;
+    j["fused_speedup_vs_plain_store_convert"] = Median(unfused_plain) / fused_med;
+  }
+  std::printf("%s\n", j.dump().c_str());
+  std::fflush(stdout);
+}
+
 int Run(const Flags& f) {
   const auto kinds = ParseAll<OptimizerKind>(f.optimizers, ParseOptimizer, "--optimizer");
   const auto grads = ParseAll<GradType>(f.grad_dtypes, ParseGrad, "--grad-dtype");
   const auto copies = ParseAll<ParamCopyType>(f.param_outs, ParseCopy, "--param-out");
   const auto isas = ParseAll<IsaChoice>(f.isas, ParseIsa, "--isa");
   const auto states = ParseAll<StateType>(f.state_dtypes, ParseState, "--state-dtype");
-  const RooflineFn roofline = BestRoofline();
   Buffers b(f.n);
+  BenchState s{f, b, BestRoofline()};
   bool touched = false;
-  int64_t step = 1;
   for (const IsaChoice& choice : isas) {
     for (int threads : f.threads) {
       CpuOptimizer::Options o;
@@ -377,124 +538,15 @@ int Run(const Flags& f) {
       for (OptimizerKind kind : kinds) {
         for (GradType grad : grads) {
           for (ParamCopyType copy : copies) {
-            // The state types interleaved repeat by repeat, with one roofline run per repeat.
-            std::vector<std::vector<double>> step_s(states.size());
-            std::vector<double> roof_s;
-            for (int r = 0; r < f.warmup + f.repeats; ++r) {
-              const double roof = TimeRoofline(opt, b, roofline);
-              if (r >= f.warmup) roof_s.push_back(roof);
-              for (size_t k = 0; k < states.size(); ++k) {
-                if (kind == OptimizerKind::kAdagrad && states[k] == StateType::kInt8) continue;
-                const OptimizerTensors t = Tensors(b, kind, grad, copy, states[k]);
-                const auto t0 = Clock::now();
-                CheckOk(opt.Step(HyperParams(kind, step++), t), "step");
-                if (r >= f.warmup) step_s[k].push_back(Seconds(t0, Clock::now()));
-              }
-            }
-            const double roof_med = Median(roof_s);
-            const double roof_gbps =
-                kRooflineBytesPerElement * static_cast<double>(f.n) / roof_med / 1e9;
-            std::optional<double> fp32_med;
-            for (size_t k = 0; k < states.size(); ++k) {
-              if (states[k] == StateType::kF32) fp32_med = Median(step_s[k]);
-            }
-            for (size_t k = 0; k < states.size(); ++k) {
-              if (step_s[k].empty()) {
-                std::fprintf(stderr, "zinf-adam-bench: %s has no int8 states; skipped\n",
-                             OptimizerKindName(kind));
-                continue;
-              }
-              const double med = Median(step_s[k]);
-              const double bytes = StepBytesPerElement(kind, grad, copy, states[k], f.n);
-              const double gbps = bytes * static_cast<double>(f.n) / med / 1e9;
-              nlohmann::json j = {
-                  {"optimizer", OptimizerKindName(kind)},
-                  {"isa", CpuIsaName(opt.isa())},
-                  {"kernel", opt.kernel_name()},
-                  {"threads", opt.num_threads()},
-                  {"bind", opt.bound_to_cores()},
-                  {"n", f.n},
-                  {"grad_dtype", GradTypeName(grad)},
-                  {"param_out", ParamCopyTypeName(copy)},
-                  {"state_dtype", StateTypeName(states[k])},
-                  {"repeats", f.repeats},
-                  {"ms_median", med * 1e3},
-                  {"ms_min", *std::min_element(step_s[k].begin(), step_s[k].end()) * 1e3},
-                  {"ns_per_elem", med * 1e9 / static_cast<double>(f.n)},
-                  {"bytes_per_elem", bytes},
-                  {"gbps", gbps},
-                  {"roofline_ms_median", roof_med * 1e3},
-                  {"roofline_gbps", roof_gbps},
-                  {"roofline_ratio", gbps / roof_gbps},
-              };
-              if (fp32_med && states[k] != StateType::kF32) j["ns_vs_fp32"] = med / *fp32_med;
-              std::printf("%s\n", j.dump().c_str());
-              std::fflush(stdout);
-            }
+            const StepCase c{kind, grad, copy};
+            ReportCase(f, opt, c, states, TimeCase(s, opt, c, states));
           }
         }
       }
       if (f.compare_unfused) {
         const OptimizerKind kind = kinds.front();
-        const OptimizerTensors fused = Tensors(b, kind, GradType::kBf16, ParamCopyType::kBf16);
-        const OptimizerTensors fp32 = Tensors(b, kind, GradType::kF32, ParamCopyType::kNone);
-        const OptimizerTensors bf16_grads = Tensors(b, kind, GradType::kBf16, ParamCopyType::kNone);
         const bool plain = DetectCpuFeatures().avx512_bf16 && CpuIsaSupported(CpuIsa::kAvx512);
-        std::vector<double> fused_s, unfused_s, step32_s, convert_s, unfused_bf16_s, plain_s;
-        for (int r = 0; r < f.warmup + f.repeats; ++r) {
-          auto t0 = Clock::now();
-          CheckOk(opt.Step(HyperParams(kind, step++), fused), "fused step");
-          auto t1 = Clock::now();
-          CheckOk(opt.Step(HyperParams(kind, step++), fp32), "fp32 step");
-          auto t2 = Clock::now();
-          CheckOk(opt.ConvertParams(fp32.param, b.copy.as<uint16_t>(), ParamCopyType::kBf16, f.n),
-                  "conversion");
-          auto t3 = Clock::now();
-          CheckOk(opt.Step(HyperParams(kind, step++), bf16_grads), "bf16-gradient step");
-          CheckOk(opt.ConvertParams(fp32.param, b.copy.as<uint16_t>(), ParamCopyType::kBf16, f.n),
-                  "conversion");
-          auto t5 = Clock::now();
-          if (plain) {
-            opt.ParallelFor(f.n, [&](size_t begin, size_t end) {
-              ConvertPlainAvx512Bf16(fp32.param, b.copy.as<uint16_t>(), begin, end);
-            });
-          }
-          auto t6 = Clock::now();
-          if (r < f.warmup) continue;
-          plain_s.push_back(Seconds(t5, t6));
-          fused_s.push_back(Seconds(t0, t1));
-          step32_s.push_back(Seconds(t1, t2));
-          convert_s.push_back(Seconds(t2, t3));
-          unfused_s.push_back(Seconds(t1, t3));
-          unfused_bf16_s.push_back(Seconds(t3, t5));
-        }
-        const double n = static_cast<double>(f.n);
-        const double fused_med = Median(fused_s);
-        nlohmann::json j = {
-            {"compare", "unfused"},
-            {"optimizer", OptimizerKindName(kind)},
-            {"isa", CpuIsaName(opt.isa())},
-            {"kernel", opt.kernel_name()},
-            {"threads", opt.num_threads()},
-            {"n", f.n},
-            {"repeats", f.repeats},
-            {"fused_ns_per_elem", fused_med * 1e9 / n},
-            {"unfused_ns_per_elem", Median(unfused_s) * 1e9 / n},
-            {"unfused_fp32_step_ns_per_elem", Median(step32_s) * 1e9 / n},
-            {"unfused_convert_ns_per_elem", Median(convert_s) * 1e9 / n},
-            {"fused_speedup", Median(unfused_s) / fused_med},
-            {"fused_speedup_vs_bf16_grads_unfused", Median(unfused_bf16_s) / fused_med},
-        };
-        if (plain) {
-          // The same fp32 step followed by the plain-store conversion pass.
-          std::vector<double> unfused_plain;
-          for (size_t k = 0; k < step32_s.size(); ++k)
-            unfused_plain.push_back(step32_s[k] + plain_s[k]);
-          j["plain_convert_ns_per_elem"] = Median(plain_s) * 1e9 / n;
-          j["fused_speedup_vs_plain_store_convert"] = Median(unfused_plain) / fused_med;
-        }
-        std::printf("%s\n", j.dump().c_str());
-        std::fflush(stdout);
+        ReportUnfused(f, opt, kind, plain, TimeUnfused(s, opt, kind, plain));
       }
     }
   }

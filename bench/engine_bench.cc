@@ -210,38 +210,36 @@ Result<PeerFigures> GlooPeerStep(const Flags& f, int rank, int world) {
   return p;
 }
 
-int Main(int argc, char** argv) {
-  Flags f;
-  CLI::App app{"zinf-engine-bench: overlap of compute, NVMe and the CPU optimizer"};
-  app.add_option("--preset", f.preset,
+void AddFlags(CLI::App& app, Flags* f) {
+  app.add_option("--preset", f->preset,
                  "io-bound (parameters on NVMe, light compute) or adam-bound (parameters on "
                  "the device, optimizer on the CPU); other flags override")
       ->check(CLI::IsMember({"none", "io-bound", "adam-bound"}));
-  app.add_option("--layers", f.layers)->check(CLI::Range(1, 100000));
-  app.add_option("--nproc", f.nproc,
+  app.add_option("--layers", f->layers)->check(CLI::Range(1, 100000));
+  app.add_option("--nproc", f->nproc,
                  "ranks as N processes on this machine (ZeRO-3 over gloo); rank 0 reports, "
                  "with the collectives' bytes and time per step beside gloo alone moving a "
                  "step's data")
       ->check(CLI::Range(1, 64));
-  app.add_option("--layer-elems", f.layer_elems, "parameter elements per layer")
+  app.add_option("--layer-elems", f->layer_elems, "parameter elements per layer")
       ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 34));
-  app.add_option("--compute-ms", f.compute_ms, "simulated compute per layer and pass")
+  app.add_option("--compute-ms", f->compute_ms, "simulated compute per layer and pass")
       ->check(FiniteNumber())
       ->check(CLI::Range(0.0, 1e6));
-  app.add_option("--copy-gbps", f.copy_gbps, "HostDevice host<->device bandwidth cap (0: none)")
+  app.add_option("--copy-gbps", f->copy_gbps, "HostDevice host<->device bandwidth cap (0: none)")
       ->check(FiniteNumber())
       ->check(CLI::Range(0.0, 1e4));
-  app.add_option("--steps", f.steps)->check(CLI::Range(1, 100000));
-  app.add_option("--sub-group-elems", f.sub_group_elems)
+  app.add_option("--steps", f->steps)->check(CLI::Range(1, 100000));
+  app.add_option("--sub-group-elems", f->sub_group_elems)
       ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 34));
-  app.add_option("--prefetch-elems", f.prefetch_elems)
+  app.add_option("--prefetch-elems", f->prefetch_elems)
       ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 40));
-  app.add_flag("--bf16", f.bf16, "bf16 parameters on the device");
-  app.add_option("--device", f.device,
+  app.add_flag("--bf16", f->bf16, "bf16 parameters on the device");
+  app.add_option("--device", f->device,
                  "host (HostDevice, simulated link) or cuda (GPU 0 and a one-rank NCCL "
                  "communicator)")
       ->check(CLI::IsMember({"host", "cuda"}));
-  AddEngineFlags(app, &f.engine);
+  AddEngineFlags(app, &f->engine);
   app.get_option("--gradient-clipping")
       ->description(
           "gradient_clipping (max global L2 norm; 0: off). The bench's gradient is 1e-3 per "
@@ -252,39 +250,39 @@ int Main(int argc, char** argv) {
           "zinf.speculative_step with clipping: on, off or auto (on a GPU when the optimizer "
           "states are in CPU memory; off on the host device); the bench adds one snapshot per "
           "sub-group to the pinned budget");
-  // Presets first, then explicit flags win: parse twice.
-  if (int rc = ParseCommandLine(app, argc, argv); rc >= 0) return rc;
-  if (f.nproc > 1) return LaunchRanks("zinf-engine-bench", argc, argv, f.nproc);
-  if (f.preset != "none") {
-    Flags p;
-    p.preset = f.preset;
-    if (f.preset == "io-bound") {
-      p.layers = 16;
-      p.layer_elems = 8u << 20;
-      p.compute_ms = 1;
-      p.engine.param_tier = "nvme";
-      p.engine.optimizer_tier = "cpu";
-      // One core for Adam, one for I/O completions and copies (2-core machine).
-      p.engine.optimizer_threads = 1;
-    } else {
-      // Parameters stay on the device (one rank: no fetch copies), states on the CPU: the
-      // optimizer and the gradient/parameter copies around it carry the step.
-      p.layers = 8;
-      p.layer_elems = 16u << 20;
-      p.compute_ms = 1;
-      p.engine.param_tier = "device";
-      p.engine.optimizer_tier = "cpu";
-    }
-    p.engine.nvme = f.engine.nvme;
-    p.device = f.device;
-    f = p;
-    if (int rc = ParseCommandLine(app, argc, argv); rc >= 0) return rc;
+}
+
+// The preset's settings over the bench's defaults, keeping f's NVMe folders and device; the
+// explicit flags are then parsed again over them.
+Flags PresetFlags(const Flags& f) {
+  Flags p;
+  p.preset = f.preset;
+  if (f.preset == "io-bound") {
+    p.layers = 16;
+    p.layer_elems = 8u << 20;
+    p.compute_ms = 1;
+    p.engine.param_tier = "nvme";
+    p.engine.optimizer_tier = "cpu";
+    // One core for Adam, one for I/O completions and copies (2-core machine).
+    p.engine.optimizer_threads = 1;
+  } else {
+    // Parameters stay on the device (one rank: no fetch copies), states on the CPU: the
+    // optimizer and the gradient/parameter copies around it carry the step.
+    p.layers = 8;
+    p.layer_elems = 16u << 20;
+    p.compute_ms = 1;
+    p.engine.param_tier = "device";
+    p.engine.optimizer_tier = "cpu";
   }
+  p.engine.nvme = f.engine.nvme;
+  p.device = f.device;
+  return p;
+}
+
+// The engine flags, the bench's model sizes, and a pinned budget sized for the model.
+Result<EngineConfig> BenchEngineConfig(const Flags& f) {
   EngineConfig c;
-  if (Status st = ApplyEngineFlags(f.engine, &c); !st.ok()) {
-    std::fprintf(stderr, "zinf-engine-bench: %s\n", st.message().c_str());
-    return 2;
-  }
+  ZINF_RETURN_IF_ERROR(ApplyEngineFlags(f.engine, &c));
   c.sub_group_size = f.sub_group_elems;
   c.prefetch_bucket_size = f.prefetch_elems;
   c.param_persistence_threshold = 0;
@@ -300,40 +298,25 @@ int Main(int argc, char** argv) {
       RoundUp(f.layers * f.layer_elems * 4 + 4 * f.sub_group_elems * 14 + f.prefetch_elems * elem +
                   64 * f.layer_elems + (256u << 20) + snapshots,
               2u << 20);
-  Result<ProcessGroupOptions> group = ProcessGroupFromEnv();
-  if (!group.ok()) {
-    std::fprintf(stderr, "zinf-engine-bench: %s\n", group.status().ToString().c_str());
-    return 2;
-  }
-  Result<Runtime> rank = Status::Internal("no device");
+  return c;
+}
+
+// GPU `group.local_rank` (--device cuda) or the host device with its simulated link, and the
+// group's communicator.
+Result<Runtime> NewBenchRuntime(const Flags& f, const ProcessGroupOptions& group) {
   if (f.device == "cuda") {
     CudaDeviceOptions co;
-    co.device = group->local_rank;
-    rank = NewCudaRuntime(co, *group);
-    if (!rank.ok()) {
-      std::fprintf(stderr, "zinf-engine-bench: --device cuda: %s\n",
-                   rank.status().ToString().c_str());
-      return 1;
-    }
-  } else {
-    HostDeviceOptions ho;
-    ho.memory_budget = size_t{64} << 30;
-    ho.copy_gbps = f.copy_gbps;
-    rank = NewHostRuntime(ho, *group);
-    if (!rank.ok()) {
-      std::fprintf(stderr, "zinf-engine-bench: %s\n", rank.status().ToString().c_str());
-      return 1;
-    }
+    co.device = group.local_rank;
+    return NewCudaRuntime(co, group);
   }
-  Device* const device = rank->device.get();
-  Communicator* const comm = rank->comm.get();
-  if (comm->rank() != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) return 1;
-  auto engine = Engine::Create(c, device, comm);
-  if (!engine.ok()) {
-    std::fprintf(stderr, "zinf-engine-bench: %s\n", engine.status().ToString().c_str());
-    return 1;
-  }
-  Engine& e = **engine;
+  HostDeviceOptions ho;
+  ho.memory_budget = size_t{64} << 30;
+  ho.copy_gbps = f.copy_gbps;
+  return NewHostRuntime(ho, group);
+}
+
+// One parameter per layer, then FinishRegistration (which initialises the stores).
+Result<std::vector<ParamId>> RegisterLayers(const Flags& f, Engine& e) {
   std::vector<ParamId> ids;
   for (int l = 0; l < f.layers; ++l) {
     ParamSpec spec;
@@ -342,38 +325,240 @@ int Main(int argc, char** argv) {
     spec.init = [l](float* d, size_t n) {
       for (size_t i = 0; i < n; ++i) d[i] = 0.001f * static_cast<float>((i + l) % 97);
     };
-    auto id = e.RegisterParameter(spec);
-    if (!id.ok()) {
-      std::fprintf(stderr, "zinf-engine-bench: %s\n", id.status().ToString().c_str());
-      return 1;
-    }
-    ids.push_back(*id);
+    ZINF_ASSIGN_OR_RETURN(ParamId id, e.RegisterParameter(spec));
+    ids.push_back(id);
   }
   std::fprintf(stderr,
                "zinf-engine-bench: %d layers x %llu elements, params on %s, optimizer on "
                "%s; initialising stores...\n",
                f.layers, static_cast<unsigned long long>(f.layer_elems),
                f.engine.param_tier.c_str(), f.engine.optimizer_tier.c_str());
-  Status s = e.FinishRegistration();
-  if (!s.ok()) {
-    std::fprintf(stderr, "zinf-engine-bench: %s\n", s.ToString().c_str());
-    return 1;
-  }
-  // The gradient the "backward" hands over, in device memory.
-  std::vector<float> grad_host(f.layer_elems, 1e-3f);
+  ZINF_RETURN_IF_ERROR(e.FinishRegistration());
+  return ids;
+}
+
+// The gradient the "backward" hands over, in device memory (one layer's worth, 1e-3 each).
+// After a failed copy the buffer is not freed: the bench exits on the error.
+Result<void*> UploadGradient(const Flags& f, Device* device) {
+  const std::vector<float> grad_host(f.layer_elems, 1e-3f);
   const size_t grad_bytes = f.layer_elems * sizeof(float);
-  Result<void*> grad_mem = device->Alloc(grad_bytes);
-  if (grad_mem.ok()) {
-    s = device->CopyHostToDevice(*grad_mem, grad_host.data(), grad_bytes, device->ComputeStream());
-    if (s.ok()) s = device->SynchronizeStream(device->ComputeStream());
-  } else {
-    s = grad_mem.status();
+  ZINF_ASSIGN_OR_RETURN(void* mem, device->Alloc(grad_bytes));
+  ZINF_RETURN_IF_ERROR(
+      device->CopyHostToDevice(mem, grad_host.data(), grad_bytes, device->ComputeStream()));
+  ZINF_RETURN_IF_ERROR(device->SynchronizeStream(device->ComputeStream()));
+  return mem;
+}
+
+// The cores this process may run on: the CPU-seconds figures against cores x step time.
+int AllowedCores() {
+  cpu_set_t affinity;
+  CPU_ZERO(&affinity);
+  return sched_getaffinity(0, sizeof(affinity), &affinity) == 0 ? std::max(1, CPU_COUNT(&affinity))
+                                                                : 1;
+}
+
+// What each step drives and reports on.
+struct BenchRun {
+  Engine* engine;
+  std::vector<ParamId> ids;  // one per layer
+  const float* grad;         // device memory
+  Compute* compute;
+  Communicator* comm;
+  int cores;  // AllowedCores()
+};
+
+// One step's figures: the engine's, the compute stream's idle time, and the collectives'.
+struct StepFigures {
+  StepStats stats;
+  double idle_seconds = 0;
+  double cpu_utilisation = 0;
+  CommCounters comm;  // this step's collectives, bytes and seconds
+};
+
+// The measured steps' figures, for the medians of the final report.
+struct StepSeries {
+  std::vector<double> effs, step_secs, nvme_busy, copy_busy, opt_busy, idle_secs, d2h;
+  std::vector<double> cpu_total, cpu_trainer, cpu_optimizer, cpu_util;
+  std::vector<double> comm_bytes, comm_secs;
+  uint64_t speculated = 0, kept = 0, redone = 0, landing = 0;
+
+  void Add(const StepFigures& s) {
+    const StepStats& st = s.stats;
+    effs.push_back(st.overlap_efficiency);
+    step_secs.push_back(st.step_seconds);
+    nvme_busy.push_back(st.nvme_busy_seconds);
+    copy_busy.push_back(st.copy_busy_seconds);
+    opt_busy.push_back(st.optimizer_busy_seconds);
+    idle_secs.push_back(s.idle_seconds);
+    d2h.push_back(static_cast<double>(st.d2h_bytes));
+    comm_bytes.push_back(static_cast<double>(s.comm.bytes_sent));
+    comm_secs.push_back(s.comm.seconds);
+    cpu_total.push_back(st.cpu_seconds_total);
+    cpu_trainer.push_back(st.cpu_seconds_trainer);
+    cpu_optimizer.push_back(st.cpu_seconds_optimizer);
+    cpu_util.push_back(s.cpu_utilisation);
+    speculated += st.speculated_groups;
+    kept += st.kept_groups;
+    redone += st.redone_groups;
+    landing += st.landing_groups;
   }
-  if (!s.ok()) {
-    std::fprintf(stderr, "zinf-engine-bench: gradient buffer: %s\n", s.ToString().c_str());
+};
+
+// One micro-step's passes: every layer acquired, computed and released forward, then
+// backward with its gradient reduced.
+Status ForwardBackward(const Flags& f, const BenchRun& run) {
+  Engine& e = *run.engine;
+  for (int l = 0; l < f.layers; ++l) {
+    if (auto p = e.Acquire({run.ids[l]}); !p.ok()) return p.status();
+    ZINF_RETURN_IF_ERROR(run.compute->Run(f.compute_ms));
+    ZINF_RETURN_IF_ERROR(e.Release({run.ids[l]}));
+  }
+  for (int l = f.layers - 1; l >= 0; --l) {
+    if (auto p = e.Acquire({run.ids[l]}); !p.ok()) return p.status();
+    ZINF_RETURN_IF_ERROR(
+        run.compute->Run(2 * f.compute_ms));  // backward costs about twice the forward
+    ZINF_RETURN_IF_ERROR(e.ReduceGradient(run.ids[l], run.grad));
+    ZINF_RETURN_IF_ERROR(e.Release({run.ids[l]}));
+  }
+  return Status::OK();
+}
+
+// The step's JSON line.
+void ReportStep(const Flags& f, const BenchRun& run, const StepFigures& s) {
+  const StepStats& st = s.stats;
+  nlohmann::json j;
+  VisitStepStats(st, [&](const char* name, auto value) { j[name] = value; });
+  j["ranks"] = run.comm->world_size();
+  j["comm_collectives"] = s.comm.collectives;
+  j["comm_bytes_sent"] = s.comm.bytes_sent;
+  j["comm_seconds"] = s.comm.seconds;
+  ReportSettings(f, &j);
+  j["cpu_cores"] = run.cores;
+  j["cpu_utilisation"] = s.cpu_utilisation;
+  j["compute_seconds"] = 3 * f.layers * f.compute_ms / 1e3;
+  j["compute_idle_seconds"] = s.idle_seconds;
+  j["nvme_read_gbps"] = st.nvme_read_bytes / st.step_seconds / 1e9;
+  j["nvme_write_gbps"] = st.nvme_write_bytes / st.step_seconds / 1e9;
+  std::printf("%s\n", j.dump().c_str());
+  std::fflush(stdout);
+}
+
+// Runs the steps, one JSON line each; all but the first go into `series`.
+Status RunSteps(const Flags& f, const BenchRun& run, StepSeries* series) {
+  for (int step = 0; step < f.steps; ++step) {
+    const CommCounters before = run.comm->Counters();
+    ZINF_RETURN_IF_ERROR(ForwardBackward(f, run));
+    StepFigures s;
+    ZINF_ASSIGN_OR_RETURN(s.stats, run.engine->Step());
+    ZINF_ASSIGN_OR_RETURN(s.idle_seconds, run.compute->EndStep());
+    const CommCounters after = run.comm->Counters();
+    s.comm.collectives = after.collectives - before.collectives;
+    s.comm.bytes_sent = after.bytes_sent - before.bytes_sent;
+    s.comm.seconds = after.seconds - before.seconds;
+    // The share of the cores' time the process used: near 1, the step is CPU-bound, and busy
+    // times that overlap in wall time competed for the same cores.
+    s.cpu_utilisation = s.stats.step_seconds > 0
+                            ? s.stats.cpu_seconds_total / (run.cores * s.stats.step_seconds)
+                            : 0.0;
+    ReportStep(f, run, s);
+    if (step > 0) series->Add(s);  // step 0 records the trace
+  }
+  return Status::OK();
+}
+
+// With several ranks: the engine's collectives per step, beside gloo alone moving a ZeRO-3
+// step's data.
+void ReportCollectives(const Flags& f, const StepSeries& series, const Communicator& comm,
+                       nlohmann::json* j) {
+  const auto median = bench::Median;
+  (*j)["median_comm_bytes_sent"] = median(series.comm_bytes);
+  (*j)["median_comm_seconds"] = median(series.comm_secs);
+  (*j)["median_comm_gbps"] =
+      median(series.comm_secs) > 0 ? median(series.comm_bytes) / median(series.comm_secs) / 1e9 : 0;
+  Result<PeerFigures> peer = GlooPeerStep(f, comm.rank(), comm.world_size());
+  if (peer.ok()) {
+    (*j)["peer"] = "gloo alone: allgather of each layer twice + ring allreduce of its gradient";
+    (*j)["peer_step_seconds"] = peer->seconds;
+    (*j)["peer_bytes_sent"] = peer->bytes_sent;
+    (*j)["peer_gbps"] = peer->seconds > 0 ? peer->bytes_sent / peer->seconds / 1e9 : 0;
+  } else {
+    (*j)["peer"] = peer.status().ToString();
+  }
+}
+
+// The final JSON line: medians over the measured steps.
+void ReportSummary(const Flags& f, const StepSeries& series, int cores, const Communicator& comm) {
+  const auto median = bench::Median;
+  nlohmann::json j;
+  j["median_step_seconds"] = median(series.step_secs);
+  // The engine's own resources, to read the overlap figure against: the trainer's time
+  // includes the engine work done on its thread (gradient copies on the host device).
+  j["median_nvme_busy_seconds"] = median(series.nvme_busy);
+  j["median_copy_busy_seconds"] = median(series.copy_busy);
+  j["median_optimizer_busy_seconds"] = median(series.opt_busy);
+  j["simulated_compute_seconds"] = 3 * f.layers * f.compute_ms / 1e3;
+  // The compute stream's idle time within the step (see the top of this file), against the
+  // compute it ran: 0 is perfect overlap.
+  j["median_compute_idle_seconds"] = median(series.idle_secs);
+  const double span = median(series.idle_secs) + 3 * f.layers * f.compute_ms / 1e3;
+  j["median_compute_idle_fraction"] = span > 0 ? median(series.idle_secs) / span : 0.0;
+  ReportSettings(f, &j);
+  // CPU seconds per step beside the wall-clock busy times above (which share the cores).
+  j["cpu_cores"] = cores;
+  j["median_cpu_seconds_total"] = median(series.cpu_total);
+  j["median_cpu_seconds_trainer"] = median(series.cpu_trainer);
+  j["median_cpu_seconds_optimizer"] = median(series.cpu_optimizer);
+  j["median_cpu_utilisation"] = median(series.cpu_util);
+  // Sub-group steps over the measured steps: speculated, and of those kept or redone.
+  j["speculated_groups"] = series.speculated;
+  j["kept_groups"] = series.kept;
+  j["redone_groups"] = series.redone;
+  // Sub-groups stepped while their last gradient was landing (the undelayed host device).
+  j["landing_groups"] = series.landing;
+  j["median_d2h_bytes"] = median(series.d2h);
+  j["median_overlap_efficiency"] = median(series.effs);
+  j["ranks"] = comm.world_size();
+  if (comm.world_size() > 1) ReportCollectives(f, series, comm, &j);
+  std::printf("%s\n", j.dump().c_str());
+}
+
+// Builds the engine and model on this rank's device, runs the steps and reports.
+int RunBench(const Flags& f) {
+  Result<EngineConfig> c = BenchEngineConfig(f);
+  if (!c.ok()) {
+    std::fprintf(stderr, "zinf-engine-bench: %s\n", c.status().message().c_str());
+    return 2;
+  }
+  Result<ProcessGroupOptions> group = ProcessGroupFromEnv();
+  if (!group.ok()) {
+    std::fprintf(stderr, "zinf-engine-bench: %s\n", group.status().ToString().c_str());
+    return 2;
+  }
+  Result<Runtime> rank = NewBenchRuntime(f, *group);
+  if (!rank.ok()) {
+    std::fprintf(stderr, "zinf-engine-bench: %s%s\n", f.device == "cuda" ? "--device cuda: " : "",
+                 rank.status().ToString().c_str());
     return 1;
   }
-  const float* grad = static_cast<const float*>(*grad_mem);
+  Device* const device = rank->device.get();
+  Communicator* const comm = rank->comm.get();
+  if (comm->rank() != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) return 1;
+  auto engine = Engine::Create(*c, device, comm);
+  if (!engine.ok()) {
+    std::fprintf(stderr, "zinf-engine-bench: %s\n", engine.status().ToString().c_str());
+    return 1;
+  }
+  Result<std::vector<ParamId>> ids = RegisterLayers(f, **engine);
+  if (!ids.ok()) {
+    std::fprintf(stderr, "zinf-engine-bench: %s\n", ids.status().ToString().c_str());
+    return 1;
+  }
+  Result<void*> grad_mem = UploadGradient(f, device);
+  if (!grad_mem.ok()) {
+    std::fprintf(stderr, "zinf-engine-bench: gradient buffer: %s\n",
+                 grad_mem.status().ToString().c_str());
+    return 1;
+  }
   Result<std::unique_ptr<Compute>> compute =
       Compute::Create(device, f.device == "cuda", 2 * f.layers);
   if (!compute.ok()) {
@@ -381,82 +566,11 @@ int Main(int argc, char** argv) {
                  compute.status().ToString().c_str());
     return 1;
   }
-  std::vector<double> effs, step_secs, nvme_busy, copy_busy, opt_busy, idle_secs, d2h;
-  std::vector<double> cpu_total, cpu_trainer, cpu_optimizer, cpu_util;
-  uint64_t speculated = 0, kept = 0, redone = 0, landing = 0;
-  // The cores this process may run on: the CPU-seconds figures against cores x step time.
-  cpu_set_t affinity;
-  CPU_ZERO(&affinity);
-  const int cores = sched_getaffinity(0, sizeof(affinity), &affinity) == 0
-                        ? std::max(1, CPU_COUNT(&affinity))
-                        : 1;
-  std::vector<double> comm_bytes, comm_secs;
-  for (int step = 0; step < f.steps; ++step) {
-    const CommCounters before = comm->Counters();
-    for (int l = 0; l < f.layers && s.ok(); ++l) {
-      auto p = e.Acquire({ids[l]});
-      if (!p.ok()) s = p.status();
-      if (s.ok()) s = (*compute)->Run(f.compute_ms);
-      if (s.ok()) s = e.Release({ids[l]});
-    }
-    for (int l = f.layers - 1; l >= 0 && s.ok(); --l) {
-      auto p = e.Acquire({ids[l]});
-      if (!p.ok()) s = p.status();
-      if (s.ok()) s = (*compute)->Run(2 * f.compute_ms);  // backward costs about twice the forward
-      if (s.ok()) s = e.ReduceGradient(ids[l], grad);
-      if (s.ok()) s = e.Release({ids[l]});
-    }
-    if (!s.ok()) break;
-    auto st = e.Step();
-    if (!st.ok()) {
-      s = st.status();
-      break;
-    }
-    Result<double> idle = (*compute)->EndStep();
-    if (!idle.ok()) {
-      s = idle.status();
-      break;
-    }
-    const CommCounters after = comm->Counters();
-    nlohmann::json j;
-    VisitStepStats(*st, [&](const char* name, auto value) { j[name] = value; });
-    j["ranks"] = comm->world_size();
-    j["comm_collectives"] = after.collectives - before.collectives;
-    j["comm_bytes_sent"] = after.bytes_sent - before.bytes_sent;
-    j["comm_seconds"] = after.seconds - before.seconds;
-    ReportSettings(f, &j);
-    j["cpu_cores"] = cores;
-    // The share of the cores' time the process used: near 1, the step is CPU-bound, and busy
-    // times that overlap in wall time competed for the same cores.
-    const double util =
-        st->step_seconds > 0 ? st->cpu_seconds_total / (cores * st->step_seconds) : 0.0;
-    j["cpu_utilisation"] = util;
-    j["compute_seconds"] = 3 * f.layers * f.compute_ms / 1e3;
-    j["compute_idle_seconds"] = *idle;
-    j["nvme_read_gbps"] = st->nvme_read_bytes / st->step_seconds / 1e9;
-    j["nvme_write_gbps"] = st->nvme_write_bytes / st->step_seconds / 1e9;
-    std::printf("%s\n", j.dump().c_str());
-    std::fflush(stdout);
-    if (step > 0) {  // step 0 records the trace
-      effs.push_back(st->overlap_efficiency);
-      step_secs.push_back(st->step_seconds);
-      nvme_busy.push_back(st->nvme_busy_seconds);
-      copy_busy.push_back(st->copy_busy_seconds);
-      opt_busy.push_back(st->optimizer_busy_seconds);
-      idle_secs.push_back(*idle);
-      d2h.push_back(static_cast<double>(st->d2h_bytes));
-      comm_bytes.push_back(static_cast<double>(after.bytes_sent - before.bytes_sent));
-      comm_secs.push_back(after.seconds - before.seconds);
-      cpu_total.push_back(st->cpu_seconds_total);
-      cpu_trainer.push_back(st->cpu_seconds_trainer);
-      cpu_optimizer.push_back(st->cpu_seconds_optimizer);
-      cpu_util.push_back(util);
-      speculated += st->speculated_groups;
-      kept += st->kept_groups;
-      redone += st->redone_groups;
-      landing += st->landing_groups;
-    }
-  }
+  const BenchRun run{
+      engine->get(), std::move(*ids), static_cast<const float*>(*grad_mem), compute->get(),
+      comm,          AllowedCores()};
+  StepSeries series;
+  const Status s = RunSteps(f, run, &series);
   engine->reset();   // drains the engine's streams before its gradient source goes
   compute->reset();  // its timing buffer, while the device lives
   device->Free(*grad_mem);
@@ -464,54 +578,22 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "zinf-engine-bench: %s\n", s.ToString().c_str());
     return 1;
   }
-  const auto median = bench::Median;
-  nlohmann::json j;
-  j["median_step_seconds"] = median(step_secs);
-  // The engine's own resources, to read the overlap figure against: the trainer's time
-  // includes the engine work done on its thread (gradient copies on the host device).
-  j["median_nvme_busy_seconds"] = median(nvme_busy);
-  j["median_copy_busy_seconds"] = median(copy_busy);
-  j["median_optimizer_busy_seconds"] = median(opt_busy);
-  j["simulated_compute_seconds"] = 3 * f.layers * f.compute_ms / 1e3;
-  // The compute stream's idle time within the step (see the top of this file), against the
-  // compute it ran: 0 is perfect overlap.
-  j["median_compute_idle_seconds"] = median(idle_secs);
-  const double span = median(idle_secs) + 3 * f.layers * f.compute_ms / 1e3;
-  j["median_compute_idle_fraction"] = span > 0 ? median(idle_secs) / span : 0.0;
-  ReportSettings(f, &j);
-  // CPU seconds per step beside the wall-clock busy times above (which share the cores).
-  j["cpu_cores"] = cores;
-  j["median_cpu_seconds_total"] = median(cpu_total);
-  j["median_cpu_seconds_trainer"] = median(cpu_trainer);
-  j["median_cpu_seconds_optimizer"] = median(cpu_optimizer);
-  j["median_cpu_utilisation"] = median(cpu_util);
-  // Sub-group steps over the measured steps: speculated, and of those kept or redone.
-  j["speculated_groups"] = speculated;
-  j["kept_groups"] = kept;
-  j["redone_groups"] = redone;
-  // Sub-groups stepped while their last gradient was landing (the undelayed host device).
-  j["landing_groups"] = landing;
-  j["median_d2h_bytes"] = median(d2h);
-  j["median_overlap_efficiency"] = median(effs);
-  j["ranks"] = comm->world_size();
-  if (comm->world_size() > 1) {
-    // The engine's collectives per step, beside gloo alone moving a ZeRO-3 step's data.
-    j["median_comm_bytes_sent"] = median(comm_bytes);
-    j["median_comm_seconds"] = median(comm_secs);
-    j["median_comm_gbps"] =
-        median(comm_secs) > 0 ? median(comm_bytes) / median(comm_secs) / 1e9 : 0;
-    Result<PeerFigures> peer = GlooPeerStep(f, comm->rank(), comm->world_size());
-    if (peer.ok()) {
-      j["peer"] = "gloo alone: allgather of each layer twice + ring allreduce of its gradient";
-      j["peer_step_seconds"] = peer->seconds;
-      j["peer_bytes_sent"] = peer->bytes_sent;
-      j["peer_gbps"] = peer->seconds > 0 ? peer->bytes_sent / peer->seconds / 1e9 : 0;
-    } else {
-      j["peer"] = peer.status().ToString();
-    }
-  }
-  std::printf("%s\n", j.dump().c_str());
+  ReportSummary(f, series, run.cores, *comm);
   return 0;
+}
+
+int Main(int argc, char** argv) {
+  Flags f;
+  CLI::App app{"zinf-engine-bench: overlap of compute, NVMe and the CPU optimizer"};
+  AddFlags(app, &f);
+  // Presets first, then explicit flags win: parse twice.
+  if (int rc = ParseCommandLine(app, argc, argv); rc >= 0) return rc;
+  if (f.nproc > 1) return LaunchRanks("zinf-engine-bench", argc, argv, f.nproc);
+  if (f.preset != "none") {
+    f = PresetFlags(f);
+    if (int rc = ParseCommandLine(app, argc, argv); rc >= 0) return rc;
+  }
+  return RunBench(f);
 }
 
 }  // namespace

@@ -204,25 +204,27 @@ double ProcessCpuSeconds() {
   return sec(u.ru_utime) + sec(u.ru_stime);
 }
 
-// Streams `total` bytes through the IoQueue at `qd` transfers of `block` bytes each, striped
-// round-robin over the files; stops early after `seconds`. `mixed`: half the slots read the
-// first half of the files while the other half write the second half, at the same time (the
-// engine's pattern during backward: optimizer states in and out, parameters in).
-Result<CaseResult> RunZinf(BenchFiles& files, IoBackendKind kind, IoOp op, uint64_t block,
-                           uint32_t qd, uint64_t total, bool registered, bool huge_pages,
-                           double seconds, bool sqpoll = false, bool mixed = false,
-                           uint64_t* read_bytes = nullptr) {
+// The IoQueue a zinf case streams through, and the buffers its slots cycle (one per slot,
+// filled with random data) in a PinnedArena.
+struct ZinfQueue {
+  std::unique_ptr<PinnedArena> arena;
+  std::vector<PinnedBuffer> bufs;
+  std::unique_ptr<IoQueue> queue;
+};
+
+Result<ZinfQueue> StartZinfQueue(const BenchFiles& files, IoBackendKind kind, uint64_t block,
+                                 uint32_t qd, bool registered, bool huge_pages, bool sqpoll) {
+  ZinfQueue z;
   PinnedArenaOptions ao;
   ao.bytes = block * qd;
   ao.huge_pages = huge_pages;
-  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<PinnedArena> arena, PinnedArena::Create(ao));
-  std::vector<PinnedBuffer> bufs;
+  ZINF_ASSIGN_OR_RETURN(z.arena, PinnedArena::Create(ao));
   for (uint32_t i = 0; i < qd; ++i) {
-    ZINF_ASSIGN_OR_RETURN(PinnedBuffer b, arena->Allocate(block));
+    ZINF_ASSIGN_OR_RETURN(PinnedBuffer b, z.arena->Allocate(block));
     std::mt19937_64 rng(i);
     auto* p = static_cast<uint64_t*>(b.data());
     for (size_t k = 0; k < block / 8; ++k) p[k] = rng();
-    bufs.push_back(std::move(b));
+    z.bufs.push_back(std::move(b));
   }
   IoBackendOptions bo;
   bo.queue_depth = qd;
@@ -233,9 +235,23 @@ Result<CaseResult> RunZinf(BenchFiles& files, IoBackendKind kind, IoOp op, uint6
   IoQueueOptions qo;
   qo.block_size = static_cast<uint32_t>(std::min<uint64_t>(block, 1ull << 30));
   std::vector<MemoryRegion> regions;
-  if (registered) regions.push_back(arena->region());
-  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<IoQueue> queue,
-                        IoQueue::Start(std::move(backend), files.files(), regions, qo));
+  if (registered) regions.push_back(z.arena->region());
+  ZINF_ASSIGN_OR_RETURN(z.queue, IoQueue::Start(std::move(backend), files.files(), regions, qo));
+  return z;
+}
+
+// Streams `total` bytes through the IoQueue at `qd` transfers of `block` bytes each, striped
+// round-robin over the files; stops early after `seconds`. `mixed`: half the slots read the
+// first half of the files while the other half write the second half, at the same time (the
+// engine's pattern during backward: optimizer states in and out, parameters in).
+Result<CaseResult> RunZinf(BenchFiles& files, IoBackendKind kind, IoOp op, uint64_t block,
+                           uint32_t qd, uint64_t total, bool registered, bool huge_pages,
+                           double seconds, bool sqpoll = false, bool mixed = false,
+                           uint64_t* read_bytes = nullptr) {
+  ZINF_ASSIGN_OR_RETURN(ZinfQueue z,
+                        StartZinfQueue(files, kind, block, qd, registered, huge_pages, sqpoll));
+  const std::vector<PinnedBuffer>& bufs = z.bufs;
+  IoQueue* const queue = z.queue.get();
 
   const uint64_t nfiles = files.files().size();
   const uint64_t blocks_per_file = files.per_file() / block;
@@ -308,7 +324,7 @@ Result<CaseResult> RunZinf(BenchFiles& files, IoBackendKind kind, IoOp op, uint6
   if (read_bytes != nullptr) *read_bytes = done_read.load();
   r.seconds = elapsed;
   r.features = std::string(queue->BackendName()) + " " + queue->Features() +
-               (arena->locked() ? " locked" : "") + (huge_pages ? " huge-pages" : "");
+               (z.arena->locked() ? " locked" : "") + (huge_pages ? " huge-pages" : "");
   return r;
 }
 
@@ -469,49 +485,63 @@ Status Fill(BenchFiles& files, uint64_t total) {
   return Status::OK();
 }
 
-int Main(int argc, char** argv) {
-  Flags f;
-  CLI::App app{"zinf-nvme-bench: sequential direct-I/O throughput of the zinf swapper"};
-  app.add_option("--backend", f.backend, "io_uring, libaio or psync")
+void AddFlags(CLI::App& app, Flags* f) {
+  app.add_option("--backend", f->backend, "io_uring, libaio or psync")
       ->check(CLI::IsMember({"io_uring", "libaio", "psync"}));
-  app.add_option("--op", f.op,
+  app.add_option("--op", f->op,
                  "read, write, both (one after the other) or mixed (reads and writes at once)")
       ->check(CLI::IsMember({"read", "write", "both", "mixed"}));
-  app.add_option("--block-size", f.block_size,
+  app.add_option("--block-size", f->block_size,
                  "bytes per request (K/M/G suffixes); a comma-separated list runs each");
-  app.add_option("--queue-depth", f.queue_depth, "requests in flight")->check(CLI::Range(1, 1024));
-  app.add_option("--size", f.size, "bytes per case, over all folders (K/M/G)");
-  app.add_option("--dir", f.dirs, "folder for a bench file; repeat to stripe over several")
+  app.add_option("--queue-depth", f->queue_depth, "requests in flight")->check(CLI::Range(1, 1024));
+  app.add_option("--size", f->size, "bytes per case, over all folders (K/M/G)");
+  app.add_option("--dir", f->dirs, "folder for a bench file; repeat to stripe over several")
       ->check(CLI::ExistingDirectory);
-  app.add_option("--registered", f.registered, "io_uring fixed buffers and files: on|off")
+  app.add_option("--registered", f->registered, "io_uring fixed buffers and files: on|off")
       ->check(CLI::IsMember({"on", "off"}));
-  app.add_option("--huge-pages", f.huge_pages, "MADV_HUGEPAGE on the buffers: on|off")
+  app.add_option("--huge-pages", f->huge_pages, "MADV_HUGEPAGE on the buffers: on|off")
       ->check(CLI::IsMember({"on", "off"}));
-  app.add_option("--seconds", f.seconds, "time limit per case")
+  app.add_option("--seconds", f->seconds, "time limit per case")
       ->check(FiniteNumber())
       ->check(CLI::Range(0.01, 1e6));
-  app.add_option("--settle", f.settle,
+  app.add_option("--settle", f->settle,
                  "seconds to wait before each run of a read or write case, so that the disk "
                  "(and a host's write cache) is quiet when it starts; default 0")
       ->check(FiniteNumber())
       ->check(CLI::Range(0.0, 600.0));
-  app.add_option("--repeats", f.repeats, "runs per case (interleaved; medians reported)")
+  app.add_option("--repeats", f->repeats, "runs per case (interleaved; medians reported)")
       ->check(CLI::Range(1, 100));
-  app.add_flag("--sweep", f.sweep, "try block sizes x queue depths; print the best as config");
-  app.add_flag("--compare-fio", f.compare_fio, "run fio on the same pattern, interleaved");
-  app.add_option("--fio", f.fio, "fio binary");
-  app.add_option("--fio-variants", f.fio_variants,
+  app.add_flag("--sweep", f->sweep, "try block sizes x queue depths; print the best as config");
+  app.add_flag("--compare-fio", f->compare_fio, "run fio on the same pattern, interleaved");
+  app.add_option("--fio", f->fio, "fio binary");
+  app.add_option("--fio-variants", f->fio_variants,
                  "with --compare-fio: only these fio variants (comma-separated names, e.g. "
                  "fio-io_uring-huge,fio-libaio-huge); default: all seven");
-  app.add_flag("--sqpoll", f.sqpoll, "io_uring kernel submission thread (costs a core)");
-  app.add_flag("--keep-files", f.keep_files,
+  app.add_flag("--sqpoll", f->sqpoll, "io_uring kernel submission thread (costs a core)");
+  app.add_flag("--keep-files", f->keep_files,
                "keep the bench files for the next run (default: removed at exit)");
-  app.add_flag("--checksum-cost", f.checksum_cost,
+  app.add_flag("--checksum-cost", f->checksum_cost,
                "time SwapStore writes/reads with per-chunk xxh3 checksums off and on");
-  if (int rc = ParseCommandLine(app, argc, argv); rc >= 0) return rc;
+}
 
-  if (f.dirs.empty()) f.dirs.push_back(".");
-  std::vector<uint64_t> block_list;
+// The flags checked and parsed, for the parts of the run.
+struct Plan {
+  std::vector<uint64_t> block_list;  // --block-size, without repeats
+  uint64_t block = 0;                // the largest of block_list
+  uint64_t size = 0;                 // --size
+  IoBackendKind kind = IoBackendKind::kIoUring;
+  std::vector<std::string> wanted_fio;  // --fio-variants; empty: every variant
+  bool registered = false;
+  bool huge = false;
+  // The cases: ops x blocks x depths.
+  std::vector<IoOp> ops;
+  std::vector<uint64_t> blocks;
+  std::vector<uint32_t> depths;
+};
+
+// --block-size's list, without repeats; false (having said why) for a size that is not a
+// multiple of 4K up to 1G.
+bool ParseBlockSizes(const Flags& f, std::vector<uint64_t>* block_list) {
   for (size_t start = 0; start <= f.block_size.size();) {
     size_t comma = f.block_size.find(',', start);
     if (comma == std::string::npos) comma = f.block_size.size();
@@ -519,16 +549,53 @@ int Main(int argc, char** argv) {
         bench::ParsePositiveSize(f.block_size.substr(start, comma - start), "--block-size");
     if (!b.ok() || *b == 0 || *b % 4096 != 0 || *b > (1ull << 30)) {
       std::fprintf(stderr, "zinf-nvme-bench: --block-size must be a multiple of 4K up to 1G\n");
-      return 2;
+      return false;
     }
-    if (std::find(block_list.begin(), block_list.end(), *b) == block_list.end()) {
-      block_list.push_back(*b);
+    if (std::find(block_list->begin(), block_list->end(), *b) == block_list->end()) {
+      block_list->push_back(*b);
     }
     start = comma + 1;
   }
+  return true;
+}
+
+// --fio-variants: known names only, checked before any file is made; false (having said why)
+// otherwise.
+bool ParseFioVariants(const Flags& f, std::vector<std::string>* wanted_fio) {
+  if (f.fio_variants.empty()) return true;
+  if (!f.compare_fio || f.op == "mixed" || f.checksum_cost) {
+    std::fprintf(stderr,
+                 "zinf-nvme-bench: --fio-variants needs --compare-fio, which runs with "
+                 "--op read, write or both (not mixed, not --checksum-cost)\n");
+    return false;
+  }
+  for (size_t start = 0; start <= f.fio_variants.size();) {
+    size_t comma = f.fio_variants.find(',', start);
+    if (comma == std::string::npos) comma = f.fio_variants.size();
+    std::string name = f.fio_variants.substr(start, comma - start);
+    if (std::none_of(std::begin(kFioVariants), std::end(kFioVariants),
+                     [&](const FioVariant& v) { return v.name == name; })) {
+      std::string list;
+      for (const FioVariant& v : kFioVariants) list += (list.empty() ? "" : ", ") + v.name;
+      std::fprintf(stderr, "zinf-nvme-bench: --fio-variants: unknown variant '%s' (known: %s)\n",
+                   name.c_str(), list.c_str());
+      return false;
+    }
+    if (std::find(wanted_fio->begin(), wanted_fio->end(), name) == wanted_fio->end()) {
+      wanted_fio->push_back(name);
+    }
+    start = comma + 1;
+  }
+  return true;
+}
+
+// The run's plan from the flags; false (having said why) when they do not make one.
+bool MakePlan(const Flags& f, Plan* plan) {
+  if (!ParseBlockSizes(f, &plan->block_list)) return false;
+  const std::vector<uint64_t>& block_list = plan->block_list;
   if (block_list.size() > 1 && (f.op == "mixed" || f.checksum_cost)) {
     std::fprintf(stderr, "zinf-nvme-bench: --op mixed and --checksum-cost take one --block-size\n");
-    return 2;
+    return false;
   }
   Result<uint64_t> block = *std::max_element(block_list.begin(), block_list.end());
   Result<uint64_t> size = bench::ParsePositiveSize(f.size, "--size");
@@ -536,13 +603,13 @@ int Main(int argc, char** argv) {
   for (const Status& s : {block.status(), size.status(), kind.status()}) {
     if (!s.ok() && s.code() != StatusCode::kInternal) {
       std::fprintf(stderr, "zinf-nvme-bench: %s\n", s.message().c_str());
-      return 2;
+      return false;
     }
   }
   if (!block.ok() || !size.ok() || !kind.ok() || *block == 0 || *block % 4096 != 0 ||
       *block > (1ull << 30)) {
     std::fprintf(stderr, "zinf-nvme-bench: --block-size must be a multiple of 4K up to 1G\n");
-    return 2;
+    return false;
   }
   if (*size < *block || *size > (1ull << 50)) {
     std::fprintf(stderr,
@@ -550,328 +617,384 @@ int Main(int argc, char** argv) {
                  "block, at most 1P\n",
                  f.size.c_str(), *size < *block ? "smaller than" : "far beyond",
                  f.block_size.c_str());
-    return 2;
+    return false;
   }
-  // --fio-variants: known names only, checked before any file is made.
-  std::vector<std::string> wanted_fio;
-  if (!f.fio_variants.empty()) {
-    if (!f.compare_fio || f.op == "mixed" || f.checksum_cost) {
-      std::fprintf(stderr,
-                   "zinf-nvme-bench: --fio-variants needs --compare-fio, which runs with "
-                   "--op read, write or both (not mixed, not --checksum-cost)\n");
-      return 2;
+  if (!ParseFioVariants(f, &plan->wanted_fio)) return false;
+  plan->block = *block;
+  plan->size = *size;
+  plan->kind = *kind;
+  plan->registered = f.registered == "on";
+  plan->huge = f.huge_pages == "on";
+  if (f.op != "write") plan->ops.push_back(IoOp::kRead);
+  if (f.op != "read") plan->ops.push_back(IoOp::kWrite);
+  plan->blocks = block_list;
+  plan->depths = {f.queue_depth};
+  if (f.sweep) {
+    plan->blocks = {256 << 10, 1016 << 10, 1 << 20, 4 << 20, 8 << 20};
+    plan->depths = {4, 8, 16, 32, 64};
+  }
+  return true;
+}
+
+// The bench files, sized for the plan's largest block, and filled with data to read back.
+Status PrepareFiles(const Flags& f, const Plan& plan, BenchFiles* files) {
+  uint64_t max_block = *std::max_element(plan.blocks.begin(), plan.blocks.end());
+  uint64_t nfiles = f.dirs.size();
+  uint64_t per_file = RoundUp((plan.size + nfiles - 1) / nfiles, max_block * 4);
+  ZINF_RETURN_IF_ERROR(files->Open(f.dirs, per_file, f.keep_files, f.compare_fio));
+  return Fill(*files, per_file * nfiles);
+}
+
+// --op mixed: reads and writes at once, as the engine issues them during backward: one figure
+// per repeat with both directions, then the medians. Returns the exit code.
+int RunMixed(const Flags& f, const Plan& plan, BenchFiles& files) {
+  std::vector<double> total, reads, writes;
+  for (int rep = 0; rep < f.repeats; ++rep) {
+    uint64_t read_bytes = 0;
+    Result<CaseResult> r =
+        RunZinf(files, plan.kind, IoOp::kRead, plan.block, f.queue_depth, plan.size,
+                plan.registered, plan.huge, f.seconds, f.sqpoll, true, &read_bytes);
+    if (!r.ok()) {
+      std::fprintf(stderr, "zinf-nvme-bench: %s\n", r.status().ToString().c_str());
+      return 1;
     }
-    for (size_t start = 0; start <= f.fio_variants.size();) {
-      size_t comma = f.fio_variants.find(',', start);
-      if (comma == std::string::npos) comma = f.fio_variants.size();
-      std::string name = f.fio_variants.substr(start, comma - start);
-      if (std::none_of(std::begin(kFioVariants), std::end(kFioVariants),
-                       [&](const FioVariant& v) { return v.name == name; })) {
-        std::string list;
-        for (const FioVariant& v : kFioVariants) list += (list.empty() ? "" : ", ") + v.name;
-        std::fprintf(stderr, "zinf-nvme-bench: --fio-variants: unknown variant '%s' (known: %s)\n",
-                     name.c_str(), list.c_str());
-        return 2;
+    const double rg = read_bytes / r->seconds / 1e9;
+    const double wg = (r->bytes - read_bytes) / r->seconds / 1e9;
+    json j = {{"backend", f.backend},
+              {"op", "mixed"},
+              {"block_size", plan.block},
+              {"queue_depth", f.queue_depth},
+              {"bytes", r->bytes},
+              {"seconds", r->seconds},
+              {"read_gbps", std::round(rg * 1e3) / 1e3},
+              {"write_gbps", std::round(wg * 1e3) / 1e3},
+              {"gbps", std::round(r->gbps() * 1e3) / 1e3},
+              {"repeat", rep}};
+    Emit(j);
+    total.push_back(r->gbps());
+    reads.push_back(rg);
+    writes.push_back(wg);
+  }
+  Emit({{"case", "mixed bs=" + SizeLabel(plan.block) + " qd=" + std::to_string(f.queue_depth)},
+        {"zinf_gbps_median", std::round(Median(total) * 1e3) / 1e3},
+        {"read_gbps_median", std::round(Median(reads) * 1e3) / 1e3},
+        {"write_gbps_median", std::round(Median(writes) * 1e3) / 1e3}});
+  return 0;
+}
+
+// The fio peers --compare-fio runs, and the huge pages for their buffers.
+struct FioPeers {
+  std::vector<FioVariant> variants;
+  FioHugePages huge;
+  std::string huge_why;  // why fio runs without huge pages; empty while it has them
+};
+
+// Chooses the fio variants to run and sets up their huge pages; false (having said why) when
+// the variants asked for cannot run.
+bool SetUpFioPeers(const Flags& f, const Plan& plan, FioPeers* fio) {
+  bool want_huge = false;
+  for (const FioVariant& v : kFioVariants) {
+    if (Wanted(plan.wanted_fio, v.name)) want_huge = want_huge || v.huge;
+  }
+  // fio at its best: its buffers on huge pages too, as zinf's are (MADV_HUGEPAGE), so that
+  // the disk does not split its requests at 4 KiB page boundaries.
+  const uint64_t largest = *std::max_element(plan.blocks.begin(), plan.blocks.end());
+  const uint64_t max_depth = *std::max_element(plan.depths.begin(), plan.depths.end());
+  fio->huge_why =
+      want_huge ? fio->huge.Prepare(largest * max_depth) : "not asked for (--fio-variants)";
+  if (want_huge && fio->huge_why.empty()) {
+    std::fprintf(stderr, "zinf-nvme-bench: fio with huge-page buffers (%s)\n",
+                 fio->huge.summary().c_str());
+  } else if (want_huge) {
+    std::fprintf(stderr,
+                 "zinf-nvme-bench: fio runs without huge-page buffers, so it is not at its "
+                 "best: %s\n",
+                 fio->huge_why.c_str());
+  }
+  if (!plan.wanted_fio.empty() && want_huge && !fio->huge_why.empty()) {
+    // A peer named before the run does not quietly drop out of it.
+    std::fprintf(stderr,
+                 "zinf-nvme-bench: --fio-variants names a huge-page variant, and huge pages "
+                 "cannot be set up: %s\n",
+                 fio->huge_why.c_str());
+    return false;
+  }
+  for (FioVariant v : kFioVariants) {
+    if (!Wanted(plan.wanted_fio, v.name) || (v.huge && !fio->huge_why.empty())) continue;
+    if (v.huge)
+      v.extra += (v.extra.empty() ? "" : " ") + std::string("--iomem=") + fio->huge.iomem();
+    fio->variants.push_back(v);
+  }
+  if (fio->variants.empty()) {
+    std::fprintf(stderr,
+                 "zinf-nvme-bench: none of --fio-variants %s can run (the huge-page "
+                 "variants need huge pages: %s)\n",
+                 f.fio_variants.c_str(), fio->huge_why.c_str());
+    return false;
+  }
+  const size_t tools = 1 + fio->variants.size();
+  if (f.repeats % tools != 0) {
+    std::fprintf(stderr,
+                 "zinf-nvme-bench: the run order rotates over %zu tools; --repeats %d is not a "
+                 "multiple of %zu, so some run first more often than others (on a disk "
+                 "that caches writes, the order moves the figures)\n",
+                 tools, f.repeats, tools);
+  }
+  return true;
+}
+
+std::string CaseKey(IoOp op, uint64_t block, uint32_t qd) {
+  return std::string(IoOpName(op)) + " bs=" + SizeLabel(block) + " qd=" + std::to_string(qd);
+}
+
+// case key -> backend name -> repeat -> gbps
+using Samples = std::map<std::string, std::map<std::string, std::map<int, double>>>;
+
+// What the measured cases share, and what they measured.
+struct BenchRun {
+  const Flags& f;
+  const Plan& plan;
+  BenchFiles& files;
+  FioPeers& fio;
+  Samples samples{};
+  std::vector<std::string> case_order{};  // the case keys, in the order they first ran
+};
+
+// One case in one repeat.
+struct CaseRepeat {
+  IoOp op;
+  uint64_t block;
+  uint32_t qd;
+  int rep;
+  std::string key;  // CaseKey
+};
+
+// zinf's run of one case; false (having said why) if it failed. `first`: the tool that ran
+// first in this case and repeat; `position`: the runs before this one.
+bool RunZinfCase(BenchRun& run, const CaseRepeat& c, const std::string& first, size_t position) {
+  const Flags& f = run.f;
+  Result<CaseResult> r = RunZinf(run.files, run.plan.kind, c.op, c.block, c.qd, run.plan.size,
+                                 run.plan.registered, run.plan.huge, f.seconds, f.sqpoll);
+  if (!r.ok()) {
+    std::fprintf(stderr, "zinf-nvme-bench: %s: %s\n", c.key.c_str(), r.status().ToString().c_str());
+    return false;
+  }
+  json j = CaseJson(f.backend, c.op, c.block, c.qd, *r);
+  j["registered"] = run.plan.registered;
+  j["huge_pages"] = run.plan.huge;
+  j["features"] = r->features;
+  j["repeat"] = c.rep;
+  if (f.compare_fio) {
+    j["first"] = first;
+    j["position"] = position;
+  }
+  Emit(j);
+  run.samples[c.key]["zinf"][c.rep] = r->gbps();
+  return true;
+}
+
+// fio variant `v`'s run of one case, as RunZinfCase. A huge-page variant that fails gives up
+// the huge-page variants and returns true: the others go on.
+bool RunFioCase(BenchRun& run, const FioVariant& v, const CaseRepeat& c, const std::string& first,
+                size_t position) {
+  FioPeers& fio = run.fio;
+  const bool on_huge = v.huge;
+  Result<CaseResult> fr = Status::ResourceExhausted("the huge pages did not come back within 5 s");
+  if (!on_huge || fio.huge.WaitForPages(5.0)) {
+    fr = RunFio(run.f, run.files, v.engine, v.extra, c.op, c.block, c.qd, run.plan.size,
+                run.f.seconds);
+  }
+  if (!fr.ok() && on_huge) {
+    // Huge pages are set up by heuristics (another user may hold some): drop
+    // these variants and go on with the others, saying so.
+    fio.huge_why = "gave up after " + v.name + " failed: " + fr.status().ToString();
+    std::fprintf(stderr, "zinf-nvme-bench: %s\n", fio.huge_why.c_str());
+    return true;
+  }
+  if (!fr.ok()) {
+    std::fprintf(stderr, "zinf-nvme-bench: %s: %s\n", v.name.c_str(),
+                 fr.status().ToString().c_str());
+    return false;
+  }
+  json fj = CaseJson(v.name, c.op, c.block, c.qd, *fr);
+  fj["repeat"] = c.rep;
+  fj["first"] = first;
+  fj["position"] = position;
+  Emit(fj);
+  run.samples[c.key][v.name][c.rep] = fr->gbps();
+  return true;
+}
+
+// One case in one repeat, zinf and each fio peer; false if a run failed.
+bool RunCaseRepeat(BenchRun& run, const CaseRepeat& c) {
+  const std::vector<FioVariant>& fio_variants = run.fio.variants;
+  // The tools run one after the other, and on this kind of disk the order matters
+  // (the host caches what was just written and is still flushing it when the next
+  // tool writes). So the order rotates from repeat to repeat: zinf and each fio
+  // variant take every position equally often when --repeats is a multiple of the
+  // number of tools, and with one variant that is the two alternating. Which tool
+  // runs just before another still follows the cycle (with three or more tools):
+  // --settle is what lets the host finish the previous tool's writes.
+  const size_t tools = 1 + fio_variants.size();  // 0: zinf, i: fio_variants[i - 1]
+  // Variants given up on (huge pages lost mid-run) take no slot.
+  auto live = [&](size_t tool) {
+    return tool == 0 || !fio_variants[tool - 1].huge || run.fio.huge_why.empty();
+  };
+  std::string first;
+  size_t position = 0;  // runs so far in this case and repeat
+  for (size_t k = 0; k < tools; ++k) {
+    const size_t tool = (c.rep + k) % tools;
+    if (!live(tool)) continue;
+    if (first.empty()) first = tool == 0 ? "zinf" : fio_variants[tool - 1].name;
+    if (run.f.settle > 0) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(run.f.settle));
+    }
+    if (!(tool == 0 ? RunZinfCase(run, c, first, position)
+                    : RunFioCase(run, fio_variants[tool - 1], c, first, position))) {
+      return false;
+    }
+    ++position;
+  }
+  return true;
+}
+
+// Every case, repeat by repeat; false if a run failed.
+bool RunCases(BenchRun& run) {
+  for (int rep = 0; rep < run.f.repeats; ++rep) {
+    for (IoOp op : run.plan.ops) {
+      for (uint64_t b : run.plan.blocks) {
+        for (uint32_t qd : run.plan.depths) {
+          const CaseRepeat c{op, b, qd, rep, CaseKey(op, b, qd)};
+          if (rep == 0) run.case_order.push_back(c.key);
+          if (!RunCaseRepeat(run, c)) return false;
+        }
       }
-      if (std::find(wanted_fio.begin(), wanted_fio.end(), name) == wanted_fio.end()) {
-        wanted_fio.push_back(name);
-      }
-      start = comma + 1;
     }
   }
+  return true;
+}
+
+// One line per case: zinf against the fio peers.
+void ReportFioComparison(BenchRun& run) {
+  const std::vector<FioVariant>& fio_variants = run.fio.variants;
+  for (const std::string& key : run.case_order) {
+    auto& by = run.samples[key];
+    const std::map<int, double>& zs = by["zinf"];
+    double zinf = Median(zs);
+    double best = 0;
+    std::string best_name;
+    for (const FioVariant& v : fio_variants) {
+      double m = Median(by[v.name]);
+      if (m > best) {
+        best = m;
+        best_name = v.name;
+      }
+    }
+    json j;
+    j["case"] = key;
+    j["repeats"] = run.f.repeats;
+    j["zinf_gbps"] = std::round(zinf * 1e3) / 1e3;
+    j["fio_best_gbps"] = std::round(best * 1e3) / 1e3;
+    j["fio_best"] = best_name;
+    if (auto it = by.find("fio-libaio"); it != by.end() && !it->second.empty()) {
+      j["fio_libaio_gbps"] = std::round(Median(it->second) * 1e3) / 1e3;
+    }
+    // Every variant's median, how many repeats it ran (fewer than zinf's when its huge
+    // pages were lost mid-run), zinf's paired ratio to it (null with no common repeat),
+    // and why fio ran without huge pages ("yes" when it had them).
+    json variants, counts, paired;
+    for (const FioVariant& v : fio_variants) {
+      const std::map<int, double>& vs = by[v.name];
+      variants[v.name] = std::round(Median(vs) * 1e3) / 1e3;
+      counts[v.name] = vs.size();
+      const double pr = PairedRatio(zs, vs);
+      paired[v.name] = pr > 0 ? json(std::round(pr * 1e3) / 1e3) : json(nullptr);
+    }
+    j["fio_gbps"] = variants;
+    j["fio_repeats"] = counts;
+    j["fio_huge_pages"] = run.fio.huge_why.empty() ? "yes" : "no: " + run.fio.huge_why;
+    // The ratio of medians, against the variant with the best median (a best-of-N, which
+    // favours fio), and the median of the per-repeat ratios against that same variant.
+    j["ratio"] = best > 0 ? std::round(zinf / best * 1e3) / 1e3 : 0;
+    j["paired_ratio"] = paired;
+    j["paired_ratio_vs_best"] = best > 0 ? paired[best_name] : json(nullptr);
+    Emit(j);
+  }
+}
+
+// One line per case: zinf's median over the repeats.
+void ReportZinfMedians(BenchRun& run) {
+  for (const std::string& key : run.case_order) {
+    json j;
+    j["case"] = key;
+    j["zinf_gbps_median"] = std::round(Median(run.samples[key]["zinf"]) * 1e3) / 1e3;
+    Emit(j);
+  }
+}
+
+// --sweep: per op, the best block size and queue depth as a zinf config snippet.
+void ReportBestConfigs(BenchRun& run) {
+  for (IoOp op : run.plan.ops) {
+    double best = 0;
+    uint64_t best_b = 0;
+    uint32_t best_qd = 0;
+    for (uint64_t b : run.plan.blocks) {
+      for (uint32_t qd : run.plan.depths) {
+        double m = Median(run.samples[CaseKey(op, b, qd)]["zinf"]);
+        if (m > best) {
+          best = m;
+          best_b = b;
+          best_qd = qd;
+        }
+      }
+    }
+    json snippet;
+    snippet["aio"] = {{"block_size", best_b}, {"queue_depth", best_qd}};
+    snippet["zinf"] = {{"io_backend", run.f.backend}};
+    json j;
+    j["best_for"] = IoOpName(op);
+    j["gbps"] = std::round(best * 1e3) / 1e3;
+    j["config"] = snippet;
+    Emit(j);
+  }
+}
+
+int Main(int argc, char** argv) {
+  Flags f;
+  CLI::App app{"zinf-nvme-bench: sequential direct-I/O throughput of the zinf swapper"};
+  AddFlags(app, &f);
+  if (int rc = ParseCommandLine(app, argc, argv); rc >= 0) return rc;
+
+  if (f.dirs.empty()) f.dirs.push_back(".");
+  Plan plan;
+  if (!MakePlan(f, &plan)) return 2;
   signal(SIGINT, RemoveNamedAndDie);
   signal(SIGTERM, RemoveNamedAndDie);
-  std::vector<IoOp> ops;
-  if (f.op != "write") ops.push_back(IoOp::kRead);
-  if (f.op != "read") ops.push_back(IoOp::kWrite);
-  std::vector<uint64_t> blocks = block_list;
-  std::vector<uint32_t> depths = {f.queue_depth};
-  if (f.sweep) {
-    blocks = {256 << 10, 1016 << 10, 1 << 20, 4 << 20, 8 << 20};
-    depths = {4, 8, 16, 32, 64};
-  }
   if (f.checksum_cost) {
-    Status s = RunChecksumCost(f, *kind, *block, f.queue_depth, *size);
+    Status s = RunChecksumCost(f, plan.kind, plan.block, f.queue_depth, plan.size);
     if (!s.ok()) {
       std::fprintf(stderr, "zinf-nvme-bench: %s\n", s.ToString().c_str());
       return 1;
     }
     return 0;
   }
-  uint64_t max_block = *std::max_element(blocks.begin(), blocks.end());
-  uint64_t nfiles = f.dirs.size();
-  uint64_t per_file = RoundUp((*size + nfiles - 1) / nfiles, max_block * 4);
   BenchFiles files;
-  Status s = files.Open(f.dirs, per_file, f.keep_files, f.compare_fio);
-  if (!s.ok()) {
+  if (Status s = PrepareFiles(f, plan, &files); !s.ok()) {
     std::fprintf(stderr, "zinf-nvme-bench: %s\n", s.ToString().c_str());
     return 1;
   }
-  s = Fill(files, per_file * nfiles);
-  if (!s.ok()) {
-    std::fprintf(stderr, "zinf-nvme-bench: %s\n", s.ToString().c_str());
-    return 1;
-  }
-  const bool registered = f.registered == "on";
-  const bool huge = f.huge_pages == "on";
-  if (f.op == "mixed") {
-    // Reads and writes at once, as the engine issues them during backward: one figure per
-    // repeat with both directions, then the medians.
-    std::vector<double> total, reads, writes;
-    for (int rep = 0; rep < f.repeats; ++rep) {
-      uint64_t read_bytes = 0;
-      Result<CaseResult> r = RunZinf(files, *kind, IoOp::kRead, *block, f.queue_depth, *size,
-                                     registered, huge, f.seconds, f.sqpoll, true, &read_bytes);
-      if (!r.ok()) {
-        std::fprintf(stderr, "zinf-nvme-bench: %s\n", r.status().ToString().c_str());
-        return 1;
-      }
-      const double rg = read_bytes / r->seconds / 1e9;
-      const double wg = (r->bytes - read_bytes) / r->seconds / 1e9;
-      json j = {{"backend", f.backend},
-                {"op", "mixed"},
-                {"block_size", *block},
-                {"queue_depth", f.queue_depth},
-                {"bytes", r->bytes},
-                {"seconds", r->seconds},
-                {"read_gbps", std::round(rg * 1e3) / 1e3},
-                {"write_gbps", std::round(wg * 1e3) / 1e3},
-                {"gbps", std::round(r->gbps() * 1e3) / 1e3},
-                {"repeat", rep}};
-      Emit(j);
-      total.push_back(r->gbps());
-      reads.push_back(rg);
-      writes.push_back(wg);
-    }
-    Emit({{"case", "mixed bs=" + SizeLabel(*block) + " qd=" + std::to_string(f.queue_depth)},
-          {"zinf_gbps_median", std::round(Median(total) * 1e3) / 1e3},
-          {"read_gbps_median", std::round(Median(reads) * 1e3) / 1e3},
-          {"write_gbps_median", std::round(Median(writes) * 1e3) / 1e3}});
-    return 0;
-  }
-  std::vector<FioVariant> fio_variants;
-  FioHugePages fio_huge;
-  std::string fio_huge_why;
-  if (f.compare_fio) {
-    bool want_huge = false;
-    for (const FioVariant& v : kFioVariants) {
-      if (Wanted(wanted_fio, v.name)) want_huge = want_huge || v.huge;
-    }
-    // fio at its best: its buffers on huge pages too, as zinf's are (MADV_HUGEPAGE), so that
-    // the disk does not split its requests at 4 KiB page boundaries.
-    const uint64_t largest = *std::max_element(blocks.begin(), blocks.end());
-    const uint64_t max_depth = *std::max_element(depths.begin(), depths.end());
-    fio_huge_why =
-        want_huge ? fio_huge.Prepare(largest * max_depth) : "not asked for (--fio-variants)";
-    if (want_huge && fio_huge_why.empty()) {
-      std::fprintf(stderr, "zinf-nvme-bench: fio with huge-page buffers (%s)\n",
-                   fio_huge.summary().c_str());
-    } else if (want_huge) {
-      std::fprintf(stderr,
-                   "zinf-nvme-bench: fio runs without huge-page buffers, so it is not at its "
-                   "best: %s\n",
-                   fio_huge_why.c_str());
-    }
-    if (!wanted_fio.empty() && want_huge && !fio_huge_why.empty()) {
-      // A peer named before the run does not quietly drop out of it.
-      std::fprintf(stderr,
-                   "zinf-nvme-bench: --fio-variants names a huge-page variant, and huge pages "
-                   "cannot be set up: %s\n",
-                   fio_huge_why.c_str());
-      return 1;
-    }
-    for (FioVariant v : kFioVariants) {
-      if (!Wanted(wanted_fio, v.name) || (v.huge && !fio_huge_why.empty())) continue;
-      if (v.huge)
-        v.extra += (v.extra.empty() ? "" : " ") + std::string("--iomem=") + fio_huge.iomem();
-      fio_variants.push_back(v);
-    }
-    if (fio_variants.empty()) {
-      std::fprintf(stderr,
-                   "zinf-nvme-bench: none of --fio-variants %s can run (the huge-page "
-                   "variants need huge pages: %s)\n",
-                   f.fio_variants.c_str(), fio_huge_why.c_str());
-      return 1;
-    }
-    const size_t tools = 1 + fio_variants.size();
-    if (f.repeats % tools != 0) {
-      std::fprintf(stderr,
-                   "zinf-nvme-bench: the run order rotates over %zu tools; --repeats %d is not a "
-                   "multiple of %zu, so some run first more often than others (on a disk "
-                   "that caches writes, the order moves the figures)\n",
-                   tools, f.repeats, tools);
-    }
-  }
+  if (f.op == "mixed") return RunMixed(f, plan, files);
+  FioPeers fio;
+  if (f.compare_fio && !SetUpFioPeers(f, plan, &fio)) return 1;
 
-  // case key -> backend name -> repeat -> gbps
-  std::map<std::string, std::map<std::string, std::map<int, double>>> samples;
-  std::vector<std::string> case_order;
-  for (int rep = 0; rep < f.repeats; ++rep) {
-    for (IoOp op : ops) {
-      for (uint64_t b : blocks) {
-        for (uint32_t qd : depths) {
-          std::string key =
-              std::string(IoOpName(op)) + " bs=" + SizeLabel(b) + " qd=" + std::to_string(qd);
-          if (rep == 0) case_order.push_back(key);
-          // The tools run one after the other, and on this kind of disk the order matters
-          // (the host caches what was just written and is still flushing it when the next
-          // tool writes). So the order rotates from repeat to repeat: zinf and each fio
-          // variant take every position equally often when --repeats is a multiple of the
-          // number of tools, and with one variant that is the two alternating. Which tool
-          // runs just before another still follows the cycle (with three or more tools):
-          // --settle is what lets the host finish the previous tool's writes.
-          const size_t tools = 1 + fio_variants.size();  // 0: zinf, i: fio_variants[i - 1]
-          // Variants given up on (huge pages lost mid-run) take no slot.
-          auto live = [&](size_t tool) {
-            return tool == 0 || !fio_variants[tool - 1].huge || fio_huge_why.empty();
-          };
-          std::string first;
-          auto run_fio = [&](const FioVariant& v, size_t position) -> bool {
-            const bool on_huge = v.huge;
-            Result<CaseResult> fr =
-                Status::ResourceExhausted("the huge pages did not come back within 5 s");
-            if (!on_huge || fio_huge.WaitForPages(5.0)) {
-              fr = RunFio(f, files, v.engine, v.extra, op, b, qd, *size, f.seconds);
-            }
-            if (!fr.ok() && on_huge) {
-              // Huge pages are set up by heuristics (another user may hold some): drop
-              // these variants and go on with the others, saying so.
-              fio_huge_why = "gave up after " + v.name + " failed: " + fr.status().ToString();
-              std::fprintf(stderr, "zinf-nvme-bench: %s\n", fio_huge_why.c_str());
-              return true;
-            }
-            if (!fr.ok()) {
-              std::fprintf(stderr, "zinf-nvme-bench: %s: %s\n", v.name.c_str(),
-                           fr.status().ToString().c_str());
-              return false;
-            }
-            json fj = CaseJson(v.name, op, b, qd, *fr);
-            fj["repeat"] = rep;
-            fj["first"] = first;
-            fj["position"] = position;
-            Emit(fj);
-            samples[key][v.name][rep] = fr->gbps();
-            return true;
-          };
-          auto run_zinf = [&](size_t position) -> bool {
-            Result<CaseResult> r =
-                RunZinf(files, *kind, op, b, qd, *size, registered, huge, f.seconds, f.sqpoll);
-            if (!r.ok()) {
-              std::fprintf(stderr, "zinf-nvme-bench: %s: %s\n", key.c_str(),
-                           r.status().ToString().c_str());
-              return false;
-            }
-            json j = CaseJson(f.backend, op, b, qd, *r);
-            j["registered"] = registered;
-            j["huge_pages"] = huge;
-            j["features"] = r->features;
-            j["repeat"] = rep;
-            if (f.compare_fio) {
-              j["first"] = first;
-              j["position"] = position;
-            }
-            Emit(j);
-            samples[key]["zinf"][rep] = r->gbps();
-            return true;
-          };
-          size_t position = 0;  // runs so far in this case and repeat
-          for (size_t k = 0; k < tools; ++k) {
-            const size_t tool = (rep + k) % tools;
-            if (!live(tool)) continue;
-            if (first.empty()) first = tool == 0 ? "zinf" : fio_variants[tool - 1].name;
-            if (f.settle > 0) {
-              std::this_thread::sleep_for(std::chrono::duration<double>(f.settle));
-            }
-            if (!(tool == 0 ? run_zinf(position) : run_fio(fio_variants[tool - 1], position))) {
-              return 1;
-            }
-            ++position;
-          }
-        }
-      }
-    }
-  }
-
+  BenchRun run{f, plan, files, fio};
+  if (!RunCases(run)) return 1;
   if (f.compare_fio) {
-    for (const std::string& key : case_order) {
-      auto& by = samples[key];
-      const std::map<int, double>& zs = by["zinf"];
-      double zinf = Median(zs);
-      double best = 0;
-      std::string best_name;
-      for (const FioVariant& v : fio_variants) {
-        double m = Median(by[v.name]);
-        if (m > best) {
-          best = m;
-          best_name = v.name;
-        }
-      }
-      json j;
-      j["case"] = key;
-      j["repeats"] = f.repeats;
-      j["zinf_gbps"] = std::round(zinf * 1e3) / 1e3;
-      j["fio_best_gbps"] = std::round(best * 1e3) / 1e3;
-      j["fio_best"] = best_name;
-      if (auto it = by.find("fio-libaio"); it != by.end() && !it->second.empty()) {
-        j["fio_libaio_gbps"] = std::round(Median(it->second) * 1e3) / 1e3;
-      }
-      // Every variant's median, how many repeats it ran (fewer than zinf's when its huge
-      // pages were lost mid-run), zinf's paired ratio to it (null with no common repeat),
-      // and why fio ran without huge pages ("yes" when it had them).
-      json variants, counts, paired;
-      for (const FioVariant& v : fio_variants) {
-        const std::map<int, double>& vs = by[v.name];
-        variants[v.name] = std::round(Median(vs) * 1e3) / 1e3;
-        counts[v.name] = vs.size();
-        const double pr = PairedRatio(zs, vs);
-        paired[v.name] = pr > 0 ? json(std::round(pr * 1e3) / 1e3) : json(nullptr);
-      }
-      j["fio_gbps"] = variants;
-      j["fio_repeats"] = counts;
-      j["fio_huge_pages"] = fio_huge_why.empty() ? "yes" : "no: " + fio_huge_why;
-      // The ratio of medians, against the variant with the best median (a best-of-N, which
-      // favours fio), and the median of the per-repeat ratios against that same variant.
-      j["ratio"] = best > 0 ? std::round(zinf / best * 1e3) / 1e3 : 0;
-      j["paired_ratio"] = paired;
-      j["paired_ratio_vs_best"] = best > 0 ? paired[best_name] : json(nullptr);
-      Emit(j);
-    }
+    ReportFioComparison(run);
   } else if (f.repeats > 1 || f.sweep) {
-    for (const std::string& key : case_order) {
-      json j;
-      j["case"] = key;
-      j["zinf_gbps_median"] = std::round(Median(samples[key]["zinf"]) * 1e3) / 1e3;
-      Emit(j);
-    }
+    ReportZinfMedians(run);
   }
-
-  if (f.sweep) {
-    for (IoOp op : ops) {
-      double best = 0;
-      uint64_t best_b = 0;
-      uint32_t best_qd = 0;
-      for (uint64_t b : blocks) {
-        for (uint32_t qd : depths) {
-          std::string key =
-              std::string(IoOpName(op)) + " bs=" + SizeLabel(b) + " qd=" + std::to_string(qd);
-          double m = Median(samples[key]["zinf"]);
-          if (m > best) {
-            best = m;
-            best_b = b;
-            best_qd = qd;
-          }
-        }
-      }
-      json snippet;
-      snippet["aio"] = {{"block_size", best_b}, {"queue_depth", best_qd}};
-      snippet["zinf"] = {{"io_backend", f.backend}};
-      json j;
-      j["best_for"] = IoOpName(op);
-      j["gbps"] = std::round(best * 1e3) / 1e3;
-      j["config"] = snippet;
-      Emit(j);
-    }
-  }
+  if (f.sweep) ReportBestConfigs(run);
   return 0;
 }
 
