@@ -44,11 +44,11 @@ double Since(Clock::time_point t0) {
 }  // namespace
 
 Engine::Impl::~Impl() {
-  if (board_) {
+  if (core_) {
     // Delayed update: the last step's optimizer may still run; between micro-steps it needs
     // nothing more from the trainer, so let it finish and report a failure nobody saw.
     const bool drain = clock_.delayed() && registered_ && !clock_.in_micro() && broken_.ok();
-    Status unseen = board_->Stop(drain ? clock_.step() : -1);
+    Status unseen = core_->board->Stop(drain ? clock_.step() : -1);
     if (!unseen.ok()) {
       LogWarning("the last optimizer step failed and was not reported: " + unseen.ToString());
     }
@@ -64,14 +64,9 @@ Engine::Impl::~Impl() {
   }
   // Device memory and pinned buffers go back before the arena and the budget they came from.
   pipeline_.reset();
-  grads_.reset();
-  fetch_.reset();
-  adder_.reset();  // after the gradient path and the fetch scheduler (they drain it)
   checkpointer_.reset();
   durable_.reset();
-  param_store_.reset();
-  states_.reset();
-  board_.reset();
+  core_.reset();  // after the layers above, which use it
   swap_.reset();
   collectives_.reset();
   if (arena_) {
@@ -471,8 +466,8 @@ Status Engine::Impl::OpenSwapStore() {
 }
 
 Status Engine::Impl::BuildComponents(const PinnedPlan& plan) {
-  // The components over the frozen layout, once, in dependency order.
-  board_ = std::make_unique<GroupBoard>(&layout_);
+  // The components over the frozen layout, once, in dependency order: the core's, then the
+  // persistence and the optimizer pipeline over them.
   EngineContext ctx;
   ctx.layout = &layout_;
   ctx.config = &config_;
@@ -481,29 +476,22 @@ Status Engine::Impl::BuildComponents(const PinnedPlan& plan) {
   ctx.streams = streams_;
   ctx.budget = budget_.get();
   ctx.stats = &stats_;
-  ctx.board = board_.get();
   ctx.arena = arena_.get();
   ctx.swap = swap_.get();
-  param_store_ = std::make_unique<ParamStore>(ctx);
-  states_ = std::make_unique<StateStore>(ctx, &state_pool_);
-  frozen_ = std::make_unique<FrozenParams>(ctx, param_store_.get(), optimizer_.get());
-  try {
-    adder_ = std::make_unique<GradientAdder>();
-  } catch (const std::system_error& e) {  // no thread could be started
-    return Status::ResourceExhausted(std::string("starting the gradient adder thread: ") +
-                                     e.what());
-  }
-  fetch_ = std::make_unique<FetchScheduler>(ctx, param_store_.get(), &trace_, adder_.get());
-  ZINF_RETURN_IF_ERROR(fetch_->Init());
-  grads_ = std::make_unique<GradientWindow>(ctx, fetch_.get(), adder_.get(), &grad_pool_,
-                                          plan.stream_grads);
-  ZINF_RETURN_IF_ERROR(grads_->Init());
-  durable_ = std::make_unique<DurableCommits>(ctx, states_.get(), param_store_.get());
+  CoreParts::Shared shared;
+  shared.optimizer = optimizer_.get();
+  shared.trace = &trace_;
+  shared.state_pool = &state_pool_;
+  shared.grad_pool = &grad_pool_;
+  shared.stream_grads = plan.stream_grads;
+  ZINF_ASSIGN_OR_RETURN(core_, CoreParts::Build(ctx, shared));
+  ctx = core_->ctx();
+  durable_ = std::make_unique<DurableCommits>(ctx, core_->states.get(), core_->params.get());
   durable_->set_user_data(commit_user_data_);
   OptimizerPipeline::Parts parts;
-  parts.states = states_.get();
-  parts.params = param_store_.get();
-  parts.grads = grads_.get();
+  parts.states = core_->states.get();
+  parts.params = core_->params.get();
+  parts.grads = core_->grads.get();
   parts.durable = durable_.get();
   parts.optimizer = optimizer_.get();
   parts.state_pool = &state_pool_;
@@ -524,7 +512,7 @@ Status Engine::Impl::InitStores() {
     resumed_user_data_ = point.user_data;
     reopened_store_ = true;
     for (ParamId id = 0; id < layout_.num_params(); ++id) {
-      states_->set_updates(id, layout_.param(id).info.trainable ? point.updates[id] : 0);
+      core_->states->set_updates(id, layout_.param(id).info.trainable ? point.updates[id] : 0);
     }
     resume.active = true;
     resume.stored_params = point.param_keys;
@@ -543,19 +531,19 @@ Status Engine::Impl::InitStores() {
   for (size_t gi = 0; gi < layout_.num_groups(); ++gi) {
     if (layout_.group(gi).frozen) {
       ZINF_RETURN_IF_ERROR(
-          frozen_->InitGroup(gi, resume, point.frozen_hashes, inits_, &initial_hashes_));
+          core_->frozen->InitGroup(gi, resume, point.frozen_hashes, inits_, &initial_hashes_));
       // (A parameter whose store kept its committed copy is never aliased: that needs NVMe
       // parameters, an alias the device tier.)
       for (ParamId id : layout_.group(gi).params) {
-        if (world_ == 1 && config_.offload_param.tier == Tier::kDevice) fetch_->Alias(id);
+        if (world_ == 1 && config_.offload_param.tier == Tier::kDevice) core_->fetch->Alias(id);
       }
       continue;
     }
     float* master = nullptr;
     PooledBlock staging;
-    ZINF_RETURN_IF_ERROR(states_->Allocate(gi, &master, &staging));
+    ZINF_RETURN_IF_ERROR(core_->states->Allocate(gi, &master, &staging));
     if (resume.active) {  // durable mode: states on NVMe (checked at Create)
-      ZINF_RETURN_IF_ERROR(states_->ReadCommitted(gi, master, staging.capacity()));
+      ZINF_RETURN_IF_ERROR(core_->states->ReadCommitted(gi, master, staging.capacity()));
     } else {
       std::memset(master, 0, layout_.GroupStateBytes(gi));  // exp_avg and exp_avg_sq start at zero
     }
@@ -582,15 +570,16 @@ Status Engine::Impl::InitStores() {
       } else {
         std::memcpy(image.data(), part, layout_.PartBytes(id));
       }
-      ZINF_RETURN_IF_ERROR(param_store_->Init(id, std::move(image), resume));
-      if (world_ == 1 && config_.offload_param.tier == Tier::kDevice) fetch_->Alias(id);
+      ZINF_RETURN_IF_ERROR(core_->params->Init(id, std::move(image), resume));
+      if (world_ == 1 && config_.offload_param.tier == Tier::kDevice) core_->fetch->Alias(id);
     }
-    if (!resume.active) ZINF_RETURN_IF_ERROR(states_->Publish(gi, master, staging.capacity()));
-    ZINF_RETURN_IF_ERROR(grads_->AllocateGroup(gi));
+    if (!resume.active)
+      ZINF_RETURN_IF_ERROR(core_->states->Publish(gi, master, staging.capacity()));
+    ZINF_RETURN_IF_ERROR(core_->grads->AllocateGroup(gi));
   }
   if (resume.active) {
     clock_.Reset(resume.step, resume.visible);
-    board_->ResetTo(resume.step);
+    core_->board->ResetTo(resume.step);
     return Status::OK();
   }
   // Durable: the initial state is the first commit (a crash in step 1 resumes at step 0).
@@ -661,14 +650,14 @@ Result<std::vector<void*>> Engine::Impl::Acquire(const std::vector<ParamId>& ids
     if (id >= layout_.num_params()) {
       return Status::InvalidArgument("Acquire: unknown parameter id " + std::to_string(id));
     }
-    if (fetch_->AcquiredStale(id, clock_.visible())) {
+    if (core_->fetch->AcquiredStale(id, clock_.visible())) {
       return Status::FailedPrecondition(
           "Acquire('" + layout_.param(id).info.name +
           "'): it is still acquired from before the optimizer step "
           "that changed it (its memory holds the old values); release it first");
     }
   }
-  if (!training && clock_.boundary() && grads_->reduced_this_micro()) {
+  if (!training && clock_.boundary() && core_->grads->reduced_this_micro()) {
     // The optimizer may be rewriting the parameter stores of sub-groups whose gradients are
     // complete: an inference fetch now could read a half-written buffer.
     return Status::FailedPrecondition(
@@ -676,14 +665,14 @@ Result<std::vector<void*>> Engine::Impl::Acquire(const std::vector<ParamId>& ids
         "optimizer may be rewriting the parameters; evaluate between optimizer steps");
   }
   if (training) KickTask();
-  return fetch_->Acquire(ids, clock_.visible(), training, Rewriting());
+  return core_->fetch->Acquire(ids, clock_.visible(), training, Rewriting());
 }
 
 Status Engine::Impl::Release(const std::vector<ParamId>& ids) {
   if (!registered_) {
     return Status::FailedPrecondition("Release before any Acquire");
   }
-  return fetch_->Release(ids, clock_.visible(), Rewriting());
+  return core_->fetch->Release(ids, clock_.visible(), Rewriting());
 }
 
 Status Engine::Impl::ReduceGradient(ParamId id, const float* grad) {
@@ -699,7 +688,7 @@ Status Engine::Impl::ReduceGradient(ParamId id, const float* grad) {
                                       "'): the parameter is frozen (registered with trainable "
                                       "false); it takes no gradient");
   }
-  if (grads_->reduced(id)) {
+  if (core_->grads->reduced(id)) {
     return Status::FailedPrecondition("ReduceGradient('" + p.info.name +
                                       "') twice in one micro-step");
   }
@@ -707,7 +696,7 @@ Status Engine::Impl::ReduceGradient(ParamId id, const float* grad) {
   // be free of the previous window's step (delayed update) before this gradient goes in.
   const int64_t ready = clock_.boundary() ? clock_.step() + 1 : 0;
   ZINF_RETURN_IF_ERROR(WaitStepped(p.info.sub_group));
-  Status s = grads_->Reduce(id, grad, ready);
+  Status s = core_->grads->Reduce(id, grad, ready);
   if (!s.ok()) {
     // Part of the gradient may be in its accumulator, and the optimizer may wait for it.
     return Break("the engine stopped: ReduceGradient('" + p.info.name + "') failed part-way", s,
@@ -731,7 +720,7 @@ Result<StepStats> Engine::Impl::Step() {
     return Break("the engine stopped after an error in a previous step", s,
                  "; recreate it (from a checkpoint) to continue");
   }
-  grads_->Drain();
+  core_->grads->Drain();
   StepStats st;
   const auto wait0 = Clock::now();
   // A boundary Step that fails part-way has landed some gradients and left the optimizer
@@ -750,32 +739,32 @@ Result<StepStats> Engine::Impl::Step() {
     // have final accumulators already: count them as landed.
     // (Streaming accumulators: a sub-group none of whose parameters has a gradient holds no
     // block, and nothing reads its accumulators, so there is nothing to zero.)
-    s = grads_->CompleteWindow(next);
+    s = core_->grads->CompleteWindow(next);
     if (!s.ok()) return fail_boundary(s);
     if (config_.gradient_clipping > 0) {
       // Wait-for-norm: every sub-group waits for the global norm, computed once all gradients
       // have landed (they have: the streams were synchronized above).
       Result<float> coef =
-          grads_->ClipCoefficient(next, optimizer_.get(), collectives_.get(), &st.grad_norm);
+          core_->grads->ClipCoefficient(next, optimizer_.get(), collectives_.get(), &st.grad_norm);
       if (!coef.ok()) {
         // Sub-groups the optimizer stepped speculatively are rolled back before its task ends;
         // the verdict also frees it from waiting for one.
-        board_->SetNormFailed(next);
-        (void)board_->WaitDone(next);  // its result is the rollback's; the norm's is reported
+        core_->board->SetNormFailed(next);
+        (void)core_->board->WaitDone(next);  // its result is the rollback's; the norm's is reported
         return fail_boundary(coef.status());
       }
-      board_->SetClipCoef(next, *coef);
+      core_->board->SetClipCoef(next, *coef);
     }
     // Without the delayed update, this window's optimizer step must be done: the next
     // micro-step reads its parameters. With it, the next micro-step reads the previous step's
     // (version next - 1), and this one runs on while the trainer goes on.
-    Status opt = board_->WaitDone(clock_.DelayedStep(next) ? next - 1 : next);
+    Status opt = core_->board->WaitDone(clock_.DelayedStep(next) ? next - 1 : next);
     if (!opt.ok()) {
       return Break("the optimizer failed", opt,
                    "; parameters may be partly updated: recreate the engine from a checkpoint");
     }
     clock_.AdvanceStep();
-    grads_->EndWindow();
+    core_->grads->EndWindow();
     st.optimizer_ran = true;
     // Durable: the step's writes are complete (the optimizer waited for them): publish them.
     // A delayed step is committed by the optimizer thread once its update is written.
@@ -792,7 +781,7 @@ Result<StepStats> Engine::Impl::Step() {
   trace_.EndMicroStep();
   // The updated parameters are in their stores: start fetching the next micro-step's first
   // ones now, while the trainer prepares its next batch.
-  fetch_->Prefetch(clock_.visible(), Rewriting());
+  core_->fetch->Prefetch(clock_.visible(), Rewriting());
 
   st.step = clock_.step();
   st.trace_valid = trace_.valid();

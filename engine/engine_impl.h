@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "engine/core/acquire_trace.h"
+#include "engine/core/core_parts.h"
 #include "engine/core/device_budget.h"
 #include "engine/core/engine_context.h"
 #include "engine/core/fetch_scheduler.h"
@@ -129,13 +130,7 @@ class Engine::Impl {
   BlockPool copy_pool_;      // the bf16 parameter copy of one sub-group
   BlockPool snapshot_pool_;  // pre-step states of sub-groups stepped speculatively
   std::unique_ptr<SwapStore> swap_;
-  std::unique_ptr<GroupBoard> board_;
-  std::unique_ptr<ParamStore> param_store_;
-  std::unique_ptr<StateStore> states_;
-  std::unique_ptr<FrozenParams> frozen_;
-  std::unique_ptr<GradientAdder> adder_;
-  std::unique_ptr<FetchScheduler> fetch_;
-  std::unique_ptr<GradientWindow> grads_;
+  std::unique_ptr<CoreParts> core_;  // the components over the layout (BuildComponents)
   std::unique_ptr<DurableCommits> durable_;
   std::unique_ptr<Checkpointer> checkpointer_;
   std::unique_ptr<OptimizerPipeline> pipeline_;
@@ -163,21 +158,22 @@ class Engine::Impl {
   Status BuildComponents(const PinnedPlan& plan);
   Status InitStores();
   // A parameter the optimizer may be rewriting now (delayed update: its gradient was reduced
-  // in this boundary micro-step). The function reads clock_ and grads_: FetchScheduler calls
+  // in this boundary micro-step). The function reads clock_ and core_->grads: FetchScheduler calls
   // it on the trainer's thread only.
   FetchScheduler::Rewriting Rewriting() const {
-    return
-        [this](ParamId id) { return clock_.delayed() && clock_.boundary() && grads_->reduced(id); };
+    return [this](ParamId id) {
+      return clock_.delayed() && clock_.boundary() && core_->grads->reduced(id);
+    };
   }
   // Delayed update: waits until the previous window's optimizer step is done with sub-group
   // `gi`, whose accumulators the trainer is about to write. No-op otherwise.
-  Status WaitStepped(size_t gi) { return grads_->WaitStepped(gi, clock_.step()); }
+  Status WaitStepped(size_t gi) { return core_->grads->WaitStepped(gi, clock_.step()); }
   // At the start of a micro-step: resets the gradient flags; a micro-step that ends a window
   // hands the optimizer its task at its first call (KickTask).
   void BeginMicroStep() {
     const bool boundary = clock_.PrepareMicroStep();
-    grads_->BeginMicroStep();
-    board_->BeginMicroStep(boundary, clock_.step());
+    core_->grads->BeginMicroStep();
+    core_->board->BeginMicroStep(boundary, clock_.step());
   }
   // Hands the optimizer thread the task of a boundary micro-step, at the micro-step's first
   // Acquire, ReduceGradient or Step (so that between steps the optimizer is idle and a
@@ -185,12 +181,12 @@ class Engine::Impl {
   void KickTask() {
     gather_states_.reset();
     if (!clock_.StartMicroStep()) return;
-    board_->Push({clock_.step() + 1, config_.gradient_clipping > 0, groups_});
+    core_->board->Push({clock_.step() + 1, config_.gradient_clipping > 0, groups_});
   }
   // Between steps: waits for the optimizer step still running (delayed update) and makes its
   // parameters the ones the next micro-step reads, as a checkpoint resume would.
   Status FinishPendingUpdate() {
-    ZINF_RETURN_IF_ERROR(board_->WaitDone(clock_.step()));
+    ZINF_RETURN_IF_ERROR(core_->board->WaitDone(clock_.step()));
     if (clock_.visible() != clock_.step()) {
       clock_.MakeVisible();
       gather_states_.reset();
@@ -207,7 +203,7 @@ class Engine::Impl {
   // frozen parameters stay.
   Status EvictAll(bool frozen = true) {
     for (ParamId id = 0; id < layout_.num_params(); ++id) {
-      if (frozen || layout_.param(id).info.trainable) ZINF_RETURN_IF_ERROR(fetch_->Evict(id));
+      if (frozen || layout_.param(id).info.trainable) ZINF_RETURN_IF_ERROR(core_->fetch->Evict(id));
     }
     return Status::OK();
   }

@@ -24,7 +24,7 @@ Status Engine::Impl::CheckBetweenSteps(const char* what) const {
                                       "an accumulation boundary, before the next Acquire)");
   }
   for (ParamId id = 0; id < layout_.num_params(); ++id) {
-    if (fetch_->acquired(id) > 0) {
+    if (core_->fetch->acquired(id) > 0) {
       return Status::FailedPrecondition(std::string(what) + ": parameter '" +
                                         layout_.param(id).info.name + "' is still acquired");
     }
@@ -33,7 +33,7 @@ Status Engine::Impl::CheckBetweenSteps(const char* what) const {
 }
 
 Status Engine::Impl::WriteGroupStates(size_t gi, const void* buf, int buf_index) {
-  ZINF_RETURN_IF_ERROR(states_->Write(gi, buf));
+  ZINF_RETURN_IF_ERROR(core_->states->Write(gi, buf));
   // The parameter store: the masters in the storage dtype.
   const float* master = static_cast<const float*>(buf);
   std::unique_ptr<AlignedBuffer> copy;
@@ -49,10 +49,10 @@ Status Engine::Impl::WriteGroupStates(size_t gi, const void* buf, int buf_index)
   }
   const uint16_t* copy_out = copy ? static_cast<const uint16_t*>(copy->data) : nullptr;
   if (config_.offload_param.tier != Tier::kNvme) {
-    return param_store_->WriteGroup(gi, master, copy_out, buf_index, nullptr);
+    return core_->params->WriteGroup(gi, master, copy_out, buf_index, nullptr);
   }
   std::vector<Ticket> writes;
-  Status s = param_store_->WriteGroup(gi, master, copy_out, buf_index, &writes);
+  Status s = core_->params->WriteGroup(gi, master, copy_out, buf_index, &writes);
   for (Ticket t : writes) {
     Status w = swap_->Wait(t);
     if (s.ok()) s = w;
@@ -91,8 +91,8 @@ Status Engine::Impl::SaveCheckpoint(const std::string& dir, const std::string& u
   }
   ZINF_RETURN_IF_ERROR(budget_->ReclaimScratch());
   ZINF_RETURN_IF_ERROR(collectives_->Agree(FinishPendingUpdate(), "SaveCheckpoint"));
-  return checkpointer_->Save(dir, user_data, clock_.step(), states_.get(),
-                             param_store_->value_hashes());
+  return checkpointer_->Save(dir, user_data, clock_.step(), core_->states.get(),
+                             core_->params->value_hashes());
 }
 
 Status Engine::Impl::LoadCheckpoint(const std::string& dir, std::string* user_data,
@@ -101,14 +101,15 @@ Status Engine::Impl::LoadCheckpoint(const std::string& dir, std::string* user_da
   ZINF_RETURN_IF_ERROR(CheckBetweenSteps("LoadCheckpoint"));
   ZINF_RETURN_IF_ERROR(budget_->ReclaimScratch());
   ZINF_RETURN_IF_ERROR(collectives_->Agree(FinishPendingUpdate(), "LoadCheckpoint"));
-  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
-                        checkpointer_->Open(dir, fall_back_to_older, param_store_->value_hashes()));
+  ZINF_ASSIGN_OR_RETURN(
+      std::unique_ptr<CheckpointReader> reader,
+      checkpointer_->Open(dir, fall_back_to_older, core_->params->value_hashes()));
   const RankManifest& man = reader->manifest();
   // Install: fetched parameter copies are stale from here on; each sub-group is read once,
   // verified in that read, and written into the stores.
   gather_states_.reset();
   Status local = EvictAll(/*frozen=*/false);  // (a load leaves frozen values as they are)
-  const int buf = param_store_->Buf(man.step);
+  const int buf = core_->params->Buf(man.step);
   for (size_t gi = 0; gi < layout_.num_groups() && local.ok(); ++gi) {
     if (layout_.group(gi).frozen) continue;  // their values are the ones registered (hashed)
     Result<const void*> states = reader->ReadGroup(gi);
@@ -130,11 +131,11 @@ Status Engine::Impl::LoadCheckpoint(const std::string& dir, std::string* user_da
   for (ParamId id = 0; id < layout_.num_params(); ++id) {
     // (A frozen tensor is never stepped.)
     const int64_t updates = man.tensors[id].updates >= 0 ? man.tensors[id].updates : man.step;
-    states_->set_updates(id, layout_.param(id).info.trainable ? updates : 0);
+    core_->states->set_updates(id, layout_.param(id).info.trainable ? updates : 0);
   }
   // A new history (the same value on every rank: they load the same checkpoint).
   durable_->NewLineage(man.step);
-  board_->ResetTo(man.step);
+  core_->board->ResetTo(man.step);
   BeginMicroStep();
   if (user_data != nullptr) *user_data = man.user_data;
   return Status::OK();
@@ -149,15 +150,15 @@ Status Engine::Impl::GatherMasterParameter(ParamId id, float* out) {
   }
   ZINF_RETURN_IF_ERROR(CheckInitialValues());
   // The optimizer steps of finished windows (delayed update: the last one may still run).
-  ZINF_RETURN_IF_ERROR(board_->WaitDone(clock_.step()));
+  ZINF_RETURN_IF_ERROR(core_->board->WaitDone(clock_.step()));
   const ParamLayout& p = layout_.param(id);
   if (!p.info.trainable) {  // its value lives in its parameter store alone (storage dtype)
     std::vector<float> mine(p.info.partition_numel);
-    ZINF_RETURN_IF_ERROR(frozen_->ReadPartition(id, mine.data()));
+    ZINF_RETURN_IF_ERROR(core_->frozen->ReadPartition(id, mine.data()));
     return GatherPartition(p, mine.data(), out);
   }
   const size_t gi = p.info.sub_group;
-  const float* host = states_->host_states(gi);
+  const float* host = core_->states->host_states(gi);
   if (host != nullptr) return GatherPartition(p, host + p.slice_offset, out);
   // NVMe or device states: read the sub-group once for the consecutive parameters of a full
   // gather (the cache is dropped when the next micro-step starts or a checkpoint loads).
@@ -171,7 +172,7 @@ Status Engine::Impl::GatherMasterParameter(ParamId id, float* out) {
         return Status::ResourceExhausted("gather buffer of " + FormatBytes(largest));
       }
     }
-    Status s = states_->Read(gi, gather_states_->data);
+    Status s = core_->states->Read(gi, gather_states_->data);
     if (!s.ok()) {
       gather_states_.reset();
       return s;
@@ -247,10 +248,10 @@ Status Engine::Impl::SetParameterValues(const std::vector<ParamId>& ids,
   bool changed = false;  // some value was written
   for (ParamId id = 0; id < layout_.num_params() && local.ok(); ++id) {
     if (!wanted[id]) continue;
-    local = fetch_->Evict(id);  // a fetched copy holds the old values
+    local = core_->fetch->Evict(id);  // a fetched copy holds the old values
     if (local.ok() && !layout_.param(id).info.trainable) {
       bool wrote = false;
-      local = frozen_->Set(id, fill, &wrote);  // its store alone
+      local = core_->frozen->Set(id, fill, &wrote);  // its store alone
       changed = changed || wrote;
       continue;
     }
@@ -267,7 +268,7 @@ Status Engine::Impl::SetParameterValues(const std::vector<ParamId>& ids,
         continue;
       }
       float* master = static_cast<float*>(host.data());
-      local = states_->Read(gi, master);
+      local = core_->states->Read(gi, master);
       for (size_t j = 0; j < g.params.size() && local.ok(); ++j) {
         const ParamLayout& p = layout_.param(g.params[j]);
         if (!wanted[g.params[j]]) continue;
@@ -281,7 +282,7 @@ Status Engine::Impl::SetParameterValues(const std::vector<ParamId>& ids,
       }
       if (local.ok()) {
         changed = true;
-        local = WriteGroupStates(gi, master, param_store_->Buf(clock_.visible()));
+        local = WriteGroupStates(gi, master, core_->params->Buf(clock_.visible()));
       }
     }
   }
@@ -315,8 +316,9 @@ int64_t Engine::Impl::param_updates(ParamId id) const {
   // The optimizer thread counts the updates of a step still running (delayed update): wait
   // for it. A failed step's count is what it reached; that failure is reported by the calls
   // that run steps, so it is not repeated here.
-  (void)board_->WaitDone(clock_.step());  // safe: the failure is the step-running calls' to report
-  return states_->updates(id);
+  (void)core_->board->WaitDone(
+      clock_.step());  // safe: the failure is the step-running calls' to report
+  return core_->states->updates(id);
 }
 
 Status Engine::Impl::SetLearningRate(float lr) {

@@ -1,0 +1,42 @@
+#include "engine/core/core_parts.h"
+
+#include <string>
+#include <system_error>
+#include <utility>
+
+namespace zinf {
+
+Result<std::unique_ptr<CoreParts>> CoreParts::Build(EngineContext ctx, const Shared& shared) {
+  std::unique_ptr<CoreParts> parts(new CoreParts());
+  parts->board = std::make_unique<GroupBoard>(ctx.layout);
+  ctx.board = parts->board.get();
+  parts->ctx_ = ctx;
+  parts->params = std::make_unique<ParamStore>(ctx);
+  parts->states = std::make_unique<StateStore>(ctx, shared.state_pool);
+  parts->frozen = std::make_unique<FrozenParams>(ctx, parts->params.get(), shared.optimizer);
+  try {
+    parts->adder = std::make_unique<GradientAdder>();
+  } catch (const std::system_error& e) {  // no thread could be started
+    return Status::ResourceExhausted(std::string("starting the gradient adder thread: ") +
+                                     e.what());
+  }
+  parts->fetch =
+      std::make_unique<FetchScheduler>(ctx, parts->params.get(), shared.trace, parts->adder.get());
+  ZINF_RETURN_IF_ERROR(parts->fetch->Init());
+  parts->grads = std::make_unique<GradientWindow>(ctx, parts->fetch.get(), parts->adder.get(),
+                                                  shared.grad_pool, shared.stream_grads);
+  ZINF_RETURN_IF_ERROR(parts->grads->Init());
+  return parts;
+}
+
+CoreParts::~CoreParts() {
+  grads.reset();
+  fetch.reset();
+  adder.reset();  // after the gradient window and the fetch scheduler (they drain it)
+  frozen.reset();
+  params.reset();
+  states.reset();
+  board.reset();
+}
+
+}  // namespace zinf
