@@ -147,6 +147,9 @@ Status OptimizerPipeline::StepNext(TaskRun* run, size_t k) {
     run->first.Update(Status::Internal("sub-group " + std::to_string(gi) + " is stepped on the " +
                                        (on_device ? "device" : "host") + " with gradients on the " +
                                        (ready->on_device ? "device" : "host")));
+    // (A gradient still landing piece by piece goes on writing the accumulators Release
+    // gives back: wait for it first.)
+    if (plan.landing >= 0) run->first.Update(m_.grads->WaitLanded(gi, task.step, SIZE_MAX));
     MarkStepped(gi, task.step);
     return Status::OK();
   }

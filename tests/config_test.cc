@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -725,20 +726,28 @@ TEST(LoadEngineConfigTest, ParseErrorsStartWithThePath) {
 // a config built from what it visits parses back to the same config, and a config that sets
 // every key (but the stage, which has one value) to something other than its default shows each
 // visited value changed, so no key is visited under another field's name.
+// A visited key's place in a config: its path, zinf's own keys under "zinf".
+std::vector<std::string> KeyPath(const std::string& key) {
+  static const std::set<std::string> top = {"gradient_clipping", "gradient_accumulation_steps",
+                                            "train_micro_batch_size_per_gpu", "train_batch_size"};
+  std::string path = key;
+  if (path.find('.') == std::string::npos && !top.count(path)) path = "zinf." + path;
+  std::vector<std::string> parts;
+  for (size_t dot; (dot = path.find('.')) != std::string::npos; path.erase(0, dot + 1)) {
+    parts.push_back(path.substr(0, dot));
+  }
+  parts.push_back(path);
+  return parts;
+}
+
 nlohmann::json VisitedTree(const EngineConfig& c, std::map<std::string, std::string>* flat) {
   nlohmann::json tree = nlohmann::json::object();
-  const std::set<std::string> top = {"gradient_clipping", "gradient_accumulation_steps",
-                                     "train_micro_batch_size_per_gpu", "train_batch_size"};
   VisitEngineConfig(c, [&](const char* key, const auto& value) {
     const nlohmann::json v = value;
     EXPECT_TRUE(flat->emplace(key, v.dump()).second) << key << " visited twice";
-    std::string path = key;
-    if (path.find('.') == std::string::npos && !top.count(path)) path = "zinf." + path;
     nlohmann::json* at = &tree;
-    for (size_t dot; (dot = path.find('.')) != std::string::npos; path.erase(0, dot + 1)) {
-      at = &(*at)[path.substr(0, dot)];
-    }
-    (*at)[path] = v;
+    for (const std::string& part : KeyPath(key)) at = &(*at)[part];
+    *at = v;
   });
   return tree;
 }
@@ -784,6 +793,35 @@ TEST(ConfigTest, TheVisitorNamesEveryFieldByItsKey) {
   EXPECT_THAT(warnings, ::testing::IsEmpty());
   VisitedTree(*back, &again);
   EXPECT_EQ(again, flat);
+  // Each key left out of the config alone reads as its default, and no other key changes: a
+  // visit under another field's name would show that field change instead (whatever the two
+  // values are). Keys the parser needs beside others are named.
+  std::vector<std::string> needed;
+  for (const auto& [key, value] : flat) {
+    if (key == "zero_optimization.stage") continue;
+    nlohmann::json without = tree;
+    const std::vector<std::string> path = KeyPath(key);
+    nlohmann::json* at = &without;
+    for (size_t i = 0; i + 1 < path.size(); ++i) at = &(*at)[path[i]];
+    ASSERT_EQ(at->erase(path.back()), 1u) << key;
+    Result<EngineConfig> left = ParseEngineConfig(without.dump(), &warnings);
+    if (!left.ok()) {
+      needed.push_back(key);
+      std::printf("%s left out: %s\n", key.c_str(), left.status().ToString().c_str());
+      continue;
+    }
+    std::map<std::string, std::string> seen;
+    VisitedTree(*left, &seen);
+    for (const auto& [k, v] : seen) {
+      EXPECT_EQ(v, k == key ? defaults.at(k) : flat.at(k)) << k << " with " << key << " left out";
+    }
+  }
+  // (An optimizer block names its type; an nvme device its path; int8 frozen weights need an
+  // offloaded parameter device.)
+  EXPECT_THAT(needed, ::testing::ElementsAre("optimizer.type",
+                                             "zero_optimization.offload_optimizer.nvme_path",
+                                             "zero_optimization.offload_param.device",
+                                             "zero_optimization.offload_param.nvme_path"));
   // "auto", a string, for the default speculative step.
   EXPECT_EQ(defaults.at("speculative_step"), "\"auto\"");
   EXPECT_EQ(defaults.at("zero_optimization.offload_param.device"), "\"none\"");

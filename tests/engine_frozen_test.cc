@@ -257,10 +257,11 @@ TEST(EngineFrozen, TheBaseCostsItsStoredCopyAloneAndNeverChanges) {
         EXPECT_LE(write_with, write_without + step_writes);
         // The base is read at most once per step (its forward fetch; this trainer's backward
         // needs none), and once more by the prefetch each Step issues for the next one. Summed,
-        // with one step's reads of slack for the run without the base: the swap store counts a
-        // read as it ends, so a prefetch still in flight at the last step's statistics is in
-        // neither total (under TSan it was: 36,864 bytes, one adapter); and the delayed update's
-        // reads straddle the steps, by at most one step's more. A base read twice per step would
+        // with one step's reads of slack: the swap store counts a read as it ends, so a read
+        // still in flight at the last step's statistics is in one run's total and not in the
+        // other's (under TSan the run without the base counted 36,864 bytes fewer: the three
+        // adapters' fp32 values); and the delayed update's reads straddle the steps, by at most
+        // one step's more. A base read twice per step would
         // still exceed this by about (steps - 1) base copies: step_reads is a fraction of one.
         const uint64_t base_read = kBase * (bf16 ? 2 : 4) / ranks;
         ASSERT_LT(step_reads, base_read);

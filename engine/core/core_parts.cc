@@ -22,6 +22,9 @@ Result<std::unique_ptr<CoreParts>> CoreParts::Build(EngineContext ctx, const Sha
   }
   parts->fetch =
       std::make_unique<FetchScheduler>(ctx, parts->params.get(), shared.trace, parts->adder.get());
+  // (A failed Init destroys the parts built so far here, before the façade synchronises the
+  // streams: safe, as nothing has been queued on a stream yet: the Inits create events and
+  // register host memory only.)
   ZINF_RETURN_IF_ERROR(parts->fetch->Init());
   parts->grads = std::make_unique<GradientWindow>(ctx, parts->fetch.get(), parts->adder.get(),
                                                   shared.grad_pool, shared.stream_grads);
@@ -34,8 +37,8 @@ CoreParts::~CoreParts() {
   fetch.reset();
   adder.reset();  // after the gradient window and the fetch scheduler (they drain it)
   frozen.reset();
-  params.reset();
   states.reset();
+  params.reset();
   board.reset();
 }
 
