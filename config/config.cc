@@ -375,14 +375,17 @@ Status ParsePrecision(ObjectReader& root, EngineConfig* config) {
   }
   ZINF_ASSIGN_OR_RETURN(std::optional<ObjectReader> fp16, root.Object("fp16"));
   if (fp16) {
-    bool enabled = false;
-    ZINF_RETURN_IF_ERROR(fp16->ReadBool("enabled", &enabled));
-    if (enabled) {
-      return Status::NotSupported(fp16->PathOf("enabled") +
-                                  ": fp16 is not supported; use bf16 (set \"fp16\": {\"enabled\": "
-                                  "false} and \"bf16\": {\"enabled\": true})");
-    }
-    fp16->IgnoreOtherKeys();  // loss scaling settings, moot while fp16 is off
+    Fp16Config& f = config->fp16;
+    ZINF_RETURN_IF_ERROR(fp16->ReadBool("enabled", &f.enabled));
+    ZINF_RETURN_IF_ERROR(fp16->ReadDouble("loss_scale", &f.loss_scale));
+    ZINF_RETURN_IF_ERROR(fp16->ReadInt("initial_scale_power", &f.initial_scale_power));
+    ZINF_RETURN_IF_ERROR(fp16->ReadUint64("loss_scale_window", &f.loss_scale_window));
+    ZINF_RETURN_IF_ERROR(fp16->ReadInt("hysteresis", &f.hysteresis));
+    ZINF_RETURN_IF_ERROR(fp16->ReadBool("consecutive_hysteresis", &f.consecutive_hysteresis));
+    ZINF_RETURN_IF_ERROR(fp16->ReadDouble("min_loss_scale", &f.min_loss_scale));
+    // torch.autocast is the trainer's business; fp32 optimizer states are zinf's anyway.
+    fp16->Ignore({"auto_cast", "fp16_master_weights_and_grads"});
+    fp16->Finish();
   }
   ZINF_ASSIGN_OR_RETURN(std::optional<ObjectReader> amp, root.Object("amp"));
   if (amp) {
@@ -622,8 +625,43 @@ Status ValidateZinf(const EngineConfig& c) {
   return Status::OK();
 }
 
+// The fp16 block's ranges, and fp16 against bf16.
+Status ValidateFp16(const EngineConfig& c) {
+  const Fp16Config& f = c.fp16;
+  if (!(f.loss_scale >= 0 && std::isfinite(f.loss_scale))) {
+    return InvalidKey("fp16.loss_scale", "must be 0 (dynamic) or a positive static scale, got " +
+                                             FormatNumber(f.loss_scale));
+  }
+  if (f.initial_scale_power > 64) {
+    return InvalidKey("fp16.initial_scale_power",
+                      "must be in 0..64 (the first dynamic scale is 2^this; DeepSpeed's default "
+                      "16, 32 in many configs), got " +
+                          std::to_string(f.initial_scale_power));
+  }
+  if (f.loss_scale_window == 0) {
+    return InvalidKey("fp16.loss_scale_window",
+                      "must be at least 1 (steps without overflow before the scale doubles), got "
+                      "0");
+  }
+  if (f.hysteresis < 1) {
+    return InvalidKey("fp16.hysteresis",
+                      "must be at least 1 (overflows taken before the scale halves), got 0");
+  }
+  if (!(f.min_loss_scale > 0 && std::isfinite(f.min_loss_scale))) {
+    return InvalidKey("fp16.min_loss_scale",
+                      "must be a positive number, got " + FormatNumber(f.min_loss_scale));
+  }
+  if (f.enabled && c.bf16) {
+    return InvalidKey("fp16.enabled",
+                      "fp16 and bf16 are both enabled; enable one (bf16 needs no loss scaling, "
+                      "where the hardware has it)");
+  }
+  return Status::OK();
+}
+
 // Every section in the order a user reads the config; the first failing key is reported.
 Status Validate(const EngineConfig& c) {
+  ZINF_RETURN_IF_ERROR(ValidateFp16(c));
   ZINF_RETURN_IF_ERROR(ValidateZeroOptimization(c));
   ZINF_RETURN_IF_ERROR(ValidateOptimizer(c.optimizer));
   ZINF_RETURN_IF_ERROR(ValidateBatch(c));

@@ -85,6 +85,11 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
   if (config.zero_stage != 3) {
     return Status::InvalidArgument("zero_optimization.stage: zinf implements stage 3 only");
   }
+  if (config.fp16.enabled) {  // (issue 41: the config is read; the engine's fp16 path comes next)
+    return Status::NotSupported(
+        "fp16.enabled: the engine does not train in fp16 yet; use bf16 (set \"fp16\": "
+        "{\"enabled\": false} and \"bf16\": {\"enabled\": true})");
+  }
   // The configuration's own checks (the same as for a parsed config), then what depends on
   // the device and the ranks.
   ZINF_RETURN_IF_ERROR(ValidateEngineConfig(config));

@@ -595,8 +595,18 @@ const BadConfig kBadConfigs[] = {
      "zero_optimization.stage: zinf implements ZeRO stage 3 only, got 0"},
     {"Stage4", R"({"zero_optimization": {"stage": 4}})", kInvalid,
      "zero_optimization.stage: expected 3"},
-    {"Fp16", R"({"fp16": {"enabled": true}})", kNotSupported,
-     "fp16.enabled: fp16 is not supported; use bf16"},
+    {"Fp16AndBf16", R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}})", kInvalid,
+     "fp16.enabled: fp16 and bf16 are both enabled"},
+    {"Fp16Window", R"({"fp16": {"enabled": true, "loss_scale_window": 0}})", kInvalid,
+     "fp16.loss_scale_window: must be at least 1"},
+    {"Fp16Hysteresis", R"({"fp16": {"hysteresis": 0}})", kInvalid,
+     "fp16.hysteresis: must be at least 1"},
+    {"Fp16Power", R"({"fp16": {"initial_scale_power": 65}})", kInvalid,
+     "fp16.initial_scale_power: must be in 0..64"},
+    {"Fp16MinScale", R"({"fp16": {"min_loss_scale": 0}})", kInvalid,
+     "fp16.min_loss_scale: must be a positive number"},
+    {"Fp16Static", R"({"fp16": {"loss_scale": -1}})", kInvalid,
+     "fp16.loss_scale: must be 0 (dynamic) or a positive static scale"},
     {"Amp", R"({"amp": {"enabled": true}})", kNotSupported, "amp.enabled: Apex AMP"},
     {"NoBiasCorrection", R"({"optimizer": {"type": "Adam", "params": {"bias_correction": false}}})",
      kNotSupported, "optimizer.params.bias_correction"},
@@ -707,13 +717,13 @@ TEST(LoadEngineConfigTest, ParseErrorsStartWithThePath) {
   testing::TempDir dir;
   ASSERT_TRUE(dir.ok());
   const std::string path = dir.path() + "/ds_config.json";
-  WriteFile(path, "{\n  \"fp16\": {\"enabled\": true}\n}\n");
+  WriteFile(path, "{\n  \"fp16\": {\"enabled\": true, \"hysteresis\": 0}\n}\n");
   Result<EngineConfig> c = LoadEngineConfig(path, nullptr);
   ASSERT_FALSE(c.ok());
-  EXPECT_EQ(StatusCode::kNotSupported, c.status().code());
+  EXPECT_EQ(StatusCode::kInvalidArgument, c.status().code());
   EXPECT_EQ(path +
-                ": fp16.enabled: fp16 is not supported; use bf16 (set \"fp16\": {\"enabled\": "
-                "false} and \"bf16\": {\"enabled\": true})",
+                ": fp16.hysteresis: must be at least 1 (overflows taken before the scale halves), "
+                "got 0",
             c.status().message());
 
   WriteFile(path, "{\n  \"bf16\": {\"enabled\": true},\n  \"aio\": {\"block_size\": 4096,}\n}\n");
@@ -765,7 +775,9 @@ TEST(ConfigTest, TheVisitorNamesEveryFieldByItsKey) {
       "overlap_events": false},
     "optimizer": {"type": "Lion", "params": {"lr": 0.01, "betas": [0.8, 0.95], "eps": 1e-6,
       "weight_decay": 0.1}},
-    "bf16": {"enabled": true}, "gradient_clipping": 1.5, "gradient_accumulation_steps": 2,
+    "bf16": {"enabled": true}, "fp16": {"enabled": false, "loss_scale": 128,
+      "initial_scale_power": 32, "loss_scale_window": 500, "hysteresis": 3,
+      "consecutive_hysteresis": true, "min_loss_scale": 0.25}, "gradient_clipping": 1.5, "gradient_accumulation_steps": 2,
     "train_micro_batch_size_per_gpu": 4, "train_batch_size": 8,
     "zinf": {"io_backend": "psync", "device_budget_bytes": "1G", "pinned_budget_bytes": "256M",
       "nvme_capacity_bytes": "10G", "nvme_reserve_bytes": "1G", "delayed_update": true,
@@ -782,10 +794,12 @@ TEST(ConfigTest, TheVisitorNamesEveryFieldByItsKey) {
   const nlohmann::json tree = VisitedTree(*c, &flat);
   VisitedTree(EngineConfig{}, &defaults);
   // 6 offload_param keys, 7 offload_optimizer, 6 other zero_optimization keys, 5 aio and the
-  // backend, 5 optimizer keys (betas one), bf16 and 4 other top-level keys, 17 zinf keys.
-  EXPECT_EQ(flat.size(), 6 + 7 + 6 + 6 + 5 + 5 + 17u);
+  // backend, 5 optimizer keys (betas one), bf16 and 4 other top-level keys, 7 fp16 keys, 17
+  // zinf keys.
+  EXPECT_EQ(flat.size(), 6 + 7 + 6 + 6 + 5 + 5 + 7 + 17u);
   for (const auto& [key, value] : flat) {
-    if (key == "zero_optimization.stage") continue;
+    // (The stage has one value; fp16 and bf16 exclude each other: fp16.enabled is below.)
+    if (key == "zero_optimization.stage" || key == "fp16.enabled") continue;
     EXPECT_NE(value, defaults.at(key)) << key << " reads as its default";
   }
   Result<EngineConfig> back = ParseEngineConfig(tree.dump(), &warnings);
@@ -822,6 +836,12 @@ TEST(ConfigTest, TheVisitorNamesEveryFieldByItsKey) {
                                              "zero_optimization.offload_optimizer.nvme_path",
                                              "zero_optimization.offload_param.device",
                                              "zero_optimization.offload_param.nvme_path"));
+  std::map<std::string, std::string> fp16;
+  Result<EngineConfig> f = ParseEngineConfig(R"({"fp16": {"enabled": true}})", &warnings);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  VisitedTree(*f, &fp16);
+  EXPECT_EQ(fp16.at("fp16.enabled"), "true");
+  EXPECT_EQ(fp16.at("bf16.enabled"), "false");
   // "auto", a string, for the default speculative step.
   EXPECT_EQ(defaults.at("speculative_step"), "\"auto\"");
   EXPECT_EQ(defaults.at("zero_optimization.offload_param.device"), "\"none\"");

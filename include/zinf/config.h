@@ -53,6 +53,20 @@ struct OptimizerConfig {
   float weight_decay = 0.0f;
 };
 
+// DeepSpeed's "fp16" block: fp16 parameters (on every tier, fp32 masters) with loss scaling
+// (engine/core/loss_scaler.h). loss_scale 0: dynamic, starting at 2^initial_scale_power,
+// halved after `hysteresis` overflowing steps (each skipped), doubled after loss_scale_window
+// steps without one, never below min_loss_scale; > 0: that static scale.
+struct Fp16Config {
+  bool enabled = false;
+  double loss_scale = 0;
+  int initial_scale_power = 16;
+  uint64_t loss_scale_window = 1000;
+  int hysteresis = 2;
+  bool consecutive_hysteresis = false;
+  double min_loss_scale = 1;
+};
+
 // zinf.speculative_step: whether the CPU optimizer steps a sub-group as soon as its gradients
 // are complete, before the global gradient norm (clipping) is known, and validates afterwards.
 enum class SpeculativeStep { kOff, kOn, kAuto };
@@ -69,6 +83,7 @@ struct EngineConfig {
   AioConfig aio;
   OptimizerConfig optimizer;
   bool bf16 = false;
+  Fp16Config fp16;
   double gradient_clipping = 0.0;  // max global L2 norm; 0 = off
   int gradient_accumulation_steps = 1;
   uint64_t train_micro_batch_size_per_gpu = 0;  // informational, for the trainer
@@ -190,6 +205,13 @@ void VisitEngineConfig(const EngineConfig& c, Visit&& visit) {
   visit("optimizer.params.eps", c.optimizer.eps);
   visit("optimizer.params.weight_decay", c.optimizer.weight_decay);
   visit("bf16.enabled", c.bf16);
+  visit("fp16.enabled", c.fp16.enabled);
+  visit("fp16.loss_scale", c.fp16.loss_scale);
+  visit("fp16.initial_scale_power", c.fp16.initial_scale_power);
+  visit("fp16.loss_scale_window", c.fp16.loss_scale_window);
+  visit("fp16.hysteresis", c.fp16.hysteresis);
+  visit("fp16.consecutive_hysteresis", c.fp16.consecutive_hysteresis);
+  visit("fp16.min_loss_scale", c.fp16.min_loss_scale);
   visit("gradient_clipping", c.gradient_clipping);
   visit("gradient_accumulation_steps", c.gradient_accumulation_steps);
   visit("train_micro_batch_size_per_gpu", c.train_micro_batch_size_per_gpu);
@@ -219,8 +241,9 @@ void VisitEngineConfig(const EngineConfig& c, Visit&& visit) {
 
 #ifdef ZINF_HAS_FIELD_COUNT_CHECK
 // The fields VisitEngineConfig visits: one added without a visit fails here.
-static_assert(HasFields<EngineConfig, 32> && HasFields<OffloadConfig, 9> &&
-                  HasFields<AioConfig, 6> && HasFields<OptimizerConfig, 6>,
+static_assert(HasFields<EngineConfig, 33> && HasFields<OffloadConfig, 9> &&
+                  HasFields<AioConfig, 6> && HasFields<OptimizerConfig, 6> &&
+                  HasFields<Fp16Config, 7>,
               "EngineConfig gained or lost a field: update VisitEngineConfig and these counts");
 #endif
 
@@ -238,7 +261,8 @@ static_assert(HasFields<EngineConfig, 32> && HasFields<OffloadConfig, 9> &&
 // - zinf.*_bytes accept "4G", "512M", "1.5GiB": units are powers of 1024, case-insensitive.
 // - The Hugging Face Trainer placeholder "auto" keeps the zinf default (one warning lists them).
 // - DeepSpeed keys with no zinf meaning (steps_per_print, overlap_comm, ...) are accepted
-//   silently; "fp16" or "amp" enabled and ZeRO stages 0-2 fail with kNotSupported.
+//   silently; "amp" enabled and ZeRO stages 0-2 fail with kNotSupported; "fp16" with "bf16"
+//   both enabled fails with kInvalidArgument.
 // - A key repeated within one object fails (as in DeepSpeed). Comments are allowed.
 // Warnings are appended to *warnings; with warnings == nullptr they go to the zinf log.
 Result<EngineConfig> ParseEngineConfig(const std::string& json_text,

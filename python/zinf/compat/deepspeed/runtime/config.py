@@ -18,7 +18,7 @@ class DeepSpeedConfig:
         self.zero_optimization_stage = cfg.get("zero_optimization", "stage", default=3)
         self.zero_enabled = self.zero_optimization_stage > 0
         self.bfloat16_enabled = bool(s["bf16.enabled"])
-        self.fp16_enabled = False
+        self.fp16_enabled = bool(s["fp16.enabled"])
         self.gradient_clipping = cfg.get("gradient_clipping", default=0.0)
         self.optimizer_name = cfg.get("optimizer", "type")
         self.optimizer_params = cfg.get("optimizer", "params")
