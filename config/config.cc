@@ -383,8 +383,15 @@ Status ParsePrecision(ObjectReader& root, EngineConfig* config) {
     ZINF_RETURN_IF_ERROR(fp16->ReadInt("hysteresis", &f.hysteresis));
     ZINF_RETURN_IF_ERROR(fp16->ReadBool("consecutive_hysteresis", &f.consecutive_hysteresis));
     ZINF_RETURN_IF_ERROR(fp16->ReadDouble("min_loss_scale", &f.min_loss_scale));
-    // torch.autocast is the trainer's business; fp32 optimizer states are zinf's anyway.
-    fp16->Ignore({"auto_cast", "fp16_master_weights_and_grads"});
+    // (fp32 masters and states are zinf's anyway; autocast is the trainer's business.)
+    fp16->Ignore({"fp16_master_weights_and_grads"});
+    bool auto_cast = false;
+    ZINF_RETURN_IF_ERROR(fp16->ReadBool("auto_cast", &auto_cast));
+    if (auto_cast) {
+      fp16->IgnoreWithWarning("auto_cast",
+                              "zinf does not cast the model's inputs; run the forward under "
+                              "torch.autocast(dtype=torch.float16) in the trainer");
+    }
     fp16->Finish();
   }
   ZINF_ASSIGN_OR_RETURN(std::optional<ObjectReader> amp, root.Object("amp"));
@@ -625,13 +632,20 @@ Status ValidateZinf(const EngineConfig& c) {
   return Status::OK();
 }
 
-// The fp16 block's ranges, and fp16 against bf16.
+// The fp16 block: fp16 against bf16; the dynamic scale's settings once they are used (as
+// DeepSpeed, which checks them only with fp16 enabled and loss_scale 0).
 Status ValidateFp16(const EngineConfig& c) {
   const Fp16Config& f = c.fp16;
   if (!(f.loss_scale >= 0 && std::isfinite(f.loss_scale))) {
     return InvalidKey("fp16.loss_scale", "must be 0 (dynamic) or a positive static scale, got " +
                                              FormatNumber(f.loss_scale));
   }
+  if (f.enabled && c.bf16) {
+    return InvalidKey("fp16.enabled",
+                      "fp16 and bf16 are both enabled; enable one (bf16 needs no loss scaling, "
+                      "where the hardware has it)");
+  }
+  if (!f.enabled || f.loss_scale > 0) return Status::OK();
   if (f.initial_scale_power > 64) {
     return InvalidKey("fp16.initial_scale_power",
                       "must be in 0..64 (the first dynamic scale is 2^this; DeepSpeed's default "
@@ -645,16 +659,12 @@ Status ValidateFp16(const EngineConfig& c) {
   }
   if (f.hysteresis < 1) {
     return InvalidKey("fp16.hysteresis",
-                      "must be at least 1 (overflows taken before the scale halves), got 0");
+                      "must be at least 1 (overflows taken before the scale halves), got " +
+                          std::to_string(f.hysteresis));
   }
   if (!(f.min_loss_scale > 0 && std::isfinite(f.min_loss_scale))) {
     return InvalidKey("fp16.min_loss_scale",
                       "must be a positive number, got " + FormatNumber(f.min_loss_scale));
-  }
-  if (f.enabled && c.bf16) {
-    return InvalidKey("fp16.enabled",
-                      "fp16 and bf16 are both enabled; enable one (bf16 needs no loss scaling, "
-                      "where the hardware has it)");
   }
   return Status::OK();
 }

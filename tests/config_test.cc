@@ -599,11 +599,11 @@ const BadConfig kBadConfigs[] = {
      "fp16.enabled: fp16 and bf16 are both enabled"},
     {"Fp16Window", R"({"fp16": {"enabled": true, "loss_scale_window": 0}})", kInvalid,
      "fp16.loss_scale_window: must be at least 1"},
-    {"Fp16Hysteresis", R"({"fp16": {"hysteresis": 0}})", kInvalid,
+    {"Fp16Hysteresis", R"({"fp16": {"enabled": true, "hysteresis": 0}})", kInvalid,
      "fp16.hysteresis: must be at least 1"},
-    {"Fp16Power", R"({"fp16": {"initial_scale_power": 65}})", kInvalid,
+    {"Fp16Power", R"({"fp16": {"enabled": true, "initial_scale_power": 65}})", kInvalid,
      "fp16.initial_scale_power: must be in 0..64"},
-    {"Fp16MinScale", R"({"fp16": {"min_loss_scale": 0}})", kInvalid,
+    {"Fp16MinScale", R"({"fp16": {"enabled": true, "min_loss_scale": 0}})", kInvalid,
      "fp16.min_loss_scale: must be a positive number"},
     {"Fp16Static", R"({"fp16": {"loss_scale": -1}})", kInvalid,
      "fp16.loss_scale: must be 0 (dynamic) or a positive static scale"},
@@ -845,6 +845,30 @@ TEST(ConfigTest, TheVisitorNamesEveryFieldByItsKey) {
   // "auto", a string, for the default speculative step.
   EXPECT_EQ(defaults.at("speculative_step"), "\"auto\"");
   EXPECT_EQ(defaults.at("zero_optimization.offload_param.device"), "\"none\"");
+}
+
+// The fp16 block as DeepSpeed reads it: the dynamic scale's settings are checked once they are
+// used (fp16 on, loss_scale 0), so a disabled block with odd values parses; auto_cast warns.
+TEST(ConfigTest, Fp16SettingsAreCheckedWhenTheyApply) {
+  std::vector<std::string> warnings;
+  Result<EngineConfig> off = ParseEngineConfig(
+      R"({"fp16": {"enabled": false, "hysteresis": 0, "min_loss_scale": 0}})", &warnings);
+  ASSERT_TRUE(off.ok()) << off.status().ToString();
+  Result<EngineConfig> fixed = ParseEngineConfig(
+      R"({"fp16": {"enabled": true, "loss_scale": 1024, "loss_scale_window": 0}})", &warnings);
+  ASSERT_TRUE(fixed.ok()) << fixed.status().ToString();
+  EXPECT_EQ(fixed->fp16.loss_scale, 1024.0);
+  EXPECT_THAT(warnings, ::testing::IsEmpty());
+  Result<EngineConfig> cast =
+      ParseEngineConfig(R"({"fp16": {"enabled": true, "auto_cast": true}})", &warnings);
+  ASSERT_TRUE(cast.ok()) << cast.status().ToString();
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_THAT(warnings[0], HasSubstr("fp16.auto_cast: zinf does not cast"));
+  // DeepSpeed's defaults.
+  EXPECT_EQ(cast->fp16.initial_scale_power, 16);
+  EXPECT_EQ(cast->fp16.loss_scale_window, 1000u);
+  EXPECT_EQ(cast->fp16.hysteresis, 2);
+  EXPECT_EQ(cast->fp16.min_loss_scale, 1.0);
 }
 
 }  // namespace

@@ -28,9 +28,9 @@ LossScaleSettings Dynamic(int power, uint64_t window, int hysteresis, double min
 TEST(LossScalerTest, TheScaleDoublesAfterEachWindowWithoutOverflow) {
   LossScaler l(LossScaleSettings{});  // DeepSpeed's defaults: 2^16, window 1000, hysteresis 2
   EXPECT_EQ(l.scale(), 65536.0);
-  for (int i = 0; i < 999; ++i) ASSERT_TRUE(l.Update(false).ok());
+  for (int i = 0; i < 1000; ++i) ASSERT_TRUE(l.Update(false).ok());
   EXPECT_EQ(l.scale(), 65536.0);
-  ASSERT_TRUE(l.Update(false).ok());  // the 1000th step without overflow
+  ASSERT_TRUE(l.Update(false).ok());  // the step after 1000 without overflow
   EXPECT_EQ(l.scale(), 131072.0);
   for (int i = 0; i < 1000; ++i) ASSERT_TRUE(l.Update(false).ok());
   EXPECT_EQ(l.scale(), 262144.0);
@@ -46,8 +46,9 @@ TEST(LossScalerTest, HysteresisTakesOverflowsBeforeTheScaleHalves) {
   ASSERT_TRUE(l.Update(true).ok());  // halves again: the hysteresis is used up until a window
   EXPECT_EQ(l.scale(), std::ldexp(1.0, 30));
   EXPECT_EQ(l.skipped_steps(), 3u);
-  // The window counts from the last overflow: 4 clean steps double and refill the hysteresis.
-  for (int i = 0; i < 3; ++i) ASSERT_TRUE(l.Update(false).ok());
+  // The window counts from the last overflow: the step after 4 clean ones doubles and refills
+  // the hysteresis.
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(l.Update(false).ok());
   EXPECT_EQ(l.scale(), std::ldexp(1.0, 30));
   ASSERT_TRUE(l.Update(false).ok());
   EXPECT_EQ(l.scale(), std::ldexp(1.0, 31));
@@ -80,6 +81,13 @@ TEST(LossScalerTest, AnOverflowAtTheFloorFailsAndChangesNothing) {
   EXPECT_EQ(l.state().scale, before.scale);
   EXPECT_EQ(l.state().iteration, before.iteration);
   EXPECT_EQ(l.skipped_steps(), before.skipped_steps);
+  // A start below the floor: an overflow lifts the scale to the floor (DeepSpeed's max), and
+  // only an overflow at the floor fails.
+  LossScaler low(Dynamic(0, 1000, 1, /*min_scale=*/4));
+  EXPECT_EQ(low.scale(), 1.0);
+  ASSERT_TRUE(low.Update(true).ok());
+  EXPECT_EQ(low.scale(), 4.0);
+  EXPECT_FALSE(low.Update(true).ok());
   // A floor that is not a power of two is kept, not passed.
   LossScaler odd(Dynamic(3, 1000, 1, /*min_scale=*/3));
   ASSERT_TRUE(odd.Update(true).ok());
@@ -99,8 +107,8 @@ TEST(LossScalerTest, AStaticScaleNeverMovesAndStillCountsSkippedSteps) {
   EXPECT_EQ(l.skipped_steps(), 429u);  // 0, 7, ..., 2996
 }
 
-// DeepSpeed's DynamicLossScaler.update_scale as its source reads, step for step: the oracle
-// for a long run of overflows.
+// DeepSpeed's DynamicLossScaler.update_scale as its source reads (0.17.1 on), step for step:
+// the oracle for a long run of overflows.
 struct Oracle {
   double cur_scale, min_scale;
   int64_t cur_iter = 0, last_overflow_iter = -1;
@@ -117,7 +125,8 @@ struct Oracle {
       last_overflow_iter = cur_iter;
     } else {
       if (consecutive) cur_hysteresis = delayed_shift;
-      if ((cur_iter - last_overflow_iter) % static_cast<int64_t>(scale_window) == 0) {
+      const int64_t stable_interval = (cur_iter - last_overflow_iter) - 1;
+      if (stable_interval > 0 && stable_interval % static_cast<int64_t>(scale_window) == 0) {
         if (!consecutive) cur_hysteresis = delayed_shift;
         cur_scale *= 2;
       }

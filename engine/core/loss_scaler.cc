@@ -13,7 +13,7 @@ LossScaler::LossScaler(const LossScaleSettings& settings) : settings_(settings) 
 }
 
 Status LossScaler::Update(bool overflow) {
-  if (overflow && dynamic() && state_.hysteresis_left <= 1 && state_.scale <= settings_.min_scale) {
+  if (overflow && dynamic() && state_.hysteresis_left <= 1 && state_.scale == settings_.min_scale) {
     return Status::FailedPrecondition(
         "the gradients hold inf or NaN at the smallest loss scale (" +
         std::to_string(settings_.min_scale) +
@@ -33,8 +33,11 @@ Status LossScaler::Update(bool overflow) {
   } else if (dynamic()) {
     if (settings_.consecutive_hysteresis)
       state_.hysteresis_left = std::max(settings_.hysteresis, 1);
-    const int64_t since = static_cast<int64_t>(state_.iteration) - state_.last_overflow;
-    if (since % static_cast<int64_t>(settings_.window) == 0) {
+    // Clean steps before this one since the last overflow (or the start): the scale doubles
+    // on the step after each whole window of them (DeepSpeed from 0.17.1; before, one step
+    // earlier, and right after an overflow with a window of 1).
+    const int64_t stable = static_cast<int64_t>(state_.iteration) - state_.last_overflow - 1;
+    if (stable > 0 && stable % static_cast<int64_t>(settings_.window) == 0) {
       if (!settings_.consecutive_hysteresis) {
         state_.hysteresis_left = std::max(settings_.hysteresis, 1);
       }

@@ -3,12 +3,13 @@
 // whose gradients hold an inf or NaN on any rank is skipped (nothing of it is applied) and
 // Update(true) lowers the scale. Dynamic (loss_scale 0): the scale starts at
 // 2^initial_scale_power; an overflow halves it once `hysteresis` overflows have been taken
-// (each overflow before that uses one up), never below min_loss_scale; `loss_scale_window`
-// steps after the last overflow (and every window after) it doubles, and the hysteresis is
-// whole again (after every step without overflow with consecutive_hysteresis). Static
-// (loss_scale > 0): the scale never changes and an overflowing step is still skipped.
-// An overflow at the smallest scale fails the step (DeepSpeed raises there too): the
-// gradients overflow however small the scale, and skipping would skip every step from then on.
+// (each overflow before that uses one up), never below min_loss_scale; on the step after
+// `loss_scale_window` steps without overflow (since the last one or the start, and after every
+// window more) it doubles, and the hysteresis is whole again (after every step without
+// overflow with consecutive_hysteresis), as DeepSpeed from 0.17.1 (before, one step earlier).
+// Static (loss_scale > 0): the scale never changes and an overflowing step is still skipped. An
+// overflow at min_loss_scale fails the step (DeepSpeed raises there too): the gradients overflow
+// however small the scale, and skipping would skip every step from then on.
 #pragma once
 
 #include <cstdint>
