@@ -202,6 +202,18 @@ int64_t zinf_engine_global_step(const zinf_engine* engine) {
              : engine->engine->global_step();
 }
 
+double zinf_engine_loss_scale(const zinf_engine* engine) {
+  return engine == nullptr || engine->magic != zinf::capi::kEngineMagic
+             ? -1
+             : engine->engine->loss_scale();
+}
+
+int64_t zinf_engine_skipped_steps(const zinf_engine* engine) {
+  return engine == nullptr || engine->magic != zinf::capi::kEngineMagic
+             ? -1
+             : static_cast<int64_t>(engine->engine->skipped_steps());
+}
+
 int zinf_engine_save_checkpoint(zinf_engine* engine, const char* dir, const char* user_data) {
   if (!Live(engine, "zinf_engine_save_checkpoint")) return -1;
   if (dir == nullptr || dir[0] == '\0') {

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "cpu_adam/kernels.h"
 
@@ -74,6 +75,30 @@ float Fp16ToFp32(uint16_t value) {
     return BitsFloat(sign | FloatBits(magnitude));
   }
   return BitsFloat(sign | ((exponent + (127 - 15)) << 23) | (mantissa << 13));
+}
+
+float ParamCopyToFp32(ParamCopyType type, uint16_t value) {
+  switch (type) {
+    case ParamCopyType::kBf16:
+      return Bf16ToFp32(value);
+    case ParamCopyType::kF16:
+      return Fp16ToFp32(value);
+    case ParamCopyType::kNone:
+      break;
+  }
+  return std::numeric_limits<float>::quiet_NaN();
+}
+
+uint16_t Fp32ToParamCopy(ParamCopyType type, float value) {
+  switch (type) {
+    case ParamCopyType::kBf16:
+      return Fp32ToBf16(value);
+    case ParamCopyType::kF16:
+      return Fp32ToFp16(value);
+    case ParamCopyType::kNone:
+      break;
+  }
+  return 0xFFFF;
 }
 
 namespace cpu_adam_internal::scalar {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "cpu_adam/weights_int8_impl.h"
 #include "zinf/cpu_adam.h"
@@ -88,6 +89,13 @@ void DequantizeWeightsInt8Bf16(const void* src, size_t n, uint16_t* dst) {
   static const bool avx512 = weights_int8::Avx512Usable();
   if (avx512) return weights_int8::DequantizeBf16Avx512(src, n, dst);
   weights_int8::DequantizeBf16Scalar(src, n, dst);
+}
+
+void DequantizeWeightsInt8F16(const void* src, size_t n, uint16_t* dst) {
+  // (Rare: int8 frozen weights under fp16 storage, decoded once per fetch; no SIMD variant.)
+  std::vector<float> full(n);
+  DequantizeWeightsInt8(src, n, full.data());
+  for (size_t i = 0; i < n; ++i) dst[i] = Fp32ToFp16(full[i]);
 }
 
 }  // namespace zinf

@@ -85,11 +85,6 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
   if (config.zero_stage != 3) {
     return Status::InvalidArgument("zero_optimization.stage: zinf implements stage 3 only");
   }
-  if (config.fp16.enabled) {  // (issue 41: the config is read; the engine's fp16 path comes next)
-    return Status::NotSupported(
-        "fp16.enabled: the engine does not train in fp16 yet; use bf16 (set \"fp16\": "
-        "{\"enabled\": false} and \"bf16\": {\"enabled\": true})");
-  }
   // The configuration's own checks (the same as for a parsed config), then what depends on
   // the device and the ranks.
   ZINF_RETURN_IF_ERROR(ValidateEngineConfig(config));
@@ -203,6 +198,8 @@ size_t Engine::num_param_groups() const { return impl_->num_param_groups(); }
 ParamGroupHyper Engine::param_group(size_t group) const { return impl_->param_group(group); }
 
 int64_t Engine::global_step() const { return impl_->global_step(); }
+double Engine::loss_scale() const { return impl_->loss_scale(); }
+uint64_t Engine::skipped_steps() const { return impl_->skipped_steps(); }
 
 int Engine::rank() const { return impl_->rank(); }
 
@@ -515,6 +512,10 @@ Status Engine::Impl::InitStores() {
     ZINF_RETURN_IF_ERROR(durable_->record().Check(swap_->committed_meta(), &point));
     durable_->set_lineage(point.lineage);
     resumed_user_data_ = point.user_data;
+    if (scaler_ != nullptr && point.loss_scale.has_value()) {
+      ZINF_RETURN_IF_ERROR(scaler_->Restore(ScalerStateOf(*point.loss_scale))
+                               .WithContext("ResumeFromStore: the committed loss scale"));
+    }
     reopened_store_ = true;
     for (ParamId id = 0; id < layout_.num_params(); ++id) {
       core_->states->set_updates(id, layout_.param(id).info.trainable ? point.updates[id] : 0);
@@ -569,8 +570,8 @@ Status Engine::Impl::InitStores() {
       // The parameter store, in storage dtype.
       PinnedBuffer image;
       ZINF_ASSIGN_OR_RETURN(image, arena_->Allocate(layout_.PartBytes(id)));
-      if (config_.bf16) {
-        ZINF_RETURN_IF_ERROR(optimizer_->ConvertParams(part, image.data(), ParamCopyType::kBf16,
+      if (StoredParamType(config_) != ParamCopyType::kNone) {
+        ZINF_RETURN_IF_ERROR(optimizer_->ConvertParams(part, image.data(), StoredParamType(config_),
                                                        p.info.partition_numel));
       } else {
         std::memcpy(image.data(), part, layout_.PartBytes(id));
@@ -712,6 +713,44 @@ Status Engine::Impl::ReduceGradient(ParamId id, const float* grad) {
 
 // ---- Steps -----------------------------------------------------------------------------------
 
+Status Engine::Impl::PostNormVerdict(int64_t next, StepStats* st) {
+  // Wait-for-norm: every sub-group waits for the global norm, computed once all gradients
+  // have landed (they have: the streams were synchronized). A failed norm: sub-groups the
+  // optimizer stepped speculatively are rolled back before its task ends, and the verdict also
+  // frees it from waiting for one.
+  auto norm_failed = [this, next](const Status& s) {
+    core_->board->SetNormFailed(next);
+    (void)core_->board->WaitDone(next);  // its result is the rollback's; the norm's is reported
+    return s;
+  };
+  Result<double> norm = core_->grads->GlobalNorm(optimizer_.get(), collectives_.get());
+  if (!norm.ok()) return norm_failed(norm.status());
+  const NormVerdict v =
+      StepCoefficient(*norm, config_.gradient_clipping, scaler_ ? scaler_->scale() : 1.0);
+  st->grad_norm = v.norm;
+  if (!v.finite && scaler_ == nullptr) {
+    // No sub-group has been stepped for good; nothing non-finite is written, and the step is
+    // refused as a whole.
+    return norm_failed(Status::FailedPrecondition(
+        "the gradient norm of step " + std::to_string(next) +
+        " is not finite (a gradient holds inf or NaN): no parameter was updated; lower the "
+        "learning rate or look at the loss, then resume from the last checkpoint"));
+  }
+  if (scaler_ != nullptr) {
+    // fp16: an overflow skips the step and lowers the scale; at the floor it fails (the state
+    // is left as it was: the step is refused as without fp16).
+    Status u = scaler_->Update(!v.finite);
+    if (!u.ok()) return norm_failed(u.WithContext("step " + std::to_string(next)));
+    durable_->RecordLossScale(next, *LossScaleRecord());
+    if (!v.finite) {
+      core_->board->SetSkipped(next);
+      return Status::OK();
+    }
+  }
+  core_->board->SetClipCoef(next, v.coef);
+  return Status::OK();
+}
+
 Result<StepStats> Engine::Impl::Step() {
   if (!broken_.ok()) return broken_;
   if (!registered_) ZINF_RETURN_IF_ERROR(FinishRegistration());
@@ -746,19 +785,9 @@ Result<StepStats> Engine::Impl::Step() {
     // block, and nothing reads its accumulators, so there is nothing to zero.)
     s = core_->grads->CompleteWindow(next);
     if (!s.ok()) return fail_boundary(s);
-    if (config_.gradient_clipping > 0) {
-      // Wait-for-norm: every sub-group waits for the global norm, computed once all gradients
-      // have landed (they have: the streams were synchronized above).
-      Result<float> coef =
-          core_->grads->ClipCoefficient(next, optimizer_.get(), collectives_.get(), &st.grad_norm);
-      if (!coef.ok()) {
-        // Sub-groups the optimizer stepped speculatively are rolled back before its task ends;
-        // the verdict also frees it from waiting for one.
-        core_->board->SetNormFailed(next);
-        (void)core_->board->WaitDone(next);  // its result is the rollback's; the norm's is reported
-        return fail_boundary(coef.status());
-      }
-      core_->board->SetClipCoef(next, *coef);
+    if (NeedsNorm()) {
+      s = PostNormVerdict(next, &st);
+      if (!s.ok()) return fail_boundary(s);
     }
     // Without the delayed update, this window's optimizer step must be done: the next
     // micro-step reads its parameters. With it, the next micro-step reads the previous step's
@@ -793,6 +822,10 @@ Result<StepStats> Engine::Impl::Step() {
   stats_.FinishStep({opt_wait, budget_->TakePeak(), arena_ ? arena_->peak_used() : 0, swap_.get(),
                      optimizer_->cpu_seconds()},
                     &st);
+  if (scaler_ != nullptr) {
+    st.loss_scale = scaler_->scale();
+    st.skipped_steps = scaler_->skipped_steps();
+  }
   return st;
 }
 

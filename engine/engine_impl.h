@@ -9,6 +9,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,7 @@
 #include "engine/core/host_collectives.h"
 #include "engine/core/host_memory.h"
 #include "engine/core/layout.h"
+#include "engine/core/loss_scaler.h"
 #include "engine/core/memory_plan.h"
 #include "engine/core/param_store.h"
 #include "engine/core/state_store.h"
@@ -47,8 +49,10 @@ class Engine::Impl {
         hooks_(h),
         rank_(cm->rank()),
         world_(cm->world_size()),
-        layout_(world_, c.bf16 ? 2 : 4, c.optimizer_state_type, c.frozen_int8),
+        layout_(world_, StoredParamBytes(c), c.optimizer_state_type, c.frozen_int8),
         clock_(config_),
+        scaler_(c.fp16.enabled ? std::make_unique<LossScaler>(LossScaleSettingsOf(c.fp16))
+                               : nullptr),
         groups_{ParamGroupHyper{c.optimizer.lr, c.optimizer.beta1, c.optimizer.beta2,
                                 c.optimizer.eps, c.optimizer.weight_decay}} {}
   ~Impl();
@@ -85,6 +89,8 @@ class Engine::Impl {
   size_t num_param_groups() const;
   ParamGroupHyper param_group(size_t group) const;
   int64_t global_step() const;
+  double loss_scale() const { return scaler_ ? scaler_->scale() : 1.0; }
+  uint64_t skipped_steps() const { return scaler_ ? scaler_->skipped_steps() : 0; }
   int rank() const;
   int world_size() const;
   size_t num_params() const;
@@ -141,6 +147,20 @@ class Engine::Impl {
   std::string commit_user_data_;   // SetCommitUserData's text, for the commits
 
   StepClock clock_;  // steps, micro-steps, the version read, the window's boundary
+  // fp16 (config fp16.enabled): the loss scale, updated at each boundary Step from the norm's
+  // verdict (PostNormVerdict); null otherwise.
+  std::unique_ptr<LossScaler> scaler_;
+  // Whether a window's optimizer step waits for the global norm: with clipping (its
+  // coefficient) and with fp16 (overflow).
+  bool NeedsNorm() const { return config_.gradient_clipping > 0 || scaler_ != nullptr; }
+  // At a boundary Step, once every gradient of window `next` has landed: the global norm, its
+  // verdict posted to the board (the clipping and unscaling coefficient, or the step skipped
+  // for an fp16 overflow; the scale updated) and the unscaled norm into st->grad_norm. A
+  // failure (the norm's collective, a non-finite norm without fp16, an overflow at the fp16
+  // floor) has posted a failed norm and waited for the optimizer's rollback.
+  Status PostNormVerdict(int64_t next, StepStats* st);
+  // What a checkpoint records of the scaler (fp16), or nothing.
+  std::optional<CheckpointLossScale> LossScaleRecord() const;
   // The parameter groups' hyperparameters of the next task (SetParamGroup; group 0 the
   // config's optimizer.params).
   std::vector<ParamGroupHyper> groups_;
@@ -181,7 +201,8 @@ class Engine::Impl {
   void KickTask() {
     gather_states_.reset();
     if (!clock_.StartMicroStep()) return;
-    core_->board->Push({clock_.step() + 1, config_.gradient_clipping > 0, groups_});
+    const float unscale = scaler_ ? static_cast<float>(1.0 / scaler_->scale()) : 1.0f;
+    core_->board->Push({clock_.step() + 1, NeedsNorm(), groups_, unscale});
   }
   // Between steps: waits for the optimizer step still running (delayed update) and makes its
   // parameters the ones the next micro-step reads, as a checkpoint resume would.

@@ -37,14 +37,14 @@ Status Engine::Impl::WriteGroupStates(size_t gi, const void* buf, int buf_index)
   // The parameter store: the masters in the storage dtype.
   const float* master = static_cast<const float*>(buf);
   std::unique_ptr<AlignedBuffer> copy;
-  if (config_.bf16) {
+  if (StoredParamType(config_) != ParamCopyType::kNone) {
     copy = std::make_unique<AlignedBuffer>(layout_.group(gi).numel * 2);
     if (copy->data == nullptr) return Status::ResourceExhausted("parameter copy buffer");
     for (ParamId id : layout_.group(gi).params) {
       const ParamLayout& p = layout_.param(id);
       ZINF_RETURN_IF_ERROR(optimizer_->ConvertParams(
           master + p.slice_offset, static_cast<uint16_t*>(copy->data) + p.slice_offset,
-          ParamCopyType::kBf16, p.info.partition_numel));
+          StoredParamType(config_), p.info.partition_numel));
     }
   }
   const uint16_t* copy_out = copy ? static_cast<const uint16_t*>(copy->data) : nullptr;
@@ -80,6 +80,11 @@ Status Engine::Impl::RemoveCheckpoints(const std::string& dir) {
   return collectives_->Agree(local, "RemoveCheckpoints");
 }
 
+std::optional<CheckpointLossScale> Engine::Impl::LossScaleRecord() const {
+  if (scaler_ == nullptr) return std::nullopt;
+  return RecordOf(scaler_->state());
+}
+
 Status Engine::Impl::SaveCheckpoint(const std::string& dir, const std::string& user_data) {
   if (!registered_) ZINF_RETURN_IF_ERROR(FinishRegistration());
   ZINF_RETURN_IF_ERROR(CheckInitialValues());
@@ -91,7 +96,7 @@ Status Engine::Impl::SaveCheckpoint(const std::string& dir, const std::string& u
   }
   ZINF_RETURN_IF_ERROR(budget_->ReclaimScratch());
   ZINF_RETURN_IF_ERROR(collectives_->Agree(FinishPendingUpdate(), "SaveCheckpoint"));
-  return checkpointer_->Save(dir, user_data, clock_.step(), core_->states.get(),
+  return checkpointer_->Save(dir, user_data, clock_.step(), LossScaleRecord(), core_->states.get(),
                              core_->params->value_hashes());
 }
 
@@ -105,6 +110,14 @@ Status Engine::Impl::LoadCheckpoint(const std::string& dir, std::string* user_da
       std::unique_ptr<CheckpointReader> reader,
       checkpointer_->Open(dir, fall_back_to_older, core_->params->value_hashes()));
   const RankManifest& man = reader->manifest();
+  // fp16: the saved scaler goes on (a checkpoint of a run without fp16 has none: the scale
+  // starts afresh), checked before anything is installed (every rank reads the same state).
+  std::optional<LossScaler> loaded_scaler;
+  if (scaler_ != nullptr && man.loss_scale.has_value()) {
+    loaded_scaler.emplace(*scaler_);
+    ZINF_RETURN_IF_ERROR(loaded_scaler->Restore(ScalerStateOf(*man.loss_scale))
+                             .WithContext("LoadCheckpoint: the saved loss scale"));
+  }
   // Install: fetched parameter copies are stale from here on; each sub-group is read once,
   // verified in that read, and written into the stores.
   gather_states_.reset();
@@ -123,6 +136,7 @@ Status Engine::Impl::LoadCheckpoint(const std::string& dir, std::string* user_da
     return s;
   }
   clock_.Reset(man.step, man.step);
+  if (loaded_scaler.has_value()) *scaler_ = *loaded_scaler;
   // The trainable values are the checkpoint's now, the same on every rank; frozen ones stay
   // as registered (each rank checked them against the checkpoint's hashes).
   for (ParamId id = 0; id < initial_hashes_.size(); ++id) {

@@ -88,7 +88,7 @@ struct OptimizerPipeline::TaskRun {
 
 Status OptimizerPipeline::Run(const OptimizerTask& task) {
   TaskRun run(this, task);
-  run.may_speculate = task.clip && speculation_.enabled() &&
+  run.may_speculate = task.needs_norm && speculation_.enabled() &&
                       (ctx_.config->speculative_step == SpeculativeStep::kOn || !last_clipped_);
   for (size_t k = 0; k < run.order.size(); ++k) {
     Status s = StepNext(&run, k);
@@ -98,16 +98,17 @@ Status OptimizerPipeline::Run(const OptimizerTask& task) {
   }
   if (!speculation_.empty() && run.first.ok()) {
     float coef = 1.0f;
-    bool known = false;
-    Status v = ctx_.board->Verdict(task, /*wait=*/true, &coef, &known);
+    bool known = false, skipped = false;
+    Status v = ctx_.board->Verdict(task, /*wait=*/true, &coef, &known, &skipped);
     if (!v.ok()) return VerdictFailed(&run, v);
-    Settle(&run, coef, false);
+    Settle(&run, coef, skipped);
   }
   float coef = 1.0f;
-  bool known = false;
+  bool known = false, skipped = false;
   // (Only reads the verdict; a failed one has been handled above.)
-  if (task.clip && ctx_.board->Verdict(task, /*wait=*/false, &coef, &known).ok() && known) {
-    last_clipped_ = coef < 1.0f;
+  if (task.needs_norm && ctx_.board->Verdict(task, /*wait=*/false, &coef, &known, &skipped).ok() &&
+      known) {
+    last_clipped_ = !skipped && coef < task.unscale;
   }
   run.Drain();
   return run.first;
@@ -122,10 +123,11 @@ Status OptimizerPipeline::StepNext(TaskRun* run, size_t k) {
   // A verdict that came meanwhile settles what was speculated so far.
   if (!speculation_.empty()) {
     float coef = 1.0f;
-    bool known = false;
-    Status v = ctx_.board->Verdict(task, /*wait=*/false, &coef, &known);
+    bool known = false, skipped = false;
+    Status v = ctx_.board->Verdict(task, /*wait=*/false, &coef, &known, &skipped);
     if (!v.ok()) return VerdictFailed(run, v);
-    if (known) Settle(run, coef, false);
+    // (A skipped step rolls back what was speculated; the sub-groups after step nothing.)
+    if (known) Settle(run, coef, skipped);
   }
   run->window.MakeRoomForRead();
   ZINF_RETURN_IF_ERROR(run->window.ReadAhead());
@@ -183,7 +185,7 @@ Status OptimizerPipeline::StepNext(TaskRun* run, size_t k) {
   if (!coef_known && any_grad) return StepSpeculatively(run, &plan, master, std::move(states));
   // (No gradient in the sub-group, or the coefficient known: nothing to speculate. With
   // clipping the norm's finite check covered the gradients.)
-  plan.check_finite = !task.clip;
+  plan.check_finite = !task.needs_norm;
   run->first.Update(StepAndWrite(run, &plan, master, std::move(states)));
   if (plan.landing >= 0) {
     ctx_.stats->CountLanding();
@@ -199,10 +201,11 @@ Status OptimizerPipeline::StepNext(TaskRun* run, size_t k) {
 
 Status OptimizerPipeline::StepSpeculatively(TaskRun* run, GroupStep* plan, float* master,
                                             PooledBlock states) {
-  // The pre-step values are kept, then the step runs with the coefficient 1 (a non-finite
-  // gradient leaves its tiles unstepped; the norm will fail the task).
+  // The pre-step values are kept, then the step runs with the coefficient of a norm that
+  // neither clips nor overflows (1, or 1 / the loss scale with fp16; a non-finite gradient
+  // leaves its tiles unstepped, and the norm will fail or skip the task).
   ZINF_ASSIGN_OR_RETURN(Speculation::Group g, speculation_.Begin(plan->gi, plan->with_grad));
-  plan->coef = 1.0f;
+  plan->coef = plan->task->unscale;
   plan->check_finite = true;
   plan->snapshot = g.snapshot.data();
   // (The step keeps each tile's pre-step values in the snapshot as it goes.)
@@ -236,7 +239,7 @@ void OptimizerPipeline::Settle(TaskRun* run, float coef, bool roll_back) {
   };
   actions.after_restep = [&] { run->window.RetireBelow(run->window.buffers() - 1); };
   actions.settled = [&](size_t gi) { MarkStepped(gi, run->task.step); };
-  speculation_.Resolve(coef, roll_back, actions, &run->first);
+  speculation_.Resolve(coef, run->task.unscale, roll_back, actions, &run->first);
 }
 
 Status OptimizerPipeline::VerdictFailed(TaskRun* run, const Status& s) {
@@ -252,7 +255,7 @@ Status OptimizerPipeline::StepAndWrite(TaskRun* run, GroupStep* plan, float* mas
   const size_t gi = plan->gi;
   StateWindow::Retiring done;
   done.states = std::move(states);
-  if (ctx_.config->bf16) {
+  if (StoredParamType(*ctx_.config) != ParamCopyType::kNone) {
     Result<PooledBlock> b = m_.copy_pool->Take();
     if (!b.ok()) {
       // Nothing stepped: a speculative snapshot gets the values as they are (whole).
@@ -262,7 +265,7 @@ Status OptimizerPipeline::StepAndWrite(TaskRun* run, GroupStep* plan, float* mas
                                  ctx_.layout->param(id).info.partition_numel);
         }
       }
-      return b.status().WithContext("bf16 parameter buffer");
+      return b.status().WithContext("16-bit parameter buffer");
     }
     done.copy = std::move(b).value();
   }
@@ -365,7 +368,8 @@ Status OptimizerPipeline::StepGroupOnDevice(const GroupStep& plan) {
   const OptimizerTask& task = *plan.task;
   Device* device = ctx_.device;
   Stream* stream = ctx_.streams.update;
-  const bool copies = ctx_.config->bf16;
+  const ParamCopyType copy_type = StoredParamType(*ctx_.config);
+  const bool copies = copy_type != ParamCopyType::kNone;
   OptimizerHyperParams hp = HyperParams(task, plan.coef, 0);
   const int buf = Buf(task.step);
   const auto t0 = Clock::now();
@@ -377,7 +381,7 @@ Status OptimizerPipeline::StepGroupOnDevice(const GroupStep& plan) {
     return Status::Internal("sub-group " + std::to_string(gi) +
                             " is stepped on the device without device gradients");
   }
-  if (!task.clip) ZINF_RETURN_IF_ERROR(CheckDeviceGradients(plan, grads));
+  if (!task.needs_norm) ZINF_RETURN_IF_ERROR(CheckDeviceGradients(plan, grads));
   Status s;
   for (ParamId id : layout.group(gi).params) {
     if (!s.ok()) break;
@@ -401,7 +405,7 @@ Status OptimizerPipeline::StepGroupOnDevice(const GroupStep& plan) {
     hp.step = m_.states->updates(id) + 1;
     if (copies) {
       t.param_copy = dst;
-      t.param_copy_type = ParamCopyType::kBf16;
+      t.param_copy_type = copy_type;
     }
     s = device->OptimizerStep(hp, t, stream)
             .WithContext("device optimizer step of '" + p.info.name + "'");
@@ -470,7 +474,7 @@ Status OptimizerPipeline::StepGroup(GroupStep* plan, float* master, uint16_t* co
     if (plan->snapshot != nullptr) speculation_.KeepTiles(ids[j], master, plan->snapshot, 0, n);
     if (copy_out != nullptr) {
       Status s = m_.optimizer->ConvertParams(master + p.slice_offset, copy_out + p.slice_offset,
-                                             ParamCopyType::kBf16, n);
+                                             StoredParamType(*ctx_.config), n);
       if (!s.ok()) {
         return CompleteSnapshot(*plan, j, kept, master,
                                 s.WithContext("converting '" + p.info.name + "'"));
@@ -494,7 +498,7 @@ Status OptimizerPipeline::StepParam(GroupStep* plan, size_t j, float* master, ui
   OptimizerTensors t = PartTensors(id, hp, master, m_.grads->Acc(id));
   if (copy_out != nullptr) {
     t.param_copy = copy_out + p.slice_offset;
-    t.param_copy_type = ParamCopyType::kBf16;
+    t.param_copy_type = StoredParamType(*ctx_.config);
   }
   hp.step = m_.states->updates(id) + 1;
   // The finite check runs inside the step, tile by tile while the gradients are in cache:

@@ -25,12 +25,13 @@ Result<Speculation::Group> Speculation::Begin(size_t gi,
   return g;
 }
 
-void Speculation::Resolve(float coef, bool roll_back, const Actions& actions, Status* first) {
+void Speculation::Resolve(float coef, float speculated, bool roll_back, const Actions& actions,
+                          Status* first) {
   if (groups_.empty()) return;
   uint64_t kept = 0, redone = 0, rolled_back = 0;
   const auto t0 = std::chrono::steady_clock::now();
   for (Group& g : groups_) {
-    if (!roll_back && coef == 1.0f && !g.poisoned) {
+    if (!roll_back && coef == speculated && !g.poisoned) {
       ++kept;
       actions.settled(g.gi);
       continue;

@@ -54,12 +54,14 @@ class Speculation {
   // Starts a speculative step of sub-group gi: a snapshot block and the update counts.
   Result<Group> Begin(size_t gi, const std::vector<uint8_t>& with_grad) const;
   void Add(Group g) { groups_.push_back(std::move(g)); }
-  // The verdict: `coef` 1 keeps each (unless poisoned), another redoes it; `roll_back`
-  // restores each with its parameter stores rewritten from the restored masters. Counts the
+  // The verdict: `coef` equal to `speculated` (the coefficient the speculative steps used)
+  // keeps each (unless poisoned), another redoes it; `roll_back` (a failed norm, or a step
+  // skipped for fp16 overflow) restores each with its parameter stores rewritten from the
+  // restored masters. Counts the
   // outcomes in the stats. A failure of a redo or rollback goes to `*first` (the task's
   // first failure).
   // REQUIRES: nothing still reads the sub-groups' buffers (write-backs, device copies).
-  void Resolve(float coef, bool roll_back, const Actions& actions, Status* first);
+  void Resolve(float coef, float speculated, bool roll_back, const Actions& actions, Status* first);
 
   // Copies elements [begin, end) of parameter id's slices (master and states) from its
   // sub-group's buffer `master` into the same places of `snapshot`, with streaming stores.

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <type_traits>
 
 #include "common/json_seal.h"
 #include "zinf/cpu_adam.h"
@@ -109,6 +110,14 @@ std::string SerializeRankManifest(const RankManifest& m) {
     if (t.updates >= 0) j["tensors"].back()["updates"] = t.updates;
   }
   j["user_data"] = m.user_data;
+  if (m.loss_scale.has_value()) {
+    const CheckpointLossScale& l = *m.loss_scale;
+    j["loss_scale"] = {{"scale", l.scale},
+                       {"iteration", l.iteration},
+                       {"last_overflow", l.last_overflow},
+                       {"hysteresis_left", l.hysteresis_left},
+                       {"skipped_steps", l.skipped_steps}};
+  }
   SealJson(&j);  // the manifest's own checksum
   return j.dump(1) + "\n";
 }
@@ -131,6 +140,33 @@ Result<uint64_t> CheckManifestFormat(const json& j, const std::string& where) {
   }
   ZINF_RETURN_IF_ERROR(CheckJsonSeal(j, where, /*required=*/true));
   return version;
+}
+
+// "loss_scale" (optional: an fp16 engine's) into m->loss_scale. Its values' ranges are the
+// scaler's to check (LossScaler::Restore); here, their JSON types.
+Status ParseLossScale(const json& j, const std::string& where, RankManifest* m) {
+  auto it = j.find("loss_scale");
+  if (it == j.end()) return Status::OK();
+  const std::string lw = where + ": loss_scale";
+  if (!it->is_object()) return Status::Corruption(lw + ": expected an object");
+  CheckpointLossScale l;
+  auto number = [&](const char* key, auto* out) -> Status {
+    auto v = it->find(key);
+    using T = std::remove_pointer_t<decltype(out)>;
+    const bool ok = v != it->end() && (std::is_floating_point_v<T> ? v->is_number()
+                                       : std::is_signed_v<T>       ? v->is_number_integer()
+                                                                   : v->is_number_unsigned());
+    if (!ok) return Status::Corruption(lw + ": \"" + key + "\" missing or of the wrong type");
+    *out = v->get<T>();
+    return Status::OK();
+  };
+  ZINF_RETURN_IF_ERROR(number("scale", &l.scale));
+  ZINF_RETURN_IF_ERROR(number("iteration", &l.iteration));
+  ZINF_RETURN_IF_ERROR(number("last_overflow", &l.last_overflow));
+  ZINF_RETURN_IF_ERROR(number("hysteresis_left", &l.hysteresis_left));
+  ZINF_RETURN_IF_ERROR(number("skipped_steps", &l.skipped_steps));
+  m->loss_scale = l;
+  return Status::OK();
 }
 
 // The manifest's scalar fields into *m (rank and world, step, optimizer, state dtype from
@@ -169,7 +205,7 @@ Status ParseManifestFields(const json& j, uint64_t version, const std::string& w
   }
   ZINF_ASSIGN_OR_RETURN(m->file_bytes, U64(j, "file_bytes", where));
   ZINF_ASSIGN_OR_RETURN(m->user_data, Str(j, "user_data", where));
-  return Status::OK();
+  return ParseLossScale(j, where, m);
 }
 
 // "groups" into m->groups: each sub-group's size and offset, which must lie inside the

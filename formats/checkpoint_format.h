@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,16 @@ struct CheckpointGroup {
   uint64_t offset = 0;  // bytes into the states file of [master | state 1 | state 2]
 };
 
+// fp16: the loss scaler's state at the checkpoint's step (engine/core/loss_scaler.h's
+// LossScaler::State), the same on every rank.
+struct CheckpointLossScale {
+  double scale = 1;
+  uint64_t iteration = 0;
+  int64_t last_overflow = -1;
+  int64_t hysteresis_left = 1;
+  uint64_t skipped_steps = 0;
+};
+
 struct RankManifest {
   int rank = 0;
   int world = 1;
@@ -48,7 +59,8 @@ struct RankManifest {
   uint64_t file_bytes = 0;
   std::vector<CheckpointGroup> groups;
   std::vector<CheckpointTensor> tensors;
-  std::string user_data;  // the trainer's own JSON (model shape, seed, ...)
+  std::string user_data;                          // the trainer's own JSON (model shape, seed, ...)
+  std::optional<CheckpointLossScale> loss_scale;  // saved by an fp16 engine
 };
 
 // 16 lowercase hex digits (the form checksums take in manifests and messages).

@@ -54,6 +54,55 @@ TEST(CApiEngine, TrainsInMemory) {
   TrainToTarget(R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.05}}})");
 }
 
+// An IEEE half's value (the compiler's own conversion: libzinf exports the C API alone).
+float HalfValue(uint16_t bits) {
+  _Float16 h;
+  std::memcpy(&h, &bits, sizeof(h));
+  return static_cast<float>(h);
+}
+
+// fp16: the parameter reads as fp16, the trainer multiplies its gradient by the engine's loss
+// scale, and a step whose gradient overflows is skipped and halves the scale (hysteresis 1).
+TEST(CApiEngine, TrainsInFp16WithTheEnginesLossScale) {
+  zinf_engine* e = nullptr;
+  ASSERT_EQ(0, zinf_engine_create(R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
+                                      "fp16": {"enabled": true, "initial_scale_power": 8,
+                                               "hysteresis": 1}})",
+                                  &e))
+      << zinf_last_error();
+  EXPECT_EQ(256.0, zinf_engine_loss_scale(e));
+  const int64_t shape[] = {2, 2};
+  const float init[] = {0, 0, 0, 0};
+  const float target[] = {1, -2, 3, -4};
+  uint32_t id = 0;
+  ASSERT_EQ(0, zinf_engine_register(e, "w", shape, 2, init, &id)) << zinf_last_error();
+  zinf_step_stats st{};
+  for (int step = 0; step < 200; ++step) {
+    void* ptr = nullptr;
+    ASSERT_EQ(0, zinf_engine_acquire(e, &id, 1, &ptr)) << zinf_last_error();
+    const auto* w = static_cast<const uint16_t*>(ptr);
+    const float scale = static_cast<float>(zinf_engine_loss_scale(e));
+    float grad[4];
+    for (int i = 0; i < 4; ++i) grad[i] = (HalfValue(w[i]) - target[i]) * scale;
+    if (step == 5) grad[2] = INFINITY;
+    ASSERT_EQ(0, zinf_engine_reduce_gradient(e, id, grad)) << zinf_last_error();
+    ASSERT_EQ(0, zinf_engine_release(e, &id, 1));
+    ASSERT_EQ(0, zinf_engine_step(e, &st)) << zinf_last_error();
+    if (step == 5) {
+      EXPECT_EQ(128.0, zinf_engine_loss_scale(e));
+      EXPECT_EQ(1, zinf_engine_skipped_steps(e));
+    }
+  }
+  EXPECT_EQ(200, st.step);
+  EXPECT_EQ(1, zinf_engine_skipped_steps(e));
+  float w[4];
+  ASSERT_EQ(0, zinf_engine_gather_master(e, id, w)) << zinf_last_error();
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(target[i], w[i], 0.1) << i;
+  zinf_engine_destroy(e);
+  EXPECT_EQ(-1.0, zinf_engine_loss_scale(nullptr));
+  EXPECT_EQ(-1, zinf_engine_skipped_steps(nullptr));
+}
+
 // Two processes, each a rank of one group (the launcher's variables set in the child): both
 // train to the target and hold the same masters, bit for bit.
 TEST(CApiEngine, TwoProcessRanksFromTheLaunchersVariables) {

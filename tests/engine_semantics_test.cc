@@ -26,9 +26,11 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "device/host/local_comm.h"
+#include "engine/core/loss_scaler.h"
 #include "tests/engine_test_model.h"
 #include "tests/test_util.h"
 #include "zinf/comm.h"
@@ -91,13 +93,28 @@ struct Placement {
   bool delayed = false;
   bool bf16 = false;
   double clip = 0.0;
+  bool fp16 = false;  // fp16 parameters, dynamic loss scaling (Fp16Settings)
+  SpeculativeStep speculative = SpeculativeStep::kAuto;
+  ParamCopyType stored() const {
+    return bf16 ? ParamCopyType::kBf16 : fp16 ? ParamCopyType::kF16 : ParamCopyType::kNone;
+  }
   std::string Describe() const {
     std::ostringstream os;
     os << "params " << TierName(params) << ", states " << TierName(states) << ", ratio " << ratio
-       << (delayed ? ", delayed" : "") << (bf16 ? ", bf16" : "") << ", clip " << clip;
+       << (delayed ? ", delayed" : "") << (bf16 ? ", bf16" : "") << (fp16 ? ", fp16" : "")
+       << ", clip " << clip << (speculative == SpeculativeStep::kOn ? ", speculative" : "");
     return os.str();
   }
 };
+
+// The fp16 runs' loss scale: dynamic from 2^12, halved at the second overflow (hysteresis 2),
+// doubled after each step without overflow (window 1).
+void Fp16Settings(Fp16Config* f) {
+  f->enabled = true;
+  f->initial_scale_power = 12;
+  f->loss_scale_window = 1;
+  f->hysteresis = 2;
+}
 
 void PrintTo(const Placement& p, std::ostream* os) { *os << p.Describe(); }
 
@@ -118,6 +135,8 @@ EngineConfig MakeConfig(const Placement& pl, const std::string& dir) {
   c.gradient_clipping = pl.clip;
   c.delayed_update = pl.delayed;
   c.bf16 = pl.bf16;
+  if (pl.fp16) Fp16Settings(&c.fp16);
+  c.speculative_step = pl.speculative;
   c.pinned_budget_bytes = 4ull << 20;
   c.optimizer_threads = 1;
   return c;
@@ -196,6 +215,9 @@ class Simulation {
     versions_.push_back(Masters());
   }
 
+  // A window skipped (fp16 overflow): nothing changes, the step is counted.
+  void Skip() { versions_.push_back(Masters()); }
+
   const std::vector<float>& master(size_t p) const { return tensors_[p].master; }
   int64_t updates(size_t p) const { return tensors_[p].updates; }
   // The masters after `step` optimizer steps.
@@ -247,16 +269,17 @@ struct Rig {
   }
 };
 
-std::vector<float> Expected(const std::vector<float>& master, size_t n, bool bf16) {
+// The first n values of `master` as stored (rounded to bf16 or fp16, or fp32 as they are).
+std::vector<float> Expected(const std::vector<float>& master, size_t n, ParamCopyType stored) {
   std::vector<float> out(master.begin(), master.begin() + static_cast<std::ptrdiff_t>(n));
-  if (bf16) {
-    for (float& x : out) x = Bf16ToFp32(Fp32ToBf16(x));
+  if (stored != ParamCopyType::kNone) {
+    for (float& x : out) x = ParamCopyToFp32(stored, Fp32ToParamCopy(stored, x));
   }
   return out;
 }
 
 // Acquires every parameter and compares what it reads with `version` (in the storage dtype).
-void CheckAcquired(Rig& rig, const std::vector<std::vector<float>>& version, bool bf16,
+void CheckAcquired(Rig& rig, const std::vector<std::vector<float>>& version, ParamCopyType stored,
                    AcquireMode mode, const std::string& when) {
   Result<std::vector<void*>> ptrs = rig.engine->Acquire(rig.ids, mode);
   ASSERT_TRUE(ptrs.ok()) << when << ": " << ptrs.status().ToString();
@@ -264,10 +287,11 @@ void CheckAcquired(Rig& rig, const std::vector<std::vector<float>>& version, boo
     const size_t n = Numel(Defs()[p]);
     std::vector<float> got(n);
     for (size_t i = 0; i < n; ++i) {
-      got[i] = bf16 ? Bf16ToFp32(static_cast<const uint16_t*>((*ptrs)[p])[i])
-                    : static_cast<const float*>((*ptrs)[p])[i];
+      got[i] = stored != ParamCopyType::kNone
+                   ? ParamCopyToFp32(stored, static_cast<const uint16_t*>((*ptrs)[p])[i])
+                   : static_cast<const float*>((*ptrs)[p])[i];
     }
-    ASSERT_EQ(got, Expected(version[p], n, bf16))
+    ASSERT_EQ(got, Expected(version[p], n, stored))
         << when << ": parameter '" << Defs()[p].name << "' reads the wrong version";
   }
   ASSERT_TRUE(rig.engine->Release(rig.ids).ok());
@@ -278,7 +302,7 @@ void MicroStep(Rig& rig, int micro, const Placement& pl, const Simulation& sim) 
   const int64_t step = rig.engine->global_step();
   // The version this micro-step reads: one behind with the delayed update.
   const int64_t visible = pl.delayed ? std::max<int64_t>(step - 1, 0) : step;
-  CheckAcquired(rig, sim.version(visible), pl.bf16, AcquireMode::kTraining,
+  CheckAcquired(rig, sim.version(visible), pl.stored(), AcquireMode::kTraining,
                 "micro-step " + std::to_string(micro) + " (" + pl.Describe() + ")");
   for (size_t p = 0; p < Defs().size(); ++p) {
     if (!HasGrad(p, micro)) continue;
@@ -296,8 +320,9 @@ void ExpectMasters(Rig& rig, const Simulation& sim, const std::string& what) {
     std::vector<float> got(n, std::nanf(""));
     ASSERT_TRUE(rig.engine->GatherMasterParameter(rig.ids[p], got.data()).ok());
     // (A frozen tensor has no master: its value is its store's, bf16 with bf16 storage.)
-    const bool stored_bf16 = !Defs()[p].trainable && rig.engine->config().bf16;
-    EXPECT_EQ(got, Expected(sim.master(p), n, stored_bf16))
+    const ParamCopyType stored =
+        Defs()[p].trainable ? ParamCopyType::kNone : StoredParamType(rig.engine->config());
+    EXPECT_EQ(got, Expected(sim.master(p), n, stored))
         << what << ": master of '" << Defs()[p].name << "' differs from the simulation";
     EXPECT_EQ(rig.engine->param_updates(rig.ids[p]), sim.updates(p))
         << what << ": update count of '" << Defs()[p].name << "'";
@@ -640,11 +665,12 @@ TEST(EngineSemanticsTest, SetParameterValuesReplacesValuesOnEveryTier) {
       std::vector<float> got(v.size());
       ASSERT_TRUE(rig.engine->GatherMasterParameter(rig.ids[p], got.data()).ok());
       // (A frozen tensor has no master: its value is its store's, bf16 with bf16 storage.)
-      EXPECT_EQ(got, Expected(v, v.size(), !Defs()[p].trainable && pl.bf16))
+      EXPECT_EQ(got,
+                Expected(v, v.size(), Defs()[p].trainable ? ParamCopyType::kNone : pl.stored()))
           << "master of " << Defs()[p].name;
       expect.push_back(v);
     }
-    CheckAcquired(rig, expect, pl.bf16, AcquireMode::kTraining, "after SetParameterValues");
+    CheckAcquired(rig, expect, pl.stored(), AcquireMode::kTraining, "after SetParameterValues");
   }
 }
 
@@ -1421,6 +1447,260 @@ TEST(EngineFetch, AcquiredValuesAreTheStoredOnesWhenPrefetchesExhaustTheStaging)
   }
   for (int i = 0; i < kParams; ++i) {
     ASSERT_EQ(std::memcmp(fast[i].data(), slow[i].data(), kNumel * sizeof(float)), 0) << "p" << i;
+  }
+}
+
+// ---- fp16 ----------------------------------------------------------------------------------
+
+// The windows whose gradients overflow in the fp16 runs (an inf in window 1, a NaN in window 2,
+// both in the last micro-step's "a.weight"): with hysteresis 2 the first is taken by the
+// hysteresis, the second halves the scale. DeepSpeed's rule then doubles it on the step after
+// a whole window (1) without overflow: window 4. The scale after each window: 4096, 4096,
+// 2048, 2048, 4096.
+bool Overflows(int window) { return window == 1 || window == 2; }
+
+// One fp16 micro-step of rank `rank` of `ranks` (each hands `share` of the gradient, so that
+// the ranks' sum is the simulation's): the values read checked, the gradients multiplied by
+// the engine's loss scale (a power of two: exact), an overflow injected where Overflows says
+// (on rank `overflow_rank` only), Step. At a boundary *st gets the step's stats.
+void Fp16MicroStep(Engine* engine, const std::vector<ParamId>& ids, int micro, const Placement& pl,
+                   const Simulation& sim, int rank, float share, int overflow_rank, StepStats* st) {
+  const int64_t step = engine->global_step();
+  const int64_t visible = pl.delayed ? std::max<int64_t>(step - 1, 0) : step;
+  const std::string when = "micro-step " + std::to_string(micro) + " (" + pl.Describe() + ")";
+  Result<std::vector<void*>> ptrs = engine->Acquire(ids);
+  ASSERT_TRUE(ptrs.ok()) << when << ": " << ptrs.status().ToString();
+  for (size_t p = 0; p < ids.size(); ++p) {
+    const size_t n = Numel(Defs()[p]);
+    const auto* half = static_cast<const uint16_t*>((*ptrs)[p]);
+    std::vector<float> got(n);
+    for (size_t i = 0; i < n; ++i) got[i] = Fp16ToFp32(half[i]);
+    ASSERT_EQ(got, Expected(sim.version(visible)[p], n, ParamCopyType::kF16))
+        << when << ": '" << Defs()[p].name << "' reads the wrong version";
+  }
+  ASSERT_TRUE(engine->Release(ids).ok());
+  const float scale = static_cast<float>(engine->loss_scale());
+  const int window = micro / kAccum;
+  for (size_t p = 0; p < Defs().size(); ++p) {
+    if (!HasGrad(p, micro)) continue;
+    std::vector<float> g(Numel(Defs()[p]));
+    for (size_t i = 0; i < g.size(); ++i) g[i] = GradValue(p, micro, i) * share * scale;
+    if (p == 0 && micro % kAccum == kAccum - 1 && Overflows(window) && rank == overflow_rank) {
+      g[7] = window == 1 ? std::numeric_limits<float>::infinity() : std::nanf("");
+    }
+    ASSERT_TRUE(engine->ReduceGradient(ids[p], g.data()).ok());
+  }
+  Result<StepStats> r = engine->Step();
+  ASSERT_TRUE(r.ok()) << when << ": " << r.status().ToString();
+  *st = *r;
+}
+
+// Runs micro-steps [first, last) of the fp16 schedule on a one-rank rig, stepping `sim` and
+// `oracle` (the scaler fed the same overflows) along, and checks the scale, the skipped
+// steps and the update counts at every boundary.
+void RunFp16(Rig& rig, int first, int last, const Placement& pl, Simulation* sim,
+             LossScaler* oracle, std::vector<double>* scales = nullptr) {
+  for (int micro = first; micro < last; ++micro) {
+    ASSERT_EQ(rig.engine->loss_scale(), oracle->scale()) << "micro-step " << micro;
+    StepStats st;
+    Fp16MicroStep(rig.engine.get(), rig.ids, micro, pl, *sim, 0, 1.0f, 0, &st);
+    if (::testing::Test::HasFatalFailure()) return;
+    if ((micro + 1) % kAccum != 0) continue;
+    const int window = micro / kAccum;
+    ASSERT_TRUE(oracle->Update(Overflows(window)).ok());
+    if (Overflows(window)) {
+      sim->Skip();
+    } else {
+      sim->Step(window, pl.clip);
+    }
+    EXPECT_EQ(st.loss_scale, oracle->scale()) << "window " << window;
+    if (scales != nullptr) scales->push_back(st.loss_scale);
+    EXPECT_EQ(st.skipped_steps, oracle->skipped_steps()) << "window " << window;
+    for (size_t p = 0; p < Defs().size(); ++p) {
+      ASSERT_EQ(rig.engine->param_updates(rig.ids[p]), sim->updates(p))
+          << Defs()[p].name << " after window " << window;
+    }
+  }
+}
+
+LossScaler Fp16Oracle() {
+  Fp16Config f;
+  Fp16Settings(&f);
+  return LossScaler(LossScaleSettingsOf(f));
+}
+
+class Fp16Test : public ::testing::TestWithParam<Placement> {};
+
+// The masters end bit-identical to the fp32 simulation that never saw the overflowing windows
+// (the gradients times 2^k, times 2^-k in the optimizer, are the simulation's exactly), every
+// micro-step reads fp16 values of the right version, and the scale moves as DeepSpeed's does.
+TEST_P(Fp16Test, OverflowingWindowsAreSkippedAndTheOthersTrainAsInFp32) {
+  const Placement pl = GetParam();
+  Rig rig;
+  ASSERT_TRUE(rig.dir.ok());
+  ASSERT_TRUE(rig.Create(MakeConfig(pl, rig.dir.path())).ok());
+  Simulation sim;
+  LossScaler oracle = Fp16Oracle();
+  std::vector<double> scales;
+  RunFp16(rig, 0, kSteps * kAccum, pl, &sim, &oracle, &scales);
+  if (::testing::Test::HasFatalFailure()) return;
+  EXPECT_EQ(rig.engine->global_step(), kSteps);
+  EXPECT_EQ(rig.engine->skipped_steps(), 2u);
+  EXPECT_EQ(scales, (std::vector<double>{4096, 4096, 2048, 2048, 4096}));
+  ExpectMasters(rig, sim, pl.Describe());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Placements, Fp16Test,
+    ::testing::Values(
+        Placement{Tier::kCpu, Tier::kCpu, 1.0, false, false, 0.0, true},
+        Placement{Tier::kNvme, Tier::kNvme, 1.0, false, false, 0.0, true},
+        Placement{Tier::kDevice, Tier::kDevice, 1.0, false, false, 0.0, true},
+        Placement{Tier::kDevice, Tier::kCpu, 0.5, true, false, 0.0, true},
+        Placement{Tier::kCpu, Tier::kNvme, 1.0, true, false, 0.0, true},
+        Placement{Tier::kCpu, Tier::kCpu, 1.0, false, false, 0.5, true, SpeculativeStep::kOn},
+        Placement{Tier::kCpu, Tier::kCpu, 1.0, false, false, 1e4, true, SpeculativeStep::kOn},
+        Placement{Tier::kNvme, Tier::kNvme, 1.0, true, false, 0.5, true, SpeculativeStep::kOn}),
+    [](const ::testing::TestParamInfo<Placement>& info) {
+      const Placement& p = info.param;
+      std::string s = std::string("Params") + TierName(p.params) + "States" + TierName(p.states);
+      if (p.ratio < 1) s += "Ratio";
+      if (p.delayed) s += "Delayed";
+      if (p.clip > 0) s += p.clip < 1 ? "Clip" : "ClipOff";
+      if (p.speculative == SpeculativeStep::kOn) s += "Speculative";
+      return s;
+    });
+
+// The scaler's state goes into checkpoints and durable commits: a run restarted after the
+// overflowing windows goes on with the same scale, skipped steps and values.
+TEST(Fp16Test, TheScaleSurvivesCheckpointsAndDurableResumes) {
+  for (bool durable : {false, true}) {
+    SCOPED_TRACE(durable ? "durable resume" : "checkpoint");
+    Placement pl{Tier::kCpu, Tier::kNvme, 1.0, false, false, 0.0, true};
+    TempDir dir;
+    EngineConfig config = MakeConfig(pl, dir.path());
+    config.durable = durable;
+    Simulation sim;
+    LossScaler oracle = Fp16Oracle();
+    const int split = 3;  // windows before the restart: both overflows, the scale changed
+    {
+      Rig rig;
+      ASSERT_TRUE(rig.Create(config).ok());
+      RunFp16(rig, 0, split * kAccum, pl, &sim, &oracle);
+      if (::testing::Test::HasFatalFailure()) return;
+      ASSERT_EQ(rig.engine->skipped_steps(), 2u);
+      if (!durable) ASSERT_TRUE(rig.engine->SaveCheckpoint(dir.path() + "/ckpt").ok());
+    }
+    Rig rig;
+    ASSERT_TRUE(rig.Create(config, /*finish=*/false).ok());
+    if (durable) {
+      Status s = rig.engine->ResumeFromStore();
+      ASSERT_TRUE(s.ok()) << s.ToString();
+    } else {
+      ASSERT_TRUE(rig.engine->FinishRegistration().ok());
+      Status s = rig.engine->LoadCheckpoint(dir.path() + "/ckpt");
+      ASSERT_TRUE(s.ok()) << s.ToString();
+    }
+    ASSERT_EQ(rig.engine->global_step(), split);
+    EXPECT_EQ(rig.engine->loss_scale(), oracle.scale());
+    EXPECT_EQ(rig.engine->skipped_steps(), 2u);
+    RunFp16(rig, split * kAccum, kSteps * kAccum, pl, &sim, &oracle);
+    if (::testing::Test::HasFatalFailure()) return;
+    ExpectMasters(rig, sim, durable ? "after a durable resume" : "after a checkpoint load");
+  }
+}
+
+// An overflow at min_loss_scale fails the step (DeepSpeed raises there): skipping would skip
+// every step from then on. Nothing was updated, and the error names the setting.
+TEST(Fp16Test, AnOverflowAtTheSmallestScaleFailsTheStep) {
+  Placement pl{Tier::kCpu, Tier::kCpu, 1.0, false, false, 0.0, true};
+  Rig rig;
+  ASSERT_TRUE(rig.dir.ok());
+  EngineConfig config = MakeConfig(pl, rig.dir.path());
+  config.fp16.min_loss_scale = 4096;  // the initial scale
+  config.fp16.hysteresis = 1;
+  ASSERT_TRUE(rig.Create(config).ok());
+  Simulation sim;
+  StepStats st;
+  for (int micro = 0; micro < 2 * kAccum - 1; ++micro) {
+    Fp16MicroStep(rig.engine.get(), rig.ids, micro, pl, sim, 0, 1.0f, 0, &st);
+    if (::testing::Test::HasFatalFailure()) return;
+    if (micro == kAccum - 1) sim.Step(0, 0.0);
+  }
+  std::vector<float> g(Numel(Defs()[0]), 1.0f);
+  g[3] = std::numeric_limits<float>::infinity();
+  ASSERT_TRUE(rig.engine->ReduceGradient(rig.ids[0], g.data()).ok());
+  Result<StepStats> r = rig.engine->Step();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(r.status().message().find("min_loss_scale"), std::string::npos)
+      << r.status().ToString();
+  EXPECT_EQ(rig.engine->param_updates(rig.ids[0]), 1);
+}
+
+// Two ranks: an inf in one rank's gradient alone skips the step on both (the norm is
+// all-reduced), and both go on with the same values and scale.
+TEST(Fp16Test, AnOverflowOnOneRankSkipsTheStepOnEvery) {
+  const Placement pl{Tier::kCpu, Tier::kNvme, 1.0, false, false, 0.0, true};
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  std::vector<std::unique_ptr<Device>> devices;
+  std::vector<Device*> raw;
+  for (int r = 0; r < 2; ++r) {
+    HostDeviceOptions ho;
+    ho.memory_budget = 64ull << 20;
+    devices.push_back(NewHostDevice(ho));
+    raw.push_back(devices.back().get());
+  }
+  Result<std::vector<std::unique_ptr<Communicator>>> comms = NewLocalComms(raw);
+  ASSERT_TRUE(comms.ok());
+  // The simulation: window 1 and 2 skipped, the rest stepped (each rank hands half).
+  Simulation sim;
+  LossScaler oracle = Fp16Oracle();
+  for (int w = 0; w < kSteps; ++w) {
+    ASSERT_TRUE(oracle.Update(Overflows(w)).ok());
+    if (Overflows(w)) {
+      sim.Skip();
+    } else {
+      sim.Step(w, 0.0);
+    }
+  }
+  std::vector<std::vector<std::vector<float>>> masters(2);
+  std::vector<double> scales(2);
+  std::vector<uint64_t> skipped(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      Result<std::unique_ptr<Engine>> e =
+          Engine::Create(MakeConfig(pl, dir.path()), raw[r], (*comms)[r].get());
+      ASSERT_TRUE(e.ok()) << e.status().ToString();
+      std::vector<ParamId> ids;
+      ASSERT_TRUE(RegisterDefs(e->get(), &ids).ok());
+      ASSERT_TRUE((*e)->FinishRegistration().ok());
+      for (int micro = 0; micro < kSteps * kAccum; ++micro) {
+        StepStats st;
+        // (The simulation's versions are complete: each micro-step checks what it reads.)
+        Fp16MicroStep(e->get(), ids, micro, pl, sim, r, 0.5f, /*overflow_rank=*/1, &st);
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+      for (size_t p = 0; p < Defs().size(); ++p) {
+        masters[r].emplace_back(Numel(Defs()[p]));
+        ASSERT_TRUE((*e)->GatherMasterParameter(ids[p], masters[r].back().data()).ok());
+      }
+      scales[r] = (*e)->loss_scale();
+      skipped[r] = (*e)->skipped_steps();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  if (::testing::Test::HasFailure()) return;
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(scales[r], oracle.scale()) << "rank " << r;
+    EXPECT_EQ(skipped[r], 2u) << "rank " << r;
+    for (size_t p = 0; p < Defs().size(); ++p) {
+      const ParamCopyType stored = Defs()[p].trainable ? ParamCopyType::kNone : ParamCopyType::kF16;
+      EXPECT_EQ(masters[r][p], Expected(sim.master(p), Numel(Defs()[p]), stored))
+          << "rank " << r << ": '" << Defs()[p].name << "'";
+    }
   }
 }
 

@@ -308,6 +308,8 @@ TEST(StepStatsVisit, EveryFieldIsVisitedOnceWithItsValue) {
   st.rolled_back_groups = 25;
   st.speculation_redo_seconds = 26.5;
   st.landing_groups = 27;
+  st.loss_scale = 28.5;
+  st.skipped_steps = 29;
   std::vector<std::string> names;
   double sum = 0;
   int bools = 0;
@@ -319,15 +321,15 @@ TEST(StepStatsVisit, EveryFieldIsVisitedOnceWithItsValue) {
       sum += static_cast<double>(value);
     }
   });
-  EXPECT_EQ(names.size(), 29u);
+  EXPECT_EQ(names.size(), 31u);
   EXPECT_EQ(std::set<std::string>(names.begin(), names.end()).size(), names.size());
   EXPECT_EQ(bools, 2);
   // 1 + 2.5 + 3 + ... : each value counted once.
   EXPECT_DOUBLE_EQ(sum, 1 + 2.5 + 3 + 4 + 5 + 6 + 7.5 + 8.5 + 9.5 + 10.5 + 11.5 + 12 + 13 + 14 +
                             15.5 + 16.5 + 17 + 18 + 19.5 + 20.5 + 21.5 + 22 + 23 + 24 + 25 + 26.5 +
-                            27);
+                            27 + 28.5 + 29);
   // That the visit covers every field is checked where it is defined (engine_types.h: the
-  // field count); here, that each of the 29 is visited once with its own value.
+  // field count); here, that each of the 31 is visited once with its own value.
 }
 
 TEST(SafetensorsDType, EveryNameRoundTripsAndOthersAreNone) {

@@ -27,6 +27,7 @@ struct RankSetup {
   uint64_t seed = 7;
   std::string trainer_steps = "10";
   float group1_lr = -1;  // >= 0: the last layer in parameter group 1 with this lr
+  int fp16_power = -1;   // >= 0: fp16 with this initial_scale_power
 };
 
 EngineConfig Config(const RankSetup& s) {
@@ -36,6 +37,10 @@ EngineConfig Config(const RankSetup& s) {
   c.param_persistence_threshold = 0;
   c.optimizer.lr = s.lr;
   c.gradient_clipping = s.clipping;
+  if (s.fp16_power >= 0) {
+    c.fp16.enabled = true;
+    c.fp16.initial_scale_power = s.fp16_power;
+  }
   c.optimizer_threads = 1;
   c.pinned_budget_bytes = 16ull << 20;
   return c;
@@ -150,6 +155,17 @@ TEST(RankAgreement, AnotherClippingIsNamed) {
   other.clipping = 1.0;
   ExpectRefused(RunRanks({RankSetup{}, RankSetup{}, other}),
                 {"gradient_clipping: rank 0 has 0, rank 2 has 1"});
+}
+
+// fp16 on one rank only, or with another scale: the ranks' scales would part.
+TEST(RankAgreement, AnotherFp16SettingIsNamed) {
+  RankSetup fp16;
+  fp16.fp16_power = 16;
+  ExpectRefused(RunRanks({RankSetup{}, fp16}), {"fp16.enabled: rank 0 has false, rank 1 has true"});
+  RankSetup other = fp16;
+  other.fp16_power = 32;
+  ExpectRefused(RunRanks({fp16, other}), {"fp16.loss_scale: rank 0 has 0, initial_scale_power 16",
+                                          "rank 1 has 0, initial_scale_power 32"});
 }
 
 // Rank 1 with a layer more: gloo aborted on the first collective of another size before.

@@ -292,10 +292,12 @@ Status FetchScheduler::QueueDequantize(ParamId id, const void* src,
   // `out` lives until the copy after this function has read it (IssueCopies' release);
   // `src_block` (null for a cpu-tier home, which lives as long as the engine) until it ran.
   const size_t n = ctx_.layout->param(id).info.partition_numel;
-  const bool bf16 = ctx_.layout->elem_size() == 2;
-  return ctx_.device->LaunchHostFunc(ctx_.streams.copy, [src, src_block, out, n, bf16] {
-    if (bf16) {
+  const ParamCopyType type = StoredParamType(*ctx_.config);
+  return ctx_.device->LaunchHostFunc(ctx_.streams.copy, [src, src_block, out, n, type] {
+    if (type == ParamCopyType::kBf16) {
       DequantizeWeightsInt8Bf16(src, n, static_cast<uint16_t*>(out));
+    } else if (type == ParamCopyType::kF16) {
+      DequantizeWeightsInt8F16(src, n, static_cast<uint16_t*>(out));
     } else {
       DequantizeWeightsInt8(src, n, static_cast<float*>(out));
     }

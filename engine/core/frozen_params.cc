@@ -59,7 +59,7 @@ Status FrozenParams::ReadPartition(ParamId id, float* out) {
   const Layout& layout = *ctx_.layout;
   const ParamLayout& p = layout.param(id);
   const size_t part = p.info.partition_numel;
-  const bool bf16 = ctx_.config->bf16;
+  const ParamCopyType type = StoredParamType(*ctx_.config);
   AlignedBuffer stored(RoundUp(layout.PartBytes(id), 4096));
   if (stored.data == nullptr) {
     return Status::ResourceExhausted("gathering '" + p.info.name + "': a buffer of " +
@@ -67,15 +67,19 @@ Status FrozenParams::ReadPartition(ParamId id, float* out) {
   }
   ZINF_RETURN_IF_ERROR(store_->ReadFrozen(id, stored.data, stored.bytes)
                            .WithContext("reading the frozen parameter '" + p.info.name + "'"));
-  if (layout.StoredInt8(id) && !bf16) {
+  if (layout.StoredInt8(id) && type == ParamCopyType::kNone) {
     DequantizeWeightsInt8(stored.data, part, out);
-  } else if (layout.StoredInt8(id)) {  // as the fetch decodes it: into bf16
+  } else if (layout.StoredInt8(id)) {  // as the fetch decodes it: into bf16 or fp16
     std::vector<uint16_t> b(part);
-    DequantizeWeightsInt8Bf16(stored.data, part, b.data());
-    for (size_t i = 0; i < part; ++i) out[i] = Bf16ToFp32(b[i]);
-  } else if (bf16) {
+    if (type == ParamCopyType::kBf16) {
+      DequantizeWeightsInt8Bf16(stored.data, part, b.data());
+    } else {
+      DequantizeWeightsInt8F16(stored.data, part, b.data());
+    }
+    for (size_t i = 0; i < part; ++i) out[i] = ParamCopyToFp32(type, b[i]);
+  } else if (type != ParamCopyType::kNone) {
     const uint16_t* b = static_cast<const uint16_t*>(stored.data);
-    for (size_t i = 0; i < part; ++i) out[i] = Bf16ToFp32(b[i]);
+    for (size_t i = 0; i < part; ++i) out[i] = ParamCopyToFp32(type, b[i]);
   } else {
     std::memcpy(out, stored.data, part * sizeof(float));
   }
@@ -102,8 +106,9 @@ Status FrozenParams::Set(ParamId id, const std::function<Status(ParamId, float*)
 }
 
 uint64_t FrozenParams::ValueHash(const float* full, size_t n) const {
-  if (!ctx_.config->bf16) return XXH3_64bits(full, n * sizeof(float));
-  // bf16 storage: the values as stored, so that values exported from the store (rounded
+  const ParamCopyType type = StoredParamType(*ctx_.config);
+  if (type == ParamCopyType::kNone) return XXH3_64bits(full, n * sizeof(float));
+  // bf16 or fp16 storage: the values as stored, so that values exported from the store (rounded
   // already) and registered again hash the same.
   XXH3_state_t* state = XXH3_createState();
   if (state == nullptr || XXH3_64bits_reset(state) != XXH_OK) {
@@ -113,7 +118,8 @@ uint64_t FrozenParams::ValueHash(const float* full, size_t n) const {
   float chunk[1024];
   for (size_t at = 0; at < n; at += 1024) {
     const size_t len = std::min<size_t>(1024, n - at);
-    for (size_t i = 0; i < len; ++i) chunk[i] = Bf16ToFp32(Fp32ToBf16(full[at + i]));
+    for (size_t i = 0; i < len; ++i)
+      chunk[i] = ParamCopyToFp32(type, Fp32ToParamCopy(type, full[at + i]));
     XXH3_64bits_update(state, chunk, len * sizeof(float));
   }
   const uint64_t h = XXH3_64bits_digest(state);
@@ -127,8 +133,9 @@ Status FrozenParams::Encode(ParamId id, const float* part, void* out) {
     return QuantizeWeightsInt8(part, p.info.partition_numel, out)
         .WithContext("storing the frozen parameter '" + p.info.name + "' as int8");
   }
-  if (ctx_.config->bf16) {
-    return optimizer_->ConvertParams(part, out, ParamCopyType::kBf16, p.info.partition_numel);
+  if (StoredParamType(*ctx_.config) != ParamCopyType::kNone) {
+    return optimizer_->ConvertParams(part, out, StoredParamType(*ctx_.config),
+                                     p.info.partition_numel);
   }
   std::memcpy(out, part, ctx_.layout->PartBytes(id));
   return Status::OK();

@@ -159,9 +159,10 @@ Status GradientWindow::EnsureBuffer(size_t gi) {
 Result<GradientWindow::ReadyGroup> GradientWindow::WaitReady(size_t gi, const OptimizerTask& task,
                                                              bool speculate) {
   const Group& g = groups_[gi];
-  ZINF_ASSIGN_OR_RETURN(GroupBoard::GroupReady board,
-                        ctx_.board->WaitGroupReady(gi, task, speculate,
-                                                   /*allow_partial=*/!g.on_device && !task.clip));
+  ZINF_ASSIGN_OR_RETURN(
+      GroupBoard::GroupReady board,
+      ctx_.board->WaitGroupReady(gi, task, speculate,
+                                 /*allow_partial=*/!g.on_device && !task.needs_norm));
   ReadyGroup ready;
   static_cast<GroupBoard::GroupReady&>(ready) = std::move(board);
   ready.grads = g.data;
@@ -449,25 +450,12 @@ Status GradientWindow::WaitStepped(size_t gi, int64_t step) {
   return s;
 }
 
-Result<float> GradientWindow::ClipCoefficient(int64_t step, CpuOptimizer* optimizer,
-                                              HostCollectives* collectives, double* norm) {
+Result<double> GradientWindow::GlobalNorm(CpuOptimizer* optimizer, HostCollectives* collectives) {
   ZINF_ASSIGN_OR_RETURN(const double local, LocalSumSquares(optimizer));
   float total = static_cast<float>(local);
   ZINF_RETURN_IF_ERROR(
       collectives->AllReduceSum(&total, 1, ctx_.device->ComputeStream(), "gradient norm"));
-  *norm = std::sqrt(static_cast<double>(total));
-  if (!std::isfinite(*norm)) {
-    // No sub-group has been stepped for good: they wait for the norm, or were stepped
-    // speculatively and are rolled back (Engine::Step posts the failure); nothing non-finite
-    // is written, and the step is refused as a whole.
-    return Status::FailedPrecondition(
-        "the gradient norm of step " + std::to_string(step) +
-        " is not finite (a gradient holds inf or NaN): no parameter was updated; lower the "
-        "learning rate or look at the loss, then resume from the last checkpoint");
-  }
-  return *norm > ctx_.config->gradient_clipping
-             ? static_cast<float>(ctx_.config->gradient_clipping / (*norm + 1e-6))
-             : 1.0f;
+  return std::sqrt(static_cast<double>(total));
 }
 
 Result<double> GradientWindow::LocalSumSquares(CpuOptimizer* optimizer) {

@@ -65,12 +65,11 @@ class GradientWindow {
   // current) is done with sub-group `gi`, whose accumulators the trainer is about to write;
   // the wait counts as optimizer wait. No-op otherwise.
   Status WaitStepped(size_t gi, int64_t step);
-  // Clipping (wait-for-norm) at the end of window `step`: the global gradient norm (this
-  // rank's sum of squares, all-reduced over `collectives`) into *norm, and the coefficient the
-  // optimizer scales the gradients with (1 below gradient_clipping). FailedPrecondition when
-  // the norm is not finite (nothing is stepped then). REQUIRES: Drain() since the last Reduce.
-  Result<float> ClipCoefficient(int64_t step, CpuOptimizer* optimizer, HostCollectives* collectives,
-                                double* norm);
+  // Wait-for-norm (clipping, fp16) at the end of a window: the global gradient norm of the
+  // accumulators (this rank's sum of squares, all-reduced over `collectives`), not finite
+  // when a gradient of any rank holds inf or NaN (StepCoefficient, loss_scaler.h, decides
+  // from it). REQUIRES: Drain() since the last Reduce.
+  Result<double> GlobalNorm(CpuOptimizer* optimizer, HostCollectives* collectives);
   // The window's optimizer step is taken: the next window starts with no gradients.
   void EndWindow();
   // Clipping: this rank's sum of squares of every accumulator (those on the device summed

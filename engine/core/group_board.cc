@@ -67,6 +67,13 @@ void GroupBoard::SetNormFailed(int64_t step) {
   SetClipCoef(step, std::numeric_limits<float>::quiet_NaN());
 }
 
+void GroupBoard::SetSkipped(int64_t step) {
+  MutexLock lock(&mu_);
+  skipped_.insert(step);
+  clip_coefs_[step] = 1.0f;
+  cv_.NotifyAll();
+}
+
 bool GroupBoard::NormFailed(int64_t step) const {
   MutexLock lock(&mu_);
   auto it = clip_coefs_.find(step);
@@ -85,6 +92,8 @@ void GroupBoard::ResetTo(int64_t step) {
   MutexLock lock(&mu_);
   done_step_ = step;
   for (Group& g : groups_) g.ready_step = g.stepped_step = step;
+  clip_coefs_.clear();  // (verdicts of steps that never finished: those steps will run again)
+  skipped_.clear();
 }
 
 Status GroupBoard::Stop(int64_t drain_to) {
@@ -212,27 +221,32 @@ Result<GroupBoard::GroupReady> GroupBoard::WaitGroupReady(size_t gi, const Optim
   cv_.NotifyAll();  // a trainer waiting for a gradient block re-checks for a deadlock
   // (Landing in pieces: only without clipping, where nothing else is waited for.)
   auto landing = [&] {
-    return allow_partial && !task.clip && g.ready_step < task.step && g.partial >= 0 &&
+    return allow_partial && !task.needs_norm && g.ready_step < task.step && g.partial >= 0 &&
            g.partial_step == task.step && g.partial_landed > 0;
   };
   while (!stopping_ && !landing() &&
          !(g.ready_step >= task.step &&
-           (speculate || !task.clip || clip_coefs_.count(task.step) != 0))) {
+           (speculate || !task.needs_norm || clip_coefs_.count(task.step) != 0))) {
     cv_.Wait(&mu_);
   }
   waiting_group_ = SIZE_MAX;
   if (stopping_) return Status::FailedPrecondition("engine shutting down");
   GroupReady ready;
   ready.partial = landing() ? g.partial : -1;
-  ready.coef_known = !task.clip || clip_coefs_.count(task.step) != 0;
-  ready.coef = task.clip && ready.coef_known ? clip_coefs_[task.step] : 1.0f;
+  ready.coef_known = !task.needs_norm || clip_coefs_.count(task.step) != 0;
+  ready.coef = task.needs_norm && ready.coef_known ? clip_coefs_[task.step] : 1.0f;
   if (std::isnan(ready.coef)) return NormFailedError(task.step);
   ready.with_grad.swap(g.has_grad);
   g.has_grad.assign(layout_->group(gi).params.size(), 0);
+  // A skipped step: no parameter is stepped (the flags are taken all the same).
+  if (ready.coef_known && skipped_.count(task.step) != 0) {
+    ready.with_grad.assign(ready.with_grad.size(), 0);
+  }
   return ready;
 }
 
-Status GroupBoard::Verdict(const OptimizerTask& task, bool wait, float* coef, bool* known) {
+Status GroupBoard::Verdict(const OptimizerTask& task, bool wait, float* coef, bool* known,
+                           bool* skipped) {
   MutexLock lock(&mu_);
   while (wait && !stopping_ && clip_coefs_.count(task.step) == 0) cv_.Wait(&mu_);
   auto it = clip_coefs_.find(task.step);
@@ -241,6 +255,7 @@ Status GroupBoard::Verdict(const OptimizerTask& task, bool wait, float* coef, bo
     return wait ? Status::FailedPrecondition("engine shutting down") : Status::OK();
   }
   *coef = it->second;
+  *skipped = skipped_.count(task.step) != 0;
   return std::isnan(*coef) ? NormFailedError(task.step) : Status::OK();
 }
 
@@ -258,6 +273,7 @@ void GroupBoard::FinishTask(int64_t step, const Status& s) {
   // Sub-groups a failed task did not reach: their accumulators are not needed any more.
   for (Group& g : groups_) g.stepped_step = std::max(g.stepped_step, step);
   clip_coefs_.erase(clip_coefs_.begin(), clip_coefs_.upper_bound(step));
+  skipped_.erase(skipped_.begin(), skipped_.upper_bound(step));
   cv_.NotifyAll();
 }
 

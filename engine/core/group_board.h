@@ -9,6 +9,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -21,10 +22,17 @@ namespace zinf {
 // One optimizer step handed to the optimizer thread.
 struct OptimizerTask {
   int64_t step = 0;
-  bool clip = false;
+  // Its sub-groups wait for the global norm's verdict (SetClipCoef, SetSkipped or
+  // SetNormFailed) before they are stepped for good: with clipping, and with fp16 (the norm
+  // decides overflow).
+  bool needs_norm = false;
   // Every parameter group's hyperparameters for this step (ParamSpec::param_group indexes it),
   // as they were when the step's micro-step started.
   std::vector<ParamGroupHyper> groups;
+  // The coefficient the gradients are multiplied by when the norm neither clips nor overflows:
+  // 1 / the loss scale the window's backward used (fp16), 1 otherwise. A speculative step
+  // uses it.
+  float unscale = 1.0f;
 };
 
 class GroupBoard {
@@ -48,6 +56,10 @@ class GroupBoard {
   // what it stepped speculatively and fails the task.
   void SetClipCoef(int64_t step, float coef) EXCLUDES(mu_);
   void SetNormFailed(int64_t step) EXCLUDES(mu_);
+  // fp16: step `step`'s gradients overflowed (the norm is not finite), so the step is skipped:
+  // every sub-group is stepped as if none of its parameters had a gradient (no state changes;
+  // the parameter stores get the values they hold), and what was speculated is rolled back.
+  void SetSkipped(int64_t step) EXCLUDES(mu_);
   // Whether SetNormFailed(step) was called (the task then steps nothing, and is not a failure
   // of the optimizer: the trainer's Step reports the norm's).
   bool NormFailed(int64_t step) const EXCLUDES(mu_);
@@ -98,9 +110,11 @@ class GroupBoard {
   // After WaitGroupReady gave a partial group: waits until `upto` elements of the parameter
   // landing in pieces are there, or the whole group has landed.
   Status WaitLanded(size_t gi, int64_t step, size_t upto) EXCLUDES(mu_);
-  // The verdict of a clipped task: with `wait`, waits for it; without, *known says whether it
-  // is there. Fails when the norm failed or the board stops.
-  Status Verdict(const OptimizerTask& task, bool wait, float* coef, bool* known) EXCLUDES(mu_);
+  // The verdict of a task that needs the norm: with `wait`, waits for it; without, *known says
+  // whether it is there; *skipped whether the step is skipped (SetSkipped; *coef is then 1).
+  // Fails when the norm failed or the board stops.
+  Status Verdict(const OptimizerTask& task, bool wait, float* coef, bool* known, bool* skipped)
+      EXCLUDES(mu_);
   void MarkStepped(size_t gi, int64_t step) EXCLUDES(mu_);
   // The task is done (`s`: its result); sub-groups it did not reach count as stepped.
   void FinishTask(int64_t step, const Status& s) EXCLUDES(mu_);
@@ -132,6 +146,7 @@ class GroupBoard {
   int64_t done_step_ GUARDED_BY(mu_) = 0;                // the last task the optimizer finished
   Status optimizer_status_ GUARDED_BY(mu_);              // the first failure of any task (sticky)
   std::map<int64_t, float> clip_coefs_ GUARDED_BY(mu_);  // NaN: the norm failed
+  std::set<int64_t> skipped_ GUARDED_BY(mu_);            // SetSkipped (in clip_coefs_ too)
   bool stopping_ GUARDED_BY(mu_) = false;
   uint64_t grad_releases_ GUARDED_BY(mu_) = 0;  // accumulator blocks freed so far (progress)
   // The sub-group whose gradients the optimizer waits for (SIZE_MAX: none), and for which

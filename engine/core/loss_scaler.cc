@@ -6,6 +6,17 @@
 
 namespace zinf {
 
+LossScaleSettings LossScaleSettingsOf(const Fp16Config& fp16) {
+  LossScaleSettings s;
+  s.static_scale = fp16.loss_scale;
+  s.initial_scale_power = fp16.initial_scale_power;
+  s.window = fp16.loss_scale_window;
+  s.hysteresis = fp16.hysteresis;
+  s.consecutive_hysteresis = fp16.consecutive_hysteresis;
+  s.min_scale = fp16.min_loss_scale;
+  return s;
+}
+
 LossScaler::LossScaler(const LossScaleSettings& settings) : settings_(settings) {
   state_.scale =
       dynamic() ? std::ldexp(1.0, settings_.initial_scale_power) : settings_.static_scale;
@@ -64,7 +75,45 @@ Status LossScaler::Restore(const State& state) {
                                    std::to_string(state.iteration));
   }
   state_ = state;
+  // A static scale is the config's, whatever the saved run used (its counts go on).
+  if (!dynamic()) state_.scale = settings_.static_scale;
   return Status::OK();
+}
+
+NormVerdict StepCoefficient(double norm, double clip, double scale) {
+  NormVerdict v;
+  v.finite = std::isfinite(norm);
+  v.norm = norm / scale;
+  if (!v.finite) return v;
+  if (scale == 1.0) {
+    // (Written so that without fp16 the coefficient is the one clipping always computed.)
+    v.coef = clip > 0 && norm > clip ? static_cast<float>(clip / (norm + 1e-6)) : 1.0f;
+    return v;
+  }
+  const double clipped = clip > 0 && v.norm > clip ? clip / (v.norm + 1e-6) : 1.0;
+  v.coef = static_cast<float>(clipped / scale);
+  return v;
+}
+
+CheckpointLossScale RecordOf(const LossScaler::State& state) {
+  CheckpointLossScale l;
+  l.scale = state.scale;
+  l.iteration = state.iteration;
+  l.last_overflow = state.last_overflow;
+  l.hysteresis_left = state.hysteresis_left;
+  l.skipped_steps = state.skipped_steps;
+  return l;
+}
+
+LossScaler::State ScalerStateOf(const CheckpointLossScale& record) {
+  LossScaler::State s;
+  s.scale = record.scale;
+  s.iteration = record.iteration;
+  s.last_overflow = record.last_overflow;
+  // (Beyond int's range is beyond the scaler's too: Restore refuses it.)
+  s.hysteresis_left = static_cast<int>(std::clamp<int64_t>(record.hysteresis_left, -1, INT32_MAX));
+  s.skipped_steps = record.skipped_steps;
+  return s;
 }
 
 }  // namespace zinf

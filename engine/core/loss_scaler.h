@@ -14,6 +14,8 @@
 
 #include <cstdint>
 
+#include "formats/checkpoint_format.h"
+#include "zinf/config.h"
 #include "zinf/status.h"
 
 namespace zinf {
@@ -26,6 +28,21 @@ struct LossScaleSettings {
   bool consecutive_hysteresis = false;
   double min_scale = 1;
 };
+
+// The verdict of a window's global gradient norm `norm`, taken over the gradients as they were
+// accumulated (multiplied by the loss scale `scale` with fp16; scale 1 otherwise), with
+// gradient clipping at `clip` (0: off).
+struct NormVerdict {
+  bool finite = true;  // false: a gradient overflowed (fp16: the step is skipped)
+  double norm = 0;     // the norm of the unscaled gradients (norm / scale)
+  // What the optimizer multiplies the accumulated gradients by: min(1, clip / (norm + 1e-6))
+  // / scale, as DeepSpeed unscales and clips in one factor.
+  float coef = 1.0f;
+};
+NormVerdict StepCoefficient(double norm, double clip, double scale);
+
+// The settings of a config's "fp16" block.
+LossScaleSettings LossScaleSettingsOf(const Fp16Config& fp16);
 
 class LossScaler {
  public:
@@ -55,8 +72,12 @@ class LossScaler {
   Status Restore(const State& state);
 
  private:
-  const LossScaleSettings settings_;
+  LossScaleSettings settings_;
   State state_;
 };
+
+// A state as checkpoints and durable commits record it, and back.
+CheckpointLossScale RecordOf(const LossScaler::State& state);
+LossScaler::State ScalerStateOf(const CheckpointLossScale& record);
 
 }  // namespace zinf

@@ -82,7 +82,7 @@ uint64_t PlanOptimizerPools(const Layout& layout, const EngineConfig& config,
   } else if (groups.kept_on_device > 0 && !device_is_host) {
     plan->state_blocks = 1;  // initialising device states
   }
-  const bool copies = config.bf16;
+  const bool copies = StoredParamType(config) != ParamCopyType::kNone;
   plan->copy_block_bytes = groups.max_group * 2;
   plan->copy_blocks = copies ? buffers : 0;
   return plan->state_blocks * plan->state_block_bytes +
@@ -121,13 +121,13 @@ void PlanGradientAccumulators(const EngineConfig& config, const GroupTotals& gro
 // *plan (after PlanOptimizerPools: an NVMe state block bounds the snapshot block from below).
 void PlanSpeculation(const EngineConfig& config, const GroupTotals& groups, bool device_is_host,
                      PinnedPlan* plan) {
-  // Speculation acts only where the optimizer waits for the norm: with clipping. "auto": with
-  // the states in CPU memory, on a GPU. With NVMe states it moves their reads and writes into
+  // Speculation acts only where the optimizer waits for the norm: with clipping or fp16. "auto":
+  // with the states in CPU memory, on a GPU. With NVMe states it moves their reads and writes into
   // the backward, where they compete with its parameter fetches (slower on the 3.15B run); on
   // the host device the backward and its copies run on the cores speculation would use, and
   // its snapshots cost more than waiting saves (bench/RESULTS.md, issue 31).
   plan->speculation_wanted =
-      config.gradient_clipping > 0 && groups.cpu_stepped > 0 &&
+      (config.gradient_clipping > 0 || config.fp16.enabled) && groups.cpu_stepped > 0 &&
       (config.speculative_step == SpeculativeStep::kOn ||
        (config.speculative_step == SpeculativeStep::kAuto && !device_is_host &&
         config.offload_optimizer.tier == Tier::kCpu && config.offload_optimizer.ratio > 0));
@@ -275,7 +275,8 @@ Result<uint64_t> PinnedBytesNeeded(const EngineConfig& config, const std::vector
   if (world_size < 1) return Status::InvalidArgument("PinnedBytesNeeded: world_size must be >= 1");
   // The layout the engine builds for these parameters (Engine::Impl and RegisterParameter),
   // planned under an unlimited budget: what the plan takes is what the budget must hold.
-  Layout layout(world_size, config.bf16 ? 2 : 4, config.optimizer_state_type, config.frozen_int8);
+  Layout layout(world_size, StoredParamBytes(config), config.optimizer_state_type,
+                config.frozen_int8);
   for (const ParamSpec& spec : params) {
     ZINF_ASSIGN_OR_RETURN(ParamLayout p, layout.Describe(spec.name, spec.shape, spec.trainable,
                                                          config.param_persistence_threshold));
@@ -405,7 +406,7 @@ uint64_t NvmeBytesNeeded(const EngineConfig& c, uint64_t params, uint64_t frozen
   // In 128 bits: a count beyond any disk must not wrap into one that fits.
   unsigned __int128 need = 0;
   const unsigned __int128 n = params;
-  const unsigned __int128 param_bytes = n * (c.bf16 ? 2 : 4);
+  const unsigned __int128 param_bytes = n * StoredParamBytes(c);
   if (c.offload_param.tier == Tier::kNvme) need += param_bytes;
   if (c.offload_optimizer.tier == Tier::kNvme) {
     // The fp32 master and two states as stored (12 bytes with fp32 states, 8 bf16, ~6 int8).
@@ -421,7 +422,7 @@ uint64_t NvmeBytesNeeded(const EngineConfig& c, uint64_t params, uint64_t frozen
     constexpr size_t kN = size_t{1} << 20;
     need += c.frozen_int8
                 ? static_cast<unsigned __int128>(frozen) * StateBytes(StateType::kInt8, kN) / kN
-                : static_cast<unsigned __int128>(frozen) * (c.bf16 ? 2 : 4);
+                : static_cast<unsigned __int128>(frozen) * StoredParamBytes(c);
   }
   need += need / 50;  // alignment and padding
   return need > UINT64_MAX ? UINT64_MAX : static_cast<uint64_t>(need);

@@ -205,7 +205,8 @@ Status Checkpointer::WriteRankFiles(const std::string& incoming, StateStore* sta
 }
 
 Status Checkpointer::Save(const std::string& dir, const std::string& user_data, int64_t step,
-                          StateStore* states, const std::vector<uint64_t>& hashes) {
+                          const std::optional<CheckpointLossScale>& loss_scale, StateStore* states,
+                          const std::vector<uint64_t>& hashes) {
   const std::string incoming = dir + "/" + checkpoint_folder::kIncoming;
   // Rank 0 makes sure of the folder (created 0700, writable, locked) and prepares an empty
   // staging folder.
@@ -222,6 +223,7 @@ Status Checkpointer::Save(const std::string& dir, const std::string& user_data, 
   man.state_dtype = StateTypeName(layout_->state_type());
   man.states_file = "rank" + std::to_string(rank_) + ".states";
   man.user_data = user_data;
+  man.loss_scale = loss_scale;
   local = WriteRankFiles(incoming, states, hashes, &man);
   ZINF_RETURN_IF_ERROR(collectives_->Agree(local, "SaveCheckpoint"));
   CrashPoint("checkpoint.files");
@@ -447,6 +449,7 @@ void Checkpointer::SynthesizeManifest(CheckpointReader* reader) const {
   man.step = first.step;
   man.optimizer = first.optimizer;
   man.state_dtype = first.state_dtype;
+  man.loss_scale = first.loss_scale;
   // The trainer's own data (a client_state, its data position): each rank's own where that
   // rank saved one, rank 0's for ranks the saving run did not have.
   man.user_data = static_cast<size_t>(rank_) < reader->saved_.size()

@@ -79,11 +79,12 @@ class Checkpointer {
     auto it = locks_.find(dir);
     return it != locks_.end() && it->second != nullptr && it->second->exclusive();
   }
-  // Writes the states of every sub-group of `states` as step `step`. A collective; the
-  // optimizer must be idle.
+  // Writes the states of every sub-group of `states` as step `step` (with `loss_scale`, an
+  // fp16 engine's scaler). A collective; the optimizer must be idle.
   // Frozen parameters are recorded by `hashes` (ParamStore::value_hashes), not written.
   Status Save(const std::string& dir, const std::string& user_data, int64_t step,
-              StateStore* states, const std::vector<uint64_t>& hashes);
+              const std::optional<CheckpointLossScale>& loss_scale, StateStore* states,
+              const std::vector<uint64_t>& hashes);
   // Finds the checkpoint to load (the newest, or with `fall_back_to_older` the newest readable
   // one) and validates it in full. A collective; nothing changes.
   // A checkpoint whose frozen tensors were other values than `hashes` (this engine's) is

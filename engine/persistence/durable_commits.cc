@@ -11,7 +11,7 @@
 namespace zinf {
 
 namespace {
-const char* StorageName(const EngineConfig& c) { return c.bf16 ? "bf16" : "fp32"; }
+const char* StorageName(const EngineConfig& c) { return StoredParamName(c); }
 
 // The FailedPrecondition of a store that another model or configuration wrote.
 Status StoreMismatch(const std::string& what) {
@@ -105,6 +105,16 @@ Status ReadCommitPoint(const nlohmann::json& j, const nlohmann::json& ps,
   out->lineage = j.value("lineage", uint64_t{0});
   out->param_keys = j.at("param_tier").get<std::string>() == "nvme";
   out->user_data = j.value("user_data", std::string());
+  if (j.contains("loss_scale")) {
+    const nlohmann::json& l = j.at("loss_scale");
+    CheckpointLossScale s;
+    s.scale = l.at(0).get<double>();
+    s.iteration = l.at(1).get<uint64_t>();
+    s.last_overflow = l.at(2).get<int64_t>();
+    s.hysteresis_left = l.at(3).get<int64_t>();
+    s.skipped_steps = l.at(4).get<uint64_t>();
+    out->loss_scale = s;
+  }
   if (out->step < 0) return StoreMismatch("negative step");
   if (out->visible > out->step || out->visible < out->step - 1 || out->visible < 0) {
     return StoreMismatch("parameter version " + std::to_string(out->visible) + " at step " +
@@ -135,8 +145,8 @@ Status ReadCommitPoint(const nlohmann::json& j, const nlohmann::json& ps,
 
 std::string CommitRecord::Meta(int64_t at_step, int64_t at_visible, uint64_t lineage,
                                const std::vector<int64_t>& updates,
-                               const std::vector<uint64_t>& hashes,
-                               const std::string& user_data) const {
+                               const std::vector<uint64_t>& hashes, const std::string& user_data,
+                               const std::optional<CheckpointLossScale>& loss_scale) const {
   nlohmann::json j;
   j["format"] = "zinf-durable-1";
   j["step"] = at_step;
@@ -159,6 +169,10 @@ std::string CommitRecord::Meta(int64_t at_step, int64_t at_visible, uint64_t lin
   }
   j["params"] = ps;
   if (!user_data.empty()) j["user_data"] = user_data;
+  if (loss_scale.has_value()) {
+    j["loss_scale"] = {loss_scale->scale, loss_scale->iteration, loss_scale->last_overflow,
+                       loss_scale->hysteresis_left, loss_scale->skipped_steps};
+  }
   return j.dump();
 }
 
@@ -187,10 +201,26 @@ Status DurableCommits::Commit(int64_t at_step, int64_t at_visible) {
   if (!config_->durable) return Status::OK();
   std::vector<int64_t> updates(record_.num_params());
   for (ParamId id = 0; id < updates.size(); ++id) updates[id] = states_->updates(id);
+  std::optional<CheckpointLossScale> loss_scale;
+  {
+    MutexLock lock(&mu_);
+    auto it = loss_scales_.upper_bound(at_step);
+    if (it != loss_scales_.begin()) {
+      loss_scale = std::prev(it)->second;
+      loss_scales_.erase(loss_scales_.begin(), std::prev(it));  // (older ones are not needed)
+    }
+  }
   return swap_
-      ->Commit(
-          record_.Meta(at_step, at_visible, lineage_, updates, params_->value_hashes(), user_data_))
+      ->Commit(record_.Meta(at_step, at_visible, lineage_, updates, params_->value_hashes(),
+                            user_data_, loss_scale))
       .WithContext("committing the durable swap store at step " + std::to_string(at_step));
+}
+
+void DurableCommits::RecordLossScale(int64_t step, const CheckpointLossScale& state) {
+  MutexLock lock(&mu_);
+  // (Records after `step` are of a history a load or resume left.)
+  loss_scales_.erase(loss_scales_.upper_bound(step), loss_scales_.end());
+  loss_scales_[step] = state;
 }
 
 void DurableCommits::NewLineage(int64_t step) {

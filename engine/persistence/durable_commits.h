@@ -4,14 +4,18 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "common/thread_annotations.h"
 #include "engine/core/engine_context.h"
 #include "engine/core/host_collectives.h"
 #include "engine/core/layout.h"
 #include "engine/core/param_store.h"
 #include "engine/core/state_store.h"
+#include "formats/checkpoint_format.h"
 #include "zinf/config.h"
 #include "zinf/swap.h"
 
@@ -42,7 +46,8 @@ class CommitRecord {
   // `hashes`: each frozen parameter's value hash (ParamStore::value_hash; 0 for trainable).
   std::string Meta(int64_t at_step, int64_t at_visible, uint64_t lineage,
                    const std::vector<int64_t>& updates, const std::vector<uint64_t>& hashes,
-                   const std::string& user_data) const;
+                   const std::string& user_data,
+                   const std::optional<CheckpointLossScale>& loss_scale) const;
   // What the commit `meta` holds, checked against this engine's layout and configuration.
   struct Point {
     int64_t step = 0;
@@ -53,7 +58,8 @@ class CommitRecord {
     // Each frozen parameter's value hash as committed (0: trainable, or a commit from before
     // frozen parameters were recorded); the resume compares it with the values registered.
     std::vector<uint64_t> frozen_hashes;
-    std::string user_data;  // the trainer's record (SetCommitUserData)
+    std::string user_data;                          // the trainer's record (SetCommitUserData)
+    std::optional<CheckpointLossScale> loss_scale;  // an fp16 engine's scaler after the step
   };
   Status Check(const std::string& meta, Point* point) const;
 
@@ -104,6 +110,11 @@ class DurableCommits {
   void NewLineage(int64_t step);
   // The trainer's text recorded with every commit (Engine::SetCommitUserData).
   void set_user_data(std::string text) { user_data_ = std::move(text); }
+  // fp16: the loss scaler's state after step `step`'s update (the trainer thread, at its
+  // boundary Step), recorded with the commit of that step, which with the delayed update the
+  // optimizer thread makes after the trainer has gone on to update the scaler again. A commit
+  // records the latest state recorded at or before its step.
+  void RecordLossScale(int64_t step, const CheckpointLossScale& state) EXCLUDES(mu_);
 
  private:
   const CommitRecord record_;
@@ -113,6 +124,8 @@ class DurableCommits {
   SwapStore* const swap_;
   uint64_t lineage_ = 0;
   std::string user_data_;
+  Mutex mu_;
+  std::map<int64_t, CheckpointLossScale> loss_scales_ GUARDED_BY(mu_);
 };
 
 }  // namespace zinf

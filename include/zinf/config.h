@@ -160,6 +160,29 @@ struct EngineConfig {
   std::vector<std::string> allowed_nvme_roots;
 };
 
+// The dtype the engine stores parameters in (their stores, fetches and the copies the optimizer
+// writes): bf16 (bf16.enabled), fp16 (fp16.enabled) or fp32 (kNone). The masters stay fp32.
+inline ParamCopyType StoredParamType(const EngineConfig& c) {
+  if (c.bf16) return ParamCopyType::kBf16;
+  return c.fp16.enabled ? ParamCopyType::kF16 : ParamCopyType::kNone;
+}
+// "bf16", "fp16" or "fp32".
+inline const char* StoredParamName(const EngineConfig& c) {
+  switch (StoredParamType(c)) {
+    case ParamCopyType::kBf16:
+      return "bf16";
+    case ParamCopyType::kF16:
+      return "fp16";
+    case ParamCopyType::kNone:
+      break;
+  }
+  return "fp32";
+}
+// Bytes per stored parameter element: 2 (bf16, fp16) or 4.
+inline size_t StoredParamBytes(const EngineConfig& c) {
+  return StoredParamType(c) == ParamCopyType::kNone ? 4 : 2;
+}
+
 // Calls visit(name, value) for every EngineConfig field, in declaration order, so that a front
 // end (the Python module's parse_config) reports them all without copying field by field.
 // Names are the config's keys: DeepSpeed's by their path ("zero_optimization.offload_param.

@@ -232,6 +232,10 @@ uint16_t Fp32ToBf16(float value);
 float Bf16ToFp32(uint16_t value);
 uint16_t Fp32ToFp16(float value);
 float Fp16ToFp32(uint16_t value);
+// A stored 16-bit parameter (ParamCopyType kBf16 or kF16) as fp32, and an fp32 value rounded
+// to it as the step's param_copy rounds (kNone is not a 16-bit type: NaN / 0xFFFF).
+float ParamCopyToFp32(ParamCopyType type, uint16_t value);
+uint16_t Fp32ToParamCopy(ParamCopyType type, float value);
 
 // memcpy with non-temporal stores (SSE2): past an unaligned head of under 16 bytes and up to a
 // tail of under 64, the copy neither reads the destination's cache lines first nor leaves them
@@ -249,6 +253,8 @@ Status QuantizeWeightsInt8(const float* src, size_t n, void* dst);
 // Decodes into fp32, or into bf16 (the fp32 value rounded as Fp32ToBf16 rounds).
 void DequantizeWeightsInt8(const void* src, size_t n, float* dst);
 void DequantizeWeightsInt8Bf16(const void* src, size_t n, uint16_t* dst);
+// Into fp16: the fp32 value rounded as Fp32ToFp16 rounds.
+void DequantizeWeightsInt8F16(const void* src, size_t n, uint16_t* dst);
 
 // Sum of squares of a gradient buffer (accumulated in double) and whether it holds an inf or
 // a NaN: the inputs of gradient-norm clipping and of the fp16 overflow check, in one pass.

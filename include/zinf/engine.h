@@ -86,9 +86,10 @@ class Engine {
 
   // Full parameters on the device, in the order given. Compute on the device's compute stream
   // after this call sees their data (for HostDevice: the data is there when it returns).
-  // Pointers stay valid until the matching Release. Element type: fp32, or bf16 (uint16_t)
-  // when config.bf16. A parameter still acquired from before an optimizer step that changed it
-  // is refused (FailedPrecondition): release it first, its memory holds the old version.
+  // Pointers stay valid until the matching Release. Element type: fp32, or bf16 / fp16
+  // (uint16_t) when config.bf16 / config.fp16.enabled. A parameter still acquired from before an
+  // optimizer step that changed it is refused (FailedPrecondition): release it first, its memory
+  // holds the old version.
   Result<std::vector<void*>> Acquire(const std::vector<ParamId>& params,
                                      AcquireMode mode = AcquireMode::kTraining);
   // All or nothing for the list: an id not acquired (as many times as listed) is refused
@@ -240,6 +241,16 @@ class Engine {
   ParamGroupHyper param_group(size_t group) const;  // REQUIRES: group < num_param_groups()
 
   int64_t global_step() const;
+  // fp16 (config.fp16.enabled): the loss scale the trainer multiplies the loss (or its
+  // gradient) by before the backward of the micro-steps until the next boundary Step (which
+  // divides the gradients by it, and updates it); 1 without fp16. Gradients handed to
+  // ReduceGradient are then the scaled ones: an inf or NaN in any of them, on any rank, skips
+  // the whole optimizer step (no parameter, state or update count changes; global_step()
+  // still advances, as DeepSpeed's global_steps does) and lowers a dynamic scale.
+  double loss_scale() const;
+  // The optimizer steps skipped so far for an fp16 overflow (restored by LoadCheckpoint and
+  // ResumeFromStore); 0 without fp16.
+  uint64_t skipped_steps() const;
   int rank() const;        // this rank (the communicator's)
   int world_size() const;  // ranks in all
   size_t num_params() const;

@@ -116,6 +116,11 @@ struct StepStats {
   // it piece by piece as it landed (one rank on the host device, at a window's end, without
   // clipping: GradientWindow's inline copy).
   uint64_t landing_groups = 0;
+  // fp16 (EngineConfig::fp16): the loss scale the next micro-steps' backward uses (1 without
+  // fp16), and the optimizer steps skipped so far because a gradient overflowed (inf or NaN
+  // under the scale); a skipped step changes no parameter or state.
+  double loss_scale = 1;
+  uint64_t skipped_steps = 0;
 };
 
 // Calls visit(name, value) for every StepStats field, in declaration order, so that a front end
@@ -151,11 +156,13 @@ void VisitStepStats(const StepStats& s, Visit&& visit) {
   visit("rolled_back_groups", s.rolled_back_groups);
   visit("speculation_redo_seconds", s.speculation_redo_seconds);
   visit("landing_groups", s.landing_groups);
+  visit("loss_scale", s.loss_scale);
+  visit("skipped_steps", s.skipped_steps);
 }
 
 #ifdef ZINF_HAS_FIELD_COUNT_CHECK
-// VisitStepStats visits 29 fields: a field added to StepStats without a visit fails here.
-static_assert(HasFields<StepStats, 29>,
+// VisitStepStats visits 31 fields: a field added to StepStats without a visit fails here.
+static_assert(HasFields<StepStats, 31>,
               "StepStats gained or lost a field: update VisitStepStats and this count");
 #endif
 

@@ -167,6 +167,13 @@ int zinf_engine_register_in_group(zinf_engine* engine, const char* name, const i
 /* Optimizer steps taken (after a resume: the step resumed at); -1 for a NULL engine. */
 int64_t zinf_engine_global_step(const zinf_engine* engine);
 
+/* fp16 ("fp16": {"enabled": true}): the loss scale to multiply the loss's gradient by before
+ * the backward (the engine divides the gradients by it at the step, and skips a step whose
+ * gradients hold inf or NaN on any rank), and the steps skipped so far (Engine::loss_scale,
+ * skipped_steps). 1 and 0 without fp16; -1 for a NULL engine. */
+double zinf_engine_loss_scale(const zinf_engine* engine);
+int64_t zinf_engine_skipped_steps(const zinf_engine* engine);
+
 /* Checkpoints (Engine::SaveCheckpoint / LoadCheckpoint), between optimizer steps.
  * `user_data`: a NUL-terminated text stored with the checkpoint (NULL: none). On load,
  * `user_data` (may be NULL) receives up to capacity - 1 bytes of it, NUL-terminated, and

@@ -93,6 +93,13 @@ PyEngine::PyEngine(const std::string& config_json, const std::string& device, in
   } else {
     Throw(Status::InvalidArgument("device '" + device + "': cpu or cuda"));
   }
+  if (config.fp16.enabled) {
+    // (The engine trains fp16; the Python layer does not scale the loss yet, and its
+    // parameters would be torch.float16 tensors, which torch's CPU kernels mostly refuse.)
+    Throw(Status::NotSupported(
+        "fp16.enabled: zinf's Python package does not train in fp16 yet (the C++ engine, "
+        "zinf-train --fp16 and the C API do); use \"bf16\": {\"enabled\": true}"));
+  }
   core_->engine = Take(Engine::Create(config, core_->device.get(), core_->comms[0].get()));
 }
 
