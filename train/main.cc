@@ -102,6 +102,10 @@ int main(int argc, char** argv) {
   app.add_option("--device-budget", f.device_budget, "device memory budget, e.g. 4G");
   app.add_option("--pinned-budget", f.pinned_budget, "pinned host memory budget, e.g. 2G");
   app.add_flag("--fp32", f.fp32, "store parameters in fp32 (default bf16 with fp32 masters)");
+  app.add_flag("--fp16", f.fp16,
+               "store parameters in fp16 with fp32 masters and dynamic loss scaling (V100s: no "
+               "bf16); the config's \"fp16\" block sets the scale's schedule; overflowing steps "
+               "are skipped (the JSON line's skipped_steps, loss_scale)");
   app.add_flag("--durable", f.durable,
                "commit the NVMe swap store after every step, so that --resume continues from "
                "it after a crash without a checkpoint copy (needs optimizer states on NVMe, and "

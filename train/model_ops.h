@@ -54,6 +54,10 @@ class ModelOps {
   virtual void Zero(float* p, size_t n) = 0;
   virtual void Copy(float* dst, const float* src, size_t n) = 0;
   virtual void Bf16ToFp32(float* dst, const uint16_t* src, size_t n) = 0;
+  virtual void F16ToFp32(float* dst, const uint16_t* src, size_t n) = 0;
+  // x[i] rounded to fp16 and widened back (IEEE nearest even; inf beyond fp16's range): the
+  // values an fp16 model's gradient holds (fp16 storage: engine's fp16.enabled).
+  virtual void RoundToF16(float* x, size_t n) = 0;
 
   virtual void EncoderForward(float* out, const int32_t* tokens, const float* wte, const float* wpe,
                               int B, int T, int C) = 0;

@@ -94,6 +94,13 @@ __device__ float WarpMax(float v) {
 __global__ void Bf16ToF32Kernel(float* dst, const uint16_t* src, size_t n) {
   ZINF_GRID_LOOP(i, n) dst[i] = cuda_internal::Bf16ToF32(src[i]);
 }
+__global__ void F16ToF32Kernel(float* dst, const uint16_t* src, size_t n) {
+  ZINF_GRID_LOOP(i, n) dst[i] = cuda_internal::F16ToF32(src[i]);
+}
+// x rounded to fp16 and back (inf past fp16's range): the gradient an fp16 model produces.
+__global__ void RoundToF16Kernel(float* x, size_t n) {
+  ZINF_GRID_LOOP(i, n) x[i] = cuda_internal::F16ToF32(cuda_internal::F32ToF16(x[i]));
+}
 __global__ void F32ToBf16Kernel(__nv_bfloat16* dst, const float* src, size_t n) {
   uint16_t* bits = reinterpret_cast<uint16_t*>(dst);
   ZINF_GRID_LOOP(i, n) bits[i] = cuda_internal::F32ToBf16(src[i]);
@@ -482,6 +489,14 @@ class CudaModelOps final : public ModelOps {
   void Bf16ToFp32(float* dst, const uint16_t* src, size_t n) override {
     Enter();
     if (n > 0) Bf16ToF32Kernel<<<GridFor(n), kThreads, 0, stream_>>>(dst, src, n);
+  }
+  void F16ToFp32(float* dst, const uint16_t* src, size_t n) override {
+    Enter();
+    if (n > 0) F16ToF32Kernel<<<GridFor(n), kThreads, 0, stream_>>>(dst, src, n);
+  }
+  void RoundToF16(float* x, size_t n) override {
+    Enter();
+    if (n > 0) RoundToF16Kernel<<<GridFor(n), kThreads, 0, stream_>>>(x, n);
   }
 
   void EncoderForward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int B,

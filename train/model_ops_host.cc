@@ -8,6 +8,7 @@
 
 #include "train/kernels.h"
 #include "train/model_ops.h"
+#include "zinf/cpu_adam.h"
 
 namespace zinf::train {
 namespace {
@@ -31,6 +32,12 @@ class HostModelOps final : public ModelOps {
   void Copy(float* dst, const float* src, size_t n) override { std::copy(src, src + n, dst); }
   void Bf16ToFp32(float* dst, const uint16_t* src, size_t n) override {
     train::Bf16ToFp32(dst, src, n);
+  }
+  void F16ToFp32(float* dst, const uint16_t* src, size_t n) override {
+    for (size_t i = 0; i < n; ++i) dst[i] = zinf::Fp16ToFp32(src[i]);
+  }
+  void RoundToF16(float* x, size_t n) override {
+    for (size_t i = 0; i < n; ++i) x[i] = zinf::Fp16ToFp32(zinf::Fp32ToFp16(x[i]));
   }
 
   void EncoderForward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int B,

@@ -28,7 +28,7 @@ class StagedTransfer final : public ParamTransfer {
   StagedTransfer(Engine* engine, Device* device, size_t staging_bytes, void* device_grad)
       : engine_(engine),
         device_(device),
-        elem_bytes_(engine->config().bf16 ? 2 : 4),
+        elem_bytes_(StoredParamBytes(engine->config())),
         staged_(staging_bytes),
         device_grad_(device_grad) {}
   ~StagedTransfer() override { device_->Free(device_grad_); }
@@ -64,7 +64,7 @@ class StagedTransfer final : public ParamTransfer {
  private:
   Engine* const engine_;
   Device* const device_;
-  const size_t elem_bytes_;      // of a stored parameter: bf16 or fp32
+  const size_t elem_bytes_;      // of a stored parameter: bf16, fp16 or fp32
   std::vector<uint8_t> staged_;  // the acquired group's host copies
   void* const device_grad_;      // one gradient in device memory; owned
 };

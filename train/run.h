@@ -45,6 +45,7 @@ struct Flags {
   bool json = false;
   int log_every = 0;  // 0: about 40 lines per run
   bool fp32 = false;
+  bool fp16 = false;
   uint64_t delayed_update_after = 0;
   bool durable = false;
   bool overwrite = false;

@@ -39,6 +39,8 @@ struct TrainLog {
   double loss_first = 0, loss_last = 0;
   uint64_t read_bytes = 0, write_bytes = 0;
   uint64_t speculated = 0, kept = 0, redone = 0;  // speculative sub-group steps
+  double loss_scale = 1;                          // fp16: the scale after the last step
+  uint64_t skipped_steps = 0;                     // fp16: steps skipped for overflow so far
   double total_seconds = 0;
 };
 
@@ -148,6 +150,8 @@ class TrainingLoop {
       agg->speculated_groups += st.speculated_groups;
       agg->kept_groups += st.kept_groups;
       agg->redone_groups += st.redone_groups;
+      agg->loss_scale = st.loss_scale;  // (after the step's last micro-step)
+      agg->skipped_steps = st.skipped_steps;
     }
     return 0;
   }
@@ -168,6 +172,15 @@ class TrainingLoop {
     ZINF_RETURN_IF_ERROR(device_->CopyDeviceToHost(parts, loss_buf_, sizeof(parts), s));
     ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(s));
     return (static_cast<double>(parts[0]) + parts[1]) / world_;
+  }
+
+  // fp16: "  scale S skipped N" for the progress line ("" otherwise).
+  std::string Fp16Note(const StepStats& agg) const {
+    if (!plan_.config.fp16.enabled) return "";
+    char note[64];
+    std::snprintf(note, sizeof(note), "  scale %g skipped %llu", agg.loss_scale,
+                  static_cast<unsigned long long>(agg.skipped_steps));
+    return note;
   }
 
   // Adds the step to the log and prints its progress line: kept every --log-every steps and
@@ -191,16 +204,18 @@ class TrainingLoop {
     log->speculated += agg.speculated_groups;
     log->kept += agg.kept_groups;
     log->redone += agg.redone_groups;
+    log->loss_scale = agg.loss_scale;
+    log->skipped_steps = agg.skipped_steps;
     log->total_seconds += secs;
     const bool keep = (step + 1) % log_every_ == 0 || step == first_step_ || step + 1 == f_.steps;
     if (keep || tty_) {
       std::fprintf(out,
                    "%sstep %5" PRId64
                    "/%d  loss %.4f  %8.0f tok/s  %.3f TFLOPS  nvme r %.2f w %.2f "
-                   "GB/s  overlap %.2f  stall %.2f s  state %.2f B/param%s",
+                   "GB/s  overlap %.2f  stall %.2f s  state %.2f B/param%s%s",
                    tty_ ? "\r" : "", r.step, f_.steps, r.loss, r.tokens_per_s, r.tflops,
                    r.read_gbps, r.write_gbps, r.overlap, r.stall, state_bytes_per_param_,
-                   keep ? "\n" : "");
+                   Fp16Note(agg).c_str(), keep ? "\n" : "");
       std::fflush(out);
     }
   }
@@ -310,6 +325,10 @@ int Report(const Flags& f, const RunPlan& plan, GptTrainer* trainer, int64_t fir
       {"optimizer_tier", TierName(plan.config.offload_optimizer.tier)},
       {"optimizer_state_dtype", StateTypeName(plan.config.optimizer_state_type)},
       {"state_bytes_per_param", StateBytesPerParam(plan.config)},
+      {"param_dtype", StoredParamName(plan.config)},
+      // fp16: the loss scale after the last step and the steps skipped for overflow.
+      {"loss_scale", log.loss_scale},
+      {"skipped_steps", log.skipped_steps},
       {"ranks", world},
   };
   nlohmann::json losses = nlohmann::json::array();

@@ -60,7 +60,17 @@ Result<EngineConfig> BuildConfig(const Flags& f) {
     c.sub_group_size = 4'000'000;
     c.pinned_budget_bytes = 1ull << 30;
   }
-  if (f.fp32) c.bf16 = false;
+  if (f.fp32 && f.fp16) return Status::InvalidArgument("--fp32 and --fp16: pick one");
+  if (f.fp32) {
+    c.bf16 = false;
+    c.fp16.enabled = false;
+  }
+  if (f.fp16) {
+    // fp16 parameters with fp32 masters and dynamic loss scaling (the config's "fp16" block
+    // settings when it has one, else DeepSpeed's defaults).
+    c.bf16 = false;
+    c.fp16.enabled = true;
+  }
   ZINF_RETURN_IF_ERROR(ApplyEngineFlags(f.engine, &c));
   if (f.engine.nvme.empty()) {
     // The config's folders (both tiers'), or ./zinf-swap.
@@ -230,7 +240,8 @@ int OpenDevice(const Flags& f, const RunPlan& plan, Runtime* rank) {
     o.cuda_ordinal = o.group.local_rank;  // one GPU per process of a machine
     // The trainer's own device memory (activations, one layer's gradients, scratch), which the
     // engine does not plan.
-    const size_t trainer = GptTrainer::DeviceBytes(plan.model, f.batch, f.seq, plan.config.bf16);
+    const size_t trainer =
+        GptTrainer::DeviceBytes(plan.model, f.batch, f.seq, StoredParamBytes(plan.config) == 2);
     if (trainer > (size_t{1} << 56)) {
       std::fprintf(stderr,
                    "zinf-train: the trainer's activations for --batch %d x --seq %d are larger "
@@ -259,7 +270,7 @@ void PrintBanner(const Flags& f, const RunPlan& plan) {
       "batch %d x seq %d, %d steps\n",
       model.name.c_str(), model.layers, model.d_model, model.heads,
       std::to_string(plan.params).c_str(), plan.params / 1e9, TierName(config.offload_param.tier),
-      config.bf16 ? "bf16" : "fp32", TierName(config.offload_optimizer.tier),
+      StoredParamName(config), TierName(config.offload_optimizer.tier),
       StateTypeName(config.optimizer_state_type), StateBytesPerParam(config),
       UsesNvme(config) ? ("swap folder " + config.offload_optimizer.nvme_paths.front()).c_str()
                        : "no NVMe",

@@ -41,14 +41,15 @@ struct GptTrainer::Impl {
   TrainerHooks hooks;
   GptConfig m;
   int B = 0, T = 0, N = 0, C = 0, NH = 0, V = 0, L = 0;
-  bool bf16 = false;
+  bool half = false;  // the engine stores 16-bit parameters: bf16 or fp16 (half_type)
+  ParamCopyType half_type = ParamCopyType::kNone;
   std::vector<GptParam> list;
   std::vector<ParamId> ids;  // per ParamList entry
 
   std::vector<BlockActs> acts;  // per block
   float *x_final = nullptr, *lnf = nullptr, *lnf_mean = nullptr, *lnf_rstd = nullptr,
         *logits = nullptr, *dlogits = nullptr;
-  float* wconv = nullptr;  // fp32 copies of an acquired group (bf16)
+  float* wconv = nullptr;  // fp32 copies of an acquired group (16-bit storage)
   float* grads = nullptr;  // gradients of one group
   float *dres = nullptr, *dxmid = nullptr, *dln = nullptr, *datty = nullptr, *dqkv = nullptr,
         *dfch = nullptr, *dfcg = nullptr, *tmp = nullptr;
@@ -67,7 +68,7 @@ struct GptTrainer::Impl {
   }
   std::vector<ParamId> HeadIds() const { return {ids[LnfIndex()], ids[LnfIndex() + 1], wte()}; }
 
-  void SetShape(const GptConfig& model, int batch, int seq, bool bf16_storage) {
+  void SetShape(const GptConfig& model, int batch, int seq, bool half_storage) {
     m = model;
     B = batch;
     T = seq;
@@ -76,7 +77,7 @@ struct GptTrainer::Impl {
     NH = model.heads;
     V = model.vocab;
     L = model.layers;
-    bf16 = bf16_storage;
+    half = half_storage;
     list = ParamList(model);
   }
   ModelDims Dims() const { return ModelDims{B, T, C, NH, V}; }
@@ -130,7 +131,7 @@ struct GptTrainer::Impl {
     ZINF_RETURN_IF_ERROR(get(&lnf_rstd, {n}));
     ZINF_RETURN_IF_ERROR(get(&logits, {n, static_cast<size_t>(V)}));
     ZINF_RETURN_IF_ERROR(get(&dlogits, {n, static_cast<size_t>(V)}));
-    if (bf16) ZINF_RETURN_IF_ERROR(get(&wconv, {LargestGroup()}));
+    if (half) ZINF_RETURN_IF_ERROR(get(&wconv, {LargestGroup()}));
     size_t block = 0;
     for (int k = 0; k < kBlockParams; ++k) block += list[BlockIndex(0, k)].numel();
     ZINF_RETURN_IF_ERROR(get(&grads, {block}));
@@ -166,9 +167,9 @@ struct GptTrainer::Impl {
   }
   std::vector<const uint16_t*> raw16;  // the acquired group's bf16 matrices (else null)
 
-  // Acquires `group` and returns fp32 pointers to the full parameters (converted from bf16
-  // into wconv when the engine stores bf16; for a block with bf16_matmul, its weight matrices
-  // stay bf16 in raw16 and their fp32 pointer is null).
+  // Acquires `group` and returns fp32 pointers to the full parameters (converted from bf16 or
+  // fp16 into wconv when the engine stores them so; for a block with bf16_matmul, its weight
+  // matrices stay bf16 in raw16 and their fp32 pointer is null).
   Result<std::vector<const float*>> AcquireFp32(const std::vector<ParamId>& group,
                                                 bool block = false) {
     ZINF_ASSIGN_OR_RETURN(std::vector<void*> raw, transfer->Acquire(group));
@@ -177,11 +178,16 @@ struct GptTrainer::Impl {
     size_t cursor = 0;
     for (size_t i = 0; i < group.size(); ++i) {
       const size_t n = engine->param(group[i]).numel;
-      if (bf16 && block && bf16_matmul && IsBlockMatrix(static_cast<int>(i))) {
+      if (half && block && bf16_matmul && IsBlockMatrix(static_cast<int>(i))) {
         raw16[i] = static_cast<const uint16_t*>(raw[i]);
         out[i] = nullptr;
-      } else if (bf16) {
-        ops->Bf16ToFp32(wconv + cursor, static_cast<const uint16_t*>(raw[i]), n);
+      } else if (half) {
+        const auto* src = static_cast<const uint16_t*>(raw[i]);
+        if (half_type == ParamCopyType::kF16) {
+          ops->F16ToFp32(wconv + cursor, src, n);
+        } else {
+          ops->Bf16ToFp32(wconv + cursor, src, n);
+        }
         out[i] = wconv + cursor;
         cursor += n;
       } else {
@@ -205,8 +211,11 @@ struct GptTrainer::Impl {
   // block's parameters (zeroed by the caller), laid out like BlockParam.
   void BackwardBlock(int l, const float* const* w, float* const* g);
   Result<double> Forward(float loss_scale, bool backward);
-  Status Reduce(size_t index, const float* grad) {
+  Status Reduce(size_t index, float* grad) {
     const size_t numel = list[index].numel();
+    // fp16: the gradient an fp16 model computes holds fp16 values (inf where the scaled value
+    // overflows fp16, which the engine's norm sees and skips the step for).
+    if (half_type == ParamCopyType::kF16) ops->RoundToF16(grad, numel);
     if (hooks.grad_observer) {
       if (ops->on_device()) {
         observed.resize(numel);
@@ -358,10 +367,13 @@ Result<std::unique_ptr<GptTrainer>> GptTrainer::Create(const GptConfig& model, i
   Impl& m = *impl;
   m.engine = engine;
   m.hooks = hooks;
-  m.SetShape(model, batch, seq, engine->config().bf16);
+  m.half_type = StoredParamType(engine->config());
+  m.SetShape(model, batch, seq, m.half_type != ParamCopyType::kNone);
   // On the CPU, up to 64 tokens the bf16 kernels beat widening + sgemm (they read each
-  // weight once); beyond, sgemm's blocking wins. On the GPU, cuBLAS bf16 GEMMs always.
-  m.bf16_matmul = m.bf16 && (m.N <= 64 || (device != nullptr && !device->IsHost()));
+  // weight once); beyond, sgemm's blocking wins. On the GPU, cuBLAS bf16 GEMMs always. (fp16
+  // weights are widened: the GEMMs take bf16 or fp32.)
+  m.bf16_matmul = m.half_type == ParamCopyType::kBf16 &&
+                  (m.N <= 64 || (device != nullptr && !device->IsHost()));
   for (size_t i = 0; i < m.list.size(); ++i) {
     const GptParam& p = m.list[i];
     ParamSpec spec;
@@ -390,7 +402,7 @@ Result<std::unique_ptr<GptTrainer>> GptTrainer::Create(const GptConfig& model, i
   if (!gpu) {
     // Refused up front when the buffers exceed the machine's memory (an allocation that large
     // would fail anyway, or start swapping).
-    const size_t need = DeviceBytes(model, batch, seq, m.bf16) - CudaModelOpsScratchBytes(m.Dims());
+    const size_t need = DeviceBytes(model, batch, seq, m.half) - CudaModelOpsScratchBytes(m.Dims());
     const long pages = sysconf(_SC_PHYS_PAGES), page_size = sysconf(_SC_PAGESIZE);
     if (pages > 0 && page_size > 0 &&
         need > static_cast<size_t>(pages) * static_cast<size_t>(page_size)) {
@@ -407,7 +419,7 @@ Result<std::unique_ptr<GptTrainer>> GptTrainer::Create(const GptConfig& model, i
   Status allocated = m.AllocateBuffers([ops](size_t n) { return ops->AllocFloats(n); },
                                        [ops](size_t n) { return ops->AllocInts(n); });
   if (!allocated.ok()) {
-    const double gib = static_cast<double>(DeviceBytes(model, batch, seq, m.bf16)) / (1 << 30);
+    const double gib = static_cast<double>(DeviceBytes(model, batch, seq, m.half)) / (1 << 30);
     char need[64];
     std::snprintf(need, sizeof(need), "%.2f GiB", gib);
     return allocated.WithContext(
@@ -440,17 +452,19 @@ Result<double> GptTrainer::MicroStep(const int32_t* tokens, const int32_t* targe
   }
   m.ops->UploadInts(m.tokens, tokens, m.N);
   m.ops->UploadInts(m.targets, targets, m.N);
-  ZINF_ASSIGN_OR_RETURN(double loss, m.Forward(loss_scale, /*backward=*/true));
+  // fp16: the engine's loss scale multiplies the loss's gradient (the loss is reported unscaled).
+  const float scaled = static_cast<float>(loss_scale * m.engine->loss_scale());
+  ZINF_ASSIGN_OR_RETURN(double loss, m.Forward(scaled, /*backward=*/true));
   ZINF_ASSIGN_OR_RETURN(StepStats st, m.engine->Step());
   if (stats != nullptr) *stats = st;
   return loss;
 }
 
-size_t GptTrainer::DeviceBytes(const GptConfig& model, int batch, int seq, bool bf16) {
+size_t GptTrainer::DeviceBytes(const GptConfig& model, int batch, int seq, bool half) {
   // Create refuses these shapes.
   if (batch < 1 || seq < 1 || static_cast<int64_t>(batch) * seq > INT32_MAX) return 0;
   Impl m;
-  m.SetShape(model, batch, seq, bf16);
+  m.SetShape(model, batch, seq, half);
   // Count what AllocateBuffers asks for (each allocation rounded to the CUDA pool's 256
   // bytes); the pointers handed back are never used.
   size_t bytes = 0;

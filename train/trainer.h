@@ -58,7 +58,8 @@ class GptTrainer {
 
   // The device memory the trainer takes from a CUDA device's pool for this shape
   // (activations, gradients of one layer, scratch), beyond the engine's budget.
-  static size_t DeviceBytes(const GptConfig& model, int batch, int seq, bool bf16);
+  // `half`: the engine stores 16-bit parameters (bf16 or fp16).
+  static size_t DeviceBytes(const GptConfig& model, int batch, int seq, bool half);
 
   const GptConfig& model() const { return model_; }
   int batch() const { return batch_; }

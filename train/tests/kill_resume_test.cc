@@ -331,6 +331,31 @@ TEST(TrainCli, ProgressLinesShowTheStateBytesPerParameter) {
       << o.stdout_text;
 }
 
+// --fp16: each progress line and the JSON summary give the loss scale and the skipped steps,
+// and the summary the parameters' dtype.
+TEST(TrainCli, Fp16RunsReportTheScaleAndTheSkippedSteps) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  Outcome o =
+      Spawn(dir.path(),
+            {"--preset", "tiny", "--steps", "3", "--batch", "4", "--seq", "32", "--log-every", "1",
+             "--fp16", "--nvme", dir.path() + "/swap", "--data", ZINF_SOURCE_DATA, "--json"},
+            "");
+  ASSERT_EQ(o.exit_code, 0) << o.stderr_text;
+  int lines = 0;
+  std::istringstream progress(o.stderr_text);
+  for (std::string line; std::getline(progress, line);) {
+    if (line.rfind("step ", 0) != 0) continue;
+    ++lines;
+    EXPECT_NE(line.find("  scale "), std::string::npos) << line;
+    EXPECT_NE(line.find(" skipped "), std::string::npos) << line;
+  }
+  EXPECT_EQ(lines, 3) << o.stderr_text;
+  EXPECT_NE(o.stdout_text.find("\"param_dtype\":\"fp16\""), std::string::npos) << o.stdout_text;
+  EXPECT_NE(o.stdout_text.find("\"loss_scale\":"), std::string::npos) << o.stdout_text;
+  EXPECT_NE(o.stdout_text.find("\"skipped_steps\":"), std::string::npos) << o.stdout_text;
+}
+
 TEST(TrainCli, DeviceBudgetTooSmallForALayerNamesTheFlag) {
   TempDir dir;
   ASSERT_TRUE(dir.ok());
@@ -370,6 +395,7 @@ TEST(TrainCli, BadFlagsAndInputsAreOneLineErrors) {
       {{"--grad-accum", "-3"}, "--grad-accum"},
       {{"--warmup", "-5"}, "--warmup"},
       {{"--log-every", "0"}, "--log-every"},
+      {{"--fp16", "--fp32"}, "--fp32 and --fp16: pick one"},
   };
   for (const Case& c : cases) {
     std::vector<std::string> args = c.args;
