@@ -25,7 +25,7 @@ for run in "$@"; do
                  printf "%d %s %.5f\n", s[1], $4, sum / (n < 20 ? n : 20) }' \
     "$work/$i/err.txt" > "$work/$i.dat"
   last=$(tail -n 100 "$work/$i.dat" | awk '{ s += $2 } END { printf "%.4f", s / NR }')
-  extra=$(grep -o '"skipped_steps":[0-9]*' "$work/$i/out.json" || true)
+  extra=$(grep -o '"skipped_steps":[0-9]*\|"tokens_per_s":[0-9.e+]*' "$work/$i/out.json" | tr '\n' ' ' || true)
   echo "$label: mean loss of the last 100 steps $last ${extra:+($extra)}"
   plots+=("\"$work/$i.dat\" using 1:3 with lines lw 2 title \"$label\"")
 done

@@ -516,6 +516,8 @@ Status Engine::Impl::InitStores() {
       ZINF_RETURN_IF_ERROR(scaler_->Restore(ScalerStateOf(*point.loss_scale))
                                .WithContext("ResumeFromStore: the committed loss scale"));
     }
+    // (A commit before the next Step's, e.g. FinishPendingUpdate's, records it too.)
+    if (scaler_ != nullptr) durable_->RecordLossScale(point.step, *LossScaleRecord());
     reopened_store_ = true;
     for (ParamId id = 0; id < layout_.num_params(); ++id) {
       core_->states->set_updates(id, layout_.param(id).info.trainable ? point.updates[id] : 0);

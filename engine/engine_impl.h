@@ -152,7 +152,7 @@ class Engine::Impl {
   std::unique_ptr<LossScaler> scaler_;
   // Whether a window's optimizer step waits for the global norm: with clipping (its
   // coefficient) and with fp16 (overflow).
-  bool NeedsNorm() const { return config_.gradient_clipping > 0 || scaler_ != nullptr; }
+  bool NeedsNorm() const { return WaitsForGlobalNorm(config_); }
   // At a boundary Step, once every gradient of window `next` has landed: the global norm, its
   // verdict posted to the board (the clipping and unscaling coefficient, or the step skipped
   // for an fp16 overflow; the scale updated) and the unscaled norm into st->grad_norm. A

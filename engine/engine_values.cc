@@ -113,10 +113,12 @@ Status Engine::Impl::LoadCheckpoint(const std::string& dir, std::string* user_da
   // fp16: the saved scaler goes on (a checkpoint of a run without fp16 has none: the scale
   // starts afresh), checked before anything is installed (every rank reads the same state).
   std::optional<LossScaler> loaded_scaler;
-  if (scaler_ != nullptr && man.loss_scale.has_value()) {
-    loaded_scaler.emplace(*scaler_);
-    ZINF_RETURN_IF_ERROR(loaded_scaler->Restore(ScalerStateOf(*man.loss_scale))
-                             .WithContext("LoadCheckpoint: the saved loss scale"));
+  if (scaler_ != nullptr) {
+    loaded_scaler.emplace(LossScaleSettingsOf(config_.fp16));
+    if (man.loss_scale.has_value()) {
+      ZINF_RETURN_IF_ERROR(loaded_scaler->Restore(ScalerStateOf(*man.loss_scale))
+                               .WithContext("LoadCheckpoint: the saved loss scale"));
+    }
   }
   // Install: fetched parameter copies are stale from here on; each sub-group is read once,
   // verified in that read, and written into the stores.
@@ -136,7 +138,11 @@ Status Engine::Impl::LoadCheckpoint(const std::string& dir, std::string* user_da
     return s;
   }
   clock_.Reset(man.step, man.step);
-  if (loaded_scaler.has_value()) *scaler_ = *loaded_scaler;
+  if (loaded_scaler.has_value()) {
+    *scaler_ = *loaded_scaler;
+    // (Commits from here on record it, not a state of the history the load left.)
+    durable_->RecordLossScale(man.step, *LossScaleRecord());
+  }
   // The trainable values are the checkpoint's now, the same on every rank; frozen ones stay
   // as registered (each rank checked them against the checkpoint's hashes).
   for (ParamId id = 0; id < initial_hashes_.size(); ++id) {

@@ -280,6 +280,17 @@ TEST(PinnedPlanTest, StreamingAccumulatorsGetWhatTheBudgetLeaves) {
   plan = PlanPinnedMemory(l, c, true);
   ASSERT_TRUE(plan.ok());
   EXPECT_EQ(plan->grad_blocks, 2u);
+  // With a step that waits for the global norm (clipping, fp16) every accumulator is held
+  // until the norm is known: two blocks for three sub-groups would wait for each other.
+  for (int which = 0; which < 2; ++which) {
+    EngineConfig waits = c;
+    waits.pinned_budget_bytes = 1ull << 30;
+    if (which == 0) waits.gradient_clipping = 1.0;
+    if (which == 1) waits.fp16.enabled = true;
+    plan = PlanPinnedMemory(l, waits, true);
+    ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+    EXPECT_FALSE(plan->stream_grads) << (which == 0 ? "clipping" : "fp16");
+  }
 }
 
 // Speculative-step snapshots (clipping): one block per sub-group the CPU steps, of the largest

@@ -177,8 +177,13 @@ TEST(LossScalerTest, ARestoredStateContinuesTheSame) {
   bad.scale = NAN;
   EXPECT_EQ(b.Restore(bad).code(), StatusCode::kInvalidArgument);
   bad = a.state();
-  bad.hysteresis_left = 3;
+  bad.hysteresis_left = 0;
   EXPECT_EQ(b.Restore(bad).code(), StatusCode::kInvalidArgument);
+  // A run resumed with a lower hysteresis than it saved under: taken as the new whole one.
+  LossScaler::State higher = a.state();
+  higher.hysteresis_left = 3;
+  ASSERT_TRUE(b.Restore(higher).ok());
+  EXPECT_EQ(b.state().hysteresis_left, 2);
   bad = a.state();
   bad.last_overflow = static_cast<int64_t>(bad.iteration);
   EXPECT_EQ(b.Restore(bad).code(), StatusCode::kInvalidArgument);

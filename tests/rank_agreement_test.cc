@@ -164,8 +164,8 @@ TEST(RankAgreement, AnotherFp16SettingIsNamed) {
   ExpectRefused(RunRanks({RankSetup{}, fp16}), {"fp16.enabled: rank 0 has false, rank 1 has true"});
   RankSetup other = fp16;
   other.fp16_power = 32;
-  ExpectRefused(RunRanks({fp16, other}), {"fp16.loss_scale: rank 0 has 0, initial_scale_power 16",
-                                          "rank 1 has 0, initial_scale_power 32"});
+  ExpectRefused(RunRanks({fp16, other}),
+                {"fp16.initial_scale_power: rank 0 has 16, rank 1 has 32"});
 }
 
 // Rank 1 with a layer more: gloo aborted on the first collective of another size before.

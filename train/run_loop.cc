@@ -110,8 +110,10 @@ class TrainingLoop {
   // One optimizer step: its learning rate, then its micro-steps. *loss: their mean; *agg:
   // their NVMe traffic and waits summed, the overlap of the last (the optimizer's).
   int Step(int64_t step, double* loss, StepStats* agg) {
-    // Linear warmup, then the base rate (Adam's first steps on a fresh model are large).
-    const double lr_scale = warmup_ > 0 ? std::min(1.0, (step + 1.0) / warmup_) : 1.0;
+    // Linear warmup, then the base rate (Adam's first steps on a fresh model are large). Steps
+    // skipped for an fp16 overflow do not count, as DeepSpeed's scheduler does not step on one.
+    const double sched = static_cast<double>(step - static_cast<int64_t>(engine_->skipped_steps()));
+    const double lr_scale = warmup_ > 0 ? std::min(1.0, (sched + 1.0) / warmup_) : 1.0;
     if (Status s =
             engine_->SetLearningRate(static_cast<float>(plan_.config.optimizer.lr * lr_scale));
         !s.ok()) {

@@ -257,13 +257,13 @@ Status GradientWindow::ReduceInline(const ReduceJob& job, const float* grad) {
                                                          (part - numel) * sizeof(float), compute));
     }
   } else {
-    // At the window's end (`ready`) and without clipping (the norm needs every gradient
-    // whole), a large gradient is copied in pieces and each but the last announced as it is
-    // copied (the copies on this inline stream are done when they return; the last lands
-    // with Land below): if it is the sub-group's last gradient still to land, the optimizer
-    // steps what has landed while the rest is copied (GroupBoard::LandPiece; MarkReduced
+    // At the window's end (`ready`) and without a global norm to wait for (clipping, fp16:
+    // the norm needs every gradient whole), a large gradient is copied in pieces and each but the
+    // last announced as it is copied (the copies on this inline stream are done when they return;
+    // the last lands with Land below): if it is the sub-group's last gradient still to land, the
+    // optimizer steps what has landed while the rest is copied (GroupBoard::LandPiece; MarkReduced
     // came first, so the has-grad flag is set before the optimizer takes the flags).
-    const bool pieces = job.ready > 0 && ctx_.config->gradient_clipping <= 0;
+    const bool pieces = job.ready > 0 && !WaitsForGlobalNorm(*ctx_.config);
     const size_t piece = pieces ? RoundUp((numel + kLandPieces - 1) / kLandPieces, kLandPieceAlign)
                                 : std::max<size_t>(numel, 1);
     for (size_t begin = 0; begin < numel; begin += piece) {

@@ -64,10 +64,9 @@ Status LossScaler::Restore(const State& state) {
     return Status::InvalidArgument("loss scaler state: scale " + std::to_string(state.scale) +
                                    " is not a positive finite number");
   }
-  if (state.hysteresis_left < 1 || state.hysteresis_left > std::max(settings_.hysteresis, 1)) {
+  if (state.hysteresis_left < 1) {
     return Status::InvalidArgument("loss scaler state: hysteresis_left " +
-                                   std::to_string(state.hysteresis_left) + " outside [1, " +
-                                   std::to_string(std::max(settings_.hysteresis, 1)) + "]");
+                                   std::to_string(state.hysteresis_left) + " is below 1");
   }
   if (state.last_overflow >= static_cast<int64_t>(state.iteration)) {
     return Status::InvalidArgument("loss scaler state: last_overflow " +
@@ -75,8 +74,10 @@ Status LossScaler::Restore(const State& state) {
                                    std::to_string(state.iteration));
   }
   state_ = state;
-  // A static scale is the config's, whatever the saved run used (its counts go on).
+  // A static scale is the config's, whatever the saved run used (its counts go on); a
+  // hysteresis lowered since is taken as the whole new one.
   if (!dynamic()) state_.scale = settings_.static_scale;
+  state_.hysteresis_left = std::min(state_.hysteresis_left, std::max(settings_.hysteresis, 1));
   return Status::OK();
 }
 

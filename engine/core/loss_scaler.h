@@ -67,8 +67,10 @@ class LossScaler {
   Status Update(bool overflow);
 
   const State& state() const { return state_; }
-  // A state saved by an engine with the same settings; InvalidArgument naming the field when
-  // it cannot be one (a scale not finite or not positive, hysteresis out of range).
+  // A state saved by an engine (InvalidArgument naming the field when it cannot be one: a
+  // scale not finite or not positive, hysteresis_left below 1, an overflow not before the
+  // iteration). Settings changed since: a static scale stays the config's; a hysteresis_left
+  // above this hysteresis is lowered to it.
   Status Restore(const State& state);
 
  private:

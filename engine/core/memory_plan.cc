@@ -109,7 +109,7 @@ uint64_t StagingBytes(const Layout& layout, const EngineConfig& config, uint64_t
 // (SharePinnedSpare), so backward can run ahead of the optimizer.
 void PlanGradientAccumulators(const EngineConfig& config, const GroupTotals& groups,
                               PinnedPlan* plan) {
-  plan->stream_grads = config.gradient_accumulation_steps <= 1 && config.gradient_clipping <= 0 &&
+  plan->stream_grads = config.gradient_accumulation_steps <= 1 && !WaitsForGlobalNorm(config) &&
                        groups.max_group_grads > 0;
   plan->grad_block_bytes = groups.max_group_grads;
   plan->grads_min = plan->stream_grads
@@ -127,7 +127,7 @@ void PlanSpeculation(const EngineConfig& config, const GroupTotals& groups, bool
   // the host device the backward and its copies run on the cores speculation would use, and
   // its snapshots cost more than waiting saves (bench/RESULTS.md, issue 31).
   plan->speculation_wanted =
-      (config.gradient_clipping > 0 || config.fp16.enabled) && groups.cpu_stepped > 0 &&
+      WaitsForGlobalNorm(config) && groups.cpu_stepped > 0 &&
       (config.speculative_step == SpeculativeStep::kOn ||
        (config.speculative_step == SpeculativeStep::kAuto && !device_is_host &&
         config.offload_optimizer.tier == Tier::kCpu && config.offload_optimizer.ratio > 0));

@@ -55,11 +55,13 @@ std::string DescribeForAgreement(const EngineConfig& c, const Layout& layout,
   o << "fp16.enabled: " << (c.fp16.enabled ? "true" : "false") << "\n";
   if (c.fp16.enabled) {
     // (Every rank's scale follows the same verdicts: with the same settings, the same scale.)
-    o << "fp16.loss_scale: " << Num(c.fp16.loss_scale) << ", initial_scale_power "
-      << c.fp16.initial_scale_power << ", loss_scale_window " << c.fp16.loss_scale_window
-      << ", hysteresis " << c.fp16.hysteresis << ", consecutive_hysteresis "
-      << (c.fp16.consecutive_hysteresis ? "true" : "false") << ", min_loss_scale "
-      << Num(c.fp16.min_loss_scale) << "\n";
+    o << "fp16.loss_scale: " << Num(c.fp16.loss_scale) << "\n";
+    o << "fp16.initial_scale_power: " << c.fp16.initial_scale_power << "\n";
+    o << "fp16.loss_scale_window: " << c.fp16.loss_scale_window << "\n";
+    o << "fp16.hysteresis: " << c.fp16.hysteresis << "\n";
+    o << "fp16.consecutive_hysteresis: " << (c.fp16.consecutive_hysteresis ? "true" : "false")
+      << "\n";
+    o << "fp16.min_loss_scale: " << Num(c.fp16.min_loss_scale) << "\n";
   }
   o << "gradient_clipping: " << Num(c.gradient_clipping) << "\n";
   o << "gradient_accumulation_steps: " << c.gradient_accumulation_steps << "\n";

@@ -47,7 +47,8 @@ Status CheckWriterSettings(const nlohmann::json& j, const EngineConfig& config,
   }
   const std::string storage = j.at("storage").get<std::string>();
   if (storage != StorageName(config)) {
-    return StoreMismatch("parameters stored as " + storage + " (the bf16 setting differs)");
+    return StoreMismatch("parameters stored as " + storage + ", this engine stores " +
+                         StorageName(config) + " (the bf16 / fp16 settings differ)");
   }
   // Commits from before compressed states have none: fp32.
   const std::string states = j.value("state_dtype", std::string("fp32"));
@@ -217,6 +218,7 @@ Status DurableCommits::Commit(int64_t at_step, int64_t at_visible) {
 }
 
 void DurableCommits::RecordLossScale(int64_t step, const CheckpointLossScale& state) {
+  if (!config_->durable) return;  // (no commit would take it)
   MutexLock lock(&mu_);
   // (Records after `step` are of a history a load or resume left.)
   loss_scales_.erase(loss_scales_.upper_bound(step), loss_scales_.end());

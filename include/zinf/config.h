@@ -166,6 +166,13 @@ inline ParamCopyType StoredParamType(const EngineConfig& c) {
   if (c.bf16) return ParamCopyType::kBf16;
   return c.fp16.enabled ? ParamCopyType::kF16 : ParamCopyType::kNone;
 }
+// Whether an optimizer step waits for the global gradient norm: with clipping (its coefficient)
+// and with fp16 (it decides overflow). Such a step needs every gradient of the window whole
+// before any sub-group is stepped for good (no streaming accumulators, no stepping a
+// gradient's landed pieces).
+inline bool WaitsForGlobalNorm(const EngineConfig& c) {
+  return c.gradient_clipping > 0 || c.fp16.enabled;
+}
 // "bf16", "fp16" or "fp32".
 inline const char* StoredParamName(const EngineConfig& c) {
   switch (StoredParamType(c)) {

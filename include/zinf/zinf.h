@@ -138,8 +138,8 @@ int zinf_engine_create(const char* config_json, zinf_engine** out);
 int zinf_engine_register(zinf_engine* engine, const char* name, const int64_t* shape, size_t ndim,
                          const float* init, uint32_t* id);
 
-/* Gathers parameters; ptrs[i] receives parameter ids[i] (fp32, or bf16 with "bf16"), valid
- * until released. */
+/* Gathers parameters; ptrs[i] receives parameter ids[i] (fp32, or bf16 with "bf16", fp16 with
+ * "fp16"), valid until released. */
 int zinf_engine_acquire(zinf_engine* engine, const uint32_t* ids, size_t n, void** ptrs);
 int zinf_engine_release(zinf_engine* engine, const uint32_t* ids, size_t n);
 
