@@ -296,13 +296,14 @@ else
   # tokens/s against the CPU's, in one run), then the 125M preset on the GPU with its
   # optimizer states on NVMe (the beyond-memory path with the model's math on the GPU).
   mkdir -p "$NVME_DIR"
-  STAGE_NOTE="zinf-train: small on cuda and host (60 steps), 125M on cuda (opt. states on NVMe)"
-  run_stage train 60 bash -c '
+  STAGE_NOTE="zinf-train: small on cuda and host (60 steps), 125M on cuda (opt. states on NVMe), small on cuda in fp16"
+  run_stage train 90 bash -c '
     set -e
     "$0" --device cuda --preset small --steps 60 --json --nvme "$1" --data "$2"
     "$0" --device host --preset small --steps 60 --json --nvme "$1" --data "$2"
     "$0" --device cuda --preset 125M --seq 256 --batch 8 --steps 6 --param-tier device \
-      --optimizer-tier nvme --json --nvme "$1" --data "$2"' \
+      --optimizer-tier nvme --json --nvme "$1" --data "$2"
+    "$0" --device cuda --preset small --steps 60 --fp16 --json --nvme "$1" --data "$2"' \
     "$TRAIN_BIN" "$NVME_DIR" "$ZINF_TRAIN_DATA"
   rm -rf "$NVME_DIR"
   # The GPU run must learn like the host run: finite, falling, and tracking it. Tolerances: the
@@ -325,6 +326,14 @@ if abs(cuda["loss_first"] - host["loss_first"]) > 0.005 * abs(host["loss_first"]
     print(f"first loss cuda {cuda['loss_first']} vs host {host['loss_first']} (over 0.5 %)"); sys.exit(1)
 if abs(cuda["loss_last"] - host["loss_last"]) > 0.05 * abs(host["loss_last"]):
     print(f"last loss cuda {cuda['loss_last']} vs host {host['loss_last']} (over 5 %)"); sys.exit(1)
+# fp16 on the GPU (issue 41; never run on a GPU before): finite, learning like bf16 within 5 %.
+if len(runs) > 3:
+    f16 = runs[3]
+    if f16.get("param_dtype") != "fp16" or not math.isfinite(f16["loss_last"]):
+        print(f"fp16 run: dtype {f16.get('param_dtype')}, last loss {f16['loss_last']}"); sys.exit(1)
+    if abs(f16["loss_last"] - cuda["loss_last"]) > 0.05 * abs(cuda["loss_last"]):
+        print(f"fp16 last loss {f16['loss_last']} vs bf16 {cuda['loss_last']} (over 5 %; "
+              f"{f16.get('skipped_steps')} skipped)"); sys.exit(1)
 PY
 )" || fail_last_stage "trainer check: $why"
   fi
