@@ -41,6 +41,8 @@ constexpr size_t kAdapters = 3;
 
 struct Options {
   bool bf16 = false;
+  bool fp16 = false;  // fp16 storage (the gradients handed unscaled: only the adapters' values
+                      // are compared, run against run)
   bool int8 = false;  // zinf.frozen_weight_dtype int8
   Tier param_tier = Tier::kNvme;
   uint64_t sub_group_size = 4096;
@@ -83,6 +85,7 @@ EngineConfig Config(const Options& o, const std::string& nvme) {
   c.prefetch_bucket_size = 1 << 19;
   c.param_persistence_threshold = 0;
   c.bf16 = o.bf16;
+  c.fp16.enabled = o.fp16;
   c.frozen_int8 = o.int8;
   c.delayed_update = o.delayed;
   c.durable = o.durable;
@@ -140,9 +143,10 @@ Status TrainRank(const Options& o, const std::string& nvme, Device* device, Comm
       if (!trainable[k] || engine->param(ids[k]).name == "base") continue;
       const size_t n = engine->param(ids[k]).numel;
       std::vector<float> w(n);
-      if (o.bf16) {
+      if (o.bf16 || o.fp16) {
         const uint16_t* b = static_cast<const uint16_t*>(views[k]);
-        for (size_t i = 0; i < n; ++i) w[i] = Bf16ToFp32(b[i]);
+        const ParamCopyType type = o.bf16 ? ParamCopyType::kBf16 : ParamCopyType::kF16;
+        for (size_t i = 0; i < n; ++i) w[i] = ParamCopyToFp32(type, b[i]);
       } else {
         std::memcpy(w.data(), views[k], n * sizeof(float));
       }
@@ -509,15 +513,19 @@ TEST(FrozenInt8, Avx512DecodesAsTheScalarCode) {
 }
 
 // zinf.frozen_weight_dtype int8: the adapters train exactly as with the base as-is (this
-// trainer's gradients do not read it); the base reads back as its int8 code decodes; the
-// base's stored copy, which each of its fetches reads, is about half of bf16's.
+// trainer's gradients do not read it); the base reads back as its int8 code decodes (into the
+// storage dtype: bf16, or fp16); the base's stored copy, which each of its fetches reads, is
+// about half of bf16's.
 TEST(EngineFrozen, Int8FrozenWeightsHalveTheBasesBytes) {
-  for (int ranks : {1, 2}) {
-    SCOPED_TRACE(std::to_string(ranks) + " rank(s)");
+  for (int run = 0; run < 3; ++run) {
+    const int ranks = run == 1 ? 2 : 1;
+    const ParamCopyType stored = run == 2 ? ParamCopyType::kF16 : ParamCopyType::kBf16;
+    SCOPED_TRACE(std::to_string(ranks) + " rank(s), " + ParamCopyTypeName(stored));
     TempDir d1, d2;
     ASSERT_TRUE(d1.ok() && d2.ok());
     Options o;
-    o.bf16 = true;
+    o.bf16 = stored == ParamCopyType::kBf16;
+    o.fp16 = stored == ParamCopyType::kF16;
     o.ranks = ranks;
     o.steps = 3;
     const Outcome plain = Train(o, d1.path());
@@ -534,10 +542,10 @@ TEST(EngineFrozen, Int8FrozenWeightsHalveTheBasesBytes) {
     std::vector<uint8_t> q(StateBytes(StateType::kInt8, kBase));
     ASSERT_TRUE(QuantizeWeightsInt8(base.data(), kBase, q.data()).ok());
     DequantizeWeightsInt8(q.data(), kBase, expect.data());
-    // ... into bf16, as the fetch decodes it (bf16 storage).
-    for (float& v : expect) v = Bf16ToFp32(Fp32ToBf16(v));
+    // ... into bf16 or fp16, as the fetch decodes it.
+    for (float& v : expect) v = ParamCopyToFp32(stored, Fp32ToParamCopy(stored, v));
     EXPECT_EQ(int8.values[1], expect);
-    EXPECT_NE(int8.values[1], ExpectedBase(1, true));
+    EXPECT_NE(int8.values[1], plain.values[1]);  // (the base as stored without int8)
     // The base's stored copy, which is what each of its fetches reads: about half of bf16's
     // (260 / 512: int8 blocks and their scales). Not the runs' read totals: the swap store
     // counts a read as it ends, and whether a step's last prefetch (or the next task's
