@@ -118,6 +118,18 @@ void Fp16Settings(Fp16Config* f) {
 
 void PrintTo(const Placement& p, std::ostream* os) { *os << p.Describe(); }
 
+// A placement's test name (fp16 placements say so in their suite's name, not here).
+std::string PlacementName(const ::testing::TestParamInfo<Placement>& info) {
+  const Placement& p = info.param;
+  std::string s = std::string("Params") + TierName(p.params) + "States" + TierName(p.states);
+  if (p.ratio < 1) s += "Ratio";
+  if (p.delayed) s += "Delayed";
+  if (p.bf16) s += "Bf16";
+  if (p.clip > 0) s += p.clip < 1 ? "Clip" : "ClipOff";
+  if (p.speculative == SpeculativeStep::kOn) s += "Speculative";
+  return s;
+}
+
 EngineConfig MakeConfig(const Placement& pl, const std::string& dir) {
   EngineConfig c;
   c.offload_param.tier = pl.params;
@@ -371,15 +383,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Placement{Tier::kDevice, Tier::kCpu, 0.5, true, true},
                       Placement{Tier::kDevice, Tier::kCpu, 0.5, true, false, 0.5},
                       Placement{Tier::kDevice, Tier::kDevice, 1.0, true, true}),
-    [](const ::testing::TestParamInfo<Placement>& info) {
-      const Placement& p = info.param;
-      std::string s = std::string("Params") + TierName(p.params) + "States" + TierName(p.states);
-      if (p.ratio < 1) s += "Ratio";
-      if (p.delayed) s += "Delayed";
-      if (p.bf16) s += "Bf16";
-      if (p.clip > 0) s += "Clip";
-      return s;
-    });
+    PlacementName);
 
 TEST(EngineSemanticsTest, FrozenParametersRefuseGradients) {
   Rig rig;
@@ -1561,15 +1565,7 @@ INSTANTIATE_TEST_SUITE_P(
         Placement{Tier::kCpu, Tier::kCpu, 1.0, false, false, 0.5, true, SpeculativeStep::kOn},
         Placement{Tier::kCpu, Tier::kCpu, 1.0, false, false, 1e4, true, SpeculativeStep::kOn},
         Placement{Tier::kNvme, Tier::kNvme, 1.0, true, false, 0.5, true, SpeculativeStep::kOn}),
-    [](const ::testing::TestParamInfo<Placement>& info) {
-      const Placement& p = info.param;
-      std::string s = std::string("Params") + TierName(p.params) + "States" + TierName(p.states);
-      if (p.ratio < 1) s += "Ratio";
-      if (p.delayed) s += "Delayed";
-      if (p.clip > 0) s += p.clip < 1 ? "Clip" : "ClipOff";
-      if (p.speculative == SpeculativeStep::kOn) s += "Speculative";
-      return s;
-    });
+    PlacementName);
 
 // The scaler's state goes into checkpoints and durable commits: a run restarted after the
 // overflowing windows goes on with the same scale, skipped steps and values. With the delayed
