@@ -193,15 +193,11 @@ Status ParseOffload(ObjectReader& r, bool is_optimizer, OffloadConfig* offload, 
 Status ParseZeroOptimization(ObjectReader& r, EngineConfig* config, ParseContext* ctx) {
   if (const Json* stage = r.Find("stage"); stage != nullptr) {
     ZINF_ASSIGN_OR_RETURN(uint64_t value, ToUnsigned(*stage, r.PathOf("stage"), UINT64_MAX));
-    if (value <= 2) {
-      return Status::NotSupported(r.PathOf("stage") + ": zinf implements ZeRO stage 3 only, got " +
-                                  std::to_string(value) + "; set \"stage\": 3");
+    if (value > 3) {
+      return Status::InvalidArgument(r.PathOf("stage") + ": expected 0, 1, 2 or 3 (DeepSpeed's " +
+                                     "ZeRO stages), got " + Describe(*stage));
     }
-    if (value != 3) {
-      return Status::InvalidArgument(r.PathOf("stage") + ": expected 3 (DeepSpeed stages are " +
-                                     "0 to 3 and zinf implements 3), got " + Describe(*stage));
-    }
-    config->zero_stage = 3;
+    config->zero_stage = static_cast<int>(value);
   }
   ZINF_ASSIGN_OR_RETURN(std::optional<ObjectReader> param, r.Object("offload_param"));
   if (param) ZINF_RETURN_IF_ERROR(ParseOffload(*param, false, &config->offload_param, ctx));
@@ -487,6 +483,17 @@ Status InvalidKey(const std::string& path, const std::string& what) {
 
 // The zero_optimization section: both offloads, then the sub-group and live-parameter sizes.
 Status ValidateZeroOptimization(const EngineConfig& c) {
+  if (c.zero_stage < 0 || c.zero_stage > 3) {
+    return InvalidKey("zero_optimization.stage",
+                      "expected 0, 1, 2 or 3, got " + std::to_string(c.zero_stage));
+  }
+  if (c.zero_stage < 3 && c.delayed_update) {
+    return InvalidKey("zinf.delayed_update",
+                      "needs zero_optimization.stage 3 (with stage " +
+                          std::to_string(c.zero_stage) +
+                          " every rank gathers the updated parameters right after the step, "
+                          "so there is no step to overlap); set \"stage\": 3 or turn it off");
+  }
   const std::pair<const OffloadConfig*, const char*> offloads[] = {
       {&c.offload_param, kOffloadParam}, {&c.offload_optimizer, kOffloadOptimizer}};
   for (const auto& [offload, path] : offloads) {

@@ -15,6 +15,7 @@
 namespace zinf {
 
 struct EngineFlags {
+  int zero_stage = -1;            // --zero-stage 0 | 1 | 2 | 3
   std::vector<std::string> nvme;  // --nvme, repeatable; empty: the program's default folder
   std::string param_tier;         // --param-tier device | cpu | nvme
   std::string optimizer_tier;     // --optimizer-tier device | cpu | nvme
@@ -57,6 +58,12 @@ inline CLI::Validator OneOf(std::vector<std::string> names, std::vector<std::str
 inline void AddEngineFlags(CLI::App& app, EngineFlags* f) {
   using engine_flags_internal::OneOf;
   const std::vector<std::string> tiers = {"device", "cpu", "nvme"};
+  app.add_option("--zero-stage", f->zero_stage,
+                 "zero_optimization.stage: 3 (parameters gathered while used), 2 (each "
+                 "parameter whole on every rank's device, gathered once per step), 1 (as 2, "
+                 "each gradient summed over the micro-steps locally and reduced once per step) "
+                 "or 0 (trains as 1)")
+      ->check(CLI::Range(0, 3));
   app.add_option("--nvme", f->nvme, "NVMe swap folder (repeatable)");
   app.add_option("--param-tier", f->param_tier, "where parameters live: device, cpu or nvme")
       ->check(OneOf(tiers, {"none"}));
@@ -106,6 +113,7 @@ inline Result<Tier> ParseTierFlag(const std::string& s, const std::string& flag)
 
 // The flags given, over `c`. --nvme sets both tiers' folders when given.
 inline Status ApplyEngineFlags(const EngineFlags& f, EngineConfig* c) {
+  if (f.zero_stage >= 0) c->zero_stage = f.zero_stage;
   if (!f.param_tier.empty()) {
     ZINF_ASSIGN_OR_RETURN(c->offload_param.tier, ParseTierFlag(f.param_tier, "--param-tier"));
   }

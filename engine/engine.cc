@@ -82,9 +82,6 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
   if (device == nullptr || comm == nullptr) {
     return Status::InvalidArgument("Engine::Create: device and communicator are required");
   }
-  if (config.zero_stage != 3) {
-    return Status::InvalidArgument("zero_optimization.stage: zinf implements stage 3 only");
-  }
   // The configuration's own checks (the same as for a parsed config), then what depends on
   // the device and the ranks.
   ZINF_RETURN_IF_ERROR(ValidateEngineConfig(config));
@@ -212,8 +209,11 @@ const ParamInfo& Engine::param(ParamId id) const { return impl_->param(id); }
 const EngineConfig& Engine::config() const { return impl_->config(); }
 
 Result<ParamId> Engine::Impl::RegisterParameter(const ParamSpec& spec) {
+  // Stages 0 to 2 keep every parameter whole on the device: each one persists.
   ZINF_ASSIGN_OR_RETURN(ParamLayout p, layout_.Describe(spec.name, spec.shape, spec.trainable,
-                                                        config_.param_persistence_threshold));
+                                                        ReplicatesParameters(config_)
+                                                            ? UINT64_MAX
+                                                            : config_.param_persistence_threshold));
   if (!spec.init) {
     return Status::InvalidArgument("parameter '" + spec.name + "': needs a shape and an init");
   }
@@ -373,10 +373,57 @@ Status Engine::Impl::RequireAgreement(const std::string& name, const std::string
   return Status::OK();
 }
 
+Status Engine::Impl::CheckReplicasFit() const {
+  // What stages 0 to 2 hold in device memory at once: every parameter whole (on one rank with
+  // device-tier parameters, the partitions are the whole parameters), the device-tier
+  // partitions, the optimizer states and gradient accumulators of the sub-groups the device
+  // steps, the local gradient sums (stages 0 and 1 with accumulation) and the largest
+  // gradient's scratch.
+  const bool device_params = config_.offload_param.tier == Tier::kDevice;
+  uint64_t replicas = 0, stores = 0, sums = 0, scratch = 0;
+  for (ParamId id = 0; id < layout_.num_params(); ++id) {
+    const ParamLayout& p = layout_.param(id);
+    if (!(device_params && world_ == 1)) replicas += layout_.FullBytes(id);
+    if (device_params) stores += layout_.PartBytes(id);
+    if (p.info.trainable && SumsGradientsLocally(config_)) sums += p.info.numel * sizeof(float);
+    scratch = std::max<uint64_t>(scratch, GradientScratchBytes(p, config_));
+  }
+  for (size_t gi = 0; gi < layout_.num_groups(); ++gi) {
+    if (!layout_.group(gi).on_device) continue;
+    stores += layout_.GroupStateBytes(gi) + (device_params ? layout_.GroupGradBytes(gi) : 0);
+  }
+  const uint64_t need = replicas + stores + sums + scratch;
+  const uint64_t device = device_->MemoryInfo().budget;
+  const uint64_t budget = config_.device_budget_bytes != 0
+                              ? std::min<uint64_t>(config_.device_budget_bytes, device)
+                              : device;
+  if (need <= budget) return Status::OK();
+  const std::string stage = std::to_string(config_.zero_stage);
+  return Status::ResourceExhausted(
+             "zero_optimization.stage " + stage + " keeps every parameter whole in each rank's " +
+             "device memory: " + FormatBytes(replicas) + " of whole parameters" +
+             (sums != 0 ? ", " + FormatBytes(sums) + " of gradients summed over the micro-steps"
+                        : std::string()) +
+             ", " + FormatBytes(stores) + " of device-tier partitions and optimizer states and " +
+             FormatBytes(scratch) + " for the largest gradient need " + FormatBytes(need) +
+             ", and the device budget is " + FormatBytes(budget) +
+             "; use \"stage\": 3 (each parameter gathered only while it is used)" +
+             (config_.device_budget_bytes != 0 ? " or raise zinf.device_budget_bytes"
+                                               : std::string()))
+      .WithKey("zero_optimization.stage");
+}
+
 Status Engine::Impl::Place() {
   const size_t offloaded = layout_.Freeze(config_.sub_group_size, config_.offload_optimizer.tier,
                                           config_.offload_optimizer.ratio);
   const size_t stepped = layout_.GroupOrder().size();  // (the frozen sub-group is not stepped)
+  if (ReplicatesParameters(config_)) {
+    // Every rank learns whether every rank's device holds the whole parameters (the device
+    // budgets may differ: a GPU's free memory).
+    Status fits = CheckReplicasFit();
+    if (world_ > 1) fits = collectives_->Agree(fits, "fitting the whole parameters");
+    ZINF_RETURN_IF_ERROR(fits);
+  }
   if (config_.offload_optimizer.tier != Tier::kDevice && config_.offload_optimizer.ratio < 1 &&
       rank_ == 0) {
     // The split is by whole sub-groups: say what the ratio became.
@@ -696,7 +743,8 @@ Status Engine::Impl::ReduceGradient(ParamId id, const float* grad) {
                                       "'): the parameter is frozen (registered with trainable "
                                       "false); it takes no gradient");
   }
-  if (core_->grads->reduced(id)) {
+  LocalGradients* local = core_->local_grads.get();
+  if (core_->grads->reduced(id) || (local != nullptr && local->added(id))) {
     return Status::FailedPrecondition("ReduceGradient('" + p.info.name +
                                       "') twice in one micro-step");
   }
@@ -704,7 +752,16 @@ Status Engine::Impl::ReduceGradient(ParamId id, const float* grad) {
   // be free of the previous window's step (delayed update) before this gradient goes in.
   const int64_t ready = clock_.boundary() ? clock_.step() + 1 : 0;
   ZINF_RETURN_IF_ERROR(WaitStepped(p.info.sub_group));
-  Status s = core_->grads->Reduce(id, grad, ready);
+  Status s;
+  if (local != nullptr && (ready == 0 || local->holds(id))) {
+    // Stages 0 and 1: summed on this rank until the window's last micro-step, which reduces
+    // the sum (Step reduces those that get no gradient in it).
+    s = local->Add(id, grad);
+    if (s.ok() && ready != 0) s = core_->grads->Reduce(id, local->sum(id), ready);
+    if (s.ok() && ready != 0) local->Clear(id);
+  } else {
+    s = core_->grads->Reduce(id, grad, ready);
+  }
   if (!s.ok()) {
     // Part of the gradient may be in its accumulator, and the optimizer may wait for it.
     return Break("the engine stopped: ReduceGradient('" + p.info.name + "') failed part-way", s,
@@ -785,6 +842,16 @@ Result<StepStats> Engine::Impl::Step() {
     // have final accumulators already: count them as landed.
     // (Streaming accumulators: a sub-group none of whose parameters has a gradient holds no
     // block, and nothing reads its accumulators, so there is nothing to zero.)
+    // Stages 0 and 1: the local sums of parameters that got no gradient in this last
+    // micro-step are reduced now, in registration order on every rank.
+    if (LocalGradients* local = core_->local_grads.get(); local != nullptr) {
+      for (ParamId id = 0; id < layout_.num_params() && s.ok(); ++id) {
+        if (!local->holds(id)) continue;
+        s = core_->grads->Reduce(id, local->sum(id), next);
+        if (s.ok()) local->Clear(id);
+      }
+      if (!s.ok()) return fail_boundary(s);
+    }
     s = core_->grads->CompleteWindow(next);
     if (!s.ok()) return fail_boundary(s);
     if (NeedsNorm()) {
@@ -816,7 +883,17 @@ Result<StepStats> Engine::Impl::Step() {
   BeginMicroStep();
   trace_.EndMicroStep();
   // The updated parameters are in their stores: start fetching the next micro-step's first
-  // ones now, while the trainer prepares its next batch.
+  // ones now, while the trainer prepares its next batch. Stages 0 to 2 gather every one of
+  // them once, now.
+  if (ReplicatesParameters(config_) && st.optimizer_ran) {
+    // The window's gradient scratch first (the streams are idle after the step): its room.
+    s = budget_->ReclaimScratch();
+    if (!s.ok()) {
+      return Break("the engine stopped after an error in this step", s,
+                   "; recreate it (from a checkpoint) to continue");
+    }
+    core_->fetch->Refresh(clock_.visible(), Rewriting());
+  }
   core_->fetch->Prefetch(clock_.visible(), Rewriting());
 
   st.step = clock_.step();

@@ -172,6 +172,9 @@ class Engine::Impl {
   // FinishRegistration's placement: the layout frozen, the pinned arena and its pools
   // (AllocatePinned), the swap store (OpenSwapStore, with an NVMe tier) and the components
   // over them (BuildComponents).
+  // Stages 0 to 2, once the layout is frozen: whether the whole parameters fit the device
+  // budget with the rest the device holds (refused, naming stage 3, when not).
+  Status CheckReplicasFit() const;
   Status Place();
   Status AllocatePinned(const PinnedPlan& plan);
   Status OpenSwapStore();
@@ -193,6 +196,7 @@ class Engine::Impl {
   void BeginMicroStep() {
     const bool boundary = clock_.PrepareMicroStep();
     core_->grads->BeginMicroStep();
+    if (core_->local_grads) core_->local_grads->BeginMicroStep();
     core_->board->BeginMicroStep(boundary, clock_.step());
   }
   // Hands the optimizer thread the task of a boundary micro-step, at the micro-step's first

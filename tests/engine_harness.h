@@ -239,6 +239,9 @@ class RankTrainer {
   size_t device_bytes() const { return grad_dev_bytes_; }
   // ReduceGradient calls that succeeded in the last micro-step.
   int gradients_reduced() const { return gradients_reduced_; }
+  // Parameter p's gradient is not handed to the engine in the next micro-steps (-1: every
+  // one is).
+  void set_skip_gradient(int p) { skip_gradient_ = p; }
 
   // One micro-step over rows [row_begin, row_begin + rows) of the batch: forward layer by
   // layer, backward in reverse with ReduceGradient for every parameter, then Step().
@@ -312,6 +315,7 @@ class RankTrainer {
   // Hands a host gradient to the engine (through device memory when the device is not the
   // host: the copy is ordered on the compute stream, which the engine's reduction follows).
   Status Reduce(int p, const std::vector<float>& grad) {
+    if (p == skip_gradient_) return Status::OK();
     const float* src = grad.data();
     if (device_ != nullptr) {
       const size_t bytes = grad.size() * sizeof(float);
@@ -384,6 +388,7 @@ class RankTrainer {
 
   Engine* engine_;
   Device* device_ = nullptr;  // set only for a device that is not the host
+  int skip_gradient_ = -1;
   std::map<int, std::vector<float>> host_w_, host_b_;
   Status setup_;  // the constructor's failure, returned by Register
   std::deque<std::vector<float>> host_in_flight_;  // gradients the compute stream copies
@@ -428,10 +433,18 @@ struct RunOptions {
   // checkpoint saved then, loaded by an engine keeping state_type: converted on load).
   int switch_states_at = -1;
   StateType states_before = StateType::kF32;
+  int stage = 3;  // zero_optimization.stage
+  // This parameter's gradient is reduced in the first micro-step of each window only (-1:
+  // every parameter's in every micro-step).
+  int first_micro_only = -1;
   std::chrono::seconds timeout{120};
 
   std::string Describe() const {
     std::ostringstream os;
+    if (stage != 3) os << "stage " << stage << ", ";
+    if (first_micro_only >= 0) {
+      os << ParamName(first_micro_only) << "'s gradient in the first micro-step only, ";
+    }
     os << ranks << " rank(s), params " << TierLabel(param_tier) << ", optimizer "
        << TierLabel(optimizer_tier) << ", accumulation " << grad_accum << ", clipping " << clipping
        << ", device budget " << device_budget_bytes;
@@ -478,8 +491,49 @@ inline EngineConfig MakeConfig(const RunOptions& o, const std::string& nvme_dir)
   c.optimizer_threads = 1;  // 2-core machines run up to 4 ranks
   c.optimizer_state_type = o.state_type;
   c.speculative_step = o.speculative;
+  c.zero_stage = o.stage;
   return c;
 }
+
+// How many collectives of each kind a rank's engine issued (CountingComm).
+struct CollectiveCounts {
+  int all_gather = 0, reduce_scatter = 0, all_reduce = 0, broadcast = 0, barrier = 0;
+};
+
+// A rank's communicator, counting the collectives it is asked for (the engine's trainer
+// thread is the only caller: plain counters).
+class CountingComm final : public Communicator {
+ public:
+  explicit CountingComm(std::unique_ptr<Communicator> inner) : inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  Status AllGather(const void* send, void* recv, size_t bytes, Stream* stream) override {
+    ++counts_.all_gather;
+    return inner_->AllGather(send, recv, bytes, stream);
+  }
+  Status ReduceScatterSum(const float* send, float* recv, size_t count, Stream* stream) override {
+    ++counts_.reduce_scatter;
+    return inner_->ReduceScatterSum(send, recv, count, stream);
+  }
+  Status AllReduceSum(float* buf, size_t count, Stream* stream) override {
+    ++counts_.all_reduce;
+    return inner_->AllReduceSum(buf, count, stream);
+  }
+  Status Broadcast(void* buf, size_t bytes, int root, Stream* stream) override {
+    ++counts_.broadcast;
+    return inner_->Broadcast(buf, bytes, root, stream);
+  }
+  Status Barrier() override {
+    ++counts_.barrier;
+    return inner_->Barrier();
+  }
+  CommCounters Counters() const override { return inner_->Counters(); }
+  const CollectiveCounts& counts() const { return counts_; }
+
+ private:
+  std::unique_ptr<Communicator> inner_;
+  CollectiveCounts counts_;
+};
 
 struct RankOutput {
   Status status;
@@ -505,7 +559,8 @@ struct RunResult {
   // Per rank: the HostDevice's own peak allocation, less what the test's trainer held there
   // (its gradient buffer under the strict device).
   std::vector<size_t> device_peaks;
-  std::vector<Status> mid_window_saves;  // per rank
+  std::vector<Status> mid_window_saves;       // per rank
+  std::vector<CollectiveCounts> collectives;  // per rank, the whole run's
 };
 
 // The micro-step's rows for `rank`: the global batch is split over the micro-steps of an
@@ -535,6 +590,7 @@ inline Status RankMain(const RunOptions& o, int rank, Device* device, Communicat
   for (int m = o.first_micro; m < micro_steps; ++m) {
     double loss = 0;
     StepStats stats;
+    trainer.set_skip_gradient(m % o.grad_accum != 0 ? o.first_micro_only : -1);
     ZINF_RETURN_IF_ERROR(trainer
                              .MicroStep(RowBegin(o, m, rank), RowsPerRank(o),
                                         m == o.swapped_micro_step, &loss, &stats)
@@ -603,6 +659,13 @@ inline RunResult RunTraining(const RunOptions& o) {
       return res;
     }
   }
+  // Every rank's communicator counts its collectives.
+  std::vector<CountingComm*> counting;
+  for (std::unique_ptr<Communicator>& c : *comms) {
+    auto wrapped = std::make_unique<CountingComm>(std::move(c));
+    counting.push_back(wrapped.get());
+    c = std::move(wrapped);
+  }
   std::vector<RankOutput> outs(o.ranks);
   auto progress = [&outs] {
     std::string s;
@@ -641,6 +704,7 @@ inline RunResult RunTraining(const RunOptions& o) {
     res.stats.push_back(outs[r].stats);
     res.mid_window_saves.push_back(outs[r].mid_window_save);
     res.device_peaks.push_back(devices[r]->MemoryInfo().peak - outs[r].trainer_device_bytes);
+    res.collectives.push_back(counting[r]->counts());
   }
   if (!res.status.ok()) return res;
   res.params = outs[0].params;
@@ -746,6 +810,10 @@ inline SimResult Simulate(const RunOptions& o) {
     }
     const std::vector<std::vector<float>>& used = o.delayed ? history[version] : sim.params;
     for (int p = 0; p < np; ++p) acc[p].assign(shape.numel(p), 0.0f);
+    // Stages 0 and 1 with accumulation: each rank sums its micro-steps first, then the ranks'
+    // sums are added in rank order (one reduction per window).
+    const bool local_sums = o.stage <= 1 && o.grad_accum > 1;
+    std::vector<std::vector<std::vector<float>>> rank_acc(o.ranks, acc);
     for (int micro = step * o.grad_accum; micro < (step + 1) * o.grad_accum; ++micro) {
       std::vector<std::vector<float>> sum;
       double loss = 0.0;
@@ -753,6 +821,15 @@ inline SimResult Simulate(const RunOptions& o) {
         std::vector<std::vector<float>> g;
         loss += testing::MlpGradients(shape, TheBatch(), RowBegin(o, micro, r), RowsPerRank(o),
                                       LossScale(), used, &g);
+        if (o.first_micro_only >= 0 && micro % o.grad_accum != 0) {
+          std::fill(g[o.first_micro_only].begin(), g[o.first_micro_only].end(), 0.0f);
+        }
+        if (local_sums) {
+          for (int p = 0; p < np; ++p) {
+            for (size_t i = 0; i < g[p].size(); ++i) rank_acc[r][p][i] += g[p][i];
+          }
+          continue;
+        }
         if (r == 0) {
           sum = std::move(g);
         } else {
@@ -762,6 +839,18 @@ inline SimResult Simulate(const RunOptions& o) {
         }
       }
       sim.losses.push_back(loss);
+      if (local_sums) continue;
+      for (int p = 0; p < np; ++p) {
+        for (size_t i = 0; i < acc[p].size(); ++i) acc[p][i] += sum[p][i];
+      }
+    }
+    if (local_sums) {
+      std::vector<std::vector<float>> sum = rank_acc[0];
+      for (int r = 1; r < o.ranks; ++r) {
+        for (int p = 0; p < np; ++p) {
+          for (size_t i = 0; i < sum[p].size(); ++i) sum[p][i] += rank_acc[r][p][i];
+        }
+      }
       for (int p = 0; p < np; ++p) {
         for (size_t i = 0; i < acc[p].size(); ++i) acc[p][i] += sum[p][i];
       }

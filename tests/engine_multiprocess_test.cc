@@ -157,6 +157,25 @@ TEST(EngineMultiProcess, TwoRanksEverythingOnNvme) {
   ExpectSameBits(o);
 }
 
+// ZeRO stage 2 in rank processes ends bit-identical to stage 3 in threads (the same sums);
+// stage 1 (each rank sums its micro-steps first) to stage 1 in threads.
+TEST(EngineMultiProcess, TwoRanksAtStages2And1) {
+  RunOptions o;
+  o.ranks = 2;
+  o.param_tier = Tier::kNvme;
+  o.optimizer_tier = Tier::kCpu;
+  o.grad_accum = 2;
+  o.clipping = 0.05;
+  o.stage = 2;
+  RunOptions three = o;
+  three.stage = 3;
+  ExpectSameBits(o, &three);
+  o.stage = 1;
+  o.param_tier = Tier::kCpu;
+  o.optimizer_tier = Tier::kNvme;
+  ExpectSameBits(o);
+}
+
 TEST(EngineMultiProcess, FourRanksStatesOnCpuDelayedUpdate) {
   RunOptions o;
   o.ranks = 4;

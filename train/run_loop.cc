@@ -328,6 +328,7 @@ int Report(const Flags& f, const RunPlan& plan, GptTrainer* trainer, int64_t fir
       {"optimizer_state_dtype", StateTypeName(plan.config.optimizer_state_type)},
       {"state_bytes_per_param", StateBytesPerParam(plan.config)},
       {"param_dtype", StoredParamName(plan.config)},
+      {"zero_stage", plan.config.zero_stage},
       // fp16: the loss scale after the last step and the steps skipped for overflow.
       {"loss_scale", log.loss_scale},
       {"skipped_steps", log.skipped_steps},

@@ -29,10 +29,15 @@ Result<std::unique_ptr<CoreParts>> CoreParts::Build(EngineContext ctx, const Sha
   parts->grads = std::make_unique<GradientWindow>(ctx, parts->fetch.get(), parts->adder.get(),
                                                   shared.grad_pool, shared.stream_grads);
   ZINF_RETURN_IF_ERROR(parts->grads->Init());
+  if (SumsGradientsLocally(*ctx.config)) {
+    parts->local_grads = std::make_unique<LocalGradients>(ctx);
+    ZINF_RETURN_IF_ERROR(parts->local_grads->Init());
+  }
   return parts;
 }
 
 CoreParts::~CoreParts() {
+  local_grads.reset();
   grads.reset();
   fetch.reset();
   adder.reset();  // after the gradient window and the fetch scheduler (they drain it)

@@ -1,6 +1,7 @@
 // The engine's core components over one frozen layout: the group board, the parameter and
-// state stores, the frozen parameters' storage, the gradient adder thread, the fetch scheduler
-// and the gradient window. Built once at placement, in dependency order, from the context the
+// state stores, the frozen parameters' storage, the gradient adder thread, the fetch
+// scheduler, the gradient window and, at stages 0 and 1 with accumulation, the local gradient
+// sums. Built once at placement, in dependency order, from the context the
 // façade assembled (Build gives it the board); torn down in reverse, after the optimizer
 // pipeline and the persistence layer above, which use them, are gone.
 #pragma once
@@ -15,6 +16,7 @@
 #include "engine/core/gradient_window.h"
 #include "engine/core/group_board.h"
 #include "engine/core/host_memory.h"
+#include "engine/core/local_gradients.h"
 #include "engine/core/param_store.h"
 #include "engine/core/state_store.h"
 #include "zinf/cpu_adam.h"
@@ -44,6 +46,8 @@ struct CoreParts {
   std::unique_ptr<GradientAdder> adder;
   std::unique_ptr<FetchScheduler> fetch;
   std::unique_ptr<GradientWindow> grads;
+  // Stages 0 and 1 with accumulation (SumsGradientsLocally); null otherwise.
+  std::unique_ptr<LocalGradients> local_grads;
 
  private:
   CoreParts() = default;

@@ -98,8 +98,7 @@ Status FetchScheduler::MakeRoom(uint64_t elems, uint64_t bytes, ParamId for_id) 
   const ParamLayout& target = ctx_.layout->param(for_id);
   const uint64_t grad_room = GradientScratchBytes(target, *ctx_.config);
   auto fits = [&] {
-    return ctx_.budget->Fits(bytes + grad_room) &&
-           live_elems_ + elems <= ctx_.config->max_live_parameters;
+    return ctx_.budget->Fits(bytes + grad_room) && live_elems_ + elems <= MaxLive();
   };
   while (!fits()) {
     if (ctx_.budget->has_scratch()) {
@@ -371,11 +370,32 @@ void FetchScheduler::Prefetch(int64_t visible, const Rewriting& rewriting) {
     // Only prefetch into free budget: never evict for a prefetch.
     const uint64_t grad_room = GradientScratchBytes(p, *ctx_.config);
     if (!ctx_.budget->Fits(ctx_.layout->FullBytes(id) + grad_room)) return;
-    if (live_elems_ + p.padded_numel > ctx_.config->max_live_parameters) return;
+    if (live_elems_ + p.padded_numel > MaxLive()) return;
     if (r.aliased) continue;
     // A prefetch failure resurfaces on demand.
     if (!Fetch(id, visible, /*prefetch=*/true).ok()) return;
     inflight += p.padded_numel;
+  }
+}
+
+void FetchScheduler::Refresh(int64_t visible, const Rewriting& rewriting) {
+  IssueEndedReads();
+  // Several ranks with NVMe parameters: a read's gather waits for its Acquire, and every read
+  // queued before it is gathered first (FinishRead), so the reads must be queued in the order
+  // the parameters are acquired, on every rank alike: the trace's prefetch does that; how far a
+  // refresh in registration order got would depend on when each rank's staging came back.
+  if (ctx_.comm->world_size() > 1 && ctx_.config->offload_param.tier == Tier::kNvme) return;
+  for (ParamId id = 0; id < res_.size(); ++id) {
+    const Resident& r = res_[id];
+    const ParamLayout& p = ctx_.layout->param(id);
+    if (r.aliased || Fresh(id, visible) || r.acquired > 0 || rewriting(id)) continue;
+    if (r.device_full != nullptr && !Evict(id).ok()) return;  // (its Acquire fetches it)
+    if (!ctx_.budget->Fits(ctx_.layout->FullBytes(id) + GradientScratchBytes(p, *ctx_.config))) {
+      return;
+    }
+    if (live_elems_ + p.padded_numel > MaxLive()) return;
+    // A failure resurfaces at the parameter's Acquire, as a prefetch's does.
+    if (!Fetch(id, visible, /*prefetch=*/true).ok()) return;
   }
 }
 

@@ -60,6 +60,12 @@ class FetchScheduler {
   Status Release(const std::vector<ParamId>& ids, int64_t visible, const Rewriting& rewriting);
   // Starts fetches along the trace into free budget.
   void Prefetch(int64_t visible, const Rewriting& rewriting);
+  // ZeRO stages 0 to 2, right after an optimizer step: starts the fetch (one gather) of every
+  // parameter not resident at `visible` and not acquired, in registration order on every
+  // rank, into free budget, dropping stale copies first; what does not fit is fetched by its
+  // Acquire. (Several ranks with NVMe parameters: nothing; the trace's prefetch and the
+  // Acquires fetch each parameter once, in acquire order.)
+  void Refresh(int64_t visible, const Rewriting& rewriting);
   // Gives back the device copy of `id` once nothing can use or write it (DeviceBudget::
   // FreeAfter: without waiting for the streams now); an error leaves it allocated (nothing is
   // known to be done with it).
@@ -95,6 +101,11 @@ class FetchScheduler {
     int acquired = 0;
   };
 
+  // stage3_max_live_parameters; no limit at stages 0 to 2 (every parameter stays whole: the
+  // device budget, checked at registration, is the limit).
+  uint64_t MaxLive() const {
+    return ReplicatesParameters(*ctx_.config) ? UINT64_MAX : ctx_.config->max_live_parameters;
+  }
   // A pinned block of `bytes` for `id`'s fetch (NVMe staging, or an int8 weight's decode
   // block). A demand fetch (`prefetch` false) waits for the blocks in use to come back once;
   // a prefetch gives up at once.

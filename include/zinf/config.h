@@ -72,6 +72,12 @@ struct Fp16Config {
 enum class SpeculativeStep { kOff, kOn, kAuto };
 
 struct EngineConfig {
+  // zero_optimization.stage. 3: the parameters, their gradients and the optimizer states are
+  // partitioned over the ranks, each parameter gathered when used. 2: every rank keeps each
+  // parameter whole in its device memory, gathered once right after each optimizer step (the
+  // gradients and states stay partitioned). 1: as 2, and each gradient is summed over the
+  // micro-steps on its own rank, then reduced once per optimizer step. 0 (plain data
+  // parallelism in DeepSpeed) trains as 1: the same values, with the states still partitioned.
   int zero_stage = 3;
   OffloadConfig offload_param;
   OffloadConfig offload_optimizer;
@@ -172,6 +178,13 @@ inline ParamCopyType StoredParamType(const EngineConfig& c) {
 // gradient's landed pieces).
 inline bool WaitsForGlobalNorm(const EngineConfig& c) {
   return c.gradient_clipping > 0 || c.fp16.enabled;
+}
+// Stages 0 to 2: every rank keeps each parameter whole in device memory between steps.
+inline bool ReplicatesParameters(const EngineConfig& c) { return c.zero_stage < 3; }
+// Stages 0 and 1 with accumulation: each gradient is summed over the window's micro-steps in
+// a whole-parameter fp32 buffer of its own rank, and reduced once, at the window's end.
+inline bool SumsGradientsLocally(const EngineConfig& c) {
+  return c.zero_stage <= 1 && c.gradient_accumulation_steps > 1;
 }
 // "bf16", "fp16" or "fp32".
 inline const char* StoredParamName(const EngineConfig& c) {

@@ -317,6 +317,7 @@ def test_deepspeed_initialize_returns_its_tuple_and_engine_methods(scratch):
     assert [len(b[0]) for b in loader] == [4, 4, 2]
     assert engine.train_micro_batch_size_per_gpu() == 4
     assert engine.gradient_accumulation_steps() == 1
+    assert engine.zero_optimization_stage() == 3 and engine.zero_optimization_partition_weights()
     ids, tgt = next(iter(loader))
     engine.zero_grad()
     engine.backward(engine(ids, tgt))
@@ -325,6 +326,11 @@ def test_deepspeed_initialize_returns_its_tuple_and_engine_methods(scratch):
     assert engine.get_lr() == [pytest.approx(1e-3)]
     # The zinf form keeps returning the engine.
     assert isinstance(zinf.initialize(Llama(), make_config()), zinf.ZinfEngine)
+    # The stage is the config's (Hugging Face and accelerate branch on it).
+    cfg2 = make_config()
+    cfg2["zero_optimization"]["stage"] = 2
+    two, _, _, _ = zinf.initialize(model=Llama(), config_params=cfg2)
+    assert two.zero_optimization_stage() == 2 and not two.zero_optimization_partition_weights()
     # DeepSpeed's checkpoint shapes: tags, latest, (path, client_state), (None, None).
     assert engine.save_checkpoint(scratch, tag="first", client_state={"n": 1})
     assert engine.save_checkpoint(scratch, client_state={"n": 2})

@@ -356,6 +356,28 @@ TEST(TrainCli, Fp16RunsReportTheScaleAndTheSkippedSteps) {
   EXPECT_NE(o.stdout_text.find("\"skipped_steps\":"), std::string::npos) << o.stdout_text;
 }
 
+// --zero-stage 2 on two rank processes trains stage 3's values (the same sums), with each
+// parameter whole on each rank; the JSON line names the stage.
+TEST(TrainCli, Stage2OnTwoRanksEndsOnStage3sChecksum) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  std::string checksum[2];
+  for (int k = 0; k < 2; ++k) {
+    const std::string stage = k == 0 ? "3" : "2";
+    Outcome o = Spawn(dir.path(),
+                      {"--preset", "tiny", "--steps", "4", "--batch", "2", "--seq", "32",
+                       "--grad-accum", "2", "--nproc", "2", "--zero-stage", stage, "--nvme",
+                       dir.path() + "/swap" + stage, "--data", ZINF_SOURCE_DATA, "--json"},
+                      "");
+    ASSERT_EQ(o.exit_code, 0) << o.stderr_text;
+    EXPECT_NE(o.stdout_text.find("\"zero_stage\":" + stage), std::string::npos) << o.stdout_text;
+    const size_t at = o.stdout_text.find("\"param_checksum\":");
+    ASSERT_NE(at, std::string::npos) << o.stdout_text;
+    checksum[k] = o.stdout_text.substr(at, o.stdout_text.find(',', at) - at);
+  }
+  EXPECT_EQ(checksum[0], checksum[1]);
+}
+
 TEST(TrainCli, DeviceBudgetTooSmallForALayerNamesTheFlag) {
   TempDir dir;
   ASSERT_TRUE(dir.ok());

@@ -166,10 +166,10 @@ class DeepSpeedEngine(ZinfEngine):
         return True
 
     def zero_optimization_stage(self):
-        return 3
+        return int(self.config.get("zero_optimization", "stage", default=3))
 
     def zero_optimization_partition_weights(self):
-        return True
+        return self.zero_optimization_stage() == 3
 
     def zero_cpu_offload(self):
         return self.config.get("zero_optimization", "offload_optimizer", "device",
