@@ -69,7 +69,8 @@ struct Flags {
   uint64_t prefetch_elems = 16u << 20;
   bool bf16 = false;
   std::string device = "host";
-  int nproc = 0;  // --nproc: ranks as processes (LaunchRanks)
+  int nproc = 0;           // --nproc: ranks as processes (LaunchRanks)
+  int offload_cycles = 0;  // --offload-cycles
   // The engine flags (config/engine_flags.h), with the bench's defaults.
   EngineFlags engine = BenchEngineDefaults();
 };
@@ -235,6 +236,11 @@ void AddFlags(CLI::App& app, Flags* f) {
   app.add_option("--prefetch-elems", f->prefetch_elems)
       ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 40));
   app.add_flag("--bf16", f->bf16, "bf16 parameters on the device");
+  app.add_option("--offload-cycles", f->offload_cycles,
+                 "after the steps: this many offload_states / reload_states cycles (blocking, "
+                 "pinned host memory), one JSON line each with their seconds and the device "
+                 "memory in use before and while offloaded, then one more step")
+      ->check(CLI::Range(0, 1000));
   app.add_option("--device", f->device,
                  "host (HostDevice, simulated link) or cuda (GPU 0 and a one-rank NCCL "
                  "communicator)")
@@ -466,6 +472,40 @@ Status RunSteps(const Flags& f, const BenchRun& run, StepSeries* series) {
   return Status::OK();
 }
 
+// --offload-cycles: offload_states / reload_states cycles between steps, timed, with the device
+// memory in use before and while offloaded; then a step, which must still run.
+Status OffloadCycles(const Flags& f, const BenchRun& run, Device* device) {
+  std::vector<double> offload_s, reload_s;
+  for (int c = 0; c < f.offload_cycles; ++c) {
+    const size_t before = device->MemoryInfo().used;
+    const auto t0 = std::chrono::steady_clock::now();
+    ZINF_RETURN_IF_ERROR(run.engine->OffloadStates(Engine::OffloadStatesOptions{}));
+    const auto t1 = std::chrono::steady_clock::now();
+    const size_t offloaded = device->MemoryInfo().used;
+    ZINF_RETURN_IF_ERROR(run.engine->ReloadStates(/*non_blocking=*/false));
+    const auto t2 = std::chrono::steady_clock::now();
+    offload_s.push_back(std::chrono::duration<double>(t1 - t0).count());
+    reload_s.push_back(std::chrono::duration<double>(t2 - t1).count());
+    nlohmann::json j;
+    j["offload_cycle"] = c;
+    j["offload_seconds"] = offload_s.back();
+    j["reload_seconds"] = reload_s.back();
+    j["device_used_before"] = before;
+    j["device_used_offloaded"] = offloaded;
+    j["device_used_reloaded"] = device->MemoryInfo().used;
+    std::printf("%s\n", j.dump().c_str());
+  }
+  ZINF_RETURN_IF_ERROR(ForwardBackward(f, run));
+  ZINF_ASSIGN_OR_RETURN(StepStats st, run.engine->Step());
+  nlohmann::json j;
+  j["median_offload_seconds"] = bench::Median(offload_s);
+  j["median_reload_seconds"] = bench::Median(reload_s);
+  j["step_after_cycles"] = st.step;
+  std::printf("%s\n", j.dump().c_str());
+  std::fflush(stdout);
+  return Status::OK();
+}
+
 // With several ranks: the engine's collectives per step, beside gloo alone moving a ZeRO-3
 // step's data.
 void ReportCollectives(const Flags& f, const StepSeries& series, const Communicator& comm,
@@ -570,7 +610,8 @@ int RunBench(const Flags& f) {
       engine->get(), std::move(*ids), static_cast<const float*>(*grad_mem), compute->get(),
       comm,          AllowedCores()};
   StepSeries series;
-  const Status s = RunSteps(f, run, &series);
+  Status s = RunSteps(f, run, &series);
+  if (s.ok() && f.offload_cycles > 0) s = OffloadCycles(f, run, device);
   engine->reset();   // drains the engine's streams before its gradient source goes
   compute->reset();  // its timing buffer, while the device lives
   device->Free(*grad_mem);

@@ -208,6 +208,37 @@ double zinf_engine_loss_scale(const zinf_engine* engine) {
              : engine->engine->loss_scale();
 }
 
+int zinf_engine_offload_states(zinf_engine* engine, uint32_t include, const char* device,
+                               int pin_memory, int non_blocking) {
+  if (!Live(engine, "zinf_engine_offload_states")) return -1;
+  return zinf::capi::Guarded("zinf_engine_offload_states", [&] {
+    const std::string where = device == nullptr ? "cpu" : device;
+    if (where != "cpu" && where != "nvme") {
+      return Fail("zinf_engine_offload_states: device must be \"cpu\" or \"nvme\", got \"" + where +
+                  "\"");
+    }
+    zinf::Engine::OffloadStatesOptions o;
+    o.include = include == 0 ? zinf::Engine::kOffloadAll : include;
+    o.device = where == "cpu" ? zinf::Tier::kCpu : zinf::Tier::kNvme;
+    o.pin_memory = pin_memory != 0;
+    o.non_blocking = non_blocking != 0;
+    return FromStatus(engine->engine->OffloadStates(o));
+  });
+}
+
+int zinf_engine_reload_states(zinf_engine* engine, int non_blocking) {
+  if (!Live(engine, "zinf_engine_reload_states")) return -1;
+  return zinf::capi::Guarded("zinf_engine_reload_states", [&] {
+    return FromStatus(engine->engine->ReloadStates(non_blocking != 0));
+  });
+}
+
+int zinf_engine_states_offloaded(const zinf_engine* engine) {
+  return engine == nullptr || engine->magic != zinf::capi::kEngineMagic
+             ? -1
+             : (engine->engine->states_offloaded() ? 1 : 0);
+}
+
 int64_t zinf_engine_skipped_steps(const zinf_engine* engine) {
   return engine == nullptr || engine->magic != zinf::capi::kEngineMagic
              ? -1

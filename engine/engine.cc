@@ -62,6 +62,10 @@ Engine::Impl::~Impl() {
     Status synced = device_->SynchronizeStream(s);
     if (!synced.ok()) LogWarning("closing the engine: " + synced.ToString());
   }
+  // offload_states' host copies (the streams are done with them).
+  if (offloaded_) ReleaseHostCopy(offloaded_.get());
+  if (reloading_) ReleaseHostCopy(reloading_.get());
+  if (spare_) ReleaseHostCopy(spare_.get());
   // Device memory and pinned buffers go back before the arena and the budget they came from.
   pipeline_.reset();
   checkpointer_.reset();
@@ -196,6 +200,9 @@ ParamGroupHyper Engine::param_group(size_t group) const { return impl_->param_gr
 
 int64_t Engine::global_step() const { return impl_->global_step(); }
 double Engine::loss_scale() const { return impl_->loss_scale(); }
+Status Engine::OffloadStates(const OffloadStatesOptions& o) { return impl_->OffloadStates(o); }
+Status Engine::ReloadStates(bool non_blocking) { return impl_->ReloadStates(non_blocking); }
+bool Engine::states_offloaded() const { return impl_->states_offloaded(); }
 uint64_t Engine::skipped_steps() const { return impl_->skipped_steps(); }
 
 int Engine::rank() const { return impl_->rank(); }
@@ -699,8 +706,10 @@ Result<std::vector<void*>> Engine::Impl::Acquire(const std::vector<ParamId>& ids
                                                  AcquireMode mode) {
   if (!broken_.ok()) return broken_;
   if (!registered_) ZINF_RETURN_IF_ERROR(FinishRegistration());
-  ZINF_RETURN_IF_ERROR(CheckInitialValues());
   const bool training = mode == AcquireMode::kTraining;
+  // offload_states: an inference Acquire (generation) needs the parameters only.
+  ZINF_RETURN_IF_ERROR(EnsureStatesLoaded(training ? kOffloadAll : kOffloadParams));
+  ZINF_RETURN_IF_ERROR(CheckInitialValues());
   for (ParamId id : ids) {
     if (id >= layout_.num_params()) {
       return Status::InvalidArgument("Acquire: unknown parameter id " + std::to_string(id));
@@ -736,6 +745,7 @@ Status Engine::Impl::ReduceGradient(ParamId id, const float* grad) {
     return Status::InvalidArgument("ReduceGradient: unknown parameter id " + std::to_string(id));
   }
   if (!registered_) return Status::FailedPrecondition("ReduceGradient before any Acquire");
+  ZINF_RETURN_IF_ERROR(EnsureStatesLoaded());
   KickTask();
   const ParamLayout& p = layout_.param(id);
   if (!p.info.trainable) {
@@ -813,6 +823,7 @@ Status Engine::Impl::PostNormVerdict(int64_t next, StepStats* st) {
 Result<StepStats> Engine::Impl::Step() {
   if (!broken_.ok()) return broken_;
   if (!registered_) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  ZINF_RETURN_IF_ERROR(EnsureStatesLoaded());
   ZINF_RETURN_IF_ERROR(CheckInitialValues());
   KickTask();
   const bool boundary = clock_.boundary();

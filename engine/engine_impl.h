@@ -89,6 +89,9 @@ class Engine::Impl {
   size_t num_param_groups() const;
   ParamGroupHyper param_group(size_t group) const;
   int64_t global_step() const;
+  Status OffloadStates(const Engine::OffloadStatesOptions& o);
+  Status ReloadStates(bool non_blocking);
+  bool states_offloaded() const { return offloaded_ != nullptr; }
   double loss_scale() const { return scaler_ ? scaler_->scale() : 1.0; }
   uint64_t skipped_steps() const { return scaler_ ? scaler_->skipped_steps() : 0; }
   int rank() const;
@@ -169,12 +172,12 @@ class Engine::Impl {
   std::unique_ptr<AlignedBuffer> gather_states_;
   size_t gather_group_ = 0;
 
-  // FinishRegistration's placement: the layout frozen, the pinned arena and its pools
-  // (AllocatePinned), the swap store (OpenSwapStore, with an NVMe tier) and the components
-  // over them (BuildComponents).
   // Stages 0 to 2, once the layout is frozen: whether the whole parameters fit the device
   // budget with the rest the device holds (refused, naming stage 3, when not).
   Status CheckReplicasFit() const;
+  // FinishRegistration's placement: the layout frozen, the pinned arena and its pools
+  // (AllocatePinned), the swap store (OpenSwapStore, with an NVMe tier) and the components
+  // over them (BuildComponents).
   Status Place();
   Status AllocatePinned(const PinnedPlan& plan);
   Status OpenSwapStore();
@@ -224,6 +227,43 @@ class Engine::Impl {
   // GatherMasterParameter's end: this rank's partition `mine` of `p` gathered into its whole
   // value at `out` (numel values).
   Status GatherPartition(const ParamLayout& p, const float* mine, float* out);
+  // offload_states: what was moved out of device memory (the kept buffers' contents back to
+  // back in `host`), until ReloadStates puts it back.
+  struct Moved {
+    DeviceSlot slot;
+    size_t offset = 0;  // in host (kept ones)
+    uint32_t type = 0;  // its Engine::OffloadStateType
+  };
+  struct Offloaded {
+    // Anonymous memory with huge pages where the kernel has them: a copy into fresh 4 KiB
+    // pages is page-fault bound (a tenth of memcpy's speed on a VM).
+    std::unique_ptr<HostArray> host;
+    bool registered = false;  // host is registered with the device (pin_memory)
+    uint32_t mask = 0;        // the types offloaded
+    std::vector<Moved> moved;
+  };
+  std::unique_ptr<Offloaded> offloaded_;
+  // A non-blocking ReloadStates' host copy, released once its copies have run.
+  std::unique_ptr<Offloaded> reloading_;
+  // The last host copy, kept for the next offload_states once reloaded (its pages are
+  // faulted in: repeated cycles copy at memcpy speed); released with the engine.
+  std::unique_ptr<Offloaded> spare_;
+  // The calls that read the states: reloads the offloaded types in `needed` (blocking), and
+  // waits for a non-blocking reload's copies.
+  Status EnsureStatesLoaded(uint32_t needed = Engine::kOffloadAll);
+  // EnsureStatesLoaded before a collective call (SaveCheckpoint, LoadCheckpoint,
+  // SetParameterValues): every rank learns whether every rank could reload.
+  Status ReloadForCollective() {
+    Status s = EnsureStatesLoaded();
+    if (world_ > 1) s = collectives_->Agree(s, "reloading the offloaded states");
+    return s;
+  }
+  // ReloadStates of the types in `mask` (the others stay offloaded).
+  Status ReloadTypes(uint32_t mask, bool non_blocking);
+  // Releases a host copy (unregistering it first).
+  void ReleaseHostCopy(Offloaded* o);
+  // A reloaded host copy becomes the spare (the previous spare is released).
+  void KeepAsSpare(std::unique_ptr<Offloaded> o);
   // Every fetched copy goes (it holds values about to change); with `frozen` false, those of
   // frozen parameters stay.
   Status EvictAll(bool frozen = true) {

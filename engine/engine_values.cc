@@ -89,6 +89,7 @@ Status Engine::Impl::SaveCheckpoint(const std::string& dir, const std::string& u
   if (!registered_) ZINF_RETURN_IF_ERROR(FinishRegistration());
   ZINF_RETURN_IF_ERROR(CheckInitialValues());
   ZINF_RETURN_IF_ERROR(CheckBetweenSteps("SaveCheckpoint"));
+  ZINF_RETURN_IF_ERROR(ReloadForCollective());
   if (!IsValidUtf8(user_data)) {
     return Status::InvalidArgument(
         "SaveCheckpoint: the user data is not valid UTF-8 (it goes "
@@ -104,6 +105,7 @@ Status Engine::Impl::LoadCheckpoint(const std::string& dir, std::string* user_da
                                     bool fall_back_to_older) {
   if (!registered_) ZINF_RETURN_IF_ERROR(FinishRegistration());
   ZINF_RETURN_IF_ERROR(CheckBetweenSteps("LoadCheckpoint"));
+  ZINF_RETURN_IF_ERROR(ReloadForCollective());
   ZINF_RETURN_IF_ERROR(budget_->ReclaimScratch());
   ZINF_RETURN_IF_ERROR(collectives_->Agree(FinishPendingUpdate(), "LoadCheckpoint"));
   ZINF_ASSIGN_OR_RETURN(
@@ -165,6 +167,7 @@ Status Engine::Impl::LoadCheckpoint(const std::string& dir, std::string* user_da
 
 Status Engine::Impl::GatherMasterParameter(ParamId id, float* out) {
   if (!registered_) ZINF_RETURN_IF_ERROR(FinishRegistration());
+  ZINF_RETURN_IF_ERROR(EnsureStatesLoaded(kOffloadParams | kOffloadOptimizerStates));
   if (id >= layout_.num_params() || out == nullptr) {
     return Status::InvalidArgument("GatherMasterParameter: bad id or null output");
   }
@@ -259,6 +262,7 @@ Status Engine::Impl::SetParameterValues(const std::vector<ParamId>& ids,
   }
   if (!registered_) ZINF_RETURN_IF_ERROR(FinishRegistration());
   ZINF_RETURN_IF_ERROR(CheckBetweenSteps("SetParameterValues"));
+  ZINF_RETURN_IF_ERROR(ReloadForCollective());
   ZINF_RETURN_IF_ERROR(budget_->ReclaimScratch());
   if (world_ > 1) ZINF_RETURN_IF_ERROR(CompareValuesToSet(ids.size(), wanted, fill));
   ZINF_RETURN_IF_ERROR(collectives_->Agree(FinishPendingUpdate(), "SetParameterValues"));

@@ -103,6 +103,64 @@ TEST(CApiEngine, TrainsInFp16WithTheEnginesLossScale) {
   EXPECT_EQ(-1, zinf_engine_skipped_steps(nullptr));
 }
 
+// offload_states / reload_states through the C API: the parameter and the optimizer states in
+// device memory leave it after every step (blocking and not, the reload left to the next
+// acquire every third step) and the training ends on the same bits as without.
+std::vector<float> TrainWithOffloads(bool offload) {
+  zinf_engine* e = nullptr;
+  EXPECT_EQ(0, zinf_engine_create(R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
+                                      "zero_optimization": {"offload_param": {"device": "none"},
+                                        "offload_optimizer": {"device": "none"}}})",
+                                  &e))
+      << zinf_last_error();
+  const int64_t shape[] = {2, 2};
+  const float init[] = {0, 0, 0, 0};
+  const float target[] = {1, -2, 3, -4};
+  uint32_t id = 0;
+  EXPECT_EQ(0, zinf_engine_register(e, "w", shape, 2, init, &id)) << zinf_last_error();
+  // Before registration ends (the first acquire) there is nothing to offload.
+  if (offload) EXPECT_EQ(-1, zinf_engine_offload_states(e, 0, "cpu", 1, 0));
+  zinf_step_stats st{};
+  for (int step = 0; step < 30; ++step) {
+    void* ptr = nullptr;
+    EXPECT_EQ(0, zinf_engine_acquire(e, &id, 1, &ptr)) << zinf_last_error();
+    const float* w = static_cast<const float*>(ptr);
+    float grad[4];
+    for (int i = 0; i < 4; ++i) grad[i] = w[i] - target[i];
+    EXPECT_EQ(0, zinf_engine_reduce_gradient(e, id, grad)) << zinf_last_error();
+    EXPECT_EQ(0, zinf_engine_release(e, &id, 1));
+    EXPECT_EQ(0, zinf_engine_step(e, &st)) << zinf_last_error();
+    if (!offload) continue;
+    EXPECT_EQ(0, zinf_engine_offload_states(e, 0, nullptr, step % 2, step % 2))
+        << zinf_last_error();
+    EXPECT_EQ(1, zinf_engine_states_offloaded(e));
+    if (step % 3 != 2) {
+      EXPECT_EQ(0, zinf_engine_reload_states(e, step % 2)) << zinf_last_error();
+      EXPECT_EQ(0, zinf_engine_states_offloaded(e));
+    }
+  }
+  if (offload) {
+    EXPECT_EQ(-1, zinf_engine_offload_states(e, 0, "disk", 1, 0));
+    EXPECT_NE(std::string(zinf_last_error()).find("\"cpu\" or \"nvme\""), std::string::npos)
+        << zinf_last_error();
+    EXPECT_EQ(-1, zinf_engine_offload_states(e, 0, "nvme", 1, 0));
+    EXPECT_NE(std::string(zinf_last_error()).find("host memory only"), std::string::npos)
+        << zinf_last_error();
+  }
+  std::vector<float> w(4);
+  EXPECT_EQ(0, zinf_engine_gather_master(e, id, w.data())) << zinf_last_error();
+  zinf_engine_destroy(e);
+  return w;
+}
+
+TEST(CApiEngine, OffloadAndReloadStatesContinueBitIdentically) {
+  const std::vector<float> plain = TrainWithOffloads(false);
+  const std::vector<float> cycled = TrainWithOffloads(true);
+  EXPECT_EQ(0, std::memcmp(plain.data(), cycled.data(), 4 * sizeof(float)));
+  EXPECT_EQ(-1, zinf_engine_states_offloaded(nullptr));
+  EXPECT_EQ(-1, zinf_engine_offload_states(nullptr, 0, "cpu", 1, 0));
+}
+
 // Two processes, each a rank of one group (the launcher's variables set in the child): both
 // train to the target and hold the same masters, bit for bit.
 TEST(CApiEngine, TwoProcessRanksFromTheLaunchersVariables) {

@@ -437,6 +437,11 @@ struct RunOptions {
   // This parameter's gradient is reduced in the first micro-step of each window only (-1:
   // every parameter's in every micro-step).
   int first_micro_only = -1;
+  // offload_states: after each optimizer step but the last, this many OffloadStates /
+  // ReloadStates cycles (odd ones non-blocking; the last cycle's reload is left to the next
+  // Acquire), moving `offload_include`.
+  int offload_cycles = 0;
+  uint32_t offload_include = Engine::kOffloadAll;
   std::chrono::seconds timeout{120};
 
   std::string Describe() const {
@@ -545,8 +550,13 @@ struct RankOutput {
   enum Phase { kStarting, kTraining, kGathering, kDestroying, kFinished };
   std::atomic<int> phase{kStarting};
   std::atomic<int> micro_steps_done{0};
-  Status mid_window_save;           // SaveCheckpoint inside an accumulation window (must fail)
-  size_t trainer_device_bytes = 0;  // RankTrainer::device_bytes()
+  Status mid_window_save;  // SaveCheckpoint inside an accumulation window (must fail)
+  // offload_states: the most device memory in use after a blocking offload, less the
+  // trainer's own (SIZE_MAX: no offload ran).
+  size_t offloaded_device_bytes = SIZE_MAX;
+  size_t device_bytes_before_offload = 0;   // at the same point, before the offload
+  size_t device_bytes_after_inference = 0;  // after the first offload and an inference Acquire
+  size_t trainer_device_bytes = 0;          // RankTrainer::device_bytes()
 };
 
 struct RunResult {
@@ -559,8 +569,11 @@ struct RunResult {
   // Per rank: the HostDevice's own peak allocation, less what the test's trainer held there
   // (its gradient buffer under the strict device).
   std::vector<size_t> device_peaks;
-  std::vector<Status> mid_window_saves;       // per rank
-  std::vector<CollectiveCounts> collectives;  // per rank, the whole run's
+  std::vector<Status> mid_window_saves;        // per rank
+  std::vector<CollectiveCounts> collectives;   // per rank, the whole run's
+  std::vector<size_t> offloaded_device_bytes;  // per rank (RankOutput's)
+  std::vector<size_t> device_bytes_before_offload;
+  std::vector<size_t> device_bytes_after_inference;
 };
 
 // The micro-step's rows for `rank`: the global batch is split over the micro-steps of an
@@ -600,6 +613,42 @@ inline Status RankMain(const RunOptions& o, int rank, Device* device, Communicat
     out->micro_steps_done.store(m + 1);
     if (!o.checkpoint_dir.empty() && o.grad_accum > 1 && m % o.grad_accum == 0) {
       out->mid_window_save = engine->SaveCheckpoint(o.checkpoint_dir + "/never");
+    }
+    const bool boundary = (m + 1) % o.grad_accum == 0;
+    for (int c = 0; boundary && m + 1 < micro_steps && c < o.offload_cycles; ++c) {
+      Engine::OffloadStatesOptions opt;
+      opt.include = o.offload_include;
+      const size_t before = device->MemoryInfo().used - out->trainer_device_bytes;
+      opt.non_blocking = c % 2 == 1;
+      opt.pin_memory = c % 3 != 2;
+      ZINF_RETURN_IF_ERROR(engine->OffloadStates(opt).WithContext("OffloadStates"));
+      if (!engine->states_offloaded())
+        return Status::Internal("OffloadStates left nothing offloaded");
+      if (!opt.non_blocking) {
+        const size_t used = device->MemoryInfo().used - out->trainer_device_bytes;
+        out->device_bytes_before_offload = std::max(out->device_bytes_before_offload, before);
+        out->offloaded_device_bytes = out->offloaded_device_bytes == SIZE_MAX
+                                          ? used
+                                          : std::max(out->offloaded_device_bytes, used);
+      }
+      // A second offload does nothing.
+      const size_t once = device->MemoryInfo().used;
+      ZINF_RETURN_IF_ERROR(engine->OffloadStates(opt).WithContext("OffloadStates again"));
+      if (!opt.non_blocking && device->MemoryInfo().used != once) {
+        return Status::Internal("a second OffloadStates changed the device memory in use");
+      }
+      // An inference Acquire (generation) reloads the parameters only: the device memory it
+      // takes back is at most theirs, and the other states stay offloaded.
+      if (c == 0 && !opt.non_blocking) {
+        Result<std::vector<void*>> p = engine->Acquire({trainer.id(0)}, AcquireMode::kInference);
+        if (!p.ok()) return p.status().WithContext("inference Acquire while offloaded");
+        ZINF_RETURN_IF_ERROR(engine->Release({trainer.id(0)}));
+        out->device_bytes_after_inference = device->MemoryInfo().used - out->trainer_device_bytes;
+      }
+      if (c + 1 < o.offload_cycles) {
+        ZINF_RETURN_IF_ERROR(engine->ReloadStates(c % 2 == 0).WithContext("ReloadStates"));
+        if (engine->states_offloaded()) return Status::Internal("ReloadStates left it offloaded");
+      }
     }
     if ((m + 1) % o.grad_accum == 0 && (m + 1) / o.grad_accum == o.save_after_step) {
       ZINF_RETURN_IF_ERROR(engine->SaveCheckpoint(o.checkpoint_dir).WithContext("SaveCheckpoint"));
@@ -705,6 +754,9 @@ inline RunResult RunTraining(const RunOptions& o) {
     res.mid_window_saves.push_back(outs[r].mid_window_save);
     res.device_peaks.push_back(devices[r]->MemoryInfo().peak - outs[r].trainer_device_bytes);
     res.collectives.push_back(counting[r]->counts());
+    res.offloaded_device_bytes.push_back(outs[r].offloaded_device_bytes);
+    res.device_bytes_before_offload.push_back(outs[r].device_bytes_before_offload);
+    res.device_bytes_after_inference.push_back(outs[r].device_bytes_after_inference);
   }
   if (!res.status.ok()) return res;
   res.params = outs[0].params;

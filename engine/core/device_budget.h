@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,6 +17,18 @@
 #include "zinf/device.h"
 
 namespace zinf {
+
+// A device buffer a component holds for the engine's life, which offload_states moves to
+// host memory (`keep`: its contents matter) or frees (they are rewritten before they are read
+// again), and reload_states allocates again: its size, and how to read and replace the
+// component's pointer.
+struct DeviceSlot {
+  size_t bytes = 0;
+  bool keep = true;
+  std::string what;
+  std::function<void*()> get;
+  std::function<void(void*)> set;
+};
 
 class DeviceBudget {
  public:

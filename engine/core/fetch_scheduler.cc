@@ -378,6 +378,20 @@ void FetchScheduler::Prefetch(int64_t visible, const Rewriting& rewriting) {
   }
 }
 
+Status FetchScheduler::DropAll() {
+  for (ParamId id = 0; id < res_.size(); ++id) {
+    Resident& r = res_[id];
+    if (r.aliased) {
+      r.device_full = nullptr;
+      r.fetched_version = kNotFetched;
+      r.state = State::kAbsent;
+      continue;
+    }
+    ZINF_RETURN_IF_ERROR(Evict(id));
+  }
+  return Status::OK();
+}
+
 void FetchScheduler::Refresh(int64_t visible, const Rewriting& rewriting) {
   IssueEndedReads();
   // Several ranks with NVMe parameters: a read's gather waits for its Acquire, and every read

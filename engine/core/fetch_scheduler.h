@@ -74,6 +74,10 @@ class FetchScheduler {
   // parameter `for_id` (its gradient scratch counts too), evicting released parameters.
   Status MakeRoom(uint64_t elems, uint64_t bytes, ParamId for_id);
 
+  // offload_states (nothing acquired): every device copy goes (Evict), and the copies that
+  // are the device-tier partitions themselves (one rank) are forgotten: the next Acquire
+  // points them at the partitions again, wherever those are then.
+  Status DropAll();
   int acquired(ParamId id) const { return res_[id].acquired; }
   // Whether `id` is still acquired from a version older than `visible`.
   bool AcquiredStale(ParamId id, int64_t visible) const {

@@ -59,7 +59,10 @@ GradientWindow::GradientWindow(const EngineContext& ctx, FetchScheduler* fetch,
 GradientWindow::~GradientWindow() {
   adder_->Drain();  // its queued jobs write into this object's accumulators
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
-    if (groups_[gi].on_device) ctx_.budget->Free(groups_[gi].data, ctx_.layout->GroupGradBytes(gi));
+    // (Null while offload_states has them freed.)
+    if (groups_[gi].on_device && groups_[gi].data != nullptr) {
+      ctx_.budget->Free(groups_[gi].data, ctx_.layout->GroupGradBytes(gi));
+    }
   }
   if (zeros_registered_) {
     Status s = ctx_.device->UnregisterHostMemory(zeros_);
@@ -84,6 +87,17 @@ Status GradientWindow::Init() {
                            .WithContext("registering the gradient padding"));
   zeros_registered_ = true;
   return Status::OK();
+}
+
+void GradientWindow::DeviceSlots(std::vector<DeviceSlot>* out) {
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    if (!groups_[gi].on_device || groups_[gi].data == nullptr) continue;
+    float** slot = &groups_[gi].data;
+    out->push_back({ctx_.layout->GroupGradBytes(gi), false,
+                    "the gradient accumulators of sub-group " + std::to_string(gi),
+                    [slot] { return static_cast<void*>(*slot); },
+                    [slot](void* p) { *slot = static_cast<float*>(p); }});
+  }
 }
 
 Status GradientWindow::AllocateGroup(size_t gi) {

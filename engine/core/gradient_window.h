@@ -49,6 +49,9 @@ class GradientWindow {
   static constexpr size_t kLandPieceAlign = size_t{1} << 16;
   Status Init();  // its events and the registered zeros
   Status AllocateGroup(size_t gi);
+  // offload_states: the device gradient accumulators (freed: a window's first gradient is
+  // copied into them, and nothing reads what they held before).
+  void DeviceSlots(std::vector<DeviceSlot>* out);
 
   // ---- Trainer thread ----
   // The gradient of `id` (device memory, `numel` fp32) goes into its accumulator; `ready` is

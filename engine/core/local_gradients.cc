@@ -40,6 +40,17 @@ Status LocalGradients::Add(ParamId id, const float* grad) {
   return Status::OK();
 }
 
+void LocalGradients::DeviceSlots(std::vector<DeviceSlot>* out) {
+  for (ParamId id = 0; id < slots_.size(); ++id) {
+    if (slots_[id].data == nullptr) continue;
+    float** slot = &slots_[id].data;
+    out->push_back({ctx_.layout->param(id).info.numel * sizeof(float), false,
+                    "the summed gradient of '" + ctx_.layout->param(id).info.name + "'",
+                    [slot] { return static_cast<void*>(*slot); },
+                    [slot](void* p) { *slot = static_cast<float*>(p); }});
+  }
+}
+
 void LocalGradients::BeginMicroStep() {
   for (Slot& s : slots_) s.added_this_micro = false;
 }

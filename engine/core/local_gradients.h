@@ -33,6 +33,8 @@ class LocalGradients {
   // The sum was handed on (reduced): the next window starts it again.
   void Clear(ParamId id) { slots_[id].holds = false; }
   void BeginMicroStep();
+  // offload_states: the sums (freed: empty between steps).
+  void DeviceSlots(std::vector<DeviceSlot>* out);
 
  private:
   struct Slot {

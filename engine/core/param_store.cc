@@ -18,6 +18,18 @@ ParamStore::~ParamStore() {
   }
 }
 
+void ParamStore::DeviceSlots(std::vector<DeviceSlot>* out) {
+  for (ParamId id = 0; id < homes_.size(); ++id) {
+    for (void*& part : homes_[id].device_part) {
+      if (part == nullptr) continue;
+      void** slot = &part;
+      out->push_back({ctx_.layout->PartBytes(id), true,
+                      "parameter '" + ctx_.layout->param(id).info.name + "'",
+                      [slot] { return *slot; }, [slot](void* p) { *slot = p; }});
+    }
+  }
+}
+
 Status ParamStore::Init(ParamId id, PinnedBuffer image, const Resume& resume) {
   Home& h = homes_[id];
   const ParamLayout& p = ctx_.layout->param(id);

@@ -68,6 +68,8 @@ class ParamStore {
   const std::vector<uint64_t>& value_hashes() const { return hashes_; }
 
   void* device_part(ParamId id, int buf) const { return homes_[id].device_part[B(id, buf)]; }
+  // offload_states: the device-tier partitions (kept).
+  void DeviceSlots(std::vector<DeviceSlot>* out);
   const void* host_part(ParamId id, int buf) const {
     return homes_[id].host_part[B(id, buf)].data();
   }

@@ -18,6 +18,17 @@ StateStore::~StateStore() {
   }
 }
 
+void StateStore::DeviceSlots(std::vector<DeviceSlot>* out) {
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    if (groups_[gi].device_states == nullptr) continue;
+    float** slot = &groups_[gi].device_states;
+    out->push_back({ctx_.layout->GroupStateBytes(gi), true,
+                    "the optimizer states of sub-group " + std::to_string(gi),
+                    [slot] { return static_cast<void*>(*slot); },
+                    [slot](void* p) { *slot = static_cast<float*>(p); }});
+  }
+}
+
 Status StateStore::Allocate(size_t gi, float** master, PooledBlock* staging) {
   Group& g = groups_[gi];
   const size_t bytes = ctx_.layout->GroupStateBytes(gi);

@@ -43,6 +43,8 @@ class StateStore {
   bool on_nvme(size_t gi) const { return !groups_[gi].swap_key.empty(); }
   const std::string& swap_key(size_t gi) const { return groups_[gi].swap_key; }
   float* device_states(size_t gi) const { return groups_[gi].device_states; }
+  // offload_states: the device-stepped sub-groups' [master | state 1 | state 2] (kept).
+  void DeviceSlots(std::vector<DeviceSlot>* out);
   float* host_states(size_t gi) const { return groups_[gi].host.data; }
   // Where sub-group gi's states are stepped when they are not on NVMe.
   float* resident_states(size_t gi) const {

@@ -251,6 +251,50 @@ class Engine {
   // The optimizer steps skipped so far for an fp16 overflow (restored by LoadCheckpoint and
   // ResumeFromStore); 0 without fp16.
   uint64_t skipped_steps() const;
+  // ---- Freeing device memory between phases (DeepSpeed's offload_states / reload_states) ----
+  // What OffloadStates moves, as a mask; DeepSpeed's OffloadStateTypeEnum names in brackets.
+  enum OffloadStateType : uint32_t {
+    // [lp_params] the parameters' device copies (dropped: fetched again when used) and the
+    // device-tier parameter partitions (moved).
+    kOffloadParams = 1,
+    // [optim_states, hp_params] the fp32 masters and the states of the sub-groups the device
+    // steps (offload_optimizer.device none, or beyond offload_optimizer.ratio).
+    kOffloadOptimizerStates = 2,
+    // [lp_grads, contiguous_grad_buffer] the device gradient accumulators and, at stages 0
+    // and 1, the local gradient sums (empty between steps: freed, not copied).
+    kOffloadGradients = 4,
+    kOffloadAll = 7,
+  };
+  struct OffloadStatesOptions {
+    uint32_t include = kOffloadAll;
+    // Where the moved values go: Tier::kCpu (host memory) only for now; Tier::kNvme is
+    // refused (NotSupported).
+    Tier device = Tier::kCpu;
+    bool pin_memory = true;  // host memory registered with the device (faster copies)
+    // Return once the copies are queued; the next use of the engine (ReloadStates or any
+    // call that reads the states) waits for them.
+    bool non_blocking = false;
+  };
+  // Between optimizer steps (as SaveCheckpoint), on every rank with the same include (the
+  // ranks compare it): moves what `o.include` names out of device memory; with everything
+  // included, the device memory the engine holds drops to its small collective scratch
+  // (16 KiB). Training continues bit-identically after ReloadStates; the calls that need the
+  // states reload them first (a training Acquire, ReduceGradient, Step, SaveCheckpoint,
+  // LoadCheckpoint, SetParameterValues: all; an inference Acquire: the parameters only;
+  // GatherMasterParameter: the parameters and optimizer states). OffloadStates of what is
+  // offloaded already does nothing; of another type while some are offloaded, it is refused.
+  // A delayed update still running is waited for. The host copy is kept after a reload, for
+  // the next offload (released with the engine). On a CUDA device the engine's memory is one
+  // pool reserved at creation (zinf.device_budget_bytes): what this frees is free in that
+  // pool, for zinf's own allocations, not returned to CUDA or torch.
+  Status OffloadStates(const OffloadStatesOptions& o);
+  // Puts back what OffloadStates moved (device memory allocated again, values copied back);
+  // `non_blocking`: returns once the copies are queued (the engine's streams wait for them).
+  // Nothing to do when nothing is offloaded.
+  Status ReloadStates(bool non_blocking = false);
+  // Whether the states are offloaded now.
+  bool states_offloaded() const;
+
   int rank() const;        // this rank (the communicator's)
   int world_size() const;  // ranks in all
   size_t num_params() const;

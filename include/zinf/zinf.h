@@ -174,6 +174,19 @@ int64_t zinf_engine_global_step(const zinf_engine* engine);
 double zinf_engine_loss_scale(const zinf_engine* engine);
 int64_t zinf_engine_skipped_steps(const zinf_engine* engine);
 
+/* Freeing device memory between phases (Engine::OffloadStates / ReloadStates, DeepSpeed's
+ * offload_states / reload_states), between optimizer steps. `include`: a mask of
+ * ZINF_OFFLOAD_* (0: all). `device`: "cpu" (NULL: "cpu"; "nvme" is refused for now).
+ * `pin_memory`, `non_blocking`: 0 or 1. Any call that reads the states reloads them first. */
+#define ZINF_OFFLOAD_PARAMS 1u           /* lp_params */
+#define ZINF_OFFLOAD_OPTIMIZER_STATES 2u /* optim_states, hp_params */
+#define ZINF_OFFLOAD_GRADIENTS 4u        /* lp_grads, contiguous_grad_buffer */
+int zinf_engine_offload_states(zinf_engine* engine, uint32_t include, const char* device,
+                               int pin_memory, int non_blocking);
+int zinf_engine_reload_states(zinf_engine* engine, int non_blocking);
+/* 1 while offloaded, 0 otherwise, -1 for a NULL engine. */
+int zinf_engine_states_offloaded(const zinf_engine* engine);
+
 /* Checkpoints (Engine::SaveCheckpoint / LoadCheckpoint), between optimizer steps.
  * `user_data`: a NUL-terminated text stored with the checkpoint (NULL: none). On load,
  * `user_data` (may be NULL) receives up to capacity - 1 bytes of it, NUL-terminated, and

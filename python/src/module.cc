@@ -216,6 +216,11 @@ void BindEngine(py::module_& m) {
            py::arg("extra") = std::vector<PyEngine::HostTensorSpec>{})
       .def("set_parameter_values", &PyEngine::SetParameterValues, py::arg("ids"), py::arg("fill"))
       .def("set_lr", [](PyEngine& e, float lr) { Check(e.engine().SetLearningRate(lr)); })
+      .def("offload_states", &PyEngine::OffloadStates, py::arg("include"), py::arg("device"),
+           py::arg("pin_memory"), py::arg("non_blocking"))
+      .def("reload_states", &PyEngine::ReloadStates, py::arg("non_blocking"))
+      .def_property_readonly("states_offloaded",
+                             [](PyEngine& e) { return e.engine().states_offloaded(); })
       .def(
           "set_param_group",
           [](PyEngine& e, size_t group, float lr, float beta1, float beta2, float eps,

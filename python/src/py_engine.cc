@@ -237,6 +237,27 @@ void PyEngine::SaveCheckpoint(const std::string& dir, const std::string& user_da
   WithoutGil([&] { return engine().SaveCheckpoint(dir, user_data); });
 }
 
+void PyEngine::OffloadStates(uint32_t include, const std::string& device, bool pin_memory,
+                             bool non_blocking) {
+  CheckUsable();
+  if (device != "cpu" && device != "nvme") {
+    Check(Status::InvalidArgument("offload_states: device must be \"cpu\" or \"nvme\", got \"" +
+                                  device + "\""));
+  }
+  Drain();
+  Engine::OffloadStatesOptions o;
+  o.include = include;
+  o.device = device == "cpu" ? Tier::kCpu : Tier::kNvme;
+  o.pin_memory = pin_memory;
+  o.non_blocking = non_blocking;
+  WithoutGil([&] { return engine().OffloadStates(o); });
+}
+
+void PyEngine::ReloadStates(bool non_blocking) {
+  CheckUsable();
+  WithoutGil([&] { return engine().ReloadStates(non_blocking); });
+}
+
 py::bytes PyEngine::LoadCheckpoint(const std::string& dir) {
   CheckUsable();
   Drain();

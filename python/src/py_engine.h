@@ -103,6 +103,11 @@ class PyEngine {
   // sub-group was written stops the engine, as the C++ contract says).
   void SetParameterValues(const std::vector<ParamId>& ids, const py::function& fill);
   py::dict Param(ParamId id);
+  // offload_states / reload_states (Engine::OffloadStates, ReloadStates): `device` "cpu" or
+  // "nvme"; the releases owed first, as every between-steps call.
+  void OffloadStates(uint32_t include, const std::string& device, bool pin_memory,
+                     bool non_blocking);
+  void ReloadStates(bool non_blocking);
   // Checks an id from Python before it reaches an Engine accessor that trusts it.
   void CheckParamId(ParamId id);
 

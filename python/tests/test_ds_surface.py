@@ -52,7 +52,8 @@ ENGINE_METHODS = ("backward", "step", "set_gradient_accumulation_boundary",
                   "bfloat16_enabled", "fp16_enabled", "destroy", "train_batch_size",
                   "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                   "is_gradient_accumulation_boundary", "get_lr", "was_step_applied",
-                  "zero_optimization_stage", "save_16bit_model", "train", "eval", "zero_grad")
+                  "zero_optimization_stage", "save_16bit_model", "train", "eval", "zero_grad",
+                  "offload_states", "reload_states")
 
 
 def test_every_name_resolves_and_says_it_is_zinf():

@@ -42,6 +42,7 @@ construction: no other module reads the engine's private fields. Code that is ha
 engine by the user (zinf.load_safetensors, GatheredParameters, the DeepSpeed engine in _ds/)
 reaches its context through context_of(engine).
 """
+import warnings
 import weakref
 
 import torch
@@ -51,7 +52,7 @@ from ._access import ParamAccess
 from ._calls import set_base_data
 from ._context import EngineContext
 from ._driver import Driver
-from ._errors import ZinfError
+from ._errors import ZinfError, error
 from ._microstep import MicroStep
 from ._module_hooks import ModuleHooks
 from ._optim import GroupSync, ZinfOptimizer
@@ -280,6 +281,47 @@ class ZinfEngine:
     def param_updates(self, param):
         """The optimizer updates applied to a parameter (torch's state["step"])."""
         return self._core.param_updates(self._managed(param).id)
+
+    # ---- Freeing device memory between phases --------------------------------------------------
+
+    _OFFLOAD_BITS = {"lp_params": 1, "optim_states": 2, "hp_params": 2, "lp_grads": 4,
+                     "contiguous_grad_buffer": 4}
+
+    def offload_states(self, include=None, device="cpu", pin_memory=True, non_blocking=False):
+        """DeepSpeed's engine.offload_states(): between optimizer steps, moves what zinf holds in
+        device memory (parameter copies and device-tier partitions, device-stepped optimizer
+        states, gradient accumulators) to host memory, so that the device memory in use drops
+        to the model's own tensors (e.g. for generation in an RLHF loop). `include`: None (all)
+        or OffloadStateTypeEnum members (or their names: "lp_params", "optim_states",
+        "hp_params", "lp_grads", "contiguous_grad_buffer"). `device`: "cpu" (OffloadDeviceEnum
+        or its name; "nvme" is refused for now). `non_blocking`: return once the copies are
+        queued. reload_states() puts everything back; engine(...), backward, step and the
+        checkpoint calls reload it first anyway."""
+        self._enter("offload_states")
+        dev = str(getattr(device, "value", device))
+        if dev == "none":
+            warnings.warn("offload_states(device='none'): nothing to do (DeepSpeed's behaviour)")
+            return
+        mask = 0
+        for item in ([] if include is None else include):
+            name = getattr(item, "value", item)
+            if name not in self._OFFLOAD_BITS:
+                raise error("InvalidArgument",
+                            "offload_states(include=...): unknown state %r; expected one of %s"
+                            % (name, ", ".join(sorted(self._OFFLOAD_BITS))))
+            mask |= self._OFFLOAD_BITS[name]
+        if include is None:
+            mask = 7
+        if mask == 0:
+            return  # an empty include moves nothing
+        self._between_steps("offload_states(include mask %d)" % mask)
+        self._core.offload_states(mask, dev, bool(pin_memory), bool(non_blocking))
+
+    def reload_states(self, non_blocking=False):
+        """DeepSpeed's engine.reload_states(): puts back what offload_states moved (nothing to
+        do when nothing is offloaded)."""
+        self._enter("reload_states")
+        self._core.reload_states(bool(non_blocking))
 
     def train(self, mode=True):
         self.module.train(mode)

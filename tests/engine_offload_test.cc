@@ -1,0 +1,118 @@
+// offload_states / reload_states: between steps the engine's device memory goes to host memory
+// (all of it but the 16 KiB of small-collective scratch) and comes back, any number of times,
+// blocking or not, and the training continues bit-identically to a run without it.
+#include "tests/engine_harness.h"
+
+namespace zinf {
+namespace engine_test {
+namespace {
+
+bool SameBits(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t p = 0; p < a.size(); ++p) {
+    if (a[p].size() != b[p].size() ||
+        std::memcmp(a[p].data(), b[p].data(), a[p].size() * sizeof(float)) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// stage, ranks, accumulation, param tier, optimizer tier, optimizer ratio
+using OffloadParam = std::tuple<int, int, int, Tier, Tier, double>;
+
+class OffloadStatesTest : public ::testing::TestWithParam<OffloadParam> {};
+
+TEST_P(OffloadStatesTest, FreesTheDeviceAndContinuesBitIdentically) {
+  RunOptions o;
+  std::tie(o.stage, o.ranks, o.grad_accum, o.param_tier, o.optimizer_tier, o.ratio) = GetParam();
+  RunResult plain = RunTraining(o);
+  ASSERT_TRUE(plain.status.ok()) << o.Describe() << ": " << plain.status.ToString();
+  o.offload_cycles = 10;
+  RunResult cycled = RunTraining(o);
+  ASSERT_TRUE(cycled.status.ok()) << o.Describe() << ": " << cycled.status.ToString();
+  ExpectHealthyRun(o, cycled);
+  EXPECT_TRUE(SameBits(cycled.params, plain.params)) << o.Describe();
+  EXPECT_EQ(cycled.losses, plain.losses);
+  for (int r = 0; r < o.ranks; ++r) {
+    // What stays: the small collectives' scratch.
+    EXPECT_EQ(cycled.offloaded_device_bytes[r], 16384u) << "rank " << r;  // kSmallScratchBytes
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Placements, OffloadStatesTest,
+                         ::testing::Values(OffloadParam{3, 1, 1, Tier::kDevice, Tier::kDevice, 1.0},
+                                           OffloadParam{3, 2, 2, Tier::kDevice, Tier::kCpu, 0.5},
+                                           OffloadParam{3, 2, 1, Tier::kNvme, Tier::kNvme, 1.0},
+                                           OffloadParam{2, 2, 2, Tier::kCpu, Tier::kDevice, 1.0},
+                                           OffloadParam{1, 2, 2, Tier::kDevice, Tier::kCpu, 0.5}),
+                         [](const ::testing::TestParamInfo<OffloadParam>& info) {
+                           return "Stage" + std::to_string(std::get<0>(info.param)) + "Ranks" +
+                                  std::to_string(std::get<1>(info.param)) + "Accum" +
+                                  std::to_string(std::get<2>(info.param)) + "Params" +
+                                  TierLabel(std::get<3>(info.param)) + "Optimizer" +
+                                  TierLabel(std::get<4>(info.param)) +
+                                  (std::get<5>(info.param) < 1 ? "Ratio50" : "");
+                         });
+
+// Part of the states: the optimizer states alone, then the parameters and gradients alone,
+// each leave the device and come back (the inference Acquire in between reloads the
+// parameters only); what each leaves in device memory adds up to all of it.
+TEST(EngineOffload, EachTypeOfStateOnItsOwn) {
+  RunOptions o;
+  o.optimizer_tier = Tier::kDevice;
+  o.grad_accum = 2;
+  RunResult plain = RunTraining(o);
+  ASSERT_TRUE(plain.status.ok()) << plain.status.ToString();
+  o.offload_cycles = 2;
+  o.offload_include = Engine::kOffloadOptimizerStates;
+  RunResult states = RunTraining(o);
+  ASSERT_TRUE(states.status.ok()) << states.status.ToString();
+  ExpectHealthyRun(o, states);
+  o.offload_include = Engine::kOffloadParams | Engine::kOffloadGradients;
+  RunResult rest = RunTraining(o);
+  ASSERT_TRUE(rest.status.ok()) << rest.status.ToString();
+  ExpectHealthyRun(o, rest);
+  EXPECT_TRUE(SameBits(states.params, plain.params));
+  EXPECT_TRUE(SameBits(rest.params, plain.params));
+  EXPECT_EQ(states.losses, plain.losses);
+  EXPECT_EQ(rest.losses, plain.losses);
+  const size_t all = states.device_bytes_before_offload[0];
+  EXPECT_EQ(all, rest.device_bytes_before_offload[0]);
+  // The states are 3 x 4 bytes per element of every sub-group, the parameters 4 per element.
+  EXPECT_GE(all - states.offloaded_device_bytes[0], 3 * Shape().total_numel() * sizeof(float));
+  EXPECT_GE(all - rest.offloaded_device_bytes[0], Shape().total_numel() * sizeof(float));
+  EXPECT_EQ(states.offloaded_device_bytes[0] + rest.offloaded_device_bytes[0], all + 16384u);
+  // An inference Acquire while offloaded reloads the parameters only: nothing when they stayed
+  // on the device; theirs, not the gradients', when they left with them.
+  EXPECT_EQ(states.device_bytes_after_inference[0], states.offloaded_device_bytes[0]);
+  EXPECT_GT(rest.device_bytes_after_inference[0], rest.offloaded_device_bytes[0]);
+  EXPECT_LT(rest.device_bytes_after_inference[0], all);
+}
+
+// With the delayed update (the next micro-step reads the parameters one update behind) and a
+// checkpoint saved while offloaded (it reloads first): still the run without offloads.
+TEST(EngineOffload, DelayedUpdateAndACheckpointWhileOffloaded) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  RunOptions o;
+  o.ranks = 2;
+  o.param_tier = Tier::kNvme;
+  o.optimizer_tier = Tier::kDevice;
+  o.delayed = true;
+  o.checkpoint_dir = dir.path() + "/ckpt";
+  o.save_after_step = 2;
+  RunResult plain = RunTraining(o);
+  ASSERT_TRUE(plain.status.ok()) << plain.status.ToString();
+  o.checkpoint_dir = dir.path() + "/ckpt2";
+  o.offload_cycles = 3;
+  RunResult cycled = RunTraining(o);
+  ASSERT_TRUE(cycled.status.ok()) << cycled.status.ToString();
+  ExpectHealthyRun(o, cycled);
+  EXPECT_TRUE(SameBits(cycled.params, plain.params));
+  EXPECT_EQ(cycled.losses, plain.losses);
+}
+
+}  // namespace
+}  // namespace engine_test
+}  // namespace zinf
