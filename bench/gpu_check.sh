@@ -274,15 +274,18 @@ else
   # with the delayed update (issue 31: the exact step against it, where copies are DMA), and
   # clipped at 1 with speculation on (the bench's norm is 1e-3 x sqrt(128 Mi) = 11.6: every
   # step rescales, so every speculated sub-group is redone).
-  STAGE_NOTE="zinf-engine-bench --device cuda: adam-bound, ratio 0.5, io-bound, bf16 gradients, delayed, clipped speculating"
-  run_stage engine_bench 80 bash -c '
+  # Then offload_states / reload_states on the GPU (issue 41; never run on a GPU before): every
+  # sub-group stepped by the GPU (ratio 0), 3 cycles, then a step.
+  STAGE_NOTE="zinf-engine-bench --device cuda: adam-bound, ratio 0.5, io-bound, bf16 gradients, delayed, clipped speculating, offload_states cycles"
+  run_stage engine_bench 110 bash -c '
     set -e
     "$0" --device cuda --preset adam-bound --steps 4 --nvme "$1"
     "$0" --device cuda --preset adam-bound --delayed-update --steps 4 --nvme "$1"
     "$0" --device cuda --preset adam-bound --gradient-clipping 1 --speculative-step on --steps 4 --nvme "$1"
     "$0" --device cuda --preset adam-bound --optimizer-ratio 0.5 --steps 4 --nvme "$1"
     "$0" --device cuda --preset io-bound --steps 4 --nvme "$1"
-    "$0" --device cuda --preset adam-bound --gradient-transfer bf16 --steps 4 --nvme "$1"' \
+    "$0" --device cuda --preset adam-bound --gradient-transfer bf16 --steps 4 --nvme "$1"
+    "$0" --device cuda --preset adam-bound --optimizer-ratio 0 --offload-cycles 3 --steps 2 --nvme "$1"' \
     "$ENGINE_BENCH" "$NVME_DIR"
   rm -rf "$NVME_DIR"
 fi
