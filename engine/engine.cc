@@ -708,7 +708,7 @@ Result<std::vector<void*>> Engine::Impl::Acquire(const std::vector<ParamId>& ids
   if (!registered_) ZINF_RETURN_IF_ERROR(FinishRegistration());
   const bool training = mode == AcquireMode::kTraining;
   // offload_states: an inference Acquire (generation) needs the parameters only.
-  ZINF_RETURN_IF_ERROR(EnsureStatesLoaded(training ? kOffloadAll : kOffloadParams));
+  ZINF_RETURN_IF_ERROR(ReloadForCollective(training ? kOffloadAll : kOffloadParams));
   ZINF_RETURN_IF_ERROR(CheckInitialValues());
   for (ParamId id : ids) {
     if (id >= layout_.num_params()) {
@@ -745,7 +745,7 @@ Status Engine::Impl::ReduceGradient(ParamId id, const float* grad) {
     return Status::InvalidArgument("ReduceGradient: unknown parameter id " + std::to_string(id));
   }
   if (!registered_) return Status::FailedPrecondition("ReduceGradient before any Acquire");
-  ZINF_RETURN_IF_ERROR(EnsureStatesLoaded());
+  ZINF_RETURN_IF_ERROR(ReloadForCollective());
   KickTask();
   const ParamLayout& p = layout_.param(id);
   if (!p.info.trainable) {
@@ -823,7 +823,7 @@ Status Engine::Impl::PostNormVerdict(int64_t next, StepStats* st) {
 Result<StepStats> Engine::Impl::Step() {
   if (!broken_.ok()) return broken_;
   if (!registered_) ZINF_RETURN_IF_ERROR(FinishRegistration());
-  ZINF_RETURN_IF_ERROR(EnsureStatesLoaded());
+  ZINF_RETURN_IF_ERROR(ReloadForCollective());
   ZINF_RETURN_IF_ERROR(CheckInitialValues());
   KickTask();
   const bool boundary = clock_.boundary();

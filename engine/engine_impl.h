@@ -251,11 +251,13 @@ class Engine::Impl {
   // The calls that read the states: reloads the offloaded types in `needed` (blocking), and
   // waits for a non-blocking reload's copies.
   Status EnsureStatesLoaded(uint32_t needed = Engine::kOffloadAll);
-  // EnsureStatesLoaded before a collective call (SaveCheckpoint, LoadCheckpoint,
-  // SetParameterValues): every rank learns whether every rank could reload.
-  Status ReloadForCollective() {
-    Status s = EnsureStatesLoaded();
-    if (world_ > 1) s = collectives_->Agree(s, "reloading the offloaded states");
+  // EnsureStatesLoaded at the top of a call whose collectives pair across the ranks (Acquire,
+  // ReduceGradient, Step, the checkpoint and value calls): when it reloads (the same on every
+  // rank: the ranks offloaded together), every rank learns whether every rank could.
+  Status ReloadForCollective(uint32_t needed = Engine::kOffloadAll) {
+    const bool reloads = world_ > 1 && offloaded_ && (offloaded_->mask & needed) != 0;
+    Status s = EnsureStatesLoaded(needed);
+    if (reloads) s = collectives_->Agree(s, "reloading the offloaded states");
     return s;
   }
   // ReloadStates of the types in `mask` (the others stay offloaded).

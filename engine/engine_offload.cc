@@ -33,6 +33,7 @@ void Engine::Impl::ReleaseHostCopy(Offloaded* o) {
 }
 
 void Engine::Impl::KeepAsSpare(std::unique_ptr<Offloaded> o) {
+  if (!o->host) return;  // (nothing was copied: the spare there is stays)
   if (spare_) ReleaseHostCopy(spare_.get());
   o->moved.clear();
   o->mask = 0;
@@ -77,37 +78,34 @@ Status Engine::Impl::OffloadStates(const Engine::OffloadStatesOptions& o) {
         "Call offload_states on every rank at the same point, with the same include."));
   }
   Status ready = CheckBetweenSteps("offload_states");
-  if (ready.ok() && offloaded_ && (o.include & ~offloaded_->mask) != 0) {
-    ready = Status::FailedPrecondition(
-        "offload_states(include " + TypeNames(o.include) + ") while " +
-        TypeNames(offloaded_->mask) +
-        " are offloaded: call reload_states first, or offload them together");
-  }
   if (world_ > 1) ready = collectives_->Agree(ready, "offload_states");
   ZINF_RETURN_IF_ERROR(ready);
-  if (offloaded_) return Status::OK();  // what it names is offloaded already
+  // What it names is offloaded already: nothing to do. Otherwise what is offloaded stays so:
+  // everything comes back, and the union goes out again in one host copy (the spare).
+  if (offloaded_ && (o.include & ~offloaded_->mask) == 0) return Status::OK();
+  const uint32_t include = o.include | (offloaded_ ? offloaded_->mask : 0);
   ZINF_RETURN_IF_ERROR(EnsureStatesLoaded());
   // A delayed update still running is waited for (its writes land in buffers about to move);
   // which parameter version the next micro-step reads does not change.
   ZINF_RETURN_IF_ERROR(core_->board->WaitDone(clock_.step()));
   ZINF_RETURN_IF_ERROR(budget_->ReclaimScratch());
   auto off = std::make_unique<Offloaded>();
-  off->mask = o.include;
+  off->mask = include;
   auto add = [&off](std::vector<DeviceSlot> slots, uint32_t type) {
     for (DeviceSlot& slot : slots) off->moved.push_back({std::move(slot), 0, type});
   };
-  if (o.include & Engine::kOffloadParams) {
+  if (include & Engine::kOffloadParams) {
     ZINF_RETURN_IF_ERROR(core_->fetch->DropAll());
     std::vector<DeviceSlot> slots;
     core_->params->DeviceSlots(&slots);
     add(std::move(slots), Engine::kOffloadParams);
   }
-  if (o.include & Engine::kOffloadOptimizerStates) {
+  if (include & Engine::kOffloadOptimizerStates) {
     std::vector<DeviceSlot> slots;
     core_->states->DeviceSlots(&slots);
     add(std::move(slots), Engine::kOffloadOptimizerStates);
   }
-  if (o.include & Engine::kOffloadGradients) {
+  if (include & Engine::kOffloadGradients) {
     std::vector<DeviceSlot> slots;
     core_->grads->DeviceSlots(&slots);
     if (core_->local_grads) core_->local_grads->DeviceSlots(&slots);

@@ -167,7 +167,8 @@ Status Engine::Impl::LoadCheckpoint(const std::string& dir, std::string* user_da
 
 Status Engine::Impl::GatherMasterParameter(ParamId id, float* out) {
   if (!registered_) ZINF_RETURN_IF_ERROR(FinishRegistration());
-  ZINF_RETURN_IF_ERROR(EnsureStatesLoaded(kOffloadParams | kOffloadOptimizerStates));
+  if (!broken_.ok()) return broken_;
+  ZINF_RETURN_IF_ERROR(ReloadForCollective(kOffloadParams | kOffloadOptimizerStates));
   if (id >= layout_.num_params() || out == nullptr) {
     return Status::InvalidArgument("GatherMasterParameter: bad id or null output");
   }

@@ -644,6 +644,15 @@ inline Status RankMain(const RunOptions& o, int rank, Device* device, Communicat
         if (!p.ok()) return p.status().WithContext("inference Acquire while offloaded");
         ZINF_RETURN_IF_ERROR(engine->Release({trainer.id(0)}));
         out->device_bytes_after_inference = device->MemoryInfo().used - out->trainer_device_bytes;
+        // What it reloaded goes out again with the rest (the union, in one host copy).
+        ZINF_RETURN_IF_ERROR(
+            engine->OffloadStates(opt).WithContext("OffloadStates again after "
+                                                   "an inference Acquire"));
+        if (device->MemoryInfo().used != once) {
+          return Status::Internal("offloading again after an inference Acquire left " +
+                                  std::to_string(device->MemoryInfo().used) + " bytes, not " +
+                                  std::to_string(once));
+        }
       }
       if (c + 1 < o.offload_cycles) {
         ZINF_RETURN_IF_ERROR(engine->ReloadStates(c % 2 == 0).WithContext("ReloadStates"));

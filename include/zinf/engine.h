@@ -282,7 +282,9 @@ class Engine {
   // states reload them first (a training Acquire, ReduceGradient, Step, SaveCheckpoint,
   // LoadCheckpoint, SetParameterValues: all; an inference Acquire: the parameters only;
   // GatherMasterParameter: the parameters and optimizer states). OffloadStates of what is
-  // offloaded already does nothing; of another type while some are offloaded, it is refused.
+  // offloaded already does nothing; naming more (or what a call reloaded), the union is
+  // offloaded. At stages 0 to 2 the parameters offloaded are gathered again at their next
+  // Acquire (a collective), not at the next step's end.
   // A delayed update still running is waited for. The host copy is kept after a reload, for
   // the next offload (released with the engine). On a CUDA device the engine's memory is one
   // pool reserved at creation (zinf.device_budget_bytes): what this frees is free in that

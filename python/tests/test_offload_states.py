@@ -34,6 +34,14 @@ def train(offload, steps=6, gas=2):
             if step % 2 == 0:
                 used.append((before, engine._core.device_memory["used"]))
             engine.offload_states()  # a second one does nothing
+            if step == 0:
+                # Generation while offloaded reloads the parameters only; they go out again.
+                engine.eval()
+                with torch.no_grad():
+                    engine(*batch(99, 0))
+                engine.train()
+                engine.offload_states()
+                assert engine._core.device_memory["used"] == 16384
             if step % 3 != 2:  # else the next forward reloads
                 engine.reload_states(non_blocking=step % 2 == 1)
     return engine.full_state_dict(), used
