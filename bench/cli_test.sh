@@ -33,6 +33,8 @@ expect 2 "not a finite number" -- "$nvme" --dir "$work" --seconds nan
 expect 2 "" -- "$nvme" --dir "$work" --queue-depth 0
 expect 2 "" -- "$nvme" --dir "$work/missing"
 expect 2 "" -- "$adam" --threads 0
+expect 2 "" -- "$engine" --zero-stage 4
+expect 2 "" -- "$engine" --offload-cycles -1
 expect 2 "" -- "$adam" --n 0
 expect 2 "unknown value" -- "$adam" --optimizer sgd --n 1024
 expect 2 "unknown value" -- "$adam" --state-dtype fp16 --n 1024
