@@ -167,7 +167,7 @@ Status Engine::Impl::LoadCheckpoint(const std::string& dir, std::string* user_da
 
 Status Engine::Impl::GatherMasterParameter(ParamId id, float* out) {
   if (!registered_) ZINF_RETURN_IF_ERROR(FinishRegistration());
-  if (!broken_.ok()) return broken_;
+  // (Also once the engine stopped: what it holds can still be inspected.)
   ZINF_RETURN_IF_ERROR(ReloadForCollective(kOffloadParams | kOffloadOptimizerStates));
   if (id >= layout_.num_params() || out == nullptr) {
     return Status::InvalidArgument("GatherMasterParameter: bad id or null output");

@@ -95,6 +95,12 @@ Status StateStore::Read(size_t gi, void* buf) {
         ctx_.device->CopyDeviceToHost(buf, g.device_states, bytes, ctx_.streams.update));
     return ctx_.device->SynchronizeStream(ctx_.streams.update);
   }
+  if (g.host.data == nullptr) {
+    // A device sub-group whose states an offload_states that failed part-way had moved.
+    return Status::FailedPrecondition("the optimizer states of sub-group " + std::to_string(gi) +
+                                      " are gone (offload_states failed part-way); recreate "
+                                      "the engine from a checkpoint");
+  }
   std::memcpy(buf, g.host.data, bytes);
   return Status::OK();
 }
