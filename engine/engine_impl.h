@@ -260,6 +260,8 @@ class Engine::Impl {
     if (reloads) s = collectives_->Agree(s, "reloading the offloaded states");
     return s;
   }
+  // OffloadStates' buffers of the types in `include`.
+  Status CollectSlots(uint32_t include, Offloaded* off);
   // ReloadStates of the types in `mask` (the others stay offloaded).
   Status ReloadTypes(uint32_t mask, bool non_blocking);
   // Releases a host copy (unregistering it first).

@@ -54,6 +54,32 @@ Status Engine::Impl::EnsureStatesLoaded(uint32_t needed) {
   return Status::OK();
 }
 
+// The device buffers of the types in `include`, into `off` (the fetched copies dropped first
+// when the parameters are included).
+Status Engine::Impl::CollectSlots(uint32_t include, Offloaded* off) {
+  auto add = [off](std::vector<DeviceSlot> slots, uint32_t type) {
+    for (DeviceSlot& slot : slots) off->moved.push_back({std::move(slot), 0, type});
+  };
+  if (include & Engine::kOffloadParams) {
+    ZINF_RETURN_IF_ERROR(core_->fetch->DropAll());
+    std::vector<DeviceSlot> slots;
+    core_->params->DeviceSlots(&slots);
+    add(std::move(slots), Engine::kOffloadParams);
+  }
+  if (include & Engine::kOffloadOptimizerStates) {
+    std::vector<DeviceSlot> slots;
+    core_->states->DeviceSlots(&slots);
+    add(std::move(slots), Engine::kOffloadOptimizerStates);
+  }
+  if (include & Engine::kOffloadGradients) {
+    std::vector<DeviceSlot> slots;
+    core_->grads->DeviceSlots(&slots);
+    if (core_->local_grads) core_->local_grads->DeviceSlots(&slots);
+    add(std::move(slots), Engine::kOffloadGradients);
+  }
+  return Status::OK();
+}
+
 Status Engine::Impl::OffloadStates(const Engine::OffloadStatesOptions& o) {
   if (!broken_.ok()) return broken_;
   if (o.device != Tier::kCpu) {
@@ -91,26 +117,7 @@ Status Engine::Impl::OffloadStates(const Engine::OffloadStatesOptions& o) {
   ZINF_RETURN_IF_ERROR(budget_->ReclaimScratch());
   auto off = std::make_unique<Offloaded>();
   off->mask = include;
-  auto add = [&off](std::vector<DeviceSlot> slots, uint32_t type) {
-    for (DeviceSlot& slot : slots) off->moved.push_back({std::move(slot), 0, type});
-  };
-  if (include & Engine::kOffloadParams) {
-    ZINF_RETURN_IF_ERROR(core_->fetch->DropAll());
-    std::vector<DeviceSlot> slots;
-    core_->params->DeviceSlots(&slots);
-    add(std::move(slots), Engine::kOffloadParams);
-  }
-  if (include & Engine::kOffloadOptimizerStates) {
-    std::vector<DeviceSlot> slots;
-    core_->states->DeviceSlots(&slots);
-    add(std::move(slots), Engine::kOffloadOptimizerStates);
-  }
-  if (include & Engine::kOffloadGradients) {
-    std::vector<DeviceSlot> slots;
-    core_->grads->DeviceSlots(&slots);
-    if (core_->local_grads) core_->local_grads->DeviceSlots(&slots);
-    add(std::move(slots), Engine::kOffloadGradients);
-  }
+  ZINF_RETURN_IF_ERROR(CollectSlots(include, off.get()));
   size_t total = 0;
   for (Moved& m : off->moved) {
     m.offset = total;

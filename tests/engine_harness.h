@@ -1018,6 +1018,19 @@ inline Diff Compare(const std::vector<std::vector<float>>& a,
   return d;
 }
 
+// Whether two runs' parameters are the same, bit for bit.
+inline bool SameBits(const std::vector<std::vector<float>>& a,
+                     const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t p = 0; p < a.size(); ++p) {
+    if (a[p].size() != b[p].size() ||
+        std::memcmp(a[p].data(), b[p].data(), a[p].size() * sizeof(float)) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
 inline bool AllFinite(const std::vector<std::vector<float>>& params) {
   for (const auto& t : params) {
     for (float x : t) {

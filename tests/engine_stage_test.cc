@@ -8,17 +8,6 @@ namespace zinf {
 namespace engine_test {
 namespace {
 
-bool SameBits(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t p = 0; p < a.size(); ++p) {
-    if (a[p].size() != b[p].size() ||
-        std::memcmp(a[p].data(), b[p].data(), a[p].size() * sizeof(float)) != 0) {
-      return false;
-    }
-  }
-  return true;
-}
-
 // stage, ranks, accumulation, param tier, optimizer tier
 using StageParam = std::tuple<int, int, int, Tier, Tier>;
 
