@@ -473,26 +473,32 @@ Status RunSteps(const Flags& f, const BenchRun& run, StepSeries* series) {
 }
 
 // --offload-cycles: offload_states / reload_states cycles between steps, timed, with the device
-// memory in use before and while offloaded; then a step, which must still run.
+// memory in use and backed before, while offloaded and after; then a step, which must still
+// run.
 Status OffloadCycles(const Flags& f, const BenchRun& run, Device* device) {
   std::vector<double> offload_s, reload_s;
   for (int c = 0; c < f.offload_cycles; ++c) {
-    const size_t before = device->MemoryInfo().used;
+    const DeviceMemoryInfo before = device->MemoryInfo();
     const auto t0 = std::chrono::steady_clock::now();
     ZINF_RETURN_IF_ERROR(run.engine->OffloadStates(Engine::OffloadStatesOptions{}));
     const auto t1 = std::chrono::steady_clock::now();
-    const size_t offloaded = device->MemoryInfo().used;
+    const DeviceMemoryInfo offloaded = device->MemoryInfo();
     ZINF_RETURN_IF_ERROR(run.engine->ReloadStates(/*non_blocking=*/false));
     const auto t2 = std::chrono::steady_clock::now();
+    const DeviceMemoryInfo reloaded = device->MemoryInfo();
     offload_s.push_back(std::chrono::duration<double>(t1 - t0).count());
     reload_s.push_back(std::chrono::duration<double>(t2 - t1).count());
     nlohmann::json j;
     j["offload_cycle"] = c;
     j["offload_seconds"] = offload_s.back();
     j["reload_seconds"] = reload_s.back();
-    j["device_used_before"] = before;
-    j["device_used_offloaded"] = offloaded;
-    j["device_used_reloaded"] = device->MemoryInfo().used;
+    j["device_used_before"] = before.used;
+    j["device_used_offloaded"] = offloaded.used;
+    j["device_used_reloaded"] = reloaded.used;
+    // Backed by device memory (what the driver sees taken; the pool's whole chunks).
+    j["device_committed_before"] = before.committed;
+    j["device_committed_offloaded"] = offloaded.committed;
+    j["device_committed_reloaded"] = reloaded.committed;
     std::printf("%s\n", j.dump().c_str());
   }
   ZINF_RETURN_IF_ERROR(ForwardBackward(f, run));

@@ -1,6 +1,8 @@
 // Device memory under a byte budget, sub-allocated from one address range reserved up front:
 // the bookkeeping HostDevice and CudaDevice share (budget check, alignment, first-fit ranges,
-// exact use and peak). Thread-safe.
+// exact use and peak). The range is backed chunk by chunk: a chunk gets memory when an
+// allocation first reaches into it, and Trim gives back the memory of every chunk no
+// allocation holds (offload_states returning the device memory to the driver). Thread-safe.
 #pragma once
 
 #include <algorithm>
@@ -12,6 +14,7 @@
 #include <string>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "common/thread_annotations.h"
 #include "nvme/range_allocator.h"
@@ -32,11 +35,32 @@ class DevicePool {
         budget_(budget),
         alignment_(alignment) {}
 
-  // The reserved range (once, before any Allocate).
-  void SetRange(char* base, size_t bytes) {
+  // How a range is backed by memory, `chunk` bytes at a time (a multiple of the alignment):
+  // `commit` backs [addr, addr + bytes) (whole chunks, contiguous) or fails having backed
+  // none of them; `decommit` gives one chunk's memory back (no allocation holds it) or fails
+  // leaving it backed. Either may be empty: nothing to do.
+  struct Backing {
+    size_t chunk = 0;
+    std::function<Status(char* addr, size_t bytes)> commit;
+    std::function<Status(char* addr, size_t bytes)> decommit;
+  };
+
+  // The reserved range (once, before any Allocate). Without a backing (chunk 0) the whole
+  // range counts as committed from the start, and Trim gives nothing back.
+  void SetRange(char* base, size_t bytes) { SetRange(base, bytes, Backing()); }
+  void SetRange(char* base, size_t bytes, Backing backing) {
     MutexLock lock(&mu_);
     base_ = base;
+    range_bytes_ = bytes;
     ranges_.Add(0, bytes);
+    backing_ = std::move(backing);
+    if (backing_.chunk == 0) {
+      committed_ = bytes;
+      return;
+    }
+    const size_t chunks = (bytes + backing_.chunk - 1) / backing_.chunk;
+    holders_.assign(chunks, 0);
+    chunk_committed_.assign(chunks, false);
   }
 
   // No range could be reserved: every Allocate fails with `why` (not as fragmentation).
@@ -73,6 +97,13 @@ class DevicePool {
                                        " left in the device pool (" + Text(used_) +
                                        " in use; fragmentation)");
     }
+    if (Status s = Hold(*offset, rounded); !s.ok()) {
+      ranges_.Free(*offset, rounded);
+      return Status::ResourceExhausted(owner_ + ": cannot allocate " + Text(bytes) +
+                                       ": backing it with device memory failed (" + s.ToString() +
+                                       "); other allocations on the device (the trainer's own "
+                                       "tensors) may hold it: free some and retry");
+    }
     void* ptr = base_ + *offset;
     allocations_.emplace(ptr, Allocation{bytes, rounded});
     used_ += bytes;
@@ -92,8 +123,32 @@ class DevicePool {
         (owner_ + "::Free of a pointer this device did not allocate (or freed twice)").c_str());
     if (poison) poison(ptr, it->second.rounded);
     used_ -= it->second.bytes;
-    ranges_.Free(static_cast<char*>(ptr) - base_, it->second.rounded);
+    const uint64_t offset = static_cast<char*>(ptr) - base_;
+    ranges_.Free(offset, it->second.rounded);
+    Release(offset, it->second.rounded);
     allocations_.erase(it);
+  }
+
+  // Gives back the memory of every committed chunk that no allocation holds, one chunk per
+  // decommit call. REQUIRES: no queued work uses freed memory (Free's contract). The first
+  // failure is returned; a chunk whose decommit failed stays committed (and usable).
+  Status Trim() {
+    MutexLock lock(&mu_);
+    if (backing_.chunk == 0) return Status::OK();
+    Status first;
+    for (size_t i = 0; i < holders_.size(); ++i) {
+      if (!chunk_committed_[i] || holders_[i] != 0) continue;
+      const size_t bytes = ChunkSpan(i, i + 1);
+      Status s =
+          backing_.decommit ? backing_.decommit(base_ + i * backing_.chunk, bytes) : Status::OK();
+      if (s.ok()) {
+        chunk_committed_[i] = false;
+        committed_ -= bytes;
+      } else if (first.ok()) {
+        first = s.WithContext(owner_ + ": returning " + FormatBytes(bytes) + " of free memory");
+      }
+    }
+    return first;
   }
 
   DeviceMemoryInfo Info() const {
@@ -102,6 +157,7 @@ class DevicePool {
     info.budget = budget_;
     info.used = used_;
     info.peak = peak_;
+    info.committed = committed_;
     return info;
   }
 
@@ -112,6 +168,39 @@ class DevicePool {
     size_t bytes;    // counted against the budget
     size_t rounded;  // taken from the range
   };
+  // Chunks [first, end) in bytes (the last chunk may be cut short by the range's end).
+  size_t ChunkSpan(size_t first, size_t end) const REQUIRES(mu_) {
+    return std::min(end * backing_.chunk, range_bytes_) - first * backing_.chunk;
+  }
+  // The chunks [offset, offset + bytes) reaches into gain a holder; those not backed yet are
+  // committed (each contiguous run in one call). On failure nothing changes.
+  Status Hold(uint64_t offset, size_t bytes) REQUIRES(mu_) {
+    if (backing_.chunk == 0) return Status::OK();
+    const size_t first = offset / backing_.chunk;
+    const size_t end = (offset + bytes + backing_.chunk - 1) / backing_.chunk;
+    for (size_t i = first; i < end;) {
+      if (chunk_committed_[i]) {
+        ++i;
+        continue;
+      }
+      size_t run = i;
+      while (run < end && !chunk_committed_[run]) ++run;
+      const size_t span = ChunkSpan(i, run);
+      Status s = backing_.commit ? backing_.commit(base_ + i * backing_.chunk, span) : Status::OK();
+      if (!s.ok()) return s;  // (chunks committed before stay so; Trim returns them)
+      for (size_t c = i; c < run; ++c) chunk_committed_[c] = true;
+      committed_ += span;
+      i = run;
+    }
+    for (size_t i = first; i < end; ++i) ++holders_[i];
+    return Status::OK();
+  }
+  void Release(uint64_t offset, size_t bytes) REQUIRES(mu_) {
+    if (backing_.chunk == 0) return;
+    const size_t first = offset / backing_.chunk;
+    const size_t end = (offset + bytes + backing_.chunk - 1) / backing_.chunk;
+    for (size_t i = first; i < end; ++i) --holders_[i];
+  }
   static std::string Text(size_t n) {
     return FormatBytes(n) + " (" + std::to_string(n) + " bytes)";
   }
@@ -120,6 +209,11 @@ class DevicePool {
   const size_t budget_, alignment_;
   mutable Mutex mu_;
   char* base_ GUARDED_BY(mu_) = nullptr;
+  size_t range_bytes_ GUARDED_BY(mu_) = 0;
+  Backing backing_ GUARDED_BY(mu_);
+  std::vector<uint32_t> holders_ GUARDED_BY(mu_);  // live allocations reaching into each chunk
+  std::vector<bool> chunk_committed_ GUARDED_BY(mu_);
+  size_t committed_ GUARDED_BY(mu_) = 0;
   std::string unavailable_ GUARDED_BY(mu_);
   RangeAllocator ranges_ GUARDED_BY(mu_);
   std::unordered_map<void*, Allocation> allocations_ GUARDED_BY(mu_);

@@ -108,7 +108,10 @@ Status Engine::Impl::OffloadStates(const Engine::OffloadStatesOptions& o) {
   ZINF_RETURN_IF_ERROR(ready);
   // What it names is offloaded already: nothing to do. Otherwise what is offloaded stays so:
   // everything comes back, and the union goes out again in one host copy (the spare).
-  if (offloaded_ && (o.include & ~offloaded_->mask) == 0) return Status::OK();
+  if (offloaded_ && (o.include & ~offloaded_->mask) == 0) {
+    // (A non-blocking one before it: this blocking call waits and returns the memory.)
+    return o.non_blocking || !trim_pending_ ? Status::OK() : FinishOffload();
+  }
   const uint32_t include = o.include | (offloaded_ ? offloaded_->mask : 0);
   ZINF_RETURN_IF_ERROR(EnsureStatesLoaded());
   // A delayed update still running is waited for (its writes land in buffers about to move);
@@ -173,15 +176,24 @@ Status Engine::Impl::OffloadStates(const Engine::OffloadStatesOptions& o) {
     m.slot.set(nullptr);
   }
   offloaded_ = std::move(off);
+  trim_pending_ = true;
   if (o.non_blocking) return Status::OK();
-  // Blocking: the copies have ended and the device memory is free when this returns.
+  return FinishOffload();
+}
+
+Status Engine::Impl::FinishOffload() {
+  // The copies have ended and the device memory is free when this returns.
   Status s = device_->SynchronizeStream(streams_.copy);
   if (s.ok()) s = budget_->Collect(/*wait=*/true);
   if (!s.ok()) {
     return Break("the engine stopped: offload_states could not finish its copies", s,
                  "; recreate it (from a checkpoint) to continue");
   }
-  return Status::OK();
+  trim_pending_ = false;
+  // The states are safe in host memory whatever this says; the engine goes on.
+  return device_->TrimMemory().WithContext(
+      "offload_states moved the states to host memory, but giving the device memory back "
+      "failed");
 }
 
 Status Engine::Impl::ReloadStates(bool non_blocking) {
@@ -191,6 +203,7 @@ Status Engine::Impl::ReloadStates(bool non_blocking) {
 
 Status Engine::Impl::ReloadTypes(uint32_t mask, bool non_blocking) {
   if (!offloaded_) return Status::OK();
+  trim_pending_ = false;  // (the pool takes the memory again)
   // Device memory first, for every buffer: when some cannot have it (the trainer's own tensors
   // hold it), nothing changes and the states stay offloaded.
   std::vector<std::pair<Moved*, void*>> taken;

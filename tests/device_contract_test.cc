@@ -5,7 +5,10 @@
 // here once; the backends' own tests keep only what is theirs (the host device's link cap and
 // strict-mode specifics, CUDA's pageable copies and NCCL).
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -140,6 +143,57 @@ TEST_P(DeviceContract, TheBudgetIsEnforcedAndAccounted) {
   device_->Free(*a);
   EXPECT_EQ(device_->MemoryInfo().used, start.used);
   EXPECT_GE(device_->MemoryInfo().peak, start.used + 8 * kMiB);
+}
+
+// TrimMemory gives back the memory no allocation holds (offload_states' way of returning
+// device memory to the driver): `committed` drops, what a live allocation holds keeps its
+// values, and an allocation after it is backed again and works.
+TEST_P(DeviceContract, TrimGivesBackWhatNoAllocationHolds) {
+  const DeviceMemoryInfo start = device_->MemoryInfo();
+  ASSERT_EQ(start.used, 0u);
+  const size_t a_bytes = 40 * kMiB, b_n = 2 * kMiB / 4;  // B: 8 MiB of uint32
+  Result<void*> a = device_->Alloc(a_bytes);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  std::vector<uint32_t> pattern(b_n);
+  std::mt19937 rng(41);
+  for (auto& x : pattern) x = rng();
+  uint32_t* b = Upload(pattern);
+  const DeviceMemoryInfo held = device_->MemoryInfo();
+  EXPECT_GE(held.committed, held.used);
+  EXPECT_GE(held.committed, a_bytes + b_n * 4);
+  device_->Free(*a);
+  EXPECT_EQ(device_->MemoryInfo().committed, held.committed) << "Free alone keeps the memory";
+  ASSERT_TRUE(device_->TrimMemory().ok());
+  const DeviceMemoryInfo trimmed = device_->MemoryInfo();
+  // Every backend here trims (CUDA through the driver's virtual memory management): at least
+  // one of its chunks (2 MiB on the host, 32 MiB on CUDA) lay wholly inside A.
+  EXPECT_LE(trimmed.committed, held.committed - 32 * kMiB);
+  EXPECT_GE(trimmed.committed, trimmed.used);
+  if (GetParam().name == "host") {
+    // The pages are gone from the process (the host's "driver" is the kernel).
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    std::vector<unsigned char> resident(a_bytes / page);
+    ASSERT_EQ(mincore(*a, 32 * kMiB, resident.data()), 0) << std::strerror(errno);
+    size_t in = 0;
+    for (size_t i = 0; i < 32 * kMiB / page; ++i) in += resident[i] & 1;
+    EXPECT_EQ(in, 0u) << "pages of the trimmed buffer still resident";
+  }
+  EXPECT_EQ(Download(b, b_n), pattern) << "a live allocation kept its values";
+  // Backed again on demand.
+  uint32_t* fresh = Buffer<uint32_t>(a_bytes / 4);
+  ASSERT_NE(fresh, nullptr);
+  if (GetParam().name == "host_strict") {
+    // Memory backed again reads NaN until written, as a freed buffer does.
+    std::vector<uint32_t> seen = Download(fresh, a_bytes / 4);
+    EXPECT_EQ(std::count(seen.begin(), seen.end(), 0xFFFFFFFFu), static_cast<long>(seen.size()));
+  }
+  std::vector<uint32_t> again(a_bytes / 4);
+  for (auto& x : again) x = rng();
+  ASSERT_TRUE(device_->CopyHostToDevice(fresh, again.data(), a_bytes, stream_).ok());
+  EXPECT_EQ(Download(fresh, again.size()), again);
+  const DeviceMemoryInfo last = device_->MemoryInfo();
+  EXPECT_GE(last.committed, last.used);
+  EXPECT_GE(last.committed, a_bytes + b_n * 4);
 }
 
 // Copies on one stream run in issue order: host -> device, device -> device, device -> host

@@ -105,6 +105,7 @@ constexpr double kClip = 0.05;  // below every step's gradient norm here (0.14 t
 // The model needs ~1.5 MiB pinned; each rank's arena is allocated (and mlocked) whole.
 constexpr uint64_t kPinnedBudget = 4ull << 20;
 constexpr size_t kHostDeviceMemory = 64ull << 20;
+constexpr size_t kTestPoolChunk = 4096;  // HostDeviceOptions::pool_chunk
 
 inline const Batch& TheBatch() {
   static const Batch batch = testing::MakeBatch(Shape(), kGlobalBatch, kBatchSeed);
@@ -554,7 +555,10 @@ struct RankOutput {
   // offload_states: the most device memory in use after a blocking offload, less the
   // trainer's own (SIZE_MAX: no offload ran).
   size_t offloaded_device_bytes = SIZE_MAX;
-  size_t device_bytes_before_offload = 0;   // at the same point, before the offload
+  size_t device_bytes_before_offload = 0;  // at the same point, before the offload
+  // The most device memory still backed (MemoryInfo().committed) after a blocking
+  // offload_states, beyond what is allocated then (trainer's included): what TrimMemory left.
+  size_t offloaded_committed_excess = 0;
   size_t device_bytes_after_inference = 0;  // after the first offload and an inference Acquire
   size_t trainer_device_bytes = 0;          // RankTrainer::device_bytes()
 };
@@ -574,6 +578,7 @@ struct RunResult {
   std::vector<size_t> offloaded_device_bytes;  // per rank (RankOutput's)
   std::vector<size_t> device_bytes_before_offload;
   std::vector<size_t> device_bytes_after_inference;
+  std::vector<size_t> offloaded_committed_excess;
 };
 
 // The micro-step's rows for `rank`: the global batch is split over the micro-steps of an
@@ -631,12 +636,18 @@ inline Status RankMain(const RunOptions& o, int rank, Device* device, Communicat
                                           ? used
                                           : std::max(out->offloaded_device_bytes, used);
       }
-      // A second offload does nothing.
+      // A second offload moves nothing; a blocking one after a non-blocking one waits for
+      // its copies and gives the device memory back.
       const size_t once = device->MemoryInfo().used;
-      ZINF_RETURN_IF_ERROR(engine->OffloadStates(opt).WithContext("OffloadStates again"));
-      if (!opt.non_blocking && device->MemoryInfo().used != once) {
+      Engine::OffloadStatesOptions again = opt;
+      again.non_blocking = false;
+      ZINF_RETURN_IF_ERROR(engine->OffloadStates(again).WithContext("OffloadStates again"));
+      const DeviceMemoryInfo info = device->MemoryInfo();
+      if (!opt.non_blocking && info.used != once) {
         return Status::Internal("a second OffloadStates changed the device memory in use");
       }
+      out->offloaded_committed_excess =
+          std::max(out->offloaded_committed_excess, info.committed - info.used);
       // An inference Acquire (generation) reloads the parameters only: the device memory it
       // takes back is at most theirs, and the other states stay offloaded.
       if (c == 0 && !opt.non_blocking) {
@@ -708,6 +719,7 @@ inline RunResult RunTraining(const RunOptions& o) {
     for (int r = 0; r < o.ranks; ++r) {
       HostDeviceOptions dopt;
       dopt.memory_budget = kHostDeviceMemory;
+      dopt.pool_chunk = kTestPoolChunk;  // what offload_states' trim leaves, to the page
       devices.push_back(NewTestHostDevice(dopt));
       raw_devices.push_back(devices.back().get());
     }
@@ -764,6 +776,7 @@ inline RunResult RunTraining(const RunOptions& o) {
     res.device_peaks.push_back(devices[r]->MemoryInfo().peak - outs[r].trainer_device_bytes);
     res.collectives.push_back(counting[r]->counts());
     res.offloaded_device_bytes.push_back(outs[r].offloaded_device_bytes);
+    res.offloaded_committed_excess.push_back(outs[r].offloaded_committed_excess);
     res.device_bytes_before_offload.push_back(outs[r].device_bytes_before_offload);
     res.device_bytes_after_inference.push_back(outs[r].device_bytes_after_inference);
   }

@@ -58,6 +58,7 @@ class FaultyDevice : public Device {
   Result<void*> Alloc(size_t bytes) override { return inner_->Alloc(bytes); }
   void Free(void* ptr) override { inner_->Free(ptr); }
   DeviceMemoryInfo MemoryInfo() const override { return inner_->MemoryInfo(); }
+  Status TrimMemory() override { return inner_->TrimMemory(); }
   Stream* ComputeStream() override { return inner_->ComputeStream(); }
   Result<Stream*> CreateStream(const std::string& name) override {
     return inner_->CreateStream(name);

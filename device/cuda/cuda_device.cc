@@ -1,5 +1,8 @@
 #include "device/cuda/cuda_device.h"
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <exception>
@@ -170,6 +173,66 @@ Result<std::unique_ptr<CudaDevice>> CudaDevice::Create(const CudaDeviceOptions& 
   return device;
 }
 
+// The driver's virtual memory management, through the runtime's entry-point lookup (linking
+// libcuda itself would stop every binary from starting on a machine without a driver).
+struct CudaDevice::Vmm {
+  PFN_cuDeviceGet_v2000 device_get = nullptr;
+  PFN_cuDeviceGetAttribute_v2000 get_attribute = nullptr;
+  PFN_cuMemGetAllocationGranularity_v10020 granularity = nullptr;
+  PFN_cuMemAddressReserve_v10020 address_reserve = nullptr;
+  PFN_cuMemAddressFree_v10020 address_free = nullptr;
+  PFN_cuMemCreate_v10020 create = nullptr;
+  PFN_cuMemRelease_v10020 release = nullptr;
+  PFN_cuMemMap_v10020 map = nullptr;
+  PFN_cuMemUnmap_v10020 unmap = nullptr;
+  PFN_cuMemSetAccess_v10020 set_access = nullptr;
+  PFN_cuGetErrorString_v6000 error_string = nullptr;
+  CUdevice device = 0;
+  size_t chunk = 0;
+  std::vector<CUmemGenericAllocationHandle> handles;  // per chunk; 0: not backed
+
+  // Whether every entry point was found.
+  bool Load() {
+    auto get = [](const char* name, auto* fn) {
+      void* p = nullptr;
+      cudaDriverEntryPointQueryResult found{};
+      if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found) !=
+              cudaSuccess ||
+          found != cudaDriverEntryPointSuccess || p == nullptr) {
+        return false;
+      }
+      *fn = reinterpret_cast<std::remove_pointer_t<decltype(fn)>>(p);
+      return true;
+    };
+    return get("cuDeviceGet", &device_get) && get("cuDeviceGetAttribute", &get_attribute) &&
+           get("cuMemGetAllocationGranularity", &granularity) &&
+           get("cuMemAddressReserve", &address_reserve) && get("cuMemAddressFree", &address_free) &&
+           get("cuMemCreate", &create) && get("cuMemRelease", &release) && get("cuMemMap", &map) &&
+           get("cuMemUnmap", &unmap) && get("cuMemSetAccess", &set_access) &&
+           get("cuGetErrorString", &error_string);
+  }
+
+  Status Check(CUresult r, const char* call) const {
+    if (r == CUDA_SUCCESS) return Status::OK();
+    const char* text = nullptr;
+    if (error_string == nullptr || error_string(r, &text) != CUDA_SUCCESS || text == nullptr) {
+      text = "unknown error";
+    }
+    std::string message = std::string(call) + " failed: " + text + " (CUresult " +
+                          std::to_string(static_cast<int>(r)) + ")";
+    return r == CUDA_ERROR_OUT_OF_MEMORY ? Status::ResourceExhausted(std::move(message))
+                                         : Status::Internal(std::move(message));
+  }
+
+  CUmemAllocationProp Prop(int ordinal) const {
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = ordinal;
+    return prop;
+  }
+};
+
 CudaDevice::CudaDevice(int ordinal, std::string gpu_name, size_t budget)
     : ordinal_(ordinal),
       gpu_name_(std::move(gpu_name)),
@@ -178,15 +241,7 @@ CudaDevice::CudaDevice(int ordinal, std::string gpu_name, size_t budget)
 
 Status CudaDevice::Init(const CudaDeviceOptions& options) {
   ZINF_RETURN_IF_ERROR(MakeCurrent(ordinal_));
-  // The whole budget at once (rounded up to 2 MiB, the driver's page granularity): the step
-  // never calls cudaMalloc. Rounding each allocation to 256 bytes may leave a sum of requests
-  // within the budget without a contiguous range; Alloc then reports fragmentation.
-  const size_t granule = size_t{2} << 20;
-  pool_bytes_ = std::max(granule, RoundUp(budget_, granule));
-  void* base = nullptr;
-  ZINF_CUDA_CHECK(cudaMalloc(&base, pool_bytes_));
-  pool_base_ = static_cast<char*>(base);
-  pool_.SetRange(pool_base_, pool_bytes_);
+  ZINF_RETURN_IF_ERROR(InitPool());
   compute_stream_ = std::make_unique<CudaStream>(this, ordinal_, "compute");
   if (options.use_external_compute_stream) {
     return compute_stream_->InitExternal(
@@ -201,13 +256,130 @@ CudaDevice::~CudaDevice() {
     streams_.clear();  // each synchronizes, then is destroyed
   }
   compute_stream_.reset();
-  if (pool_base_ != nullptr && MakeCurrent(ordinal_).ok()) (void)cudaFree(pool_base_);
+  if (pool_base_ == nullptr || !MakeCurrent(ordinal_).ok()) return;
+  // Errors cannot be reported from here; the context goes with the process anyway.
+  if (!vmm_) {
+    (void)cudaFree(pool_base_);
+    return;
+  }
+  for (size_t i = 0; i < vmm_->handles.size(); ++i) {
+    if (vmm_->handles[i] == 0) continue;
+    const auto addr = reinterpret_cast<CUdeviceptr>(pool_base_) + i * vmm_->chunk;
+    (void)vmm_->unmap(addr, std::min(vmm_->chunk, pool_bytes_ - i * vmm_->chunk));
+    (void)vmm_->release(vmm_->handles[i]);
+  }
+  (void)vmm_->address_free(reinterpret_cast<CUdeviceptr>(pool_base_), pool_bytes_);
 }
 
 std::string CudaDevice::Name() const {
   return "cuda:" + std::to_string(ordinal_) + " (" + gpu_name_ + ", budget " +
          FormatBytes(budget_) + ")";
 }
+
+Status CudaDevice::InitPool() {
+  // 2 MiB, the driver's page granularity, or the one it reports.
+  size_t granule = size_t{2} << 20;
+  auto vmm = std::make_unique<Vmm>();
+  bool usable = vmm->Load();
+  int supported = 0;
+  if (usable) {
+    usable = vmm->device_get(&vmm->device, ordinal_) == CUDA_SUCCESS &&
+             vmm->get_attribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                                vmm->device) == CUDA_SUCCESS &&
+             supported != 0;
+  }
+  if (usable) {
+    const CUmemAllocationProp prop = vmm->Prop(ordinal_);
+    size_t g = 0;
+    ZINF_RETURN_IF_ERROR(
+        vmm->Check(vmm->granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+                   "cuMemGetAllocationGranularity"));
+    if (g > 0) granule = RoundUp(granule, g);
+  }
+  pool_bytes_ = std::max(granule, RoundUp(budget_, granule));
+  if (!usable) {
+    // The whole budget at once: the step never calls cudaMalloc, and TrimMemory gives
+    // nothing back.
+    LogInfo("CudaDevice: no virtual memory management on device " + std::to_string(ordinal_) +
+            "; the pool is one cudaMalloc of " + FormatBytes(pool_bytes_) +
+            " and offload_states cannot return it");
+    void* base = nullptr;
+    ZINF_CUDA_CHECK(cudaMalloc(&base, pool_bytes_));
+    pool_base_ = static_cast<char*>(base);
+    pool_.SetRange(pool_base_, pool_bytes_);
+    return Status::OK();
+  }
+  // Chunks of 32 MiB (fewer driver calls on a first step), at most 65,536 of them; a
+  // whole number of granules each, the last one cut short by the pool's end.
+  vmm->chunk = std::max(RoundUp(size_t{32} << 20, granule), RoundUp(pool_bytes_ / 65536, granule));
+  CUdeviceptr base = 0;
+  ZINF_RETURN_IF_ERROR(
+      vmm->Check(vmm->address_reserve(&base, pool_bytes_, granule, 0, 0), "cuMemAddressReserve"));
+  vmm->handles.assign((pool_bytes_ + vmm->chunk - 1) / vmm->chunk, 0);
+  pool_base_ = reinterpret_cast<char*>(base);
+  vmm_ = std::move(vmm);
+  DevicePool::Backing backing;
+  backing.chunk = vmm_->chunk;
+  backing.commit = [this](char* addr, size_t bytes) { return CommitChunks(addr, bytes); };
+  backing.decommit = [this](char* addr, size_t bytes) { return DecommitChunks(addr, bytes); };
+  pool_.SetRange(pool_base_, pool_bytes_, std::move(backing));
+  return Status::OK();
+}
+
+// Called by the pool (under its lock) with whole chunks; on failure the ones this call backed
+// are released again.
+Status CudaDevice::CommitChunks(char* addr, size_t bytes) {
+  ZINF_RETURN_IF_ERROR(MakeCurrent(ordinal_));
+  const CUmemAllocationProp prop = vmm_->Prop(ordinal_);
+  CUmemAccessDesc access{};
+  access.location = prop.location;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  const size_t first = static_cast<size_t>(addr - pool_base_) / vmm_->chunk;
+  size_t done = 0;
+  Status s;
+  while (done < bytes) {
+    const size_t index = first + done / vmm_->chunk;
+    const size_t n = std::min(vmm_->chunk, bytes - done);
+    const auto at = reinterpret_cast<CUdeviceptr>(addr + done);
+    CUmemGenericAllocationHandle h = 0;
+    s = vmm_->Check(vmm_->create(&h, n, &prop, 0), "cuMemCreate");
+    if (s.ok()) {
+      s = vmm_->Check(vmm_->map(at, n, 0, h, 0), "cuMemMap");
+      if (s.ok()) {
+        s = vmm_->Check(vmm_->set_access(at, n, &access, 1), "cuMemSetAccess");
+        if (!s.ok()) (void)vmm_->unmap(at, n);  // (the mapping goes with the handle below)
+      }
+      if (!s.ok()) (void)vmm_->release(h);  // (the failure reported is the first one)
+    }
+    if (!s.ok()) break;
+    vmm_->handles[index] = h;
+    done += n;
+  }
+  if (s.ok()) return Status::OK();
+  Status undone = DecommitChunks(addr, done);
+  if (!undone.ok()) LogWarning("CudaDevice: undoing a partial commit: " + undone.ToString());
+  return s.WithContext("CudaDevice: backing " + FormatBytes(bytes) + " of the pool");
+}
+
+// One chunk (the pool gives them back one at a time). An error means it is still mapped.
+Status CudaDevice::DecommitChunks(char* addr, size_t bytes) {
+  ZINF_RETURN_IF_ERROR(MakeCurrent(ordinal_));
+  for (size_t done = 0; done < bytes;) {
+    const size_t index = static_cast<size_t>(addr + done - pool_base_) / vmm_->chunk;
+    const size_t n = std::min(vmm_->chunk, bytes - done);
+    const auto at = reinterpret_cast<CUdeviceptr>(addr + done);
+    done += n;
+    if (vmm_->handles[index] == 0) continue;
+    ZINF_RETURN_IF_ERROR(vmm_->Check(vmm_->unmap(at, n), "cuMemUnmap"));
+    Status released = vmm_->Check(vmm_->release(vmm_->handles[index]), "cuMemRelease");
+    // Unmapped either way: the chunk must be backed again before use.
+    if (!released.ok()) LogWarning("CudaDevice: leaking a chunk: " + released.ToString());
+    vmm_->handles[index] = 0;
+  }
+  return Status::OK();
+}
+
+Status CudaDevice::TrimMemory() { return pool_.Trim(); }
 
 Result<void*> CudaDevice::Alloc(size_t bytes) { return pool_.Allocate(bytes); }
 

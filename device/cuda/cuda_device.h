@@ -51,6 +51,10 @@ class CudaDevice final : public Device {
   // REQUIRES: ptr came from Alloc on this device (checked) and no queued work uses it.
   void Free(void* ptr) override;
   DeviceMemoryInfo MemoryInfo() const override;
+  // With the driver's virtual memory management (every GPU of the last decade): unmaps and
+  // releases the pool's free chunks, so cudaMemGetInfo (and torch) sees them free. Without
+  // it the pool is one cudaMalloc and nothing is given back.
+  Status TrimMemory() override;
 
   Stream* ComputeStream() override;
   Result<Stream*> CreateStream(const std::string& name) override;
@@ -97,7 +101,15 @@ class CudaDevice final : public Device {
   const std::string gpu_name_;
   const size_t budget_;
 
-  char* pool_base_ = nullptr;  // one cudaMalloc of pool_bytes_, made in Init
+  // Init reserves pool_bytes_ of device addresses and backs them chunk by chunk as
+  // allocations reach them (vmm_), or, where the driver cannot, makes one cudaMalloc.
+  Status InitPool();
+  Status CommitChunks(char* addr, size_t bytes);
+  Status DecommitChunks(char* addr, size_t bytes);
+
+  struct Vmm;                  // the driver entry points and each chunk's allocation handle
+  std::unique_ptr<Vmm> vmm_;   // null: the pool is one cudaMalloc
+  char* pool_base_ = nullptr;  // set once in Init
   size_t pool_bytes_ = 0;
   DevicePool pool_;
 

@@ -19,6 +19,10 @@
 #include "zinf/log.h"
 
 namespace zinf {
+
+namespace {
+constexpr int kMadvPopulateWrite = 23;  // MADV_POPULATE_WRITE (Linux 5.14; glibc 2.36 names it)
+}  // namespace
 namespace {
 
 // The state behind an Event, shared with the markers and waits queued on streams so that the
@@ -358,9 +362,21 @@ HostDevice::HostDevice(const HostDeviceOptions& options)
   int err = 0;
   for (size_t bytes : {2 * one, one}) {
     pool_bytes_ = bytes;
-    p = mmap(nullptr, pool_bytes_, PROT_READ | PROT_WRITE,
+    // One huge page more, to start the pool on a 2 MiB boundary: its chunks are then whole
+    // huge pages, which a trim drops and the next touch faults in again as one page each.
+    p = mmap(nullptr, pool_bytes_ + huge, PROT_READ | PROT_WRITE,
              MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p != MAP_FAILED) break;
+    if (p != MAP_FAILED) {
+      char* raw = static_cast<char*>(p);
+      char* aligned = reinterpret_cast<char*>(RoundUp(reinterpret_cast<uintptr_t>(raw), huge));
+      // Cannot fail for whole pages of a mapping just made; the excess is only address space.
+      if (aligned > raw) (void)munmap(raw, aligned - raw);
+      if (aligned + pool_bytes_ < raw + pool_bytes_ + huge) {
+        (void)munmap(aligned + pool_bytes_, raw + pool_bytes_ + huge - (aligned + pool_bytes_));
+      }
+      p = aligned;
+      break;
+    }
     err = errno;
   }
   if (p == MAP_FAILED) {
@@ -378,7 +394,43 @@ HostDevice::HostDevice(const HostDeviceOptions& options)
   } else {
     madvise(p, pool_bytes_, MADV_HUGEPAGE);
     pool_base_ = static_cast<char*>(p);
-    pool_.SetRange(pool_base_, pool_bytes_);
+    DevicePool::Backing backing;
+    // At most 65,536 chunks (2 MiB each, a huge page, by default).
+    backing.chunk =
+        RoundUp(std::max<size_t>({options_.pool_chunk, kHostDeviceAlignment, pool_bytes_ / 65536}),
+                kHostDeviceAlignment);
+    const bool strict = options_.strict;
+    if (strict && mprotect(p, pool_bytes_, PROT_NONE) != 0) {
+      LogWarning(std::string("HostDevice: mprotect(PROT_NONE) of the pool failed (") +
+                 std::strerror(errno) + "); trimmed memory stays readable");
+    }
+    backing.commit = [strict](char* addr, size_t bytes) -> Status {
+      if (!strict) {
+        // Faulted in here, in one call (huge pages where the kernel has them), rather than
+        // page by page by the first copy into them. Kernels before 5.14 lack it: then they
+        // fault in at first touch.
+        (void)madvise(addr, bytes, kMadvPopulateWrite);
+        return Status::OK();
+      }
+      if (mprotect(addr, bytes, PROT_READ | PROT_WRITE) != 0) {
+        return Status::IoError(std::string("mprotect(PROT_READ|PROT_WRITE) of ") +
+                               FormatBytes(bytes) + " failed: " + std::strerror(errno));
+      }
+      std::memset(addr, 0xFF, bytes);  // never-written memory reads NaN, as a freed buffer
+      return Status::OK();
+    };
+    backing.decommit = [strict](char* addr, size_t bytes) -> Status {
+      if (madvise(addr, bytes, MADV_DONTNEED) != 0) {
+        return Status::IoError(std::string("madvise(MADV_DONTNEED) of ") + FormatBytes(bytes) +
+                               " failed: " + std::strerror(errno));
+      }
+      if (strict && mprotect(addr, bytes, PROT_NONE) != 0) {
+        return Status::IoError(std::string("mprotect(PROT_NONE) of ") + FormatBytes(bytes) +
+                               " failed: " + std::strerror(errno));
+      }
+      return Status::OK();
+    };
+    pool_.SetRange(pool_base_, pool_bytes_, std::move(backing));
   }
 }
 
@@ -417,6 +469,8 @@ void HostDevice::Free(void* ptr) {
 }
 
 DeviceMemoryInfo HostDevice::MemoryInfo() const { return pool_.Info(); }
+
+Status HostDevice::TrimMemory() { return pool_.Trim(); }
 
 Stream* HostDevice::ComputeStream() { return compute_stream_.get(); }
 

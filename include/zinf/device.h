@@ -54,6 +54,10 @@ struct DeviceMemoryInfo {
   size_t budget = 0;  // bytes the device may allocate in all
   size_t used = 0;
   size_t peak = 0;
+  // Device memory backing the allocations now (whole chunks of the device's pool; at least
+  // `used`): what the driver sees taken. Device::TrimMemory lowers it to what live
+  // allocations hold.
+  size_t committed = 0;
 };
 
 // Thread-safe.
@@ -73,6 +77,10 @@ class Device {
   virtual Result<void*> Alloc(size_t bytes) = 0;
   virtual void Free(void* ptr) = 0;
   virtual DeviceMemoryInfo MemoryInfo() const = 0;
+  // Gives the memory no allocation holds back to the system (the driver, for torch and other
+  // processes); later allocations take it again. REQUIRES: no queued work uses freed memory.
+  // A device whose pool cannot shrink returns OK and keeps it (MemoryInfo().committed says).
+  virtual Status TrimMemory() { return Status::OK(); }
 
   // The stream the trainer computes on. For HostDevice (outside strict mode) this is the
   // calling thread itself: work "on" it runs immediately and waiting on it blocks the caller.
@@ -155,6 +163,10 @@ struct HostDeviceOptions {
   //     FailedPrecondition, as CUDA forbids API calls in host functions.
   bool strict = false;
   uint64_t strict_seed = 0;
+  // The pool is backed and trimmed (TrimMemory) in chunks of this many bytes (rounded up to
+  // a multiple of 4 KiB; at least 1/65,536 of the pool): 2 MiB, a huge page, by default;
+  // tests measuring what a trim leaves use 4 KiB.
+  size_t pool_chunk = size_t{2} << 20;
 };
 
 std::unique_ptr<Device> NewHostDevice(const HostDeviceOptions& options);

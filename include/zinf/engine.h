@@ -272,7 +272,8 @@ class Engine {
     Tier device = Tier::kCpu;
     bool pin_memory = true;  // host memory registered with the device (faster copies)
     // Return once the copies are queued; the next use of the engine (ReloadStates or any
-    // call that reads the states) waits for them.
+    // call that reads the states) waits for them. The device memory goes back to the
+    // system at the next blocking OffloadStates (which then moves nothing more).
     bool non_blocking = false;
   };
   // Between optimizer steps (as SaveCheckpoint), on every rank with the same include (the
@@ -286,9 +287,11 @@ class Engine {
   // offloaded. At stages 0 to 2 the parameters offloaded are gathered again at their next
   // Acquire (a collective), not at the next step's end.
   // A delayed update still running is waited for. The host copy is kept after a reload, for
-  // the next offload (released with the engine). On a CUDA device the engine's memory is one
-  // pool reserved at creation (zinf.device_budget_bytes): what this frees is free in that
-  // pool, for zinf's own allocations, not returned to CUDA or torch.
+  // the next offload (released with the engine). A blocking OffloadStates returns the freed
+  // memory to the system (Device::TrimMemory): on a CUDA device the pool's chunks are
+  // unmapped and released (cudaMemGetInfo and torch see them free), on the host device the
+  // pages are dropped; MemoryInfo().committed says what stays backed. If that fails the
+  // states are still offloaded and the error says so.
   Status OffloadStates(const OffloadStatesOptions& o);
   // Puts back what OffloadStates moved (device memory allocated again, values copied back);
   // `non_blocking`: returns once the copies are queued (the engine's streams wait for them).

@@ -236,6 +236,7 @@ void BindEngine(py::module_& m) {
                                d["budget"] = m.budget;
                                d["used"] = m.used;
                                d["peak"] = m.peak;
+                               d["committed"] = m.committed;
                                return d;
                              })
       .def_property_readonly("num_param_groups",

@@ -33,7 +33,7 @@ def train(offload, steps=6, gas=2):
             engine.offload_states(device=OffloadDeviceEnum.cpu, non_blocking=step % 2 == 1)
             if step % 2 == 0:
                 used.append((before, engine._core.device_memory["used"]))
-            engine.offload_states()  # a second one does nothing
+            engine.offload_states()  # a second one moves nothing (waits, returns memory)
             if step == 0:
                 # Generation while offloaded reloads the parameters only; they go out again.
                 engine.eval()
@@ -56,6 +56,27 @@ def test_offload_and_reload_continue_bit_identically_and_free_the_device():
     for before, after in used:
         # What stays: the small collectives' scratch (16 KiB).
         assert before > 100000 and after == 16384, (before, after)
+
+
+def test_the_device_memory_goes_back_to_the_system():
+    # ~540k parameters with their states on the device: several 2 MiB chunks of the pool.
+    torch.manual_seed(3)
+    engine = zinf.initialize(Llama(dim=128, hidden=512), make_config("none", "none"),
+                             device="cpu")
+    for step in range(2):
+        ids, tgt = batch(step, 0)
+        engine.backward(engine(ids, tgt))
+        engine.step()
+        before = engine._core.device_memory
+        engine.offload_states(non_blocking=step == 1)
+        if step == 1:
+            engine.offload_states()  # waits for the non-blocking one, returns the memory
+        after = engine._core.device_memory
+        # Backed before: everything the engine holds; after: the 2 MiB chunk (two, should it
+        # straddle a boundary) holding the 16 KiB scratch.
+        assert before["committed"] >= before["used"] > 8 * 2**20, before
+        assert after["used"] == 16384 and after["committed"] <= 2 * 2 * 2**20, after
+        engine.reload_states()
 
 
 def test_include_and_device_are_checked():
