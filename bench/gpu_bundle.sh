@@ -18,7 +18,7 @@ BUILD_DIR="${BUILD_DIR:-$ROOT/build-gpu-bundle}"
 CUDA_ARCH="${CUDA_ARCH:-90}"
 JOBS="${JOBS:-2}"
 BUNDLE="$ROOT/gpu-bundle"
-TARGETS=(cuda_device_test engine_cuda_test train_model_ops_cuda_test zinf-gpu-bench
+TARGETS=(cuda_device_test device_contract_cuda_test engine_cuda_test train_model_ops_cuda_test zinf-gpu-bench
          zinf-engine-bench zinf-train)
 
 cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DZINF_CUDA=ON \

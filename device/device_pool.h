@@ -151,6 +151,14 @@ class DevicePool {
     return first;
   }
 
+  // Commits every chunk not committed (TrimMemory undone), in contiguous runs; on failure
+  // what was committed stays so (Trim returns it).
+  Status CommitAll() {
+    MutexLock lock(&mu_);
+    if (backing_.chunk == 0) return Status::OK();
+    return CommitRange(0, holders_.size());
+  }
+
   DeviceMemoryInfo Info() const {
     MutexLock lock(&mu_);
     DeviceMemoryInfo info;
@@ -178,6 +186,13 @@ class DevicePool {
     if (backing_.chunk == 0) return Status::OK();
     const size_t first = offset / backing_.chunk;
     const size_t end = (offset + bytes + backing_.chunk - 1) / backing_.chunk;
+    ZINF_RETURN_IF_ERROR(CommitRange(first, end));
+    for (size_t i = first; i < end; ++i) ++holders_[i];
+    return Status::OK();
+  }
+  // Commits the chunks of [first, end) not committed, each contiguous run in one call. On
+  // failure the runs committed before stay so (Trim returns them).
+  Status CommitRange(size_t first, size_t end) REQUIRES(mu_) {
     for (size_t i = first; i < end;) {
       if (chunk_committed_[i]) {
         ++i;
@@ -187,12 +202,11 @@ class DevicePool {
       while (run < end && !chunk_committed_[run]) ++run;
       const size_t span = ChunkSpan(i, run);
       Status s = backing_.commit ? backing_.commit(base_ + i * backing_.chunk, span) : Status::OK();
-      if (!s.ok()) return s;  // (chunks committed before stay so; Trim returns them)
+      if (!s.ok()) return s;
       for (size_t c = i; c < run; ++c) chunk_committed_[c] = true;
       committed_ += span;
       i = run;
     }
-    for (size_t i = first; i < end; ++i) ++holders_[i];
     return Status::OK();
   }
   void Release(uint64_t offset, size_t bytes) REQUIRES(mu_) {

@@ -243,11 +243,10 @@ class Engine::Impl {
     std::vector<Moved> moved;
   };
   std::unique_ptr<Offloaded> offloaded_;
-  // A non-blocking offload_states whose copies may still run: the device memory goes back to
-  // the driver (Device::TrimMemory) at the next blocking offload_states call.
-  bool trim_pending_ = false;
-  // offload_states' end: waits for its copies, then gives the freed device memory back.
+  // offload_states' end: waits for its copies, then gives the freed device memory back
+  // (Device::TrimMemory); after a non-blocking one, the next blocking offload_states does.
   Status FinishOffload();
+  void ReturnMemoryAfterFailedReload();
   // A non-blocking ReloadStates' host copy, released once its copies have run.
   std::unique_ptr<Offloaded> reloading_;
   // The last host copy, kept for the next offload_states once reloaded (its pages are

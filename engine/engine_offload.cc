@@ -109,8 +109,9 @@ Status Engine::Impl::OffloadStates(const Engine::OffloadStatesOptions& o) {
   // What it names is offloaded already: nothing to do. Otherwise what is offloaded stays so:
   // everything comes back, and the union goes out again in one host copy (the spare).
   if (offloaded_ && (o.include & ~offloaded_->mask) == 0) {
-    // (A non-blocking one before it: this blocking call waits and returns the memory.)
-    return o.non_blocking || !trim_pending_ ? Status::OK() : FinishOffload();
+    // (After a non-blocking one, or a reload that failed, this blocking call waits for the
+    // copies and returns the memory; cheap when there is nothing to wait for.)
+    return o.non_blocking ? Status::OK() : FinishOffload();
   }
   const uint32_t include = o.include | (offloaded_ ? offloaded_->mask : 0);
   ZINF_RETURN_IF_ERROR(EnsureStatesLoaded());
@@ -176,7 +177,6 @@ Status Engine::Impl::OffloadStates(const Engine::OffloadStatesOptions& o) {
     m.slot.set(nullptr);
   }
   offloaded_ = std::move(off);
-  trim_pending_ = true;
   if (o.non_blocking) return Status::OK();
   return FinishOffload();
 }
@@ -189,11 +189,17 @@ Status Engine::Impl::FinishOffload() {
     return Break("the engine stopped: offload_states could not finish its copies", s,
                  "; recreate it (from a checkpoint) to continue");
   }
-  trim_pending_ = false;
   // The states are safe in host memory whatever this says; the engine goes on.
   return device_->TrimMemory().WithContext(
       "offload_states moved the states to host memory, but giving the device memory back "
       "failed");
+}
+
+// Nothing is queued on what a failed reload took: the memory goes back at once (else
+// "free device memory and call it again" would find zinf holding more than before).
+void Engine::Impl::ReturnMemoryAfterFailedReload() {
+  Status s = device_->TrimMemory();
+  if (!s.ok()) LogWarning("reload_states failed, and returning its memory too: " + s.ToString());
 }
 
 Status Engine::Impl::ReloadStates(bool non_blocking) {
@@ -203,7 +209,16 @@ Status Engine::Impl::ReloadStates(bool non_blocking) {
 
 Status Engine::Impl::ReloadTypes(uint32_t mask, bool non_blocking) {
   if (!offloaded_) return Status::OK();
-  trim_pending_ = false;  // (the pool takes the memory again)
+  // Reloading all of it: the device's whole budget first, where it holds it from creation
+  // (CUDA). When another library took it meanwhile, this fails here, with the states still
+  // offloaded, rather than in a later step. (A partial reload, an inference Acquire's, takes
+  // only what it reloads: generation keeps the rest free.)
+  const bool all = (offloaded_->mask & ~mask) == 0;
+  if (Status s = all ? device_->RestoreMemory() : Status::OK(); !s.ok()) {
+    ReturnMemoryAfterFailedReload();
+    return s.WithContext(
+        "reload_states: the states stay offloaded; free device memory and call it again");
+  }
   // Device memory first, for every buffer: when some cannot have it (the trainer's own tensors
   // hold it), nothing changes and the states stay offloaded.
   std::vector<std::pair<Moved*, void*>> taken;
@@ -212,6 +227,7 @@ Status Engine::Impl::ReloadTypes(uint32_t mask, bool non_blocking) {
     Result<void*> p = budget_->Alloc(m.slot.bytes, m.slot.what + " (reload_states)");
     if (!p.ok()) {
       for (auto& [moved, ptr] : taken) budget_->Free(ptr, moved->slot.bytes);
+      ReturnMemoryAfterFailedReload();
       return p.status().WithContext(
           "reload_states: the states stay offloaded; free device memory and call it again");
     }

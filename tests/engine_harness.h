@@ -443,6 +443,10 @@ struct RunOptions {
   // Acquire), moving `offload_include`.
   int offload_cycles = 0;
   uint32_t offload_include = Engine::kOffloadAll;
+  // The first cycle's reload runs once with the device memory taken but for half of what it
+  // needs (the trainer's own allocation, as torch's in generation), then again once it is
+  // freed.
+  bool block_first_reload = false;
   std::chrono::seconds timeout{120};
 
   std::string Describe() const {
@@ -559,6 +563,10 @@ struct RankOutput {
   // The most device memory still backed (MemoryInfo().committed) after a blocking
   // offload_states, beyond what is allocated then (trainer's included): what TrimMemory left.
   size_t offloaded_committed_excess = 0;
+  // block_first_reload: the reload that failed, and the device memory backed around it.
+  Status blocked_reload;
+  size_t committed_before_blocked_reload = 0;
+  size_t committed_after_blocked_reload = 0;
   size_t device_bytes_after_inference = 0;  // after the first offload and an inference Acquire
   size_t trainer_device_bytes = 0;          // RankTrainer::device_bytes()
 };
@@ -579,6 +587,8 @@ struct RunResult {
   std::vector<size_t> device_bytes_before_offload;
   std::vector<size_t> device_bytes_after_inference;
   std::vector<size_t> offloaded_committed_excess;
+  std::vector<Status> blocked_reloads;                                     // per rank
+  std::vector<std::pair<size_t, size_t>> committed_around_blocked_reload;  // before, after
 };
 
 // The micro-step's rows for `rank`: the global batch is split over the micro-steps of an
@@ -639,6 +649,10 @@ inline Status RankMain(const RunOptions& o, int rank, Device* device, Communicat
       // A second offload moves nothing; a blocking one after a non-blocking one waits for
       // its copies and gives the device memory back.
       const size_t once = device->MemoryInfo().used;
+      if (opt.non_blocking) {
+        ZINF_RETURN_IF_ERROR(engine->OffloadStates(opt).WithContext("OffloadStates again"));
+        if (!engine->states_offloaded()) return Status::Internal("a second offload reloaded");
+      }
       Engine::OffloadStatesOptions again = opt;
       again.non_blocking = false;
       ZINF_RETURN_IF_ERROR(engine->OffloadStates(again).WithContext("OffloadStates again"));
@@ -663,6 +677,20 @@ inline Status RankMain(const RunOptions& o, int rank, Device* device, Communicat
           return Status::Internal("offloading again after an inference Acquire left " +
                                   std::to_string(device->MemoryInfo().used) + " bytes, not " +
                                   std::to_string(once));
+        }
+      }
+      if (c == 0 && o.block_first_reload) {
+        const DeviceMemoryInfo now = device->MemoryInfo();
+        const size_t need =
+            out->device_bytes_before_offload - (now.used - out->trainer_device_bytes);
+        Result<void*> blocker = device->Alloc(now.budget - now.used - need / 2);
+        if (!blocker.ok()) return blocker.status().WithContext("the reload's blocker");
+        out->committed_before_blocked_reload = device->MemoryInfo().committed;
+        out->blocked_reload = engine->ReloadStates(false);
+        out->committed_after_blocked_reload = device->MemoryInfo().committed;
+        device->Free(*blocker);
+        if (!engine->states_offloaded()) {
+          return Status::Internal("a failed ReloadStates left the states not offloaded");
         }
       }
       if (c + 1 < o.offload_cycles) {
@@ -777,6 +805,9 @@ inline RunResult RunTraining(const RunOptions& o) {
     res.collectives.push_back(counting[r]->counts());
     res.offloaded_device_bytes.push_back(outs[r].offloaded_device_bytes);
     res.offloaded_committed_excess.push_back(outs[r].offloaded_committed_excess);
+    res.blocked_reloads.push_back(outs[r].blocked_reload);
+    res.committed_around_blocked_reload.push_back(
+        {outs[r].committed_before_blocked_reload, outs[r].committed_after_blocked_reload});
     res.device_bytes_before_offload.push_back(outs[r].device_bytes_before_offload);
     res.device_bytes_after_inference.push_back(outs[r].device_bytes_after_inference);
   }

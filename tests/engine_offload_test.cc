@@ -50,6 +50,35 @@ INSTANTIATE_TEST_SUITE_P(Placements, OffloadStatesTest,
                                   (std::get<5>(info.param) < 1 ? "Ratio50" : "");
                          });
 
+// A reload that finds the device memory taken (the trainer's own tensors, as torch's during
+// generation) fails with the states still offloaded, gives back what it took, and succeeds
+// once the memory is free; the training goes on bit-identically.
+TEST(EngineOffload, AReloadWithoutMemoryFailsCleanlyAndSucceedsLater) {
+  RunOptions o;
+  o.optimizer_tier = Tier::kDevice;
+  o.ranks = 2;
+  RunResult plain = RunTraining(o);
+  ASSERT_TRUE(plain.status.ok()) << plain.status.ToString();
+  o.offload_cycles = 2;
+  o.block_first_reload = true;
+  RunResult blocked = RunTraining(o);
+  ASSERT_TRUE(blocked.status.ok()) << blocked.status.ToString();
+  ExpectHealthyRun(o, blocked);
+  EXPECT_TRUE(SameBits(blocked.params, plain.params));
+  EXPECT_EQ(blocked.losses, plain.losses);
+  for (int r = 0; r < o.ranks; ++r) {
+    EXPECT_EQ(blocked.blocked_reloads[r].code(), StatusCode::kResourceExhausted)
+        << blocked.blocked_reloads[r].ToString();
+    EXPECT_NE(blocked.blocked_reloads[r].ToString().find("the states stay offloaded"),
+              std::string::npos);
+    // What the first half of the buffers took went back at once (a run without that keeps
+    // it backed).
+    EXPECT_EQ(blocked.committed_around_blocked_reload[r].second,
+              blocked.committed_around_blocked_reload[r].first)
+        << "rank " << r;
+  }
+}
+
 // Part of the states: the optimizer states alone, then the parameters and gradients alone,
 // each leave the device and come back (the inference Acquire in between reloads the
 // parameters only); what each leaves in device memory adds up to all of it.

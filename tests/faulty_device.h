@@ -59,6 +59,7 @@ class FaultyDevice : public Device {
   void Free(void* ptr) override { inner_->Free(ptr); }
   DeviceMemoryInfo MemoryInfo() const override { return inner_->MemoryInfo(); }
   Status TrimMemory() override { return inner_->TrimMemory(); }
+  Status RestoreMemory() override { return inner_->RestoreMemory(); }
   Stream* ComputeStream() override { return inner_->ComputeStream(); }
   Result<Stream*> CreateStream(const std::string& name) override {
     return inner_->CreateStream(name);

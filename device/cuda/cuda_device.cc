@@ -196,9 +196,14 @@ struct CudaDevice::Vmm {
     auto get = [](const char* name, auto* fn) {
       void* p = nullptr;
       cudaDriverEntryPointQueryResult found{};
-      if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found) !=
-              cudaSuccess ||
-          found != cudaDriverEntryPointSuccess || p == nullptr) {
+#if CUDART_VERSION >= 12050
+      // The 12.0 versions of the entry points (the signatures of cudaTypedefs.h's _v10020).
+      const cudaError_t err =
+          cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found);
+#else
+      const cudaError_t err = cudaGetDriverEntryPoint(name, &p, cudaEnableDefault, &found);
+#endif
+      if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || p == nullptr) {
         return false;
       }
       *fn = reinterpret_cast<std::remove_pointer_t<decltype(fn)>>(p);
@@ -288,19 +293,28 @@ Status CudaDevice::InitPool() {
                                 vmm->device) == CUDA_SUCCESS &&
              supported != 0;
   }
+  std::string why = "no virtual memory management";
   if (usable) {
     const CUmemAllocationProp prop = vmm->Prop(ordinal_);
     size_t g = 0;
-    ZINF_RETURN_IF_ERROR(
-        vmm->Check(vmm->granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
-                   "cuMemGetAllocationGranularity"));
-    if (g > 0) granule = RoundUp(granule, g);
+    Status s = vmm->Check(vmm->granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+                          "cuMemGetAllocationGranularity");
+    if (s.ok() && g > 0) granule = RoundUp(granule, g);
+    if (!s.ok()) why = s.ToString();
+    usable = s.ok();
   }
   pool_bytes_ = std::max(granule, RoundUp(budget_, granule));
+  CUdeviceptr base = 0;
+  if (usable) {
+    Status s =
+        vmm->Check(vmm->address_reserve(&base, pool_bytes_, granule, 0, 0), "cuMemAddressReserve");
+    if (!s.ok()) why = s.ToString();
+    usable = s.ok();
+  }
   if (!usable) {
     // The whole budget at once: the step never calls cudaMalloc, and TrimMemory gives
     // nothing back.
-    LogInfo("CudaDevice: no virtual memory management on device " + std::to_string(ordinal_) +
+    LogInfo("CudaDevice: device " + std::to_string(ordinal_) + ": " + why +
             "; the pool is one cudaMalloc of " + FormatBytes(pool_bytes_) +
             " and offload_states cannot return it");
     void* base = nullptr;
@@ -312,9 +326,6 @@ Status CudaDevice::InitPool() {
   // Chunks of 32 MiB (fewer driver calls on a first step), at most 65,536 of them; a
   // whole number of granules each, the last one cut short by the pool's end.
   vmm->chunk = std::max(RoundUp(size_t{32} << 20, granule), RoundUp(pool_bytes_ / 65536, granule));
-  CUdeviceptr base = 0;
-  ZINF_RETURN_IF_ERROR(
-      vmm->Check(vmm->address_reserve(&base, pool_bytes_, granule, 0, 0), "cuMemAddressReserve"));
   vmm->handles.assign((pool_bytes_ + vmm->chunk - 1) / vmm->chunk, 0);
   pool_base_ = reinterpret_cast<char*>(base);
   vmm_ = std::move(vmm);
@@ -323,7 +334,10 @@ Status CudaDevice::InitPool() {
   backing.commit = [this](char* addr, size_t bytes) { return CommitChunks(addr, bytes); };
   backing.decommit = [this](char* addr, size_t bytes) { return DecommitChunks(addr, bytes); };
   pool_.SetRange(pool_base_, pool_bytes_, std::move(backing));
-  return Status::OK();
+  // The whole budget backed now, as the single cudaMalloc did: a step never finds the memory
+  // taken (torch allocates beside zinf), only a reload after TrimMemory may (RestoreMemory).
+  return pool_.CommitAll().WithContext("CudaDevice: backing the pool of " +
+                                       FormatBytes(pool_bytes_));
 }
 
 // Called by the pool (under its lock) with whole chunks; on failure the ones this call backed
@@ -341,6 +355,11 @@ Status CudaDevice::CommitChunks(char* addr, size_t bytes) {
     const size_t index = first + done / vmm_->chunk;
     const size_t n = std::min(vmm_->chunk, bytes - done);
     const auto at = reinterpret_cast<CUdeviceptr>(addr + done);
+    if (vmm_->handles[index] != 0) {
+      // Still mapped (an earlier rollback's unmap failed): backed already.
+      done += n;
+      continue;
+    }
     CUmemGenericAllocationHandle h = 0;
     s = vmm_->Check(vmm_->create(&h, n, &prop, 0), "cuMemCreate");
     if (s.ok()) {
@@ -380,6 +399,8 @@ Status CudaDevice::DecommitChunks(char* addr, size_t bytes) {
 }
 
 Status CudaDevice::TrimMemory() { return pool_.Trim(); }
+
+Status CudaDevice::RestoreMemory() { return vmm_ ? pool_.CommitAll() : Status::OK(); }
 
 Result<void*> CudaDevice::Alloc(size_t bytes) { return pool_.Allocate(bytes); }
 

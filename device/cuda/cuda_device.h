@@ -55,6 +55,9 @@ class CudaDevice final : public Device {
   // releases the pool's free chunks, so cudaMemGetInfo (and torch) sees them free. Without
   // it the pool is one cudaMalloc and nothing is given back.
   Status TrimMemory() override;
+  // Backs the whole pool again (as at creation): reload_states, so that a step never finds
+  // its memory taken by another library while the states were offloaded.
+  Status RestoreMemory() override;
 
   Stream* ComputeStream() override;
   Result<Stream*> CreateStream(const std::string& name) override;

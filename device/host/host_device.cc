@@ -395,10 +395,11 @@ HostDevice::HostDevice(const HostDeviceOptions& options)
     madvise(p, pool_bytes_, MADV_HUGEPAGE);
     pool_base_ = static_cast<char*>(p);
     DevicePool::Backing backing;
-    // At most 65,536 chunks (2 MiB each, a huge page, by default).
+    // pool_chunk (2 MiB, a huge page, by default), or for a pool of more than 65,536 of
+    // those, the next multiple of 2 MiB that keeps the count there.
     backing.chunk =
-        RoundUp(std::max<size_t>({options_.pool_chunk, kHostDeviceAlignment, pool_bytes_ / 65536}),
-                kHostDeviceAlignment);
+        RoundUp(std::max(options_.pool_chunk, kHostDeviceAlignment), kHostDeviceAlignment);
+    if (pool_bytes_ / 65536 > backing.chunk) backing.chunk = RoundUp(pool_bytes_ / 65536, huge);
     const bool strict = options_.strict;
     if (strict && mprotect(p, pool_bytes_, PROT_NONE) != 0) {
       LogWarning(std::string("HostDevice: mprotect(PROT_NONE) of the pool failed (") +

@@ -7,11 +7,16 @@
 // so callers need no #ifdef.
 //
 // CudaDevice
-//   - Memory: one pool of `memory_budget` bytes reserved with a single cudaMalloc when the
-//     device is created, then sub-allocated first-fit (256-byte aligned) with coalescing on
-//     Free: Alloc and Free never call cudaMalloc/cudaFree, so a training step neither
-//     synchronizes the device nor fragments the CUDA caching state. Free is immediate, as on
-//     HostDevice: the caller must know no queued work still uses the buffer.
+//   - Memory: one pool of `memory_budget` bytes, taken whole when the device is created, then
+//     sub-allocated first-fit (256-byte aligned) with coalescing on Free: Alloc and Free never
+//     call cudaMalloc/cudaFree, so a training step neither synchronizes the device nor
+//     fragments the CUDA caching state. With the driver's virtual memory management (found
+//     at run time; else one cudaMalloc) the pool is an address range backed in 32 MiB chunks
+//     (cuMemCreate/cuMemMap): TrimMemory (offload_states) unmaps and releases the chunks no
+//     allocation holds, so torch and other processes can use them, and RestoreMemory
+//     (reload_states) backs the whole pool again; an Alloc reaching a chunk trimmed and not
+//     restored backs it then. Free is immediate, as on HostDevice: the caller must know no
+//     queued work still uses the buffer.
 //   - Streams are cudaStreamCreateWithFlags(cudaStreamNonBlocking); none is the legacy default
 //     stream. ComputeStream() is such a dedicated stream (unlike HostDevice's, it is
 //     asynchronous): the trainer must launch its own kernels on CudaStreamOf(ComputeStream())

@@ -81,6 +81,10 @@ class Device {
   // processes); later allocations take it again. REQUIRES: no queued work uses freed memory.
   // A device whose pool cannot shrink returns OK and keeps it (MemoryInfo().committed says).
   virtual Status TrimMemory() { return Status::OK(); }
+  // Takes back what TrimMemory gave, where the device holds its whole budget from creation
+  // (CUDA: ResourceExhausted when another library holds it now); the host device's pages come
+  // at first touch, so there it does nothing.
+  virtual Status RestoreMemory() { return Status::OK(); }
 
   // The stream the trainer computes on. For HostDevice (outside strict mode) this is the
   // calling thread itself: work "on" it runs immediately and waiting on it blocks the caller.
@@ -164,8 +168,9 @@ struct HostDeviceOptions {
   bool strict = false;
   uint64_t strict_seed = 0;
   // The pool is backed and trimmed (TrimMemory) in chunks of this many bytes (rounded up to
-  // a multiple of 4 KiB; at least 1/65,536 of the pool): 2 MiB, a huge page, by default;
-  // tests measuring what a trim leaves use 4 KiB.
+  // a multiple of 4 KiB; for a pool of more than 65,536 chunks, the next multiple of 2 MiB
+  // that keeps the count there): 2 MiB, a huge page, by default; tests measuring what a trim
+  // leaves use 4 KiB.
   size_t pool_chunk = size_t{2} << 20;
 };
 
