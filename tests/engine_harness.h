@@ -599,6 +599,78 @@ inline int RowBegin(const RunOptions& o, int micro, int rank) {
 }
 inline int RowsPerRank(const RunOptions& o) { return kGlobalBatch / (o.grad_accum * o.ranks); }
 
+// offload_states cycle `c` after an optimizer step (RunOptions::offload_cycles): offloads,
+// checks what stays and that a second offload moves nothing, the first cycle's inference
+// Acquire and blocked reload, then reloads (all but the last cycle).
+inline Status OffloadCycle(const RunOptions& o, int c, Engine* engine, RankTrainer& trainer,
+                           Device* device, RankOutput* out) {
+  Engine::OffloadStatesOptions opt;
+  opt.include = o.offload_include;
+  const size_t before = device->MemoryInfo().used - out->trainer_device_bytes;
+  opt.non_blocking = c % 2 == 1;
+  opt.pin_memory = c % 3 != 2;
+  ZINF_RETURN_IF_ERROR(engine->OffloadStates(opt).WithContext("OffloadStates"));
+  if (!engine->states_offloaded()) return Status::Internal("OffloadStates left nothing offloaded");
+  if (!opt.non_blocking) {
+    const size_t used = device->MemoryInfo().used - out->trainer_device_bytes;
+    out->device_bytes_before_offload = std::max(out->device_bytes_before_offload, before);
+    out->offloaded_device_bytes = out->offloaded_device_bytes == SIZE_MAX
+                                      ? used
+                                      : std::max(out->offloaded_device_bytes, used);
+  }
+  // A second offload moves nothing; a blocking one after a non-blocking one waits for
+  // its copies and gives the device memory back.
+  const size_t once = device->MemoryInfo().used;
+  if (opt.non_blocking) {
+    ZINF_RETURN_IF_ERROR(engine->OffloadStates(opt).WithContext("OffloadStates again"));
+    if (!engine->states_offloaded()) return Status::Internal("a second offload reloaded");
+  }
+  Engine::OffloadStatesOptions again = opt;
+  again.non_blocking = false;
+  ZINF_RETURN_IF_ERROR(engine->OffloadStates(again).WithContext("OffloadStates again"));
+  const DeviceMemoryInfo info = device->MemoryInfo();
+  if (!opt.non_blocking && info.used != once) {
+    return Status::Internal("a second OffloadStates changed the device memory in use");
+  }
+  out->offloaded_committed_excess =
+      std::max(out->offloaded_committed_excess, info.committed - info.used);
+  // An inference Acquire (generation) reloads the parameters only: the device memory it
+  // takes back is at most theirs, and the other states stay offloaded.
+  if (c == 0 && !opt.non_blocking) {
+    Result<std::vector<void*>> p = engine->Acquire({trainer.id(0)}, AcquireMode::kInference);
+    if (!p.ok()) return p.status().WithContext("inference Acquire while offloaded");
+    ZINF_RETURN_IF_ERROR(engine->Release({trainer.id(0)}));
+    out->device_bytes_after_inference = device->MemoryInfo().used - out->trainer_device_bytes;
+    // What it reloaded goes out again with the rest (the union, in one host copy).
+    ZINF_RETURN_IF_ERROR(
+        engine->OffloadStates(opt).WithContext("OffloadStates again after "
+                                               "an inference Acquire"));
+    if (device->MemoryInfo().used != once) {
+      return Status::Internal("offloading again after an inference Acquire left " +
+                              std::to_string(device->MemoryInfo().used) + " bytes, not " +
+                              std::to_string(once));
+    }
+  }
+  if (c == 0 && o.block_first_reload) {
+    const DeviceMemoryInfo now = device->MemoryInfo();
+    const size_t need = out->device_bytes_before_offload - (now.used - out->trainer_device_bytes);
+    Result<void*> blocker = device->Alloc(now.budget - now.used - need / 2);
+    if (!blocker.ok()) return blocker.status().WithContext("the reload's blocker");
+    out->committed_before_blocked_reload = device->MemoryInfo().committed;
+    out->blocked_reload = engine->ReloadStates(false);
+    out->committed_after_blocked_reload = device->MemoryInfo().committed;
+    device->Free(*blocker);
+    if (!engine->states_offloaded()) {
+      return Status::Internal("a failed ReloadStates left the states not offloaded");
+    }
+  }
+  if (c + 1 < o.offload_cycles) {
+    ZINF_RETURN_IF_ERROR(engine->ReloadStates(c % 2 == 0).WithContext("ReloadStates"));
+    if (engine->states_offloaded()) return Status::Internal("ReloadStates left it offloaded");
+  }
+  return Status::OK();
+}
+
 inline Status RankMain(const RunOptions& o, int rank, Device* device, Communicator* comm,
                        const std::string& nvme_dir, RankOutput* out) {
   Result<std::unique_ptr<Engine>> created = Engine::Create(MakeConfig(o, nvme_dir), device, comm);
@@ -631,72 +703,7 @@ inline Status RankMain(const RunOptions& o, int rank, Device* device, Communicat
     }
     const bool boundary = (m + 1) % o.grad_accum == 0;
     for (int c = 0; boundary && m + 1 < micro_steps && c < o.offload_cycles; ++c) {
-      Engine::OffloadStatesOptions opt;
-      opt.include = o.offload_include;
-      const size_t before = device->MemoryInfo().used - out->trainer_device_bytes;
-      opt.non_blocking = c % 2 == 1;
-      opt.pin_memory = c % 3 != 2;
-      ZINF_RETURN_IF_ERROR(engine->OffloadStates(opt).WithContext("OffloadStates"));
-      if (!engine->states_offloaded())
-        return Status::Internal("OffloadStates left nothing offloaded");
-      if (!opt.non_blocking) {
-        const size_t used = device->MemoryInfo().used - out->trainer_device_bytes;
-        out->device_bytes_before_offload = std::max(out->device_bytes_before_offload, before);
-        out->offloaded_device_bytes = out->offloaded_device_bytes == SIZE_MAX
-                                          ? used
-                                          : std::max(out->offloaded_device_bytes, used);
-      }
-      // A second offload moves nothing; a blocking one after a non-blocking one waits for
-      // its copies and gives the device memory back.
-      const size_t once = device->MemoryInfo().used;
-      if (opt.non_blocking) {
-        ZINF_RETURN_IF_ERROR(engine->OffloadStates(opt).WithContext("OffloadStates again"));
-        if (!engine->states_offloaded()) return Status::Internal("a second offload reloaded");
-      }
-      Engine::OffloadStatesOptions again = opt;
-      again.non_blocking = false;
-      ZINF_RETURN_IF_ERROR(engine->OffloadStates(again).WithContext("OffloadStates again"));
-      const DeviceMemoryInfo info = device->MemoryInfo();
-      if (!opt.non_blocking && info.used != once) {
-        return Status::Internal("a second OffloadStates changed the device memory in use");
-      }
-      out->offloaded_committed_excess =
-          std::max(out->offloaded_committed_excess, info.committed - info.used);
-      // An inference Acquire (generation) reloads the parameters only: the device memory it
-      // takes back is at most theirs, and the other states stay offloaded.
-      if (c == 0 && !opt.non_blocking) {
-        Result<std::vector<void*>> p = engine->Acquire({trainer.id(0)}, AcquireMode::kInference);
-        if (!p.ok()) return p.status().WithContext("inference Acquire while offloaded");
-        ZINF_RETURN_IF_ERROR(engine->Release({trainer.id(0)}));
-        out->device_bytes_after_inference = device->MemoryInfo().used - out->trainer_device_bytes;
-        // What it reloaded goes out again with the rest (the union, in one host copy).
-        ZINF_RETURN_IF_ERROR(
-            engine->OffloadStates(opt).WithContext("OffloadStates again after "
-                                                   "an inference Acquire"));
-        if (device->MemoryInfo().used != once) {
-          return Status::Internal("offloading again after an inference Acquire left " +
-                                  std::to_string(device->MemoryInfo().used) + " bytes, not " +
-                                  std::to_string(once));
-        }
-      }
-      if (c == 0 && o.block_first_reload) {
-        const DeviceMemoryInfo now = device->MemoryInfo();
-        const size_t need =
-            out->device_bytes_before_offload - (now.used - out->trainer_device_bytes);
-        Result<void*> blocker = device->Alloc(now.budget - now.used - need / 2);
-        if (!blocker.ok()) return blocker.status().WithContext("the reload's blocker");
-        out->committed_before_blocked_reload = device->MemoryInfo().committed;
-        out->blocked_reload = engine->ReloadStates(false);
-        out->committed_after_blocked_reload = device->MemoryInfo().committed;
-        device->Free(*blocker);
-        if (!engine->states_offloaded()) {
-          return Status::Internal("a failed ReloadStates left the states not offloaded");
-        }
-      }
-      if (c + 1 < o.offload_cycles) {
-        ZINF_RETURN_IF_ERROR(engine->ReloadStates(c % 2 == 0).WithContext("ReloadStates"));
-        if (engine->states_offloaded()) return Status::Internal("ReloadStates left it offloaded");
-      }
+      ZINF_RETURN_IF_ERROR(OffloadCycle(o, c, engine.get(), trainer, device, out));
     }
     if ((m + 1) % o.grad_accum == 0 && (m + 1) / o.grad_accum == o.save_after_step) {
       ZINF_RETURN_IF_ERROR(engine->SaveCheckpoint(o.checkpoint_dir).WithContext("SaveCheckpoint"));
