@@ -19,6 +19,7 @@
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
 #include <sched.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -69,8 +70,9 @@ struct Flags {
   uint64_t prefetch_elems = 16u << 20;
   bool bf16 = false;
   std::string device = "host";
-  int nproc = 0;           // --nproc: ranks as processes (LaunchRanks)
-  int offload_cycles = 0;  // --offload-cycles
+  int nproc = 0;                       // --nproc: ranks as processes (LaunchRanks)
+  int offload_cycles = 0;              // --offload-cycles
+  std::string offload_device = "cpu";  // --offload-device
   // The engine flags (config/engine_flags.h), with the bench's defaults.
   EngineFlags engine = BenchEngineDefaults();
 };
@@ -241,6 +243,10 @@ void AddFlags(CLI::App& app, Flags* f) {
                  "pinned host memory), one JSON line each with their seconds and the device "
                  "memory in use before and while offloaded, then one more step")
       ->check(CLI::Range(0, 1000));
+  app.add_option("--offload-device", f->offload_device,
+                 "where --offload-cycles move the states: cpu (host memory) or nvme (the first "
+                 "--nvme folder; the pinned host memory is released too)")
+      ->check(CLI::IsMember({"cpu", "nvme"}));
   app.add_option("--device", f->device,
                  "host (HostDevice, simulated link) or cuda (GPU 0 and a one-rank NCCL "
                  "communicator)")
@@ -472,17 +478,35 @@ Status RunSteps(const Flags& f, const BenchRun& run, StepSeries* series) {
   return Status::OK();
 }
 
+// The process's resident set (/proc/self/statm), 0 when unreadable.
+size_t ResidentBytes() {
+  std::FILE* f = std::fopen("/proc/self/statm", "r");
+  if (f == nullptr) return 0;
+  unsigned long long size = 0, resident = 0;
+  const int n = std::fscanf(f, "%llu %llu", &size, &resident);
+  std::fclose(f);
+  return n == 2 ? static_cast<size_t>(resident) * static_cast<size_t>(sysconf(_SC_PAGESIZE)) : 0;
+}
+
 // --offload-cycles: offload_states / reload_states cycles between steps, timed, with the device
 // memory in use and backed before, while offloaded and after; then a step, which must still
 // run.
 Status OffloadCycles(const Flags& f, const BenchRun& run, Device* device) {
   std::vector<double> offload_s, reload_s;
+  Engine::OffloadStatesOptions opt;
+  opt.device = f.offload_device == "nvme" ? Tier::kNvme : Tier::kCpu;
   for (int c = 0; c < f.offload_cycles; ++c) {
     const DeviceMemoryInfo before = device->MemoryInfo();
+    ZINF_ASSIGN_OR_RETURN(const Engine::PinnedMemoryInfo pinned_before,
+                          run.engine->pinned_memory());
+    const size_t rss_before = ResidentBytes();
     const auto t0 = std::chrono::steady_clock::now();
-    ZINF_RETURN_IF_ERROR(run.engine->OffloadStates(Engine::OffloadStatesOptions{}));
+    ZINF_RETURN_IF_ERROR(run.engine->OffloadStates(opt));
     const auto t1 = std::chrono::steady_clock::now();
     const DeviceMemoryInfo offloaded = device->MemoryInfo();
+    ZINF_ASSIGN_OR_RETURN(const Engine::PinnedMemoryInfo pinned_offloaded,
+                          run.engine->pinned_memory());
+    const size_t rss_offloaded = ResidentBytes();
     ZINF_RETURN_IF_ERROR(run.engine->ReloadStates(/*non_blocking=*/false));
     const auto t2 = std::chrono::steady_clock::now();
     const DeviceMemoryInfo reloaded = device->MemoryInfo();
@@ -499,6 +523,12 @@ Status OffloadCycles(const Flags& f, const BenchRun& run, Device* device) {
     j["device_committed_before"] = before.committed;
     j["device_committed_offloaded"] = offloaded.committed;
     j["device_committed_reloaded"] = reloaded.committed;
+    // Host memory: the pinned arena's resident bytes and the process's RSS.
+    j["pinned_used"] = pinned_before.used;
+    j["pinned_resident_before"] = pinned_before.resident;
+    j["pinned_resident_offloaded"] = pinned_offloaded.resident;
+    j["rss_before"] = rss_before;
+    j["rss_offloaded"] = rss_offloaded;
     std::printf("%s\n", j.dump().c_str());
   }
   ZINF_RETURN_IF_ERROR(ForwardBackward(f, run));

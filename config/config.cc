@@ -168,7 +168,8 @@ Status ParseOffload(ObjectReader& r, bool is_optimizer, OffloadConfig* offload, 
   bool has_path = false;
   ZINF_RETURN_IF_ERROR(r.ReadPaths("nvme_path", &offload->nvme_paths, &has_path));
   if (has_path && offload->tier != Tier::kNvme) {
-    ctx->warnings.Add(r.PathOf("nvme_path") + ": not used, because device is \"" +
+    ctx->warnings.Add(r.PathOf("nvme_path") +
+                      ": used only by offload_states(device=\"nvme\"), because device is \"" +
                       (offload->tier == Tier::kCpu ? "cpu" : "none") + "\"");
   }
   ZINF_RETURN_IF_ERROR(r.ReadUint32("buffer_count", &offload->buffer_count));

@@ -72,8 +72,9 @@ Engine::Impl::~Impl() {
   durable_.reset();
   core_.reset();  // after the layers above, which use it
   swap_.reset();
+  CloseOffloadStore();
   collectives_.reset();
-  if (arena_) {
+  if (arena_ && arena_device_registered_) {
     Status s = device_->UnregisterHostMemory(arena_->region().base);
     if (!s.ok()) LogWarning("closing the engine: " + s.ToString());
   }
@@ -203,6 +204,7 @@ double Engine::loss_scale() const { return impl_->loss_scale(); }
 Status Engine::OffloadStates(const OffloadStatesOptions& o) { return impl_->OffloadStates(o); }
 Status Engine::ReloadStates(bool non_blocking) { return impl_->ReloadStates(non_blocking); }
 bool Engine::states_offloaded() const { return impl_->states_offloaded(); }
+Result<Engine::PinnedMemoryInfo> Engine::pinned_memory() const { return impl_->pinned_memory(); }
 uint64_t Engine::skipped_steps() const { return impl_->skipped_steps(); }
 
 int Engine::rank() const { return impl_->rank(); }
@@ -456,6 +458,7 @@ Status Engine::Impl::AllocatePinned(const PinnedPlan& plan) {
   ao.lock_memory = config_.offload_param.pin_memory || config_.offload_optimizer.pin_memory;
   ZINF_ASSIGN_OR_RETURN(arena_, PinnedArena::Create(ao));
   ZINF_RETURN_IF_ERROR(device_->RegisterHostMemory(arena_->region().base, arena_->capacity()));
+  arena_device_registered_ = true;
   // The fixed-size buffers first, as pools (see BlockPool); the rest of the arena is staging.
   if (plan.state_blocks > 0) {
     ZINF_RETURN_IF_ERROR(state_pool_.Init(arena_.get(), plan.state_block_bytes, plan.state_blocks,
@@ -518,6 +521,7 @@ Status Engine::Impl::OpenSwapStore() {
     return CommitRecord::ExplainExisting(so.paths);
   }
   ZINF_ASSIGN_OR_RETURN(swap_, std::move(opened));
+  arena_io_registered_ = true;
   return Status::OK();
 }
 

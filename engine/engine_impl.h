@@ -92,6 +92,14 @@ class Engine::Impl {
   Status OffloadStates(const Engine::OffloadStatesOptions& o);
   Status ReloadStates(bool non_blocking);
   bool states_offloaded() const { return offloaded_ != nullptr; }
+  Result<Engine::PinnedMemoryInfo> pinned_memory() const {
+    Engine::PinnedMemoryInfo info;
+    if (!arena_) return info;
+    info.capacity = arena_->capacity();
+    info.used = arena_->used();
+    ZINF_ASSIGN_OR_RETURN(info.resident, arena_->ResidentBytes());
+    return info;
+  }
   double loss_scale() const { return scaler_ ? scaler_->scale() : 1.0; }
   uint64_t skipped_steps() const { return scaler_ ? scaler_->skipped_steps() : 0; }
   int rank() const;
@@ -239,10 +247,38 @@ class Engine::Impl {
     // pages is page-fault bound (a tenth of memcpy's speed on a VM).
     std::unique_ptr<HostArray> host;
     bool registered = false;  // host is registered with the device (pin_memory)
+    size_t host_used = 0;     // bytes of `host` holding values
     uint32_t mask = 0;        // the types offloaded
     std::vector<Moved> moved;
+    // device="nvme": the values are in offload_store_ ("device": host's first host_used
+    // bytes, "arena/<i>": arena_pages[i]); host and the pinned arena are released.
+    bool on_nvme = false;
+    std::vector<MemoryRegion> arena_pages;
   };
   std::unique_ptr<Offloaded> offloaded_;
+  // offload_states(device="nvme"): a store of its own (its own folder, under the first NVMe
+  // path or ./zinf-swap, so the engine's store, durable or not, never holds these), opened at
+  // the first such offload, its files removed at close.
+  std::unique_ptr<SwapStore> offload_store_;
+  std::string offload_folder_;
+  // The pinned arena's registrations (dropped while it is released to NVMe).
+  bool arena_device_registered_ = false;
+  bool arena_io_registered_ = false;
+  Result<SwapStore*> OffloadStore();
+  // At close: the store closed (its files removed) and its folder removed.
+  void CloseOffloadStore();
+  // OffloadStates after its checks: what `o` names moved out of device memory (into the host
+  // copy; to NVMe, everything, blocking).
+  Status OffloadToHost(const Engine::OffloadStatesOptions& o);
+  // offloaded_ (everything, in host memory, when `to_host` is OK) written to NVMe, every rank
+  // agreeing; then the host copy and the pinned arena are released. On failure the values
+  // stay in host memory.
+  Status MoveToNvme(const Status& to_host);
+  // The pinned arena unregistered (device, io_uring) and released; undone on failure.
+  Status ReleaseArena();
+  // Back from NVMe into the pinned arena and a host copy (ReloadTypes' first step); on
+  // failure the values stay on NVMe and a later call tries again.
+  Status LoadFromNvme();
   // offload_states' end: waits for its copies, then gives the freed device memory back
   // (Device::TrimMemory); after a non-blocking one, the next blocking offload_states does.
   Status FinishOffload();

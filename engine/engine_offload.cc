@@ -1,6 +1,12 @@
 // offload_states / reload_states: the engine's device memory moved out between phases (an RLHF
 // trainer's generation, another model's turn) and back, the training then going on bit for bit.
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <string>
 #include <utility>
 
@@ -20,6 +26,51 @@ std::string TypeNames(uint32_t mask) {
     if (mask & bit) s += (s.empty() ? "" : ", ") + std::string(name);
   }
   return s;
+}
+
+struct Piece {
+  std::string key;
+  void* buf;
+  size_t bytes;  // a multiple of 4096, as the buffer's capacity
+};
+
+// Every piece written (or read) through `store`, all in flight together; the first failure.
+Status TransferAll(SwapStore* store, const std::vector<Piece>& pieces, bool write) {
+  std::vector<Ticket> tickets;
+  Status first;
+  for (const Piece& p : pieces) {
+    Result<Ticket> t = write ? store->Write(p.key, p.buf, p.bytes, p.bytes)
+                             : store->Read(p.key, p.buf, p.bytes, /*urgent=*/true);
+    if (!t.ok()) {
+      first = t.status();
+      break;
+    }
+    tickets.push_back(*t);
+  }
+  for (Ticket t : tickets) {
+    Status s = store->Wait(t);
+    if (first.ok()) first = s;
+  }
+  return first;
+}
+
+void RemoveAll(SwapStore* store, const std::vector<Piece>& pieces) {
+  for (const Piece& p : pieces) {
+    if (!store->Contains(p.key)) continue;
+    Status s = store->Remove(p.key);
+    // (Space in a store removed at close; the values are elsewhere by now.)
+    if (!s.ok()) LogWarning("offload_states: freeing its NVMe copy: " + s.ToString());
+  }
+}
+
+std::vector<Piece> NvmePieces(const std::vector<MemoryRegion>& arena_pages, void* host,
+                              size_t host_used) {
+  std::vector<Piece> pieces;
+  if (host_used > 0) pieces.push_back({"device", host, host_used});
+  for (size_t i = 0; i < arena_pages.size(); ++i) {
+    pieces.push_back({"arena/" + std::to_string(i), arena_pages[i].base, arena_pages[i].len});
+  }
+  return pieces;
 }
 }  // namespace
 
@@ -82,10 +133,9 @@ Status Engine::Impl::CollectSlots(uint32_t include, Offloaded* off) {
 
 Status Engine::Impl::OffloadStates(const Engine::OffloadStatesOptions& o) {
   if (!broken_.ok()) return broken_;
-  if (o.device != Tier::kCpu) {
-    return Status::NotSupported(
-        "offload_states(device=\"nvme\"): zinf moves the states to host memory only, for now; "
-        "use device=\"cpu\"");
+  const bool to_nvme = o.device == Tier::kNvme;
+  if (o.device != Tier::kCpu && !to_nvme) {
+    return Status::InvalidArgument("offload_states: device must be cpu or nvme");
   }
   if ((o.include & ~uint32_t{Engine::kOffloadAll}) != 0 || o.include == 0) {
     return Status::InvalidArgument("offload_states: include names no known state (mask " +
@@ -100,18 +150,35 @@ Status Engine::Impl::OffloadStates(const Engine::OffloadStatesOptions& o) {
   // the gathers that fetch them again must pair up.
   if (world_ > 1) {
     ZINF_RETURN_IF_ERROR(CompareAcrossRanks(
-        "offload_states", "include " + TypeNames(o.include),
-        "Call offload_states on every rank at the same point, with the same include."));
+        "offload_states",
+        "include " + TypeNames(o.include) + ", device " + (to_nvme ? "nvme" : "cpu"),
+        "Call offload_states on every rank at the same point, with the same include and "
+        "device."));
+  }
+  if (to_nvme && o.include != Engine::kOffloadAll) {
+    return Status::InvalidArgument(
+        "offload_states(device=\"nvme\") releases the pinned host memory, which holds every "
+        "type of state: include all of them (Engine::kOffloadAll; in Python include=None), or "
+        "offload to device=\"cpu\"");
   }
   Status ready = CheckBetweenSteps("offload_states");
   if (world_ > 1) ready = collectives_->Agree(ready, "offload_states");
   ZINF_RETURN_IF_ERROR(ready);
+  Status to_host = OffloadToHost(o);
+  // (To NVMe: every rank goes on to MoveToNvme whatever happened here; it agrees.)
+  return to_nvme ? MoveToNvme(to_host) : to_host;
+}
+
+Status Engine::Impl::OffloadToHost(const Engine::OffloadStatesOptions& o) {
+  const bool to_nvme = o.device == Tier::kNvme;
   // What it names is offloaded already: nothing to do. Otherwise what is offloaded stays so:
   // everything comes back, and the union goes out again in one host copy (the spare).
   if (offloaded_ && (o.include & ~offloaded_->mask) == 0) {
     // (After a non-blocking one, or a reload that failed, this blocking call waits for the
-    // copies and returns the memory; cheap when there is nothing to wait for.)
-    return o.non_blocking ? Status::OK() : FinishOffload();
+    // copies and returns the memory; cheap when there is nothing to wait for.) On NVMe
+    // already: further out than asked.
+    if (offloaded_->on_nvme || (o.non_blocking && !to_nvme)) return Status::OK();
+    return FinishOffload();
   }
   const uint32_t include = o.include | (offloaded_ ? offloaded_->mask : 0);
   ZINF_RETURN_IF_ERROR(EnsureStatesLoaded());
@@ -138,7 +205,9 @@ Status Engine::Impl::OffloadStates(const Engine::OffloadStatesOptions& o) {
     off->host = std::make_unique<HostArray>();
     ZINF_RETURN_IF_ERROR(off->host->Allocate(total / sizeof(float), "offload_states"));
   }
-  if (total > 0 && !off->registered && o.pin_memory) {
+  off->host_used = total;
+  // (To NVMe: the host copy is released once written; pinning it would not pay.)
+  if (total > 0 && !off->registered && o.pin_memory && !to_nvme) {
     ZINF_RETURN_IF_ERROR(device_->RegisterHostMemory(off->host->data, off->host->bytes)
                              .WithContext("offload_states: pinning its host memory"));
     off->registered = true;
@@ -177,7 +246,8 @@ Status Engine::Impl::OffloadStates(const Engine::OffloadStatesOptions& o) {
     m.slot.set(nullptr);
   }
   offloaded_ = std::move(off);
-  if (o.non_blocking) return Status::OK();
+  // (To NVMe always blocks: the pinned memory is released when OffloadStates returns.)
+  if (o.non_blocking && !to_nvme) return Status::OK();
   return FinishOffload();
 }
 
@@ -209,6 +279,7 @@ Status Engine::Impl::ReloadStates(bool non_blocking) {
 
 Status Engine::Impl::ReloadTypes(uint32_t mask, bool non_blocking) {
   if (!offloaded_) return Status::OK();
+  if (offloaded_->on_nvme) ZINF_RETURN_IF_ERROR(LoadFromNvme());
   // Reloading all of it: the device's whole budget first, where it holds it from creation
   // (CUDA). When another library took it meanwhile, this fails here, with the states still
   // offloaded, rather than in a later step. (A partial reload, an inference Acquire's, takes
@@ -280,6 +351,172 @@ Status Engine::Impl::ReloadTypes(uint32_t mask, bool non_blocking) {
   } else {
     KeepAsSpare(std::move(offloaded_));
   }
+  return Status::OK();
+}
+
+// ---- device="nvme" -----------------------------------------------------------------------------
+
+Result<SwapStore*> Engine::Impl::OffloadStore() {
+  if (offload_store_) return offload_store_.get();
+  std::string root;
+  for (const OffloadConfig* c : {&config_.offload_optimizer, &config_.offload_param}) {
+    if (root.empty() && !c->nvme_paths.empty()) root = c->nvme_paths[0];
+  }
+  if (root.empty()) {
+    root = "zinf-swap";  // (zinf-train's default swap folder, in the working directory)
+    if (mkdir(root.c_str(), 0700) != 0 && errno != EEXIST) {
+      return ErrnoToStatus(errno, "offload_states(device=\"nvme\"): creating folder " + root);
+    }
+  }
+  ZINF_RETURN_IF_ERROR(CheckNvmePaths({root}, config_.allowed_nvme_roots)
+                           .WithContext("offload_states(device=\"nvme\")"));
+  // A folder of this engine's own (two engines of a process, ranks as threads, never meet),
+  // removed at close.
+  static std::atomic<uint64_t> engines{0};
+  const std::string dir = root + "/offload_states-" + std::to_string(getpid()) + "-" +
+                          std::to_string(engines.fetch_add(1)) + "-rank" + std::to_string(rank_);
+  if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    return ErrnoToStatus(errno, "offload_states(device=\"nvme\"): creating folder " + dir);
+  }
+  // The engine's I/O settings; nothing registered (the arena is released while this store
+  // holds its values); no capacity limit but the filesystem's reserve.
+  SwapStoreOptions so;
+  so.paths = {dir};
+  Result<IoBackendKind> kind = ParseIoBackendKind(config_.aio.backend);
+  if (!kind.ok()) return kind.status().WithContext("aio.backend");
+  so.backend = *kind;
+  so.backend_options.queue_depth = config_.aio.queue_depth;
+  so.block_size = config_.aio.block_size;
+  so.chunk_size = std::max<uint64_t>(RoundUp(config_.aio.block_size, 4096), 4096);
+  so.checksums = config_.checksums;
+  so.reserve_bytes = config_.nvme_reserve_bytes;
+  so.fault_plan = hooks_.fault_plan;
+  so.overwrite = true;
+  so.remove_on_close = true;
+  Result<std::unique_ptr<SwapStore>> opened = SwapStore::Open(so);
+  if (!opened.ok()) return opened.status().WithContext("opening a swap store in " + dir);
+  offload_store_ = std::move(opened).value();
+  offload_folder_ = dir;
+  return offload_store_.get();
+}
+
+void Engine::Impl::CloseOffloadStore() {
+  if (!offload_store_) return;
+  Status s = offload_store_->Close();
+  if (!s.ok()) LogWarning("closing the engine: offload_states' NVMe store: " + s.ToString());
+  offload_store_.reset();  // (its folder lock goes with it)
+  // The folder is this engine's own: what the store leaves (its lock, its mark) goes with it.
+  for (const char* name : {"zinf-swap.lock", "zinf-swap.folder.json"}) {
+    const std::string file = offload_folder_ + "/" + name;
+    if (unlink(file.c_str()) != 0 && errno != ENOENT) {
+      LogWarning("closing the engine: removing " + file + ": " + strerror(errno));
+    }
+  }
+  if (rmdir(offload_folder_.c_str()) != 0) {
+    LogWarning("closing the engine: removing offload_states' folder " + offload_folder_ + ": " +
+               strerror(errno));
+  }
+}
+
+Status Engine::Impl::ReleaseArena() {
+  Status s;
+  if (arena_device_registered_) {
+    s = device_->UnregisterHostMemory(arena_->region().base);
+    if (s.ok()) arena_device_registered_ = false;
+  }
+  if (s.ok() && swap_ && arena_io_registered_) {
+    s = swap_->SetRegionsRegistered(false);
+    if (s.ok()) arena_io_registered_ = false;
+  }
+  if (s.ok()) s = arena_->Release();
+  if (s.ok()) return s;
+  // Registered again as it was (nothing was released).
+  if (swap_ && !arena_io_registered_ && swap_->SetRegionsRegistered(true).ok()) {
+    arena_io_registered_ = true;
+  }
+  if (!arena_device_registered_ &&
+      device_->RegisterHostMemory(arena_->region().base, arena_->capacity()).ok()) {
+    arena_device_registered_ = true;
+  }
+  return s;
+}
+
+Status Engine::Impl::MoveToNvme(const Status& to_host) {
+  Offloaded* off = offloaded_.get();
+  const bool already = to_host.ok() && off != nullptr && off->on_nvme;
+  std::vector<MemoryRegion> pages;
+  std::vector<Piece> pieces;
+  SwapStore* store = nullptr;
+  Status s = to_host;
+  if (s.ok() && off == nullptr) s = Status::Internal("offload_states: nothing was offloaded");
+  if (s.ok() && !already) {
+    pages = arena_->UsedPages();
+    pieces = NvmePieces(pages, off->host ? off->host->data : nullptr, off->host_used);
+    Result<SwapStore*> opened = OffloadStore();
+    s = opened.status();
+    if (s.ok()) store = *opened;
+    // Whatever the engine's own store is doing (write-backs, read-ahead into the arena) ends
+    // first (this waits for it; the registration stays as it is); nothing issues more until
+    // the reload.
+    if (s.ok() && swap_) s = swap_->SetRegionsRegistered(arena_io_registered_);
+    if (s.ok()) {
+      s = TransferAll(store, pieces, /*write=*/true)
+              .WithContext("offload_states(device=\"nvme\"): writing the states to " +
+                           offload_folder_ +
+                           " (free space there, set nvme_path to another folder, or offload "
+                           "to device=\"cpu\")");
+    }
+  }
+  // Every rank's states go to NVMe, or every rank's stay in host memory (every rank comes
+  // here, whatever failed before).
+  if (world_ > 1) s = collectives_->Agree(s, "offload_states to NVMe");
+  if (!s.ok()) {
+    if (store != nullptr) RemoveAll(store, pieces);
+    return s.WithContext("the states stay in host memory (offloaded to the cpu)");
+  }
+  if (!already) {
+    off->arena_pages = std::move(pages);
+    off->on_nvme = true;  // (what follows is local: the values are safe on NVMe either way)
+  }
+  // Nothing of value is left in host memory: the host copies go, and the pinned memory
+  // (again, after a reload that failed part-way).
+  ReleaseHostCopy(off);
+  if (spare_) ReleaseHostCopy(spare_.get());
+  spare_.reset();
+  return ReleaseArena().WithContext(
+      "offload_states(device=\"nvme\"): the states are on NVMe, but releasing the pinned host "
+      "memory failed (it stays resident; the engine goes on)");
+}
+
+Status Engine::Impl::LoadFromNvme() {
+  Offloaded* off = offloaded_.get();
+  Status s = arena_->Restore();
+  if (s.ok() && !arena_device_registered_) {
+    s = device_->RegisterHostMemory(arena_->region().base, arena_->capacity());
+    if (s.ok()) arena_device_registered_ = true;
+  }
+  if (s.ok() && swap_ && !arena_io_registered_) {
+    s = swap_->SetRegionsRegistered(true);
+    if (s.ok()) arena_io_registered_ = true;
+  }
+  if (s.ok() && off->host_used > 0 && !off->host) {
+    auto host = std::make_unique<HostArray>();
+    s = host->Allocate(off->host_used / sizeof(float), "reading the offloaded states back");
+    if (s.ok()) off->host = std::move(host);
+  }
+  const std::vector<Piece> pieces =
+      NvmePieces(off->arena_pages, off->host ? off->host->data : nullptr, off->host_used);
+  if (s.ok()) s = TransferAll(offload_store_.get(), pieces, /*write=*/false);
+  // Every rank reads back, or every rank's stay on NVMe (a rank that read them reads them
+  // again at the next try: the same values).
+  if (world_ > 1) s = collectives_->Agree(s, "reading the offloaded states back from NVMe");
+  if (!s.ok()) {
+    return s.WithContext("reading the offloaded states back from NVMe (" + offload_folder_ +
+                         "): they stay there, and the call that needs them can be made again");
+  }
+  RemoveAll(offload_store_.get(), pieces);
+  off->arena_pages.clear();
+  off->on_nvme = false;
   return Status::OK();
 }
 

@@ -117,6 +117,9 @@ class FaultyBackend final : public IoBackend {
                const std::vector<MemoryRegion>& regions) override {
     return inner_->Start(files, regions);
   }
+  Status SetBuffersRegistered(bool registered) override {
+    return inner_->SetBuffersRegistered(registered);
+  }
 
   Result<int> Submit(const IoRequest* reqs, int n) override {
     int room = QueueDepth() - InFlight();

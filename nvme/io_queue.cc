@@ -60,6 +60,32 @@ IoQueue::~IoQueue() {
   }
   cv_.NotifyAll();
   if (thread_.joinable()) thread_.join();
+  MutexLock lock(&mu_);
+  for (Control& c : controls_)
+    c.done.set_value(Status::FailedPrecondition("the I/O queue stopped"));
+  controls_.clear();
+}
+
+Status IoQueue::RunWhenIdle(std::function<Status(IoBackend*)> fn) {
+  std::future<Status> result;
+  {
+    MutexLock lock(&mu_);
+    if (stopping_) return Status::FailedPrecondition("the I/O queue is stopping");
+    controls_.push_back(Control{std::move(fn), {}});
+    result = controls_.back().done.get_future();
+    if (in_reap_) backend_->Wake();
+  }
+  cv_.NotifyOne();
+  return result.get();
+}
+
+void IoQueue::RunControls() {
+  std::deque<Control> controls;
+  {
+    MutexLock lock(&mu_);
+    controls.swap(controls_);
+  }
+  for (Control& c : controls) c.done.set_value(c.fn(backend_.get()));
 }
 
 void IoQueue::Submit(const Transfer& t, TransferDone done) {
@@ -100,7 +126,7 @@ bool IoQueue::TakeIncoming(bool block) {
   {
     MutexLock lock(&mu_);
     if (block) {
-      while (!stopping_ && incoming_.empty()) cv_.Wait(&mu_);
+      while (!stopping_ && incoming_.empty() && controls_.empty()) cv_.Wait(&mu_);
     }
     if (incoming_.empty()) return !(stopping_ && block);
     while (!incoming_.empty()) {
@@ -126,6 +152,7 @@ void IoQueue::Loop() {
   std::vector<IoCompletion> completions(pieces_.size());
   for (;;) {
     bool idle = active_.empty() && backend_->InFlight() == 0;
+    if (idle) RunControls();
     if (!TakeIncoming(/*block=*/idle)) return;
     if (fatal_.ok()) {
       Status s = FillQueue();

@@ -63,6 +63,13 @@ class IoQueue {
   // Thread-safe. REQUIRES: t.file < number of files; t.buf valid until `done` runs.
   void Submit(const Transfer& t, TransferDone done);
 
+  // Runs `fn` on the I/O thread once no transfer is active or in flight (those submitted
+  // before it have ended, and any submitted meanwhile: callers stop submitting first), and
+  // returns its result. For the backend's own settings (IoBackend::SetBuffersRegistered).
+  // FailedPrecondition when the queue stops first. Never from the I/O thread (a TransferDone):
+  // it would wait for itself.
+  Status RunWhenIdle(std::function<Status(IoBackend*)> fn) EXCLUDES(mu_);
+
   const char* BackendName() const { return backend_name_; }
   std::string Features() const { return features_; }  // fixed after Start
   const std::vector<IoFile>& files() const { return files_; }
@@ -71,6 +78,10 @@ class IoQueue {
  private:
   struct Job;
   struct Piece;
+  struct Control {
+    std::function<Status(IoBackend*)> fn;
+    std::promise<Status> done;
+  };
 
   IoQueue(std::unique_ptr<IoBackend> backend, std::vector<IoFile> files,
           std::vector<MemoryRegion> regions, const IoQueueOptions& options);
@@ -78,6 +89,8 @@ class IoQueue {
   void Loop();
   // Moves new jobs in; false when stopping with nothing left.
   bool TakeIncoming(bool block);
+  // Runs the queued RunWhenIdle functions (the queue is idle).
+  void RunControls();
   Status FillQueue();
   void OnCompletion(const IoCompletion& c);
   void FinishPiece(Piece* piece);
@@ -102,6 +115,7 @@ class IoQueue {
   mutable Mutex mu_;
   CondVar cv_;
   std::deque<std::unique_ptr<Job>> incoming_ GUARDED_BY(mu_);
+  std::deque<Control> controls_ GUARDED_BY(mu_);
   bool stopping_ GUARDED_BY(mu_) = false;
   bool in_reap_ GUARDED_BY(mu_) = false;  // the thread may block in Reap
   IoQueueStats stats_ GUARDED_BY(mu_);

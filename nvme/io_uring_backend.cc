@@ -49,8 +49,26 @@ class IoUringBackend final : public IoBackend {
                    "); using plain file descriptors");
       }
     }
+    regions_ = regions;
     if (options_.register_buffers && !regions.empty()) RegisterBuffers(regions);
     return ArmWakePoll();
+  }
+
+  Status SetBuffersRegistered(bool registered) override {
+    if (in_flight_ != 0) {
+      return Status::FailedPrecondition("io_uring: buffers re-registered with " +
+                                        std::to_string(in_flight_) + " requests in flight");
+    }
+    if (!registered && !registered_.empty()) {
+      int rc = io_uring_unregister_buffers(&ring_);
+      if (rc != 0) return ErrnoToStatus(-rc, "io_uring_unregister_buffers");
+      registered_.clear();  // (plain requests from now on)
+      dropped_ = true;
+    } else if (registered && dropped_) {
+      dropped_ = false;
+      RegisterBuffers(regions_);  // (a refusal warns and leaves plain requests: still correct)
+    }
+    return Status::OK();
   }
 
   Result<int> Submit(const IoRequest* reqs, int n) override {
@@ -237,6 +255,7 @@ class IoUringBackend final : public IoBackend {
   }
 
   void AddFeature(const std::string& f) {
+    if ((' ' + features_ + ' ').find(' ' + f + ' ') != std::string::npos) return;  // (again)
     if (!features_.empty()) features_ += ' ';
     features_ += f;
   }
@@ -247,7 +266,9 @@ class IoUringBackend final : public IoBackend {
   int wake_fd_ = -1;
   std::vector<int> fds_;
   bool files_registered_ = false;
-  std::vector<iovec> registered_;
+  std::vector<MemoryRegion> regions_;  // as given to Start
+  std::vector<iovec> registered_;      // empty: plain requests
+  bool dropped_ = false;               // SetBuffersRegistered(false) unregistered them
   int in_flight_ = 0;
   std::string features_;
 };

@@ -1,9 +1,11 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <map>
+#include <vector>
 
 #include "common/thread_annotations.h"
 #include "nvme/range_allocator.h"
@@ -120,6 +122,76 @@ void PinnedArena::Free(void* data, size_t capacity) {
   MutexLock lock(&state_->mu);
   state_->free.Free(offset, capacity);
   state_->used -= capacity;
+}
+
+std::vector<MemoryRegion> PinnedArena::UsedPages() const {
+  constexpr size_t kPage = 4096;
+  std::vector<MemoryRegion> out;
+  MutexLock lock(&state_->mu);
+  size_t at = 0;  // the end of the last free range seen
+  auto add = [&](size_t begin, size_t end) {
+    begin = begin / kPage * kPage;
+    end = RoundUp(end, kPage);
+    if (begin >= end) return;
+    char* base = static_cast<char*>(base_);
+    if (!out.empty() && static_cast<char*>(out.back().base) + out.back().len >= base + begin) {
+      out.back().len =
+          std::max<size_t>(out.back().len, base + end - static_cast<char*>(out.back().base));
+    } else {
+      out.push_back({base + begin, end - begin});
+    }
+  };
+  state_->free.ForEach([&](uint64_t offset, uint64_t len) {
+    add(at, offset);
+    at = offset + len;
+  });
+  add(at, capacity_);
+  return out;
+}
+
+Status PinnedArena::Release() {
+  if (released_) return Status::OK();
+  if (locked_ && munlock(base_, capacity_) != 0) {
+    return ErrnoToStatus(errno, "pinned arena: munlock of " + FormatBytes(capacity_));
+  }
+  if (madvise(base_, capacity_, MADV_DONTNEED) != 0) {
+    const int err = errno;
+    // (Nothing was dropped: MADV_DONTNEED fails before it starts. Locked again as it was.)
+    if (locked_ && mlock(base_, capacity_) != 0) locked_ = false;
+    return ErrnoToStatus(err, "pinned arena: MADV_DONTNEED of " + FormatBytes(capacity_));
+  }
+  released_ = true;
+  return Status::OK();
+}
+
+Status PinnedArena::Restore() {
+  if (!released_) return Status::OK();
+  if (locked_) {
+    if (mlock(base_, capacity_) != 0) {
+      return ErrnoToStatus(
+          errno, "pinned arena: mlock of " + FormatBytes(capacity_) + " (taking the memory back)");
+    }
+  } else {
+    // MADV_POPULATE_WRITE (Linux 5.14) faults the range in at once; touching every page
+    // where the kernel lacks it. Memory short: the kernel's OOM handling, as at Create.
+    constexpr int kPopulateWrite = 23;
+    if (madvise(base_, capacity_, kPopulateWrite) != 0) {
+      for (size_t off = 0; off < capacity_; off += 4096) static_cast<char*>(base_)[off] = 0;
+    }
+  }
+  released_ = false;
+  return Status::OK();
+}
+
+Result<size_t> PinnedArena::ResidentBytes() const {
+  constexpr size_t kPage = 4096;
+  std::vector<unsigned char> pages(capacity_ / kPage);
+  if (mincore(base_, capacity_, pages.data()) != 0) {
+    return ErrnoToStatus(errno, "pinned arena: mincore");
+  }
+  size_t n = 0;
+  for (unsigned char p : pages) n += p & 1;
+  return n * kPage;
 }
 
 size_t PinnedArena::used() const {

@@ -72,6 +72,12 @@ class RangeAllocator {
     return last->first + last->second == end ? last->second : 0;
   }
 
+  // Calls fn(offset, len) for each free range, in offset order.
+  template <typename Fn>
+  void ForEach(Fn fn) const {
+    for (const auto& [off, len] : free_) fn(off, len);
+  }
+
   uint64_t FreeBytes() const {
     uint64_t n = 0;
     for (const auto& [off, len] : free_) n += len;

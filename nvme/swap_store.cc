@@ -730,6 +730,17 @@ Status SwapStore::Remove(const std::string& key) {
   return Status::OK();
 }
 
+Status SwapStore::SetRegionsRegistered(bool registered) {
+  Impl& m = *impl_;
+  {
+    MutexLock lock(&m.mu);
+    if (m.closed) return Status::FailedPrecondition("SetRegionsRegistered on a closed swap store");
+    m.WaitIdle();
+  }
+  return m.queue->RunWhenIdle(
+      [registered](IoBackend* backend) { return backend->SetBuffersRegistered(registered); });
+}
+
 Status SwapStore::Flush() {
   Impl& m = *impl_;
   if (m.options.durable) {

@@ -327,10 +327,9 @@ TEST(ConfigTest, NvmePathForms) {
                   "zinf": {"nvme_paths": ["/x"]}})",
               &warnings);
   EXPECT_EQ(Tier::kDevice, c.offload_optimizer.tier);
-  EXPECT_THAT(warnings,
-              ElementsAre("zero_optimization.offload_param.nvme_path: not used, because device "
-                          "is \"cpu\"",
-                          HasSubstr("zinf.nvme_paths: not used")));
+  EXPECT_THAT(warnings, ElementsAre("zero_optimization.offload_param.nvme_path: used only by "
+                                    "offload_states(device=\"nvme\"), because device is \"cpu\"",
+                                    HasSubstr("zinf.nvme_paths: not used")));
 }
 
 TEST(ConfigTest, OptimizerTypesAndAdamWMode) {

@@ -443,6 +443,11 @@ struct RunOptions {
   // Acquire), moving `offload_include`.
   int offload_cycles = 0;
   uint32_t offload_include = Engine::kOffloadAll;
+  Tier offload_device = Tier::kCpu;  // OffloadStatesOptions::device
+  // With offload_device kNvme: cycle 1 is a failed NVMe write and a failed read back (on
+  // one rank's request; every rank's call fails), each done again once the fault has passed.
+  bool nvme_faults = false;
+  std::shared_ptr<FaultPlan> fault_plan;  // EngineHooks::fault_plan, every rank's
   // The first cycle's reload runs once with the device memory taken but for half of what it
   // needs (the trainer's own allocation, as torch's in generation), then again once it is
   // freed.
@@ -476,7 +481,9 @@ inline EngineConfig MakeConfig(const RunOptions& o, const std::string& nvme_dir)
   c.offload_optimizer.tier = o.optimizer_tier;
   // All ranks get the same config, as they would from one JSON file: one shared nvme folder.
   if (o.param_tier == Tier::kNvme) c.offload_param.nvme_paths = {nvme_dir};
-  if (o.optimizer_tier == Tier::kNvme) c.offload_optimizer.nvme_paths = {nvme_dir};
+  if (o.optimizer_tier == Tier::kNvme || o.offload_device == Tier::kNvme) {
+    c.offload_optimizer.nvme_paths = {nvme_dir};  // (offload_states' folder too)
+  }
   // Swap buffers sized for this model (elements; the largest tensor is 9,216), not 100M.
   c.offload_param.buffer_size = 1 << 16;
   c.offload_optimizer.buffer_size = 1 << 16;
@@ -568,7 +575,10 @@ struct RankOutput {
   size_t committed_before_blocked_reload = 0;
   size_t committed_after_blocked_reload = 0;
   size_t device_bytes_after_inference = 0;  // after the first offload and an inference Acquire
-  size_t trainer_device_bytes = 0;          // RankTrainer::device_bytes()
+  // The pinned arena's resident bytes: the most before an offload, the most while offloaded.
+  size_t pinned_resident_before_offload = 0;
+  size_t offloaded_pinned_resident = 0;
+  size_t trainer_device_bytes = 0;  // RankTrainer::device_bytes()
 };
 
 struct RunResult {
@@ -587,6 +597,8 @@ struct RunResult {
   std::vector<size_t> device_bytes_before_offload;
   std::vector<size_t> device_bytes_after_inference;
   std::vector<size_t> offloaded_committed_excess;
+  // The pinned arena's resident bytes: the most before an offload, the most while offloaded.
+  std::vector<std::pair<size_t, size_t>> pinned_resident;
   std::vector<Status> blocked_reloads;                                     // per rank
   std::vector<std::pair<size_t, size_t>> committed_around_blocked_reload;  // before, after
 };
@@ -602,15 +614,61 @@ inline int RowsPerRank(const RunOptions& o) { return kGlobalBatch / (o.grad_accu
 // offload_states cycle `c` after an optimizer step (RunOptions::offload_cycles): offloads,
 // checks what stays and that a second offload moves nothing, the first cycle's inference
 // Acquire and blocked reload, then reloads (all but the last cycle).
+// RunOptions::nvme_faults' cycle: a write that fails leaves the states in host memory (the
+// pinned memory resident); a read back that fails leaves them on NVMe; each succeeds when
+// called again. `plan` is every rank's; rank 0 adds the faults (one request each: a rank's
+// failure fails every rank's call).
+inline Status NvmeFaultCycle(int rank, Engine* engine, FaultPlan* plan) {
+  Engine::OffloadStatesOptions opt;
+  opt.device = Tier::kNvme;
+  auto expect_failure = [](const Status& s, const char* what, const char* says) {
+    if (s.ok()) return Status::Internal(std::string(what) + " did not fail");
+    if (s.message().find(says) == std::string::npos) {
+      return Status::Internal(std::string(what) + " failed without saying \"" + says +
+                              "\": " + s.ToString());
+    }
+    return Status::OK();
+  };
+  IoFault fault;
+  fault.any_op = false;
+  fault.op = IoOp::kWrite;
+  if (rank == 0) plan->AddAhead(fault, 0);
+  ZINF_RETURN_IF_ERROR(expect_failure(engine->OffloadStates(opt), "an NVMe write with EIO",
+                                      "the states stay in host memory"));
+  if (!engine->states_offloaded()) return Status::Internal("a failed NVMe write reloaded");
+  ZINF_ASSIGN_OR_RETURN(Engine::PinnedMemoryInfo pinned, engine->pinned_memory());
+  if (pinned.resident == 0) return Status::Internal("a failed NVMe write released the memory");
+  ZINF_RETURN_IF_ERROR(engine->OffloadStates(opt).WithContext("offload_states after a fault"));
+  ZINF_ASSIGN_OR_RETURN(pinned, engine->pinned_memory());
+  if (pinned.resident != 0) return Status::Internal("the pinned memory stayed resident");
+  fault.op = IoOp::kRead;
+  if (rank == 0) plan->AddAhead(fault, 0);
+  ZINF_RETURN_IF_ERROR(
+      expect_failure(engine->ReloadStates(false), "an NVMe read with EIO", "they stay there"));
+  if (!engine->states_offloaded()) return Status::Internal("a failed NVMe read reloaded");
+  // Offloading again while they are there: nothing to write, the memory released again.
+  ZINF_RETURN_IF_ERROR(
+      engine->OffloadStates(opt).WithContext("offload_states after a failed read"));
+  ZINF_ASSIGN_OR_RETURN(pinned, engine->pinned_memory());
+  if (pinned.resident != 0) return Status::Internal("a failed read left the memory resident");
+  return engine->ReloadStates(false).WithContext("reload_states after a fault");
+}
+
 inline Status OffloadCycle(const RunOptions& o, int c, Engine* engine, RankTrainer& trainer,
                            Device* device, RankOutput* out) {
   Engine::OffloadStatesOptions opt;
   opt.include = o.offload_include;
+  opt.device = o.offload_device;
+  ZINF_ASSIGN_OR_RETURN(const Engine::PinnedMemoryInfo pinned_before, engine->pinned_memory());
+  out->pinned_resident_before_offload =
+      std::max(out->pinned_resident_before_offload, pinned_before.resident);
   const size_t before = device->MemoryInfo().used - out->trainer_device_bytes;
   opt.non_blocking = c % 2 == 1;
   opt.pin_memory = c % 3 != 2;
   ZINF_RETURN_IF_ERROR(engine->OffloadStates(opt).WithContext("OffloadStates"));
   if (!engine->states_offloaded()) return Status::Internal("OffloadStates left nothing offloaded");
+  ZINF_ASSIGN_OR_RETURN(const Engine::PinnedMemoryInfo pinned, engine->pinned_memory());
+  out->offloaded_pinned_resident = std::max(out->offloaded_pinned_resident, pinned.resident);
   if (!opt.non_blocking) {
     const size_t used = device->MemoryInfo().used - out->trainer_device_bytes;
     out->device_bytes_before_offload = std::max(out->device_bytes_before_offload, before);
@@ -673,7 +731,10 @@ inline Status OffloadCycle(const RunOptions& o, int c, Engine* engine, RankTrain
 
 inline Status RankMain(const RunOptions& o, int rank, Device* device, Communicator* comm,
                        const std::string& nvme_dir, RankOutput* out) {
-  Result<std::unique_ptr<Engine>> created = Engine::Create(MakeConfig(o, nvme_dir), device, comm);
+  EngineHooks hooks;
+  hooks.fault_plan = o.fault_plan;
+  Result<std::unique_ptr<Engine>> created =
+      Engine::Create(MakeConfig(o, nvme_dir), device, comm, hooks);
   if (!created.ok()) return created.status().WithContext("Engine::Create");
   std::unique_ptr<Engine> engine = std::move(*created);
   RankTrainer trainer(engine.get(), device);
@@ -703,6 +764,10 @@ inline Status RankMain(const RunOptions& o, int rank, Device* device, Communicat
     }
     const bool boundary = (m + 1) % o.grad_accum == 0;
     for (int c = 0; boundary && m + 1 < micro_steps && c < o.offload_cycles; ++c) {
+      if (o.nvme_faults && c == 1) {
+        ZINF_RETURN_IF_ERROR(NvmeFaultCycle(rank, engine.get(), o.fault_plan.get()));
+        continue;
+      }
       ZINF_RETURN_IF_ERROR(OffloadCycle(o, c, engine.get(), trainer, device, out));
     }
     if ((m + 1) % o.grad_accum == 0 && (m + 1) / o.grad_accum == o.save_after_step) {
@@ -716,6 +781,39 @@ inline Status RankMain(const RunOptions& o, int rank, Device* device, Communicat
   return gathered;
 }
 
+// RunTraining's devices and communicators: host devices and local communicators, one per
+// rank (the GPU build of the test: one rank on CUDA device 0 with NCCL, unless o.host).
+inline Status MakeRankDevices(const RunOptions& o, std::vector<std::unique_ptr<Device>>* devices,
+                              std::vector<std::unique_ptr<Communicator>>* comms) {
+#ifdef ZINF_ENGINE_TEST_CUDA
+  if (!o.host) {
+    if (o.ranks != 1) return Status::NotSupported("the CUDA engine test runs one rank");
+    CudaDeviceOptions copt;
+    copt.memory_budget = kHostDeviceMemory;
+    Result<std::unique_ptr<Device>> cuda = NewCudaDevice(copt);
+    if (!cuda.ok()) return cuda.status().WithContext("NewCudaDevice");
+    devices->push_back(std::move(cuda).value());
+    Result<std::unique_ptr<Communicator>> nccl =
+        NewNcclComm((*devices)[0].get(), NcclCommOptions{});
+    if (!nccl.ok()) return nccl.status().WithContext("NewNcclComm");
+    comms->push_back(std::move(nccl).value());
+    return Status::OK();
+  }
+#endif
+  std::vector<Device*> raw_devices;
+  for (int r = 0; r < o.ranks; ++r) {
+    HostDeviceOptions dopt;
+    dopt.memory_budget = kHostDeviceMemory;
+    dopt.pool_chunk = kTestPoolChunk;  // what offload_states' trim leaves, to the page
+    devices->push_back(NewTestHostDevice(dopt));
+    raw_devices.push_back(devices->back().get());
+  }
+  Result<std::vector<std::unique_ptr<Communicator>>> local = NewLocalComms(raw_devices);
+  if (!local.ok()) return local.status().WithContext("NewLocalComms");
+  *comms = std::move(local).value();
+  return Status::OK();
+}
+
 inline RunResult RunTraining(const RunOptions& o) {
   RunResult res;
   TempDir nvme_dir;
@@ -726,44 +824,8 @@ inline RunResult RunTraining(const RunOptions& o) {
   std::vector<std::unique_ptr<Device>> devices;
   Result<std::vector<std::unique_ptr<Communicator>>> comms =
       std::vector<std::unique_ptr<Communicator>>{};
-#ifdef ZINF_ENGINE_TEST_CUDA
-  if (!o.host) {
-    // The GPU build of this test: one rank on CUDA device 0 with an NCCL communicator.
-    if (o.ranks != 1) {
-      res.status = Status::NotSupported("the CUDA engine test runs one rank");
-      return res;
-    }
-    CudaDeviceOptions copt;
-    copt.memory_budget = kHostDeviceMemory;
-    Result<std::unique_ptr<Device>> cuda = NewCudaDevice(copt);
-    if (!cuda.ok()) {
-      res.status = cuda.status().WithContext("NewCudaDevice");
-      return res;
-    }
-    devices.push_back(std::move(cuda).value());
-    Result<std::unique_ptr<Communicator>> nccl = NewNcclComm(devices[0].get(), NcclCommOptions{});
-    if (!nccl.ok()) {
-      res.status = nccl.status().WithContext("NewNcclComm");
-      return res;
-    }
-    comms->push_back(std::move(nccl).value());
-  }
-#endif
-  if (devices.empty()) {
-    std::vector<Device*> raw_devices;
-    for (int r = 0; r < o.ranks; ++r) {
-      HostDeviceOptions dopt;
-      dopt.memory_budget = kHostDeviceMemory;
-      dopt.pool_chunk = kTestPoolChunk;  // what offload_states' trim leaves, to the page
-      devices.push_back(NewTestHostDevice(dopt));
-      raw_devices.push_back(devices.back().get());
-    }
-    comms = NewLocalComms(raw_devices);
-    if (!comms.ok()) {
-      res.status = comms.status().WithContext("NewLocalComms");
-      return res;
-    }
-  }
+  res.status = MakeRankDevices(o, &devices, &*comms);
+  if (!res.status.ok()) return res;
   // Every rank's communicator counts its collectives.
   std::vector<CountingComm*> counting;
   for (std::unique_ptr<Communicator>& c : *comms) {
@@ -812,6 +874,8 @@ inline RunResult RunTraining(const RunOptions& o) {
     res.collectives.push_back(counting[r]->counts());
     res.offloaded_device_bytes.push_back(outs[r].offloaded_device_bytes);
     res.offloaded_committed_excess.push_back(outs[r].offloaded_committed_excess);
+    res.pinned_resident.push_back(
+        {outs[r].pinned_resident_before_offload, outs[r].offloaded_pinned_resident});
     res.blocked_reloads.push_back(outs[r].blocked_reload);
     res.committed_around_blocked_reload.push_back(
         {outs[r].committed_before_blocked_reload, outs[r].committed_after_blocked_reload});

@@ -50,6 +50,65 @@ INSTANTIATE_TEST_SUITE_P(Placements, OffloadStatesTest,
                                   (std::get<5>(info.param) < 1 ? "Ratio50" : "");
                          });
 
+// offload_states(device="nvme"): everything goes to a swap store of its own and the pinned host
+// memory is released (none of it resident), on every tier and stage; each reload reads it back
+// and the training goes on bit-identically, 10 cycles per step (the first with an inference
+// Acquire reading everything back and a second offload of the union).
+TEST(EngineOffload, ToNvmeReleasesThePinnedMemoryAndContinuesBitIdentically) {
+  for (const OffloadParam& p : {OffloadParam{3, 2, 1, Tier::kNvme, Tier::kNvme, 1.0},
+                                OffloadParam{3, 1, 2, Tier::kCpu, Tier::kCpu, 1.0},
+                                OffloadParam{2, 2, 2, Tier::kDevice, Tier::kCpu, 0.5}}) {
+    RunOptions o;
+    std::tie(o.stage, o.ranks, o.grad_accum, o.param_tier, o.optimizer_tier, o.ratio) = p;
+    RunResult plain = RunTraining(o);
+    ASSERT_TRUE(plain.status.ok()) << o.Describe() << ": " << plain.status.ToString();
+    o.offload_cycles = 10;
+    o.offload_device = Tier::kNvme;
+    RunResult cycled = RunTraining(o);
+    ASSERT_TRUE(cycled.status.ok()) << o.Describe() << ": " << cycled.status.ToString();
+    ExpectHealthyRun(o, cycled);
+    EXPECT_TRUE(SameBits(cycled.params, plain.params)) << o.Describe();
+    EXPECT_EQ(cycled.losses, plain.losses) << o.Describe();
+    for (int r = 0; r < o.ranks; ++r) {
+      EXPECT_EQ(cycled.offloaded_device_bytes[r], 16384u) << o.Describe() << ", rank " << r;
+      EXPECT_GT(cycled.pinned_resident[r].first, 0u) << o.Describe() << ", rank " << r;
+      EXPECT_EQ(cycled.pinned_resident[r].second, 0u) << o.Describe() << ", rank " << r;
+    }
+  }
+}
+
+// An NVMe write that fails (on one rank: every rank's call fails) leaves the states in host
+// memory, a read back that fails leaves them on NVMe; called again, each succeeds, and the
+// training goes on bit-identically.
+TEST(EngineOffload, ToNvmeFailuresLoseNothing) {
+  RunOptions o;
+  o.ranks = 2;
+  o.optimizer_tier = Tier::kDevice;
+  RunResult plain = RunTraining(o);
+  ASSERT_TRUE(plain.status.ok()) << plain.status.ToString();
+  o.offload_cycles = 3;
+  o.offload_device = Tier::kNvme;
+  o.nvme_faults = true;
+  o.fault_plan = std::make_shared<FaultPlan>();
+  RunResult cycled = RunTraining(o);
+  ASSERT_TRUE(cycled.status.ok()) << cycled.status.ToString();
+  EXPECT_TRUE(SameBits(cycled.params, plain.params));
+  EXPECT_EQ(cycled.losses, plain.losses);
+  EXPECT_EQ(o.fault_plan->fired(), 2u * (o.steps - 1));  // a write and a read after each step
+}
+
+// device="nvme" takes everything; a partial include is refused, naming the way out.
+TEST(EngineOffload, ToNvmeNamesWhatItTakes) {
+  RunOptions o;
+  o.offload_cycles = 1;
+  o.offload_device = Tier::kNvme;
+  o.offload_include = Engine::kOffloadParams;
+  RunResult r = RunTraining(o);
+  ASSERT_FALSE(r.status.ok());
+  EXPECT_EQ(r.status.code(), StatusCode::kInvalidArgument) << r.status.ToString();
+  EXPECT_NE(r.status.message().find("include=None"), std::string::npos) << r.status.ToString();
+}
+
 // A reload that finds the device memory taken (the trainer's own tensors, as torch's during
 // generation) fails with the states still offloaded, gives back what it took, and succeeds
 // once the memory is free; the training goes on bit-identically.

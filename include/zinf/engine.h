@@ -267,8 +267,11 @@ class Engine {
   };
   struct OffloadStatesOptions {
     uint32_t include = kOffloadAll;
-    // Where the moved values go: Tier::kCpu (host memory) only for now; Tier::kNvme is
-    // refused (NotSupported).
+    // Where the moved values go: Tier::kCpu, host memory; Tier::kNvme, a swap store of its
+    // own in <first nvme_path, or ./zinf-swap>/offload_states-rank<r> (removed at close),
+    // and then the pinned host memory is released too (pinned_memory().resident drops to 0),
+    // the host copy with it. NVMe takes everything (include must be kOffloadAll: the pinned
+    // memory holds every type) and always blocks; a reload reads it back first.
     Tier device = Tier::kCpu;
     bool pin_memory = true;  // host memory registered with the device (faster copies)
     // Return once the copies are queued; the next use of the engine (ReloadStates or any
@@ -299,6 +302,15 @@ class Engine {
   Status ReloadStates(bool non_blocking = false);
   // Whether the states are offloaded now.
   bool states_offloaded() const;
+  // The pinned host memory (the arena: cpu-tier parameters and optimizer states, staging):
+  // its size, what is handed out, and what is resident now (0 while OffloadStates to NVMe
+  // has released it; 0 for all three before registration ends).
+  struct PinnedMemoryInfo {
+    size_t capacity = 0;
+    size_t used = 0;
+    size_t resident = 0;
+  };
+  Result<PinnedMemoryInfo> pinned_memory() const;
 
   int rank() const;        // this rank (the communicator's)
   int world_size() const;  // ranks in all

@@ -90,6 +90,12 @@ class IoBackend {
 
   virtual int InFlight() const = 0;
   virtual int QueueDepth() const = 0;
+
+  // Drops (false) or restores (true) the registration of the regions given to Start, so that
+  // their memory can be released (madvise) and faulted in again: io_uring's fixed buffers pin
+  // the pages they were registered with. Unregistered regions are served with plain requests.
+  // Called on the I/O thread with nothing in flight. Backends that register nothing: OK.
+  virtual Status SetBuffersRegistered(bool /*registered*/) { return Status::OK(); }
 };
 
 Result<std::unique_ptr<IoBackend>> NewIoBackend(IoBackendKind kind,

@@ -67,6 +67,19 @@ class PinnedArena {
   size_t used() const;
   size_t peak_used() const;
 
+  // The blocks handed out now, widened to whole 4 KiB pages and merged, in address order: what
+  // holds values (offload_states to NVMe writes these before Release).
+  std::vector<MemoryRegion> UsedPages() const;
+  // Gives the arena's memory back to the kernel (munlock when locked, MADV_DONTNEED): every
+  // value in it is lost, the addresses stay reserved. Whoever registered the memory (a device,
+  // an io_uring) must have unregistered it first: those registrations pin the old pages.
+  Status Release();
+  // Backs the arena again (mlock when it was locked, else the pages faulted in), zeroed.
+  Status Restore();
+  bool released() const { return released_; }
+  // Bytes of the arena resident in memory now (mincore).
+  Result<size_t> ResidentBytes() const;
+
  private:
   friend class PinnedBuffer;
   PinnedArena() = default;
@@ -77,6 +90,7 @@ class PinnedArena {
   size_t capacity_ = 0;
   size_t alignment_ = 4096;
   bool locked_ = false;
+  bool released_ = false;
   std::unique_ptr<State> state_;
 };
 
@@ -205,6 +219,12 @@ class SwapStore {
   static Result<std::vector<std::string>> ListCommits(const std::string& first_path) {
     return ListCommits(std::vector<std::string>{first_path});
   }
+  // Waits for every request, then drops (false) or restores (true) the backend's registration
+  // of options.registered_regions (io_uring fixed buffers pin their pages), so that the
+  // memory can be released with madvise and faulted in again. While dropped, requests on that
+  // memory go as plain ones. REQUIRES: no request on that memory is issued meanwhile.
+  Status SetRegionsRegistered(bool registered);
+
   // Flush(), then closes; the store is unusable afterwards.
   Status Close();
 

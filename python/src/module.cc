@@ -239,6 +239,16 @@ void BindEngine(py::module_& m) {
                                d["committed"] = m.committed;
                                return d;
                              })
+      .def_property_readonly("pinned_memory",
+                             [](PyEngine& e) {
+                               Result<Engine::PinnedMemoryInfo> m = e.engine().pinned_memory();
+                               Check(m.status());
+                               py::dict d;
+                               d["capacity"] = m->capacity;
+                               d["used"] = m->used;
+                               d["resident"] = m->resident;
+                               return d;
+                             })
       .def_property_readonly("num_param_groups",
                              [](PyEngine& e) { return e.engine().num_param_groups(); })
       .def_property_readonly("global_step", [](PyEngine& e) { return e.engine().global_step(); })

@@ -1,6 +1,7 @@
 """engine.offload_states() / reload_states() (DeepSpeed's, for RLHF loops): between steps the
 device memory zinf holds goes to host memory and comes back, and the training continues
 bit-identically to one without it."""
+import pathlib
 import sys
 
 import pytest
@@ -16,6 +17,13 @@ from deepspeed.runtime.zero.offload_config import (OffloadDeviceEnum,  # noqa: E
                                                    OffloadStateTypeEnum)
 
 
+def optimizer_step(engine, step, gas):
+    for micro in range(gas):
+        ids, tgt = batch(step, micro)
+        engine.backward(engine(ids, tgt))
+        engine.step()
+
+
 def train(offload, steps=6, gas=2):
     torch.manual_seed(7)
     model = Llama()
@@ -24,10 +32,7 @@ def train(offload, steps=6, gas=2):
     engine = zinf.initialize(model, cfg, device="cpu")
     used = []
     for step in range(steps):
-        for micro in range(gas):
-            ids, tgt = batch(step, micro)
-            engine.backward(engine(ids, tgt))
-            engine.step()
+        optimizer_step(engine, step, gas)
         if offload:
             before = engine._core.device_memory["used"]
             engine.offload_states(device=OffloadDeviceEnum.cpu, non_blocking=step % 2 == 1)
@@ -80,6 +85,43 @@ def test_the_device_memory_goes_back_to_the_system():
         engine.reload_states()
 
 
+def train_to_nvme(tiers, folder, offload, steps=4, gas=2):
+    torch.manual_seed(11)
+    cfg = make_config(tiers, tiers, nvme=str(folder), gas=gas, lr=3e-3)
+    # offload_states(device="nvme") writes under the first nvme_path, whatever the tiers.
+    cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(folder)
+    engine = zinf.initialize(Llama(), cfg, device="cpu")
+    resident = []
+    for step in range(steps):
+        optimizer_step(engine, step, gas)
+        if offload:
+            before = engine._core.pinned_memory
+            engine.offload_states(device=OffloadDeviceEnum.nvme)
+            after = engine._core.pinned_memory
+            resident.append((before["resident"], after["resident"], before["used"]))
+            assert engine._core.device_memory["used"] == 16384
+            assert len(list(folder.glob("offload_states-*"))) == 1
+            if step % 2 == 0:  # else the next forward reads it back
+                engine.reload_states()
+    params = engine.full_state_dict()
+    engine.close()
+    return params, resident
+
+
+@pytest.mark.filterwarnings("ignore:zinf config.*used only by offload_states")
+@pytest.mark.parametrize("tiers", ["none", "cpu", "nvme"])
+def test_offload_to_nvme_releases_the_pinned_memory(tiers, scratch):
+    scratch = pathlib.Path(scratch)
+    plain, _ = train_to_nvme(tiers, scratch, False)
+    cycled, resident = train_to_nvme(tiers, scratch, True)
+    for k in plain:
+        assert torch.equal(plain[k], cycled[k]), k
+    for before, after, used in resident:
+        assert before >= used and before > 0 and after == 0, (before, after, used)
+    # Its folder went with the engine.
+    assert list(scratch.glob("offload_states-*")) == []
+
+
 def test_include_and_device_are_checked():
     engine = zinf.initialize(Llama(), make_config("none", "none"), device="cpu")
     ids, tgt = batch(0, 0)
@@ -87,8 +129,8 @@ def test_include_and_device_are_checked():
     engine.step()
     with pytest.raises(zinf.ZinfError, match="unknown state 'weights'"):
         engine.offload_states(include=["weights"])
-    with pytest.raises(zinf.ZinfError, match="host memory only"):
-        engine.offload_states(device="nvme")
+    with pytest.raises(zinf.ZinfError, match="include=None"):
+        engine.offload_states(include=["lp_params"], device="nvme")
     with pytest.warns(UserWarning, match="nothing to do"):
         engine.offload_states(device=OffloadDeviceEnum.none)
     assert not engine._core.states_offloaded
