@@ -291,13 +291,18 @@ class Engine::Impl {
   // The calls that read the states: reloads the offloaded types in `needed` (blocking), and
   // waits for a non-blocking reload's copies.
   Status EnsureStatesLoaded(uint32_t needed = Engine::kOffloadAll);
+  // The types OffloadStates may have left offloaded on some rank: changed only where every
+  // rank agrees, so it is the same on every rank even when a reload failed on one rank only
+  // (whose offloaded_ then differs from the others').
+  uint32_t offload_pending_ = 0;
   // EnsureStatesLoaded at the top of a call whose collectives pair across the ranks (Acquire,
-  // ReduceGradient, Step, the checkpoint and value calls): when it reloads (the same on every
-  // rank: the ranks offloaded together), every rank learns whether every rank could.
+  // ReduceGradient, Step, the checkpoint and value calls): when the states may be offloaded,
+  // every rank learns whether every rank could reload them.
   Status ReloadForCollective(uint32_t needed = Engine::kOffloadAll) {
-    const bool reloads = world_ > 1 && offloaded_ && (offloaded_->mask & needed) != 0;
+    const bool reloads = world_ > 1 && (offload_pending_ & needed) != 0;
     Status s = EnsureStatesLoaded(needed);
     if (reloads) s = collectives_->Agree(s, "reloading the offloaded states");
+    if (s.ok()) offload_pending_ &= ~needed;
     return s;
   }
   // OffloadStates' buffers of the types in `include`.

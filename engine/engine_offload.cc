@@ -164,6 +164,7 @@ Status Engine::Impl::OffloadStates(const Engine::OffloadStatesOptions& o) {
   Status ready = CheckBetweenSteps("offload_states");
   if (world_ > 1) ready = collectives_->Agree(ready, "offload_states");
   ZINF_RETURN_IF_ERROR(ready);
+  offload_pending_ |= o.include;  // (what failed below stays pending: reloads agree on it)
   Status to_host = OffloadToHost(o);
   // (To NVMe: every rank goes on to MoveToNvme whatever happened here; it agrees.)
   return to_nvme ? MoveToNvme(to_host) : to_host;
@@ -274,7 +275,11 @@ void Engine::Impl::ReturnMemoryAfterFailedReload() {
 
 Status Engine::Impl::ReloadStates(bool non_blocking) {
   if (!broken_.ok()) return broken_;
-  return ReloadTypes(Engine::kOffloadAll, non_blocking);
+  Status s = ReloadTypes(Engine::kOffloadAll, non_blocking);
+  // Every rank learns whether every rank reloaded (then nothing is pending anywhere).
+  if (world_ > 1 && offload_pending_ != 0) s = collectives_->Agree(s, "reload_states");
+  if (s.ok()) offload_pending_ = 0;
+  return s;
 }
 
 Status Engine::Impl::ReloadTypes(uint32_t mask, bool non_blocking) {
@@ -362,14 +367,19 @@ Result<SwapStore*> Engine::Impl::OffloadStore() {
   for (const OffloadConfig* c : {&config_.offload_optimizer, &config_.offload_param}) {
     if (root.empty() && !c->nvme_paths.empty()) root = c->nvme_paths[0];
   }
+  bool created_root = false;
   if (root.empty()) {
     root = "zinf-swap";  // (zinf-train's default swap folder, in the working directory)
-    if (mkdir(root.c_str(), 0700) != 0 && errno != EEXIST) {
+    if (mkdir(root.c_str(), 0700) == 0) {
+      created_root = true;
+    } else if (errno != EEXIST) {
       return ErrnoToStatus(errno, "offload_states(device=\"nvme\"): creating folder " + root);
     }
   }
-  ZINF_RETURN_IF_ERROR(CheckNvmePaths({root}, config_.allowed_nvme_roots)
-                           .WithContext("offload_states(device=\"nvme\")"));
+  if (Status s = CheckNvmePaths({root}, config_.allowed_nvme_roots); !s.ok()) {
+    if (created_root) rmdir(root.c_str());  // (empty: ours; best effort)
+    return s.WithContext("offload_states(device=\"nvme\")");
+  }
   // A folder of this engine's own (two engines of a process, ranks as threads, never meet),
   // removed at close.
   static std::atomic<uint64_t> engines{0};
@@ -394,7 +404,10 @@ Result<SwapStore*> Engine::Impl::OffloadStore() {
   so.overwrite = true;
   so.remove_on_close = true;
   Result<std::unique_ptr<SwapStore>> opened = SwapStore::Open(so);
-  if (!opened.ok()) return opened.status().WithContext("opening a swap store in " + dir);
+  if (!opened.ok()) {
+    rmdir(dir.c_str());  // (best effort: a retry makes a folder of its own)
+    return opened.status().WithContext("opening a swap store in " + dir);
+  }
   offload_store_ = std::move(opened).value();
   offload_folder_ = dir;
   return offload_store_.get();
@@ -472,7 +485,8 @@ Status Engine::Impl::MoveToNvme(const Status& to_host) {
   if (world_ > 1) s = collectives_->Agree(s, "offload_states to NVMe");
   if (!s.ok()) {
     if (store != nullptr) RemoveAll(store, pieces);
-    return s.WithContext("the states stay in host memory (offloaded to the cpu)");
+    return to_host.ok() ? s.WithContext("the states stay in host memory (offloaded to the cpu)")
+                        : s;
   }
   if (!already) {
     off->arena_pages = std::move(pages);

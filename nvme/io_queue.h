@@ -63,11 +63,11 @@ class IoQueue {
   // Thread-safe. REQUIRES: t.file < number of files; t.buf valid until `done` runs.
   void Submit(const Transfer& t, TransferDone done);
 
-  // Runs `fn` on the I/O thread once no transfer is active or in flight (those submitted
-  // before it have ended, and any submitted meanwhile: callers stop submitting first), and
-  // returns its result. For the backend's own settings (IoBackend::SetBuffersRegistered).
-  // FailedPrecondition when the queue stops first. Never from the I/O thread (a TransferDone):
-  // it would wait for itself.
+  // Runs `fn` on the I/O thread once no transfer is active or in flight (transfers submitted
+  // just before may still be queued, not yet taken: callers wait for theirs first, as
+  // SwapStore does, and submit nothing meanwhile), and returns its result. For the backend's own
+  // settings (IoBackend::SetBuffersRegistered). FailedPrecondition when the queue stops first.
+  // Never from the I/O thread (a TransferDone): it would wait for itself.
   Status RunWhenIdle(std::function<Status(IoBackend*)> fn) EXCLUDES(mu_);
 
   const char* BackendName() const { return backend_name_; }

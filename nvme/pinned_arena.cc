@@ -157,7 +157,11 @@ Status PinnedArena::Release() {
   if (madvise(base_, capacity_, MADV_DONTNEED) != 0) {
     const int err = errno;
     // (Nothing was dropped: MADV_DONTNEED fails before it starts. Locked again as it was.)
-    if (locked_ && mlock(base_, capacity_) != 0) locked_ = false;
+    if (locked_ && mlock(base_, capacity_) != 0) {
+      locked_ = false;
+      LogWarning("pinned arena: could not lock it again (" + std::string(strerror(errno)) +
+                 "); it stays pageable");
+    }
     return ErrnoToStatus(err, "pinned arena: MADV_DONTNEED of " + FormatBytes(capacity_));
   }
   released_ = true;
@@ -166,12 +170,15 @@ Status PinnedArena::Release() {
 
 Status PinnedArena::Restore() {
   if (!released_) return Status::OK();
-  if (locked_) {
-    if (mlock(base_, capacity_) != 0) {
-      return ErrnoToStatus(
-          errno, "pinned arena: mlock of " + FormatBytes(capacity_) + " (taking the memory back)");
-    }
-  } else {
+  if (locked_ && mlock(base_, capacity_) != 0) {
+    // As at creation: pageable rather than failing (the lock may have been taken part-way).
+    LogWarning("pinned arena: could not lock " + FormatBytes(capacity_) + " again (" +
+               strerror(errno) + "); it stays pageable: I/O still works but may be slower");
+    static_cast<void>(munlock(base_, capacity_));  // (what a partial lock took; it fails
+                                                   // only for a bad range, not this one)
+    locked_ = false;
+  }
+  if (!locked_) {
     // MADV_POPULATE_WRITE (Linux 5.14) faults the range in at once; touching every page
     // where the kernel lacks it. Memory short: the kernel's OOM handling, as at Create.
     constexpr int kPopulateWrite = 23;

@@ -452,6 +452,10 @@ struct RunOptions {
   // needs (the trainer's own allocation, as torch's in generation), then again once it is
   // freed.
   bool block_first_reload = false;
+  // The first cycle's inference Acquire finds this rank's device memory all taken (the
+  // other ranks' free): it fails on every rank, and succeeds on every rank once freed (the
+  // ranks' states differ in between: the retry's collectives must still pair).
+  int block_acquire_rank = -1;
   std::chrono::seconds timeout{120};
 
   std::string Describe() const {
@@ -654,8 +658,31 @@ inline Status NvmeFaultCycle(int rank, Engine* engine, FaultPlan* plan) {
   return engine->ReloadStates(false).WithContext("reload_states after a fault");
 }
 
-inline Status OffloadCycle(const RunOptions& o, int c, Engine* engine, RankTrainer& trainer,
-                           Device* device, RankOutput* out) {
+// RunOptions::block_acquire_rank's part of the first cycle.
+inline Status BlockedAcquire(const RunOptions& o, int rank, Engine* engine, RankTrainer& trainer,
+                             Device* device) {
+  std::vector<void*> blockers;  // every free range, whatever the pool's fragmentation
+  if (rank == o.block_acquire_rank) {
+    const DeviceMemoryInfo now = device->MemoryInfo();
+    for (size_t size = now.budget - now.used; size >= 4096;) {
+      Result<void*> b = device->Alloc(size);
+      if (b.ok()) {
+        blockers.push_back(*b);
+      } else {
+        size /= 2;
+      }
+    }
+  }
+  Result<std::vector<void*>> p = engine->Acquire({trainer.id(0)}, AcquireMode::kInference);
+  for (void* b : blockers) device->Free(b);
+  if (p.ok()) return Status::Internal("an Acquire without device memory on one rank succeeded");
+  p = engine->Acquire({trainer.id(0)}, AcquireMode::kInference);
+  if (!p.ok()) return p.status().WithContext("the Acquire once the memory is free");
+  return engine->Release({trainer.id(0)});
+}
+
+inline Status OffloadCycle(const RunOptions& o, int rank, int c, Engine* engine,
+                           RankTrainer& trainer, Device* device, RankOutput* out) {
   Engine::OffloadStatesOptions opt;
   opt.include = o.offload_include;
   opt.device = o.offload_device;
@@ -708,6 +735,9 @@ inline Status OffloadCycle(const RunOptions& o, int c, Engine* engine, RankTrain
                               std::to_string(device->MemoryInfo().used) + " bytes, not " +
                               std::to_string(once));
     }
+  }
+  if (c == 0 && o.block_acquire_rank >= 0) {
+    ZINF_RETURN_IF_ERROR(BlockedAcquire(o, rank, engine, trainer, device));
   }
   if (c == 0 && o.block_first_reload) {
     const DeviceMemoryInfo now = device->MemoryInfo();
@@ -768,7 +798,7 @@ inline Status RankMain(const RunOptions& o, int rank, Device* device, Communicat
         ZINF_RETURN_IF_ERROR(NvmeFaultCycle(rank, engine.get(), o.fault_plan.get()));
         continue;
       }
-      ZINF_RETURN_IF_ERROR(OffloadCycle(o, c, engine.get(), trainer, device, out));
+      ZINF_RETURN_IF_ERROR(OffloadCycle(o, rank, c, engine.get(), trainer, device, out));
     }
     if ((m + 1) % o.grad_accum == 0 && (m + 1) / o.grad_accum == o.save_after_step) {
       ZINF_RETURN_IF_ERROR(engine->SaveCheckpoint(o.checkpoint_dir).WithContext("SaveCheckpoint"));

@@ -97,6 +97,28 @@ TEST(EngineOffload, ToNvmeFailuresLoseNothing) {
   EXPECT_EQ(o.fault_plan->fired(), 2u * (o.steps - 1));  // a write and a read after each step
 }
 
+// A reload that fails on one rank only (an inference Acquire finding its device memory taken)
+// fails on every rank, though the others reloaded; called again once the memory is free, every
+// rank reloads and gathers (the collectives pair: which reloads agree is decided by what every
+// rank agreed was offloaded, not by each rank's own state), for NVMe and host offloads.
+TEST(EngineOffload, AReloadThatFailsOnOneRankIsRetriedOnAll) {
+  for (Tier device : {Tier::kCpu, Tier::kNvme}) {
+    RunOptions o;
+    o.ranks = 2;
+    o.optimizer_tier = Tier::kDevice;
+    RunResult plain = RunTraining(o);
+    ASSERT_TRUE(plain.status.ok()) << plain.status.ToString();
+    o.offload_cycles = 2;
+    o.offload_device = device;
+    o.block_acquire_rank = 1;
+    o.timeout = std::chrono::seconds(60);
+    RunResult cycled = RunTraining(o);
+    ASSERT_TRUE(cycled.status.ok()) << TierLabel(device) << ": " << cycled.status.ToString();
+    EXPECT_TRUE(SameBits(cycled.params, plain.params)) << TierLabel(device);
+    EXPECT_EQ(cycled.losses, plain.losses) << TierLabel(device);
+  }
+}
+
 // device="nvme" takes everything; a partial include is refused, naming the way out.
 TEST(EngineOffload, ToNvmeNamesWhatItTakes) {
   RunOptions o;

@@ -268,10 +268,14 @@ class Engine {
   struct OffloadStatesOptions {
     uint32_t include = kOffloadAll;
     // Where the moved values go: Tier::kCpu, host memory; Tier::kNvme, a swap store of its
-    // own in <first nvme_path, or ./zinf-swap>/offload_states-rank<r> (removed at close),
-    // and then the pinned host memory is released too (pinned_memory().resident drops to 0),
-    // the host copy with it. NVMe takes everything (include must be kOffloadAll: the pinned
-    // memory holds every type) and always blocks; a reload reads it back first.
+    // own in <first nvme_path, or ./zinf-swap>/offload_states-<pid>-<n>-rank<r> (its files
+    // unlinked at creation, the folder removed at close; a killed run leaves it empty), and
+    // then the pinned host memory is released too (pinned_memory().resident drops to 0), the
+    // host copy with it. NVMe takes everything (include must be kOffloadAll: the pinned
+    // memory holds every type) and always blocks. Any reload, an inference Acquire's too,
+    // reads everything back into host memory first; a write that fails leaves the states in
+    // host memory, a read that fails leaves them on NVMe (call again), and a reload that
+    // then fails for device memory leaves them in host memory (offloaded to the cpu).
     Tier device = Tier::kCpu;
     bool pin_memory = true;  // host memory registered with the device (faster copies)
     // Return once the copies are queued; the next use of the engine (ReloadStates or any
@@ -298,7 +302,8 @@ class Engine {
   Status OffloadStates(const OffloadStatesOptions& o);
   // Puts back what OffloadStates moved (device memory allocated again, values copied back);
   // `non_blocking`: returns once the copies are queued (the engine's streams wait for them).
-  // Nothing to do when nothing is offloaded.
+  // Nothing to do when nothing is offloaded. With several ranks, on every rank (they agree
+  // on the outcome).
   Status ReloadStates(bool non_blocking = false);
   // Whether the states are offloaded now.
   bool states_offloaded() const;

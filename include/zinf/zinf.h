@@ -176,8 +176,10 @@ int64_t zinf_engine_skipped_steps(const zinf_engine* engine);
 
 /* Freeing device memory between phases (Engine::OffloadStates / ReloadStates, DeepSpeed's
  * offload_states / reload_states), between optimizer steps. `include`: a mask of
- * ZINF_OFFLOAD_* (0: all). `device`: "cpu" (NULL: "cpu"; "nvme" is refused for now).
- * `pin_memory`, `non_blocking`: 0 or 1. Any call that reads the states reloads them first. */
+ * ZINF_OFFLOAD_* (0: all). `device`: "cpu" (NULL: "cpu") or "nvme" (everything, include 0,
+ * written under the first nvme_path or ./zinf-swap, and the pinned host memory released too;
+ * blocking). `pin_memory`, `non_blocking`: 0 or 1. Any call that reads the states reloads them
+ * first. With several ranks, every rank calls both. */
 #define ZINF_OFFLOAD_PARAMS 1u           /* lp_params */
 #define ZINF_OFFLOAD_OPTIMIZER_STATES 2u /* optim_states, hp_params */
 #define ZINF_OFFLOAD_GRADIENTS 4u        /* lp_grads, contiguous_grad_buffer */

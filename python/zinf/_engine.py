@@ -294,11 +294,13 @@ class ZinfEngine:
         to the model's own tensors (e.g. for generation in an RLHF loop). `include`: None (all)
         or OffloadStateTypeEnum members (or their names: "lp_params", "optim_states",
         "hp_params", "lp_grads", "contiguous_grad_buffer"). `device`: "cpu" or "nvme"
-        (OffloadDeviceEnum or its name): "nvme" writes everything (include must be None) to a
-        swap store of its own under the first nvme_path of the config (else ./zinf-swap) and
-        releases the pinned host memory too (engine._core.pinned_memory["resident"] drops to
-        0); it always blocks. `non_blocking`: return once the copies are queued. reload_states()
-        puts everything back; engine(...), backward, step and the checkpoint calls reload it
+        (OffloadDeviceEnum or its name): "nvme" writes everything (include None, or every
+        type) to a swap store of its own under the first nvme_path of the config (else
+        ./zinf-swap) and releases the pinned host memory too
+        (engine._core.pinned_memory["resident"] drops to 0); it always blocks, and any reload
+        (a forward under no_grad too) reads everything back into host memory first.
+        `non_blocking`: return once the copies are queued. reload_states() puts everything
+        back; engine(...), backward, step and the checkpoint calls reload it
         first anyway."""
         self._enter("offload_states")
         dev = str(getattr(device, "value", device))
