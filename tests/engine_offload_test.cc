@@ -77,6 +77,20 @@ TEST(EngineOffload, ToNvmeReleasesThePinnedMemoryAndContinuesBitIdentically) {
   }
 }
 
+// Two ranks, device-stepped states: `with_offloads` trains as the same run without them.
+void ExpectTheSameAsWithout(const RunOptions& with_offloads, const std::string& what) {
+  RunOptions o = with_offloads;
+  o.offload_cycles = 0;
+  o.nvme_faults = false;
+  o.block_acquire_rank = -1;
+  RunResult plain = RunTraining(o);
+  ASSERT_TRUE(plain.status.ok()) << plain.status.ToString();
+  RunResult cycled = RunTraining(with_offloads);
+  ASSERT_TRUE(cycled.status.ok()) << what << ": " << cycled.status.ToString();
+  EXPECT_TRUE(SameBits(cycled.params, plain.params)) << what;
+  EXPECT_EQ(cycled.losses, plain.losses) << what;
+}
+
 // An NVMe write that fails (on one rank: every rank's call fails) leaves the states in host
 // memory, a read back that fails leaves them on NVMe; called again, each succeeds, and the
 // training goes on bit-identically.
@@ -84,16 +98,11 @@ TEST(EngineOffload, ToNvmeFailuresLoseNothing) {
   RunOptions o;
   o.ranks = 2;
   o.optimizer_tier = Tier::kDevice;
-  RunResult plain = RunTraining(o);
-  ASSERT_TRUE(plain.status.ok()) << plain.status.ToString();
   o.offload_cycles = 3;
   o.offload_device = Tier::kNvme;
   o.nvme_faults = true;
   o.fault_plan = std::make_shared<FaultPlan>();
-  RunResult cycled = RunTraining(o);
-  ASSERT_TRUE(cycled.status.ok()) << cycled.status.ToString();
-  EXPECT_TRUE(SameBits(cycled.params, plain.params));
-  EXPECT_EQ(cycled.losses, plain.losses);
+  ExpectTheSameAsWithout(o, "faults");
   EXPECT_EQ(o.fault_plan->fired(), 2u * (o.steps - 1));  // a write and a read after each step
 }
 
@@ -106,16 +115,11 @@ TEST(EngineOffload, AReloadThatFailsOnOneRankIsRetriedOnAll) {
     RunOptions o;
     o.ranks = 2;
     o.optimizer_tier = Tier::kDevice;
-    RunResult plain = RunTraining(o);
-    ASSERT_TRUE(plain.status.ok()) << plain.status.ToString();
     o.offload_cycles = 2;
     o.offload_device = device;
     o.block_acquire_rank = 1;
     o.timeout = std::chrono::seconds(60);
-    RunResult cycled = RunTraining(o);
-    ASSERT_TRUE(cycled.status.ok()) << TierLabel(device) << ": " << cycled.status.ToString();
-    EXPECT_TRUE(SameBits(cycled.params, plain.params)) << TierLabel(device);
-    EXPECT_EQ(cycled.losses, plain.losses) << TierLabel(device);
+    ExpectTheSameAsWithout(o, TierLabel(device));
   }
 }
 
