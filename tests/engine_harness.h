@@ -963,6 +963,70 @@ struct SimResult {
   std::vector<double> grad_norms;  // per optimizer step, before clipping
 };
 
+// Simulate's states converted from `from` to `to` (RunOptions::switch_states_at).
+inline void ConvertSimulatedStates(StateType from, StateType to,
+                                   std::vector<std::vector<uint8_t>>* s1,
+                                   std::vector<std::vector<uint8_t>>* s2) {
+  const MlpShape& shape = Shape();
+  for (int p = 0; p < shape.num_params(); ++p) {
+    for (auto [buf, role] : {std::pair{&(*s1)[p], StateRole::kSigned},
+                             std::pair{&(*s2)[p], StateRole::kNonNegative}}) {
+      std::vector<uint8_t> converted(buf->size(), 0);
+      Status s =
+          ConvertOptimizerState(from, buf->data(), to, converted.data(), shape.numel(p), role);
+      ZINF_CHECK_MSG(s.ok(), s.ToString().c_str());
+      *buf = std::move(converted);
+    }
+  }
+}
+
+// Simulate's optimizer step `step` (0-based): AdamW on the window's gradients `acc`, clipped by
+// `coef`, with the states s1, s2 (of type `states`).
+inline void SimulatedUpdate(const RunOptions& o, int step, float coef, StateType states,
+                            const std::vector<std::vector<float>>& acc,
+                            std::vector<std::vector<uint8_t>>* s1_all,
+                            std::vector<std::vector<uint8_t>>* s2_all, SimResult* out) {
+  SimResult& sim = *out;
+  std::vector<std::vector<uint8_t>>& s1 = *s1_all;
+  std::vector<std::vector<uint8_t>>& s2 = *s2_all;
+  const int np = static_cast<int>(acc.size());
+  OptimizerHyperParams hp;
+  hp.kind = OptimizerKind::kAdamW;
+  hp.step = step + 1;
+  hp.lr = kLr;
+  hp.beta1 = kBeta1;
+  hp.beta2 = kBeta2;
+  hp.eps = kEps;
+  hp.weight_decay = kWeightDecay;
+  hp.grad_scale = coef;
+  for (int p = 0; p < np; ++p) {
+    if (o.param_groups) {
+      const ParamGroupHyper g =
+          p % 2 == 1 ? BiasGroup() : ParamGroupHyper{kLr, kBeta1, kBeta2, kEps, kWeightDecay};
+      hp.lr = g.lr;
+      hp.beta1 = g.beta1;
+      hp.beta2 = g.beta2;
+      hp.eps = g.eps;
+      hp.weight_decay = g.weight_decay;
+    }
+    OptimizerTensors t;
+    t.param = sim.params[p].data();
+    t.grad = acc[p].data();
+    t.grad_type = GradType::kF32;
+    if (states != StateType::kF32) {
+      t.state_type = states;
+      t.state1 = s1[p].data();
+      t.state2 = s2[p].data();
+    } else {
+      t.exp_avg = reinterpret_cast<float*>(s1[p].data());
+      t.exp_avg_sq = reinterpret_cast<float*>(s2[p].data());
+    }
+    t.n = acc[p].size();
+    Status s = OptimizerStep(hp, t, CpuIsa::kScalar);
+    ZINF_CHECK_MSG(s.ok(), s.ToString().c_str());
+  }
+}
+
 // Mirrors what the engine must compute: per micro-step, each rank's gradient of its rows,
 // summed over ranks in rank order (LocalComm's ReduceScatterSum), accumulated over the
 // micro-steps, clipped by the global norm (coefficient clip / (norm + 1e-6), DeepSpeed's),
@@ -996,16 +1060,7 @@ inline SimResult Simulate(const RunOptions& o) {
   std::vector<std::vector<std::vector<float>>> history = {sim.params};  // after 0, 1, ... steps
   for (int step = 0; step < o.steps; ++step) {
     if (step == o.switch_states_at && states != o.state_type) {
-      for (int p = 0; p < np; ++p) {
-        for (auto [buf, role] :
-             {std::pair{&s1[p], StateRole::kSigned}, std::pair{&s2[p], StateRole::kNonNegative}}) {
-          std::vector<uint8_t> to(buf->size(), 0);
-          Status s = ConvertOptimizerState(states, buf->data(), o.state_type, to.data(),
-                                           shape.numel(p), role);
-          ZINF_CHECK_MSG(s.ok(), s.ToString().c_str());
-          *buf = std::move(to);
-        }
-      }
+      ConvertSimulatedStates(states, o.state_type, &s1, &s2);
       states = o.state_type;
     }
     // Delayed: the parameters after step s - 2, or s - 1 while the delay has not started
@@ -1071,41 +1126,7 @@ inline SimResult Simulate(const RunOptions& o) {
     if (o.clipping > 0 && norm > o.clipping) {
       coef = static_cast<float>(o.clipping / (norm + 1e-6));
     }
-    OptimizerHyperParams hp;
-    hp.kind = OptimizerKind::kAdamW;
-    hp.step = step + 1;
-    hp.lr = kLr;
-    hp.beta1 = kBeta1;
-    hp.beta2 = kBeta2;
-    hp.eps = kEps;
-    hp.weight_decay = kWeightDecay;
-    hp.grad_scale = coef;
-    for (int p = 0; p < np; ++p) {
-      if (o.param_groups) {
-        const ParamGroupHyper g =
-            p % 2 == 1 ? BiasGroup() : ParamGroupHyper{kLr, kBeta1, kBeta2, kEps, kWeightDecay};
-        hp.lr = g.lr;
-        hp.beta1 = g.beta1;
-        hp.beta2 = g.beta2;
-        hp.eps = g.eps;
-        hp.weight_decay = g.weight_decay;
-      }
-      OptimizerTensors t;
-      t.param = sim.params[p].data();
-      t.grad = acc[p].data();
-      t.grad_type = GradType::kF32;
-      if (states != StateType::kF32) {
-        t.state_type = states;
-        t.state1 = s1[p].data();
-        t.state2 = s2[p].data();
-      } else {
-        t.exp_avg = reinterpret_cast<float*>(s1[p].data());
-        t.exp_avg_sq = reinterpret_cast<float*>(s2[p].data());
-      }
-      t.n = acc[p].size();
-      Status s = OptimizerStep(hp, t, CpuIsa::kScalar);
-      ZINF_CHECK_MSG(s.ok(), s.ToString().c_str());
-    }
+    SimulatedUpdate(o, step, coef, states, acc, &s1, &s2, &sim);
     history.push_back(sim.params);
   }
   return sim;
