@@ -260,6 +260,12 @@ void BindEngine(py::module_& m) {
       .def_property_readonly("num_params", [](PyEngine& e) { return e.engine().num_params(); })
       .def("param", &PyEngine::Param)
       .def_property_readonly("bf16", [](PyEngine& e) { return e.engine().config().bf16; })
+      .def_property_readonly("fp16", [](PyEngine& e) { return e.engine().config().fp16.enabled; })
+      // The loss scale the next backward multiplies the loss by (1 without fp16), and the
+      // optimizer steps skipped for inf/NaN gradients so far (fp16's overflows).
+      .def_property_readonly("loss_scale", [](PyEngine& e) { return e.engine().loss_scale(); })
+      .def_property_readonly("skipped_steps",
+                             [](PyEngine& e) { return e.engine().skipped_steps(); })
       .def_property_readonly("gradient_accumulation_steps", [](PyEngine& e) {
         return e.engine().config().gradient_accumulation_steps;
       });

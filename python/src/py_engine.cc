@@ -93,13 +93,6 @@ PyEngine::PyEngine(const std::string& config_json, const std::string& device, in
   } else {
     Throw(Status::InvalidArgument("device '" + device + "': cpu or cuda"));
   }
-  if (config.fp16.enabled) {
-    // (The engine trains fp16; the Python layer does not scale the loss yet, and its
-    // parameters would be torch.float16 tensors, which torch's CPU kernels mostly refuse.)
-    Throw(Status::NotSupported(
-        "fp16.enabled: zinf's Python package does not train in fp16 yet (the C++ engine, "
-        "zinf-train --fp16 and the C API do); use \"bf16\": {\"enabled\": true}"));
-  }
   core_->engine = Take(Engine::Create(config, core_->device.get(), core_->comms[0].get()));
 }
 
@@ -163,7 +156,11 @@ std::vector<py::capsule> PyEngine::Acquire(const std::vector<ParamId>& ids, bool
     return engine().Acquire(ids, inference ? AcquireMode::kInference : AcquireMode::kTraining);
   });
   std::vector<py::capsule> out;
-  const DLDataType dtype = engine().config().bf16 ? DLDataType{4, 16, 1} : DLDataType{2, 32, 1};
+  // bf16: kDLBfloat; fp16 and fp32: kDLFloat.
+  const EngineConfig& c = engine().config();
+  const DLDataType dtype = c.bf16             ? DLDataType{4, 16, 1}
+                           : c.fp16.enabled ? DLDataType{2, 16, 1}
+                                            : DLDataType{2, 32, 1};
   const DLDevice where{core_->dl_device_type, core_->dl_device_id};
   try {
     out.reserve(ids.size());

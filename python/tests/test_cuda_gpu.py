@@ -85,3 +85,30 @@ def test_views_are_zinf_memory_and_the_budget_is_what_the_config_says():
     assert torch.cuda.memory_allocated() - allocated < 8 * MiB
     engine.backward(loss)
     engine.step()
+
+
+def test_fp16_trains_a_llama_on_the_gpu_as_fp32_does(scratch):
+    # fp16 with dynamic loss scaling, computing in float16 on the GPU (test_fp16.py checks the
+    # scaler's behaviour exactly on the host device): the loss falls as fp32's does.
+    runs = {}
+    for fp16 in (False, True):
+        torch.manual_seed(1234)
+        cfg = make_config("cpu", "cpu", lr=3e-3, device_budget_bytes="256M")
+        cfg["fp16"] = {"enabled": fp16, "initial_scale_power": 16}
+        engine = zinf.initialize(Llama(), cfg, device="cuda")
+        losses = []
+        for step in range(30):
+            ids, tgt = (t.cuda() for t in batch(step))
+            loss = engine(ids, tgt)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        if fp16:
+            assert engine.module.lm_head.weight.dtype == torch.float16
+        runs[fp16] = (losses, engine.skipped_steps)
+    (l32, _), (l16, skipped) = runs[False], runs[True]
+    print("GPU fp16: %d steps skipped; last losses fp16 %s, fp32 %s"
+          % (skipped, l16[-3:], l32[-3:]))
+    assert skipped < 10 and all(x == x and abs(x) != float("inf") for x in l16)
+    end16, end32 = sum(l16[-5:]) / 5, sum(l32[-5 - skipped:len(l32) - skipped]) / 5
+    assert end16 < 0.9 * l16[0] and abs(end16 - end32) <= 0.05 * end32, (end16, end32)

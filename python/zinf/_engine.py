@@ -93,7 +93,8 @@ class ZinfEngine:
                                   "weight_decay": hyper.get("weight_decay", 0.0)})
         # `stream`: the CUDA stream handle the engine orders against (None on the host device).
         self._ctx = ctx = EngineContext(
-            core, self.device, torch.bfloat16 if core.bf16 else torch.float32,
+            core, self.device,
+            torch.bfloat16 if core.bf16 else torch.float16 if core.fp16 else torch.float32,
             self._micro.gas, scale_wrt_gas, Driver(), self._registry, self._micro,
             self._residency, self._groups, weakref.WeakMethod(self._sync_lr), stream)
         self._packing = Packing(self._residency, self.device)
@@ -124,6 +125,8 @@ class ZinfEngine:
             first = plan.groups[0]
         self.optimizer = ZinfOptimizer(groups, hyper.get("type", "AdamW"), first["lr"],
                                        first["betas"], first["eps"], first["weight_decay"])
+        # (Read live: a checkpoint load or a skipped step changes it.)
+        self.optimizer._loss_scale_source = weakref.WeakMethod(self._current_loss_scale)
         if client_optimizer is not None:
             # One set of groups: a scheduler made on the trainer's own optimizer moves zinf's
             # hyperparameters (DeepSpeed's wrapper shares them the same way).
@@ -182,11 +185,20 @@ class ZinfEngine:
 
     forward = __call__
 
+    def _current_loss_scale(self):
+        return self._core.loss_scale
+
+    @property
+    def skipped_steps(self):
+        """Optimizer steps skipped because their gradients overflowed (fp16; DeepSpeed's)."""
+        return self._core.skipped_steps
+
     def backward(self, loss, retain_graph=False):
         """loss.backward(), with the loss divided by gradient_accumulation_steps (gradients are
         summed over an accumulation window; pass scale_wrt_gas=False to initialize to keep the
         loss as is) and, with several ranks, by the world size (gradients are averaged over the
-        ranks, as DeepSpeed's). One backward per micro-step."""
+        ranks, as DeepSpeed's); with fp16, multiplied by the loss scale (the engine divides the
+        gradients by it). One backward per micro-step."""
         self._enter("engine.backward")
         self._between_steps("engine.backward")
         self._sync_lr()
@@ -195,6 +207,10 @@ class ZinfEngine:
             loss = loss / self._gas
         if self.world_size > 1:
             loss = loss / self.world_size
+        if self._core.fp16:
+            # fp16: the loss scaled (in fp32) so that small gradients survive in fp16; the
+            # engine divides the gradients by the scale, and skips the step when they overflow.
+            loss = loss.float() * self._core.loss_scale
         self._micro.in_backward = True
         try:
             loss.backward(retain_graph=retain_graph)
@@ -225,12 +241,17 @@ class ZinfEngine:
                 "reads: drop the reference, or keep a .clone()" % names)
         self._hooks.check_no_stray_grads()
         self._sync_lr()
+        skipped_before = self._core.skipped_steps
         try:
             stats = self._core.step()
         except ZinfError as e:
             raise self._micro.explain_step_failure(e) from e
-        self._micro.ended(stats["optimizer_ran"])
-        if stats["optimizer_ran"] and self.lr_scheduler is not None:
+        # fp16: a step whose gradients overflowed was skipped (no update; the scale lowered);
+        # as DeepSpeed's, the learning-rate scheduler does not step then.
+        overflow = bool(stats["optimizer_ran"]) and stats["skipped_steps"] > skipped_before
+        self.optimizer.overflow = overflow
+        self._micro.ended(stats["optimizer_ran"], applied=not overflow)
+        if stats["optimizer_ran"] and not overflow and self.lr_scheduler is not None:
             # torch's schedulers count optimizer.step() calls and warn when they see none;
             # zinf's optimizer step ran inside this call.
             opt = getattr(self.lr_scheduler, "optimizer", None)

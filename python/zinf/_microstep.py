@@ -38,15 +38,17 @@ class MicroStep:
             p.end_micro_step()
         self.reduced = []
 
-    def ended(self, optimizer_ran):
-        """engine.step() ended the micro-step (and the window when the optimizer ran)."""
+    def ended(self, optimizer_ran, applied=True):
+        """engine.step() ended the micro-step (and the window when the optimizer ran;
+        `applied`: its update was not skipped, as fp16 skips one whose gradients overflowed)."""
         self.index += 1
         self.started = False
         self._clear_gradients()
         self.backwards = 0
         if optimizer_ran:
             self.losses = []
-            self.updates_since_values += 1
+            if applied:
+                self.updates_since_values += 1
 
     def restart(self, index):
         """A checkpoint was loaded: the next micro-step is `index`, nothing of it has run."""

@@ -25,9 +25,23 @@ class ZinfOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.kind = kind
         self._fixed = True  # the groups are the engine's from here on
-        # DeepSpeed's fp16 optimizers report a skipped step here; zinf trains fp32 or bf16
-        # (no loss scaling): a step is never skipped for overflow, a non-finite gradient fails it.
+        # DeepSpeed's fp16 optimizers report here whether the last step was skipped because
+        # its gradients overflowed (accelerate's step_was_skipped reads it); engine.step sets
+        # it. Without fp16 a non-finite gradient fails the step instead.
         self.overflow = False
+        self._loss_scale_source = None  # the engine's, set by it
+
+    @property
+    def cur_scale(self):
+        """The dynamic loss scale now (DeepSpeed's fp16 optimizers' cur_scale; 1 without
+        fp16)."""
+        source = self._loss_scale_source() if self._loss_scale_source is not None else None
+        return 1.0 if source is None else float(source())
+
+    @property
+    def loss_scale(self):
+        """DeepSpeed's fp16 optimizers' name for cur_scale."""
+        return self.cur_scale
 
     def add_param_group(self, param_group):
         if getattr(self, "_fixed", False):

@@ -117,7 +117,8 @@ class DeepSpeedEngine(ZinfEngine):
         return self._last_stats.get("grad_norm") if self._last_stats else None
 
     def was_step_applied(self):
-        return bool(self._last_stats and self._last_stats["optimizer_ran"])
+        return bool(self._last_stats and self._last_stats["optimizer_ran"]
+                    and not self.optimizer.overflow)
 
     def step(self, lr_kwargs=None):
         boundary = self.__dict__.pop("_boundary_set", None)
@@ -157,7 +158,7 @@ class DeepSpeedEngine(ZinfEngine):
         return context_of(self).dtype == torch.bfloat16
 
     def fp16_enabled(self):
-        return False
+        return context_of(self).dtype == torch.float16
 
     def amp_enabled(self):
         return False

@@ -56,10 +56,10 @@ class ZinfAccelerator:
         return True
 
     def is_fp16_supported(self):
-        return False  # zinf trains fp32 or bf16 (fp16 with loss scaling is not implemented)
+        return True  # fp16 with dynamic loss scaling (the config's fp16 block)
 
     def supported_dtypes(self):
-        return [torch.float32, torch.bfloat16]
+        return [torch.float32, torch.bfloat16, torch.float16]
 
     # -- memory
     def memory_allocated(self, device_index=None):

@@ -25,9 +25,10 @@ class Init(zinf.Init):
                                  "inside `with deepspeed.zero.Init(...):`")
         if mpu is not None:
             raise zinf.ZinfError("deepspeed.zero.Init(mpu=...): zinf has no model parallelism")
-        if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
+        if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise zinf.ZinfError("deepspeed.zero.Init(dtype=%s): zinf stores parameters as "
-                                 "fp32 or bf16 (the config's bf16.enabled)" % dtype)
+                                 "fp32, bf16 or fp16 (the config's bf16.enabled or "
+                                 "fp16.enabled)" % dtype)
         if zero_quantized_weights or zero_quantized_nontrainable_weights:
             raise zinf.ZinfError("deepspeed.zero.Init(zero_quantized_*weights=True): quantized "
                                  "gathers are not implemented; zinf.frozen_weight_dtype "
