@@ -5,10 +5,12 @@ has no float16 matmul, so the test model stores its weights in float16 and compu
 (as autocast would on a GPU): the float16 gradients are what zinf handles."""
 import sys
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import zinf
 import zinf.launch
 from conftest import make_config
 
@@ -118,3 +120,40 @@ def test_the_scaler_comes_back_with_a_checkpoint(scratch):
     assert again.optimizer.cur_scale == 256.0 and again.skipped_steps == 0
     again.load_checkpoint(scratch)
     assert again.optimizer.cur_scale == 128.0 and again.skipped_steps == 1
+
+
+def first_step_norm(fp16, gas):
+    torch.manual_seed(5)
+    # A static scale, and clipping that never clips, so that the norm (of the unscaled
+    # gradients) is reported.
+    cfg = make_config("cpu", "cpu", lr=3e-3, gas=gas, clip=1e9)
+    cfg["fp16"] = {"enabled": fp16, "loss_scale": 1024}
+    model = TinyLm()
+    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                  config=cfg)[0]
+    for micro in range(gas):
+        engine.backward(engine(*batch(micro)))
+        engine.step()
+        assert engine.optimizer.overflow is False
+        assert engine.was_step_applied() is (micro == gas - 1)
+    return engine.get_global_grad_norm(), engine.optimizer.cur_scale
+
+
+def test_the_gradients_are_scaled_once_and_unscaled_once():
+    # The engine's gradient norm is of the unscaled gradients: a scale missing, applied twice
+    # or left in (1024x) would be far off; fp16 weights and gradients round at ~1e-3.
+    for gas in (1, 2):
+        n32, _ = first_step_norm(False, gas)
+        n16, scale = first_step_norm(True, gas)
+        assert scale == 1024.0
+        assert n32 > 0 and abs(n16 - n32) <= 0.01 * n32, (gas, n16, n32)
+
+
+def test_a_plain_loss_backward_is_refused_under_fp16():
+    model = TinyLm()
+    cfg = make_config("cpu", "cpu")
+    cfg["fp16"] = {"enabled": True}
+    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                  config=cfg)[0]
+    with pytest.raises(zinf.ZinfError, match="outside engine.backward"):
+        engine(*batch(0)).backward()

@@ -22,7 +22,7 @@ class EngineContext:
                  residency, groups, sync_lr, stream=None):
         self.core = core  # zinf._zinf.Engine; None once the engine is closed
         self.device = device  # the torch device the engine's memory is on
-        self.dtype = dtype  # the dtype torch computes with (bfloat16 or float32)
+        self.dtype = dtype  # the dtype torch computes with (bfloat16, float16 or float32)
         self.gas = gas  # gradient_accumulation_steps (at least 1)
         self.scale_wrt_gas = scale_wrt_gas  # engine.backward divides the loss by `gas`
         self.rank = core.rank

@@ -217,6 +217,13 @@ class ModuleHooks:
         if p.grad_state is GradState.REDUCED:
             raise self._micro.second_gradient(p)
         e = self._ctx
+        if e.dtype is torch.float16 and not self._micro.in_backward:
+            # (The first gradient raises: nothing of this backward reached the engine.)
+            raise ZinfError(
+                "parameter '%s' got a gradient outside engine.backward: with fp16 the loss must "
+                "go through engine.backward(loss), which multiplies it by the loss scale (the "
+                "engine divides the gradients by it); after loss.backward() the updates would "
+                "be that scale too small" % p.names[0])
         g = grad.detach()
         if g.dtype != torch.float32 or g.device != e.device or not g.is_contiguous():
             g = g.to(device=e.device, dtype=torch.float32).contiguous()

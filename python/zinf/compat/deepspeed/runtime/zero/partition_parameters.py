@@ -12,7 +12,7 @@ class Init(zinf.Init):
     remote_device=None, pin_memory=False, config_dict_or_path=None, config=None, enabled=True,
     dtype=None, mpu=None, ...): zinf.Init with DeepSpeed's arguments. The parameters of modules
     built inside go to a spill file in the config's first nvme_path (or $TMPDIR); their dtype
-    is kept (zinf's engine stores them as the config's bf16 says)."""
+    is kept (zinf's engine stores them as the config's bf16 or fp16 says)."""
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,
                  remote_device=None, pin_memory=False, config_dict_or_path=None, config=None,
