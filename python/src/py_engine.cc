@@ -158,7 +158,7 @@ std::vector<py::capsule> PyEngine::Acquire(const std::vector<ParamId>& ids, bool
   std::vector<py::capsule> out;
   // bf16: kDLBfloat; fp16 and fp32: kDLFloat.
   const EngineConfig& c = engine().config();
-  const DLDataType dtype = c.bf16             ? DLDataType{4, 16, 1}
+  const DLDataType dtype = c.bf16           ? DLDataType{4, 16, 1}
                            : c.fp16.enabled ? DLDataType{2, 16, 1}
                                             : DLDataType{2, 32, 1};
   const DLDevice where{core_->dl_device_type, core_->dl_device_id};
