@@ -78,6 +78,8 @@ constexpr std::string_view kZeroKeys[] = {
     "allgather_bucket_size",
     "stage3_gather_16bit_weights_on_model_save",
     "round_robin_gradients",
+    "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights",
 };
 constexpr std::string_view kZinfKeys[] = {
     "device_budget_bytes",
@@ -223,9 +225,18 @@ Status ParseZeroOptimization(ObjectReader& r, EngineConfig* config, ParseContext
                         "deprecated DeepSpeed key, ignored; use offload_optimizer / offload_param "
                         "with \"device\": \"cpu\"");
   }
-  for (std::string_view key :
-       {"zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
-        "zero_quantized_gradients", "mics_shard_size", "mics_hierarchical_params_gather"}) {
+  ZINF_RETURN_IF_ERROR(r.ReadBool("zero_quantized_weights", &config->quantized_weights));
+  ZINF_RETURN_IF_ERROR(
+      r.ReadBool("zero_quantized_nontrainable_weights", &config->quantized_nontrainable_weights));
+  if ((config->quantized_weights || config->quantized_nontrainable_weights) &&
+      config->zero_stage < 3) {
+    ctx->warnings.Add(r.PathOf(config->quantized_weights ? "zero_quantized_weights"
+                                                         : "zero_quantized_nontrainable_weights") +
+                      ": ignored below stage 3 (as in DeepSpeed: stages 0 to 2 keep every "
+                      "parameter whole, with no gather to quantize)");
+  }
+  for (std::string_view key : {"zero_hpz_partition_size", "zero_quantized_gradients",
+                               "mics_shard_size", "mics_hierarchical_params_gather"}) {
     r.IgnoreWithWarning(key, "DeepSpeed feature not implemented by zinf, ignored");
   }
   r.Finish();

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "cpu_adam/weights_int8_impl.h"
@@ -26,36 +27,83 @@ inline uint16_t ToBf16(float v) {  // as Fp32ToBf16
   return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// One block of len <= kBlock fp32 values: its codes, the padding of a partial block, its
+// scale. A block holding an inf or a NaN stores zeros and a NaN scale (it decodes to NaN).
+void EncodeBlock(const float* x, size_t len, int8_t* codes) {
+  float largest = 0;
+  bool finite = true;
+  for (size_t i = 0; i < len; ++i) {
+    const float a = std::fabs(x[i]);
+    finite = finite && a <= std::numeric_limits<float>::max();  // (false for a NaN too)
+    largest = std::max(largest, a);
+  }
+  // A block whose scale is not a normal float (its largest magnitude below 127 x FLT_MIN)
+  // stores as zeros: within the bound, as every value is below a step.
+  float scale = largest / 127.0f;
+  if (!std::isnormal(scale)) scale = 0;
+  // Near FLT_MAX, 127 x the rounded scale can overflow: the scale one ulp lower decodes the
+  // largest code finite (the codes come from the exact ratio: still within the bound).
+  if (std::isinf(scale * 127.0f)) scale = std::nextafter(scale, 0.0f);
+  if (!finite) scale = std::numeric_limits<float>::quiet_NaN();
+  const double inv = finite && scale > 0 ? 127.0 / largest : 0.0;  // (in double: never inf)
+  for (size_t i = 0; i < len; ++i) {
+    // Nearest even; |x * inv| <= 127 up to rounding, clamped so a rounding up stays a code.
+    const double q = std::nearbyint(static_cast<double>(x[i]) * inv);
+    codes[i] = static_cast<int8_t>(std::clamp(finite ? q : 0.0, -127.0, 127.0));
+  }
+  for (size_t i = len; i < kBlock; ++i) codes[i] = 0;
+  std::memcpy(codes + kBlock, &scale, sizeof(scale));
+}
+
 }  // namespace
 
 Status QuantizeWeightsInt8(const float* src, size_t n, void* dst) {
+  for (size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(src[i])) {
+      return Status::InvalidArgument("int8 frozen weights: element " + std::to_string(i) +
+                                     " is inf or NaN, which int8 cannot store");
+    }
+  }
   auto* out = static_cast<uint8_t*>(dst);
   for (size_t at = 0; at < n; at += kBlock) {
-    const size_t len = std::min(kBlock, n - at);
-    const float* x = src + at;
-    int8_t* codes = reinterpret_cast<int8_t*>(out + at / kBlock * kBlockBytes);
-    float largest = 0;
-    for (size_t i = 0; i < len; ++i) {
-      if (!std::isfinite(x[i])) {
-        return Status::InvalidArgument("int8 frozen weights: element " + std::to_string(at + i) +
-                                       " is inf or NaN, which int8 cannot store");
-      }
-      largest = std::max(largest, std::fabs(x[i]));
-    }
-    // A block whose scale is not a normal float (its largest magnitude below 127 x FLT_MIN)
-    // stores as zeros: within the bound, as every value is below a step.
-    float scale = largest / 127.0f;
-    if (!std::isnormal(scale)) scale = 0;
-    const double inv = scale > 0 ? 127.0 / largest : 0.0;  // (in double: never inf)
-    for (size_t i = 0; i < len; ++i) {
-      // Nearest even; |x * inv| <= 127 up to rounding, clamped so a rounding up stays a code.
-      const double q = std::nearbyint(static_cast<double>(x[i]) * inv);
-      codes[i] = static_cast<int8_t>(std::clamp(q, -127.0, 127.0));
-    }
-    for (size_t i = len; i < kBlock; ++i) codes[i] = 0;  // the last block's padding
-    std::memcpy(codes + kBlock, &scale, sizeof(scale));
+    EncodeBlock(src + at, std::min(kBlock, n - at),
+                reinterpret_cast<int8_t*>(out + at / kBlock * kBlockBytes));
   }
   return Status::OK();
+}
+
+void QuantizeParamsInt8(const void* src, ParamCopyType type, size_t n, void* dst) {
+  auto* out = static_cast<uint8_t*>(dst);
+  float block[kBlock];
+  for (size_t at = 0; at < n; at += kBlock) {
+    const size_t len = std::min(kBlock, n - at);
+    const float* x = block;
+    if (type == ParamCopyType::kNone) {
+      x = static_cast<const float*>(src) + at;
+    } else {
+      const uint16_t* in = static_cast<const uint16_t*>(src) + at;
+      if (type == ParamCopyType::kBf16) {
+        for (size_t i = 0; i < len; ++i) {
+          const uint32_t bits = uint32_t{in[i]} << 16;  // bf16 is fp32's upper half
+          std::memcpy(&block[i], &bits, sizeof(bits));
+        }
+      } else {
+        for (size_t i = 0; i < len; ++i) block[i] = Fp16ToFp32(in[i]);
+      }
+    }
+    EncodeBlock(x, len, reinterpret_cast<int8_t*>(out + at / kBlock * kBlockBytes));
+  }
+}
+
+void DequantizeParamsInt8(const void* src, size_t n, ParamCopyType type, void* dst) {
+  switch (type) {
+    case ParamCopyType::kNone:
+      return DequantizeWeightsInt8(src, n, static_cast<float*>(dst));
+    case ParamCopyType::kBf16:
+      return DequantizeWeightsInt8Bf16(src, n, static_cast<uint16_t*>(dst));
+    case ParamCopyType::kF16:
+      return DequantizeWeightsInt8F16(src, n, static_cast<uint16_t*>(dst));
+  }
 }
 
 namespace weights_int8 {

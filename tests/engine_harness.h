@@ -456,6 +456,7 @@ struct RunOptions {
   // other ranks' free): it fails on every rank, and succeeds on every rank once freed (the
   // ranks' states differ in between: the retry's collectives must still pair).
   int block_acquire_rank = -1;
+  bool quantized_weights = false;  // zero_optimization.zero_quantized_weights
   std::chrono::seconds timeout{120};
 
   std::string Describe() const {
@@ -468,6 +469,7 @@ struct RunOptions {
        << TierLabel(optimizer_tier) << ", accumulation " << grad_accum << ", clipping " << clipping
        << ", device budget " << device_budget_bytes;
     if (delayed) os << ", delayed update";
+    if (quantized_weights) os << ", quantized weight gathers";
     if (ratio < 1) os << ", optimizer ratio " << ratio;
     if (param_groups) os << ", biases in their own parameter group";
     if (swapped_micro_step >= 0) os << ", swapped acquire order at " << swapped_micro_step;
@@ -513,12 +515,15 @@ inline EngineConfig MakeConfig(const RunOptions& o, const std::string& nvme_dir)
   c.optimizer_state_type = o.state_type;
   c.speculative_step = o.speculative;
   c.zero_stage = o.stage;
+  c.quantized_weights = o.quantized_weights;
   return c;
 }
 
 // How many collectives of each kind a rank's engine issued (CountingComm).
 struct CollectiveCounts {
   int all_gather = 0, reduce_scatter = 0, all_reduce = 0, broadcast = 0, barrier = 0;
+  uint64_t all_gather_bytes = 0;         // what this rank sent in them (bytes_per_rank each)
+  std::vector<size_t> all_gather_sizes;  // bytes_per_rank of each, in order
 };
 
 // A rank's communicator, counting the collectives it is asked for (the engine's trainer
@@ -530,6 +535,8 @@ class CountingComm final : public Communicator {
   int world_size() const override { return inner_->world_size(); }
   Status AllGather(const void* send, void* recv, size_t bytes, Stream* stream) override {
     ++counts_.all_gather;
+    counts_.all_gather_bytes += bytes;
+    counts_.all_gather_sizes.push_back(bytes);
     return inner_->AllGather(send, recv, bytes, stream);
   }
   Status ReduceScatterSum(const float* send, float* recv, size_t count, Stream* stream) override {

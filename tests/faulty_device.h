@@ -29,6 +29,8 @@ enum class DeviceOp {
   kConvertToBf16,
   kAddInto,
   kSumSquares,
+  kQuantizeInt8,
+  kDequantizeInt8,
 };
 
 class FaultyDevice : public Device {
@@ -109,6 +111,16 @@ class FaultyDevice : public Device {
   Status AddInto(float* dst, const float* src, size_t n, Stream* s) override {
     ZINF_RETURN_IF_ERROR(Inject(DeviceOp::kAddInto, s));
     return inner_->AddInto(dst, src, n, s);
+  }
+  Status QuantizeInt8(void* dst, const void* src, ParamCopyType type, size_t n,
+                      Stream* s) override {
+    ZINF_RETURN_IF_ERROR(Inject(DeviceOp::kQuantizeInt8, s));
+    return inner_->QuantizeInt8(dst, src, type, n, s);
+  }
+  Status DequantizeInt8(void* dst, ParamCopyType type, const void* src, size_t n,
+                        Stream* s) override {
+    ZINF_RETURN_IF_ERROR(Inject(DeviceOp::kDequantizeInt8, s));
+    return inner_->DequantizeInt8(dst, type, src, n, s);
   }
   Status SumSquares(const float* x, size_t n, GradStats* out_host, Stream* s) override {
     ZINF_RETURN_IF_ERROR(Inject(DeviceOp::kSumSquares, s));

@@ -549,6 +549,20 @@ Status CudaDevice::AddInto(float* dst, const float* src, size_t n, Stream* strea
   return cuda::Add(dst, src, n, stream);
 }
 
+Status CudaDevice::QuantizeInt8(void* dst, const void* src, ParamCopyType type, size_t n,
+                                Stream* stream) {
+  ZINF_RETURN_IF_ERROR(OwnStream(stream, "QuantizeInt8").status());
+  ZINF_RETURN_IF_ERROR(MakeCurrent(ordinal_));
+  return cuda::QuantizeInt8(src, type, n, dst, stream);
+}
+
+Status CudaDevice::DequantizeInt8(void* dst, ParamCopyType type, const void* src, size_t n,
+                                  Stream* stream) {
+  ZINF_RETURN_IF_ERROR(OwnStream(stream, "DequantizeInt8").status());
+  ZINF_RETURN_IF_ERROR(MakeCurrent(ordinal_));
+  return cuda::DequantizeInt8(src, n, type, dst, stream);
+}
+
 Status CudaDevice::SumSquares(const float* x, size_t n, GradStats* out_host, Stream* stream) {
   ZINF_RETURN_IF_ERROR(OwnStream(stream, "SumSquares").status());
   if (out_host == nullptr) return Status::InvalidArgument("SumSquares: out_host is null");

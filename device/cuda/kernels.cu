@@ -62,6 +62,68 @@ __global__ void CastF32ToBf16Kernel(const float* src, uint16_t* dst, size_t n) {
   }
 }
 
+// ---- The quantized parameter gather: ports of cpu_adam/weights_int8.cc --------------------
+
+constexpr int kQuantBlock = static_cast<int>(kInt8StateBlock);
+constexpr size_t kQuantBlockBytes = kInt8StateBlock + sizeof(float);
+static_assert(kQuantBlock == kThreads, "one thread per element of a quantization block");
+
+__device__ __forceinline__ float ParamToF32(const void* src, ParamCopyType type, size_t i) {
+  if (type == ParamCopyType::kBf16) return Bf16ToF32(static_cast<const uint16_t*>(src)[i]);
+  if (type == ParamCopyType::kF16) return F16ToF32(static_cast<const uint16_t*>(src)[i]);
+  return static_cast<const float*>(src)[i];
+}
+
+// Block b of the n values: thread t encodes element b * kQuantBlock + t (a padding code past n).
+__global__ void __launch_bounds__(kThreads)
+    QuantizeInt8Kernel(const void* src, ParamCopyType type, size_t n, uint8_t* dst) {
+  __shared__ float largest[kThreads];
+  __shared__ int finite[kThreads];
+  const size_t i = blockIdx.x * size_t{kQuantBlock} + threadIdx.x;
+  const float x = i < n ? ParamToF32(src, type, i) : 0.0f;
+  const float a = fabsf(x);
+  largest[threadIdx.x] = a;
+  finite[threadIdx.x] = a <= 3.402823466e38f;  // FLT_MAX; false for a NaN too
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) {
+      // (fmaxf of two non-NaN magnitudes: exact and order-free; a NaN block ignores it.)
+      largest[threadIdx.x] = fmaxf(largest[threadIdx.x], largest[threadIdx.x + half]);
+      finite[threadIdx.x] = finite[threadIdx.x] & finite[threadIdx.x + half];
+    }
+    __syncthreads();
+  }
+  const float big = largest[0];
+  const bool ok = finite[0] != 0;
+  float scale = __fdiv_rn(big, 127.0f);
+  if (!(scale >= 1.17549435e-38f)) scale = 0.0f;  // not normal (FLT_MIN): stores as zeros
+  if (isinf(__fmul_rn(scale, 127.0f))) scale = nextafterf(scale, 0.0f);  // decodes finite
+  if (!ok) scale = __int_as_float(0x7fc00000);
+  const double inv = ok && scale > 0.0f ? __ddiv_rn(127.0, static_cast<double>(big)) : 0.0;
+  double q = ok ? rint(__dmul_rn(static_cast<double>(x), inv)) : 0.0;
+  q = q < -127.0 ? -127.0 : (q > 127.0 ? 127.0 : q);
+  uint8_t* block = dst + blockIdx.x * kQuantBlockBytes;
+  reinterpret_cast<int8_t*>(block)[threadIdx.x] = static_cast<int8_t>(q);
+  if (threadIdx.x == 0) *reinterpret_cast<float*>(block + kQuantBlock) = scale;
+}
+
+__global__ void DequantizeInt8Kernel(const uint8_t* src, size_t n, ParamCopyType type,
+                                     void* dst) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
+       i += size_t{gridDim.x} * blockDim.x) {
+    const uint8_t* block = src + i / kQuantBlock * kQuantBlockBytes;
+    const float scale = *reinterpret_cast<const float*>(block + kQuantBlock);
+    const float v = __fmul_rn(static_cast<float>(reinterpret_cast<const int8_t*>(block)[i % kQuantBlock]), scale);
+    if (type == ParamCopyType::kBf16) {
+      static_cast<uint16_t*>(dst)[i] = F32ToBf16(v);
+    } else if (type == ParamCopyType::kF16) {
+      static_cast<uint16_t*>(dst)[i] = F32ToF16(v);
+    } else {
+      static_cast<float*>(dst)[i] = v;
+    }
+  }
+}
+
 __device__ __forceinline__ uint64_t GlobalTimerNs() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -281,6 +343,37 @@ Status Add(float* dst, const float* src, size_t n, Stream* stream) {
   if (dst == nullptr) return NullArgument("cuda::Add", "dst", n);
   if (src == nullptr) return NullArgument("cuda::Add", "src", n);
   AddKernel<<<BlocksFor(n), kThreads, 0, cs->handle()>>>(dst, src, n);
+  ZINF_CUDA_CHECK(cudaGetLastError());
+  return Status::OK();
+}
+
+Status QuantizeInt8(const void* src, ParamCopyType type, size_t n, void* dst, Stream* stream) {
+  ZINF_ASSIGN_OR_RETURN(CudaStream * cs, KernelStream(stream, "cuda::QuantizeInt8"));
+  if (n == 0) return Status::OK();
+  if (src == nullptr) return NullArgument("cuda::QuantizeInt8", "src", n);
+  if (dst == nullptr) return NullArgument("cuda::QuantizeInt8", "dst", n);
+  // One thread block per quantization block; a grid's x dimension holds 2^31 - 1 of them.
+  size_t blocks = (n + kQuantBlock - 1) / kQuantBlock;
+  for (size_t first = 0; first < blocks;) {
+    const size_t count = blocks - first < (size_t{1} << 30) ? blocks - first : (size_t{1} << 30);
+    const size_t at = first * kQuantBlock;
+    const size_t elem = type == ParamCopyType::kNone ? sizeof(float) : sizeof(uint16_t);
+    QuantizeInt8Kernel<<<static_cast<unsigned>(count), kThreads, 0, cs->handle()>>>(
+        static_cast<const char*>(src) + at * elem, type, n - at,
+        static_cast<uint8_t*>(dst) + first * kQuantBlockBytes);
+    ZINF_CUDA_CHECK(cudaGetLastError());
+    first += count;
+  }
+  return Status::OK();
+}
+
+Status DequantizeInt8(const void* src, size_t n, ParamCopyType type, void* dst, Stream* stream) {
+  ZINF_ASSIGN_OR_RETURN(CudaStream * cs, KernelStream(stream, "cuda::DequantizeInt8"));
+  if (n == 0) return Status::OK();
+  if (src == nullptr) return NullArgument("cuda::DequantizeInt8", "src", n);
+  if (dst == nullptr) return NullArgument("cuda::DequantizeInt8", "dst", n);
+  DequantizeInt8Kernel<<<BlocksFor(n), kThreads, 0, cs->handle()>>>(
+      static_cast<const uint8_t*>(src), n, type, dst);
   ZINF_CUDA_CHECK(cudaGetLastError());
   return Status::OK();
 }

@@ -581,6 +581,40 @@ Status HostDevice::AddInto(float* dst, const float* src, size_t n, Stream* strea
   });
 }
 
+namespace {
+
+Status QuantizeArguments(const char* what, void* dst, const void* src, size_t n) {
+  if (dst == nullptr || src == nullptr) {
+    return Status::InvalidArgument(std::string(what) + " of " + std::to_string(n) +
+                                   " values: " + (dst == nullptr ? "dst" : "src") + " is null");
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Status HostDevice::QuantizeInt8(void* dst, const void* src, ParamCopyType type, size_t n,
+                                Stream* stream) {
+  ZINF_RETURN_IF_ERROR(OwnStream(stream, "QuantizeInt8").status());
+  if (n == 0) return Status::OK();
+  ZINF_RETURN_IF_ERROR(QuantizeArguments("QuantizeInt8", dst, src, n));
+  return LaunchHostTask(stream, [dst, src, type, n] {
+    QuantizeParamsInt8(src, type, n, dst);
+    return Status::OK();
+  });
+}
+
+Status HostDevice::DequantizeInt8(void* dst, ParamCopyType type, const void* src, size_t n,
+                                  Stream* stream) {
+  ZINF_RETURN_IF_ERROR(OwnStream(stream, "DequantizeInt8").status());
+  if (n == 0) return Status::OK();
+  ZINF_RETURN_IF_ERROR(QuantizeArguments("DequantizeInt8", dst, src, n));
+  return LaunchHostTask(stream, [dst, type, src, n] {
+    DequantizeParamsInt8(src, n, type, dst);
+    return Status::OK();
+  });
+}
+
 Status HostDevice::SumSquares(const float* x, size_t n, GradStats* out_host, Stream* stream) {
   ZINF_RETURN_IF_ERROR(OwnStream(stream, "SumSquares").status());
   if (out_host == nullptr) return Status::InvalidArgument("SumSquares: out_host is null");

@@ -30,6 +30,7 @@ FetchScheduler::~FetchScheduler() {
   }
   for (const auto& [ptr, bytes] : graveyard_) ctx_.budget->Free(ptr, bytes);
   for (ParamId id = 0; id < res_.size(); ++id) {
+    if (res_[id].quant != nullptr) ctx_.budget->Free(res_[id].quant, QuantScratchBytes(id));
     if (res_[id].device_full != nullptr && !res_[id].aliased) {
       ctx_.budget->Free(res_[id].device_full, ctx_.layout->FullBytes(id));
     }
@@ -78,7 +79,33 @@ Status FetchScheduler::Evict(ParamId id) {
   return Status::OK();
 }
 
+bool FetchScheduler::QuantizedGather(ParamId id) const {
+  const EngineConfig& c = *ctx_.config;
+  if (ctx_.comm->world_size() == 1 || ReplicatesParameters(c)) return false;
+  if (ctx_.layout->StoredInt8(id)) return true;  // (already its blocks)
+  const bool frozen = !ctx_.layout->param(id).info.trainable;
+  // A partition whose blocks are no smaller than it (a few dozen values: the block's padding
+  // and scale) goes as it is.
+  const size_t n = ctx_.layout->param(id).info.partition_numel;
+  return (c.quantized_weights || (frozen && c.quantized_nontrainable_weights)) &&
+         StateBytes(StateType::kInt8, n) < ctx_.layout->DevicePartBytes(id);
+}
+
+size_t FetchScheduler::QuantScratchBytes(ParamId id) const {
+  const size_t blocks = StateBytes(StateType::kInt8, ctx_.layout->param(id).info.partition_numel);
+  return blocks * (static_cast<size_t>(ctx_.comm->world_size()) + 1);
+}
+
+void FetchScheduler::DropQuant(ParamId id) {
+  Resident& r = res_[id];
+  if (r.quant == nullptr) return;
+  ctx_.budget->Free(r.quant, QuantScratchBytes(id));
+  ctx_.budget->Unplan(QuantScratchBytes(id));
+  r.quant = nullptr;
+}
+
 void FetchScheduler::DropDeviceCopy(ParamId id) {
+  DropQuant(id);
   ctx_.budget->Free(res_[id].device_full, ctx_.layout->FullBytes(id));
   ForgetDeviceCopy(id);
 }
@@ -150,14 +177,26 @@ Status FetchScheduler::Fetch(ParamId id, int64_t visible, bool prefetch) {
   if (ctx_.config->offload_param.tier == Tier::kNvme) {
     ZINF_ASSIGN_OR_RETURN(staging, TakeBlock(id, ctx_.layout->PartBytes(id), prefetch));
   }
-  if (ctx_.layout->StoredInt8(id)) {
+  const bool quantized = QuantizedGather(id);
+  if (ctx_.layout->StoredInt8(id) && !quantized) {
     ZINF_ASSIGN_OR_RETURN(decoded, TakeBlock(id, ctx_.layout->DevicePartBytes(id), prefetch));
   }
   const size_t full = ctx_.layout->FullBytes(id);
-  ZINF_RETURN_IF_ERROR(MakeRoom(p.padded_numel, full, id));
+  const size_t quant = quantized ? QuantScratchBytes(id) : 0;
+  ZINF_RETURN_IF_ERROR(MakeRoom(p.padded_numel, FetchBytes(id), id));
   ZINF_ASSIGN_OR_RETURN(r.device_full, ctx_.budget->Alloc(full, "parameter '" + p.info.name + "'"));
   live_elems_ += p.padded_numel;
   ctx_.budget->Plan(full);
+  if (quantized) {
+    Result<void*> scratch =
+        ctx_.budget->Alloc(quant, "the quantized gather of parameter '" + p.info.name + "'");
+    if (!scratch.ok()) {
+      DropDeviceCopy(id);
+      return scratch.status();
+    }
+    r.quant = *scratch;
+    ctx_.budget->Plan(quant);
+  }
   if (!r.ready) {
     Result<std::unique_ptr<Event>> ev = ctx_.device->CreateEvent();
     if (!ev.ok()) {
@@ -212,6 +251,11 @@ void FetchScheduler::FailFetch(ParamId id) {
   LogWarning("the device copy of '" + p.info.name +
              "' stays allocated until the engine closes after a failed fetch: " + quiet.ToString());
   graveyard_.push_back({r.device_full, ctx_.layout->FullBytes(id)});
+  if (r.quant != nullptr) {
+    graveyard_.push_back({r.quant, QuantScratchBytes(id)});
+    ctx_.budget->Unplan(QuantScratchBytes(id));
+    r.quant = nullptr;
+  }
   r.device_full = nullptr;
   r.staging.reset();
   r.decoded.reset();
@@ -227,6 +271,13 @@ Status FetchScheduler::IssueCopies(ParamId id, const void* src,
   char* slot = static_cast<char*>(r.device_full) + static_cast<size_t>(ctx_.comm->rank()) * part;
   Stream* copy = ctx_.streams.copy;
   const bool device_tier = ctx_.config->offload_param.tier == Tier::kDevice;
+  size_t bytes = part;
+  void* dst = slot;
+  if (r.quant != nullptr && ctx_.layout->StoredInt8(id)) {
+    // An int8 frozen weight gathers its stored blocks: they go to the scratch as they are.
+    bytes = ctx_.layout->PartBytes(id);
+    dst = r.quant;
+  }
   if (r.decoded) {
     // int8 frozen weights: dequantised into the decode block by a host function queued on
     // the copy stream before the copy that reads it (off the trainer's thread); the int8
@@ -240,17 +291,21 @@ Status FetchScheduler::IssueCopies(ParamId id, const void* src,
     staging = std::move(decoded);
     src = staging->data();
   }
-  Status s = device_tier ? ctx_.device->CopyDeviceToDevice(slot, src, part, copy)
+  Status s = device_tier ? ctx_.device->CopyDeviceToDevice(dst, src, bytes, copy)
                          : ctx_.stats->TimeCopy(ctx_.device, copy, [&] {
-                             return ctx_.device->CopyHostToDevice(slot, src, part, copy);
+                             return ctx_.device->CopyHostToDevice(dst, src, bytes, copy);
                            });
   // The staging block goes back once the copy out of it has run (a host function that only
   // drops a reference: it never blocks).
   if (s.ok() && staging) s = ctx_.device->LaunchHostFunc(copy, [staging] { staging->Reset(); });
-  if (s.ok() && !device_tier) ctx_.stats->AddH2D(part);
+  if (s.ok() && !device_tier) ctx_.stats->AddH2D(bytes);
   if (s.ok()) s = ctx_.device->RecordEvent(copy_done_.get(), copy);
   if (s.ok()) s = ctx_.device->StreamWaitEvent(ctx_.streams.comm, copy_done_.get());
-  if (s.ok()) s = ctx_.comm->AllGather(slot, r.device_full, part, ctx_.streams.comm);
+  if (s.ok() && r.quant != nullptr) {
+    s = IssueQuantizedGather(id, slot);
+  } else if (s.ok()) {
+    s = ctx_.comm->AllGather(slot, r.device_full, part, ctx_.streams.comm);
+  }
   if (s.ok()) s = ctx_.device->RecordEvent(r.ready.get(), ctx_.streams.comm);
   if (!s.ok()) {
     FailFetch(id);
@@ -258,6 +313,30 @@ Status FetchScheduler::IssueCopies(ParamId id, const void* src,
   }
   r.staging.reset();
   r.state = State::kFetching;
+  return Status::OK();
+}
+
+Status FetchScheduler::IssueQuantizedGather(ParamId id, void* slot) {
+  Resident& r = res_[id];
+  const size_t n = ctx_.layout->param(id).info.partition_numel;
+  const size_t part = ctx_.layout->DevicePartBytes(id);
+  const size_t blocks = StateBytes(StateType::kInt8, n);
+  const ParamCopyType type = StoredParamType(*ctx_.config);
+  Stream* comm = ctx_.streams.comm;
+  char* mine = static_cast<char*>(r.quant);
+  char* all = mine + blocks;
+  Status s;
+  if (!ctx_.layout->StoredInt8(id)) s = ctx_.device->QuantizeInt8(mine, slot, type, n, comm);
+  if (s.ok()) s = ctx_.comm->AllGather(mine, all, blocks, comm);
+  // Every rank's part decoded, this rank's too: every rank computes with the same values.
+  char* full = static_cast<char*>(r.device_full);
+  for (int k = 0; s.ok() && k < ctx_.comm->world_size(); ++k) {
+    s = ctx_.device->DequantizeInt8(full + k * part, type, all + k * blocks, n, comm);
+  }
+  if (s.ok()) s = ctx_.budget->FreeAfter(r.quant, QuantScratchBytes(id), comm);
+  if (!s.ok()) return s;  // (the caller's FailFetch frees the scratch with the copy)
+  ctx_.budget->Unplan(QuantScratchBytes(id));
+  r.quant = nullptr;
   return Status::OK();
 }
 
@@ -369,7 +448,7 @@ void FetchScheduler::Prefetch(int64_t visible, const Rewriting& rewriting) {
     if (inflight + p.padded_numel > ctx_.config->prefetch_bucket_size && inflight > 0) return;
     // Only prefetch into free budget: never evict for a prefetch.
     const uint64_t grad_room = GradientScratchBytes(p, *ctx_.config);
-    if (!ctx_.budget->Fits(ctx_.layout->FullBytes(id) + grad_room)) return;
+    if (!ctx_.budget->Fits(FetchBytes(id) + grad_room)) return;
     if (live_elems_ + p.padded_numel > MaxLive()) return;
     if (r.aliased) continue;
     // A prefetch failure resurfaces on demand.
@@ -404,7 +483,7 @@ void FetchScheduler::Refresh(int64_t visible, const Rewriting& rewriting) {
     const ParamLayout& p = ctx_.layout->param(id);
     if (r.aliased || Fresh(id, visible) || r.acquired > 0 || rewriting(id)) continue;
     if (r.device_full != nullptr && !Evict(id).ok()) return;  // (its Acquire fetches it)
-    if (!ctx_.budget->Fits(ctx_.layout->FullBytes(id) + GradientScratchBytes(p, *ctx_.config))) {
+    if (!ctx_.budget->Fits(FetchBytes(id) + GradientScratchBytes(p, *ctx_.config))) {
       return;
     }
     if (live_elems_ + p.padded_numel > MaxLive()) return;

@@ -99,6 +99,9 @@ class FetchScheduler {
     // int8 frozen weights: the block of the parameter dtype the partition is decoded into,
     // taken with the staging block (before anything is issued) and handed to the copy.
     std::shared_ptr<PinnedBuffer> decoded;
+    // A quantized gather (QuantizedGather): device scratch for this rank's int8 blocks, then
+    // every rank's (QuantScratchBytes), from the fetch until its decoding is queued.
+    void* quant = nullptr;
     // The version whose fetch was issued into device_full (kNotFetched while it holds none:
     // Acquire takes the buffer for the parameter's value only when this matches).
     uint64_t fetched_version = kNotFetched;
@@ -110,6 +113,21 @@ class FetchScheduler {
   uint64_t MaxLive() const {
     return ReplicatesParameters(*ctx_.config) ? UINT64_MAX : ctx_.config->max_live_parameters;
   }
+  // Whether `id`'s gather moves int8 blocks (several ranks at stage 3): an int8 frozen weight
+  // (its stored blocks), or zero_quantized_weights / zero_quantized_nontrainable_weights.
+  bool QuantizedGather(ParamId id) const;
+  // Its device scratch: this rank's blocks, then the gathered blocks of every rank.
+  size_t QuantScratchBytes(ParamId id) const;
+  // The device memory a fetch of `id` plans: the full parameter and any gather scratch.
+  size_t FetchBytes(ParamId id) const {
+    return ctx_.layout->FullBytes(id) + (QuantizedGather(id) ? QuantScratchBytes(id) : 0);
+  }
+  // Queues the quantized gather on the comm stream (after the copy into `slot`, or into the
+  // scratch for an int8 frozen weight): encode this rank's part, all-gather the blocks,
+  // decode every rank's into device_full, then the scratch goes back once that has run.
+  Status IssueQuantizedGather(ParamId id, void* slot);
+  // Frees the quantized gather's scratch now (no stream used it, or every one is done).
+  void DropQuant(ParamId id);
   // A pinned block of `bytes` for `id`'s fetch (NVMe staging, or an int8 weight's decode
   // block). A demand fetch (`prefetch` false) waits for the blocks in use to come back once;
   // a prefetch gives up at once.

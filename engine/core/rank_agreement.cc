@@ -76,6 +76,10 @@ std::string DescribeForAgreement(const EngineConfig& c, const Layout& layout,
   o << "zinf.gradient_transfer_dtype: " << (c.gradient_transfer_bf16 ? "bf16" : "fp32") << "\n";
   o << "zinf.optimizer_state_dtype: " << StateTypeName(c.optimizer_state_type) << "\n";
   o << "zinf.frozen_weight_dtype: " << (c.frozen_int8 ? "int8" : "as-is") << "\n";
+  o << "zero_optimization.zero_quantized_weights: " << (c.quantized_weights ? "true" : "false")
+    << "\n";
+  o << "zero_optimization.zero_quantized_nontrainable_weights: "
+    << (c.quantized_nontrainable_weights ? "true" : "false") << "\n";
   o << "zinf.speculative_step: "
     << (c.speculative_step == SpeculativeStep::kOn    ? "true"
         : c.speculative_step == SpeculativeStep::kOff ? "false"

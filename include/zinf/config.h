@@ -86,6 +86,19 @@ struct EngineConfig {
   uint64_t max_live_parameters = 1'000'000'000;    // elements resident on the device
   uint64_t max_reuse_distance = 1'000'000'000;     // elements: keep if reused sooner
   uint64_t param_persistence_threshold = 100'000;  // elements: smaller params persist
+  // zero_optimization.zero_quantized_weights (ZeRO++'s qwZ): stage 3 with several ranks,
+  // every parameter all-gather sends int8 codes with an fp32 scale per block of
+  // kInt8StateBlock (256) elements (zinf/cpu_adam.h QuantizeParamsInt8: 1 + 4/256 bytes per
+  // element, a quarter of fp32's and about half of bf16's), decoded into the parameter dtype on
+  // arrival; every rank, its own partition included, computes with the decoded values (an
+  // element's error at most its block's largest magnitude / 254, plus the dtype's rounding).
+  // The masters and the optimizer stay exact. Ignored (with a warning) below stage 3 and
+  // without effect on one rank.
+  bool quantized_weights = false;
+  // zero_optimization.zero_quantized_nontrainable_weights: the same for the frozen parameters
+  // only. Frozen weights stored as int8 (zinf.frozen_weight_dtype) are always gathered in
+  // their stored form, never quantized twice.
+  bool quantized_nontrainable_weights = false;
   AioConfig aio;
   OptimizerConfig optimizer;
   bool bf16 = false;
@@ -236,6 +249,8 @@ void VisitEngineConfig(const EngineConfig& c, Visit&& visit) {
   visit("zero_optimization.stage3_max_live_parameters", c.max_live_parameters);
   visit("zero_optimization.stage3_max_reuse_distance", c.max_reuse_distance);
   visit("zero_optimization.stage3_param_persistence_threshold", c.param_persistence_threshold);
+  visit("zero_optimization.zero_quantized_weights", c.quantized_weights);
+  visit("zero_optimization.zero_quantized_nontrainable_weights", c.quantized_nontrainable_weights);
   visit("aio.block_size", c.aio.block_size);
   visit("aio.queue_depth", c.aio.queue_depth);
   visit("aio.thread_count", c.aio.thread_count);
@@ -284,7 +299,7 @@ void VisitEngineConfig(const EngineConfig& c, Visit&& visit) {
 
 #ifdef ZINF_HAS_FIELD_COUNT_CHECK
 // The fields VisitEngineConfig visits: one added without a visit fails here.
-static_assert(HasFields<EngineConfig, 33> && HasFields<OffloadConfig, 9> &&
+static_assert(HasFields<EngineConfig, 35> && HasFields<OffloadConfig, 9> &&
                   HasFields<AioConfig, 6> && HasFields<OptimizerConfig, 6> &&
                   HasFields<Fp16Config, 7>,
               "EngineConfig gained or lost a field: update VisitEngineConfig and these counts");

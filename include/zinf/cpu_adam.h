@@ -256,6 +256,15 @@ void DequantizeWeightsInt8Bf16(const void* src, size_t n, uint16_t* dst);
 // Into fp16: the fp32 value rounded as Fp32ToFp16 rounds.
 void DequantizeWeightsInt8F16(const void* src, size_t n, uint16_t* dst);
 
+// The quantized parameter gather (zero_quantized_weights, ZeRO++'s qwZ) in the same layout:
+// `n` parameters of `type` (kNone: fp32; kBf16 and kF16 read as their own bits) encoded as
+// QuantizeWeightsInt8 encodes fp32 (the 16-bit values widened exactly first). It never fails:
+// a block holding an inf or a NaN stores zero codes and a NaN scale, so all of it decodes to
+// NaN (a non-finite weight never comes back finite). DequantizeParamsInt8 decodes into `type`
+// (DequantizeWeightsInt8, ...Bf16 or ...F16).
+void QuantizeParamsInt8(const void* src, ParamCopyType type, size_t n, void* dst);
+void DequantizeParamsInt8(const void* src, size_t n, ParamCopyType type, void* dst);
+
 // Sum of squares of a gradient buffer (accumulated in double) and whether it holds an inf or
 // a NaN: the inputs of gradient-norm clipping and of the fp16 overflow check, in one pass.
 struct GradStats {

@@ -127,6 +127,11 @@ Status CastF32ToBf16(const float* src, uint16_t* dst, size_t n, Stream* stream);
 Status Scale(float* x, size_t n, float s, Stream* stream);
 // dst[i] += src[i] (one correctly rounded addition, as on the host).
 Status Add(float* dst, const float* src, size_t n, Stream* stream);
+// The quantized parameter gather's encoding (zinf/cpu_adam.h QuantizeParamsInt8, bit for bit:
+// one thread block per quantization block, the scale's division and the codes' rounding in
+// the CPU's precision) and decoding (DequantizeParamsInt8).
+Status QuantizeInt8(const void* src, ParamCopyType type, size_t n, void* dst, Stream* stream);
+Status DequantizeInt8(const void* src, size_t n, ParamCopyType type, void* dst, Stream* stream);
 // *out_host = sum of x[i]^2 accumulated in double, *nonfinite_host = whether any x[i] is inf
 // or NaN. Deterministic: a fixed grid (independent of the GPU) of per-thread strided sums,
 // reduced per block in a fixed tree, then the per-block sums added in block order by a second

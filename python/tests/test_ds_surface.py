@@ -185,3 +185,21 @@ def test_gathered_parameters_edges(scratch):
     assert init.parameters == 2
     with pytest.raises(zinf.ZinfError, match="before initialize"):
         deepspeed.zero.GatheredParameters([lin.weight]).__enter__()
+
+
+def test_zero_init_takes_the_quantized_gathers_from_the_config(scratch):
+    """zero.Init(zero_quantized_weights=True) is what the config says: accepted when the config
+    sets it (the engine's gathers then send int8 blocks: zero_optimization.zero_quantized_weights
+    reaches the parsed config), refused naming the key when it does not (it would be ignored)."""
+    config = make_config()
+    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
+        with pytest.raises(zinf.ZinfError, match=key):
+            deepspeed.zero.Init(config_dict_or_path=config, **{key: True})
+        with pytest.raises(zinf.ZinfError, match=key):
+            deepspeed.zero.Init(**{key: True})
+    config["zero_optimization"]["zero_quantized_weights"] = True
+    with deepspeed.zero.Init(config_dict_or_path=config, zero_quantized_weights=True) as init:
+        torch.nn.Linear(4, 4)
+    assert init.parameters == 2
+    from zinf._config import Config
+    assert Config(config).summary["zero_optimization.zero_quantized_weights"] is True

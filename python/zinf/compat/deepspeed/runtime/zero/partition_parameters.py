@@ -1,5 +1,7 @@
 """deepspeed.runtime.zero.partition_parameters over zinf: Init, GatheredParameters,
 ZeroParamStatus and register_external_parameter."""
+import json
+
 import torch
 
 import zinf
@@ -29,12 +31,27 @@ class Init(zinf.Init):
             raise zinf.ZinfError("deepspeed.zero.Init(dtype=%s): zinf stores parameters as "
                                  "fp32, bf16 or fp16 (the config's bf16.enabled or "
                                  "fp16.enabled)" % dtype)
-        if zero_quantized_weights or zero_quantized_nontrainable_weights:
-            raise zinf.ZinfError("deepspeed.zero.Init(zero_quantized_*weights=True): quantized "
-                                 "gathers are not implemented; zinf.frozen_weight_dtype "
-                                 "\"int8\" stores frozen weights as int8")
+        given = config_dict_or_path if config_dict_or_path is not None else config
+        for key, on in (("zero_quantized_weights", zero_quantized_weights),
+                        ("zero_quantized_nontrainable_weights",
+                         zero_quantized_nontrainable_weights)):
+            if on and not _zero_key(given, key):
+                # (The gathers are the engine's: deepspeed.initialize's config decides them.)
+                raise zinf.ZinfError(
+                    "deepspeed.zero.Init(%s=True): zinf's engine takes it from the config; set "
+                    "\"zero_optimization\": {\"%s\": true} in the config given to "
+                    "deepspeed.initialize and here (config_dict_or_path=)" % (key, key))
         super().__init__(config=config_dict_or_path if config_dict_or_path is not None
                          else config, enabled=enabled)
+
+
+def _zero_key(config, key):
+    """Whether `config` (a dict, a JSON file's path or None) sets zero_optimization.<key>."""
+    if isinstance(config, (str, bytes)) or hasattr(config, "__fspath__"):
+        with open(config) as f:
+            config = json.load(f)
+    zero = (config or {}).get("zero_optimization") or {}
+    return bool(zero.get(key, False))
 
 
 GatheredParameters = _gathered.GatheredParameters
