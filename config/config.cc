@@ -228,13 +228,6 @@ Status ParseZeroOptimization(ObjectReader& r, EngineConfig* config, ParseContext
   ZINF_RETURN_IF_ERROR(r.ReadBool("zero_quantized_weights", &config->quantized_weights));
   ZINF_RETURN_IF_ERROR(
       r.ReadBool("zero_quantized_nontrainable_weights", &config->quantized_nontrainable_weights));
-  if ((config->quantized_weights || config->quantized_nontrainable_weights) &&
-      config->zero_stage < 3) {
-    ctx->warnings.Add(r.PathOf(config->quantized_weights ? "zero_quantized_weights"
-                                                         : "zero_quantized_nontrainable_weights") +
-                      ": ignored below stage 3 (as in DeepSpeed: stages 0 to 2 keep every "
-                      "parameter whole, with no gather to quantize)");
-  }
   for (std::string_view key : {"zero_hpz_partition_size", "zero_quantized_gradients",
                                "mics_shard_size", "mics_hierarchical_params_gather"}) {
     r.IgnoreWithWarning(key, "DeepSpeed feature not implemented by zinf, ignored");

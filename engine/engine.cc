@@ -98,6 +98,17 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
       ZINF_RETURN_IF_ERROR(CheckNvmePaths(o->nvme_paths, config.allowed_nvme_roots));
     }
   }
+  // (Here, after the programs' flags: --zero-stage and --quantized-weights apply after a parse.)
+  if ((config.quantized_weights || config.quantized_nontrainable_weights) &&
+      config.zero_stage < 3) {
+    LogWarning(
+        std::string("zero_optimization.") +
+        (config.quantized_weights ? "zero_quantized_weights" : "") +
+        (config.quantized_weights && config.quantized_nontrainable_weights ? " and " : "") +
+        (config.quantized_nontrainable_weights ? "zero_quantized_nontrainable_weights" : "") +
+        ": ignored below stage 3 (stage " + std::to_string(config.zero_stage) +
+        " keeps every parameter whole, with no gather to quantize; as in DeepSpeed)");
+  }
   auto impl = std::make_unique<Impl>(config, device, comm, hooks);
   ZINF_RETURN_IF_ERROR(impl->Open());
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
@@ -226,16 +237,20 @@ Result<ParamId> Engine::Impl::RegisterParameter(const ParamSpec& spec) {
   if (!spec.init) {
     return Status::InvalidArgument("parameter '" + spec.name + "': needs a shape and an init");
   }
-  // The largest layer must fit the device budget together with its gradient scratch.
+  // The largest layer must fit the device budget together with its gradient scratch (and a
+  // quantized gather's int8 scratch).
   const uint64_t full = p.padded_numel * layout_.elem_size();
-  const uint64_t need = full + GradientScratchBytes(p, config_);
+  const uint64_t need =
+      full + GradientScratchBytes(p, config_) +
+      QuantizedGatherScratch(p, config_, world_, config_.frozen_int8 && !spec.trainable,
+                             layout_.elem_size());
   if (config_.device_budget_bytes != 0 && need > config_.device_budget_bytes) {
-    return Status::ResourceExhausted("parameter '" + spec.name + "' (" + FormatBytes(full) +
-                                     " gathered, plus its gradient) does not fit the device "
-                                     "budget of " +
-                                     FormatBytes(config_.device_budget_bytes) +
-                                     "; raise zinf.device_budget_bytes to at least " +
-                                     FormatBytes(need))
+    return Status::ResourceExhausted(
+               "parameter '" + spec.name + "' (" + FormatBytes(full) +
+               " gathered, plus its gradient and gather scratch) does not fit the device "
+               "budget of " +
+               FormatBytes(config_.device_budget_bytes) +
+               "; raise zinf.device_budget_bytes to at least " + FormatBytes(need))
         .WithKey("zinf.device_budget_bytes");
   }
   if (need > device_->MemoryInfo().budget) {

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cfloat>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -319,6 +320,59 @@ TEST_P(DeviceContract, ConvertToBf16IsTheCpuReference) {
   ASSERT_TRUE(device_->ConvertToBf16(dst, src, in.size(), stream_).ok());
   std::vector<uint16_t> got = Download(dst, in.size());
   for (size_t i = 0; i < in.size(); ++i) ASSERT_EQ(got[i], Fp32ToBf16(in[i])) << "input " << i;
+}
+
+// The quantized gather's encoding and decoding are the CPU functions' bytes (QuantizeParamsInt8,
+// DequantizeParamsInt8) for every dtype, on every kind of block: ordinary, zero, tiny (below
+// 127 x FLT_MIN), huge (near FLT_MAX), a NaN (with and without a payload), an inf, a failed
+// read's 0xFF bytes (decoding), several blocks and a partial one.
+TEST_P(DeviceContract, QuantizeInt8IsTheCpuFunctions) {
+  constexpr size_t kB = kInt8StateBlock;
+  const size_t n = 7 * kB + 45;
+  std::vector<float> x(n);
+  for (size_t i = 0; i < n; ++i) x[i] = std::sin(0.3f * static_cast<float>(i)) * (1 + i % 9);
+  for (size_t i = kB; i < 2 * kB; ++i) x[i] = 0.0f;
+  for (size_t i = 2 * kB; i < 3 * kB; ++i) x[i] = FLT_MIN * static_cast<float>(i % 5);
+  for (size_t i = 3 * kB; i < 4 * kB; ++i) x[i] = (i % 2 ? -FLT_MAX : FLT_MAX) / (1 + i % 3);
+  x[4 * kB + 9] = std::numeric_limits<float>::quiet_NaN();
+  uint32_t payload = 0xffc12345u;
+  std::memcpy(&x[5 * kB + 1], &payload, sizeof(payload));
+  x[6 * kB + 100] = -std::numeric_limits<float>::infinity();
+  for (ParamCopyType type : {ParamCopyType::kNone, ParamCopyType::kBf16, ParamCopyType::kF16}) {
+    SCOPED_TRACE(ParamCopyTypeName(type));
+    const size_t elem = type == ParamCopyType::kNone ? 4 : 2;
+    std::vector<uint8_t> src(n * elem);
+    for (size_t i = 0; i < n; ++i) {
+      if (type == ParamCopyType::kNone) {
+        std::memcpy(&src[i * 4], &x[i], 4);
+      } else {
+        const uint16_t v = Fp32ToParamCopy(type, x[i]);
+        std::memcpy(&src[i * 2], &v, 2);
+      }
+    }
+    const size_t qbytes = StateBytes(StateType::kInt8, n);
+    uint8_t* dq = Buffer<uint8_t>(qbytes);
+    uint8_t* dback = Buffer<uint8_t>(src.size());
+    ASSERT_TRUE(device_->QuantizeInt8(dq, Upload(src), type, n, stream_).ok());
+    ASSERT_TRUE(device_->DequantizeInt8(dback, type, dq, n, stream_).ok());
+    std::vector<uint8_t> want_q(qbytes), want_back(src.size());
+    QuantizeParamsInt8(src.data(), type, n, want_q.data());
+    DequantizeParamsInt8(want_q.data(), n, type, want_back.data());
+    EXPECT_EQ(Download(dq, qbytes), want_q);
+    EXPECT_EQ(Download(dback, src.size()), want_back);
+    // A failed read's blocks (every byte 0xFF: a NaN scale with a sign and payload) decode to
+    // the CPU's NaN bits too.
+    std::vector<uint8_t> ff(qbytes, 0xFF), want_ff(src.size());
+    DequantizeParamsInt8(ff.data(), n, type, want_ff.data());
+    ASSERT_TRUE(device_->DequantizeInt8(dback, type, Upload(ff), n, stream_).ok());
+    EXPECT_EQ(Download(dback, src.size()), want_ff);
+  }
+  // Misaligned blocks are refused at the call (a misaligned read would stop a GPU's context).
+  uint8_t* d = Buffer<uint8_t>(1024);
+  EXPECT_EQ(device_->QuantizeInt8(d + 1, d + 512, ParamCopyType::kNone, 4, stream_).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(device_->DequantizeInt8(d + 512, ParamCopyType::kNone, d + 2, 4, stream_).code(),
+            StatusCode::kInvalidArgument);
 }
 
 // AddInto is one correctly rounded addition per element (the host's a += b); SumSquares is

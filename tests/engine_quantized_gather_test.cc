@@ -191,9 +191,12 @@ struct Acquired {
   std::vector<size_t> gathers;              // rank 0's all-gathers, bytes_per_rank each
 };
 
-// `frozen`: the parameter is frozen and stored as int8 (zinf.frozen_weight_dtype).
+// kFrozenInt8: the parameter is frozen and stored as int8 (zinf.frozen_weight_dtype);
+// kFrozen: frozen, stored as is, with `quantized` meaning zero_quantized_nontrainable_weights.
+enum class Kind { kTrainable, kFrozenInt8, kFrozen };
+
 Acquired AcquireOnRanks(int ranks, ParamCopyType type, Tier tier, bool quantized, size_t numel,
-                        const std::vector<float>& values, bool frozen = false) {
+                        const std::vector<float>& values, Kind kind = Kind::kTrainable) {
   Acquired out;
   out.bytes.resize(ranks);
   std::vector<std::unique_ptr<Device>> devices;
@@ -227,8 +230,9 @@ Acquired AcquireOnRanks(int ranks, ParamCopyType type, Tier tier, bool quantized
         c.offload_param.buffer_size = 1 << 16;
         c.bf16 = type == ParamCopyType::kBf16;
         c.fp16.enabled = type == ParamCopyType::kF16;
-        c.quantized_weights = quantized;
-        c.frozen_int8 = frozen;
+        c.quantized_weights = quantized && kind == Kind::kTrainable;
+        c.quantized_nontrainable_weights = quantized && kind == Kind::kFrozen;
+        c.frozen_int8 = kind == Kind::kFrozenInt8;
         c.param_persistence_threshold = 0;
         c.optimizer_threads = 1;
         c.pinned_budget_bytes = 16ull << 20;
@@ -237,7 +241,7 @@ Acquired AcquireOnRanks(int ranks, ParamCopyType type, Tier tier, bool quantized
         ParamSpec w;
         w.name = "w";
         w.shape = {static_cast<int64_t>(numel)};
-        w.trainable = !frozen;
+        w.trainable = kind == Kind::kTrainable;
         w.init = [&values](float* d, size_t n) { std::memcpy(d, values.data(), n * 4); };
         ZINF_ASSIGN_OR_RETURN(ParamId id, engine->RegisterParameter(w));
         ZINF_RETURN_IF_ERROR(engine->FinishRegistration());
@@ -279,6 +283,10 @@ TEST(QuantizedGather, EveryRankAcquiresEveryPartitionDecodedTheSame) {
         EXPECT_EQ(plain.bytes[0], exact);
         const Acquired q = AcquireOnRanks(ranks, type, tier, true, kNumel, values);
         ASSERT_TRUE(q.status.ok()) << q.status.ToString();
+        // zero_quantized_nontrainable_weights does the same for a frozen parameter.
+        const Acquired f = AcquireOnRanks(ranks, type, tier, true, kNumel, values, Kind::kFrozen);
+        ASSERT_TRUE(f.status.ok()) << f.status.ToString();
+        EXPECT_EQ(f.bytes, q.bytes);
         // The reference: each partition of the values (as the dtype holds them; the last one
         // padded with zeros) encoded and decoded by the CPU functions.
         const size_t part = q.partition;
@@ -319,7 +327,8 @@ TEST(QuantizedGather, Int8FrozenWeightsAreGatheredAsTheirStoredBlocks) {
       for (Tier tier : {Tier::kCpu, Tier::kNvme}) {
         SCOPED_TRACE(std::string(ParamCopyTypeName(type)) + ", " + std::to_string(ranks) +
                      " ranks, params " + TierLabel(tier));
-        const Acquired a = AcquireOnRanks(ranks, type, tier, false, kNumel, values, true);
+        const Acquired a =
+            AcquireOnRanks(ranks, type, tier, false, kNumel, values, Kind::kFrozenInt8);
         ASSERT_TRUE(a.status.ok()) << a.status.ToString();
         for (int r = 0; r < ranks; ++r) EXPECT_EQ(a.bytes[r], want) << "rank " << r;
         if (ranks == 1) continue;  // (no gather)

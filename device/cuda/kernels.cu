@@ -113,7 +113,11 @@ __global__ void DequantizeInt8Kernel(const uint8_t* src, size_t n, ParamCopyType
        i += size_t{gridDim.x} * blockDim.x) {
     const uint8_t* block = src + i / kQuantBlock * kQuantBlockBytes;
     const float scale = *reinterpret_cast<const float*>(block + kQuantBlock);
-    const float v = __fmul_rn(static_cast<float>(reinterpret_cast<const int8_t*>(block)[i % kQuantBlock]), scale);
+    const int8_t code = reinterpret_cast<const int8_t*>(block)[i % kQuantBlock];
+    // (A NaN scale: the CPU's multiply keeps its sign and payload, quieted; the GPU's would
+    // give the canonical NaN.)
+    const float v = isnan(scale) ? __uint_as_float(__float_as_uint(scale) | 0x400000u)
+                                 : __fmul_rn(static_cast<float>(code), scale);
     if (type == ParamCopyType::kBf16) {
       static_cast<uint16_t*>(dst)[i] = F32ToBf16(v);
     } else if (type == ParamCopyType::kF16) {
@@ -352,6 +356,9 @@ Status QuantizeInt8(const void* src, ParamCopyType type, size_t n, void* dst, St
   if (n == 0) return Status::OK();
   if (src == nullptr) return NullArgument("cuda::QuantizeInt8", "src", n);
   if (dst == nullptr) return NullArgument("cuda::QuantizeInt8", "dst", n);
+  if (reinterpret_cast<uintptr_t>(dst) % 4 != 0) {
+    return Status::InvalidArgument("cuda::QuantizeInt8: dst is not 4-byte aligned");
+  }
   // One thread block per quantization block; a grid's x dimension holds 2^31 - 1 of them.
   size_t blocks = (n + kQuantBlock - 1) / kQuantBlock;
   for (size_t first = 0; first < blocks;) {
@@ -372,6 +379,9 @@ Status DequantizeInt8(const void* src, size_t n, ParamCopyType type, void* dst, 
   if (n == 0) return Status::OK();
   if (src == nullptr) return NullArgument("cuda::DequantizeInt8", "src", n);
   if (dst == nullptr) return NullArgument("cuda::DequantizeInt8", "dst", n);
+  if (reinterpret_cast<uintptr_t>(src) % 4 != 0) {
+    return Status::InvalidArgument("cuda::DequantizeInt8: src is not 4-byte aligned");
+  }
   DequantizeInt8Kernel<<<BlocksFor(n), kThreads, 0, cs->handle()>>>(
       static_cast<const uint8_t*>(src), n, type, dst);
   ZINF_CUDA_CHECK(cudaGetLastError());

@@ -583,10 +583,16 @@ Status HostDevice::AddInto(float* dst, const float* src, size_t n, Stream* strea
 
 namespace {
 
-Status QuantizeArguments(const char* what, void* dst, const void* src, size_t n) {
+// `blocks`: the int8 side (dst of QuantizeInt8, src of DequantizeInt8), whose fp32 scales a
+// GPU reads as words: 4-byte aligned on every device.
+Status QuantizeArguments(const char* what, void* dst, const void* src, size_t n,
+                         const void* blocks) {
   if (dst == nullptr || src == nullptr) {
     return Status::InvalidArgument(std::string(what) + " of " + std::to_string(n) +
                                    " values: " + (dst == nullptr ? "dst" : "src") + " is null");
+  }
+  if (reinterpret_cast<uintptr_t>(blocks) % 4 != 0) {
+    return Status::InvalidArgument(std::string(what) + ": the int8 blocks are not 4-byte aligned");
   }
   return Status::OK();
 }
@@ -597,7 +603,7 @@ Status HostDevice::QuantizeInt8(void* dst, const void* src, ParamCopyType type, 
                                 Stream* stream) {
   ZINF_RETURN_IF_ERROR(OwnStream(stream, "QuantizeInt8").status());
   if (n == 0) return Status::OK();
-  ZINF_RETURN_IF_ERROR(QuantizeArguments("QuantizeInt8", dst, src, n));
+  ZINF_RETURN_IF_ERROR(QuantizeArguments("QuantizeInt8", dst, src, n, dst));
   return LaunchHostTask(stream, [dst, src, type, n] {
     QuantizeParamsInt8(src, type, n, dst);
     return Status::OK();
@@ -608,7 +614,7 @@ Status HostDevice::DequantizeInt8(void* dst, ParamCopyType type, const void* src
                                   Stream* stream) {
   ZINF_RETURN_IF_ERROR(OwnStream(stream, "DequantizeInt8").status());
   if (n == 0) return Status::OK();
-  ZINF_RETURN_IF_ERROR(QuantizeArguments("DequantizeInt8", dst, src, n));
+  ZINF_RETURN_IF_ERROR(QuantizeArguments("DequantizeInt8", dst, src, n, src));
   return LaunchHostTask(stream, [dst, type, src, n] {
     DequantizeParamsInt8(src, n, type, dst);
     return Status::OK();

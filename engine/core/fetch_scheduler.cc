@@ -79,21 +79,25 @@ Status FetchScheduler::Evict(ParamId id) {
   return Status::OK();
 }
 
-bool FetchScheduler::QuantizedGather(ParamId id) const {
-  const EngineConfig& c = *ctx_.config;
-  if (ctx_.comm->world_size() == 1 || ReplicatesParameters(c)) return false;
-  if (ctx_.layout->StoredInt8(id)) return true;  // (already its blocks)
-  const bool frozen = !ctx_.layout->param(id).info.trainable;
+size_t QuantizedGatherScratch(const ParamLayout& p, const EngineConfig& c, int world,
+                              bool stored_int8, size_t elem_size) {
+  if (world == 1 || ReplicatesParameters(c)) return 0;
+  const size_t n = p.info.partition_numel;
+  const size_t blocks = StateBytes(StateType::kInt8, n);
+  const size_t scratch = blocks * (static_cast<size_t>(world) + 1);
+  if (stored_int8) return scratch;  // (already its blocks)
+  const bool frozen = !p.info.trainable;
   // A partition whose blocks are no smaller than it (a few dozen values: the block's padding
   // and scale) goes as it is.
-  const size_t n = ctx_.layout->param(id).info.partition_numel;
-  return (c.quantized_weights || (frozen && c.quantized_nontrainable_weights)) &&
-         StateBytes(StateType::kInt8, n) < ctx_.layout->DevicePartBytes(id);
+  const bool on = c.quantized_weights || (frozen && c.quantized_nontrainable_weights);
+  return on && blocks < n * elem_size ? scratch : 0;
 }
 
+bool FetchScheduler::QuantizedGather(ParamId id) const { return QuantScratchBytes(id) != 0; }
+
 size_t FetchScheduler::QuantScratchBytes(ParamId id) const {
-  const size_t blocks = StateBytes(StateType::kInt8, ctx_.layout->param(id).info.partition_numel);
-  return blocks * (static_cast<size_t>(ctx_.comm->world_size()) + 1);
+  return QuantizedGatherScratch(ctx_.layout->param(id), *ctx_.config, ctx_.comm->world_size(),
+                                ctx_.layout->StoredInt8(id), ctx_.layout->elem_size());
 }
 
 void FetchScheduler::DropQuant(ParamId id) {
@@ -252,8 +256,7 @@ void FetchScheduler::FailFetch(ParamId id) {
              "' stays allocated until the engine closes after a failed fetch: " + quiet.ToString());
   graveyard_.push_back({r.device_full, ctx_.layout->FullBytes(id)});
   if (r.quant != nullptr) {
-    graveyard_.push_back({r.quant, QuantScratchBytes(id)});
-    ctx_.budget->Unplan(QuantScratchBytes(id));
+    graveyard_.push_back({r.quant, QuantScratchBytes(id)});  // (still planned, as device_full)
     r.quant = nullptr;
   }
   r.device_full = nullptr;

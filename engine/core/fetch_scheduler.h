@@ -30,6 +30,13 @@
 
 namespace zinf {
 
+// The device scratch a stage-3 gather of `p` takes beside the full parameter when it moves int8
+// blocks (an int8 frozen weight, `stored_int8`; zero_quantized_weights or
+// zero_quantized_nontrainable_weights when the blocks are smaller than the partition of
+// `elem_size`-byte values): this rank's blocks, then every rank's. 0: a plain gather.
+size_t QuantizedGatherScratch(const ParamLayout& p, const EngineConfig& c, int world,
+                              bool stored_int8, size_t elem_size);
+
 class FetchScheduler {
  public:
   // Reads' copies go to the device on the copy stream, the all-gathers on the comm stream;

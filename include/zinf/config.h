@@ -146,7 +146,8 @@ struct EngineConfig {
   // zinf.frozen_weight_dtype "as-is" (default) or "int8": how frozen parameters
   // (ParamSpec::trainable false) are stored on the cpu and nvme tiers. int8: linear blockwise
   // (kInt8StateBlock elements share an fp32 scale, their largest magnitude / 127; 1 + 4/256
-  // bytes per element), dequantised into the parameter dtype on the host as they are fetched;
+  // bytes per element), dequantised into the parameter dtype on the host as they are fetched
+  // (several ranks at stage 3: gathered as int8 and dequantised on the device);
   // the error of an element is at most its block's largest magnitude / 254. Needs
   // offload_param.device cpu or nvme.
   bool frozen_int8 = false;

@@ -130,7 +130,8 @@ class Device {
   // The quantized parameter gather (zero_quantized_weights): `n` values of `type` at `src`
   // encoded into StateBytes(kInt8, n) bytes at `dst` (cpu_adam.h's QuantizeParamsInt8: int8
   // codes and an fp32 scale per block of kInt8StateBlock; a non-finite block decodes to NaN),
-  // and decoded back into `type`; both pointers in this device's memory (dst 4-byte aligned),
+  // and decoded back into `type`; both pointers in this device's memory (the int8 side 4-byte
+  // aligned: InvalidArgument otherwise),
   // ordered on `stream`, bit-identical to the CPU functions on every device. Argument errors
   // are returned; failures while running become the stream's error.
   virtual Status QuantizeInt8(void* dst, const void* src, ParamCopyType type, size_t n,

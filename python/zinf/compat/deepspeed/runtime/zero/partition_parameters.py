@@ -1,7 +1,5 @@
 """deepspeed.runtime.zero.partition_parameters over zinf: Init, GatheredParameters,
 ZeroParamStatus and register_external_parameter."""
-import json
-
 import torch
 
 import zinf
@@ -46,12 +44,11 @@ class Init(zinf.Init):
 
 
 def _zero_key(config, key):
-    """Whether `config` (a dict, a JSON file's path or None) sets zero_optimization.<key>."""
-    if isinstance(config, (str, bytes)) or hasattr(config, "__fspath__"):
-        with open(config) as f:
-            config = json.load(f)
-    zero = (config or {}).get("zero_optimization") or {}
-    return bool(zero.get(key, False))
+    """Whether `config` (what zinf.initialize takes, or None) sets zero_optimization.<key>."""
+    if config is None:
+        return False
+    from zinf._config import Config  # (read and parsed as the engine will: errors named)
+    return Config(config).summary["zero_optimization." + key] is True
 
 
 GatheredParameters = _gathered.GatheredParameters
