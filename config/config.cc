@@ -80,6 +80,7 @@ constexpr std::string_view kZeroKeys[] = {
     "round_robin_gradients",
     "zero_quantized_weights",
     "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients",
 };
 constexpr std::string_view kZinfKeys[] = {
     "device_budget_bytes",
@@ -228,8 +229,9 @@ Status ParseZeroOptimization(ObjectReader& r, EngineConfig* config, ParseContext
   ZINF_RETURN_IF_ERROR(r.ReadBool("zero_quantized_weights", &config->quantized_weights));
   ZINF_RETURN_IF_ERROR(
       r.ReadBool("zero_quantized_nontrainable_weights", &config->quantized_nontrainable_weights));
-  for (std::string_view key : {"zero_hpz_partition_size", "zero_quantized_gradients",
-                               "mics_shard_size", "mics_hierarchical_params_gather"}) {
+  ZINF_RETURN_IF_ERROR(r.ReadBool("zero_quantized_gradients", &config->quantized_gradients));
+  for (std::string_view key :
+       {"zero_hpz_partition_size", "mics_shard_size", "mics_hierarchical_params_gather"}) {
     r.IgnoreWithWarning(key, "DeepSpeed feature not implemented by zinf, ignored");
   }
   r.Finish();

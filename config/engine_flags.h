@@ -15,19 +15,20 @@
 namespace zinf {
 
 struct EngineFlags {
-  int zero_stage = -1;             // --zero-stage 0 | 1 | 2 | 3
-  std::vector<std::string> nvme;   // --nvme, repeatable; empty: the program's default folder
-  std::string param_tier;          // --param-tier device | cpu | nvme
-  std::string optimizer_tier;      // --optimizer-tier device | cpu | nvme
-  double optimizer_ratio = -1;     // --optimizer-ratio in [0, 1]
-  std::string state_dtype;         // --state-dtype fp32 | bf16 | int8
-  std::string gradient_transfer;   // --gradient-transfer fp32 | bf16
-  double gradient_clipping = -1;   // --gradient-clipping (0: off)
-  std::string speculative_step;    // --speculative-step on | off | auto
-  bool delayed_update = false;     // --delayed-update (given: on)
-  bool quantized_weights = false;  // --quantized-weights (given: on)
-  int optimizer_threads = -1;      // --optimizer-threads (0: every core)
-  std::string io_backend;          // --io-backend io_uring | libaio | psync
+  int zero_stage = -1;               // --zero-stage 0 | 1 | 2 | 3
+  std::vector<std::string> nvme;     // --nvme, repeatable; empty: the program's default folder
+  std::string param_tier;            // --param-tier device | cpu | nvme
+  std::string optimizer_tier;        // --optimizer-tier device | cpu | nvme
+  double optimizer_ratio = -1;       // --optimizer-ratio in [0, 1]
+  std::string state_dtype;           // --state-dtype fp32 | bf16 | int8
+  std::string gradient_transfer;     // --gradient-transfer fp32 | bf16
+  double gradient_clipping = -1;     // --gradient-clipping (0: off)
+  std::string speculative_step;      // --speculative-step on | off | auto
+  bool delayed_update = false;       // --delayed-update (given: on)
+  bool quantized_weights = false;    // --quantized-weights (given: on)
+  bool quantized_gradients = false;  // --quantized-gradients (given: on)
+  int optimizer_threads = -1;        // --optimizer-threads (0: every core)
+  std::string io_backend;            // --io-backend io_uring | libaio | psync
 };
 
 namespace engine_flags_internal {
@@ -99,6 +100,10 @@ inline void AddEngineFlags(CLI::App& app, EngineFlags* f) {
                "zero_optimization.zero_quantized_weights (ZeRO++'s qwZ): stage 3 with several "
                "ranks, the parameter all-gathers send int8 blocks with an fp32 scale per 256 "
                "values (a quarter of fp32's bytes, about half of bf16's)");
+  app.add_flag("--quantized-gradients", f->quantized_gradients,
+               "zero_optimization.zero_quantized_gradients (ZeRO++'s qgZ, one hop): with several "
+               "ranks, each gradient's reduce-scatter sends int8 blocks (an fp32 scale per 256 "
+               "values) in an all-to-all, summed in fp32 by the partition's owner");
   app.add_option("--optimizer-threads", f->optimizer_threads,
                  "zinf.optimizer_threads: CPU optimizer threads (0: every core)")
       ->check(CLI::Range(0, 1024));
@@ -144,6 +149,7 @@ inline Status ApplyEngineFlags(const EngineFlags& f, EngineConfig* c) {
   }
   if (f.delayed_update) c->delayed_update = true;
   if (f.quantized_weights) c->quantized_weights = true;
+  if (f.quantized_gradients) c->quantized_gradients = true;
   if (f.optimizer_threads >= 0) c->optimizer_threads = f.optimizer_threads;
   if (!f.io_backend.empty()) c->aio.backend = f.io_backend;
   if (!f.nvme.empty()) {

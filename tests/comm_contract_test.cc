@@ -536,6 +536,21 @@ Status GatherOnce(RankEnv& env, Stream* s, const std::string& mine, bool in_plac
   return mem.Download(recv, staged.size(), out);
 }
 
+// Rank `rank`'s send buffer of an AllToAll: its block for each peer p, RankBytes salted by p.
+std::string AllToAllSend(int rank, int world, size_t bytes) {
+  std::string out;
+  for (int p = 0; p < world; ++p) out += RankBytes(rank, bytes, 100 + p);
+  return out;
+}
+
+Status AllToAllOnce(RankEnv& env, Stream* s, size_t bytes, std::string* out) {
+  RankBuffers mem(env.device, s);
+  ZINF_ASSIGN_OR_RETURN(char* send, mem.Upload(AllToAllSend(env.rank, env.world, bytes)));
+  ZINF_ASSIGN_OR_RETURN(char* recv, mem.Upload(std::string(bytes * env.world, '\x5a')));
+  ZINF_RETURN_IF_ERROR(env.comm->AllToAll(send, recv, bytes, s));
+  return mem.Download(recv, bytes * env.world, out);
+}
+
 Status ReduceScatterOnce(RankEnv& env, Stream* s, const std::vector<float>& send, bool in_place,
                          std::string* out) {
   RankBuffers mem(env.device, s);
@@ -723,6 +738,29 @@ TEST_P(CommContract, AllGatherEverySizeInAndOutOfPlace) {
     }
   }
   ExpectData(reports, std::vector<std::string>(world(), want));
+}
+
+// Rank r receives every rank's r-th block, in rank order.
+TEST_P(CommContract, AllToAllEverySize) {
+  std::vector<RankReport> reports = RunRanks([](RankEnv& env) {
+    for (Stream* s : env.Streams()) {
+      for (size_t bytes : kByteSizes) {
+        if (!env.Ok(AllToAllOnce(env, s, bytes, env.data()), Where("AllToAll", bytes, s, false))) {
+          return;
+        }
+      }
+    }
+  });
+  ASSERT_TRUE(AllOk(reports));
+  for (int r = 0; r < world(); ++r) {
+    std::string want;
+    for (int pass = 0; pass < 2; ++pass) {
+      for (size_t bytes : kByteSizes) {
+        for (int from = 0; from < world(); ++from) want += RankBytes(from, bytes, 100 + r);
+      }
+    }
+    EXPECT_TRUE(SameBytes(reports[r].data, want)) << "rank " << r;
+  }
 }
 
 TEST_P(CommContract, ReduceScatterSumEverySizeInAndOutOfPlace) {

@@ -456,7 +456,8 @@ struct RunOptions {
   // other ranks' free): it fails on every rank, and succeeds on every rank once freed (the
   // ranks' states differ in between: the retry's collectives must still pair).
   int block_acquire_rank = -1;
-  bool quantized_weights = false;  // zero_optimization.zero_quantized_weights
+  bool quantized_weights = false;    // zero_optimization.zero_quantized_weights
+  bool quantized_gradients = false;  // zero_optimization.zero_quantized_gradients
   std::chrono::seconds timeout{120};
 
   std::string Describe() const {
@@ -470,6 +471,7 @@ struct RunOptions {
        << ", device budget " << device_budget_bytes;
     if (delayed) os << ", delayed update";
     if (quantized_weights) os << ", quantized weight gathers";
+    if (quantized_gradients) os << ", quantized gradient reduction";
     if (ratio < 1) os << ", optimizer ratio " << ratio;
     if (param_groups) os << ", biases in their own parameter group";
     if (swapped_micro_step >= 0) os << ", swapped acquire order at " << swapped_micro_step;
@@ -516,12 +518,16 @@ inline EngineConfig MakeConfig(const RunOptions& o, const std::string& nvme_dir)
   c.speculative_step = o.speculative;
   c.zero_stage = o.stage;
   c.quantized_weights = o.quantized_weights;
+  c.quantized_gradients = o.quantized_gradients;
   return c;
 }
 
 // How many collectives of each kind a rank's engine issued (CountingComm).
 struct CollectiveCounts {
   int all_gather = 0, reduce_scatter = 0, all_reduce = 0, broadcast = 0, barrier = 0;
+  int all_to_all = 0;
+  uint64_t all_to_all_bytes = 0;         // bytes_per_rank each
+  uint64_t reduce_scatter_floats = 0;    // count_per_rank each
   uint64_t all_gather_bytes = 0;         // what this rank sent in them (bytes_per_rank each)
   std::vector<size_t> all_gather_sizes;  // bytes_per_rank of each, in order
 };
@@ -539,8 +545,14 @@ class CountingComm final : public Communicator {
     counts_.all_gather_sizes.push_back(bytes);
     return inner_->AllGather(send, recv, bytes, stream);
   }
+  Status AllToAll(const void* send, void* recv, size_t bytes, Stream* stream) override {
+    ++counts_.all_to_all;
+    counts_.all_to_all_bytes += bytes;
+    return inner_->AllToAll(send, recv, bytes, stream);
+  }
   Status ReduceScatterSum(const float* send, float* recv, size_t count, Stream* stream) override {
     ++counts_.reduce_scatter;
+    counts_.reduce_scatter_floats += count;
     return inner_->ReduceScatterSum(send, recv, count, stream);
   }
   Status AllReduceSum(float* buf, size_t count, Stream* stream) override {

@@ -402,6 +402,124 @@ TEST(QuantizedGather, TrainsWithinTwoPercentOfPlainZero3OnAQuarterOfTheBytes) {
   }
 }
 
+// qgZ (zero_quantized_gradients), alone and with qwZ: every gradient's reduce-scatter whose
+// blocks are smaller becomes an all-to-all of int8 blocks, summed in fp32 in rank order by the
+// partition's owner. Against plain ZeRO-3: the ranks agree on every master bit, each step's loss
+// within 2 %, and the reduction's bytes about a quarter.
+TEST(QuantizedGather, QuantizedGradientsTrainWithinTwoPercentOnAQuarterOfTheBytes) {
+  for (int ranks : {2, 4}) {
+    for (Tier tier : {Tier::kCpu, Tier::kNvme}) {
+      RunOptions o;
+      o.ranks = ranks;
+      o.param_tier = tier;
+      o.optimizer_tier = tier;
+      o.grad_accum = 2;
+      o.steps = 6;
+      const RunResult plain = RunTraining(o);
+      ASSERT_TRUE(plain.status.ok()) << plain.status.ToString();
+      for (bool weights_too : {false, true}) {
+        o.quantized_gradients = true;
+        o.quantized_weights = weights_too;
+        SCOPED_TRACE(o.Describe());
+        const RunResult q = RunTraining(o);
+        ASSERT_TRUE(q.status.ok()) << q.status.ToString();
+        EXPECT_TRUE(q.ranks_agree);
+        ASSERT_TRUE(AllFinite(q.params));
+        const std::vector<double> a = StepLosses(plain.losses, o.grad_accum);
+        const std::vector<double> b = StepLosses(q.losses, o.grad_accum);
+        ASSERT_EQ(a.size(), b.size());
+        double worst = 0;
+        for (size_t s = 0; s < a.size(); ++s) {
+          worst = std::max(worst, std::fabs(b[s] - a[s]) / a[s]);
+          EXPECT_LE(std::fabs(b[s] - a[s]), 0.02 * a[s]) << "step " << s;
+        }
+        EXPECT_LT(b.back(), b.front());  // it trains
+        EXPECT_FALSE(SameBits(q.params, plain.params));
+        for (int r = 0; r < ranks; ++r) {
+          const CollectiveCounts& pc = plain.collectives[r];
+          const CollectiveCounts& qc = q.collectives[r];
+          // Each reduce-scatter is an all-to-all now, but for partitions too small to gain.
+          EXPECT_GT(qc.all_to_all, 0) << "rank " << r;
+          EXPECT_EQ(qc.all_to_all + qc.reduce_scatter, pc.reduce_scatter) << "rank " << r;
+          const double plain_bytes = 4.0 * static_cast<double>(pc.reduce_scatter_floats) * ranks;
+          const double q_bytes = static_cast<double>(qc.all_to_all_bytes) * ranks +
+                                 4.0 * static_cast<double>(qc.reduce_scatter_floats) * ranks;
+          EXPECT_LT(q_bytes, 0.3 * plain_bytes) << "rank " << r;
+          if (r == 0) {
+            std::printf(
+                "%d ranks, params %s%s: gradient reduction %.0f bytes against %.0f "
+                "(%.3fx), worst step loss %.4f %%\n",
+                ranks, TierLabel(tier), weights_too ? ", with qwZ" : "", q_bytes, plain_bytes,
+                q_bytes / plain_bytes, 100 * worst);
+          }
+        }
+      }
+    }
+  }
+}
+
+// A NaN in one rank's gradient reaches the partition's owner as NaN (its block decodes to NaN
+// there) and fails the step on every rank as the plain reduce-scatter does: with clipping, the
+// global norm every rank agrees on is not finite. (Without clipping only the owner's optimizer
+// sees it, with or without quantization: the other rank's step succeeds and its next
+// collective waits for the collective timeout; a known gap, not this test's subject.)
+TEST(QuantizedGather, ANanOnOneRankFailsTheStepAsWithoutQuantization) {
+  constexpr size_t kNumel = 4 * kBlock + 40;
+  auto step = [](bool quantized, std::vector<Status>* out) -> Status {
+    constexpr int kRanks = 2;
+    std::vector<std::unique_ptr<Device>> devices;
+    std::vector<Device*> raw;
+    for (int r = 0; r < kRanks; ++r) {
+      devices.push_back(NewTestHostDevice());
+      raw.push_back(devices.back().get());
+    }
+    ZINF_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Communicator>> comms, NewLocalComms(raw));
+    out->assign(kRanks, Status::OK());
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] {
+        (*out)[r] = [&]() -> Status {
+          EngineConfig c;
+          c.offload_param.tier = Tier::kCpu;
+          c.offload_optimizer.tier = Tier::kCpu;
+          c.quantized_gradients = quantized;
+          c.gradient_clipping = 1.0;
+          c.param_persistence_threshold = 0;
+          c.optimizer_threads = 1;
+          c.pinned_budget_bytes = 16ull << 20;
+          ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                                Engine::Create(c, raw[r], comms[r].get()));
+          ParamSpec w;
+          w.name = "w";
+          w.shape = {static_cast<int64_t>(kNumel)};
+          w.init = [](float* d, size_t n) {
+            for (size_t i = 0; i < n; ++i) d[i] = 0.01f * static_cast<float>(i % 7);
+          };
+          ZINF_ASSIGN_OR_RETURN(ParamId id, engine->RegisterParameter(w));
+          ZINF_RETURN_IF_ERROR(engine->FinishRegistration());
+          ZINF_RETURN_IF_ERROR(engine->Acquire({id}).status());
+          ZINF_RETURN_IF_ERROR(engine->Release({id}));
+          std::vector<float> g(kNumel, 0.1f);
+          if (r == 1) g[3] = std::nanf("");  // in rank 0's partition
+          ZINF_RETURN_IF_ERROR(engine->ReduceGradient(id, g.data()));
+          return engine->Step().status();
+        }();
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    return Status::OK();
+  };
+  std::vector<Status> plain, q;
+  ASSERT_TRUE(step(false, &plain).ok());
+  ASSERT_TRUE(step(true, &q).ok());
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_FALSE(plain[r].ok()) << "rank " << r;
+    EXPECT_EQ(q[r].code(), plain[r].code()) << "rank " << r << ": " << q[r].ToString();
+    EXPECT_EQ(q[r].message(), plain[r].message()) << "rank " << r;
+    EXPECT_NE(q[r].message().find("not finite"), std::string::npos) << q[r].ToString();
+  }
+}
+
 }  // namespace
 }  // namespace engine_test
 }  // namespace zinf

@@ -153,7 +153,7 @@ class FaultyDevice : public Device {
   std::atomic<int> injected_{0};
 };
 
-enum class CommOp { kAllGather, kReduceScatterSum, kAllReduceSum };
+enum class CommOp { kAllGather, kReduceScatterSum, kAllReduceSum, kAllToAll };
 
 // Fails the collective after `skip` calls of kind `op` on this rank, once, without taking part
 // in it (the other ranks wait for it until their communicator's timeout).
@@ -172,6 +172,10 @@ class FaultyComm : public Communicator {
   Status AllGather(const void* send, void* recv, size_t bytes, Stream* s) override {
     ZINF_RETURN_IF_ERROR(Inject(CommOp::kAllGather));
     return inner_->AllGather(send, recv, bytes, s);
+  }
+  Status AllToAll(const void* send, void* recv, size_t bytes, Stream* s) override {
+    ZINF_RETURN_IF_ERROR(Inject(CommOp::kAllToAll));
+    return inner_->AllToAll(send, recv, bytes, s);
   }
   Status ReduceScatterSum(const float* send, float* recv, size_t count, Stream* s) override {
     ZINF_RETURN_IF_ERROR(Inject(CommOp::kReduceScatterSum));

@@ -210,6 +210,27 @@ class NcclComm final : public Communicator {
     });
   }
 
+  Status AllToAll(const void* send, void* recv, size_t bytes_per_rank, Stream* stream) override {
+    const std::string what = "AllToAll of " + std::to_string(bytes_per_rank) + " bytes per rank";
+    if (bytes_per_rank == 0) return Status::OK();
+    ZINF_RETURN_IF_ERROR(CheckBuffers(what, send != nullptr, recv != nullptr));
+    const int n = options_.world_size;
+    return Issue(what, stream, [&](cudaStream_t s) {
+      // One send and one receive per peer, grouped: NCCL runs them as one operation.
+      ncclResult_t r = ncclGroupStart();
+      for (int peer = 0; peer < n && r == ncclSuccess; ++peer) {
+        r = ncclSend(static_cast<const char*>(send) + peer * bytes_per_rank, bytes_per_rank,
+                     ncclUint8, peer, comm_, s);
+        if (r == ncclSuccess) {
+          r = ncclRecv(static_cast<char*>(recv) + peer * bytes_per_rank, bytes_per_rank, ncclUint8,
+                       peer, comm_, s);
+        }
+      }
+      const ncclResult_t end = ncclGroupEnd();
+      return r != ncclSuccess ? r : end;
+    });
+  }
+
   Status ReduceScatterSum(const float* send, float* recv, size_t count_per_rank,
                           Stream* stream) override {
     const std::string what =

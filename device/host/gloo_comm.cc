@@ -139,12 +139,14 @@ Result<std::string> RouteAddress(const std::string& host, int port) {
   return found;
 }
 
-enum class Kind { kAllGather, kReduceScatterSum, kAllReduceSum, kBroadcast, kBarrier };
+enum class Kind { kAllGather, kReduceScatterSum, kAllReduceSum, kBroadcast, kBarrier, kAllToAll };
 
 std::string Describe(Kind kind, size_t size, int root) {
   switch (kind) {
     case Kind::kAllGather:
       return "AllGather of " + std::to_string(size) + " bytes per rank";
+    case Kind::kAllToAll:
+      return "AllToAll of " + std::to_string(size) + " bytes per rank";
     case Kind::kReduceScatterSum:
       return "ReduceScatterSum of " + std::to_string(size) + " floats per rank";
     case Kind::kAllReduceSum:
@@ -195,6 +197,25 @@ class GlooComm final : public Communicator {
       o.setOutput(out, bytes_per_rank * n);
       o.setTag(tag);
       gloo::allgather(o);
+    });
+  }
+
+  Status AllToAll(const void* send, void* recv, size_t bytes_per_rank, Stream* stream) override {
+    if (bytes_per_rank == 0) return Status::OK();
+    const std::string what = Describe(Kind::kAllToAll, bytes_per_rank, -1);
+    if (Status bad = CheckBuffers(what, send, recv); !bad.ok()) return Refuse(bad);
+    const int n = world_size();
+    const uint64_t sent = bytes_per_rank * (n - 1);  // one block to each peer
+    return Issue(what, stream, sent, [=](const std::shared_ptr<gloo::Context>& ctx, uint32_t tag) {
+      if (n == 1) {
+        std::memcpy(recv, send, bytes_per_rank);
+        return;
+      }
+      gloo::AlltoallOptions o(ctx);
+      o.setInput(static_cast<uint8_t*>(const_cast<void*>(send)), bytes_per_rank * n);
+      o.setOutput(static_cast<uint8_t*>(recv), bytes_per_rank * n);
+      o.setTag(tag);
+      gloo::alltoall(o);
     });
   }
 

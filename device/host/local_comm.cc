@@ -16,7 +16,14 @@
 namespace zinf {
 namespace {
 
-enum class CollectiveKind { kAllGather, kReduceScatterSum, kAllReduceSum, kBroadcast, kBarrier };
+enum class CollectiveKind {
+  kAllGather,
+  kReduceScatterSum,
+  kAllReduceSum,
+  kBroadcast,
+  kBarrier,
+  kAllToAll
+};
 
 const char* KindName(CollectiveKind kind) {
   switch (kind) {
@@ -30,6 +37,8 @@ const char* KindName(CollectiveKind kind) {
       return "Broadcast";
     case CollectiveKind::kBarrier:
       return "Barrier";
+    case CollectiveKind::kAllToAll:
+      return "AllToAll";
   }
   return "?";
 }
@@ -47,6 +56,7 @@ struct Call {
     std::string s = KindName(kind);
     switch (kind) {
       case CollectiveKind::kAllGather:
+      case CollectiveKind::kAllToAll:
         s += " of " + std::to_string(size) + " bytes per rank";
         break;
       case CollectiveKind::kReduceScatterSum:
@@ -268,6 +278,22 @@ class LocalComm final : public Communicator {
                      unsigned char* dst = out + r * bytes_per_rank;
                      // In place (send == recv + rank * bytes_per_rank): already there.
                      if (dst != all[r].send) std::memcpy(dst, all[r].send, bytes_per_rank);
+                   }
+                 });
+  }
+
+  Status AllToAll(const void* send, void* recv, size_t bytes_per_rank, Stream* stream) override {
+    const Call call{CollectiveKind::kAllToAll, bytes_per_rank, -1};
+    Status args = CheckBuffers(call, bytes_per_rank > 0, send != nullptr, recv != nullptr);
+    const int rank = rank_;
+    auto* out = static_cast<unsigned char*>(recv);
+    return Issue(stream, call, args, Posted{send, recv}, /*steps=*/1,
+                 [out, bytes_per_rank, rank](int, const std::vector<Posted>& all) {
+                   if (bytes_per_rank == 0) return;  // the pointers may be null
+                   for (size_t r = 0; r < all.size(); ++r) {
+                     const auto* from = static_cast<const unsigned char*>(all[r].send);
+                     std::memcpy(out + r * bytes_per_rank, from + rank * bytes_per_rank,
+                                 bytes_per_rank);
                    }
                  });
   }

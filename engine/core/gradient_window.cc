@@ -235,9 +235,10 @@ Status GradientWindow::Reduce(ParamId id, const float* grad, int64_t ready) {
   // and (bf16) the partition rounded.
   job.n = job.one_rank_first ? p.info.numel : part;
   job.link_bytes = job.n * (job.bf16 ? 2 : 4);
-  job.scratch_bytes = job.one_rank_first ? job.link_bytes
-                                         : p.padded_numel * sizeof(float) + part * sizeof(float) +
-                                               (job.bf16 ? part * 2 : 0);
+  job.scratch_bytes = job.one_rank_first
+                          ? job.link_bytes
+                          : p.padded_numel * sizeof(float) + part * sizeof(float) +
+                                (job.bf16 ? part * 2 : 0) + QuantizedReduceBytes(p, *ctx_.config);
   ZINF_ASSIGN_OR_RETURN(job.scratch,
                         ctx_.budget->Alloc(job.scratch_bytes, "gradient of '" + p.info.name + "'"));
   ctx_.budget->PlanScratch(job.scratch_bytes);
@@ -327,7 +328,7 @@ Status GradientWindow::StageForLink(const ReduceJob& job, const float* grad, con
   }
   if (s.ok()) s = device->RecordEvent(compute_done_.get(), compute);
   if (s.ok()) s = device->StreamWaitEvent(ctx_.streams.comm, compute_done_.get());
-  if (s.ok()) s = ctx_.comm->ReduceScatterSum(full, mine, part, ctx_.streams.comm);
+  if (s.ok()) s = ReduceScatter(job, full, mine);
   if (s.ok()) s = device->RecordEvent(comm_done_.get(), ctx_.streams.comm);
   if (s.ok()) s = device->StreamWaitEvent(ctx_.streams.grad, comm_done_.get());
   *out = mine;
@@ -335,6 +336,34 @@ Status GradientWindow::StageForLink(const ReduceJob& job, const float* grad, con
     uint16_t* rounded = reinterpret_cast<uint16_t*>(mine + part);
     s = device->ConvertToBf16(rounded, mine, part, ctx_.streams.grad);
     *out = rounded;
+  }
+  return s;
+}
+
+Status GradientWindow::ReduceScatter(const ReduceJob& job, const float* full, float* mine) {
+  const size_t part = job.p->info.partition_numel;
+  Stream* comm = ctx_.streams.comm;
+  const size_t quant = QuantizedReduceBytes(*job.p, *ctx_.config);
+  if (quant == 0) return ctx_.comm->ReduceScatterSum(full, mine, part, comm);
+  // zero_quantized_gradients: each rank's partitions of this gradient as int8 blocks, one to
+  // each owner in an all-to-all, decoded and summed in rank order there: ((g0 + g1) + g2)...,
+  // as LocalComm and GlooComm add. The scratch's tail: the blocks sent, those received, one
+  // decoded partition.
+  const int world = ctx_.comm->world_size();
+  const size_t blocks = StateBytes(StateType::kInt8, part);
+  char* send = static_cast<char*>(job.scratch) + job.scratch_bytes - quant;
+  char* recv = send + world * blocks;
+  float* decoded = reinterpret_cast<float*>(recv + world * blocks);
+  Device* device = ctx_.device;
+  Status s;
+  for (int k = 0; s.ok() && k < world; ++k) {
+    s = device->QuantizeInt8(send + k * blocks, full + k * part, ParamCopyType::kNone, part, comm);
+  }
+  if (s.ok()) s = ctx_.comm->AllToAll(send, recv, blocks, comm);
+  if (s.ok()) s = device->DequantizeInt8(mine, ParamCopyType::kNone, recv, part, comm);
+  for (int k = 1; s.ok() && k < world; ++k) {
+    s = device->DequantizeInt8(decoded, ParamCopyType::kNone, recv + k * blocks, part, comm);
+    if (s.ok()) s = device->AddInto(mine, decoded, part, comm);
   }
   return s;
 }

@@ -32,10 +32,22 @@ struct ParamLayout {
 // The most device scratch a gradient of `p` takes in GradientWindow::Reduce: the padded full
 // gradient and this rank's reduced partition (fp32), plus the partition rounded to bf16 with
 // zinf.gradient_transfer_dtype "bf16". Eviction and prefetch leave this much room.
+// zero_quantized_gradients' part of it: each rank's int8 blocks to send and those received
+// (world x the partition's blocks each) and one decoded partition; 0 when the reduction is a
+// plain reduce-scatter (one rank, the key off, or a partition whose blocks are no smaller).
+inline size_t QuantizedReduceBytes(const ParamLayout& p, const EngineConfig& config) {
+  const size_t part = p.info.partition_numel;
+  if (!config.quantized_gradients || part == 0 || p.padded_numel == part) return 0;
+  const size_t blocks = StateBytes(StateType::kInt8, part);
+  if (blocks >= part * sizeof(float)) return 0;
+  return 2 * (p.padded_numel / part) * blocks + part * sizeof(float);
+}
+
 inline size_t GradientScratchBytes(const ParamLayout& p, const EngineConfig& config) {
   if (!p.info.trainable) return 0;  // a frozen parameter takes no gradient
   return (p.padded_numel + p.info.partition_numel) * sizeof(float) +
-         (config.gradient_transfer_bf16 ? p.info.partition_numel * sizeof(uint16_t) : 0);
+         (config.gradient_transfer_bf16 ? p.info.partition_numel * sizeof(uint16_t) : 0) +
+         QuantizedReduceBytes(p, config);
 }
 
 struct GroupLayout {

@@ -80,6 +80,8 @@ std::string DescribeForAgreement(const EngineConfig& c, const Layout& layout,
     << "\n";
   o << "zero_optimization.zero_quantized_nontrainable_weights: "
     << (c.quantized_nontrainable_weights ? "true" : "false") << "\n";
+  o << "zero_optimization.zero_quantized_gradients: " << (c.quantized_gradients ? "true" : "false")
+    << "\n";
   o << "zinf.speculative_step: "
     << (c.speculative_step == SpeculativeStep::kOn    ? "true"
         : c.speculative_step == SpeculativeStep::kOff ? "false"

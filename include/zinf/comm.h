@@ -52,6 +52,10 @@ class Communicator {
   // all-reduce every rank gets the same values.
   virtual Status ReduceScatterSum(const float* send, float* recv, size_t count_per_rank,
                                   Stream* stream) = 0;
+  // recv[r * bytes_per_rank ...] = send_r[rank * bytes_per_rank ...]: each rank's r-th block
+  // goes to rank r (send and recv hold world_size * bytes_per_rank, and do not overlap). The
+  // quantized gradient reduction (zero_quantized_gradients) moves its int8 blocks with it.
+  virtual Status AllToAll(const void* send, void* recv, size_t bytes_per_rank, Stream* stream) = 0;
   // buf = sum over ranks on every rank (the same values on all; the order as above).
   virtual Status AllReduceSum(float* buf, size_t count, Stream* stream) = 0;
   virtual Status Broadcast(void* buf, size_t bytes, int root, Stream* stream) = 0;

@@ -99,6 +99,14 @@ struct EngineConfig {
   // only. Frozen weights stored as int8 (zinf.frozen_weight_dtype) are always gathered in
   // their stored form, never quantized twice.
   bool quantized_nontrainable_weights = false;
+  // zero_optimization.zero_quantized_gradients (ZeRO++'s qgZ, in one hop): with several ranks,
+  // each gradient's reduce-scatter becomes an all-to-all of int8 blocks (each rank's full
+  // gradient, partition by partition, encoded as zero_quantized_weights' blocks: 1 + 4/256
+  // bytes per value instead of 4), decoded and summed in fp32 in rank order by each partition's
+  // owner. A NaN or inf on any rank reaches the owner as NaN (its block decodes to NaN), so the
+  // checks and clipping see it as before. Each rank's contribution is off by at most its
+  // block's largest magnitude / 254. Partitions too small to gain go as they are.
+  bool quantized_gradients = false;
   AioConfig aio;
   OptimizerConfig optimizer;
   bool bf16 = false;
@@ -252,6 +260,7 @@ void VisitEngineConfig(const EngineConfig& c, Visit&& visit) {
   visit("zero_optimization.stage3_param_persistence_threshold", c.param_persistence_threshold);
   visit("zero_optimization.zero_quantized_weights", c.quantized_weights);
   visit("zero_optimization.zero_quantized_nontrainable_weights", c.quantized_nontrainable_weights);
+  visit("zero_optimization.zero_quantized_gradients", c.quantized_gradients);
   visit("aio.block_size", c.aio.block_size);
   visit("aio.queue_depth", c.aio.queue_depth);
   visit("aio.thread_count", c.aio.thread_count);
@@ -300,7 +309,7 @@ void VisitEngineConfig(const EngineConfig& c, Visit&& visit) {
 
 #ifdef ZINF_HAS_FIELD_COUNT_CHECK
 // The fields VisitEngineConfig visits: one added without a visit fails here.
-static_assert(HasFields<EngineConfig, 35> && HasFields<OffloadConfig, 9> &&
+static_assert(HasFields<EngineConfig, 36> && HasFields<OffloadConfig, 9> &&
                   HasFields<AioConfig, 6> && HasFields<OptimizerConfig, 6> &&
                   HasFields<Fp16Config, 7>,
               "EngineConfig gained or lost a field: update VisitEngineConfig and these counts");
