@@ -99,15 +99,18 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
     }
   }
   // (Here, after the programs' flags: --zero-stage and --quantized-weights apply after a parse.)
-  if ((config.quantized_weights || config.quantized_nontrainable_weights) &&
-      config.zero_stage < 3) {
-    LogWarning(
-        std::string("zero_optimization.") +
-        (config.quantized_weights ? "zero_quantized_weights" : "") +
-        (config.quantized_weights && config.quantized_nontrainable_weights ? " and " : "") +
-        (config.quantized_nontrainable_weights ? "zero_quantized_nontrainable_weights" : "") +
-        ": ignored below stage 3 (stage " + std::to_string(config.zero_stage) +
-        " keeps every parameter whole, with no gather to quantize; as in DeepSpeed)");
+  if (config.zero_stage < 3) {
+    std::string keys;
+    for (const auto& [on, key] : {std::pair{config.quantized_weights, "zero_quantized_weights"},
+                                  {config.quantized_nontrainable_weights,
+                                   "zero_quantized_nontrainable_weights"},
+                                  {config.quantized_gradients, "zero_quantized_gradients"}}) {
+      if (on) keys += std::string(keys.empty() ? "zero_optimization." : ", ") + key;
+    }
+    if (!keys.empty()) {
+      LogWarning(keys + ": ignored below stage 3, as in DeepSpeed (stage " +
+                 std::to_string(config.zero_stage) + " runs plain gathers and reductions)");
+    }
   }
   auto impl = std::make_unique<Impl>(config, device, comm, hooks);
   ZINF_RETURN_IF_ERROR(impl->Open());

@@ -474,6 +474,12 @@ TEST(QuantizedGather, ANanOnOneRankFailsTheStepAsWithoutQuantization) {
       raw.push_back(devices.back().get());
     }
     ZINF_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Communicator>> comms, NewLocalComms(raw));
+    std::vector<CountingComm*> counting;
+    for (std::unique_ptr<Communicator>& comm : comms) {
+      auto wrapped = std::make_unique<CountingComm>(std::move(comm));
+      counting.push_back(wrapped.get());
+      comm = std::move(wrapped);
+    }
     out->assign(kRanks, Status::OK());
     std::vector<std::thread> threads;
     for (int r = 0; r < kRanks; ++r) {
@@ -507,6 +513,10 @@ TEST(QuantizedGather, ANanOnOneRankFailsTheStepAsWithoutQuantization) {
       });
     }
     for (std::thread& t : threads) t.join();
+    // (The quantized run reduced through the all-to-all; the plain one did not.)
+    if ((counting[0]->counts().all_to_all > 0) != quantized) {
+      return Status::Internal("all-to-alls: " + std::to_string(counting[0]->counts().all_to_all));
+    }
     return Status::OK();
   };
   std::vector<Status> plain, q;
@@ -517,6 +527,105 @@ TEST(QuantizedGather, ANanOnOneRankFailsTheStepAsWithoutQuantization) {
     EXPECT_EQ(q[r].code(), plain[r].code()) << "rank " << r << ": " << q[r].ToString();
     EXPECT_EQ(q[r].message(), plain[r].message()) << "rank " << r;
     EXPECT_NE(q[r].message().find("not finite"), std::string::npos) << q[r].ToString();
+  }
+}
+
+// The quantized reduction's value, against the CPU functions: every rank's gradient cut into
+// the partitions (the last padded with zeros), each partition encoded and decoded, the ranks'
+// decoded values summed in rank order; the global norm the step reports (clipping on, never
+// clipping) is that sum's. Plain ZeRO-3's is the exact sum's, and the two differ by far more
+// than the norm's own rounding (so the check sees a rank dropped, a scale off, or no
+// quantization at all).
+TEST(QuantizedGather, TheQuantizedReductionIsEachRanksBlocksSummedInRankOrder) {
+  constexpr size_t kNumel = 3 * kBlock + 1000;  // 1,768: not a multiple of any world here
+  auto grad = [](int rank, size_t i) {
+    // Within each block, one value far above the rest: the others quantize coarsely.
+    const float v = std::sin(0.7f * static_cast<float>(i) + static_cast<float>(rank)) * 0.01f;
+    return i % kBlock == static_cast<size_t>(rank * 37) % kBlock ? v * 400.0f : v;
+  };
+  for (int ranks : {2, 3}) {
+    double norms[2] = {0, 0};
+    size_t part = 0;
+    for (bool quantized : {false, true}) {
+      std::vector<std::unique_ptr<Device>> devices;
+      std::vector<Device*> raw;
+      for (int r = 0; r < ranks; ++r) {
+        devices.push_back(NewTestHostDevice());
+        raw.push_back(devices.back().get());
+      }
+      Result<std::vector<std::unique_ptr<Communicator>>> comms = NewLocalComms(raw);
+      ASSERT_TRUE(comms.ok());
+      std::vector<Status> status(ranks);
+      std::vector<double> norm(ranks, -1);
+      std::vector<std::thread> threads;
+      for (int r = 0; r < ranks; ++r) {
+        threads.emplace_back([&, r] {
+          status[r] = [&]() -> Status {
+            EngineConfig c;
+            c.offload_param.tier = Tier::kCpu;
+            c.offload_optimizer.tier = Tier::kCpu;
+            c.quantized_gradients = quantized;
+            c.gradient_clipping = 1e30;  // the norm is computed, nothing is clipped
+            c.param_persistence_threshold = 0;
+            c.optimizer_threads = 1;
+            c.pinned_budget_bytes = 16ull << 20;
+            ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                                  Engine::Create(c, raw[r], (*comms)[r].get()));
+            ParamSpec w;
+            w.name = "w";
+            w.shape = {static_cast<int64_t>(kNumel)};
+            w.init = [](float* d, size_t n) { std::fill(d, d + n, 0.5f); };
+            ZINF_ASSIGN_OR_RETURN(ParamId id, engine->RegisterParameter(w));
+            ZINF_RETURN_IF_ERROR(engine->FinishRegistration());
+            if (r == 0) part = engine->param(id).partition_numel;
+            ZINF_RETURN_IF_ERROR(engine->Acquire({id}).status());
+            ZINF_RETURN_IF_ERROR(engine->Release({id}));
+            std::vector<float> g(kNumel);
+            for (size_t i = 0; i < kNumel; ++i) g[i] = grad(r, i);
+            ZINF_RETURN_IF_ERROR(engine->ReduceGradient(id, g.data()));
+            ZINF_ASSIGN_OR_RETURN(StepStats st, engine->Step());
+            norm[r] = st.grad_norm;
+            return Status::OK();
+          }();
+        });
+      }
+      for (std::thread& t : threads) t.join();
+      for (int r = 0; r < ranks; ++r) ASSERT_TRUE(status[r].ok()) << status[r].ToString();
+      for (int r = 1; r < ranks; ++r) EXPECT_EQ(norm[r], norm[0]);
+      norms[quantized] = norm[0];
+    }
+    ASSERT_GE(part, kBlock);  // (quantized: at least a block per partition)
+    // The references.
+    std::vector<float> exact(part * ranks, 0.0f), summed(part * ranks, 0.0f);
+    std::vector<uint8_t> blocks(StateBytes(StateType::kInt8, part));
+    std::vector<float> chunk(part), decoded(part);
+    for (int r = 0; r < ranks; ++r) {
+      for (int k = 0; k < ranks; ++k) {
+        for (size_t i = 0; i < part; ++i) {
+          const size_t at = k * part + i;
+          chunk[i] = at < kNumel ? grad(r, at) : 0.0f;
+        }
+        QuantizeParamsInt8(chunk.data(), ParamCopyType::kNone, part, blocks.data());
+        DequantizeParamsInt8(blocks.data(), part, ParamCopyType::kNone, decoded.data());
+        for (size_t i = 0; i < part; ++i) {
+          exact[k * part + i] = r == 0 ? chunk[i] : exact[k * part + i] + chunk[i];
+          summed[k * part + i] = r == 0 ? decoded[i] : summed[k * part + i] + decoded[i];
+        }
+      }
+    }
+    auto l2 = [](const std::vector<float>& v) {
+      double s = 0;
+      for (float x : v) s += static_cast<double>(x) * x;
+      return std::sqrt(s);
+    };
+    const double want_plain = l2(exact), want_q = l2(summed);
+    SCOPED_TRACE(std::to_string(ranks) + " ranks");
+    // (The engine adds the squares in its own order and reports the norm through fp32 partial
+    // sums: agreement to 1e-6, relative, where quantizing moves it by ~1e-3.)
+    EXPECT_NEAR(norms[0], want_plain, want_plain * 1e-6);
+    EXPECT_NEAR(norms[1], want_q, want_q * 1e-6);
+    EXPECT_GT(std::fabs(want_q - want_plain), want_plain * 1e-4);
+    std::printf("%d ranks: norm %.9g quantized against %.9g exact\n", ranks, norms[1], norms[0]);
   }
 }
 

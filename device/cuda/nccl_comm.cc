@@ -216,18 +216,21 @@ class NcclComm final : public Communicator {
     ZINF_RETURN_IF_ERROR(CheckBuffers(what, send != nullptr, recv != nullptr));
     const int n = options_.world_size;
     return Issue(what, stream, [&](cudaStream_t s) {
-      // One send and one receive per peer, grouped: NCCL runs them as one operation.
+      // One send and one receive per peer, grouped: NCCL runs them as one operation. (The
+      // communicator is non-blocking: a call inside the group may say ncclInProgress, which is
+      // no failure; stopping there would launch half a group.)
+      auto going = [](ncclResult_t x) { return x == ncclSuccess || x == ncclInProgress; };
       ncclResult_t r = ncclGroupStart();
-      for (int peer = 0; peer < n && r == ncclSuccess; ++peer) {
+      for (int peer = 0; peer < n && going(r); ++peer) {
         r = ncclSend(static_cast<const char*>(send) + peer * bytes_per_rank, bytes_per_rank,
                      ncclUint8, peer, comm_, s);
-        if (r == ncclSuccess) {
-          r = ncclRecv(static_cast<char*>(recv) + peer * bytes_per_rank, bytes_per_rank, ncclUint8,
-                       peer, comm_, s);
+        if (going(r)) {
+          r = ncclRecv(static_cast<char*>(recv) + peer * bytes_per_rank, bytes_per_rank,
+                       ncclUint8, peer, comm_, s);
         }
       }
       const ncclResult_t end = ncclGroupEnd();
-      return r != ncclSuccess ? r : end;
+      return going(r) ? end : r;
     });
   }
 

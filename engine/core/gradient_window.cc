@@ -340,23 +340,26 @@ Status GradientWindow::StageForLink(const ReduceJob& job, const float* grad, con
   return s;
 }
 
-Status GradientWindow::ReduceScatter(const ReduceJob& job, const float* full, float* mine) {
+Status GradientWindow::ReduceScatter(const ReduceJob& job, float* full, float* mine) {
   const size_t part = job.p->info.partition_numel;
   Stream* comm = ctx_.streams.comm;
   const size_t quant = QuantizedReduceBytes(*job.p, *ctx_.config);
   if (quant == 0) return ctx_.comm->ReduceScatterSum(full, mine, part, comm);
   // zero_quantized_gradients: each rank's partitions of this gradient as int8 blocks, one to
   // each owner in an all-to-all, decoded and summed in rank order there: ((g0 + g1) + g2)...,
-  // as LocalComm and GlooComm add. The scratch's tail: the blocks sent, those received, one
-  // decoded partition.
+  // as LocalComm and GlooComm add. The blocks sent are the scratch's tail; those received and
+  // one decoded partition go into `full`, which the encoding (earlier on this stream) has read.
   const int world = ctx_.comm->world_size();
   const size_t blocks = StateBytes(StateType::kInt8, part);
   char* send = static_cast<char*>(job.scratch) + job.scratch_bytes - quant;
-  char* recv = send + world * blocks;
+  char* recv = reinterpret_cast<char*>(full);
   float* decoded = reinterpret_cast<float*>(recv + world * blocks);
   Device* device = ctx_.device;
   Status s;
-  for (int k = 0; s.ok() && k < world; ++k) {
+  if (part % kInt8StateBlock == 0) {  // every partition starts a block: one launch
+    s = device->QuantizeInt8(send, full, ParamCopyType::kNone, part * world, comm);
+  }
+  for (int k = 0; s.ok() && part % kInt8StateBlock != 0 && k < world; ++k) {
     s = device->QuantizeInt8(send + k * blocks, full + k * part, ParamCopyType::kNone, part, comm);
   }
   if (s.ok()) s = ctx_.comm->AllToAll(send, recv, blocks, comm);

@@ -154,10 +154,10 @@ class GradientWindow {
   // rank's first gradient copied (or rounded), else the reduce-scatter's partition (rounded
   // with bf16). *out: where it is.
   Status StageForLink(const ReduceJob& job, const float* grad, const void** out);
-  // Route 2: a device accumulator: the partition copied (first) or added, on the gradient stream.
   // This rank's partition of the sum over ranks of `full` into `mine`, on the comm stream: the
   // communicator's reduce-scatter, or zero_quantized_gradients' all-to-all of int8 blocks.
-  Status ReduceScatter(const ReduceJob& job, const float* full, float* mine);
+  Status ReduceScatter(const ReduceJob& job, float* full, float* mine);
+  // Route 2: a device accumulator: the partition copied (first) or added, on the gradient stream.
   Status AccumulateOnDevice(const ReduceJob& job, const void* out, float* acc);
   // Route 3: the first fp32 gradient copied straight into its host accumulator.
   Status CopyToAccumulator(const ReduceJob& job, const void* out, float* acc);

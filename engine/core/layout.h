@@ -32,15 +32,18 @@ struct ParamLayout {
 // The most device scratch a gradient of `p` takes in GradientWindow::Reduce: the padded full
 // gradient and this rank's reduced partition (fp32), plus the partition rounded to bf16 with
 // zinf.gradient_transfer_dtype "bf16". Eviction and prefetch leave this much room.
-// zero_quantized_gradients' part of it: each rank's int8 blocks to send and those received
-// (world x the partition's blocks each) and one decoded partition; 0 when the reduction is a
-// plain reduce-scatter (one rank, the key off, or a partition whose blocks are no smaller).
+// zero_quantized_gradients' part of it: the int8 blocks each rank sends (world x the
+// partition's blocks; those received and one decoded partition reuse the full gradient, read
+// by then). 0 when the reduction is a plain reduce-scatter: one rank, below stage 3 (as in
+// DeepSpeed), the key off, or a partition under one block or whose received blocks and decoded
+// partition would not fit the full gradient.
 inline size_t QuantizedReduceBytes(const ParamLayout& p, const EngineConfig& config) {
   const size_t part = p.info.partition_numel;
-  if (!config.quantized_gradients || part == 0 || p.padded_numel == part) return 0;
+  if (!config.quantized_gradients || config.zero_stage < 3 || part < kInt8StateBlock) return 0;
+  const size_t world = p.padded_numel / part;
   const size_t blocks = StateBytes(StateType::kInt8, part);
-  if (blocks >= part * sizeof(float)) return 0;
-  return 2 * (p.padded_numel / part) * blocks + part * sizeof(float);
+  if (world < 2 || world * blocks + part * sizeof(float) > p.padded_numel * sizeof(float)) return 0;
+  return world * blocks;
 }
 
 inline size_t GradientScratchBytes(const ParamLayout& p, const EngineConfig& config) {

@@ -99,13 +99,15 @@ struct EngineConfig {
   // only. Frozen weights stored as int8 (zinf.frozen_weight_dtype) are always gathered in
   // their stored form, never quantized twice.
   bool quantized_nontrainable_weights = false;
-  // zero_optimization.zero_quantized_gradients (ZeRO++'s qgZ, in one hop): with several ranks,
-  // each gradient's reduce-scatter becomes an all-to-all of int8 blocks (each rank's full
+  // zero_optimization.zero_quantized_gradients (ZeRO++'s qgZ, in one hop): stage 3 with several
+  // ranks (ignored with a warning below stage 3, as in DeepSpeed), each gradient's
+  // reduce-scatter becomes an all-to-all of int8 blocks (each rank's full
   // gradient, partition by partition, encoded as zero_quantized_weights' blocks: 1 + 4/256
   // bytes per value instead of 4), decoded and summed in fp32 in rank order by each partition's
   // owner. A NaN or inf on any rank reaches the owner as NaN (its block decodes to NaN), so the
   // checks and clipping see it as before. Each rank's contribution is off by at most its
-  // block's largest magnitude / 254. Partitions too small to gain go as they are.
+  // block's largest magnitude / 254 (a non-finite value makes its whole block NaN). Partitions
+  // under 256 values go as they are.
   bool quantized_gradients = false;
   AioConfig aio;
   OptimizerConfig optimizer;
