@@ -101,10 +101,10 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
   // (Here, after the programs' flags: --zero-stage and --quantized-weights apply after a parse.)
   if (config.zero_stage < 3) {
     std::string keys;
-    for (const auto& [on, key] : {std::pair{config.quantized_weights, "zero_quantized_weights"},
-                                  {config.quantized_nontrainable_weights,
-                                   "zero_quantized_nontrainable_weights"},
-                                  {config.quantized_gradients, "zero_quantized_gradients"}}) {
+    for (const auto& [on, key] :
+         {std::pair{config.quantized_weights, "zero_quantized_weights"},
+          {config.quantized_nontrainable_weights, "zero_quantized_nontrainable_weights"},
+          {config.quantized_gradients, "zero_quantized_gradients"}}) {
       if (on) keys += std::string(keys.empty() ? "zero_optimization." : ", ") + key;
     }
     if (!keys.empty()) {

@@ -107,8 +107,7 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) *reinterpret_cast<float*>(block + kQuantBlock) = scale;
 }
 
-__global__ void DequantizeInt8Kernel(const uint8_t* src, size_t n, ParamCopyType type,
-                                     void* dst) {
+__global__ void DequantizeInt8Kernel(const uint8_t* src, size_t n, ParamCopyType type, void* dst) {
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
        i += size_t{gridDim.x} * blockDim.x) {
     const uint8_t* block = src + i / kQuantBlock * kQuantBlockBytes;

@@ -225,8 +225,8 @@ class NcclComm final : public Communicator {
         r = ncclSend(static_cast<const char*>(send) + peer * bytes_per_rank, bytes_per_rank,
                      ncclUint8, peer, comm_, s);
         if (going(r)) {
-          r = ncclRecv(static_cast<char*>(recv) + peer * bytes_per_rank, bytes_per_rank,
-                       ncclUint8, peer, comm_, s);
+          r = ncclRecv(static_cast<char*>(recv) + peer * bytes_per_rank, bytes_per_rank, ncclUint8,
+                       peer, comm_, s);
         }
       }
       const ncclResult_t end = ncclGroupEnd();
