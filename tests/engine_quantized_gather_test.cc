@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <thread>
 #include <vector>
@@ -181,6 +182,75 @@ TEST(QuantizedGather, TheDeviceKernelsMatchTheCpuFunctions) {
       StatusCode::kInvalidArgument);
 }
 
+// Runs `body(rank, device, comm)` for `ranks` ranks, each on a thread of its own over a test
+// host device and a counted LocalComm: each rank's status and collectives.
+struct RankRun {
+  std::vector<Status> status;
+  std::vector<CollectiveCounts> counts;
+  // The first failing rank's status, naming it (OK when every rank succeeded).
+  Status First() const {
+    for (size_t r = 0; r < status.size(); ++r) {
+      if (!status[r].ok()) return status[r].WithContext("rank " + std::to_string(r));
+    }
+    return Status::OK();
+  }
+};
+
+RankRun OnRanks(int ranks, const std::function<Status(int, Device*, Communicator*)>& body) {
+  RankRun run;
+  run.status.assign(ranks, Status::OK());
+  std::vector<std::unique_ptr<Device>> devices;
+  std::vector<Device*> raw;
+  for (int r = 0; r < ranks; ++r) {
+    devices.push_back(NewTestHostDevice());
+    raw.push_back(devices.back().get());
+  }
+  Result<std::vector<std::unique_ptr<Communicator>>> comms = NewLocalComms(raw);
+  if (!comms.ok()) {
+    run.status.assign(ranks, comms.status());
+    run.counts.resize(ranks);
+    return run;
+  }
+  std::vector<CountingComm*> counting;
+  for (std::unique_ptr<Communicator>& comm : *comms) {
+    auto wrapped = std::make_unique<CountingComm>(std::move(comm));
+    counting.push_back(wrapped.get());
+    comm = std::move(wrapped);
+  }
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r) {
+    threads.emplace_back([&, r] { run.status[r] = body(r, raw[r], (*comms)[r].get()); });
+  }
+  for (std::thread& t : threads) t.join();
+  for (CountingComm* c : counting) run.counts.push_back(c->counts());
+  return run;
+}
+
+// What these engines share: cpu tiers, every parameter fetched on use, one optimizer thread, a
+// small pinned budget.
+EngineConfig SmallConfig() {
+  EngineConfig c;
+  c.offload_param.tier = Tier::kCpu;
+  c.offload_optimizer.tier = Tier::kCpu;
+  c.param_persistence_threshold = 0;
+  c.optimizer_threads = 1;
+  c.pinned_budget_bytes = 16ull << 20;
+  return c;
+}
+
+// One parameter "w" of `numel` values, and FinishRegistration.
+Result<ParamId> RegisterW(Engine* engine, size_t numel, bool trainable,
+                          std::function<void(float*, size_t)> init) {
+  ParamSpec w;
+  w.name = "w";
+  w.shape = {static_cast<int64_t>(numel)};
+  w.trainable = trainable;
+  w.init = std::move(init);
+  ZINF_ASSIGN_OR_RETURN(ParamId id, engine->RegisterParameter(w));
+  ZINF_RETURN_IF_ERROR(engine->FinishRegistration());
+  return id;
+}
+
 // What every rank acquires: each rank's partition (the parameter dtype's values, padding
 // zeros) encoded and decoded, in rank order; the same bits on every rank, this rank's own
 // partition included. Without zero_quantized_weights: the values themselves.
@@ -199,70 +269,34 @@ Acquired AcquireOnRanks(int ranks, ParamCopyType type, Tier tier, bool quantized
                         const std::vector<float>& values, Kind kind = Kind::kTrainable) {
   Acquired out;
   out.bytes.resize(ranks);
-  std::vector<std::unique_ptr<Device>> devices;
-  std::vector<Device*> raw;
-  for (int r = 0; r < ranks; ++r) {
-    devices.push_back(NewTestHostDevice());
-    raw.push_back(devices.back().get());
-  }
-  Result<std::vector<std::unique_ptr<Communicator>>> comms = NewLocalComms(raw);
-  if (!comms.ok()) {
-    out.status = comms.status();
-    return out;
-  }
-  std::vector<CountingComm*> counting;
-  for (std::unique_ptr<Communicator>& comm : *comms) {
-    auto wrapped = std::make_unique<CountingComm>(std::move(comm));
-    counting.push_back(wrapped.get());
-    comm = std::move(wrapped);
-  }
   TempDir dir;
-  std::vector<Status> status(ranks);
   std::vector<size_t> parts(ranks);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < ranks; ++r) {
-    threads.emplace_back([&, r] {
-      status[r] = [&]() -> Status {
-        EngineConfig c;
-        c.offload_param.tier = tier;
-        c.offload_optimizer.tier = Tier::kCpu;
-        if (tier == Tier::kNvme) c.offload_param.nvme_paths = {dir.path()};
-        c.offload_param.buffer_size = 1 << 16;
-        c.bf16 = type == ParamCopyType::kBf16;
-        c.fp16.enabled = type == ParamCopyType::kF16;
-        c.quantized_weights = quantized && kind == Kind::kTrainable;
-        c.quantized_nontrainable_weights = quantized && kind == Kind::kFrozen;
-        c.frozen_int8 = kind == Kind::kFrozenInt8;
-        c.param_persistence_threshold = 0;
-        c.optimizer_threads = 1;
-        c.pinned_budget_bytes = 16ull << 20;
-        ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
-                              Engine::Create(c, raw[r], (*comms)[r].get()));
-        ParamSpec w;
-        w.name = "w";
-        w.shape = {static_cast<int64_t>(numel)};
-        w.trainable = kind == Kind::kTrainable;
-        w.init = [&values](float* d, size_t n) { std::memcpy(d, values.data(), n * 4); };
-        ZINF_ASSIGN_OR_RETURN(ParamId id, engine->RegisterParameter(w));
-        ZINF_RETURN_IF_ERROR(engine->FinishRegistration());
-        parts[r] = engine->param(id).partition_numel;
-        ZINF_ASSIGN_OR_RETURN(std::vector<void*> got,
-                              engine->Acquire({id}, AcquireMode::kInference));
-        ZINF_RETURN_IF_ERROR(raw[r]->SynchronizeStream(raw[r]->ComputeStream()));
-        const size_t elem = type == ParamCopyType::kNone ? 4 : 2;
-        out.bytes[r].resize(numel * elem);
-        std::memcpy(out.bytes[r].data(), got[0], numel * elem);
-        return engine->Release({id});
-      }();
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  for (int r = 0; r < ranks; ++r) {
-    if (!status[r].ok() && out.status.ok())
-      out.status = status[r].WithContext("rank " + std::to_string(r));
-  }
+  const RankRun run = OnRanks(ranks, [&](int r, Device* device, Communicator* comm) -> Status {
+    EngineConfig c = SmallConfig();
+    c.offload_param.tier = tier;
+    if (tier == Tier::kNvme) c.offload_param.nvme_paths = {dir.path()};
+    c.offload_param.buffer_size = 1 << 16;
+    c.bf16 = type == ParamCopyType::kBf16;
+    c.fp16.enabled = type == ParamCopyType::kF16;
+    c.quantized_weights = quantized && kind == Kind::kTrainable;
+    c.quantized_nontrainable_weights = quantized && kind == Kind::kFrozen;
+    c.frozen_int8 = kind == Kind::kFrozenInt8;
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(c, device, comm));
+    ZINF_ASSIGN_OR_RETURN(ParamId id, RegisterW(engine.get(), numel, kind == Kind::kTrainable,
+                                                [&values](float* d, size_t n) {
+                                                  std::memcpy(d, values.data(), n * 4);
+                                                }));
+    parts[r] = engine->param(id).partition_numel;
+    ZINF_ASSIGN_OR_RETURN(std::vector<void*> got, engine->Acquire({id}, AcquireMode::kInference));
+    ZINF_RETURN_IF_ERROR(device->SynchronizeStream(device->ComputeStream()));
+    const size_t elem = type == ParamCopyType::kNone ? 4 : 2;
+    out.bytes[r].resize(numel * elem);
+    std::memcpy(out.bytes[r].data(), got[0], numel * elem);
+    return engine->Release({id});
+  });
+  out.status = run.First();
   out.partition = parts[0];
-  out.gathers = counting[0]->counts().all_gather_sizes;
+  out.gathers = run.counts[0].all_gather_sizes;
   return out;
 }
 
@@ -466,56 +500,27 @@ TEST(QuantizedGather, QuantizedGradientsTrainWithinTwoPercentOnAQuarterOfTheByte
 TEST(QuantizedGather, ANanOnOneRankFailsTheStepAsWithoutQuantization) {
   constexpr size_t kNumel = 4 * kBlock + 40;
   auto step = [](bool quantized, std::vector<Status>* out) -> Status {
-    constexpr int kRanks = 2;
-    std::vector<std::unique_ptr<Device>> devices;
-    std::vector<Device*> raw;
-    for (int r = 0; r < kRanks; ++r) {
-      devices.push_back(NewTestHostDevice());
-      raw.push_back(devices.back().get());
-    }
-    ZINF_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Communicator>> comms, NewLocalComms(raw));
-    std::vector<CountingComm*> counting;
-    for (std::unique_ptr<Communicator>& comm : comms) {
-      auto wrapped = std::make_unique<CountingComm>(std::move(comm));
-      counting.push_back(wrapped.get());
-      comm = std::move(wrapped);
-    }
-    out->assign(kRanks, Status::OK());
-    std::vector<std::thread> threads;
-    for (int r = 0; r < kRanks; ++r) {
-      threads.emplace_back([&, r] {
-        (*out)[r] = [&]() -> Status {
-          EngineConfig c;
-          c.offload_param.tier = Tier::kCpu;
-          c.offload_optimizer.tier = Tier::kCpu;
-          c.quantized_gradients = quantized;
-          c.gradient_clipping = 1.0;
-          c.param_persistence_threshold = 0;
-          c.optimizer_threads = 1;
-          c.pinned_budget_bytes = 16ull << 20;
-          ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
-                                Engine::Create(c, raw[r], comms[r].get()));
-          ParamSpec w;
-          w.name = "w";
-          w.shape = {static_cast<int64_t>(kNumel)};
-          w.init = [](float* d, size_t n) {
-            for (size_t i = 0; i < n; ++i) d[i] = 0.01f * static_cast<float>(i % 7);
-          };
-          ZINF_ASSIGN_OR_RETURN(ParamId id, engine->RegisterParameter(w));
-          ZINF_RETURN_IF_ERROR(engine->FinishRegistration());
-          ZINF_RETURN_IF_ERROR(engine->Acquire({id}).status());
-          ZINF_RETURN_IF_ERROR(engine->Release({id}));
-          std::vector<float> g(kNumel, 0.1f);
-          if (r == 1) g[3] = std::nanf("");  // in rank 0's partition
-          ZINF_RETURN_IF_ERROR(engine->ReduceGradient(id, g.data()));
-          return engine->Step().status();
-        }();
-      });
-    }
-    for (std::thread& t : threads) t.join();
+    const RankRun run = OnRanks(2, [&](int r, Device* device, Communicator* comm) -> Status {
+      EngineConfig c = SmallConfig();
+      c.quantized_gradients = quantized;
+      c.gradient_clipping = 1.0;
+      ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(c, device, comm));
+      ZINF_ASSIGN_OR_RETURN(ParamId id,
+                            RegisterW(engine.get(), kNumel, true, [](float* d, size_t n) {
+                              for (size_t i = 0; i < n; ++i)
+                                d[i] = 0.01f * static_cast<float>(i % 7);
+                            }));
+      ZINF_RETURN_IF_ERROR(engine->Acquire({id}).status());
+      ZINF_RETURN_IF_ERROR(engine->Release({id}));
+      std::vector<float> g(kNumel, 0.1f);
+      if (r == 1) g[3] = std::nanf("");  // in rank 0's partition
+      ZINF_RETURN_IF_ERROR(engine->ReduceGradient(id, g.data()));
+      return engine->Step().status();
+    });
+    *out = run.status;
     // (The quantized run reduced through the all-to-all; the plain one did not.)
-    if ((counting[0]->counts().all_to_all > 0) != quantized) {
-      return Status::Internal("all-to-alls: " + std::to_string(counting[0]->counts().all_to_all));
+    if ((run.counts[0].all_to_all > 0) != quantized) {
+      return Status::Internal("all-to-alls: " + std::to_string(run.counts[0].all_to_all));
     }
     return Status::OK();
   };
@@ -547,50 +552,26 @@ TEST(QuantizedGather, TheQuantizedReductionIsEachRanksBlocksSummedInRankOrder) {
     double norms[2] = {0, 0};
     size_t part = 0;
     for (bool quantized : {false, true}) {
-      std::vector<std::unique_ptr<Device>> devices;
-      std::vector<Device*> raw;
-      for (int r = 0; r < ranks; ++r) {
-        devices.push_back(NewTestHostDevice());
-        raw.push_back(devices.back().get());
-      }
-      Result<std::vector<std::unique_ptr<Communicator>>> comms = NewLocalComms(raw);
-      ASSERT_TRUE(comms.ok());
-      std::vector<Status> status(ranks);
       std::vector<double> norm(ranks, -1);
-      std::vector<std::thread> threads;
-      for (int r = 0; r < ranks; ++r) {
-        threads.emplace_back([&, r] {
-          status[r] = [&]() -> Status {
-            EngineConfig c;
-            c.offload_param.tier = Tier::kCpu;
-            c.offload_optimizer.tier = Tier::kCpu;
-            c.quantized_gradients = quantized;
-            c.gradient_clipping = 1e30;  // the norm is computed, nothing is clipped
-            c.param_persistence_threshold = 0;
-            c.optimizer_threads = 1;
-            c.pinned_budget_bytes = 16ull << 20;
-            ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
-                                  Engine::Create(c, raw[r], (*comms)[r].get()));
-            ParamSpec w;
-            w.name = "w";
-            w.shape = {static_cast<int64_t>(kNumel)};
-            w.init = [](float* d, size_t n) { std::fill(d, d + n, 0.5f); };
-            ZINF_ASSIGN_OR_RETURN(ParamId id, engine->RegisterParameter(w));
-            ZINF_RETURN_IF_ERROR(engine->FinishRegistration());
-            if (r == 0) part = engine->param(id).partition_numel;
-            ZINF_RETURN_IF_ERROR(engine->Acquire({id}).status());
-            ZINF_RETURN_IF_ERROR(engine->Release({id}));
-            std::vector<float> g(kNumel);
-            for (size_t i = 0; i < kNumel; ++i) g[i] = grad(r, i);
-            ZINF_RETURN_IF_ERROR(engine->ReduceGradient(id, g.data()));
-            ZINF_ASSIGN_OR_RETURN(StepStats st, engine->Step());
-            norm[r] = st.grad_norm;
-            return Status::OK();
-          }();
-        });
-      }
-      for (std::thread& t : threads) t.join();
-      for (int r = 0; r < ranks; ++r) ASSERT_TRUE(status[r].ok()) << status[r].ToString();
+      const RankRun run = OnRanks(ranks, [&](int r, Device* device, Communicator* comm) -> Status {
+        EngineConfig c = SmallConfig();
+        c.quantized_gradients = quantized;
+        c.gradient_clipping = 1e30;  // the norm is computed, nothing is clipped
+        ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(c, device, comm));
+        ZINF_ASSIGN_OR_RETURN(ParamId id,
+                              RegisterW(engine.get(), kNumel, true,
+                                        [](float* d, size_t n) { std::fill(d, d + n, 0.5f); }));
+        if (r == 0) part = engine->param(id).partition_numel;
+        ZINF_RETURN_IF_ERROR(engine->Acquire({id}).status());
+        ZINF_RETURN_IF_ERROR(engine->Release({id}));
+        std::vector<float> g(kNumel);
+        for (size_t i = 0; i < kNumel; ++i) g[i] = grad(r, i);
+        ZINF_RETURN_IF_ERROR(engine->ReduceGradient(id, g.data()));
+        ZINF_ASSIGN_OR_RETURN(StepStats st, engine->Step());
+        norm[r] = st.grad_norm;
+        return Status::OK();
+      });
+      ASSERT_TRUE(run.First().ok()) << run.First().ToString();
       for (int r = 1; r < ranks; ++r) EXPECT_EQ(norm[r], norm[0]);
       norms[quantized] = norm[0];
     }
