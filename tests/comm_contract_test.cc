@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -1140,6 +1141,82 @@ std::vector<BadCall> BadCalls(int world) {
 // waiting in the matching collective, fail instead of hanging (at once where the implementation
 // can tell them, at the timeout where it cannot: NCCL). What the group is good for afterwards
 // is the implementation's (LocalComm stays usable, GlooComm breaks; their own tests say so).
+// The two ways of splitting the suite's groups: every other rank ({0, 2} and {1} of 3), and
+// halves ({0, 1} and {2}: hpZ's nodes).
+int SplitColor(int way, int rank) { return way == 0 ? rank % 2 : rank / 2; }
+
+// Each rank's sub-group runs the collectives of its own members only: gathers, an all-to-all
+// and an ordered sum see the sub-group's ranks in their order, and the parent's collectives,
+// issued between them on the same stream, still pair with the parent's.
+TEST_P(CommContract, SplitMakesSubGroupsOfTheSameColor) {
+  constexpr size_t kBytes = 1001;
+  constexpr size_t kCount = 7;  // floats per rank of the reduce-scatter
+  std::vector<RankReport> reports = RunRanks([&](RankEnv& env) {
+    for (int way = 0; way < 2; ++way) {
+      Result<std::unique_ptr<Communicator>> sub =
+          env.comm->Split(SplitColor(way, env.rank), env.worker);
+      if (!env.Ok(sub.status(), "Split way " + std::to_string(way))) return;
+      RankEnv in = env;
+      in.comm = sub->get();
+      in.rank = in.comm->rank();
+      in.world = in.comm->world_size();
+      *env.data() += std::to_string(in.rank) + " of " + std::to_string(in.world) + ";";
+      const int salt = 10 * way;
+      if (!env.Ok(
+              GatherOnce(in, env.worker, RankBytes(in.rank, kBytes, salt + 1), false, env.data()),
+              "sub AllGather") ||
+          !env.Ok(
+              GatherOnce(env, env.worker, RankBytes(env.rank, kBytes, salt + 2), true, env.data()),
+              "parent AllGather") ||
+          !env.Ok(AllToAllOnce(in, env.worker, kBytes, env.data()), "sub AllToAll") ||
+          !env.Ok(ReduceScatterOnce(in, env.worker, SmallInts(in.rank, kCount * in.world, salt),
+                                    false, env.data()),
+                  "sub ReduceScatterSum") ||
+          !env.Ok(in.comm->Barrier(), "sub Barrier")) {
+        return;
+      }
+    }
+  });
+  ASSERT_TRUE(AllOk(reports));
+  for (int r = 0; r < world(); ++r) {
+    std::string want;
+    for (int way = 0; way < 2; ++way) {
+      std::vector<int> members;
+      for (int q = 0; q < world(); ++q) {
+        if (SplitColor(way, q) == SplitColor(way, r)) members.push_back(q);
+      }
+      const int n = static_cast<int>(members.size());
+      const int index =
+          static_cast<int>(std::find(members.begin(), members.end(), r) - members.begin());
+      const int salt = 10 * way;
+      want += std::to_string(index) + " of " + std::to_string(n) + ";";
+      want += Gathered(n, kBytes, salt + 1);
+      want += Gathered(world(), kBytes, salt + 2);
+      for (int from = 0; from < n; ++from) want += RankBytes(from, kBytes, 100 + index);
+      want += RankOrderSums(SmallInts, n, kCount * n, index * kCount, kCount, salt);
+    }
+    EXPECT_TRUE(SameBytes(reports[r].data, want)) << "rank " << r;
+  }
+}
+
+// A negative color on one rank fails Split on every rank, naming that rank; the parent group
+// goes on working.
+TEST_P(CommContract, SplitRefusesANegativeColorOnEveryRank) {
+  std::vector<RankReport> reports = RunRanks([](RankEnv& env) {
+    Result<std::unique_ptr<Communicator>> sub = env.comm->Split(env.rank == 0 ? -1 : 0, env.worker);
+    env.Record(sub.status());
+    env.Record(GatherOnce(env, env.worker, RankBytes(env.rank, 7, 3), false, env.data()));
+  });
+  ASSERT_TRUE(AllJoined(reports));
+  for (int r = 0; r < world(); ++r) {
+    ASSERT_EQ(reports[r].results.size(), 2u) << "rank " << r << Recorded(reports[r]);
+    EXPECT_EQ(reports[r].results[0].code(), StatusCode::kInvalidArgument) << "rank " << r;
+    EXPECT_TRUE(Says(reports[r].results[0], "rank 0 gave color -1")) << "rank " << r;
+    EXPECT_TRUE(reports[r].results[1].ok()) << reports[r].results[1].ToString();
+    EXPECT_TRUE(SameBytes(reports[r].data, Gathered(world(), 7, 3))) << "rank " << r;
+  }
+}
+
 TEST_P(CommContract, ArgumentErrorsAreRefusedAndNamed) {
   for (const BadCall& call : BadCalls(world())) {
     SCOPED_TRACE(call.name);

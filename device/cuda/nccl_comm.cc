@@ -14,6 +14,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -129,7 +130,7 @@ class NcclComm final : public Communicator {
     if (comm_ == nullptr || aborted_) return;
     // Finalize flushes the collectives still queued; polled so a dead peer cannot hang us.
     ncclResult_t r = ncclCommFinalize(comm_);
-    if (r == ncclSuccess || r == ncclInProgress) r = Poll(options_.timeout_seconds);
+    if (r == ncclSuccess || r == ncclInProgress) r = Poll(comm_, options_.timeout_seconds);
     if (r == ncclSuccess) {
       (void)ncclCommDestroy(comm_);
     } else {
@@ -175,7 +176,7 @@ class NcclComm final : public Communicator {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclResult_t r = ncclCommInitRankConfig(&comm_, options_.world_size, id, rank, &config);
-    if (r == ncclSuccess || r == ncclInProgress) r = Poll(options_.timeout_seconds);
+    if (r == ncclSuccess || r == ncclInProgress) r = Poll(comm_, options_.timeout_seconds);
     if (r != ncclSuccess) {
       const std::string why = r == ncclInProgress
                                   ? "timed out after " + SecondsText(options_.timeout_seconds) +
@@ -187,6 +188,19 @@ class NcclComm final : public Communicator {
                                         ": creating the communicator (world size " +
                                         std::to_string(options_.world_size) + ") failed: " + why);
     }
+    return Start();
+  }
+
+  // A sub-group's communicator: `comm` comes from ncclCommSplit, settled.
+  Status Adopt(ncclComm_t comm) {
+    comm_ = comm;
+    return Start();
+  }
+
+  // What every communicator needs once comm_ is made: the barrier's stream and buffer, and the
+  // watchdog.
+  Status Start() {
+    ZINF_RETURN_IF_ERROR(MakeCurrent(device_->ordinal()));
     ZINF_ASSIGN_OR_RETURN(Stream * s, device_->CreateStream("nccl-barrier"));
     ZINF_ASSIGN_OR_RETURN(barrier_stream_, device_->OwnStream(s, "NcclComm"));
     ZINF_CUDA_CHECK(cudaMalloc(&barrier_buf_, sizeof(float)));
@@ -268,6 +282,67 @@ class NcclComm final : public Communicator {
     });
   }
 
+  // The colors go round with an AllGather (so a bad color fails every rank alike), then
+  // ncclCommSplit makes the sub-group, keyed by this rank (members keep their order).
+  Result<std::unique_ptr<Communicator>> Split(int color, Stream* stream) override {
+    const int n = options_.world_size;
+    const std::string who = "NcclComm rank " + std::to_string(options_.rank);
+    std::vector<int32_t> colors(n, 0);
+    colors[options_.rank] = color;
+    ZINF_ASSIGN_OR_RETURN(void* buf, device_->Alloc(n * sizeof(int32_t)));
+    int32_t* dev = static_cast<int32_t*>(buf);
+    Status s = device_->CopyHostToDevice(dev + options_.rank, &colors[options_.rank],
+                                         sizeof(int32_t), stream);
+    if (s.ok()) s = AllGather(dev + options_.rank, dev, sizeof(int32_t), stream);
+    if (s.ok()) s = device_->CopyDeviceToHost(colors.data(), dev, n * sizeof(int32_t), stream);
+    if (s.ok()) s = device_->SynchronizeStream(stream);
+    if (s.ok()) {
+      device_->Free(buf);
+    } else {
+      // The stream may still hold the copies: the buffer stays (a few bytes) rather than be
+      // freed under them.
+      return s;
+    }
+    ZINF_ASSIGN_OR_RETURN(const std::vector<int> members, SplitMembers(colors, options_.rank, who));
+    const int index = static_cast<int>(std::find(members.begin(), members.end(), options_.rank) -
+                                       members.begin());
+    ncclComm_t sub = nullptr;
+    ncclResult_t r = ncclSuccess;
+    bool was_aborted = false;
+    {
+      MutexLock comm_lock(&comm_mu_);
+      was_aborted = aborted_;
+      if (!was_aborted) {
+        ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+        config.blocking = 0;
+        r = ncclCommSplit(comm_, color, options_.rank, &sub, &config);
+        if ((r == ncclSuccess || r == ncclInProgress) && sub != nullptr) {
+          r = Poll(sub, options_.timeout_seconds);
+        }
+      }
+    }
+    if (was_aborted) {
+      MutexLock lock(&mu_);
+      return broken_;
+    }
+    if (r != ncclSuccess || sub == nullptr) {
+      if (sub != nullptr) (void)ncclCommAbort(sub);
+      return Status::FailedPrecondition(
+          who + ": ncclCommSplit into the sub-group of color " + std::to_string(color) + " (" +
+          std::to_string(members.size()) + " ranks) failed: " +
+          (r == ncclInProgress ? "timed out after " + SecondsText(options_.timeout_seconds)
+                               : NcclErrorText(r, sub)));
+    }
+    NcclCommOptions o = options_;
+    o.rank = index;
+    o.world_size = static_cast<int>(members.size());
+    o.store.reset();
+    o.unique_id_file.clear();
+    auto comm = std::make_unique<NcclComm>(device_, o);
+    ZINF_RETURN_IF_ERROR(comm->Adopt(sub));
+    return std::unique_ptr<Communicator>(std::move(comm));
+  }
+
   // An all-reduce of one float on a stream of the communicator's own, waited for with the
   // deadline.
   Status Barrier() override {
@@ -327,13 +402,13 @@ class NcclComm final : public Communicator {
                                    (send_ok ? "receive buffer" : "send buffer") + " is null");
   }
 
-  // Polls the communicator until it leaves ncclInProgress or `seconds` pass (then
-  // ncclInProgress is returned).
-  ncclResult_t Poll(double seconds) {
+  // Polls `comm` until it leaves ncclInProgress or `seconds` pass (then ncclInProgress is
+  // returned).
+  static ncclResult_t Poll(ncclComm_t comm, double seconds) {
     const auto deadline = Clock::now() + Seconds(seconds);
     for (;;) {
       ncclResult_t state = ncclSuccess;
-      const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+      const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
       if (r != ncclSuccess) return r;
       if (state != ncclInProgress) return state;
       if (Clock::now() >= deadline) return ncclInProgress;
@@ -382,7 +457,7 @@ class NcclComm final : public Communicator {
       was_aborted = aborted_;
       if (!was_aborted) {
         r = enqueue(cs->handle());
-        if (r == ncclSuccess || r == ncclInProgress) r = Poll(options_.timeout_seconds);
+        if (r == ncclSuccess || r == ncclInProgress) r = Poll(comm_, options_.timeout_seconds);
       }
     }
     if (was_aborted) {

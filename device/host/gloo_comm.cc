@@ -16,6 +16,9 @@
 #include <gloo/broadcast.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
+#include <gloo/transport/address.h>
+#include <gloo/transport/context.h>
+#include <gloo/transport/pair.h>
 #include <gloo/transport/tcp/device.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -30,7 +33,9 @@
 #include <cstring>
 #include <exception>
 #include <fstream>
+#include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -163,7 +168,7 @@ std::string Describe(Kind kind, size_t size, int root) {
 // its collectives are still queued (as LocalComm's).
 struct Group {
   ProcessGroupOptions options;
-  std::shared_ptr<gloo::rendezvous::Context> context;
+  std::shared_ptr<gloo::Context> context;
   std::shared_ptr<KeyValueStore> store;  // rank 0 serves the TCP store from it
   std::vector<std::string> members;      // per rank: "host pid"
   Mutex mu;
@@ -281,6 +286,8 @@ class GlooComm final : public Communicator {
       gloo::broadcast(o);
     });
   }
+
+  Result<std::unique_ptr<Communicator>> Split(int color, Stream* stream) override;
 
   Status Barrier() override {
     const uint32_t tag = next_tag_++;
@@ -443,6 +450,105 @@ class GlooComm final : public Communicator {
   // Touched only by the rank's issuing thread (one thread at a time, per the contract).
   uint32_t next_tag_ = 0;
 };
+
+// A gloo context whose full mesh is connected with addresses that a collective of the parent
+// group exchanges (Split), instead of through a rendezvous store: the store may be gone by then.
+class MeshContext final : public gloo::Context {
+ public:
+  // exchange(mine), where mine[i] is this rank's address for its pair with rank i, returns
+  // every rank's: all[j][i] is rank j's address for its pair with rank i.
+  using Exchange = std::function<std::vector<std::vector<std::vector<char>>>(
+      const std::vector<std::vector<char>>& mine)>;
+
+  MeshContext(int rank, int size) : gloo::Context(rank, size) {}
+
+  // Throws gloo's exceptions (or the exchange's) on failure.
+  void Connect(const std::shared_ptr<gloo::transport::Device>& dev, const Exchange& exchange) {
+    std::shared_ptr<gloo::transport::Context> tc = dev->createContext(rank, size);
+    tc->setTimeout(getTimeout());
+    std::vector<std::vector<char>> mine(size);
+    for (int i = 0; i < size; ++i) {
+      if (i != rank) mine[i] = tc->createPair(i)->address().bytes();
+    }
+    const std::vector<std::vector<std::vector<char>>> all = exchange(mine);
+    for (int i = 0; i < size; ++i) {
+      if (i != rank) tc->getPair(i)->connect(all[i][rank]);
+    }
+    device_ = dev;
+    transportContext_ = std::move(tc);
+  }
+};
+
+// The colors go round with an AllGather of this group, then the addresses of the new group's
+// pairs with another (each rank's slot i: its address for the member of index i, with its
+// length), so a sub-group needs no store. The new group listens where this one does (the same
+// gloo device, hence the same socket and event loop).
+Result<std::unique_ptr<Communicator>> GlooComm::Split(int color, Stream* stream) {
+  const int n = world_size();
+  const std::string who = "GlooComm rank " + std::to_string(options_.rank);
+  std::vector<int32_t> colors(n);
+  const int32_t mine = color;
+  ZINF_RETURN_IF_ERROR(AllGather(&mine, colors.data(), sizeof(mine), stream));
+  ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
+  ZINF_ASSIGN_OR_RETURN(const std::vector<int> members, SplitMembers(colors, options_.rank, who));
+  const int size = static_cast<int>(members.size());
+  const int index =
+      static_cast<int>(std::find(members.begin(), members.end(), options_.rank) - members.begin());
+  constexpr size_t kSlot = sizeof(uint32_t) + gloo::transport::Address::kMaxByteSize;
+  const size_t blob = kSlot * static_cast<size_t>(n);  // n >= size: one layout for every color
+  Status exchanged;
+  auto exchange = [&](const std::vector<std::vector<char>>& addresses) {
+    std::vector<char> out(blob, 0);
+    for (size_t i = 0; i < addresses.size(); ++i) {
+      if (addresses[i].size() > gloo::transport::Address::kMaxByteSize) {
+        throw std::runtime_error("a gloo address of " + std::to_string(addresses[i].size()) +
+                                 " bytes");
+      }
+      const uint32_t len = static_cast<uint32_t>(addresses[i].size());
+      std::memcpy(out.data() + i * kSlot, &len, sizeof(len));
+      std::memcpy(out.data() + i * kSlot + sizeof(len), addresses[i].data(), len);
+    }
+    std::vector<char> gathered(blob * n);
+    exchanged = AllGather(out.data(), gathered.data(), blob, stream);
+    if (exchanged.ok()) exchanged = device_->SynchronizeStream(stream);
+    if (!exchanged.ok()) throw std::runtime_error(exchanged.ToString());
+    std::vector<std::vector<std::vector<char>>> all(size, std::vector<std::vector<char>>(size));
+    for (int j = 0; j < size; ++j) {
+      const char* from = gathered.data() + static_cast<size_t>(members[j]) * blob;
+      for (int i = 0; i < size; ++i) {
+        uint32_t len = 0;
+        std::memcpy(&len, from + i * kSlot, sizeof(len));
+        if (len > gloo::transport::Address::kMaxByteSize) {
+          throw std::runtime_error("rank " + std::to_string(members[j]) + " sent an address of " +
+                                   std::to_string(len) + " bytes");
+        }
+        all[j][i].assign(from + i * kSlot + sizeof(len), from + i * kSlot + sizeof(len) + len);
+      }
+    }
+    return all;
+  };
+  auto group = std::make_shared<Group>();
+  group->options = options_;
+  group->options.rank = index;
+  group->options.world_size = size;
+  group->options.store.reset();
+  for (int m : members) group->members.push_back(group_->members[m]);
+  auto context = std::make_shared<MeshContext>(index, size);
+  context->setTimeout(options_.timeout);
+  try {
+    context->Connect(group_->context->getDevice(), exchange);
+  } catch (const std::exception& e) {
+    if (!exchanged.ok()) return exchanged;
+    return Status::FailedPrecondition(who + ": connecting the sub-group of color " +
+                                      std::to_string(color) + " (" + std::to_string(size) +
+                                      " ranks) failed: " + e.what());
+  }
+  group->context = std::move(context);
+  auto comm = std::make_unique<GlooComm>(device_, std::move(group));
+  ZINF_RETURN_IF_ERROR(comm->Barrier().WithContext(who + ": joining the sub-group of color " +
+                                                   std::to_string(color)));
+  return std::unique_ptr<Communicator>(std::move(comm));
+}
 
 // Every rank says who it is ("host pid", for the message when a peer dies) and waits until
 // all the others have, each wait within what `left()` says the join's deadline leaves.

@@ -105,6 +105,17 @@ class Hub {
     return s;
   }
 
+  // The hub of the sub-group `color` made by the Split whose color exchange was collective
+  // `seq`: the first member to ask makes it, the last (of `members`) takes it out of the map.
+  std::shared_ptr<Hub> SubHub(uint64_t seq, int color, int members) EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
+    SubHubEntry& e = sub_hubs_[{seq, color}];
+    if (e.hub == nullptr) e.hub = std::make_shared<Hub>(members, timeout_);
+    std::shared_ptr<Hub> hub = e.hub;
+    if (++e.taken == members) sub_hubs_.erase({seq, color});
+    return hub;
+  }
+
   // Called instead of Run by a rank that rejected its arguments: collective `seq` fails on
   // every rank at once (instead of the peers timing out), and the group stays usable.
   void Abandon(uint64_t seq, int rank, const Call& call, const Status& why) EXCLUDES(mu_) {
@@ -227,6 +238,11 @@ class Hub {
     if (++slot.left == world_size_) slots_.erase(seq);
   }
 
+  struct SubHubEntry {
+    std::shared_ptr<Hub> hub;
+    int taken = 0;
+  };
+
   const int world_size_;
   const std::chrono::milliseconds timeout_;
   Mutex mu_;
@@ -235,6 +251,8 @@ class Hub {
   CondVar cv_;
   std::map<uint64_t, Slot> slots_ GUARDED_BY(mu_);  // collectives some rank has joined
   Status broken_ GUARDED_BY(mu_);                   // once set, every collective fails with it
+  // Sub-groups being made: (the Split's sequence number, color) -> their hub.
+  std::map<std::pair<uint64_t, int>, SubHubEntry> sub_hubs_ GUARDED_BY(mu_);
 };
 
 // out[i] = ((in[0][i] + in[1][i]) + in[2][i]) + ... in float, for i < n. Works through a
@@ -361,6 +379,23 @@ class LocalComm final : public Communicator {
   Status Barrier() override {
     const uint64_t seq = next_seq_++;
     return hub_->Run(seq, rank_, Call{}, Posted{}, /*steps=*/0, nullptr);
+  }
+
+  // The colors go round with an AllGather; each sub-group gets a hub of its own, found in
+  // this hub under the AllGather's sequence number.
+  Result<std::unique_ptr<Communicator>> Split(int color, Stream* stream) override {
+    const int n = world_size();
+    std::vector<int32_t> colors(n);
+    const int32_t mine = color;
+    const uint64_t seq = next_seq_;  // the AllGather's
+    ZINF_RETURN_IF_ERROR(AllGather(&mine, colors.data(), sizeof(mine), stream));
+    ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
+    ZINF_ASSIGN_OR_RETURN(std::vector<int> members,
+                          SplitMembers(colors, rank_, "LocalComm rank " + std::to_string(rank_)));
+    const int index =
+        static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
+    std::shared_ptr<Hub> sub = hub_->SubHub(seq, color, static_cast<int>(members.size()));
+    return std::unique_ptr<Communicator>(std::make_unique<LocalComm>(sub, index, device_));
   }
 
  private:

@@ -61,7 +61,23 @@ class Communicator {
   virtual Status Broadcast(void* buf, size_t bytes, int root, Stream* stream) = 0;
   // Blocks until every rank has reached the barrier.
   virtual Status Barrier() = 0;
+
+  // A sub-group of this communicator's ranks (hpZ's ranks of one node, qgZ's hops). Every rank
+  // calls Split, at the same place of its collective order, with its `color` (>= 0); the ranks
+  // that give the same color form one new communicator, ranked in their order here. The colors
+  // are exchanged with a collective of this communicator on `stream`, and Split waits for it
+  // (and for the new group to connect) before it returns. A color below 0 on any rank fails
+  // Split on every rank, naming that rank. The new communicator is independent of this one:
+  // its collectives never pair with this one's, and either may be destroyed first.
+  // Unimplemented where an implementation cannot split (the default).
+  virtual Result<std::unique_ptr<Communicator>> Split(int color, Stream* stream);
 };
+
+// The ranks of a group of `world_size` that Split(color) with these colors (colors[r]: rank r's)
+// puts with `rank`, in rank order; InvalidArgument naming the first rank whose color is
+// negative. Every implementation's Split uses it, so they agree.
+Result<std::vector<int>> SplitMembers(const std::vector<int32_t>& colors, int rank,
+                                      const std::string& who);
 
 // Creates `world_size` connected LocalComm endpoints, one per rank; `devices[r]` is rank r's
 // device (HostDevice: buffers are host memory). Endpoint r is used by rank r's thread.
