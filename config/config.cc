@@ -81,6 +81,7 @@ constexpr std::string_view kZeroKeys[] = {
     "zero_quantized_weights",
     "zero_quantized_nontrainable_weights",
     "zero_quantized_gradients",
+    "zero_hpz_partition_size",
 };
 constexpr std::string_view kZinfKeys[] = {
     "device_budget_bytes",
@@ -230,8 +231,12 @@ Status ParseZeroOptimization(ObjectReader& r, EngineConfig* config, ParseContext
   ZINF_RETURN_IF_ERROR(
       r.ReadBool("zero_quantized_nontrainable_weights", &config->quantized_nontrainable_weights));
   ZINF_RETURN_IF_ERROR(r.ReadBool("zero_quantized_gradients", &config->quantized_gradients));
-  for (std::string_view key :
-       {"zero_hpz_partition_size", "mics_shard_size", "mics_hierarchical_params_gather"}) {
+  ZINF_RETURN_IF_ERROR(r.ReadUint32("zero_hpz_partition_size", &config->hpz_partition_size));
+  if (config->hpz_partition_size == 0) {
+    return Status::InvalidArgument(r.PathOf("zero_hpz_partition_size") +
+                                   ": 0; give the ranks per node (1: off, the default)");
+  }
+  for (std::string_view key : {"mics_shard_size", "mics_hierarchical_params_gather"}) {
     r.IgnoreWithWarning(key, "DeepSpeed feature not implemented by zinf, ignored");
   }
   r.Finish();

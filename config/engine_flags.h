@@ -27,6 +27,7 @@ struct EngineFlags {
   bool delayed_update = false;       // --delayed-update (given: on)
   bool quantized_weights = false;    // --quantized-weights (given: on)
   bool quantized_gradients = false;  // --quantized-gradients (given: on)
+  int hpz_partition_size = 0;        // --hpz-partition-size (0: as configured)
   int optimizer_threads = -1;        // --optimizer-threads (0: every core)
   std::string io_backend;            // --io-backend io_uring | libaio | psync
 };
@@ -104,6 +105,12 @@ inline void AddEngineFlags(CLI::App& app, EngineFlags* f) {
                "zero_optimization.zero_quantized_gradients (ZeRO++'s qgZ, one hop): with several "
                "ranks, each gradient's reduce-scatter sends int8 blocks (an fp32 scale per 256 "
                "values) in an all-to-all, summed in fp32 by the partition's owner");
+  app.add_option("--hpz-partition-size", f->hpz_partition_size,
+                 "zero_optimization.zero_hpz_partition_size (ZeRO++'s hpZ): the ranks per node; "
+                 "each rank keeps a secondary shard of every gathered parameter in pinned host "
+                 "memory, so that its later gathers at the same version stay inside the node "
+                 "(1: off)")
+      ->check(CLI::Range(1, 1 << 16));
   app.add_option("--optimizer-threads", f->optimizer_threads,
                  "zinf.optimizer_threads: CPU optimizer threads (0: every core)")
       ->check(CLI::Range(0, 1024));
@@ -150,6 +157,7 @@ inline Status ApplyEngineFlags(const EngineFlags& f, EngineConfig* c) {
   if (f.delayed_update) c->delayed_update = true;
   if (f.quantized_weights) c->quantized_weights = true;
   if (f.quantized_gradients) c->quantized_gradients = true;
+  if (f.hpz_partition_size > 0) c->hpz_partition_size = static_cast<uint32_t>(f.hpz_partition_size);
   if (f.optimizer_threads >= 0) c->optimizer_threads = f.optimizer_threads;
   if (!f.io_backend.empty()) c->aio.backend = f.io_backend;
   if (!f.nvme.empty()) {

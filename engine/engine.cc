@@ -104,7 +104,8 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
     for (const auto& [on, key] :
          {std::pair{config.quantized_weights, "zero_quantized_weights"},
           {config.quantized_nontrainable_weights, "zero_quantized_nontrainable_weights"},
-          {config.quantized_gradients, "zero_quantized_gradients"}}) {
+          {config.quantized_gradients, "zero_quantized_gradients"},
+          {config.hpz_partition_size > 1, "zero_hpz_partition_size"}}) {
       if (on) keys += std::string(keys.empty() ? "zero_optimization." : ", ") + key;
     }
     if (!keys.empty()) {
@@ -462,6 +463,16 @@ Status Engine::Impl::Place() {
             " kept and stepped on the device (lower sub_group_size for a finer split)");
   }
   ZINF_ASSIGN_OR_RETURN(PinnedPlan plan, PlanPinnedMemory(layout_, config_, device_->IsHost()));
+  if (HpzActive(config_, world_)) {
+    // Every rank is here (the settings agreed): nodes of K consecutive ranks.
+    const int k = static_cast<int>(config_.hpz_partition_size);
+    Result<std::unique_ptr<Communicator>> node = comm_->Split(rank_ / k, streams_.comm);
+    if (!node.ok()) {
+      return node.status().WithContext("zero_hpz_partition_size " + std::to_string(k) +
+                                       ": making this rank's node group");
+    }
+    node_comm_ = std::move(node).value();
+  }
   ZINF_RETURN_IF_ERROR(AllocatePinned(plan));
   // The swap store first: every component gets it at construction.
   if (config_.offload_param.tier == Tier::kNvme || config_.offload_optimizer.tier == Tier::kNvme) {
@@ -551,6 +562,7 @@ Status Engine::Impl::BuildComponents(const PinnedPlan& plan) {
   ctx.config = &config_;
   ctx.device = device_;
   ctx.comm = comm_;
+  ctx.node_comm = node_comm_.get();
   ctx.streams = streams_;
   ctx.budget = budget_.get();
   ctx.stats = &stats_;

@@ -112,6 +112,9 @@ class Engine::Impl {
   const EngineConfig config_;
   Device* const device_;
   Communicator* const comm_;
+  // hpZ: this rank's node, split from comm_ at placement (null without hpZ). Kept past every
+  // component (they issue on it), destroyed after the streams are synchronised.
+  std::unique_ptr<Communicator> node_comm_;
   const EngineHooks hooks_;
   const int rank_;
   const int world_;
@@ -317,7 +320,9 @@ class Engine::Impl {
   // frozen parameters stay.
   Status EvictAll(bool frozen = true) {
     for (ParamId id = 0; id < layout_.num_params(); ++id) {
-      if (frozen || layout_.param(id).info.trainable) ZINF_RETURN_IF_ERROR(core_->fetch->Evict(id));
+      if (frozen || layout_.param(id).info.trainable) {
+        ZINF_RETURN_IF_ERROR(core_->fetch->Replace(id));
+      }
     }
     return Status::OK();
   }

@@ -273,7 +273,7 @@ Status Engine::Impl::SetParameterValues(const std::vector<ParamId>& ids,
   bool changed = false;  // some value was written
   for (ParamId id = 0; id < layout_.num_params() && local.ok(); ++id) {
     if (!wanted[id]) continue;
-    local = core_->fetch->Evict(id);  // a fetched copy holds the old values
+    local = core_->fetch->Replace(id);  // a fetched copy (or hpZ shard) holds the old values
     if (local.ok() && !layout_.param(id).info.trainable) {
       bool wrote = false;
       local = core_->frozen->Set(id, fill, &wrote);  // its store alone

@@ -765,6 +765,7 @@ TEST(ConfigTest, TheVisitorNamesEveryFieldByItsKey) {
       "stage3_max_live_parameters": 200, "stage3_max_reuse_distance": 300,
       "stage3_param_persistence_threshold": 10, "zero_quantized_weights": true,
       "zero_quantized_nontrainable_weights": true, "zero_quantized_gradients": true,
+      "zero_hpz_partition_size": 2,
       "offload_param": {"device": "nvme", "nvme_path": "/tmp/zinf_p", "buffer_count": 5,
         "buffer_size": 1000, "max_in_cpu": 2000, "pin_memory": false},
       "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/zinf_o", "buffer_count": 6,
@@ -791,10 +792,10 @@ TEST(ConfigTest, TheVisitorNamesEveryFieldByItsKey) {
   std::map<std::string, std::string> flat, defaults, again;
   const nlohmann::json tree = VisitedTree(*c, &flat);
   VisitedTree(EngineConfig{}, &defaults);
-  // 6 offload_param keys, 7 offload_optimizer, 9 other zero_optimization keys, 5 aio and the
+  // 6 offload_param keys, 7 offload_optimizer, 10 other zero_optimization keys, 5 aio and the
   // backend, 5 optimizer keys (betas one), bf16 and 4 other top-level keys, 7 fp16 keys, 17
   // zinf keys.
-  EXPECT_EQ(flat.size(), 6 + 7 + 9 + 6 + 5 + 5 + 7 + 17u);
+  EXPECT_EQ(flat.size(), 6 + 7 + 10 + 6 + 5 + 5 + 7 + 17u);
   for (const auto& [key, value] : flat) {
     // (The stage has one value; fp16 and bf16 exclude each other: fp16.enabled is below.)
     if (key == "zero_optimization.stage" || key == "fp16.enabled") continue;

@@ -458,6 +458,7 @@ struct RunOptions {
   int block_acquire_rank = -1;
   bool quantized_weights = false;    // zero_optimization.zero_quantized_weights
   bool quantized_gradients = false;  // zero_optimization.zero_quantized_gradients
+  uint32_t hpz = 1;                  // zero_optimization.zero_hpz_partition_size
   std::chrono::seconds timeout{120};
 
   std::string Describe() const {
@@ -472,6 +473,7 @@ struct RunOptions {
     if (delayed) os << ", delayed update";
     if (quantized_weights) os << ", quantized weight gathers";
     if (quantized_gradients) os << ", quantized gradient reduction";
+    if (hpz > 1) os << ", hpZ nodes of " << hpz;
     if (ratio < 1) os << ", optimizer ratio " << ratio;
     if (param_groups) os << ", biases in their own parameter group";
     if (swapped_micro_step >= 0) os << ", swapped acquire order at " << swapped_micro_step;
@@ -519,6 +521,7 @@ inline EngineConfig MakeConfig(const RunOptions& o, const std::string& nvme_dir)
   c.zero_stage = o.stage;
   c.quantized_weights = o.quantized_weights;
   c.quantized_gradients = o.quantized_gradients;
+  c.hpz_partition_size = o.hpz;
   return c;
 }
 
@@ -530,6 +533,9 @@ struct CollectiveCounts {
   uint64_t reduce_scatter_floats = 0;    // count_per_rank each
   uint64_t all_gather_bytes = 0;         // what this rank sent in them (bytes_per_rank each)
   std::vector<size_t> all_gather_sizes;  // bytes_per_rank of each, in order
+  // The all-gathers of sub-groups split from the communicator (hpZ's node).
+  int node_all_gather = 0;
+  uint64_t node_all_gather_bytes = 0;
 };
 
 // A rank's communicator, counting the collectives it is asked for (the engine's trainer
@@ -539,7 +545,19 @@ class CountingComm final : public Communicator {
   explicit CountingComm(std::unique_ptr<Communicator> inner) : inner_(std::move(inner)) {}
   int rank() const override { return inner_->rank(); }
   int world_size() const override { return inner_->world_size(); }
+  // A sub-group counts its all-gathers into this one's node_all_gather (its other collectives
+  // into its own counts).
+  Result<std::unique_ptr<Communicator>> Split(int color, Stream* stream) override {
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> sub, inner_->Split(color, stream));
+    auto wrapped = std::make_unique<CountingComm>(std::move(sub));
+    wrapped->parent_ = &counts_;
+    return std::unique_ptr<Communicator>(std::move(wrapped));
+  }
   Status AllGather(const void* send, void* recv, size_t bytes, Stream* stream) override {
+    if (parent_ != nullptr) {
+      ++parent_->node_all_gather;
+      parent_->node_all_gather_bytes += bytes;
+    }
     ++counts_.all_gather;
     counts_.all_gather_bytes += bytes;
     counts_.all_gather_sizes.push_back(bytes);
@@ -573,6 +591,7 @@ class CountingComm final : public Communicator {
  private:
   std::unique_ptr<Communicator> inner_;
   CollectiveCounts counts_;
+  CollectiveCounts* parent_ = nullptr;  // a sub-group's: the communicator it was split from
 };
 
 struct RankOutput {

@@ -30,6 +30,8 @@ struct EngineContext {
   const EngineConfig* config = nullptr;
   Device* device = nullptr;
   Communicator* comm = nullptr;
+  // hpZ (HpzActive): the ranks of this rank's node, split from `comm`; null otherwise.
+  Communicator* node_comm = nullptr;
   EngineStreams streams;
   DeviceBudget* budget = nullptr;
   StatsRecorder* stats = nullptr;

@@ -39,6 +39,55 @@ FetchScheduler::~FetchScheduler() {
 
 Status FetchScheduler::Init() {
   ZINF_ASSIGN_OR_RETURN(copy_done_, ctx_.device->CreateEvent());
+  if (ctx_.node_comm == nullptr) return Status::OK();
+  for (ParamId id = 0; id < res_.size(); ++id) {
+    Result<PinnedBuffer> b =
+        ctx_.arena->Allocate(ctx_.layout->SecondaryBytes(id, ctx_.config->hpz_partition_size));
+    if (!b.ok()) {
+      return b.status().WithContext("hpZ's secondary shard of parameter '" +
+                                    ctx_.layout->param(id).info.name + "'");
+    }
+    res_[id].secondary = std::move(b).value();
+  }
+  return Status::OK();
+}
+
+Status FetchScheduler::Replace(ParamId id) {
+  res_[id].secondary_version = kNotFetched;
+  return Evict(id);
+}
+
+Status FetchScheduler::IssueFromSecondary(ParamId id) {
+  Resident& r = res_[id];
+  const size_t bytes = ctx_.layout->SecondaryBytes(id, ctx_.config->hpz_partition_size);
+  char* mine =
+      static_cast<char*>(r.device_full) + static_cast<size_t>(ctx_.node_comm->rank()) * bytes;
+  Stream* comm = ctx_.streams.comm;
+  // On the comm stream, which wrote the shard (KeepSecondary): ordered after that copy.
+  Status s = ctx_.device->CopyHostToDevice(mine, r.secondary.data(), bytes, comm);
+  if (s.ok()) {
+    ctx_.stats->AddH2D(bytes);
+    s = ctx_.node_comm->AllGather(mine, r.device_full, bytes, comm);
+  }
+  if (s.ok()) s = ctx_.device->RecordEvent(r.ready.get(), comm);
+  if (!s.ok()) {
+    FailFetch(id);
+    return s;
+  }
+  r.state = State::kFetching;
+  return Status::OK();
+}
+
+Status FetchScheduler::KeepSecondary(ParamId id) {
+  Resident& r = res_[id];
+  const size_t bytes = ctx_.layout->SecondaryBytes(id, ctx_.config->hpz_partition_size);
+  const char* mine =
+      static_cast<const char*>(r.device_full) + static_cast<size_t>(ctx_.node_comm->rank()) * bytes;
+  ZINF_RETURN_IF_ERROR(
+      ctx_.device->CopyDeviceToHost(r.secondary.data(), mine, bytes, ctx_.streams.comm));
+  // (A failed read's NaN part is kept too, as on every rank: the ranks' shards stay at the
+  // same versions, so they all go on choosing the same gathers.)
+  r.secondary_version = r.fetched_version;
   return Status::OK();
 }
 
@@ -173,16 +222,18 @@ Status FetchScheduler::Fetch(ParamId id, int64_t visible, bool prefetch) {
     return Status::OK();
   }
   if (r.device_full != nullptr) ZINF_RETURN_IF_ERROR(Evict(id));  // stale copy
+  // hpZ: a shard of this version is kept: the node has the whole parameter between its ranks.
+  const bool from_secondary = SecondaryFresh(id, visible);
   // NVMe: the pinned staging block first, so that a fetch that cannot have one leaves nothing
   // behind (so is an int8 weight's decode block: with several ranks, nothing may fail between
   // a read and its gather). Prefetches issued in earlier calls may hold it all while their
   // reads are slow.
   std::shared_ptr<PinnedBuffer> staging, decoded;
-  if (ctx_.config->offload_param.tier == Tier::kNvme) {
+  if (ctx_.config->offload_param.tier == Tier::kNvme && !from_secondary) {
     ZINF_ASSIGN_OR_RETURN(staging, TakeBlock(id, ctx_.layout->PartBytes(id), prefetch));
   }
-  const bool quantized = QuantizedGather(id);
-  if (ctx_.layout->StoredInt8(id) && !quantized) {
+  const bool quantized = QuantizedGather(id) && !from_secondary;
+  if (ctx_.layout->StoredInt8(id) && !quantized && !from_secondary) {
     ZINF_ASSIGN_OR_RETURN(decoded, TakeBlock(id, ctx_.layout->DevicePartBytes(id), prefetch));
   }
   const size_t full = ctx_.layout->FullBytes(id);
@@ -215,6 +266,7 @@ Status FetchScheduler::Fetch(ParamId id, int64_t visible, bool prefetch) {
   const int buf = store_->Buf(visible);
   r.fetched_version = static_cast<uint64_t>(visible);
   r.decoded = std::move(decoded);
+  if (from_secondary) return IssueFromSecondary(id);
   switch (ctx_.config->offload_param.tier) {
     case Tier::kNvme: {
       // Urgent: the trainer waits on parameters; optimizer read-ahead and write-backs can wait.
@@ -309,6 +361,7 @@ Status FetchScheduler::IssueCopies(ParamId id, const void* src,
   } else if (s.ok()) {
     s = ctx_.comm->AllGather(slot, r.device_full, part, ctx_.streams.comm);
   }
+  if (s.ok() && ctx_.node_comm != nullptr) s = KeepSecondary(id);
   if (s.ok()) s = ctx_.device->RecordEvent(r.ready.get(), ctx_.streams.comm);
   if (!s.ok()) {
     FailFetch(id);
@@ -463,6 +516,7 @@ void FetchScheduler::Prefetch(int64_t visible, const Rewriting& rewriting) {
 Status FetchScheduler::DropAll() {
   for (ParamId id = 0; id < res_.size(); ++id) {
     Resident& r = res_[id];
+    r.secondary_version = kNotFetched;  // (its pinned memory is released with the arena)
     if (r.aliased) {
       r.device_full = nullptr;
       r.fetched_version = kNotFetched;

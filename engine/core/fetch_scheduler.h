@@ -48,7 +48,7 @@ class FetchScheduler {
   ~FetchScheduler();
   FetchScheduler(const FetchScheduler&) = delete;
   FetchScheduler& operator=(const FetchScheduler&) = delete;
-  Status Init();  // its events
+  Status Init();  // its events, and hpZ's secondary shards (from the pinned arena)
   // One rank on the device tier: the partition is the full parameter (the buffer of the
   // visible version; a fetch points it there).
   void Alias(ParamId id) { res_[id].aliased = true; }
@@ -85,6 +85,9 @@ class FetchScheduler {
   // are the device-tier partitions themselves (one rank) are forgotten: the next Acquire
   // points them at the partitions again, wherever those are then.
   Status DropAll();
+  // `id`'s values are about to change at the same version (SetParameterValues, a load): the
+  // device copy goes (Evict) and so does hpZ's secondary shard.
+  Status Replace(ParamId id);
   int acquired(ParamId id) const { return res_[id].acquired; }
   // Whether `id` is still acquired from a version older than `visible`.
   bool AcquiredStale(ParamId id, int64_t visible) const {
@@ -113,6 +116,11 @@ class FetchScheduler {
     // Acquire takes the buffer for the parameter's value only when this matches).
     uint64_t fetched_version = kNotFetched;
     int acquired = 0;
+    // hpZ: this rank's secondary shard of the gathered parameter (SecondaryBytes), written on
+    // the comm stream after each gather across every rank, and the version it holds
+    // (kNotFetched: none). A fetch at that version all-gathers the shards inside the node.
+    PinnedBuffer secondary;
+    uint64_t secondary_version = kNotFetched;
   };
 
   // stage3_max_live_parameters; no limit at stages 0 to 2 (every parameter stays whole: the
@@ -151,6 +159,19 @@ class FetchScheduler {
            (res_[id].fetched_version == static_cast<uint64_t>(visible) ||
             !ctx_.layout->param(id).info.trainable);
   }
+  // hpZ: whether `id`'s secondary shard holds version `visible` (a frozen parameter's any).
+  bool SecondaryFresh(ParamId id, int64_t visible) const {
+    return ctx_.node_comm != nullptr && res_[id].secondary_version != kNotFetched &&
+           (res_[id].secondary_version == static_cast<uint64_t>(visible) ||
+            !ctx_.layout->param(id).info.trainable);
+  }
+  // hpZ: the secondary shard to its place in device_full, then the node's all-gather of the
+  // shards, on the comm stream.
+  Status IssueFromSecondary(ParamId id);
+  // hpZ, after a gather across every rank: this rank's shard of device_full to its secondary,
+  // on the comm stream (before the fetch's `ready`, so the copy is done before a use, and an
+  // eviction after that use).
+  Status KeepSecondary(ParamId id);
   // Fetches `id` into device memory (asynchronously: its `ready` event). `prefetch`: give up
   // at once when no pinned staging is free (a demand fetch waits for the copies in flight to
   // hand theirs back). On failure the parameter holds no device memory.

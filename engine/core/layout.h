@@ -46,6 +46,13 @@ inline size_t QuantizedReduceBytes(const ParamLayout& p, const EngineConfig& con
   return world * blocks;
 }
 
+// hpZ (zero_hpz_partition_size K): stage 3 over several nodes of K ranks (1 < K < world). With
+// K = world the node is the world: every gather stays inside it anyway.
+inline bool HpzActive(const EngineConfig& c, int world) {
+  return c.zero_stage >= 3 && c.hpz_partition_size > 1 &&
+         static_cast<int>(c.hpz_partition_size) < world;
+}
+
 inline size_t GradientScratchBytes(const ParamLayout& p, const EngineConfig& config) {
   if (!p.info.trainable) return 0;  // a frozen parameter takes no gradient
   return (p.padded_numel + p.info.partition_numel) * sizeof(float) +
@@ -107,6 +114,11 @@ class Layout {
   // zinf.frozen_weight_dtype int8, else the storage dtype).
   size_t FullBytes(ParamId id) const { return params_[id].padded_numel * elem_size_; }
   size_t DevicePartBytes(ParamId id) const { return params_[id].info.partition_numel * elem_size_; }
+  // hpZ's secondary shard of `id` with `k` ranks per node: the 1/k of the gathered parameter
+  // (world / k partitions, in the device dtype) that a rank's place in its node is for.
+  size_t SecondaryBytes(ParamId id, uint32_t k) const {
+    return static_cast<size_t>(world_) / k * DevicePartBytes(id);
+  }
   size_t PartBytes(ParamId id) const {
     return StoredInt8(id) ? StateBytes(StateType::kInt8, params_[id].info.partition_numel)
                           : DevicePartBytes(id);

@@ -21,6 +21,7 @@ namespace {
 struct ParamTotals {
   uint64_t cpu_tier_bytes = 0;  // cpu-tier partitions, pinned
   uint64_t max_part = 0;        // the largest partition in fp32, page rounded
+  uint64_t hpz_bytes = 0;       // hpZ's secondary shards, pinned
 };
 
 // The trainable sub-groups' share of the plan (frozen ones have no states, no gradients).
@@ -45,6 +46,9 @@ ParamTotals TallyParams(const Layout& layout, const EngineConfig& config) {
     // (A frozen parameter's value never changes: one buffer.)
     const bool two = delayed && p.info.trainable;
     if (config.offload_param.tier == Tier::kCpu) t.cpu_tier_bytes += two ? 2 * part : part;
+    if (HpzActive(config, layout.world())) {
+      t.hpz_bytes += RoundUp(layout.SecondaryBytes(id, config.hpz_partition_size), 4096);
+    }
     t.max_part =
         std::max<uint64_t>(t.max_part, RoundUp(p.info.partition_numel * sizeof(float), 4096));
   }
@@ -153,6 +157,9 @@ Status CheckPinnedBudget(const EngineConfig& config, uint64_t fixed, const Pinne
              " is too small: this model needs about " +
              FormatBytes(fixed + plan.grads_min + plan.snapshots_min) +
              " (gradient partitions, cpu-tier parameters, optimizer swap buffers and staging" +
+             (plan.hpz_bytes > 0 ? ", " + FormatBytes(plan.hpz_bytes) +
+                                       " of hpZ's secondary shards (zero_hpz_partition_size)"
+                                 : std::string()) +
              (plan.snapshots_min > 0
                   ? ", and one speculative-step snapshot of " + FormatBytes(plan.snapshots_min) +
                         " for zinf.speculative_step true (\"auto\" goes without)"
@@ -191,7 +198,8 @@ Result<PinnedPlan> PlanPinnedMemory(const Layout& layout, const EngineConfig& co
   PinnedPlan plan;
   const ParamTotals params = TallyParams(layout, config);
   const GroupTotals groups = TallyGroups(layout, config);
-  uint64_t pinned = params.cpu_tier_bytes;
+  plan.hpz_bytes = params.hpz_bytes;
+  uint64_t pinned = params.cpu_tier_bytes + params.hpz_bytes;
   pinned += PlanOptimizerPools(layout, config, groups, device_is_host, &plan);
   pinned += StagingBytes(layout, config, params.max_part);
   PlanGradientAccumulators(config, groups, &plan);
@@ -217,6 +225,27 @@ OptimizerKind OptimizerKindFor(OptimizerType type) {
 }
 
 Status CheckFeasible(const EngineConfig& config, const DeviceCaps& caps, int world) {
+  // hpZ's nodes are K consecutive ranks each: K must divide the world (K = world: one node).
+  const uint32_t k = config.hpz_partition_size;
+  if (config.zero_stage >= 3 && k > 1 && (static_cast<int64_t>(k) > world || world % k != 0)) {
+    return Status::InvalidArgument(
+               "zero_optimization.zero_hpz_partition_size " + std::to_string(k) +
+               " does not divide the world size " + std::to_string(world) +
+               "; give the ranks per node (LOCAL_WORLD_SIZE), each node's ranks consecutive, or 1 "
+               "(off)")
+        .WithKey("zero_optimization.zero_hpz_partition_size");
+  }
+  if (config.zero_stage >= 3 && k > 1 && static_cast<int64_t>(k) < world &&
+      config.offload_param.tier == Tier::kNvme) {
+    // With several ranks an NVMe fetch's gather waits for its Acquire, in acquire order on
+    // every rank; a fetch from the shard would gather at once, when each rank's staging
+    // allows: the ranks could pair different gathers.
+    return Status::NotSupported(
+               "zero_optimization.zero_hpz_partition_size " + std::to_string(k) +
+               " with offload_param.device nvme is not supported yet; use offload_param.device "
+               "cpu (or none) with hpZ")
+        .WithKey("zero_optimization.zero_hpz_partition_size");
+  }
   // Sub-groups stepped on the device: all of them (offload_optimizer.device none) or those
   // beyond offload_optimizer.ratio.
   const bool device_optimizer =

@@ -26,6 +26,7 @@ struct PinnedPlan {
   bool stream_grads = false;
   uint64_t grad_blocks = 0;  // streaming: blocks in the pool
   uint64_t fixed = 0;        // everything but the accumulators (pools, cpu-tier params, staging)
+  uint64_t hpz_bytes = 0;    // hpZ's secondary shards (part of `fixed`)
   uint64_t grads_min = 0;    // the accumulators' least share
   // Speculative steps (zinf.speculative_step, with clipping): one block per sub-group that may
   // be stepped before the norm is known, from what the budget has left (at most one per

@@ -82,6 +82,7 @@ std::string DescribeForAgreement(const EngineConfig& c, const Layout& layout,
     << (c.quantized_nontrainable_weights ? "true" : "false") << "\n";
   o << "zero_optimization.zero_quantized_gradients: " << (c.quantized_gradients ? "true" : "false")
     << "\n";
+  o << "zero_optimization.zero_hpz_partition_size: " << c.hpz_partition_size << "\n";
   o << "zinf.speculative_step: "
     << (c.speculative_step == SpeculativeStep::kOn    ? "true"
         : c.speculative_step == SpeculativeStep::kOff ? "false"

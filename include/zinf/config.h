@@ -109,6 +109,14 @@ struct EngineConfig {
   // block's largest magnitude / 254 (a non-finite value makes its whole block NaN). Partitions
   // under 256 values go as they are.
   bool quantized_gradients = false;
+  // zero_optimization.zero_hpz_partition_size (ZeRO++'s hpZ): K > 1 at stage 3 with several
+  // ranks (a multiple of K, each K consecutive ranks one node): after a parameter's gather
+  // each rank keeps a secondary shard, the 1/K of the gathered parameter its place in the
+  // node is for, in pinned host memory (counted in zinf.pinned_budget_bytes); the parameter's
+  // next gathers at the same version (the backward's, every micro-batch's) all-gather the
+  // shards inside the node instead of across every rank, and read nothing from NVMe. The
+  // values are the same bits. 1: off (the default); ignored with a warning below stage 3.
+  uint32_t hpz_partition_size = 1;
   AioConfig aio;
   OptimizerConfig optimizer;
   bool bf16 = false;
@@ -263,6 +271,7 @@ void VisitEngineConfig(const EngineConfig& c, Visit&& visit) {
   visit("zero_optimization.zero_quantized_weights", c.quantized_weights);
   visit("zero_optimization.zero_quantized_nontrainable_weights", c.quantized_nontrainable_weights);
   visit("zero_optimization.zero_quantized_gradients", c.quantized_gradients);
+  visit("zero_optimization.zero_hpz_partition_size", c.hpz_partition_size);
   visit("aio.block_size", c.aio.block_size);
   visit("aio.queue_depth", c.aio.queue_depth);
   visit("aio.thread_count", c.aio.thread_count);
@@ -311,7 +320,7 @@ void VisitEngineConfig(const EngineConfig& c, Visit&& visit) {
 
 #ifdef ZINF_HAS_FIELD_COUNT_CHECK
 // The fields VisitEngineConfig visits: one added without a visit fails here.
-static_assert(HasFields<EngineConfig, 36> && HasFields<OffloadConfig, 9> &&
+static_assert(HasFields<EngineConfig, 37> && HasFields<OffloadConfig, 9> &&
                   HasFields<AioConfig, 6> && HasFields<OptimizerConfig, 6> &&
                   HasFields<Fp16Config, 7>,
               "EngineConfig gained or lost a field: update VisitEngineConfig and these counts");
