@@ -25,6 +25,7 @@ FetchScheduler::~FetchScheduler() {
   // The engine synchronised every stream before this: nothing uses the buffers any more. A
   // read still in flight (a prefetch never acquired) must end before its buffers go.
   for (ParamId id : reading_) {
+    if (res_[id].from_secondary) continue;  // (no read)
     Status s = ctx_.swap->Wait(res_[id].read);
     if (!s.ok()) LogWarning("closing: a parameter read nobody used failed: " + s.ToString());
   }
@@ -85,6 +86,7 @@ Status FetchScheduler::KeepSecondary(ParamId id) {
       static_cast<const char*>(r.device_full) + static_cast<size_t>(ctx_.node_comm->rank()) * bytes;
   ZINF_RETURN_IF_ERROR(
       ctx_.device->CopyDeviceToHost(r.secondary.data(), mine, bytes, ctx_.streams.comm));
+  ctx_.stats->AddD2H(bytes);
   // (A failed read's NaN part is kept too, as on every rank: the ranks' shards stay at the
   // same versions, so they all go on choosing the same gathers.)
   r.secondary_version = r.fetched_version;
@@ -107,7 +109,7 @@ Status FetchScheduler::Evict(ParamId id) {
   if (r.state == State::kReading) {
     // No stream has touched the buffer yet: once the read into the staging block has ended,
     // both go back. Its error, if any, is reported by the next Acquire of the parameter.
-    Status read = ctx_.swap->Wait(r.read);
+    Status read = r.from_secondary ? Status::OK() : ctx_.swap->Wait(r.read);
     if (!read.ok()) SetFetchStatus(id, read);
     reading_.erase(std::find(reading_.begin(), reading_.end(), id));
     DropDeviceCopy(id);
@@ -170,6 +172,7 @@ void FetchScheduler::ForgetDeviceCopy(ParamId id) {
   r.device_full = nullptr;
   r.fetched_version = kNotFetched;
   r.state = State::kAbsent;
+  r.from_secondary = false;
   live_elems_ -= ctx_.layout->param(id).padded_numel;
   ctx_.budget->Unplan(ctx_.layout->FullBytes(id));
 }
@@ -266,6 +269,12 @@ Status FetchScheduler::Fetch(ParamId id, int64_t visible, bool prefetch) {
   const int buf = store_->Buf(visible);
   r.fetched_version = static_cast<uint64_t>(visible);
   r.decoded = std::move(decoded);
+  if (from_secondary && ctx_.config->offload_param.tier == Tier::kNvme) {
+    r.from_secondary = true;
+    r.state = State::kReading;
+    reading_.push_back(id);
+    return Status::OK();
+  }
   if (from_secondary) return IssueFromSecondary(id);
   switch (ctx_.config->offload_param.tier) {
     case Tier::kNvme: {
@@ -316,6 +325,7 @@ void FetchScheduler::FailFetch(ParamId id) {
   r.decoded.reset();
   r.fetched_version = kNotFetched;
   r.state = State::kAbsent;
+  r.from_secondary = false;
   live_elems_ -= p.padded_numel;
 }
 
@@ -440,6 +450,10 @@ Status FetchScheduler::QueueDequantize(ParamId id, const void* src,
 
 Status FetchScheduler::FinishOneRead(ParamId id) {
   Resident& r = res_[id];
+  if (r.from_secondary) {
+    r.from_secondary = false;
+    return IssueFromSecondary(id);
+  }
   Status read = ctx_.swap->Wait(r.read);
   if (!read.ok() && ctx_.comm->world_size() == 1) {
     DropDeviceCopy(id);  // no stream has touched it
@@ -480,7 +494,8 @@ void FetchScheduler::IssueEndedReads() {
   // With several ranks, when a read ends differs between them, and its gather must be issued
   // at the same point of every rank's call sequence: those wait for their Acquire.
   if (ctx_.comm->world_size() != 1) return;
-  while (!reading_.empty() && ctx_.swap->Done(res_[reading_.front()].read)) {
+  while (!reading_.empty() &&
+         (res_[reading_.front()].from_secondary || ctx_.swap->Done(res_[reading_.front()].read))) {
     const ParamId first = reading_.front();
     reading_.pop_front();
     Status s = FinishOneRead(first);

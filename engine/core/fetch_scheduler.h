@@ -121,6 +121,10 @@ class FetchScheduler {
     // (kNotFetched: none). A fetch at that version all-gathers the shards inside the node.
     PinnedBuffer secondary;
     uint64_t secondary_version = kNotFetched;
+    // kReading without a read: a fetch from the secondary shard with NVMe parameters, whose
+    // node gather waits in reading_ for its Acquire like the reads' gathers (the same point of
+    // every rank's call sequence, whatever each rank's staging allowed it to prefetch).
+    bool from_secondary = false;
   };
 
   // stage3_max_live_parameters; no limit at stages 0 to 2 (every parameter stays whole: the

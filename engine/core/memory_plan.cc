@@ -235,17 +235,6 @@ Status CheckFeasible(const EngineConfig& config, const DeviceCaps& caps, int wor
                "(off)")
         .WithKey("zero_optimization.zero_hpz_partition_size");
   }
-  if (config.zero_stage >= 3 && k > 1 && static_cast<int64_t>(k) < world &&
-      config.offload_param.tier == Tier::kNvme) {
-    // With several ranks an NVMe fetch's gather waits for its Acquire, in acquire order on
-    // every rank; a fetch from the shard would gather at once, when each rank's staging
-    // allows: the ranks could pair different gathers.
-    return Status::NotSupported(
-               "zero_optimization.zero_hpz_partition_size " + std::to_string(k) +
-               " with offload_param.device nvme is not supported yet; use offload_param.device "
-               "cpu (or none) with hpZ")
-        .WithKey("zero_optimization.zero_hpz_partition_size");
-  }
   // Sub-groups stepped on the device: all of them (offload_optimizer.device none) or those
   // beyond offload_optimizer.ratio.
   const bool device_optimizer =
