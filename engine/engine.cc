@@ -462,7 +462,13 @@ Status Engine::Impl::Place() {
             std::to_string(stepped - offloaded) +
             " kept and stepped on the device (lower sub_group_size for a finer split)");
   }
-  ZINF_ASSIGN_OR_RETURN(PinnedPlan plan, PlanPinnedMemory(layout_, config_, device_->IsHost()));
+  Result<PinnedPlan> planned = PlanPinnedMemory(layout_, config_, device_->IsHost());
+  // Every rank learns whether every rank's plan fits (the pinned budgets may differ), before
+  // the collectives below.
+  if (world_ > 1) {
+    ZINF_RETURN_IF_ERROR(collectives_->Agree(planned.status(), "planning the pinned memory"));
+  }
+  ZINF_ASSIGN_OR_RETURN(PinnedPlan plan, std::move(planned));
   if (HpzActive(config_, world_)) {
     // Every rank is here (the settings agreed): nodes of K consecutive ranks.
     const int k = static_cast<int>(config_.hpz_partition_size);
@@ -472,6 +478,14 @@ Status Engine::Impl::Place() {
                                        ": making this rank's node group");
     }
     node_comm_ = std::move(node).value();
+    if (config_.quantized_gradients) {
+      Result<std::unique_ptr<Communicator>> cross = comm_->Split(rank_ % k, streams_.comm);
+      if (!cross.ok()) {
+        return cross.status().WithContext("zero_quantized_gradients with zero_hpz_partition_size " +
+                                          std::to_string(k) + ": making the group across nodes");
+      }
+      cross_comm_ = std::move(cross).value();
+    }
   }
   ZINF_RETURN_IF_ERROR(AllocatePinned(plan));
   // The swap store first: every component gets it at construction.
@@ -563,6 +577,7 @@ Status Engine::Impl::BuildComponents(const PinnedPlan& plan) {
   ctx.device = device_;
   ctx.comm = comm_;
   ctx.node_comm = node_comm_.get();
+  ctx.cross_comm = cross_comm_.get();
   ctx.streams = streams_;
   ctx.budget = budget_.get();
   ctx.stats = &stats_;

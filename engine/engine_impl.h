@@ -115,6 +115,7 @@ class Engine::Impl {
   // hpZ: this rank's node, split from comm_ at placement (null without hpZ). Kept past every
   // component (they issue on it), destroyed after the streams are synchronised.
   std::unique_ptr<Communicator> node_comm_;
+  std::unique_ptr<Communicator> cross_comm_;  // hpZ with qgZ: across the nodes
   const EngineHooks hooks_;
   const int rank_;
   const int world_;

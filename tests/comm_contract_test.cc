@@ -1141,14 +1141,17 @@ std::vector<BadCall> BadCalls(int world) {
 // waiting in the matching collective, fail instead of hanging (at once where the implementation
 // can tell them, at the timeout where it cannot: NCCL). What the group is good for afterwards
 // is the implementation's (LocalComm stays usable, GlooComm breaks; their own tests say so).
-// The two ways of splitting the suite's groups: every other rank ({0, 2} and {1} of 3), and
-// halves ({0, 1} and {2}: hpZ's nodes).
+// The two ways of splitting the suite's groups: every other rank ({0, 2} and {1} of 3; {0, 2}
+// and {1, 3} of 4), and halves ({0, 1} and {2}; {0, 1} and {2, 3}: hpZ's nodes).
 int SplitColor(int way, int rank) { return way == 0 ? rank % 2 : rank / 2; }
+
+// Sub-groups, over worlds up to 4 (two groups of several ranks at once).
+class CommSplit : public CommContract {};
 
 // Each rank's sub-group runs the collectives of its own members only: gathers, an all-to-all
 // and an ordered sum see the sub-group's ranks in their order, and the parent's collectives,
 // issued between them on the same stream, still pair with the parent's.
-TEST_P(CommContract, SplitMakesSubGroupsOfTheSameColor) {
+TEST_P(CommSplit, SplitMakesSubGroupsOfTheSameColor) {
   constexpr size_t kBytes = 1001;
   constexpr size_t kCount = 7;  // floats per rank of the reduce-scatter
   std::vector<RankReport> reports = RunRanks([&](RankEnv& env) {
@@ -1161,13 +1164,14 @@ TEST_P(CommContract, SplitMakesSubGroupsOfTheSameColor) {
       in.rank = in.comm->rank();
       in.world = in.comm->world_size();
       *env.data() += std::to_string(in.rank) + " of " + std::to_string(in.world) + ";";
-      const int salt = 10 * way;
+      // (Salted by the color: a rank paired with another group's would read other bytes.)
+      const int salt = 10 * way + 3 * SplitColor(way, env.rank);
       if (!env.Ok(
               GatherOnce(in, env.worker, RankBytes(in.rank, kBytes, salt + 1), false, env.data()),
               "sub AllGather") ||
-          !env.Ok(
-              GatherOnce(env, env.worker, RankBytes(env.rank, kBytes, salt + 2), true, env.data()),
-              "parent AllGather") ||
+          !env.Ok(GatherOnce(env, env.worker, RankBytes(env.rank, kBytes, 10 * way + 2), true,
+                             env.data()),
+                  "parent AllGather") ||
           !env.Ok(AllToAllOnce(in, env.worker, kBytes, env.data()), "sub AllToAll") ||
           !env.Ok(ReduceScatterOnce(in, env.worker, SmallInts(in.rank, kCount * in.world, salt),
                                     false, env.data()),
@@ -1188,10 +1192,10 @@ TEST_P(CommContract, SplitMakesSubGroupsOfTheSameColor) {
       const int n = static_cast<int>(members.size());
       const int index =
           static_cast<int>(std::find(members.begin(), members.end(), r) - members.begin());
-      const int salt = 10 * way;
+      const int salt = 10 * way + 3 * SplitColor(way, r);
       want += std::to_string(index) + " of " + std::to_string(n) + ";";
       want += Gathered(n, kBytes, salt + 1);
-      want += Gathered(world(), kBytes, salt + 2);
+      want += Gathered(world(), kBytes, 10 * way + 2);
       for (int from = 0; from < n; ++from) want += RankBytes(from, kBytes, 100 + index);
       want += RankOrderSums(SmallInts, n, kCount * n, index * kCount, kCount, salt);
     }
@@ -1201,7 +1205,7 @@ TEST_P(CommContract, SplitMakesSubGroupsOfTheSameColor) {
 
 // A negative color on one rank fails Split on every rank, naming that rank; the parent group
 // goes on working.
-TEST_P(CommContract, SplitRefusesANegativeColorOnEveryRank) {
+TEST_P(CommSplit, SplitRefusesANegativeColorOnEveryRank) {
   std::vector<RankReport> reports = RunRanks([](RankEnv& env) {
     Result<std::unique_ptr<Communicator>> sub = env.comm->Split(env.rank == 0 ? -1 : 0, env.worker);
     env.Record(sub.status());
@@ -1295,6 +1299,10 @@ INSTANTIATE_TEST_SUITE_P(Nccl, CommContract,
                          ::testing::Combine(::testing::Values(Impl::kNccl),
                                             ::testing::Values(1, 2, 3)),
                          WorldName);
+INSTANTIATE_TEST_SUITE_P(Nccl, CommSplit,
+                         ::testing::Combine(::testing::Values(Impl::kNccl),
+                                            ::testing::Values(1, 2, 3, 4)),
+                         WorldName);
 #else
 // Two suites so that CMake labels them apart: LocalComm's ranks are threads (TSan runs them),
 // GlooComm's fork (label multiprocess).
@@ -1305,6 +1313,14 @@ INSTANTIATE_TEST_SUITE_P(Local, CommContract,
 INSTANTIATE_TEST_SUITE_P(Gloo, CommContract,
                          ::testing::Combine(::testing::Values(Impl::kGloo),
                                             ::testing::Values(1, 2, 3)),
+                         WorldName);
+INSTANTIATE_TEST_SUITE_P(Local, CommSplit,
+                         ::testing::Combine(::testing::Values(Impl::kLocal),
+                                            ::testing::Values(1, 2, 3, 4)),
+                         WorldName);
+INSTANTIATE_TEST_SUITE_P(Gloo, CommSplit,
+                         ::testing::Combine(::testing::Values(Impl::kGloo),
+                                            ::testing::Values(1, 2, 3, 4)),
                          WorldName);
 #endif
 

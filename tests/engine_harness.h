@@ -536,6 +536,9 @@ struct CollectiveCounts {
   // The all-gathers of sub-groups split from the communicator (hpZ's node).
   int node_all_gather = 0;
   uint64_t node_all_gather_bytes = 0;
+  // The all-to-alls of every sub-group (qgZ's two hops), bytes_per_rank each.
+  int sub_all_to_all = 0;
+  uint64_t sub_all_to_all_bytes = 0;
 };
 
 // A rank's communicator, counting the collectives it is asked for (the engine's trainer
@@ -564,6 +567,10 @@ class CountingComm final : public Communicator {
     return inner_->AllGather(send, recv, bytes, stream);
   }
   Status AllToAll(const void* send, void* recv, size_t bytes, Stream* stream) override {
+    if (parent_ != nullptr) {
+      ++parent_->sub_all_to_all;
+      parent_->sub_all_to_all_bytes += bytes;
+    }
     ++counts_.all_to_all;
     counts_.all_to_all_bytes += bytes;
     return inner_->AllToAll(send, recv, bytes, stream);

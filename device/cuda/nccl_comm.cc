@@ -330,8 +330,10 @@ class NcclComm final : public Communicator {
       return Status::FailedPrecondition(
           who + ": ncclCommSplit into the sub-group of color " + std::to_string(color) + " (" +
           std::to_string(members.size()) + " ranks) failed: " +
-          (r == ncclInProgress ? "timed out after " + SecondsText(options_.timeout_seconds)
-                               : NcclErrorText(r, sub)));
+          (sub == nullptr && (r == ncclSuccess || r == ncclInProgress)
+               ? std::string("it gave no communicator")
+           : r == ncclInProgress ? "timed out after " + SecondsText(options_.timeout_seconds)
+                                 : NcclErrorText(r, sub)));
     }
     NcclCommOptions o = options_;
     o.rank = index;

@@ -455,94 +455,117 @@ class GlooComm final : public Communicator {
 // group exchanges (Split), instead of through a rendezvous store: the store may be gone by then.
 class MeshContext final : public gloo::Context {
  public:
-  // exchange(mine), where mine[i] is this rank's address for its pair with rank i, returns
-  // every rank's: all[j][i] is rank j's address for its pair with rank i.
-  using Exchange = std::function<std::vector<std::vector<std::vector<char>>>(
-      const std::vector<std::vector<char>>& mine)>;
-
   MeshContext(int rank, int size) : gloo::Context(rank, size) {}
 
-  // Throws gloo's exceptions (or the exchange's) on failure.
-  void Connect(const std::shared_ptr<gloo::transport::Device>& dev, const Exchange& exchange) {
-    std::shared_ptr<gloo::transport::Context> tc = dev->createContext(rank, size);
-    tc->setTimeout(getTimeout());
+  // This rank's pairs on `dev` (listening); returns mine[i], its address for its pair with
+  // rank i (empty for itself). Throws gloo's exceptions.
+  std::vector<std::vector<char>> CreatePairs(const std::shared_ptr<gloo::transport::Device>& dev) {
+    tc_ = dev->createContext(rank, size);
+    tc_->setTimeout(getTimeout());
     std::vector<std::vector<char>> mine(size);
     for (int i = 0; i < size; ++i) {
-      if (i != rank) mine[i] = tc->createPair(i)->address().bytes();
-    }
-    const std::vector<std::vector<std::vector<char>>> all = exchange(mine);
-    for (int i = 0; i < size; ++i) {
-      if (i != rank) tc->getPair(i)->connect(all[i][rank]);
+      if (i != rank) mine[i] = tc_->createPair(i)->address().bytes();
     }
     device_ = dev;
-    transportContext_ = std::move(tc);
+    return mine;
   }
+  // Connects every pair: all[j][i] is rank j's address for its pair with rank i. Throws.
+  void Connect(const std::vector<std::vector<std::vector<char>>>& all) {
+    for (int i = 0; i < size; ++i) {
+      if (i != rank) tc_->getPair(i)->connect(all[i][rank]);
+    }
+    transportContext_ = std::move(tc_);
+  }
+
+ private:
+  std::shared_ptr<gloo::transport::Context> tc_;
 };
 
 // The colors go round with an AllGather of this group, then the addresses of the new group's
 // pairs with another (each rank's slot i: its address for the member of index i, with its
-// length), so a sub-group needs no store. The new group listens where this one does (the same
-// gloo device, hence the same socket and event loop).
+// length; slots for the largest group), so a sub-group needs no store. Every rank takes part
+// in both exchanges whatever happens locally: a rank that could not make its pairs sends a
+// marker instead, and every rank fails at once naming it. The new group listens where this
+// one does (the same gloo device, hence the same socket and event loop). While the pairs
+// connect, gloo's timeout is a fifth of the collectives' (it waits five times it for a pair's
+// first connect), as at the join.
 Result<std::unique_ptr<Communicator>> GlooComm::Split(int color, Stream* stream) {
   const int n = world_size();
   const std::string who = "GlooComm rank " + std::to_string(options_.rank);
   std::vector<int32_t> colors(n);
-  const int32_t mine = color;
-  ZINF_RETURN_IF_ERROR(AllGather(&mine, colors.data(), sizeof(mine), stream));
+  const int32_t my_color = color;
+  ZINF_RETURN_IF_ERROR(AllGather(&my_color, colors.data(), sizeof(my_color), stream));
   ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
   ZINF_ASSIGN_OR_RETURN(const std::vector<int> members, SplitMembers(colors, options_.rank, who));
   const int size = static_cast<int>(members.size());
   const int index =
       static_cast<int>(std::find(members.begin(), members.end(), options_.rank) - members.begin());
-  constexpr size_t kSlot = sizeof(uint32_t) + gloo::transport::Address::kMaxByteSize;
-  const size_t blob = kSlot * static_cast<size_t>(n);  // n >= size: one layout for every color
-  Status exchanged;
-  auto exchange = [&](const std::vector<std::vector<char>>& addresses) {
-    std::vector<char> out(blob, 0);
-    for (size_t i = 0; i < addresses.size(); ++i) {
-      if (addresses[i].size() > gloo::transport::Address::kMaxByteSize) {
-        throw std::runtime_error("a gloo address of " + std::to_string(addresses[i].size()) +
-                                 " bytes");
-      }
-      const uint32_t len = static_cast<uint32_t>(addresses[i].size());
-      std::memcpy(out.data() + i * kSlot, &len, sizeof(len));
-      std::memcpy(out.data() + i * kSlot + sizeof(len), addresses[i].data(), len);
-    }
-    std::vector<char> gathered(blob * n);
-    exchanged = AllGather(out.data(), gathered.data(), blob, stream);
-    if (exchanged.ok()) exchanged = device_->SynchronizeStream(stream);
-    if (!exchanged.ok()) throw std::runtime_error(exchanged.ToString());
-    std::vector<std::vector<std::vector<char>>> all(size, std::vector<std::vector<char>>(size));
-    for (int j = 0; j < size; ++j) {
-      const char* from = gathered.data() + static_cast<size_t>(members[j]) * blob;
-      for (int i = 0; i < size; ++i) {
-        uint32_t len = 0;
-        std::memcpy(&len, from + i * kSlot, sizeof(len));
-        if (len > gloo::transport::Address::kMaxByteSize) {
-          throw std::runtime_error("rank " + std::to_string(members[j]) + " sent an address of " +
-                                   std::to_string(len) + " bytes");
-        }
-        all[j][i].assign(from + i * kSlot + sizeof(len), from + i * kSlot + sizeof(len) + len);
-      }
-    }
-    return all;
+  size_t largest = 1;
+  for (int32_t c : colors) {
+    largest = std::max<size_t>(largest, std::count(colors.begin(), colors.end(), c));
+  }
+  constexpr size_t kMax = gloo::transport::Address::kMaxByteSize;
+  constexpr uint32_t kFailed = UINT32_MAX;
+  constexpr size_t kSlot = sizeof(uint32_t) + kMax;
+  const size_t blob = kSlot * largest;
+  auto context = std::make_shared<MeshContext>(index, size);
+  context->setTimeout(std::max(std::chrono::milliseconds(1), options_.timeout / 5));
+  std::vector<std::vector<char>> mine;
+  std::string local_error;
+  try {
+    mine = context->CreatePairs(group_->context->getDevice());
+  } catch (const std::exception& e) {
+    local_error = e.what();
+  }
+  std::vector<char> out(blob, 0);
+  for (size_t i = 0; i < largest; ++i) {
+    const bool bad = !local_error.empty() || (i < mine.size() && mine[i].size() > kMax);
+    const uint32_t len = bad               ? kFailed
+                         : i < mine.size() ? static_cast<uint32_t>(mine[i].size())
+                                           : 0;
+    std::memcpy(out.data() + i * kSlot, &len, sizeof(len));
+    if (!bad && len > 0) std::memcpy(out.data() + i * kSlot + sizeof(len), mine[i].data(), len);
+  }
+  std::vector<char> gathered(blob * n);
+  ZINF_RETURN_IF_ERROR(AllGather(out.data(), gathered.data(), blob, stream));
+  ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
+  auto len_at = [&](int rank, size_t slot) {
+    uint32_t len = 0;
+    std::memcpy(&len, gathered.data() + static_cast<size_t>(rank) * blob + slot * kSlot,
+                sizeof(len));
+    return len;
   };
+  for (int r = 0; r < n; ++r) {
+    if (len_at(r, 0) == kFailed) {
+      return Status::FailedPrecondition(
+          who + ": Split: rank " + std::to_string(r) +
+          " could not make its connections of the sub-group" +
+          (r == options_.rank && !local_error.empty() ? " (" + local_error + ")" : "") +
+          "; no sub-group was made");
+    }
+  }
+  std::vector<std::vector<std::vector<char>>> all(size, std::vector<std::vector<char>>(size));
+  for (int j = 0; j < size; ++j) {
+    const char* from = gathered.data() + static_cast<size_t>(members[j]) * blob;
+    for (int i = 0; i < size; ++i) {
+      const uint32_t len = std::min<uint32_t>(len_at(members[j], i), kMax);
+      all[j][i].assign(from + i * kSlot + sizeof(len), from + i * kSlot + sizeof(len) + len);
+    }
+  }
+  try {
+    context->Connect(all);
+  } catch (const std::exception& e) {
+    return Status::FailedPrecondition(who + ": connecting the sub-group of color " +
+                                      std::to_string(color) + " (" + std::to_string(size) +
+                                      " ranks) failed: " + e.what());
+  }
+  context->setTimeout(options_.timeout);
   auto group = std::make_shared<Group>();
   group->options = options_;
   group->options.rank = index;
   group->options.world_size = size;
   group->options.store.reset();
   for (int m : members) group->members.push_back(group_->members[m]);
-  auto context = std::make_shared<MeshContext>(index, size);
-  context->setTimeout(options_.timeout);
-  try {
-    context->Connect(group_->context->getDevice(), exchange);
-  } catch (const std::exception& e) {
-    if (!exchanged.ok()) return exchanged;
-    return Status::FailedPrecondition(who + ": connecting the sub-group of color " +
-                                      std::to_string(color) + " (" + std::to_string(size) +
-                                      " ranks) failed: " + e.what());
-  }
   group->context = std::move(context);
   auto comm = std::make_unique<GlooComm>(device_, std::move(group));
   ZINF_RETURN_IF_ERROR(comm->Barrier().WithContext(who + ": joining the sub-group of color " +

@@ -32,6 +32,9 @@ struct EngineContext {
   Communicator* comm = nullptr;
   // hpZ (HpzActive): the ranks of this rank's node, split from `comm`; null otherwise.
   Communicator* node_comm = nullptr;
+  // hpZ with zero_quantized_gradients: the ranks at this rank's place in every node (the
+  // second hop of the gradient reduction), split from `comm`; null otherwise.
+  Communicator* cross_comm = nullptr;
   EngineStreams streams;
   DeviceBudget* budget = nullptr;
   StatsRecorder* stats = nullptr;

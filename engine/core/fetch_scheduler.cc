@@ -42,6 +42,7 @@ Status FetchScheduler::Init() {
   ZINF_ASSIGN_OR_RETURN(copy_done_, ctx_.device->CreateEvent());
   if (ctx_.node_comm == nullptr) return Status::OK();
   for (ParamId id = 0; id < res_.size(); ++id) {
+    if (!KeepsSecondary(id)) continue;
     Result<PinnedBuffer> b =
         ctx_.arena->Allocate(ctx_.layout->SecondaryBytes(id, ctx_.config->hpz_partition_size));
     if (!b.ok()) {
@@ -371,7 +372,7 @@ Status FetchScheduler::IssueCopies(ParamId id, const void* src,
   } else if (s.ok()) {
     s = ctx_.comm->AllGather(slot, r.device_full, part, ctx_.streams.comm);
   }
-  if (s.ok() && ctx_.node_comm != nullptr) s = KeepSecondary(id);
+  if (s.ok() && KeepsSecondary(id)) s = KeepSecondary(id);
   if (s.ok()) s = ctx_.device->RecordEvent(r.ready.get(), ctx_.streams.comm);
   if (!s.ok()) {
     FailFetch(id);

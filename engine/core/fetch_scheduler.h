@@ -163,11 +163,17 @@ class FetchScheduler {
            (res_[id].fetched_version == static_cast<uint64_t>(visible) ||
             !ctx_.layout->param(id).info.trainable);
   }
-  // hpZ: whether `id`'s secondary shard holds version `visible` (a frozen parameter's any).
+  // hpZ: whether `id`'s secondary shard holds version `visible`. A frozen parameter's too is
+  // kept for one version only: a shard holding a failed read's NaN part (which every rank
+  // keeps alike, so that their gathers stay the same) is then gathered across the ranks again
+  // at the next step, as a device copy would be read again.
   bool SecondaryFresh(ParamId id, int64_t visible) const {
-    return ctx_.node_comm != nullptr && res_[id].secondary_version != kNotFetched &&
-           (res_[id].secondary_version == static_cast<uint64_t>(visible) ||
-            !ctx_.layout->param(id).info.trainable);
+    return ctx_.node_comm != nullptr &&
+           res_[id].secondary_version == static_cast<uint64_t>(visible);
+  }
+  // hpZ: whether `id` keeps a shard (a persistent parameter is never evicted: no later fetch).
+  bool KeepsSecondary(ParamId id) const {
+    return ctx_.node_comm != nullptr && !ctx_.layout->param(id).info.persistent;
   }
   // hpZ: the secondary shard to its place in device_full, then the node's all-gather of the
   // shards, on the comm stream.

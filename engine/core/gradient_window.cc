@@ -345,6 +345,10 @@ Status GradientWindow::ReduceScatter(const ReduceJob& job, float* full, float* m
   Stream* comm = ctx_.streams.comm;
   const size_t quant = QuantizedReduceBytes(*job.p, *ctx_.config);
   if (quant == 0) return ctx_.comm->ReduceScatterSum(full, mine, part, comm);
+  if (QuantizedReduceHops(*job.p, *ctx_.config) == 2 && ctx_.node_comm != nullptr &&
+      ctx_.cross_comm != nullptr) {
+    return ReduceScatterTwoHops(job, full, mine);
+  }
   // zero_quantized_gradients: each rank's partitions of this gradient as int8 blocks, one to
   // each owner in an all-to-all, decoded and summed in rank order there: ((g0 + g1) + g2)...,
   // as LocalComm and GlooComm add. The blocks sent are the scratch's tail; those received and
@@ -367,6 +371,62 @@ Status GradientWindow::ReduceScatter(const ReduceJob& job, float* full, float* m
   for (int k = 1; s.ok() && k < world; ++k) {
     s = device->DequantizeInt8(decoded, ParamCopyType::kNone, recv + k * blocks, part, comm);
     if (s.ok()) s = device->AddInto(mine, decoded, part, comm);
+  }
+  return s;
+}
+
+Status GradientWindow::ReduceScatterTwoHops(const ReduceJob& job, float* full, float* mine) {
+  // Ranks are (node n, place l), rank = n * K + l; partition q belongs to rank q.
+  //   Hop 1, inside the node: this rank sends node peer l' the blocks of the partitions
+  //   n' * K + l' (every node n'), and sums what its node sent it for n' * K + l, node peer by
+  //   node peer in order: one fp32 sum per node n'.
+  //   Hop 2, across the nodes (the ranks of place l): the sum for node n' goes, re-encoded,
+  //   to the rank of node n', which decodes and sums them in node order. So partition q is
+  //   sum over n (sum over l of g_{n,l}[q]), each rank's and each node sum's encoding off by
+  //   its block's largest magnitude / 254; a NaN anywhere reaches the owner as NaN.
+  // Memory: the blocks sent are the scratch's tail (world x blocks, used again for hop 2's);
+  // hop 1's blocks received, then the N node sums (fp32), go into `full`, which the encoding
+  // has read; `mine` is the decoding's temporary until the last sum; hop 2's blocks received
+  // go to the front of `full` (hop 1's are decoded by then), and the node sums' place is the
+  // last decoding's temporary.
+  const size_t part = job.p->info.partition_numel;
+  const int k = ctx_.node_comm->world_size();
+  const int nodes = ctx_.cross_comm->world_size();
+  const size_t blocks = StateBytes(StateType::kInt8, part);
+  Stream* comm = ctx_.streams.comm;
+  Device* device = ctx_.device;
+  const ParamCopyType f32 = ParamCopyType::kNone;
+  char* send = static_cast<char*>(job.scratch) + job.scratch_bytes -
+               QuantizedReduceBytes(*job.p, *ctx_.config);
+  char* recv = reinterpret_cast<char*>(full);
+  float* sums = reinterpret_cast<float*>(recv + static_cast<size_t>(k) * nodes * blocks);
+  Status s;
+  for (int to = 0; s.ok() && to < k; ++to) {
+    for (int n = 0; s.ok() && n < nodes; ++n) {
+      const size_t q = static_cast<size_t>(n) * k + to;
+      s = device->QuantizeInt8(send + (static_cast<size_t>(to) * nodes + n) * blocks,
+                               full + q * part, f32, part, comm);
+    }
+  }
+  if (s.ok()) s = ctx_.node_comm->AllToAll(send, recv, nodes * blocks, comm);
+  for (int n = 0; s.ok() && n < nodes; ++n) {
+    float* sum = sums + static_cast<size_t>(n) * part;
+    s = device->DequantizeInt8(sum, f32, recv + static_cast<size_t>(n) * blocks, part, comm);
+    for (int from = 1; s.ok() && from < k; ++from) {
+      s = device->DequantizeInt8(mine, f32, recv + (static_cast<size_t>(from) * nodes + n) * blocks,
+                                 part, comm);
+      if (s.ok()) s = device->AddInto(sum, mine, part, comm);
+    }
+  }
+  for (int n = 0; s.ok() && n < nodes; ++n) {
+    s = device->QuantizeInt8(send + static_cast<size_t>(n) * blocks,
+                             sums + static_cast<size_t>(n) * part, f32, part, comm);
+  }
+  if (s.ok()) s = ctx_.cross_comm->AllToAll(send, recv, blocks, comm);
+  if (s.ok()) s = device->DequantizeInt8(mine, f32, recv, part, comm);
+  for (int n = 1; s.ok() && n < nodes; ++n) {
+    s = device->DequantizeInt8(sums, f32, recv + static_cast<size_t>(n) * blocks, part, comm);
+    if (s.ok()) s = device->AddInto(mine, sums, part, comm);
   }
   return s;
 }

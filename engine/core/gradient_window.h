@@ -156,6 +156,8 @@ class GradientWindow {
   Status StageForLink(const ReduceJob& job, const float* grad, const void** out);
   // This rank's partition of the sum over ranks of `full` into `mine`, on the comm stream: the
   // communicator's reduce-scatter, or zero_quantized_gradients' all-to-all of int8 blocks.
+  // zero_quantized_gradients in two hops (hpZ's nodes known): inside the node, then across.
+  Status ReduceScatterTwoHops(const ReduceJob& job, float* full, float* mine);
   Status ReduceScatter(const ReduceJob& job, float* full, float* mine);
   // Route 2: a device accumulator: the partition copied (first) or added, on the gradient stream.
   Status AccumulateOnDevice(const ReduceJob& job, const void* out, float* acc);

@@ -29,23 +29,6 @@ struct ParamLayout {
   size_t index_in_group = 0;  // position in its sub-group's `params`
 };
 
-// The most device scratch a gradient of `p` takes in GradientWindow::Reduce: the padded full
-// gradient and this rank's reduced partition (fp32), plus the partition rounded to bf16 with
-// zinf.gradient_transfer_dtype "bf16". Eviction and prefetch leave this much room.
-// zero_quantized_gradients' part of it: the int8 blocks each rank sends (world x the
-// partition's blocks; those received and one decoded partition reuse the full gradient, read
-// by then). 0 when the reduction is a plain reduce-scatter: one rank, below stage 3 (as in
-// DeepSpeed), the key off, or a partition under one block or whose received blocks and decoded
-// partition would not fit the full gradient.
-inline size_t QuantizedReduceBytes(const ParamLayout& p, const EngineConfig& config) {
-  const size_t part = p.info.partition_numel;
-  if (!config.quantized_gradients || config.zero_stage < 3 || part < kInt8StateBlock) return 0;
-  const size_t world = p.padded_numel / part;
-  const size_t blocks = StateBytes(StateType::kInt8, part);
-  if (world < 2 || world * blocks + part * sizeof(float) > p.padded_numel * sizeof(float)) return 0;
-  return world * blocks;
-}
-
 // hpZ (zero_hpz_partition_size K): stage 3 over several nodes of K ranks (1 < K < world). With
 // K = world the node is the world: every gather stays inside it anyway.
 inline bool HpzActive(const EngineConfig& c, int world) {
@@ -53,6 +36,39 @@ inline bool HpzActive(const EngineConfig& c, int world) {
          static_cast<int>(c.hpz_partition_size) < world;
 }
 
+// How zero_quantized_gradients reduces `p`: 0, a plain reduce-scatter; 1, one all-to-all of
+// int8 blocks over every rank; 2, two hops when the nodes are known (hpZ's K): an all-to-all
+// inside the node, summed per node, then the node sums re-encoded and sent across the nodes
+// among the ranks of the same place in their node. The full gradient must hold the blocks
+// received plus the decoded sums (one partition for one hop, world / K for two).
+inline int QuantizedReduceHops(const ParamLayout& p, const EngineConfig& config) {
+  const size_t part = p.info.partition_numel;
+  if (!config.quantized_gradients || config.zero_stage < 3 || part < kInt8StateBlock) return 0;
+  const size_t world = p.padded_numel / part;
+  if (world < 2) return 0;
+  const size_t blocks = StateBytes(StateType::kInt8, part);
+  const size_t full = p.padded_numel * sizeof(float);
+  if (HpzActive(config, static_cast<int>(world)) &&
+      world * blocks + world / config.hpz_partition_size * part * sizeof(float) <= full) {
+    return 2;
+  }
+  return world * blocks + part * sizeof(float) <= full ? 1 : 0;
+}
+
+// GradientScratchBytes' zero_quantized_gradients part: the int8 blocks each rank sends (world x the
+// partition's blocks; those received and the decoded sums reuse the full gradient, read by
+// then). 0 when the reduction is a plain reduce-scatter: one rank, below stage 3 (as in
+// DeepSpeed), the key off, or a partition under one block or whose received blocks and decoded
+// partitions would not fit the full gradient.
+inline size_t QuantizedReduceBytes(const ParamLayout& p, const EngineConfig& config) {
+  if (QuantizedReduceHops(p, config) == 0) return 0;
+  return p.padded_numel / p.info.partition_numel *
+         StateBytes(StateType::kInt8, p.info.partition_numel);
+}
+
+// The most device scratch a gradient of `p` takes in GradientWindow::Reduce: the padded full
+// gradient and this rank's reduced partition (fp32), plus the partition rounded to bf16 with
+// zinf.gradient_transfer_dtype "bf16". Eviction and prefetch leave this much room.
 inline size_t GradientScratchBytes(const ParamLayout& p, const EngineConfig& config) {
   if (!p.info.trainable) return 0;  // a frozen parameter takes no gradient
   return (p.padded_numel + p.info.partition_numel) * sizeof(float) +

@@ -46,7 +46,7 @@ ParamTotals TallyParams(const Layout& layout, const EngineConfig& config) {
     // (A frozen parameter's value never changes: one buffer.)
     const bool two = delayed && p.info.trainable;
     if (config.offload_param.tier == Tier::kCpu) t.cpu_tier_bytes += two ? 2 * part : part;
-    if (HpzActive(config, layout.world())) {
+    if (HpzActive(config, layout.world()) && !p.info.persistent) {
       t.hpz_bytes += RoundUp(layout.SecondaryBytes(id, config.hpz_partition_size), 4096);
     }
     t.max_part =
@@ -227,7 +227,8 @@ OptimizerKind OptimizerKindFor(OptimizerType type) {
 Status CheckFeasible(const EngineConfig& config, const DeviceCaps& caps, int world) {
   // hpZ's nodes are K consecutive ranks each: K must divide the world (K = world: one node).
   const uint32_t k = config.hpz_partition_size;
-  if (config.zero_stage >= 3 && k > 1 && (static_cast<int64_t>(k) > world || world % k != 0)) {
+  // (K >= world: one node, whose gathers all stay inside it; hpZ has nothing to do there.)
+  if (config.zero_stage >= 3 && k > 1 && static_cast<int64_t>(k) < world && world % k != 0) {
     return Status::InvalidArgument(
                "zero_optimization.zero_hpz_partition_size " + std::to_string(k) +
                " does not divide the world size " + std::to_string(world) +
