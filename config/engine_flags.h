@@ -102,9 +102,10 @@ inline void AddEngineFlags(CLI::App& app, EngineFlags* f) {
                "ranks, the parameter all-gathers send int8 blocks with an fp32 scale per 256 "
                "values (a quarter of fp32's bytes, about half of bf16's)");
   app.add_flag("--quantized-gradients", f->quantized_gradients,
-               "zero_optimization.zero_quantized_gradients (ZeRO++'s qgZ, one hop): with several "
-               "ranks, each gradient's reduce-scatter sends int8 blocks (an fp32 scale per 256 "
-               "values) in an all-to-all, summed in fp32 by the partition's owner");
+               "zero_optimization.zero_quantized_gradients (ZeRO++'s qgZ): with several ranks, "
+               "each gradient's reduce-scatter sends int8 blocks (an fp32 scale per 256 values) "
+               "in an all-to-all, summed in fp32 by the partition's owner (in two hops, inside "
+               "the node then across, with --hpz-partition-size)");
   app.add_option("--hpz-partition-size", f->hpz_partition_size,
                  "zero_optimization.zero_hpz_partition_size (ZeRO++'s hpZ): the ranks per node; "
                  "each rank keeps a secondary shard of every gathered parameter in pinned host "

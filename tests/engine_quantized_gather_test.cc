@@ -259,14 +259,18 @@ struct Acquired {
   std::vector<std::vector<uint8_t>> bytes;  // per rank
   size_t partition = 0;                     // elements per rank
   std::vector<size_t> gathers;              // rank 0's all-gathers, bytes_per_rank each
+  std::vector<CollectiveCounts> counts;     // per rank
 };
 
 // kFrozenInt8: the parameter is frozen and stored as int8 (zinf.frozen_weight_dtype);
 // kFrozen: frozen, stored as is, with `quantized` meaning zero_quantized_nontrainable_weights.
 enum class Kind { kTrainable, kFrozenInt8, kFrozen };
 
+// `hpz` > 1: zero_hpz_partition_size, with zero_quantized_gradients too (its groups), and the
+// parameter acquired twice (released between: fetched again), both acquisitions in `bytes`.
 Acquired AcquireOnRanks(int ranks, ParamCopyType type, Tier tier, bool quantized, size_t numel,
-                        const std::vector<float>& values, Kind kind = Kind::kTrainable) {
+                        const std::vector<float>& values, Kind kind = Kind::kTrainable,
+                        uint32_t hpz = 1) {
   Acquired out;
   out.bytes.resize(ranks);
   TempDir dir;
@@ -281,22 +285,28 @@ Acquired AcquireOnRanks(int ranks, ParamCopyType type, Tier tier, bool quantized
     c.quantized_weights = quantized && kind == Kind::kTrainable;
     c.quantized_nontrainable_weights = quantized && kind == Kind::kFrozen;
     c.frozen_int8 = kind == Kind::kFrozenInt8;
+    c.hpz_partition_size = hpz;
+    c.quantized_gradients = hpz > 1;
     ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(c, device, comm));
     ZINF_ASSIGN_OR_RETURN(ParamId id, RegisterW(engine.get(), numel, kind == Kind::kTrainable,
                                                 [&values](float* d, size_t n) {
                                                   std::memcpy(d, values.data(), n * 4);
                                                 }));
     parts[r] = engine->param(id).partition_numel;
-    ZINF_ASSIGN_OR_RETURN(std::vector<void*> got, engine->Acquire({id}, AcquireMode::kInference));
-    ZINF_RETURN_IF_ERROR(device->SynchronizeStream(device->ComputeStream()));
-    const size_t elem = type == ParamCopyType::kNone ? 4 : 2;
-    out.bytes[r].resize(numel * elem);
-    std::memcpy(out.bytes[r].data(), got[0], numel * elem);
-    return engine->Release({id});
+    for (int pass = 0; pass < (hpz > 1 ? 2 : 1); ++pass) {
+      ZINF_ASSIGN_OR_RETURN(std::vector<void*> got, engine->Acquire({id}, AcquireMode::kInference));
+      ZINF_RETURN_IF_ERROR(device->SynchronizeStream(device->ComputeStream()));
+      const size_t elem = type == ParamCopyType::kNone ? 4 : 2;
+      const auto* from = static_cast<const uint8_t*>(got[0]);
+      out.bytes[r].insert(out.bytes[r].end(), from, from + numel * elem);
+      ZINF_RETURN_IF_ERROR(engine->Release({id}));
+    }
+    return Status::OK();
   });
   out.status = run.First();
   out.partition = parts[0];
   out.gathers = run.counts[0].all_gather_sizes;
+  out.counts = run.counts;
   return out;
 }
 
@@ -371,6 +381,46 @@ TEST(QuantizedGather, Int8FrozenWeightsAreGatheredAsTheirStoredBlocks) {
         EXPECT_EQ(std::count(a.gathers.begin(), a.gathers.end(), a.partition * elem), 0);
       }
     }
+  }
+}
+
+// All of ZeRO++ at once on 2 nodes of 2 ranks (hpZ, qwZ, qgZ's groups) with an int8 frozen
+// weight and a quantized trainable one: the first acquire gathers across every rank (the
+// frozen weight as its stored blocks), the second from the node's shards, and every rank
+// acquires the same values both times: the stored blocks decoded, or each partition's.
+TEST(Hpz, WithEveryZeroppModeTheSecondGatherStaysInTheNode) {
+  constexpr size_t kNumel = 5 * kBlock + 37;
+  std::vector<float> values(kNumel);
+  for (size_t i = 0; i < kNumel; ++i) {
+    values[i] = 0.05f * std::cos(0.029f * static_cast<float>(i)) * (i % 61 ? 1 : 12);
+  }
+  std::vector<uint8_t> stored(StateBytes(StateType::kInt8, kNumel));
+  ASSERT_TRUE(QuantizeWeightsInt8(values.data(), kNumel, stored.data()).ok());
+  for (Tier tier : {Tier::kCpu, Tier::kNvme}) {
+    SCOPED_TRACE(std::string("params ") + TierLabel(tier));
+    std::vector<uint8_t> want(kNumel * 4);
+    DequantizeParamsInt8(stored.data(), kNumel, ParamCopyType::kNone, want.data());
+    const Acquired frozen = AcquireOnRanks(4, ParamCopyType::kNone, tier, false, kNumel, values,
+                                           Kind::kFrozenInt8, /*hpz=*/2);
+    ASSERT_TRUE(frozen.status.ok()) << frozen.status.ToString();
+    std::vector<uint8_t> twice(want);
+    twice.insert(twice.end(), want.begin(), want.end());
+    const Acquired trained = AcquireOnRanks(4, ParamCopyType::kBf16, tier, true, kNumel, values,
+                                            Kind::kTrainable, /*hpz=*/2);
+    ASSERT_TRUE(trained.status.ok()) << trained.status.ToString();
+    const Acquired once = AcquireOnRanks(4, ParamCopyType::kBf16, tier, true, kNumel, values);
+    ASSERT_TRUE(once.status.ok()) << once.status.ToString();
+    std::vector<uint8_t> trained_twice(once.bytes[0]);
+    trained_twice.insert(trained_twice.end(), once.bytes[0].begin(), once.bytes[0].end());
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_EQ(frozen.bytes[r], twice) << "rank " << r;
+      EXPECT_EQ(trained.bytes[r], trained_twice) << "rank " << r;
+      EXPECT_EQ(frozen.counts[r].node_all_gather, 1) << "rank " << r;
+      EXPECT_EQ(trained.counts[r].node_all_gather, 1) << "rank " << r;
+    }
+    // The frozen weight's one gather across the ranks moved its stored blocks.
+    const size_t blocks = StateBytes(StateType::kInt8, frozen.partition);
+    EXPECT_EQ(std::count(frozen.gathers.begin(), frozen.gathers.end(), blocks), 1);
   }
 }
 

@@ -69,15 +69,35 @@ class Communicator {
   // (and for the new group to connect) before it returns. A color below 0 on any rank fails
   // Split on every rank, naming that rank. The new communicator is independent of this one:
   // its collectives never pair with this one's, and either may be destroyed first.
-  // Unimplemented where an implementation cannot split (the default).
-  virtual Result<std::unique_ptr<Communicator>> Split(int color, Stream* stream);
+  // NotSupported where an implementation cannot split (the default).
+  virtual Result<std::unique_ptr<Communicator>> Split(int /*color*/, Stream* /*stream*/) {
+    return Status::NotSupported(
+        "this communicator cannot split into sub-groups (LocalComm, GlooComm and NcclComm can)");
+  }
 };
 
-// The ranks of a group of `world_size` that Split(color) with these colors (colors[r]: rank r's)
-// puts with `rank`, in rank order; InvalidArgument naming the first rank whose color is
-// negative. Every implementation's Split uses it, so they agree.
-Result<std::vector<int>> SplitMembers(const std::vector<int32_t>& colors, int rank,
-                                      const std::string& who);
+// The ranks of a group of `colors.size()` that Split(color) with these colors (colors[r]: rank
+// r's) puts with `rank`, in rank order; InvalidArgument, `who` first, naming the first rank
+// whose color is negative. Every implementation's Split uses it, so they agree.
+inline Result<std::vector<int>> SplitMembers(const std::vector<int32_t>& colors, int rank,
+                                             const std::string& who) {
+  for (size_t r = 0; r < colors.size(); ++r) {
+    if (colors[r] < 0) {
+      return Status::InvalidArgument(who + ": Split: rank " + std::to_string(r) + " gave color " +
+                                     std::to_string(colors[r]) +
+                                     "; a sub-group's color must be >= 0 on every rank");
+    }
+  }
+  if (rank < 0 || rank >= static_cast<int>(colors.size())) {
+    return Status::InvalidArgument(who + ": Split: rank " + std::to_string(rank) +
+                                   " is not a rank of a world of " + std::to_string(colors.size()));
+  }
+  std::vector<int> members;
+  for (size_t r = 0; r < colors.size(); ++r) {
+    if (colors[r] == colors[rank]) members.push_back(static_cast<int>(r));
+  }
+  return members;
+}
 
 // Creates `world_size` connected LocalComm endpoints, one per rank; `devices[r]` is rank r's
 // device (HostDevice: buffers are host memory). Endpoint r is used by rank r's thread.

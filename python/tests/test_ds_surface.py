@@ -203,3 +203,19 @@ def test_zero_init_takes_the_quantized_gathers_from_the_config(scratch):
     assert init.parameters == 2
     from zinf._config import Config
     assert Config(config).summary["zero_optimization.zero_quantized_weights"] is True
+
+
+
+def test_the_zeropp_keys_reach_the_engine_config():
+    """DeepSpeed's ZeRO++ keys (qwZ, qgZ, hpZ) are the engine's: parsed as the engine parses
+    them (an hpZ size of 0 refused naming the key), and on one rank without effect."""
+    from zinf._config import Config
+    config = make_config()
+    config["zero_optimization"].update({"stage": 3, "zero_hpz_partition_size": 2,
+                                        "zero_quantized_gradients": True})
+    summary = Config(config).summary
+    assert summary["zero_optimization.zero_hpz_partition_size"] == 2
+    assert summary["zero_optimization.zero_quantized_gradients"] is True
+    config["zero_optimization"]["zero_hpz_partition_size"] = 0
+    with pytest.raises(zinf.ZinfError, match="zero_hpz_partition_size"):
+        Config(config)
