@@ -5,7 +5,9 @@
 # (rank 0 serves the rendezvous store at MASTER_ADDR=198.18.0.1), node B ranks 2 and 3; every
 # rank is a zinf-train process started the way a launcher would (RANK, WORLD_SIZE, LOCAL_RANK,
 # LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). The loss curve must match one rank with four
-# times the batch within 0.5 %.
+# times the batch within 0.5 %. Then the same 2 x 2 with every parameter gathered on every use,
+# plain and with ZeRO++'s hpZ (--hpz-partition-size 2: the nodes' gloo sub-groups): the same
+# losses bit for bit.
 #
 # Usage: scripts/netns_multinode.sh ZINF_TRAIN_BIN CORPUS
 # Exit 77 (skipped, with the reason) where namespaces cannot be made (not root, no `ip`, a
@@ -45,22 +47,27 @@ ip -n "$NS_A" link set "${TAG}va" up && ip -n "$NS_B" link set "${TAG}vb" up || 
 # The nodes see each other only through the veth pair (each namespace has its own loopback).
 
 ARGS=(--steps 8 --batch 2 --seq 64 --warmup 2 --data "$DATA" --json)
-start_rank() {  # ns rank local_rank
+EXTRA=()
+start_rank() {  # ns rank local_rank out-prefix
   ip netns exec "$1" env RANK="$2" WORLD_SIZE=4 LOCAL_RANK="$3" LOCAL_WORLD_SIZE=2 \
     MASTER_ADDR=198.18.0.1 MASTER_PORT=29511 OPENBLAS_NUM_THREADS=1 \
-    timeout 300 "$BIN" "${ARGS[@]}" --nvme "$WORK/swap-$1" >"$WORK/out$2" 2>"$WORK/err$2" &
+    timeout 300 "$BIN" "${ARGS[@]}" "${EXTRA[@]}" --nvme "$WORK/swap-$4-$1" >"$WORK/$4$2" \
+    2>"$WORK/err$4$2" &
   PIDS+=($!)
 }
-start_rank "$NS_A" 0 0
-start_rank "$NS_A" 1 1
-start_rank "$NS_B" 2 0
-start_rank "$NS_B" 3 1
-rc=0
-for i in 0 1 2 3; do
-  wait "${PIDS[$i]}" || { echo "FAIL: rank $i exited with $?"; cat "$WORK/err$i"; rc=1; }
-done
-PIDS=()
-[ $rc = 0 ] || exit 1
+run_four() {  # out-prefix
+  start_rank "$NS_A" 0 0 "$1"
+  start_rank "$NS_A" 1 1 "$1"
+  start_rank "$NS_B" 2 0 "$1"
+  start_rank "$NS_B" 3 1 "$1"
+  local rc=0
+  for i in 0 1 2 3; do
+    wait "${PIDS[$i]}" || { echo "FAIL: rank $i exited with $?"; cat "$WORK/err$1$i"; rc=1; }
+  done
+  PIDS=()
+  return $rc
+}
+run_four out || exit 1
 # The collectives between the nodes really went through the veth pair.
 TX=$(ip -n "$NS_B" -s -j link show "${TAG}vb" | /usr/bin/python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["stats64"]["tx"]["bytes"])')
 echo "node B sent $TX bytes through its veth"
@@ -77,5 +84,22 @@ print("2 nodes x 2 ranks over veth: losses", ["%.5f" % x for x in four["losses"]
 print("1 rank, 4x the batch:         losses", ["%.5f" % x for x in one["losses"]])
 print("largest relative difference %.2e (limit 5e-3)" % worst)
 assert len(four["losses"]) == 8 and worst < 5e-3
+PY
+# ZeRO++'s hpZ with the nodes as they are (K = LOCAL_WORLD_SIZE = 2), every parameter gathered
+# on every use and released for good (the backward's gathers then come from the node's shards,
+# through a gloo sub-group split from the job's): the same bits as plain ZeRO-3.
+echo '{"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+  "stage3_max_reuse_distance": 0}}' >"$WORK/every_use.json"
+EXTRA=(--config "$WORK/every_use.json")
+run_four plain || exit 1
+EXTRA=(--config "$WORK/every_use.json" --hpz-partition-size 2)
+run_four hpz || exit 1
+/usr/bin/python3 - "$WORK/plain0" "$WORK/hpz0" <<'PY' || exit 1
+import json, sys
+plain = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+hpz = json.loads(open(sys.argv[2]).read().strip().splitlines()[-1])
+print("hpZ, 2 nodes x 2 ranks:        losses", ["%.5f" % x for x in hpz["losses"]])
+assert len(hpz["losses"]) == 8 and hpz["losses"] == plain["losses"], (hpz, plain)
+print("hpZ: the same losses, bit for bit, as plain ZeRO-3")
 PY
 echo "PASSED"
