@@ -90,16 +90,37 @@ PY
 # through a gloo sub-group split from the job's): the same bits as plain ZeRO-3.
 echo '{"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
   "stage3_max_reuse_distance": 0}}' >"$WORK/every_use.json"
+tx() { ip -n "$NS_B" -s -j link show "${TAG}vb" | /usr/bin/python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["stats64"]["tx"]["bytes"])'; }
+run_counted() {  # out-prefix: runs the four ranks, writes the bytes node B sent to $WORK/tx-prefix
+  local before
+  before=$(tx)
+  run_four "$1" || return 1
+  echo $(($(tx) - before)) >"$WORK/tx-$1"
+}
 EXTRA=(--config "$WORK/every_use.json")
-run_four plain || exit 1
+run_counted plain || exit 1
 EXTRA=(--config "$WORK/every_use.json" --hpz-partition-size 2)
-run_four hpz || exit 1
-/usr/bin/python3 - "$WORK/plain0" "$WORK/hpz0" <<'PY' || exit 1
+run_counted hpz || exit 1
+# And qgZ in two hops (the gloo group across the nodes too): within 2 % of plain's losses.
+EXTRA=(--config "$WORK/every_use.json" --hpz-partition-size 2 --quantized-gradients)
+run_counted qgz || exit 1
+/usr/bin/python3 - "$WORK" <<'PY' || exit 1
 import json, sys
-plain = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
-hpz = json.loads(open(sys.argv[2]).read().strip().splitlines()[-1])
-print("hpZ, 2 nodes x 2 ranks:        losses", ["%.5f" % x for x in hpz["losses"]])
-assert len(hpz["losses"]) == 8 and hpz["losses"] == plain["losses"], (hpz, plain)
-print("hpZ: the same losses, bit for bit, as plain ZeRO-3")
+w = sys.argv[1]
+run = {k: json.loads(open("%s/%s0" % (w, k)).read().strip().splitlines()[-1])
+       for k in ("plain", "hpz", "qgz")}
+sent = {k: int(open("%s/tx-%s" % (w, k)).read()) for k in run}
+for k in run:
+    assert run[k]["ranks"] == 4 and len(run[k]["losses"]) == 8, (k, run[k])
+    print("%-5s 2 nodes x 2 ranks: node B sent %9d bytes, losses %s" %
+          (k, sent[k], ["%.5f" % x for x in run[k]["losses"]]))
+assert run["hpz"]["losses"] == run["plain"]["losses"], "hpZ changed the losses"
+# The backward's gathers stayed inside the nodes.
+assert sent["hpz"] < 0.85 * sent["plain"], sent
+worst = max(abs(a - b) / b for a, b in zip(run["qgz"]["losses"], run["plain"]["losses"]))
+assert worst < 0.02 and sent["qgz"] < 0.6 * sent["plain"], (worst, sent)
+print("hpZ: the same losses, bit for bit, as plain ZeRO-3, on %.2fx the bytes; with qgZ in two "
+      "hops within %.2e of them on %.2fx" % (sent["hpz"] / sent["plain"], worst,
+                                             sent["qgz"] / sent["plain"]))
 PY
 echo "PASSED"

@@ -267,7 +267,8 @@ struct Acquired {
 enum class Kind { kTrainable, kFrozenInt8, kFrozen };
 
 // `hpz` > 1: zero_hpz_partition_size, with zero_quantized_gradients too (its groups), and the
-// parameter acquired twice (released between: fetched again), both acquisitions in `bytes`.
+// parameter acquired twice (released between: fetched again), both acquisitions in `bytes`;
+// then a trainable one is acquired for training, given a gradient and stepped.
 Acquired AcquireOnRanks(int ranks, ParamCopyType type, Tier tier, bool quantized, size_t numel,
                         const std::vector<float>& values, Kind kind = Kind::kTrainable,
                         uint32_t hpz = 1) {
@@ -300,6 +301,12 @@ Acquired AcquireOnRanks(int ranks, ParamCopyType type, Tier tier, bool quantized
       const auto* from = static_cast<const uint8_t*>(got[0]);
       out.bytes[r].insert(out.bytes[r].end(), from, from + numel * elem);
       ZINF_RETURN_IF_ERROR(engine->Release({id}));
+    }
+    if (hpz > 1 && kind == Kind::kTrainable) {
+      ZINF_RETURN_IF_ERROR(engine->Acquire({id}).status());
+      ZINF_RETURN_IF_ERROR(engine->Release({id}));
+      ZINF_RETURN_IF_ERROR(engine->ReduceGradient(id, values.data()));
+      ZINF_RETURN_IF_ERROR(engine->Step().status());
     }
     return Status::OK();
   });
@@ -416,7 +423,12 @@ TEST(Hpz, WithEveryZeroppModeTheSecondGatherStaysInTheNode) {
       EXPECT_EQ(frozen.bytes[r], twice) << "rank " << r;
       EXPECT_EQ(trained.bytes[r], trained_twice) << "rank " << r;
       EXPECT_EQ(frozen.counts[r].node_all_gather, 1) << "rank " << r;
-      EXPECT_EQ(trained.counts[r].node_all_gather, 1) << "rank " << r;
+      // The two acquires', and the training acquire's (the same version: the shard).
+      EXPECT_EQ(trained.counts[r].node_all_gather, 2) << "rank " << r;
+      // The gradient reduced in two hops: inside the node, then across.
+      EXPECT_EQ(trained.counts[r].all_to_all, 0) << "rank " << r;
+      EXPECT_EQ(trained.counts[r].sub_all_to_all, 2) << "rank " << r;
+      EXPECT_EQ(trained.counts[r].reduce_scatter, 0) << "rank " << r;
     }
     // The frozen weight's one gather across the ranks moved its stored blocks.
     const size_t blocks = StateBytes(StateType::kInt8, frozen.partition);
@@ -675,6 +687,7 @@ TEST(QuantizedGather, TwoHopsSumEachNodeThenTheNodes) {
     double norm0 = 0;
     size_t part = 0;
     std::vector<double> norm(ranks, -1);
+    std::vector<float> master(kNumel);
     const RankRun run = OnRanks(ranks, [&](int r, Device* device, Communicator* comm) -> Status {
       EngineConfig c = SmallConfig();
       c.quantized_gradients = true;
@@ -692,6 +705,9 @@ TEST(QuantizedGather, TwoHopsSumEachNodeThenTheNodes) {
       ZINF_RETURN_IF_ERROR(engine->ReduceGradient(id, g.data()));
       ZINF_ASSIGN_OR_RETURN(StepStats st, engine->Step());
       norm[r] = st.grad_norm;
+      std::vector<float> m(kNumel);
+      ZINF_RETURN_IF_ERROR(engine->GatherMasterParameter(id, m.data()));
+      if (r == 0) master = m;
       return Status::OK();
     });
     ASSERT_TRUE(run.First().ok()) << run.First().ToString();
@@ -705,6 +721,7 @@ TEST(QuantizedGather, TwoHopsSumEachNodeThenTheNodes) {
       DequantizeParamsInt8(blocks.data(), part, ParamCopyType::kNone, v->data());
     };
     double two = 0, one = 0;
+    size_t checked = 0, misplaced = 0;
     for (int q = 0; q < ranks; ++q) {  // partition q
       std::vector<float> total(part, 0.0f), flat(part, 0.0f);
       for (int n = 0; n < nodes; ++n) {
@@ -727,8 +744,17 @@ TEST(QuantizedGather, TwoHopsSumEachNodeThenTheNodes) {
       for (size_t i = 0; i < part; ++i) {
         two += static_cast<double>(total[i]) * total[i];
         one += static_cast<double>(flat[i]) * flat[i];
+        // Each element's first Adam step moves it by about lr against its gradient's sign: a
+        // partition summed at another owner, or a block from another place, moves elements
+        // the wrong way.
+        const size_t at = q * part + i;
+        if (at >= kNumel || std::fabs(total[i]) < 1e-6f) continue;
+        ++checked;
+        if ((master[at] < 0.5f) != (total[i] > 0)) ++misplaced;
       }
     }
+    EXPECT_GT(checked, kNumel / 3);  // (the rest quantize to about nothing)
+    EXPECT_EQ(misplaced, 0u) << "of " << checked;
     two = std::sqrt(two);
     one = std::sqrt(one);
     SCOPED_TRACE(std::to_string(ranks) + " ranks");
@@ -913,6 +939,13 @@ TEST(Hpz, RefusesASizeThatDoesNotDivideTheWorld) {
     EXPECT_EQ(r.collectives[0].node_all_gather, 0);
     EXPECT_EQ(r.collectives[0].all_gather, plain.collectives[0].all_gather);
   }
+  // With qgZ, one node reduces in one hop over every rank (no groups across nodes).
+  o.quantized_gradients = true;
+  o.hpz = 4;
+  r = RunTraining(o);
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_GT(r.collectives[0].all_to_all, 0);
+  EXPECT_EQ(r.collectives[0].sub_all_to_all, 0);
 }
 
 }  // namespace

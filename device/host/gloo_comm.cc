@@ -484,8 +484,9 @@ class MeshContext final : public gloo::Context {
 // The colors go round with an AllGather of this group, then the addresses of the new group's
 // pairs with another (each rank's slot i: its address for the member of index i, with its
 // length; slots for the largest group), so a sub-group needs no store. Every rank takes part
-// in both exchanges whatever happens locally: a rank that could not make its pairs sends a
-// marker instead, and every rank fails at once naming it. The new group listens where this
+// in the exchanges whatever happens locally: a rank that could not make its pairs sends a
+// marker instead, and every rank fails at once naming it; so does one that could not connect
+// them (a third exchange, of that outcome). The new group listens where this
 // one does (the same gloo device, hence the same socket and event loop). While the pairs
 // connect, gloo's timeout is a fifth of the collectives' (it waits five times it for a pair's
 // first connect), as at the join.
@@ -517,9 +518,14 @@ Result<std::unique_ptr<Communicator>> GlooComm::Split(int color, Stream* stream)
   } catch (const std::exception& e) {
     local_error = e.what();
   }
+  for (const std::vector<char>& a : mine) {
+    if (a.size() > kMax && local_error.empty()) {
+      local_error = "a gloo address of " + std::to_string(a.size()) + " bytes";
+    }
+  }
   std::vector<char> out(blob, 0);
   for (size_t i = 0; i < largest; ++i) {
-    const bool bad = !local_error.empty() || (i < mine.size() && mine[i].size() > kMax);
+    const bool bad = !local_error.empty();  // (in every slot: the others look at slot 0)
     const uint32_t len = bad               ? kFailed
                          : i < mine.size() ? static_cast<uint32_t>(mine[i].size())
                                            : 0;
@@ -552,12 +558,26 @@ Result<std::unique_ptr<Communicator>> GlooComm::Split(int color, Stream* stream)
       all[j][i].assign(from + i * kSlot + sizeof(len), from + i * kSlot + sizeof(len) + len);
     }
   }
+  std::string connect_error;
   try {
     context->Connect(all);
   } catch (const std::exception& e) {
-    return Status::FailedPrecondition(who + ": connecting the sub-group of color " +
-                                      std::to_string(color) + " (" + std::to_string(size) +
-                                      " ranks) failed: " + e.what());
+    connect_error = e.what();
+  }
+  // Every rank learns whether every rank connected (through the parent, whose connections
+  // stand), so that none waits in the sub-group's first collective for one that gave up.
+  const int32_t connected = connect_error.empty() ? 1 : 0;
+  std::vector<int32_t> everyone(n);
+  ZINF_RETURN_IF_ERROR(AllGather(&connected, everyone.data(), sizeof(connected), stream));
+  ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
+  for (int r = 0; r < n; ++r) {
+    if (everyone[r] == 1) continue;
+    return Status::FailedPrecondition(
+        who + ": Split: rank " + std::to_string(r) + " could not connect its sub-group" +
+        (r == options_.rank ? " (color " + std::to_string(color) + ", " + std::to_string(size) +
+                                  " ranks: " + connect_error + ")"
+                            : std::string()) +
+        "; no sub-group was made");
   }
   context->setTimeout(options_.timeout);
   auto group = std::make_shared<Group>();
