@@ -451,6 +451,36 @@ class GlooComm final : public Communicator {
   uint32_t next_tag_ = 0;
 };
 
+// Split's address exchange: per member slot, the length (kAddressFailed: this rank failed) and
+// the bytes of this rank's address for its pair with that member.
+constexpr size_t kAddressMax = gloo::transport::Address::kMaxByteSize;
+constexpr uint32_t kAddressFailed = UINT32_MAX;
+constexpr size_t kAddressSlot = sizeof(uint32_t) + kAddressMax;
+
+// This rank's part of the exchange: `slots` slots of `mine`, or the failure marker in every
+// slot (the others look at slot 0) when *error is set or an address is too long (then said
+// in *error).
+std::vector<char> EncodeAddresses(const std::vector<std::vector<char>>& mine, size_t slots,
+                                  std::string* error) {
+  for (const std::vector<char>& a : mine) {
+    if (a.size() > kAddressMax && error->empty()) {
+      *error = "a gloo address of " + std::to_string(a.size()) + " bytes";
+    }
+  }
+  std::vector<char> out(kAddressSlot * slots, 0);
+  for (size_t i = 0; i < slots; ++i) {
+    const bool bad = !error->empty();
+    const uint32_t len = bad               ? kAddressFailed
+                         : i < mine.size() ? static_cast<uint32_t>(mine[i].size())
+                                           : 0;
+    std::memcpy(out.data() + i * kAddressSlot, &len, sizeof(len));
+    if (!bad && len > 0) {
+      std::memcpy(out.data() + i * kAddressSlot + sizeof(len), mine[i].data(), len);
+    }
+  }
+  return out;
+}
+
 // A gloo context whose full mesh is connected with addresses that a collective of the parent
 // group exchanges (Split), instead of through a rendezvous store: the store may be gone by then.
 class MeshContext final : public gloo::Context {
@@ -505,10 +535,7 @@ Result<std::unique_ptr<Communicator>> GlooComm::Split(int color, Stream* stream)
   for (int32_t c : colors) {
     largest = std::max<size_t>(largest, std::count(colors.begin(), colors.end(), c));
   }
-  constexpr size_t kMax = gloo::transport::Address::kMaxByteSize;
-  constexpr uint32_t kFailed = UINT32_MAX;
-  constexpr size_t kSlot = sizeof(uint32_t) + kMax;
-  const size_t blob = kSlot * largest;
+  const size_t blob = kAddressSlot * largest;
   auto context = std::make_shared<MeshContext>(index, size);
   context->setTimeout(std::max(std::chrono::milliseconds(1), options_.timeout / 5));
   std::vector<std::vector<char>> mine;
@@ -518,31 +545,18 @@ Result<std::unique_ptr<Communicator>> GlooComm::Split(int color, Stream* stream)
   } catch (const std::exception& e) {
     local_error = e.what();
   }
-  for (const std::vector<char>& a : mine) {
-    if (a.size() > kMax && local_error.empty()) {
-      local_error = "a gloo address of " + std::to_string(a.size()) + " bytes";
-    }
-  }
-  std::vector<char> out(blob, 0);
-  for (size_t i = 0; i < largest; ++i) {
-    const bool bad = !local_error.empty();  // (in every slot: the others look at slot 0)
-    const uint32_t len = bad               ? kFailed
-                         : i < mine.size() ? static_cast<uint32_t>(mine[i].size())
-                                           : 0;
-    std::memcpy(out.data() + i * kSlot, &len, sizeof(len));
-    if (!bad && len > 0) std::memcpy(out.data() + i * kSlot + sizeof(len), mine[i].data(), len);
-  }
+  const std::vector<char> out = EncodeAddresses(mine, largest, &local_error);
   std::vector<char> gathered(blob * n);
   ZINF_RETURN_IF_ERROR(AllGather(out.data(), gathered.data(), blob, stream));
   ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
   auto len_at = [&](int rank, size_t slot) {
     uint32_t len = 0;
-    std::memcpy(&len, gathered.data() + static_cast<size_t>(rank) * blob + slot * kSlot,
+    std::memcpy(&len, gathered.data() + static_cast<size_t>(rank) * blob + slot * kAddressSlot,
                 sizeof(len));
     return len;
   };
   for (int r = 0; r < n; ++r) {
-    if (len_at(r, 0) == kFailed) {
+    if (len_at(r, 0) == kAddressFailed) {
       return Status::FailedPrecondition(
           who + ": Split: rank " + std::to_string(r) +
           " could not make its connections of the sub-group" +
@@ -554,8 +568,9 @@ Result<std::unique_ptr<Communicator>> GlooComm::Split(int color, Stream* stream)
   for (int j = 0; j < size; ++j) {
     const char* from = gathered.data() + static_cast<size_t>(members[j]) * blob;
     for (int i = 0; i < size; ++i) {
-      const uint32_t len = std::min<uint32_t>(len_at(members[j], i), kMax);
-      all[j][i].assign(from + i * kSlot + sizeof(len), from + i * kSlot + sizeof(len) + len);
+      const uint32_t len = std::min<uint32_t>(len_at(members[j], i), kAddressMax);
+      all[j][i].assign(from + i * kAddressSlot + sizeof(len),
+                       from + i * kAddressSlot + sizeof(len) + len);
     }
   }
   std::string connect_error;
