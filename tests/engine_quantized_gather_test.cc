@@ -603,39 +603,69 @@ TEST(QuantizedGather, ANanOnOneRankFailsTheStepAsWithoutQuantization) {
 // clipping) is that sum's. Plain ZeRO-3's is the exact sum's, and the two differ by far more
 // than the norm's own rounding (so the check sees a rank dropped, a scale off, or no
 // quantization at all).
+// The reduction tests' parameter: 1,768 values (not a multiple of any world here), and rank
+// `rank`'s gradient of value i: within each block, one value far above the rest, so that the
+// others quantize coarsely.
+constexpr size_t kSpikyNumel = 3 * kBlock + 1000;
+float SpikyGrad(int rank, size_t i) {
+  const float v = std::sin(0.7f * static_cast<float>(i) + static_cast<float>(rank)) * 0.01f;
+  return i % kBlock == static_cast<size_t>(rank * 37) % kBlock ? v * 400.0f : v;
+}
+
+// One optimizer step of "w" (kSpikyNumel values, all 0.5) on `ranks` ranks under
+// SmallConfig() changed by `setup`, each rank's gradient SpikyGrad, the norm computed and
+// nothing clipped: every rank's gradient norm, the partition, rank 0's masters after the step,
+// every rank's collectives.
+struct SpikyStep {
+  Status status;
+  std::vector<double> norms;  // per rank
+  size_t part = 0;
+  std::vector<float> master;
+  std::vector<CollectiveCounts> counts;  // per rank
+};
+SpikyStep StepSpiky(int ranks, const std::function<void(EngineConfig*)>& setup) {
+  SpikyStep out;
+  out.norms.assign(ranks, -1);
+  out.master.resize(kSpikyNumel);
+  const RankRun run = OnRanks(ranks, [&](int r, Device* device, Communicator* comm) -> Status {
+    EngineConfig c = SmallConfig();
+    c.gradient_clipping = 1e30;
+    setup(&c);
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(c, device, comm));
+    ZINF_ASSIGN_OR_RETURN(ParamId id,
+                          RegisterW(engine.get(), kSpikyNumel, true,
+                                    [](float* d, size_t n) { std::fill(d, d + n, 0.5f); }));
+    if (r == 0) out.part = engine->param(id).partition_numel;
+    ZINF_RETURN_IF_ERROR(engine->Acquire({id}).status());
+    ZINF_RETURN_IF_ERROR(engine->Release({id}));
+    std::vector<float> g(kSpikyNumel);
+    for (size_t i = 0; i < kSpikyNumel; ++i) g[i] = SpikyGrad(r, i);
+    ZINF_RETURN_IF_ERROR(engine->ReduceGradient(id, g.data()));
+    ZINF_ASSIGN_OR_RETURN(StepStats st, engine->Step());
+    out.norms[r] = st.grad_norm;
+    std::vector<float> m(kSpikyNumel);
+    ZINF_RETURN_IF_ERROR(engine->GatherMasterParameter(id, m.data()));
+    if (r == 0) out.master = std::move(m);
+    return Status::OK();
+  });
+  out.status = run.First();
+  out.counts = run.counts;
+  return out;
+}
+
 TEST(QuantizedGather, TheQuantizedReductionIsEachRanksBlocksSummedInRankOrder) {
-  constexpr size_t kNumel = 3 * kBlock + 1000;  // 1,768: not a multiple of any world here
-  auto grad = [](int rank, size_t i) {
-    // Within each block, one value far above the rest: the others quantize coarsely.
-    const float v = std::sin(0.7f * static_cast<float>(i) + static_cast<float>(rank)) * 0.01f;
-    return i % kBlock == static_cast<size_t>(rank * 37) % kBlock ? v * 400.0f : v;
-  };
+  constexpr size_t kNumel = kSpikyNumel;
+  auto grad = SpikyGrad;
   for (int ranks : {2, 3}) {
     double norms[2] = {0, 0};
     size_t part = 0;
     for (bool quantized : {false, true}) {
-      std::vector<double> norm(ranks, -1);
-      const RankRun run = OnRanks(ranks, [&](int r, Device* device, Communicator* comm) -> Status {
-        EngineConfig c = SmallConfig();
-        c.quantized_gradients = quantized;
-        c.gradient_clipping = 1e30;  // the norm is computed, nothing is clipped
-        ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(c, device, comm));
-        ZINF_ASSIGN_OR_RETURN(ParamId id,
-                              RegisterW(engine.get(), kNumel, true,
-                                        [](float* d, size_t n) { std::fill(d, d + n, 0.5f); }));
-        if (r == 0) part = engine->param(id).partition_numel;
-        ZINF_RETURN_IF_ERROR(engine->Acquire({id}).status());
-        ZINF_RETURN_IF_ERROR(engine->Release({id}));
-        std::vector<float> g(kNumel);
-        for (size_t i = 0; i < kNumel; ++i) g[i] = grad(r, i);
-        ZINF_RETURN_IF_ERROR(engine->ReduceGradient(id, g.data()));
-        ZINF_ASSIGN_OR_RETURN(StepStats st, engine->Step());
-        norm[r] = st.grad_norm;
-        return Status::OK();
-      });
-      ASSERT_TRUE(run.First().ok()) << run.First().ToString();
-      for (int r = 1; r < ranks; ++r) EXPECT_EQ(norm[r], norm[0]);
-      norms[quantized] = norm[0];
+      const SpikyStep run =
+          StepSpiky(ranks, [&](EngineConfig* c) { c->quantized_gradients = quantized; });
+      ASSERT_TRUE(run.status.ok()) << run.status.ToString();
+      for (int r = 1; r < ranks; ++r) EXPECT_EQ(run.norms[r], run.norms[0]);
+      norms[quantized] = run.norms[0];
+      part = run.part;
     }
     ASSERT_GE(part, kBlock);  // (quantized: at least a block per partition)
     // The references.
@@ -677,42 +707,19 @@ TEST(QuantizedGather, TheQuantizedReductionIsEachRanksBlocksSummedInRankOrder) {
 // sum encoded and decoded again, summed in node order (the CPU functions, within 1e-6), and
 // away from one hop's; the all-to-alls all went to the sub-groups.
 TEST(QuantizedGather, TwoHopsSumEachNodeThenTheNodes) {
-  constexpr size_t kNumel = 3 * kBlock + 1000;
-  auto grad = [](int rank, size_t i) {
-    const float v = std::sin(0.7f * static_cast<float>(i) + static_cast<float>(rank)) * 0.01f;
-    return i % kBlock == static_cast<size_t>(rank * 37) % kBlock ? v * 400.0f : v;
-  };
+  constexpr size_t kNumel = kSpikyNumel;
+  auto grad = SpikyGrad;
   constexpr int kNode = 2;
   for (int ranks : {4, 6}) {
-    double norm0 = 0;
-    size_t part = 0;
-    std::vector<double> norm(ranks, -1);
-    std::vector<float> master(kNumel);
-    const RankRun run = OnRanks(ranks, [&](int r, Device* device, Communicator* comm) -> Status {
-      EngineConfig c = SmallConfig();
-      c.quantized_gradients = true;
-      c.hpz_partition_size = kNode;
-      c.gradient_clipping = 1e30;  // the norm is computed, nothing is clipped
-      ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(c, device, comm));
-      ZINF_ASSIGN_OR_RETURN(ParamId id,
-                            RegisterW(engine.get(), kNumel, true,
-                                      [](float* d, size_t n) { std::fill(d, d + n, 0.5f); }));
-      if (r == 0) part = engine->param(id).partition_numel;
-      ZINF_RETURN_IF_ERROR(engine->Acquire({id}).status());
-      ZINF_RETURN_IF_ERROR(engine->Release({id}));
-      std::vector<float> g(kNumel);
-      for (size_t i = 0; i < kNumel; ++i) g[i] = grad(r, i);
-      ZINF_RETURN_IF_ERROR(engine->ReduceGradient(id, g.data()));
-      ZINF_ASSIGN_OR_RETURN(StepStats st, engine->Step());
-      norm[r] = st.grad_norm;
-      std::vector<float> m(kNumel);
-      ZINF_RETURN_IF_ERROR(engine->GatherMasterParameter(id, m.data()));
-      if (r == 0) master = m;
-      return Status::OK();
+    const SpikyStep run = StepSpiky(ranks, [](EngineConfig* c) {
+      c->quantized_gradients = true;
+      c->hpz_partition_size = kNode;
     });
-    ASSERT_TRUE(run.First().ok()) << run.First().ToString();
-    for (int r = 1; r < ranks; ++r) EXPECT_EQ(norm[r], norm[0]);
-    norm0 = norm[0];
+    ASSERT_TRUE(run.status.ok()) << run.status.ToString();
+    for (int r = 1; r < ranks; ++r) EXPECT_EQ(run.norms[r], run.norms[0]);
+    const double norm0 = run.norms[0];
+    const size_t part = run.part;
+    const std::vector<float>& master = run.master;
     ASSERT_GE(part, kBlock);
     const int nodes = ranks / kNode;
     std::vector<uint8_t> blocks(StateBytes(StateType::kInt8, part));
@@ -814,7 +821,9 @@ TEST(Hpz, GathersInsideTheNodeWithTheSameBits) {
       for (const StepStats& s : plain.stats[r]) read_plain += s.nvme_read_bytes;
       for (const StepStats& s : hpz.stats[r]) read_hpz += s.nvme_read_bytes;
       // A gather from the node's shards reads nothing from NVMe.
-      if (tier == Tier::kNvme) EXPECT_LT(read_hpz, read_plain) << "rank " << r;
+      if (tier == Tier::kNvme) {
+        EXPECT_LT(read_hpz, read_plain) << "rank " << r;
+      }
       std::printf(
           "params %s, budget %llu, rank %d: NVMe reads %llu bytes against %llu; %d "
           "gathers across the 4 ranks (%llu bytes) and %d inside the node (%llu bytes), "
