@@ -27,32 +27,13 @@ inline uint16_t ToBf16(float v) {  // as Fp32ToBf16
   return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-// One block of len <= kBlock fp32 values: its codes, the padding of a partial block, its
-// scale. A block holding an inf or a NaN stores zeros and a NaN scale (it decodes to NaN).
-void EncodeBlock(const float* x, size_t len, int8_t* codes) {
-  float largest = 0;
-  bool finite = true;
-  for (size_t i = 0; i < len; ++i) {
-    const float a = std::fabs(x[i]);
-    finite = finite && a <= std::numeric_limits<float>::max();  // (false for a NaN too)
-    largest = std::max(largest, a);
-  }
-  // A block whose scale is not a normal float (its largest magnitude below 127 x FLT_MIN)
-  // stores as zeros: within the bound, as every value is below a step.
-  float scale = largest / 127.0f;
-  if (!std::isnormal(scale)) scale = 0;
-  // Near FLT_MAX, 127 x the rounded scale can overflow: the scale one ulp lower decodes the
-  // largest code finite (the codes come from the exact ratio: still within the bound).
-  if (std::isinf(scale * 127.0f)) scale = std::nextafter(scale, 0.0f);
-  if (!finite) scale = std::numeric_limits<float>::quiet_NaN();
-  const double inv = finite && scale > 0 ? 127.0 / largest : 0.0;  // (in double: never inf)
-  for (size_t i = 0; i < len; ++i) {
-    // Nearest even; |x * inv| <= 127 up to rounding, clamped so a rounding up stays a code.
-    const double q = std::nearbyint(static_cast<double>(x[i]) * inv);
-    codes[i] = static_cast<int8_t>(std::clamp(finite ? q : 0.0, -127.0, 127.0));
-  }
-  for (size_t i = len; i < kBlock; ++i) codes[i] = 0;
-  std::memcpy(codes + kBlock, &scale, sizeof(scale));
+using EncodeFn = void (*)(const float*, size_t, int8_t*);
+
+// The block encoder for this CPU.
+EncodeFn Encoder() {
+  static const EncodeFn fn = weights_int8::Avx512Usable() ? weights_int8::EncodeBlockAvx512
+                                                          : weights_int8::EncodeBlockScalar;
+  return fn;
 }
 
 }  // namespace
@@ -65,15 +46,17 @@ Status QuantizeWeightsInt8(const float* src, size_t n, void* dst) {
     }
   }
   auto* out = static_cast<uint8_t*>(dst);
+  const EncodeFn encode = Encoder();
   for (size_t at = 0; at < n; at += kBlock) {
-    EncodeBlock(src + at, std::min(kBlock, n - at),
-                reinterpret_cast<int8_t*>(out + at / kBlock * kBlockBytes));
+    encode(src + at, std::min(kBlock, n - at),
+           reinterpret_cast<int8_t*>(out + at / kBlock * kBlockBytes));
   }
   return Status::OK();
 }
 
 void QuantizeParamsInt8(const void* src, ParamCopyType type, size_t n, void* dst) {
   auto* out = static_cast<uint8_t*>(dst);
+  const EncodeFn encode = Encoder();
   float block[kBlock];
   for (size_t at = 0; at < n; at += kBlock) {
     const size_t len = std::min(kBlock, n - at);
@@ -91,7 +74,7 @@ void QuantizeParamsInt8(const void* src, ParamCopyType type, size_t n, void* dst
         for (size_t i = 0; i < len; ++i) block[i] = Fp16ToFp32(in[i]);
       }
     }
-    EncodeBlock(x, len, reinterpret_cast<int8_t*>(out + at / kBlock * kBlockBytes));
+    encode(x, len, reinterpret_cast<int8_t*>(out + at / kBlock * kBlockBytes));
   }
 }
 
@@ -107,6 +90,38 @@ void DequantizeParamsInt8(const void* src, size_t n, ParamCopyType type, void* d
 }
 
 namespace weights_int8 {
+
+BlockScale ScaleOf(float largest, bool finite) {
+  // A block whose scale is not a normal float (its largest magnitude below 127 x FLT_MIN)
+  // stores as zeros: within the bound, as every value is below a step.
+  float scale = largest / 127.0f;
+  if (!std::isnormal(scale)) scale = 0;
+  // Near FLT_MAX, 127 x the rounded scale can overflow: the scale one ulp lower decodes the
+  // largest code finite (the codes come from the exact ratio: still within the bound).
+  if (std::isinf(scale * 127.0f)) scale = std::nextafter(scale, 0.0f);
+  if (!finite) scale = std::numeric_limits<float>::quiet_NaN();
+  const double inv = finite && scale > 0 ? 127.0 / largest : 0.0;  // (in double: never inf)
+  return {scale, inv};
+}
+
+// A block holding an inf or a NaN stores zeros and a NaN scale (it decodes to NaN).
+void EncodeBlockScalar(const float* x, size_t len, int8_t* codes) {
+  float largest = 0;
+  bool finite = true;
+  for (size_t i = 0; i < len; ++i) {
+    const float a = std::fabs(x[i]);
+    finite = finite && a <= std::numeric_limits<float>::max();  // (false for a NaN too)
+    largest = std::max(largest, a);
+  }
+  const BlockScale s = ScaleOf(largest, finite);
+  for (size_t i = 0; i < len; ++i) {
+    // Nearest even; |x * inv| <= 127 up to rounding, clamped so a rounding up stays a code.
+    const double q = std::nearbyint(static_cast<double>(x[i]) * s.inv);
+    codes[i] = static_cast<int8_t>(std::clamp(finite ? q : 0.0, -127.0, 127.0));
+  }
+  for (size_t i = len; i < kBlock; ++i) codes[i] = 0;
+  std::memcpy(codes + kBlock, &s.scale, sizeof(s.scale));
+}
 
 void DequantizeF32Scalar(const void* src, size_t n, float* dst) {
   ForEachBlock(src, n, [dst](const int8_t* codes, float scale, size_t at, size_t len) {

@@ -1,5 +1,6 @@
-// The int8 frozen-weight decoders by instruction set (weights_int8.cc dispatches between
-// them; tests compare them). Each decodes n elements laid out as StateBytes(kInt8, n).
+// The int8 block encoders and decoders by instruction set (weights_int8.cc dispatches between
+// them; tests compare them). The layout is StateBytes(kInt8, n): per block of
+// kInt8StateBlock elements its codes, then its fp32 scale.
 #pragma once
 
 #include <algorithm>
@@ -11,6 +12,20 @@
 
 namespace zinf {
 namespace weights_int8 {
+
+// A block's scale and its codes' multiplier, from its largest magnitude (and whether every
+// value is finite): what every encoder uses.
+struct BlockScale {
+  float scale;
+  double inv;
+};
+BlockScale ScaleOf(float largest, bool finite);
+
+// One block of len <= kInt8StateBlock fp32 values: its codes (nearest even of x * inv, in
+// double), the padding of a partial block, its scale. The AVX-512 one gives the same bytes; it
+// leaves partial and non-finite blocks to the scalar one.
+void EncodeBlockScalar(const float* x, size_t len, int8_t* codes);
+void EncodeBlockAvx512(const float* x, size_t len, int8_t* codes);
 
 void DequantizeF32Scalar(const void* src, size_t n, float* dst);
 void DequantizeBf16Scalar(const void* src, size_t n, uint16_t* dst);

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -510,6 +511,50 @@ TEST(FrozenInt8, Avx512DecodesAsTheScalarCode) {
     weights_int8::DequantizeBf16Avx512(q.data(), len, d.data());
     EXPECT_EQ(c, d) << len;
   }
+}
+
+// The AVX-512 block encoder (what every quantized gather, quantized gradient reduction and
+// int8 registration runs where the CPU has it) gives the scalar encoder's bytes: magnitudes
+// from 1e-38 to FLT_MAX, exact ties (nearest even), zero, tiny, inf and NaN blocks, partial
+// blocks.
+TEST(FrozenInt8, Avx512EncodesAsTheScalarCode) {
+  if (!weights_int8::Avx512Usable()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  constexpr size_t kB = kInt8StateBlock;
+  std::vector<std::vector<float>> blocks;
+  for (int e = -126; e <= 127; e += 9) {  // random values at every scale
+    std::vector<float> x(kB);
+    for (size_t i = 0; i < kB; ++i) x[i] = std::ldexp(HashUniform(0xE2C, e + 200, i), e);
+    blocks.push_back(x);
+  }
+  std::vector<float> ties(kB);  // largest 127: inv is 1, so k + 0.5 are exact ties
+  for (size_t i = 0; i < kB; ++i) ties[i] = static_cast<float>(i % 64) - 31.5f;
+  ties[7] = 127.0f;
+  blocks.push_back(ties);
+  blocks.push_back(std::vector<float>(kB, 0.0f));
+  blocks.push_back(std::vector<float>(kB, -1e-38f));
+  std::vector<float> huge(kB, -FLT_MAX);
+  huge[3] = FLT_MAX;
+  blocks.push_back(huge);
+  for (float bad : {INFINITY, -INFINITY, NAN}) {
+    std::vector<float> x = blocks[5];
+    x[kB - 1] = bad;
+    blocks.push_back(x);
+  }
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    for (size_t len : {kB, kB - 1, size_t{17}}) {
+      std::vector<int8_t> want(kB + 4, 1), got(kB + 4, 2);
+      weights_int8::EncodeBlockScalar(blocks[b].data(), len, want.data());
+      weights_int8::EncodeBlockAvx512(blocks[b].data(), len, got.data());
+      EXPECT_EQ(want, got) << "block " << b << ", " << len << " values";
+    }
+  }
+  // The ties went to the even code: -31.5 -> -32, -30.5 -> -30, 0.5 -> 0, 1.5 -> 2.
+  std::vector<int8_t> q(kB + 4);
+  weights_int8::EncodeBlockAvx512(ties.data(), kB, q.data());
+  EXPECT_EQ(q[0], -32);
+  EXPECT_EQ(q[1], -30);
+  EXPECT_EQ(q[32], 0);
+  EXPECT_EQ(q[33], 2);
 }
 
 // zinf.frozen_weight_dtype int8: the adapters train exactly as with the base as-is (this
