@@ -164,6 +164,40 @@ std::string Describe(Kind kind, size_t size, int root) {
   return "?";
 }
 
+// The reduce-scatters' receive buffers (world x count floats), kept between collectives: a
+// fresh one per call is an mmap, a zero-filled page per 4 KiB and a munmap, about as long as
+// moving it over loopback. At most kKeepBytes stay; collectives on different streams each take
+// their own.
+class ScratchPool {
+ public:
+  std::vector<float> Take(size_t floats) {
+    std::vector<float> v;
+    {
+      MutexLock lock(&mu_);
+      if (!free_.empty()) {
+        v = std::move(free_.back());
+        free_.pop_back();
+        kept_ -= v.capacity() * sizeof(float);
+      }
+    }
+    if (v.size() < floats) v.resize(floats);  // every float is written before it is read
+    return v;
+  }
+  void Give(std::vector<float> v) {
+    const size_t bytes = v.capacity() * sizeof(float);
+    MutexLock lock(&mu_);
+    if (kept_ + bytes > kKeepBytes) return;  // freed here
+    kept_ += bytes;
+    free_.push_back(std::move(v));
+  }
+
+ private:
+  static constexpr size_t kKeepBytes = size_t{256} << 20;
+  Mutex mu_;
+  std::vector<std::vector<float>> free_ GUARDED_BY(mu_);
+  size_t kept_ GUARDED_BY(mu_) = 0;
+};
+
 // What a queued collective uses: shared with the tasks, so an endpoint may be destroyed while
 // its collectives are still queued (as LocalComm's).
 struct Group {
@@ -174,6 +208,7 @@ struct Group {
   Mutex mu;
   Status broken GUARDED_BY(mu);  // once set, every collective fails with it
   CommCounters counters GUARDED_BY(mu);
+  ScratchPool scratch;
 };
 
 class GlooComm final : public Communicator {
@@ -231,14 +266,17 @@ class GlooComm final : public Communicator {
     if (Status bad = CheckBuffers(what, send, recv); !bad.ok()) return Refuse(bad);
     const int n = world_size();
     const uint64_t sent = count_per_rank * sizeof(float) * (n - 1);  // one chunk to each peer
+    Group* const g = group_.get();  // the task holds the group (Issue)
     return Issue(what, stream, sent, [=](const std::shared_ptr<gloo::Context>& ctx, uint32_t tag) {
-      std::vector<float> mine(count_per_rank * n);
       if (n == 1) {
         std::memcpy(recv, send, count_per_rank * sizeof(float));
         return;
       }
-      Alltoall(ctx, tag, const_cast<float*>(send), mine.data(), mine.size());
+      const size_t floats = count_per_rank * n;
+      std::vector<float> mine = g->scratch.Take(floats);
+      Alltoall(ctx, tag, const_cast<float*>(send), mine.data(), floats);
       OrderedSum(mine.data(), count_per_rank, n, recv, count_per_rank);
+      g->scratch.Give(std::move(mine));
     });
   }
 
