@@ -196,5 +196,41 @@ PY
   echo "FAIL: zinf-engine-bench with clipping: $clip_on / $clip_off"
   fails=$((fails + 1))
 fi
+# --nproc 2: the engine's collectives traced and replayed by gloo alone. Counts and bytes, not
+# times: 3 layers gather 5 times (the last layer's backward keeps its forward gather) and reduce
+# 3 gradients, 32768 elements per rank each; with ZeRO++ as int8 blocks of 256 plus a scale.
+plain=$("$engine" "${small[@]}" --nproc 2 2>/dev/null | tail -n 1)
+zpp=$("$engine" "${small[@]}" --nproc 2 --quantized-weights --quantized-gradients 2>/dev/null | tail -n 1)
+if ! /usr/bin/python3 - "$plain" "$zpp" <<'PY'; then
+import json, sys
+plain, zpp = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+part = 65536 // 2
+assert plain["median_comm_bytes_sent"] == 8 * part * 4, plain
+assert zpp["median_comm_bytes_sent"] == 8 * (part + part // 256 * 4), zpp
+for j in (plain, zpp):
+    assert j["ranks"] == 2 and j["peer"].startswith("gloo alone replaying"), j
+    assert j["collectives_per_step"] == 8, j
+    assert j["collective_bytes_sent"] == j["median_comm_bytes_sent"], j  # (no sub-groups)
+    assert 0 < j["median_collective_seconds"] <= j["median_collective_seconds_with_waits"], j
+    assert j["peer_seconds"] > 0 and j["collective_efficiency"] > 0, j
+PY
+  echo "FAIL: zinf-engine-bench --nproc 2: $plain / $zpp"
+  fails=$((fails + 1))
+fi
+# 4 ranks as 2 nodes (hpZ) with all of ZeRO++: 3 gathers across every rank, the backward's
+# 2 from the node's shards, 2 all-to-alls (node, then across) per gradient; the sub-groups'
+# bytes are the collectives', not the job communicator's counters.
+hpz=$("$engine" "${small[@]}" --nproc 4 --quantized-weights --quantized-gradients \
+      --hpz-partition-size 2 2>/dev/null | tail -n 1)
+if ! /usr/bin/python3 - "$hpz" <<'PY'; then
+import json, sys
+j = json.loads(sys.argv[1])
+assert j["ranks"] == 4 and j["collectives_per_step"] == 11, j
+assert j["collective_bytes_sent"] > j["median_comm_bytes_sent"] > 0, j
+assert 0 < j["median_collective_seconds"] <= j["median_collective_seconds_with_waits"], j
+PY
+  echo "FAIL: zinf-engine-bench --nproc 4 with hpZ: $hpz"
+  fails=$((fails + 1))
+fi
 echo "$fails failure(s)"
 [[ $fails -eq 0 ]]

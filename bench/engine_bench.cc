@@ -11,13 +11,6 @@
 // the compute stream (the trainer thread, on the host device) was not computing: waiting for
 // parameters, for the engine's own work on that stream, or for the host to issue work. Timed
 // on the GPU's own clock (each kernel records its start and end) or the host's.
-#include <gloo/allgather.h>
-#include <gloo/allreduce.h>
-#include <gloo/math.h>
-#include <gloo/rendezvous/context.h>
-#include <gloo/rendezvous/file_store.h>
-#include <gloo/rendezvous/prefix_store.h>
-#include <gloo/transport/tcp/device.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -32,6 +25,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "bench/collective_peer.h"
 #include "common/cli.h"
 #include "common/rank_launcher.h"
 #include "config/engine_flags.h"
@@ -154,64 +148,6 @@ class Compute {
   uint64_t* times_ = nullptr;  // cuda: device memory, [start, end] per run
   std::vector<uint64_t> host_;
 };
-
-// The peer: gloo alone, on its own context (the same store folder, its own keys), moving what
-// a ZeRO-3 step moves for this model: each layer's parameters gathered twice (forward and
-// backward) and its gradient reduced (gloo's ring allreduce: twice the volume of the
-// reduce-scatter the engine does, so the comparison favours gloo). The median of 3 steps.
-struct PeerFigures {
-  double seconds = 0;
-  double bytes_sent = 0;
-};
-
-Result<PeerFigures> GlooPeerStep(const Flags& f, int rank, int world) {
-  const char* folder = std::getenv("ZINF_STORE_FOLDER");
-  if (folder == nullptr) {
-    return Status::NotSupported("the gloo peer needs the --nproc launcher's store folder");
-  }
-  const size_t part = f.layer_elems / world;  // elements per rank of a layer
-  const size_t elem = f.bf16 ? 2 : 4;
-  std::vector<char> mine(part * elem), all(part * elem * world);
-  std::vector<float> grad(part * world, 1e-3f);
-  std::vector<double> secs;
-  try {
-    gloo::rendezvous::FileStore base(folder);
-    gloo::rendezvous::PrefixStore store("bench-peer", base);
-    gloo::transport::tcp::attr attr;
-    attr.hostname = "127.0.0.1";
-    auto dev = gloo::transport::tcp::CreateDevice(attr);
-    auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, world);
-    ctx->connectFullMesh(store, dev);
-    uint32_t tag = 0;
-    for (int it = 0; it < 3; ++it) {
-      const auto t0 = std::chrono::steady_clock::now();
-      for (int l = 0; l < f.layers; ++l) {
-        for (int pass = 0; pass < 2; ++pass) {
-          gloo::AllgatherOptions o(ctx);
-          o.setInput(mine.data(), mine.size());
-          o.setOutput(all.data(), all.size());
-          o.setTag(tag++);
-          gloo::allgather(o);
-        }
-        gloo::AllreduceOptions o(ctx);
-        o.setOutput(grad.data(), grad.size());
-        o.setReduceFunction(
-            static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::sum<float>));
-        o.setTag(tag++);
-        gloo::allreduce(o);
-      }
-      secs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-  } catch (const std::exception& e) {
-    return Status::Internal(std::string("gloo peer: ") + e.what());
-  }
-  PeerFigures p;
-  p.seconds = bench::Median(secs);
-  // Per layer: two ring allgathers (N - 1 blocks each) and a ring allreduce (2 (N - 1) blocks).
-  p.bytes_sent = static_cast<double>(f.layers) * (world - 1) *
-                 (2.0 * part * elem + 2.0 * part * sizeof(float));
-  return p;
-}
 
 void AddFlags(CLI::App& app, Flags* f) {
   app.add_option("--preset", f->preset,
@@ -375,8 +311,9 @@ struct BenchRun {
   std::vector<ParamId> ids;  // one per layer
   const float* grad;         // device memory
   Compute* compute;
-  Communicator* comm;
-  int cores;  // AllowedCores()
+  Communicator* comm;  // the rank's, traced (--nproc)
+  int cores;           // AllowedCores()
+  bench::CollectiveTrace* trace;
 };
 
 // One step's figures: the engine's, the compute stream's idle time, and the collectives'.
@@ -458,6 +395,7 @@ void ReportStep(const Flags& f, const BenchRun& run, const StepFigures& s) {
 // Runs the steps, one JSON line each; all but the first go into `series`.
 Status RunSteps(const Flags& f, const BenchRun& run, StepSeries* series) {
   for (int step = 0; step < f.steps; ++step) {
+    bench::SetTraceStep(*run.trace, step);
     const CommCounters before = run.comm->Counters();
     ZINF_RETURN_IF_ERROR(ForwardBackward(f, run));
     StepFigures s;
@@ -542,28 +480,38 @@ Status OffloadCycles(const Flags& f, const BenchRun& run, Device* device) {
   return Status::OK();
 }
 
-// With several ranks: the engine's collectives per step, beside gloo alone moving a ZeRO-3
-// step's data.
-void ReportCollectives(const Flags& f, const StepSeries& series, const Communicator& comm,
+// With several ranks: the engine's collectives per step, beside gloo alone replaying them
+// (bench/collective_peer.h). The rate is the step's bytes over the time inside collectives.
+void ReportCollectives(const StepSeries& series, const Result<bench::CollectiveFigures>& peer,
                        nlohmann::json* j) {
   const auto median = bench::Median;
-  (*j)["median_comm_bytes_sent"] = median(series.comm_bytes);
+  const double bytes = median(series.comm_bytes);
+  (*j)["median_comm_bytes_sent"] = bytes;
   (*j)["median_comm_seconds"] = median(series.comm_secs);
   (*j)["median_comm_gbps"] =
-      median(series.comm_secs) > 0 ? median(series.comm_bytes) / median(series.comm_secs) / 1e9 : 0;
-  Result<PeerFigures> peer = GlooPeerStep(f, comm.rank(), comm.world_size());
-  if (peer.ok()) {
-    (*j)["peer"] = "gloo alone: allgather of each layer twice + ring allreduce of its gradient";
-    (*j)["peer_step_seconds"] = peer->seconds;
-    (*j)["peer_bytes_sent"] = peer->bytes_sent;
-    (*j)["peer_gbps"] = peer->seconds > 0 ? peer->bytes_sent / peer->seconds / 1e9 : 0;
-  } else {
+      median(series.comm_secs) > 0 ? bytes / median(series.comm_secs) / 1e9 : 0;
+  if (!peer.ok()) {
     (*j)["peer"] = peer.status().ToString();
+    return;
   }
+  // Over the bytes of every group's collectives (the counters above are the job's only).
+  const double all = peer->bytes_per_step;
+  const auto gbps = [&](double s) { return s > 0 ? all / s / 1e9 : 0.0; };
+  (*j)["collective_bytes_sent"] = all;
+  (*j)["peer"] = "gloo alone replaying the step's collectives (same sizes, groups and order)";
+  (*j)["collectives_per_step"] = peer->collectives_per_step;
+  (*j)["median_collective_seconds_with_waits"] = peer->engine_seconds_with_waits;
+  (*j)["median_collective_seconds"] = peer->engine_seconds;  // from each one's last arrival
+  (*j)["collective_gbps"] = gbps(peer->engine_seconds);
+  (*j)["peer_seconds"] = peer->peer_seconds;
+  (*j)["peer_gbps"] = gbps(peer->peer_seconds);
+  (*j)["collective_efficiency"] =
+      peer->engine_seconds > 0 ? peer->peer_seconds / peer->engine_seconds : 0.0;
 }
 
 // The final JSON line: medians over the measured steps.
-void ReportSummary(const Flags& f, const StepSeries& series, int cores, const Communicator& comm) {
+void ReportSummary(const Flags& f, const StepSeries& series, int cores, const Communicator& comm,
+                   const Result<bench::CollectiveFigures>& peer) {
   const auto median = bench::Median;
   nlohmann::json j;
   j["median_step_seconds"] = median(series.step_secs);
@@ -594,7 +542,7 @@ void ReportSummary(const Flags& f, const StepSeries& series, int cores, const Co
   j["median_d2h_bytes"] = median(series.d2h);
   j["median_overlap_efficiency"] = median(series.effs);
   j["ranks"] = comm.world_size();
-  if (comm.world_size() > 1) ReportCollectives(f, series, comm, &j);
+  if (comm.world_size() > 1) ReportCollectives(series, peer, &j);
   std::printf("%s\n", j.dump().c_str());
 }
 
@@ -617,7 +565,11 @@ int RunBench(const Flags& f) {
     return 1;
   }
   Device* const device = rank->device.get();
-  Communicator* const comm = rank->comm.get();
+  // The engine's collectives, traced for the gloo peer (bench/collective_peer.h).
+  std::shared_ptr<bench::CollectiveTrace> trace = bench::NewCollectiveTrace();
+  const std::unique_ptr<Communicator> traced =
+      bench::TraceCollectives(rank->comm.get(), device, trace);
+  Communicator* const comm = traced.get();
   if (comm->rank() != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) return 1;
   auto engine = Engine::Create(*c, device, comm);
   if (!engine.ok()) {
@@ -643,10 +595,11 @@ int RunBench(const Flags& f) {
     return 1;
   }
   const BenchRun run{
-      engine->get(), std::move(*ids), static_cast<const float*>(*grad_mem), compute->get(),
-      comm,          AllowedCores()};
+      engine->get(),  std::move(*ids), static_cast<const float*>(*grad_mem), compute->get(), comm,
+      AllowedCores(), trace.get()};
   StepSeries series;
   Status s = RunSteps(f, run, &series);
+  bench::SetTraceStep(*trace, f.steps);  // what follows is not a measured step
   if (s.ok() && f.offload_cycles > 0) s = OffloadCycles(f, run, device);
   engine->reset();   // drains the engine's streams before its gradient source goes
   compute->reset();  // its timing buffer, while the device lives
@@ -655,7 +608,15 @@ int RunBench(const Flags& f) {
     std::fprintf(stderr, "zinf-engine-bench: %s\n", s.ToString().c_str());
     return 1;
   }
-  ReportSummary(f, series, run.cores, *comm);
+  // Steps 1 and later are measured; the peer replays the last. Against gloo only: a GPU's
+  // collectives run on NCCL (and the stamps would sit between its kernels).
+  Result<bench::CollectiveFigures> peer =
+      Status::NotSupported(f.device == "cuda" ? "the gloo peer replays host (gloo) collectives only"
+                                              : "fewer than 2 steps: no measured step");
+  if (comm->world_size() > 1 && f.steps > 1 && f.device != "cuda") {
+    peer = bench::CompareWithGloo(*trace, comm, 1, f.steps - 1);
+  }
+  ReportSummary(f, series, run.cores, *comm, peer);
   return 0;
 }
 
