@@ -9,6 +9,9 @@
 # Usage: bench/zeropp_link.sh ZINF_TRAIN_BIN CORPUS STEPS "MBIT FLAGS..." ["MBIT FLAGS..." ...]
 #   e.g. bench/zeropp_link.sh build/train/zinf-train train/data/corpus.txt 8 \
 #          "100" "100 --quantized-weights" "400"
+# ZINF_TRAIN_BIN may instead be python/examples/finetune.py (run by /usr/bin/python3 with the
+# caller's PYTHONPATH, e.g. build/python): the LoRA fine-tune with an int8 base, the flags being
+# finetune.py's (--preset, --lora, --frozen-weight-dtype, --config ...).
 # Root only (namespaces, tc). Everything it creates is removed on exit, processes by their pid.
 set -u
 BIN=$1
@@ -55,10 +58,16 @@ for case in "$@"; do
   PIDS=()
   i=0
   for ns in "$NS_A" "$NS_A" "$NS_B" "$NS_B"; do
+    if [[ "$BIN" == *.py ]]; then
+      run=(/usr/bin/python3 "$BIN" --threads 1)
+    else
+      run=("$BIN" --batch 2 --seq 64 --warmup 1)
+    fi
     # shellcheck disable=SC2086  # (the case's flags, split)
     ip netns exec "$ns" env RANK=$i WORLD_SIZE=4 LOCAL_RANK=$((i % 2)) LOCAL_WORLD_SIZE=2 \
       MASTER_ADDR=198.18.0.1 MASTER_PORT=$port OPENBLAS_NUM_THREADS=1 \
-      timeout 900 "$BIN" --steps "$STEPS" --batch 2 --seq 64 --warmup 1 --data "$DATA" --json \
+      PYTHONPATH="${PYTHONPATH:-}" \
+      timeout 900 "${run[@]}" --steps "$STEPS" --data "$DATA" --json \
       --nvme "$WORK/swap-$i" $flags >"$WORK/out$i" 2>"$WORK/err$i" &
     PIDS+=($!)
     i=$((i + 1))
@@ -75,10 +84,13 @@ for case in "$@"; do
 import json, sys
 r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
 steps = int(sys.argv[6])
+# zinf-train's line, or finetune.py's (its step times, no dtype field).
+train = r["train_seconds"] if "train_seconds" in r else sum(r["step_seconds"])
 print(json.dumps({"link_mbit": float(sys.argv[2]), "flags": sys.argv[3],
                   "node_b_tx_bytes": int(sys.argv[4]), "node_b_rx_bytes": int(sys.argv[5]),
                   "link_bytes_per_step": (int(sys.argv[4]) + int(sys.argv[5])) / steps,
-                  "train_seconds": r["train_seconds"], "tokens_per_s": r["tokens_per_s"],
-                  "losses": r["losses"], "param_dtype": r["param_dtype"]}))
+                  "train_seconds": train, "tokens_per_s": r["tokens_per_s"],
+                  "losses": r["losses"], "param_dtype": r.get("param_dtype"),
+                  "frozen_weight_dtype": r.get("frozen_weight_dtype")}))
 PY
 done

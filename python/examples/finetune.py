@@ -351,6 +351,7 @@ def main():
         "steps": len(losses),
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,
+        "losses": losses,
         "tokens_per_s": tokens * len(seconds[later]) / sum(seconds[later]) if seconds else 0,
         "nvme_gbps": sum(gbps[later]) / len(gbps[later]) if gbps else 0,
         "overlap_efficiency": sum(overlap[later]) / len(overlap[later]) if overlap else 0,
