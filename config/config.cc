@@ -101,6 +101,7 @@ constexpr std::string_view kZinfKeys[] = {
     "gradient_transfer_dtype",
     "optimizer_state_dtype",
     "frozen_weight_dtype",
+    "quantized_gradient_bits",
     "collective_timeout_seconds",
     "speculative_step",
 };
@@ -345,6 +346,13 @@ Status ParseZinf(ObjectReader& r, EngineConfig* config, std::vector<std::string>
       &config->optimizer_state_type));
   ZINF_RETURN_IF_ERROR(r.ReadEnum<bool>("frozen_weight_dtype", {{"as-is", false}, {"int8", true}},
                                         &config->frozen_int8));
+  ZINF_RETURN_IF_ERROR(r.ReadUint32("quantized_gradient_bits", &config->quantized_gradient_bits));
+  if (config->quantized_gradient_bits != 4 && config->quantized_gradient_bits != 8) {
+    return Status::InvalidArgument(
+        r.PathOf("quantized_gradient_bits") + ": " +
+        std::to_string(config->quantized_gradient_bits) +
+        "; zero_quantized_gradients' blocks are 8 (the default) or 4 bits");
+  }
   {
     std::optional<bool> speculative =
         config->speculative_step == SpeculativeStep::kAuto

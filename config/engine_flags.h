@@ -27,6 +27,7 @@ struct EngineFlags {
   bool delayed_update = false;       // --delayed-update (given: on)
   bool quantized_weights = false;    // --quantized-weights (given: on)
   bool quantized_gradients = false;  // --quantized-gradients (given: on)
+  int quantized_gradient_bits = 0;   // --quantized-gradient-bits 8 | 4 (0: as configured)
   int hpz_partition_size = 0;        // --hpz-partition-size (0: as configured)
   int optimizer_threads = -1;        // --optimizer-threads (0: every core)
   std::string io_backend;            // --io-backend io_uring | libaio | psync
@@ -106,6 +107,11 @@ inline void AddEngineFlags(CLI::App& app, EngineFlags* f) {
                "each gradient's reduce-scatter sends int8 blocks (an fp32 scale per 256 values) "
                "in an all-to-all, summed in fp32 by the partition's owner (in two hops, inside "
                "the node then across, with --hpz-partition-size)");
+  app.add_option("--quantized-gradient-bits", f->quantized_gradient_bits,
+                 "zinf.quantized_gradient_bits: the code of --quantized-gradients' blocks, 8 "
+                 "(the default) or 4 (two codes per byte: about half the bytes, each value off "
+                 "by up to its block's largest magnitude / 14 instead of / 254)")
+      ->check(CLI::IsMember({4, 8}));
   app.add_option("--hpz-partition-size", f->hpz_partition_size,
                  "zero_optimization.zero_hpz_partition_size (ZeRO++'s hpZ): the ranks per node; "
                  "each rank keeps a secondary shard of every gathered parameter in pinned host "
@@ -158,6 +164,9 @@ inline Status ApplyEngineFlags(const EngineFlags& f, EngineConfig* c) {
   if (f.delayed_update) c->delayed_update = true;
   if (f.quantized_weights) c->quantized_weights = true;
   if (f.quantized_gradients) c->quantized_gradients = true;
+  if (f.quantized_gradient_bits > 0) {
+    c->quantized_gradient_bits = static_cast<uint32_t>(f.quantized_gradient_bits);
+  }
   if (f.hpz_partition_size > 0) c->hpz_partition_size = static_cast<uint32_t>(f.hpz_partition_size);
   if (f.optimizer_threads >= 0) c->optimizer_threads = f.optimizer_threads;
   if (!f.io_backend.empty()) c->aio.backend = f.io_backend;

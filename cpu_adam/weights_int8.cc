@@ -28,6 +28,7 @@ inline uint16_t ToBf16(float v) {  // as Fp32ToBf16
 }
 
 using EncodeFn = void (*)(const float*, size_t, int8_t*);
+using EncodeInt4Fn = void (*)(const float*, size_t, uint8_t*);
 
 // The block encoder for this CPU.
 EncodeFn Encoder() {
@@ -36,7 +37,27 @@ EncodeFn Encoder() {
   return fn;
 }
 
+EncodeInt4Fn Int4Encoder() {
+  static const EncodeInt4Fn fn = weights_int8::Avx512Usable() ? weights_int8::EncodeInt4BlockAvx512
+                                                              : weights_int8::EncodeInt4BlockScalar;
+  return fn;
+}
+
 }  // namespace
+
+void QuantizeGradsInt4(const float* src, size_t n, void* dst) {
+  auto* out = static_cast<uint8_t*>(dst);
+  const EncodeInt4Fn encode = Int4Encoder();
+  for (size_t at = 0; at < n; at += kBlock) {
+    encode(src + at, std::min(kBlock, n - at), out + at / kBlock * kInt4BlockBytes);
+  }
+}
+
+void DequantizeGradsInt4(const void* src, size_t n, float* dst) {
+  static const bool avx512 = weights_int8::Avx512Usable();
+  if (avx512) return weights_int8::DequantizeInt4Avx512(src, n, dst);
+  weights_int8::DequantizeInt4Scalar(src, n, dst);
+}
 
 Status QuantizeWeightsInt8(const float* src, size_t n, void* dst) {
   for (size_t i = 0; i < n; ++i) {
@@ -91,36 +112,81 @@ void DequantizeParamsInt8(const void* src, size_t n, ParamCopyType type, void* d
 
 namespace weights_int8 {
 
-BlockScale ScaleOf(float largest, bool finite) {
-  // A block whose scale is not a normal float (its largest magnitude below 127 x FLT_MIN)
+BlockScale ScaleOf(float largest, bool finite, float levels) {
+  // A block whose scale is not a normal float (its largest magnitude below levels x FLT_MIN)
   // stores as zeros: within the bound, as every value is below a step.
-  float scale = largest / 127.0f;
+  float scale = largest / levels;
   if (!std::isnormal(scale)) scale = 0;
-  // Near FLT_MAX, 127 x the rounded scale can overflow: the scale one ulp lower decodes the
+  // Near FLT_MAX, levels x the rounded scale can overflow: the scale one ulp lower decodes the
   // largest code finite (the codes come from the exact ratio: still within the bound).
-  if (std::isinf(scale * 127.0f)) scale = std::nextafter(scale, 0.0f);
+  if (std::isinf(scale * levels)) scale = std::nextafter(scale, 0.0f);
   if (!finite) scale = std::numeric_limits<float>::quiet_NaN();
-  const double inv = finite && scale > 0 ? 127.0 / largest : 0.0;  // (in double: never inf)
+  // (In double: never inf.)
+  const double inv = finite && scale > 0 ? static_cast<double>(levels) / largest : 0.0;
   return {scale, inv};
 }
 
-// A block holding an inf or a NaN stores zeros and a NaN scale (it decodes to NaN).
-void EncodeBlockScalar(const float* x, size_t len, int8_t* codes) {
+namespace {
+
+// The largest magnitude of len values, and whether every one is finite.
+float Largest(const float* x, size_t len, bool* finite) {
   float largest = 0;
-  bool finite = true;
+  *finite = true;
   for (size_t i = 0; i < len; ++i) {
     const float a = std::fabs(x[i]);
-    finite = finite && a <= std::numeric_limits<float>::max();  // (false for a NaN too)
+    *finite = *finite && a <= std::numeric_limits<float>::max();  // (false for a NaN too)
     largest = std::max(largest, a);
   }
+  return largest;
+}
+
+// Nearest even of x * inv in double; |x * inv| <= levels up to rounding, clamped so a
+// rounding up stays a code.
+inline int Code(float x, double inv, double levels) {
+  return static_cast<int>(
+      std::clamp(std::nearbyint(static_cast<double>(x) * inv), -levels, levels));
+}
+
+}  // namespace
+
+// A block holding an inf or a NaN stores zeros and a NaN scale (it decodes to NaN).
+void EncodeBlockScalar(const float* x, size_t len, int8_t* codes) {
+  bool finite;
+  const float largest = Largest(x, len, &finite);
   const BlockScale s = ScaleOf(largest, finite);
   for (size_t i = 0; i < len; ++i) {
-    // Nearest even; |x * inv| <= 127 up to rounding, clamped so a rounding up stays a code.
-    const double q = std::nearbyint(static_cast<double>(x[i]) * s.inv);
-    codes[i] = static_cast<int8_t>(std::clamp(finite ? q : 0.0, -127.0, 127.0));
+    codes[i] = static_cast<int8_t>(finite ? Code(x[i], s.inv, 127.0) : 0);
   }
   for (size_t i = len; i < kBlock; ++i) codes[i] = 0;
   std::memcpy(codes + kBlock, &s.scale, sizeof(s.scale));
+}
+
+void EncodeInt4BlockScalar(const float* x, size_t len, uint8_t* out) {
+  bool finite;
+  const float largest = Largest(x, len, &finite);
+  const BlockScale s = ScaleOf(largest, finite, 7.0f);
+  for (size_t i = 0; i < kBlock; i += 2) {
+    const int lo = finite && i < len ? Code(x[i], s.inv, 7.0) : 0;
+    const int hi = finite && i + 1 < len ? Code(x[i + 1], s.inv, 7.0) : 0;
+    out[i / 2] = static_cast<uint8_t>((lo & 0xF) | ((hi & 0xF) << 4));
+  }
+  std::memcpy(out + kBlock / 2, &s.scale, sizeof(s.scale));
+}
+
+void DequantizeInt4Scalar(const void* src, size_t n, float* dst) {
+  const auto* in = static_cast<const uint8_t*>(src);
+  for (size_t at = 0; at < n; at += kBlock) {
+    const uint8_t* codes = in + at / kBlock * kInt4BlockBytes;
+    float scale;
+    std::memcpy(&scale, codes + kBlock / 2, sizeof(scale));
+    const size_t len = std::min(kBlock, n - at);
+    for (size_t i = 0; i < len; ++i) {
+      const uint8_t b = codes[i / 2];
+      // Sign-extended: the nibble moved to the top of an int8, shifted back.
+      const int code = i % 2 == 0 ? static_cast<int8_t>(b << 4) >> 4 : static_cast<int8_t>(b) >> 4;
+      dst[at + i] = static_cast<float>(code) * scale;
+    }
+  }
 }
 
 void DequantizeF32Scalar(const void* src, size_t n, float* dst) {

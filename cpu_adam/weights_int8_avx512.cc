@@ -1,6 +1,6 @@
-// The int8 block encoder and decoders in AVX-512F: 16 values per step, bit-identical to the
-// scalar ones (the encoder's products and rounding in double as the scalar's; the bf16
-// rounding spelt out as Fp32ToBf16 does it, NaN and subnormals included).
+// The int8 and int4 block encoders and decoders in AVX-512F: 16 values per step,
+// bit-identical to the scalar ones (the encoder's products and rounding in double as the scalar's;
+// the bf16 rounding spelt out as Fp32ToBf16 does it, NaN and subnormals included).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -35,24 +35,22 @@ inline __m256i ToBf16x16(__m512 v) {
   return _mm512_cvtepi32_epi16(out);
 }
 
-// 16 codes of one block: nearest even of x * inv in double, clamped to [-127, 127].
-inline __m128i Encode16(const float* x, __m512d inv) {
+// 16 codes of one block as int32: nearest even of x * inv in double, clamped to
+// [-levels, levels].
+inline __m512i Codes16(const float* x, __m512d inv, double levels) {
   const __m512 v = _mm512_loadu_ps(x);
-  const __m512d lo = _mm512_set1_pd(-127.0), hi = _mm512_set1_pd(127.0);
+  const __m512d lo = _mm512_set1_pd(-levels), hi = _mm512_set1_pd(levels);
   constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   __m512d d0 = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
   __m512d d1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
   d0 = _mm512_min_pd(_mm512_max_pd(_mm512_roundscale_pd(_mm512_mul_pd(d0, inv), kNearest), lo), hi);
   d1 = _mm512_min_pd(_mm512_max_pd(_mm512_roundscale_pd(_mm512_mul_pd(d1, inv), kNearest), lo), hi);
-  const __m512i all =
-      _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtpd_epi32(d0)), _mm512_cvtpd_epi32(d1), 1);
-  return _mm512_cvtepi32_epi8(all);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtpd_epi32(d0)), _mm512_cvtpd_epi32(d1),
+                            1);
 }
 
-}  // namespace
-
-void EncodeBlockAvx512(const float* x, size_t len, int8_t* codes) {
-  if (len < kInt8StateBlock) return EncodeBlockScalar(x, len, codes);
+// A full block's largest magnitude, or false when a value is not finite.
+inline bool Largest(const float* x, float* largest) {
   const __m512 fmax = _mm512_set1_ps(FLT_MAX);
   __m512 big = _mm512_setzero_ps();
   __mmask16 finite = 0xFFFF;
@@ -61,14 +59,65 @@ void EncodeBlockAvx512(const float* x, size_t len, int8_t* codes) {
     finite &= _mm512_cmp_ps_mask(a, fmax, _CMP_LE_OQ);  // (false for a NaN)
     big = _mm512_max_ps(a, big);
   }
-  if (finite != 0xFFFF) return EncodeBlockScalar(x, len, codes);  // NaN scale, zero codes
   // The maximum is exact in any order, so the scalar loop's largest.
-  const BlockScale s = ScaleOf(_mm512_reduce_max_ps(big), true);
+  *largest = _mm512_reduce_max_ps(big);
+  return finite == 0xFFFF;
+}
+
+}  // namespace
+
+void EncodeBlockAvx512(const float* x, size_t len, int8_t* codes) {
+  float largest;
+  if (len < kInt8StateBlock || !Largest(x, &largest)) return EncodeBlockScalar(x, len, codes);
+  const BlockScale s = ScaleOf(largest, true);
   const __m512d inv = _mm512_set1_pd(s.inv);
   for (size_t i = 0; i < kInt8StateBlock; i += 16) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), Encode16(x + i, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i),
+                     _mm512_cvtepi32_epi8(Codes16(x + i, inv, 127.0)));
   }
   std::memcpy(codes + kInt8StateBlock, &s.scale, sizeof(s.scale));
+}
+
+void EncodeInt4BlockAvx512(const float* x, size_t len, uint8_t* out) {
+  float largest;
+  if (len < kInt8StateBlock || !Largest(x, &largest)) return EncodeInt4BlockScalar(x, len, out);
+  const BlockScale s = ScaleOf(largest, true, 7.0f);
+  const __m512d inv = _mm512_set1_pd(s.inv);
+  const __m512i low = _mm512_set1_epi64(0xF), high = _mm512_set1_epi64(0xF0);
+  for (size_t i = 0; i < kInt8StateBlock; i += 16) {
+    // Each 64-bit lane holds codes 2j (bits 0-31) and 2j + 1 (bits 32-63): their low nibbles
+    // into one byte, 2j's low.
+    const __m512i c = Codes16(x + i, inv, 7.0);
+    const __m512i packed =
+        _mm512_or_si512(_mm512_and_si512(c, low), _mm512_and_si512(_mm512_srli_epi64(c, 28), high));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i / 2), _mm512_cvtepi64_epi8(packed));
+  }
+  std::memcpy(out + kInt8StateBlock / 2, &s.scale, sizeof(s.scale));
+}
+
+void DequantizeInt4Avx512(const void* src, size_t n, float* dst) {
+  const auto* in = static_cast<const uint8_t*>(src);
+  const __m512i lanes = _mm512_set1_epi64(0xFFFFFFFF);
+  for (size_t at = 0; at < n; at += kInt8StateBlock) {
+    const uint8_t* codes = in + at / kInt8StateBlock * kInt4BlockBytes;
+    if (n - at < kInt8StateBlock) {  // the last, partial block
+      DequantizeInt4Scalar(codes, n - at, dst + at);
+      return;
+    }
+    float scale;
+    std::memcpy(&scale, codes + kInt8StateBlock / 2, sizeof(scale));
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (size_t i = 0; i < kInt8StateBlock; i += 16) {
+      const __m512i b =
+          _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i / 2)));
+      // The nibbles sign-extended (shifted to the top, arithmetically back), 2j's in the
+      // lane's low int32, 2j + 1's in its high one.
+      const __m512i lo = _mm512_srai_epi64(_mm512_slli_epi64(b, 60), 60);
+      const __m512i hi = _mm512_srai_epi64(_mm512_slli_epi64(b, 56), 60);
+      const __m512i both = _mm512_or_si512(_mm512_and_si512(lo, lanes), _mm512_slli_epi64(hi, 32));
+      _mm512_storeu_ps(dst + at + i, _mm512_mul_ps(_mm512_cvtepi32_ps(both), sv));
+    }
+  }
 }
 
 void DequantizeF32Avx512(const void* src, size_t n, float* dst) {

@@ -1,6 +1,7 @@
-// The int8 block encoders and decoders by instruction set (weights_int8.cc dispatches between
-// them; tests compare them). The layout is StateBytes(kInt8, n): per block of
-// kInt8StateBlock elements its codes, then its fp32 scale.
+// The int8 and int4 block encoders and decoders by instruction set (weights_int8.cc
+// dispatches between them; tests compare them). The int8 layout is StateBytes(kInt8, n): per
+// block of kInt8StateBlock elements its codes, then its fp32 scale; int4's is Int4Bytes(n):
+// half as many bytes of codes, then the scale.
 #pragma once
 
 #include <algorithm>
@@ -14,18 +15,26 @@ namespace zinf {
 namespace weights_int8 {
 
 // A block's scale and its codes' multiplier, from its largest magnitude (and whether every
-// value is finite): what every encoder uses.
+// value is finite) and the largest code (127 for int8, 7 for int4): what every encoder uses.
 struct BlockScale {
   float scale;
   double inv;
 };
-BlockScale ScaleOf(float largest, bool finite);
+BlockScale ScaleOf(float largest, bool finite, float levels = 127.0f);
 
 // One block of len <= kInt8StateBlock fp32 values: its codes (nearest even of x * inv, in
 // double), the padding of a partial block, its scale. The AVX-512 one gives the same bytes; it
 // leaves partial and non-finite blocks to the scalar one.
 void EncodeBlockScalar(const float* x, size_t len, int8_t* codes);
 void EncodeBlockAvx512(const float* x, size_t len, int8_t* codes);
+
+// One int4 block of len <= kInt8StateBlock fp32 values (kInt4BlockBytes at `out`); the
+// AVX-512 one leaves partial and non-finite blocks to the scalar one.
+void EncodeInt4BlockScalar(const float* x, size_t len, uint8_t* out);
+void EncodeInt4BlockAvx512(const float* x, size_t len, uint8_t* out);
+// n values' int4 blocks decoded.
+void DequantizeInt4Scalar(const void* src, size_t n, float* dst);
+void DequantizeInt4Avx512(const void* src, size_t n, float* dst);
 
 void DequantizeF32Scalar(const void* src, size_t n, float* dst);
 void DequantizeBf16Scalar(const void* src, size_t n, uint16_t* dst);

@@ -782,8 +782,8 @@ TEST(ConfigTest, TheVisitorNamesEveryFieldByItsKey) {
       "nvme_capacity_bytes": "10G", "nvme_reserve_bytes": "1G", "delayed_update": true,
       "delayed_update_after": 3, "durable": true, "durable_overwrite": true, "checksums": true,
       "gradient_transfer_dtype": "bf16", "optimizer_state_dtype": "bf16",
-      "frozen_weight_dtype": "int8", "optimizer_threads": 2, "speculative_step": true,
-      "collective_timeout_seconds": 60, "host_copy_gbps": 10, "allowed_nvme_roots": ["/tmp"]}
+      "frozen_weight_dtype": "int8", "quantized_gradient_bits": 4, "optimizer_threads": 2,
+      "speculative_step": true, "collective_timeout_seconds": 60, "host_copy_gbps": 10, "allowed_nvme_roots": ["/tmp"]}
   })";
   std::vector<std::string> warnings;
   Result<EngineConfig> c = ParseEngineConfig(every, &warnings);
@@ -793,9 +793,9 @@ TEST(ConfigTest, TheVisitorNamesEveryFieldByItsKey) {
   const nlohmann::json tree = VisitedTree(*c, &flat);
   VisitedTree(EngineConfig{}, &defaults);
   // 6 offload_param keys, 7 offload_optimizer, 10 other zero_optimization keys, 5 aio and the
-  // backend, 5 optimizer keys (betas one), bf16 and 4 other top-level keys, 7 fp16 keys, 17
+  // backend, 5 optimizer keys (betas one), bf16 and 4 other top-level keys, 7 fp16 keys, 18
   // zinf keys.
-  EXPECT_EQ(flat.size(), 6 + 7 + 10 + 6 + 5 + 5 + 7 + 17u);
+  EXPECT_EQ(flat.size(), 6 + 7 + 10 + 6 + 5 + 5 + 7 + 18u);
   for (const auto& [key, value] : flat) {
     // (The stage has one value; fp16 and bf16 exclude each other: fp16.enabled is below.)
     if (key == "zero_optimization.stage" || key == "fp16.enabled") continue;
@@ -878,6 +878,31 @@ TEST(ConfigTest, EveryZeroStageParses) {
     ASSERT_TRUE(c.ok()) << stage << ": " << c.status().ToString();
     EXPECT_EQ(c->zero_stage, stage);
   }
+}
+
+// zinf.quantized_gradient_bits: 8 (the default) or 4; anything else refused, naming the key and
+// what it takes; zero_hpz_partition_size 0 refused the same way.
+TEST(ConfigTest, QuantizedGradientBitsAndHpzSizesAreChecked) {
+  Result<EngineConfig> c = ParseEngineConfig("{}", nullptr);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->quantized_gradient_bits, 8u);
+  c = ParseEngineConfig(R"({"zinf": {"quantized_gradient_bits": 4}})", nullptr);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->quantized_gradient_bits, 4u);
+  for (const char* bad : {"2", "16", "0", "\"4\""}) {
+    c = ParseEngineConfig(std::string(R"({"zinf": {"quantized_gradient_bits": )") + bad + "}}",
+                          nullptr);
+    ASSERT_FALSE(c.ok()) << bad;
+    EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(c.status().message().find("zinf.quantized_gradient_bits"), std::string::npos)
+        << c.status().ToString();
+  }
+  c = ParseEngineConfig(R"({"zinf": {"quantized_gradient_bits": 16}})", nullptr);
+  EXPECT_NE(c.status().message().find("8 (the default) or 4"), std::string::npos)
+      << c.status().ToString();
+  c = ParseEngineConfig(R"({"zero_optimization": {"zero_hpz_partition_size": 0}})", nullptr);
+  EXPECT_NE(c.status().message().find("give the ranks per node"), std::string::npos)
+      << c.status().ToString();
 }
 
 }  // namespace

@@ -458,6 +458,7 @@ struct RunOptions {
   int block_acquire_rank = -1;
   bool quantized_weights = false;    // zero_optimization.zero_quantized_weights
   bool quantized_gradients = false;  // zero_optimization.zero_quantized_gradients
+  uint32_t gradient_bits = 8;        // zinf.quantized_gradient_bits
   uint32_t hpz = 1;                  // zero_optimization.zero_hpz_partition_size
   std::chrono::seconds timeout{120};
 
@@ -472,7 +473,7 @@ struct RunOptions {
        << ", device budget " << device_budget_bytes;
     if (delayed) os << ", delayed update";
     if (quantized_weights) os << ", quantized weight gathers";
-    if (quantized_gradients) os << ", quantized gradient reduction";
+    if (quantized_gradients) os << ", quantized gradient reduction (int" << gradient_bits << ")";
     if (hpz > 1) os << ", hpZ nodes of " << hpz;
     if (ratio < 1) os << ", optimizer ratio " << ratio;
     if (param_groups) os << ", biases in their own parameter group";
@@ -521,6 +522,7 @@ inline EngineConfig MakeConfig(const RunOptions& o, const std::string& nvme_dir)
   c.zero_stage = o.stage;
   c.quantized_weights = o.quantized_weights;
   c.quantized_gradients = o.quantized_gradients;
+  c.quantized_gradient_bits = o.gradient_bits;
   c.hpz_partition_size = o.hpz;
   return c;
 }

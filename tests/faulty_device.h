@@ -122,6 +122,14 @@ class FaultyDevice : public Device {
     ZINF_RETURN_IF_ERROR(Inject(DeviceOp::kDequantizeInt8, s));
     return inner_->DequantizeInt8(dst, type, src, n, s);
   }
+  Status QuantizeInt4(void* dst, const float* src, size_t n, Stream* s) override {
+    ZINF_RETURN_IF_ERROR(Inject(DeviceOp::kQuantizeInt8, s));  // (the same kind of kernel)
+    return inner_->QuantizeInt4(dst, src, n, s);
+  }
+  Status DequantizeInt4(float* dst, const void* src, size_t n, Stream* s) override {
+    ZINF_RETURN_IF_ERROR(Inject(DeviceOp::kDequantizeInt8, s));
+    return inner_->DequantizeInt4(dst, src, n, s);
+  }
   Status SumSquares(const float* x, size_t n, GradStats* out_host, Stream* s) override {
     ZINF_RETURN_IF_ERROR(Inject(DeviceOp::kSumSquares, s));
     return inner_->SumSquares(x, n, out_host, s);

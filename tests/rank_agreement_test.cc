@@ -26,8 +26,10 @@ struct RankSetup {
   int layers = 2;
   uint64_t seed = 7;
   std::string trainer_steps = "10";
-  float group1_lr = -1;  // >= 0: the last layer in parameter group 1 with this lr
-  int fp16_power = -1;   // >= 0: fp16 with this initial_scale_power
+  float group1_lr = -1;              // >= 0: the last layer in parameter group 1 with this lr
+  int fp16_power = -1;               // >= 0: fp16 with this initial_scale_power
+  bool quantized_gradients = false;  // zero_optimization.zero_quantized_gradients
+  uint32_t gradient_bits = 8;        // zinf.quantized_gradient_bits
 };
 
 EngineConfig Config(const RankSetup& s) {
@@ -41,6 +43,8 @@ EngineConfig Config(const RankSetup& s) {
     c.fp16.enabled = true;
     c.fp16.initial_scale_power = s.fp16_power;
   }
+  c.quantized_gradients = s.quantized_gradients;
+  c.quantized_gradient_bits = s.gradient_bits;
   c.optimizer_threads = 1;
   c.pinned_budget_bytes = 16ull << 20;
   return c;
@@ -148,6 +152,16 @@ TEST(RankAgreement, AnotherParameterGroupIsNamed) {
                 {"rank 0 has parameter group 1: lr 0.5", "where rank 1 has parameters: 2"});
   std::vector<RankResult> same = RunRanks({grouped, grouped});
   for (const RankResult& x : same) EXPECT_TRUE(x.finish.ok()) << x.finish.ToString();
+}
+
+// int4 gradient blocks on one rank, int8 on another: the owners would decode the wrong code.
+TEST(RankAgreement, AnotherGradientCodeIsNamed) {
+  RankSetup int8;
+  int8.quantized_gradients = true;
+  RankSetup int4 = int8;
+  int4.gradient_bits = 4;
+  ExpectRefused(RunRanks({int8, int4}),
+                {"zinf.quantized_gradient_bits: rank 0 has 8, rank 1 has 4"});
 }
 
 TEST(RankAgreement, AnotherClippingIsNamed) {

@@ -563,6 +563,18 @@ Status CudaDevice::DequantizeInt8(void* dst, ParamCopyType type, const void* src
   return cuda::DequantizeInt8(src, n, type, dst, stream);
 }
 
+Status CudaDevice::QuantizeInt4(void* dst, const float* src, size_t n, Stream* stream) {
+  ZINF_RETURN_IF_ERROR(OwnStream(stream, "QuantizeInt4").status());
+  ZINF_RETURN_IF_ERROR(MakeCurrent(ordinal_));
+  return cuda::QuantizeInt4(src, n, dst, stream);
+}
+
+Status CudaDevice::DequantizeInt4(float* dst, const void* src, size_t n, Stream* stream) {
+  ZINF_RETURN_IF_ERROR(OwnStream(stream, "DequantizeInt4").status());
+  ZINF_RETURN_IF_ERROR(MakeCurrent(ordinal_));
+  return cuda::DequantizeInt4(src, n, dst, stream);
+}
+
 Status CudaDevice::SumSquares(const float* x, size_t n, GradStats* out_host, Stream* stream) {
   ZINF_RETURN_IF_ERROR(OwnStream(stream, "SumSquares").status());
   if (out_host == nullptr) return Status::InvalidArgument("SumSquares: out_host is null");

@@ -91,6 +91,8 @@ class CudaDevice final : public Device {
                       Stream* stream) override;
   Status DequantizeInt8(void* dst, ParamCopyType type, const void* src, size_t n,
                         Stream* stream) override;
+  Status QuantizeInt4(void* dst, const float* src, size_t n, Stream* stream) override;
+  Status DequantizeInt4(float* dst, const void* src, size_t n, Stream* stream) override;
   Status SumSquares(const float* x, size_t n, GradStats* out_host, Stream* stream) override;
   Status OptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t,
                        Stream* stream) override;

@@ -26,6 +26,8 @@ Status Scale(float*, size_t, float, Stream*) { return NoCuda(); }
 Status Add(float*, const float*, size_t, Stream*) { return NoCuda(); }
 Status QuantizeInt8(const void*, ParamCopyType, size_t, void*, Stream*) { return NoCuda(); }
 Status DequantizeInt8(const void*, size_t, ParamCopyType, void*, Stream*) { return NoCuda(); }
+Status QuantizeInt4(const float*, size_t, void*, Stream*) { return NoCuda(); }
+Status DequantizeInt4(const void*, size_t, float*, Stream*) { return NoCuda(); }
 Status SumSquares(const float*, size_t, double*, bool*, Stream*) { return NoCuda(); }
 Status AdamStep(const OptimizerHyperParams&, const OptimizerTensors&, Stream*) { return NoCuda(); }
 Status Spin(double, uint64_t*, Stream*) { return NoCuda(); }

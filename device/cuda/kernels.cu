@@ -74,13 +74,12 @@ __device__ __forceinline__ float ParamToF32(const void* src, ParamCopyType type,
   return static_cast<const float*>(src)[i];
 }
 
-// Block b of the n values: thread t encodes element b * kQuantBlock + t (a padding code past n).
-__global__ void __launch_bounds__(kThreads)
-    QuantizeInt8Kernel(const void* src, ParamCopyType type, size_t n, uint8_t* dst) {
+// This thread's code of x within its thread block's quantization block (one value per
+// thread; every thread of the block calls it), and the block's scale: weights_int8.cc's
+// ScaleOf and Code with `levels` 127 (int8) or 7 (int4).
+__device__ int BlockCode(float x, float levels, float* scale_out) {
   __shared__ float largest[kThreads];
   __shared__ int finite[kThreads];
-  const size_t i = blockIdx.x * size_t{kQuantBlock} + threadIdx.x;
-  const float x = i < n ? ParamToF32(src, type, i) : 0.0f;
   const float a = fabsf(x);
   largest[threadIdx.x] = a;
   finite[threadIdx.x] = a <= 3.402823466e38f;  // FLT_MAX; false for a NaN too
@@ -95,16 +94,34 @@ __global__ void __launch_bounds__(kThreads)
   }
   const float big = largest[0];
   const bool ok = finite[0] != 0;
-  float scale = __fdiv_rn(big, 127.0f);
+  float scale = __fdiv_rn(big, levels);
   if (!(scale >= 1.17549435e-38f)) scale = 0.0f;  // not normal (FLT_MIN): stores as zeros
-  if (isinf(__fmul_rn(scale, 127.0f))) scale = nextafterf(scale, 0.0f);  // decodes finite
+  if (isinf(__fmul_rn(scale, levels))) scale = nextafterf(scale, 0.0f);  // decodes finite
   if (!ok) scale = __int_as_float(0x7fc00000);
-  const double inv = ok && scale > 0.0f ? __ddiv_rn(127.0, static_cast<double>(big)) : 0.0;
+  const double inv =
+      ok && scale > 0.0f ? __ddiv_rn(static_cast<double>(levels), static_cast<double>(big)) : 0.0;
   double q = ok ? rint(__dmul_rn(static_cast<double>(x), inv)) : 0.0;
-  q = q < -127.0 ? -127.0 : (q > 127.0 ? 127.0 : q);
+  q = q < -levels ? -levels : (q > levels ? levels : q);
+  *scale_out = scale;
+  return static_cast<int>(q);
+}
+
+// Block b of the n values: thread t encodes element b * kQuantBlock + t (a padding code past n).
+__global__ void __launch_bounds__(kThreads)
+    QuantizeInt8Kernel(const void* src, ParamCopyType type, size_t n, uint8_t* dst) {
+  const size_t i = blockIdx.x * size_t{kQuantBlock} + threadIdx.x;
+  float scale;
+  const int q = BlockCode(i < n ? ParamToF32(src, type, i) : 0.0f, 127.0f, &scale);
   uint8_t* block = dst + blockIdx.x * kQuantBlockBytes;
   reinterpret_cast<int8_t*>(block)[threadIdx.x] = static_cast<int8_t>(q);
   if (threadIdx.x == 0) *reinterpret_cast<float*>(block + kQuantBlock) = scale;
+}
+
+// A NaN scale decoded: the CPU's multiply keeps its sign and payload, quieted; the GPU's would
+// give the canonical NaN.
+__device__ __forceinline__ float DecodeCode(int code, float scale) {
+  return isnan(scale) ? __uint_as_float(__float_as_uint(scale) | 0x400000u)
+                      : __fmul_rn(static_cast<float>(code), scale);
 }
 
 __global__ void DequantizeInt8Kernel(const uint8_t* src, size_t n, ParamCopyType type, void* dst) {
@@ -112,11 +129,7 @@ __global__ void DequantizeInt8Kernel(const uint8_t* src, size_t n, ParamCopyType
        i += size_t{gridDim.x} * blockDim.x) {
     const uint8_t* block = src + i / kQuantBlock * kQuantBlockBytes;
     const float scale = *reinterpret_cast<const float*>(block + kQuantBlock);
-    const int8_t code = reinterpret_cast<const int8_t*>(block)[i % kQuantBlock];
-    // (A NaN scale: the CPU's multiply keeps its sign and payload, quieted; the GPU's would
-    // give the canonical NaN.)
-    const float v = isnan(scale) ? __uint_as_float(__float_as_uint(scale) | 0x400000u)
-                                 : __fmul_rn(static_cast<float>(code), scale);
+    const float v = DecodeCode(reinterpret_cast<const int8_t*>(block)[i % kQuantBlock], scale);
     if (type == ParamCopyType::kBf16) {
       static_cast<uint16_t*>(dst)[i] = F32ToBf16(v);
     } else if (type == ParamCopyType::kF16) {
@@ -124,6 +137,35 @@ __global__ void DequantizeInt8Kernel(const uint8_t* src, size_t n, ParamCopyType
     } else {
       static_cast<float*>(dst)[i] = v;
     }
+  }
+}
+
+// int4 gradient blocks (QuantizeGradsInt4): the codes in shared memory, then packed two per
+// byte (element 2j in the low nibble) by the first half of the threads.
+__global__ void __launch_bounds__(kThreads)
+    QuantizeInt4Kernel(const float* src, size_t n, uint8_t* dst) {
+  __shared__ int8_t codes[kQuantBlock];
+  const size_t i = blockIdx.x * size_t{kQuantBlock} + threadIdx.x;
+  float scale;
+  codes[threadIdx.x] = static_cast<int8_t>(BlockCode(i < n ? src[i] : 0.0f, 7.0f, &scale));
+  __syncthreads();
+  uint8_t* block = dst + blockIdx.x * kInt4BlockBytes;
+  if (threadIdx.x < kQuantBlock / 2) {
+    const int lo = codes[2 * threadIdx.x], hi = codes[2 * threadIdx.x + 1];
+    block[threadIdx.x] = static_cast<uint8_t>((lo & 0xF) | ((hi & 0xF) << 4));
+  }
+  if (threadIdx.x == 0) *reinterpret_cast<float*>(block + kQuantBlock / 2) = scale;
+}
+
+__global__ void DequantizeInt4Kernel(const uint8_t* src, size_t n, float* dst) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
+       i += size_t{gridDim.x} * blockDim.x) {
+    const uint8_t* block = src + i / kQuantBlock * kInt4BlockBytes;
+    const float scale = *reinterpret_cast<const float*>(block + kQuantBlock / 2);
+    const uint8_t b = block[i % kQuantBlock / 2];
+    // Sign-extended: the nibble moved to the top of an int8, shifted back.
+    const int code = i % 2 == 0 ? static_cast<int8_t>(b << 4) >> 4 : static_cast<int8_t>(b) >> 4;
+    dst[i] = DecodeCode(code, scale);
   }
 }
 
@@ -383,6 +425,41 @@ Status DequantizeInt8(const void* src, size_t n, ParamCopyType type, void* dst, 
   }
   DequantizeInt8Kernel<<<BlocksFor(n), kThreads, 0, cs->handle()>>>(
       static_cast<const uint8_t*>(src), n, type, dst);
+  ZINF_CUDA_CHECK(cudaGetLastError());
+  return Status::OK();
+}
+
+Status QuantizeInt4(const float* src, size_t n, void* dst, Stream* stream) {
+  ZINF_ASSIGN_OR_RETURN(CudaStream * cs, KernelStream(stream, "cuda::QuantizeInt4"));
+  if (n == 0) return Status::OK();
+  if (src == nullptr) return NullArgument("cuda::QuantizeInt4", "src", n);
+  if (dst == nullptr) return NullArgument("cuda::QuantizeInt4", "dst", n);
+  if (reinterpret_cast<uintptr_t>(dst) % 4 != 0) {
+    return Status::InvalidArgument("cuda::QuantizeInt4: dst is not 4-byte aligned");
+  }
+  // One thread block per quantization block, at most 2^30 per launch (as QuantizeInt8).
+  const size_t blocks = (n + kQuantBlock - 1) / kQuantBlock;
+  for (size_t first = 0; first < blocks;) {
+    const size_t count = blocks - first < (size_t{1} << 30) ? blocks - first : (size_t{1} << 30);
+    const size_t at = first * kQuantBlock;
+    QuantizeInt4Kernel<<<static_cast<unsigned>(count), kThreads, 0, cs->handle()>>>(
+        src + at, n - at, static_cast<uint8_t*>(dst) + first * kInt4BlockBytes);
+    ZINF_CUDA_CHECK(cudaGetLastError());
+    first += count;
+  }
+  return Status::OK();
+}
+
+Status DequantizeInt4(const void* src, size_t n, float* dst, Stream* stream) {
+  ZINF_ASSIGN_OR_RETURN(CudaStream * cs, KernelStream(stream, "cuda::DequantizeInt4"));
+  if (n == 0) return Status::OK();
+  if (src == nullptr) return NullArgument("cuda::DequantizeInt4", "src", n);
+  if (dst == nullptr) return NullArgument("cuda::DequantizeInt4", "dst", n);
+  if (reinterpret_cast<uintptr_t>(src) % 4 != 0) {
+    return Status::InvalidArgument("cuda::DequantizeInt4: src is not 4-byte aligned");
+  }
+  DequantizeInt4Kernel<<<BlocksFor(n), kThreads, 0, cs->handle()>>>(
+      static_cast<const uint8_t*>(src), n, dst);
   ZINF_CUDA_CHECK(cudaGetLastError());
   return Status::OK();
 }

@@ -621,6 +621,26 @@ Status HostDevice::DequantizeInt8(void* dst, ParamCopyType type, const void* src
   });
 }
 
+Status HostDevice::QuantizeInt4(void* dst, const float* src, size_t n, Stream* stream) {
+  ZINF_RETURN_IF_ERROR(OwnStream(stream, "QuantizeInt4").status());
+  if (n == 0) return Status::OK();
+  ZINF_RETURN_IF_ERROR(QuantizeArguments("QuantizeInt4", dst, src, n, dst));
+  return LaunchHostTask(stream, [dst, src, n] {
+    QuantizeGradsInt4(src, n, dst);
+    return Status::OK();
+  });
+}
+
+Status HostDevice::DequantizeInt4(float* dst, const void* src, size_t n, Stream* stream) {
+  ZINF_RETURN_IF_ERROR(OwnStream(stream, "DequantizeInt4").status());
+  if (n == 0) return Status::OK();
+  ZINF_RETURN_IF_ERROR(QuantizeArguments("DequantizeInt4", dst, src, n, src));
+  return LaunchHostTask(stream, [dst, src, n] {
+    DequantizeGradsInt4(src, n, dst);
+    return Status::OK();
+  });
+}
+
 Status HostDevice::SumSquares(const float* x, size_t n, GradStats* out_host, Stream* stream) {
   ZINF_RETURN_IF_ERROR(OwnStream(stream, "SumSquares").status());
   if (out_host == nullptr) return Status::InvalidArgument("SumSquares: out_host is null");

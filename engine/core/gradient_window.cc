@@ -340,6 +340,22 @@ Status GradientWindow::StageForLink(const ReduceJob& job, const float* grad, con
   return s;
 }
 
+// zero_quantized_gradients' encoding of n fp32 values on the comm stream: int8, or int4 with
+// zinf.quantized_gradient_bits 4 (GradientBlockBytes(n) bytes).
+Status GradientWindow::Encode(void* dst, const float* src, size_t n) {
+  if (ctx_.config->quantized_gradient_bits == 4) {
+    return ctx_.device->QuantizeInt4(dst, src, n, ctx_.streams.comm);
+  }
+  return ctx_.device->QuantizeInt8(dst, src, ParamCopyType::kNone, n, ctx_.streams.comm);
+}
+
+Status GradientWindow::Decode(float* dst, const void* src, size_t n) {
+  if (ctx_.config->quantized_gradient_bits == 4) {
+    return ctx_.device->DequantizeInt4(dst, src, n, ctx_.streams.comm);
+  }
+  return ctx_.device->DequantizeInt8(dst, ParamCopyType::kNone, src, n, ctx_.streams.comm);
+}
+
 Status GradientWindow::ReduceScatter(const ReduceJob& job, float* full, float* mine) {
   const size_t part = job.p->info.partition_numel;
   Stream* comm = ctx_.streams.comm;
@@ -349,27 +365,27 @@ Status GradientWindow::ReduceScatter(const ReduceJob& job, float* full, float* m
       ctx_.cross_comm != nullptr) {
     return ReduceScatterTwoHops(job, full, mine);
   }
-  // zero_quantized_gradients: each rank's partitions of this gradient as int8 blocks, one to
-  // each owner in an all-to-all, decoded and summed in rank order there: ((g0 + g1) + g2)...,
-  // as LocalComm and GlooComm add. The blocks sent are the scratch's tail; those received and
-  // one decoded partition go into `full`, which the encoding (earlier on this stream) has read.
+  // zero_quantized_gradients: each rank's partitions of this gradient as int8 (or int4)
+  // blocks, one to each owner in an all-to-all, decoded and summed in rank order there: ((g0 + g1)
+  // + g2)..., as LocalComm and GlooComm add. The blocks sent are the scratch's tail; those received
+  // and one decoded partition go into `full`, which the encoding (earlier on this stream) has read.
   const int world = ctx_.comm->world_size();
-  const size_t blocks = StateBytes(StateType::kInt8, part);
+  const size_t blocks = GradientBlockBytes(part, *ctx_.config);
   char* send = static_cast<char*>(job.scratch) + job.scratch_bytes - quant;
   char* recv = reinterpret_cast<char*>(full);
   float* decoded = reinterpret_cast<float*>(recv + world * blocks);
   Device* device = ctx_.device;
   Status s;
   if (part % kInt8StateBlock == 0) {  // every partition starts a block: one launch
-    s = device->QuantizeInt8(send, full, ParamCopyType::kNone, part * world, comm);
+    s = Encode(send, full, part * world);
   }
   for (int k = 0; s.ok() && part % kInt8StateBlock != 0 && k < world; ++k) {
-    s = device->QuantizeInt8(send + k * blocks, full + k * part, ParamCopyType::kNone, part, comm);
+    s = Encode(send + k * blocks, full + k * part, part);
   }
   if (s.ok()) s = ctx_.comm->AllToAll(send, recv, blocks, comm);
-  if (s.ok()) s = device->DequantizeInt8(mine, ParamCopyType::kNone, recv, part, comm);
+  if (s.ok()) s = Decode(mine, recv, part);
   for (int k = 1; s.ok() && k < world; ++k) {
-    s = device->DequantizeInt8(decoded, ParamCopyType::kNone, recv + k * blocks, part, comm);
+    s = Decode(decoded, recv + k * blocks, part);
     if (s.ok()) s = device->AddInto(mine, decoded, part, comm);
   }
   return s;
@@ -383,7 +399,7 @@ Status GradientWindow::ReduceScatterTwoHops(const ReduceJob& job, float* full, f
   //   Hop 2, across the nodes (the ranks of place l): the sum for node n' goes, re-encoded,
   //   to the rank of node n', which decodes and sums them in node order. So partition q is
   //   sum over n (sum over l of g_{n,l}[q]), each rank's and each node sum's encoding off by
-  //   its block's largest magnitude / 254; a NaN anywhere reaches the owner as NaN.
+  //   its block's largest magnitude / 254 (int4: / 14); a NaN anywhere reaches the owner as NaN.
   // Memory: the blocks sent are the scratch's tail (world x blocks, used again for hop 2's);
   // hop 1's blocks received, then the N node sums (fp32), go into `full`, which the encoding
   // has read; `mine` is the decoding's temporary until the last sum; hop 2's blocks received
@@ -392,10 +408,9 @@ Status GradientWindow::ReduceScatterTwoHops(const ReduceJob& job, float* full, f
   const size_t part = job.p->info.partition_numel;
   const int k = ctx_.node_comm->world_size();
   const int nodes = ctx_.cross_comm->world_size();
-  const size_t blocks = StateBytes(StateType::kInt8, part);
+  const size_t blocks = GradientBlockBytes(part, *ctx_.config);
   Stream* comm = ctx_.streams.comm;
   Device* device = ctx_.device;
-  const ParamCopyType f32 = ParamCopyType::kNone;
   char* send = static_cast<char*>(job.scratch) + job.scratch_bytes -
                QuantizedReduceBytes(*job.p, *ctx_.config);
   char* recv = reinterpret_cast<char*>(full);
@@ -404,28 +419,25 @@ Status GradientWindow::ReduceScatterTwoHops(const ReduceJob& job, float* full, f
   for (int to = 0; s.ok() && to < k; ++to) {
     for (int n = 0; s.ok() && n < nodes; ++n) {
       const size_t q = static_cast<size_t>(n) * k + to;
-      s = device->QuantizeInt8(send + (static_cast<size_t>(to) * nodes + n) * blocks,
-                               full + q * part, f32, part, comm);
+      s = Encode(send + (static_cast<size_t>(to) * nodes + n) * blocks, full + q * part, part);
     }
   }
   if (s.ok()) s = ctx_.node_comm->AllToAll(send, recv, nodes * blocks, comm);
   for (int n = 0; s.ok() && n < nodes; ++n) {
     float* sum = sums + static_cast<size_t>(n) * part;
-    s = device->DequantizeInt8(sum, f32, recv + static_cast<size_t>(n) * blocks, part, comm);
+    s = Decode(sum, recv + static_cast<size_t>(n) * blocks, part);
     for (int from = 1; s.ok() && from < k; ++from) {
-      s = device->DequantizeInt8(mine, f32, recv + (static_cast<size_t>(from) * nodes + n) * blocks,
-                                 part, comm);
+      s = Decode(mine, recv + (static_cast<size_t>(from) * nodes + n) * blocks, part);
       if (s.ok()) s = device->AddInto(sum, mine, part, comm);
     }
   }
   for (int n = 0; s.ok() && n < nodes; ++n) {
-    s = device->QuantizeInt8(send + static_cast<size_t>(n) * blocks,
-                             sums + static_cast<size_t>(n) * part, f32, part, comm);
+    s = Encode(send + static_cast<size_t>(n) * blocks, sums + static_cast<size_t>(n) * part, part);
   }
   if (s.ok()) s = ctx_.cross_comm->AllToAll(send, recv, blocks, comm);
-  if (s.ok()) s = device->DequantizeInt8(mine, f32, recv, part, comm);
+  if (s.ok()) s = Decode(mine, recv, part);
   for (int n = 1; s.ok() && n < nodes; ++n) {
-    s = device->DequantizeInt8(sums, f32, recv + static_cast<size_t>(n) * blocks, part, comm);
+    s = Decode(sums, recv + static_cast<size_t>(n) * blocks, part);
     if (s.ok()) s = device->AddInto(mine, sums, part, comm);
   }
   return s;

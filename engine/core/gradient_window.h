@@ -155,10 +155,15 @@ class GradientWindow {
   // with bf16). *out: where it is.
   Status StageForLink(const ReduceJob& job, const float* grad, const void** out);
   // This rank's partition of the sum over ranks of `full` into `mine`, on the comm stream: the
-  // communicator's reduce-scatter, or zero_quantized_gradients' all-to-all of int8 blocks.
+  // communicator's reduce-scatter, or zero_quantized_gradients' all-to-all of int8 (or int4)
+  // blocks.
+  Status ReduceScatter(const ReduceJob& job, float* full, float* mine);
   // zero_quantized_gradients in two hops (hpZ's nodes known): inside the node, then across.
   Status ReduceScatterTwoHops(const ReduceJob& job, float* full, float* mine);
-  Status ReduceScatter(const ReduceJob& job, float* full, float* mine);
+  // zero_quantized_gradients' blocks (int8, or int4 by zinf.quantized_gradient_bits) on the
+  // comm stream.
+  Status Encode(void* dst, const float* src, size_t n);
+  Status Decode(float* dst, const void* src, size_t n);
   // Route 2: a device accumulator: the partition copied (first) or added, on the gradient stream.
   Status AccumulateOnDevice(const ReduceJob& job, const void* out, float* acc);
   // Route 3: the first fp32 gradient copied straight into its host accumulator.

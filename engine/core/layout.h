@@ -36,17 +36,23 @@ inline bool HpzActive(const EngineConfig& c, int world) {
          static_cast<int>(c.hpz_partition_size) < world;
 }
 
+// The bytes of zero_quantized_gradients' blocks for n values: int8 (StateBytes(kInt8, n)) or,
+// with zinf.quantized_gradient_bits 4, int4 (Int4Bytes(n)).
+inline size_t GradientBlockBytes(size_t n, const EngineConfig& config) {
+  return config.quantized_gradient_bits == 4 ? Int4Bytes(n) : StateBytes(StateType::kInt8, n);
+}
+
 // How zero_quantized_gradients reduces `p`: 0, a plain reduce-scatter; 1, one all-to-all of
-// int8 blocks over every rank; 2, two hops when the nodes are known (hpZ's K): an all-to-all
-// inside the node, summed per node, then the node sums re-encoded and sent across the nodes
-// among the ranks of the same place in their node. The full gradient must hold the blocks
+// int8 (or int4) blocks over every rank; 2, two hops when the nodes are known (hpZ's K): an
+// all-to-all inside the node, summed per node, then the node sums re-encoded and sent across the
+// nodes among the ranks of the same place in their node. The full gradient must hold the blocks
 // received plus the decoded sums (one partition for one hop, world / K for two).
 inline int QuantizedReduceHops(const ParamLayout& p, const EngineConfig& config) {
   const size_t part = p.info.partition_numel;
   if (!config.quantized_gradients || config.zero_stage < 3 || part < kInt8StateBlock) return 0;
   const size_t world = p.padded_numel / part;
   if (world < 2) return 0;
-  const size_t blocks = StateBytes(StateType::kInt8, part);
+  const size_t blocks = GradientBlockBytes(part, config);
   const size_t full = p.padded_numel * sizeof(float);
   if (HpzActive(config, static_cast<int>(world)) &&
       world * blocks + world / config.hpz_partition_size * part * sizeof(float) <= full) {
@@ -63,7 +69,7 @@ inline int QuantizedReduceHops(const ParamLayout& p, const EngineConfig& config)
 inline size_t QuantizedReduceBytes(const ParamLayout& p, const EngineConfig& config) {
   if (QuantizedReduceHops(p, config) == 0) return 0;
   return p.padded_numel / p.info.partition_numel *
-         StateBytes(StateType::kInt8, p.info.partition_numel);
+         GradientBlockBytes(p.info.partition_numel, config);
 }
 
 // The most device scratch a gradient of `p` takes in GradientWindow::Reduce: the padded full

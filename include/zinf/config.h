@@ -109,6 +109,11 @@ struct EngineConfig {
   // block's largest magnitude / 254 (a non-finite value makes its whole block NaN). Partitions
   // under 256 values go as they are.
   bool quantized_gradients = false;
+  // zinf.quantized_gradient_bits 8 (default) or 4: the code of zero_quantized_gradients'
+  // blocks. 4: two codes per byte (cpu_adam.h QuantizeGradsInt4; 0.5 + 4/256 bytes per value,
+  // about half of int8's), each rank's contribution off by at most its block's largest
+  // magnitude / 14 (int8: / 254); DeepSpeed's qgZ sends int4.
+  uint32_t quantized_gradient_bits = 8;
   // zero_optimization.zero_hpz_partition_size (ZeRO++'s hpZ): K > 1 at stage 3 with several
   // ranks (a multiple of K, each K consecutive ranks one node): after a parameter's gather
   // each rank keeps a secondary shard, the 1/K of the gathered parameter its place in the
@@ -307,6 +312,7 @@ void VisitEngineConfig(const EngineConfig& c, Visit&& visit) {
   visit("gradient_transfer_dtype", c.gradient_transfer_bf16 ? "bf16" : "fp32");
   visit("optimizer_state_dtype", StateTypeName(c.optimizer_state_type));
   visit("frozen_weight_dtype", c.frozen_int8 ? "int8" : "as-is");
+  visit("quantized_gradient_bits", c.quantized_gradient_bits);
   visit("optimizer_threads", c.optimizer_threads);
   if (c.speculative_step == SpeculativeStep::kAuto) {
     visit("speculative_step", "auto");
@@ -320,7 +326,7 @@ void VisitEngineConfig(const EngineConfig& c, Visit&& visit) {
 
 #ifdef ZINF_HAS_FIELD_COUNT_CHECK
 // The fields VisitEngineConfig visits: one added without a visit fails here.
-static_assert(HasFields<EngineConfig, 37> && HasFields<OffloadConfig, 9> &&
+static_assert(HasFields<EngineConfig, 38> && HasFields<OffloadConfig, 9> &&
                   HasFields<AioConfig, 6> && HasFields<OptimizerConfig, 6> &&
                   HasFields<Fp16Config, 7>,
               "EngineConfig gained or lost a field: update VisitEngineConfig and these counts");

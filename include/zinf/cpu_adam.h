@@ -265,6 +265,20 @@ void DequantizeWeightsInt8F16(const void* src, size_t n, uint16_t* dst);
 void QuantizeParamsInt8(const void* src, ParamCopyType type, size_t n, void* dst);
 void DequantizeParamsInt8(const void* src, size_t n, ParamCopyType type, void* dst);
 
+// Gradients as blockwise int4 (zero_quantized_gradients with zinf.quantized_gradient_bits 4):
+// per block of kInt8StateBlock fp32 values, kInt8StateBlock / 2 bytes of codes round(x /
+// scale) (nearest even, in -7..7), two per byte (element 2i in the low nibble, 2i + 1 in the
+// high; two's complement), then the fp32 scale = the block's largest magnitude / 7. A value
+// decodes to code * scale, off by at most the block's largest magnitude / 14. As the int8
+// encoding: a block holding an inf or a NaN stores zero codes and a NaN scale (it decodes to
+// NaN), a block below 7 x FLT_MIN stores zeros; the last block is padded to full size.
+inline constexpr size_t kInt4BlockBytes = kInt8StateBlock / 2 + sizeof(float);
+inline size_t Int4Bytes(size_t n) {
+  return (n + kInt8StateBlock - 1) / kInt8StateBlock * kInt4BlockBytes;
+}
+void QuantizeGradsInt4(const float* src, size_t n, void* dst);
+void DequantizeGradsInt4(const void* src, size_t n, float* dst);
+
 // Sum of squares of a gradient buffer (accumulated in double) and whether it holds an inf or
 // a NaN: the inputs of gradient-norm clipping and of the fp16 overflow check, in one pass.
 struct GradStats {

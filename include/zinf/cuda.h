@@ -132,6 +132,9 @@ Status Add(float* dst, const float* src, size_t n, Stream* stream);
 // the CPU's precision) and decoding (DequantizeParamsInt8).
 Status QuantizeInt8(const void* src, ParamCopyType type, size_t n, void* dst, Stream* stream);
 Status DequantizeInt8(const void* src, size_t n, ParamCopyType type, void* dst, Stream* stream);
+// The int4 gradient blocks (QuantizeGradsInt4 / DequantizeGradsInt4, bit for bit).
+Status QuantizeInt4(const float* src, size_t n, void* dst, Stream* stream);
+Status DequantizeInt4(const void* src, size_t n, float* dst, Stream* stream);
 // *out_host = sum of x[i]^2 accumulated in double, *nonfinite_host = whether any x[i] is inf
 // or NaN. Deterministic: a fixed grid (independent of the GPU) of per-thread strided sums,
 // reduced per block in a fixed tree, then the per-block sums added in block order by a second

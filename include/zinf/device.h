@@ -138,6 +138,13 @@ class Device {
                               Stream* stream) = 0;
   virtual Status DequantizeInt8(void* dst, ParamCopyType type, const void* src, size_t n,
                                 Stream* stream) = 0;
+  // The int4 gradient reduction (zero_quantized_gradients, zinf.quantized_gradient_bits 4):
+  // `n` fp32 values at `src` encoded into Int4Bytes(n) bytes at `dst` (cpu_adam.h's
+  // QuantizeGradsInt4: two codes per byte and an fp32 scale per block of kInt8StateBlock) and
+  // decoded back; as QuantizeInt8 otherwise (the int4 side 4-byte aligned, the CPU functions'
+  // bits, argument errors returned).
+  virtual Status QuantizeInt4(void* dst, const float* src, size_t n, Stream* stream) = 0;
+  virtual Status DequantizeInt4(float* dst, const void* src, size_t n, Stream* stream) = 0;
   // The sum of squares (in double) of n fp32 values in this device's memory and whether one
   // is inf or NaN, written to *out_host once `stream` reaches this point (synchronize before
   // reading it): the clipping norm and the finite check of gradients kept on the device.

@@ -216,6 +216,13 @@ def test_the_zeropp_keys_reach_the_engine_config():
     summary = Config(config).summary
     assert summary["zero_optimization.zero_hpz_partition_size"] == 2
     assert summary["zero_optimization.zero_quantized_gradients"] is True
+    # zinf's own key for qgZ's code: int4 blocks, and nothing but 8 or 4.
+    config.setdefault("zinf", {})["quantized_gradient_bits"] = 4
+    assert Config(config).summary["quantized_gradient_bits"] == 4
+    config["zinf"]["quantized_gradient_bits"] = 2
+    with pytest.raises(zinf.ZinfError, match="quantized_gradient_bits"):
+        Config(config)
+    config["zinf"]["quantized_gradient_bits"] = 8
     config["zero_optimization"]["zero_hpz_partition_size"] = 0
     with pytest.raises(zinf.ZinfError, match="zero_hpz_partition_size"):
         Config(config)
