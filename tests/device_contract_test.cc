@@ -375,6 +375,47 @@ TEST_P(DeviceContract, QuantizeInt8IsTheCpuFunctions) {
             StatusCode::kInvalidArgument);
 }
 
+// The int4 gradient blocks (QuantizeInt4, DequantizeInt4) are the CPU functions' bytes
+// (QuantizeGradsInt4, DequantizeGradsInt4) on the same kinds of block, ties included (a block
+// whose largest magnitude is 7: codes round(x), to even), 0xFF blocks decoding to the CPU's NaN.
+TEST_P(DeviceContract, QuantizeInt4IsTheCpuFunctions) {
+  constexpr size_t kB = kInt8StateBlock;
+  const size_t n = 8 * kB + 45;
+  std::vector<float> x(n);
+  for (size_t i = 0; i < n; ++i) x[i] = std::sin(0.3f * static_cast<float>(i)) * (1 + i % 9);
+  for (size_t i = kB; i < 2 * kB; ++i) x[i] = 0.0f;
+  for (size_t i = 2 * kB; i < 3 * kB; ++i) x[i] = FLT_MIN * static_cast<float>(i % 5);
+  for (size_t i = 3 * kB; i < 4 * kB; ++i) x[i] = (i % 2 ? -FLT_MAX : FLT_MAX) / (1 + i % 3);
+  x[4 * kB + 9] = std::numeric_limits<float>::quiet_NaN();
+  uint32_t payload = 0xffc12345u;
+  std::memcpy(&x[5 * kB + 1], &payload, sizeof(payload));
+  x[6 * kB + 100] = -std::numeric_limits<float>::infinity();
+  for (size_t i = 7 * kB; i < 8 * kB; ++i) x[i] = static_cast<float>(i % 15) * 0.5f - 3.5f;
+  x[7 * kB] = 7.0f;
+  const size_t qbytes = Int4Bytes(n);
+  uint8_t* dq = Buffer<uint8_t>(qbytes);
+  float* dback = Buffer<float>(n);
+  ASSERT_TRUE(device_->QuantizeInt4(dq, Upload(x), n, stream_).ok());
+  ASSERT_TRUE(device_->DequantizeInt4(dback, dq, n, stream_).ok());
+  std::vector<uint8_t> want_q(qbytes);
+  std::vector<float> want_back(n);
+  QuantizeGradsInt4(x.data(), n, want_q.data());
+  DequantizeGradsInt4(want_q.data(), n, want_back.data());
+  EXPECT_EQ(Download(dq, qbytes), want_q);
+  const std::vector<float> back = Download(dback, n);
+  EXPECT_EQ(std::memcmp(back.data(), want_back.data(), n * sizeof(float)), 0);
+  std::vector<uint8_t> ff(qbytes, 0xFF);
+  DequantizeGradsInt4(ff.data(), n, want_back.data());
+  ASSERT_TRUE(device_->DequantizeInt4(dback, Upload(ff), n, stream_).ok());
+  const std::vector<float> nan = Download(dback, n);
+  EXPECT_EQ(std::memcmp(nan.data(), want_back.data(), n * sizeof(float)), 0);
+  uint8_t* d = Buffer<uint8_t>(1024);
+  EXPECT_EQ(device_->QuantizeInt4(d + 1, reinterpret_cast<float*>(d + 512), 4, stream_).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(device_->DequantizeInt4(reinterpret_cast<float*>(d + 512), d + 2, 4, stream_).code(),
+            StatusCode::kInvalidArgument);
+}
+
 // AddInto is one correctly rounded addition per element (the host's a += b); SumSquares is
 // the sum of squares in double, within the rounding of any order of additions, deterministic,
 // with the non-finite flag.
