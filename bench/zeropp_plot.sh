@@ -21,7 +21,10 @@ with open(sys.argv[2] + "/plots", "w") as plots:
         # (--config FILE and --lr X are the cases' common settings, not their labels.)
         kept = [w for j, w in enumerate(words)
                 if w not in ("--config", "--lr") and (j == 0 or words[j - 1] not in ("--config", "--lr"))]
-        label = " ".join(kept) or "plain ZeRO-3"
+        # ZeRO++'s flags by their short names, so the key fits.
+        short = {"--quantized-weights": "qwZ", "--quantized-gradients": "qgZ",
+                 "--hpz-partition-size": "hpZ", "--quantized-gradient-bits": "bits"}
+        label = " ".join(short.get(w, w) for w in kept) or "plain ZeRO-3"
         plots.write('"%s/%d.dat" using 1:2 with lines lw 2 title "%s (%.1f MB/step)",' %
                     (sys.argv[2], i, label, c["link_bytes_per_step"] / 1e6))
 PY
