@@ -200,18 +200,22 @@ fi
 # --nproc 2: the engine's collectives traced and replayed by gloo alone. Counts and bytes, not
 # times: 3 layers gather 5 times (the last layer's backward keeps its forward gather) and reduce
 # 3 gradients, 32768 elements per rank each; with ZeRO++ as int8 blocks of 256 plus a scale.
+# The traced collectives belong to the step that issued them; the counters' medians count them
+# as they complete, so a prefetch issued at a step's end may land in the next: those are within
+# one collective of the traced bytes.
 plain=$("$engine" "${small[@]}" --nproc 2 2>/dev/null | tail -n 1)
 zpp=$("$engine" "${small[@]}" --nproc 2 --quantized-weights --quantized-gradients 2>/dev/null | tail -n 1)
 if ! /usr/bin/python3 - "$plain" "$zpp" <<'PY'; then
 import json, sys
 plain, zpp = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 part = 65536 // 2
-assert plain["median_comm_bytes_sent"] == 8 * part * 4, plain
-assert zpp["median_comm_bytes_sent"] == 8 * (part + part // 256 * 4), zpp
+one = {id(plain): part * 4, id(zpp): part + part // 256 * 4}  # one collective's bytes
+assert plain["collective_bytes_sent"] == 8 * part * 4, plain
+assert zpp["collective_bytes_sent"] == 8 * (part + part // 256 * 4), zpp
 for j in (plain, zpp):
     assert j["ranks"] == 2 and j["peer"].startswith("gloo alone replaying"), j
     assert j["collectives_per_step"] == 8, j
-    assert j["collective_bytes_sent"] == j["median_comm_bytes_sent"], j  # (no sub-groups)
+    assert abs(j["median_comm_bytes_sent"] - j["collective_bytes_sent"]) <= one[id(j)], j
     assert 0 < j["median_collective_seconds"] <= j["median_collective_seconds_with_waits"], j
     assert j["peer_seconds"] > 0 and j["collective_efficiency"] > 0, j
 PY

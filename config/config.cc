@@ -347,12 +347,6 @@ Status ParseZinf(ObjectReader& r, EngineConfig* config, std::vector<std::string>
   ZINF_RETURN_IF_ERROR(r.ReadEnum<bool>("frozen_weight_dtype", {{"as-is", false}, {"int8", true}},
                                         &config->frozen_int8));
   ZINF_RETURN_IF_ERROR(r.ReadUint32("quantized_gradient_bits", &config->quantized_gradient_bits));
-  if (config->quantized_gradient_bits != 4 && config->quantized_gradient_bits != 8) {
-    return Status::InvalidArgument(
-        r.PathOf("quantized_gradient_bits") + ": " +
-        std::to_string(config->quantized_gradient_bits) +
-        "; zero_quantized_gradients' blocks are 8 (the default) or 4 bits");
-  }
   {
     std::optional<bool> speculative =
         config->speculative_step == SpeculativeStep::kAuto
@@ -619,6 +613,11 @@ Status ValidateAio(const AioConfig& aio) {
 // The zinf section: its ranges, then the combinations it refuses (int8 frozen weights on the
 // device tier, int8 states with Adagrad).
 Status ValidateZinf(const EngineConfig& c) {
+  if (c.quantized_gradient_bits != 4 && c.quantized_gradient_bits != 8) {
+    return InvalidKey("zinf.quantized_gradient_bits",
+                      std::to_string(c.quantized_gradient_bits) +
+                          "; zero_quantized_gradients' blocks are 8 (the default) or 4 bits");
+  }
   if (!(c.collective_timeout_seconds >= 1 && c.collective_timeout_seconds <= 7 * 86400)) {
     return InvalidKey("zinf.collective_timeout_seconds",
                       "must be in 1..604800 seconds (how long a rank waits in a collective for "

@@ -104,7 +104,8 @@ inline void AddEngineFlags(CLI::App& app, EngineFlags* f) {
                "values (a quarter of fp32's bytes, about half of bf16's)");
   app.add_flag("--quantized-gradients", f->quantized_gradients,
                "zero_optimization.zero_quantized_gradients (ZeRO++'s qgZ): with several ranks, "
-               "each gradient's reduce-scatter sends int8 blocks (an fp32 scale per 256 values) "
+               "each gradient's reduce-scatter sends int8 (or int4: --quantized-gradient-bits) "
+               "blocks (an fp32 scale per 256 values) "
                "in an all-to-all, summed in fp32 by the partition's owner (in two hops, inside "
                "the node then across, with --hpz-partition-size)");
   app.add_option("--quantized-gradient-bits", f->quantized_gradient_bits,

@@ -113,6 +113,10 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
                  std::to_string(config.zero_stage) + " runs plain gathers and reductions)");
     }
   }
+  if (config.quantized_gradient_bits != 8 && !config.quantized_gradients) {
+    LogWarning("zinf.quantized_gradient_bits " + std::to_string(config.quantized_gradient_bits) +
+               ": no effect without zero_optimization.zero_quantized_gradients");
+  }
   auto impl = std::make_unique<Impl>(config, device, comm, hooks);
   ZINF_RETURN_IF_ERROR(impl->Open());
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));

@@ -900,6 +900,12 @@ TEST(ConfigTest, QuantizedGradientBitsAndHpzSizesAreChecked) {
   c = ParseEngineConfig(R"({"zinf": {"quantized_gradient_bits": 16}})", nullptr);
   EXPECT_NE(c.status().message().find("8 (the default) or 4"), std::string::npos)
       << c.status().ToString();
+  // A config built in code is checked the same way (Engine::Create validates it).
+  EngineConfig built;
+  built.quantized_gradient_bits = 2;
+  const Status v = ValidateEngineConfig(built);
+  EXPECT_EQ(v.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(v.message().find("zinf.quantized_gradient_bits"), std::string::npos) << v.ToString();
   c = ParseEngineConfig(R"({"zero_optimization": {"zero_hpz_partition_size": 0}})", nullptr);
   EXPECT_NE(c.status().message().find("give the ranks per node"), std::string::npos)
       << c.status().ToString();

@@ -155,6 +155,7 @@ TEST(RankAgreement, AnotherParameterGroupIsNamed) {
 }
 
 // int4 gradient blocks on one rank, int8 on another: the owners would decode the wrong code.
+// (Compared only where qgZ is on.)
 TEST(RankAgreement, AnotherGradientCodeIsNamed) {
   RankSetup int8;
   int8.quantized_gradients = true;
@@ -162,6 +163,12 @@ TEST(RankAgreement, AnotherGradientCodeIsNamed) {
   int4.gradient_bits = 4;
   ExpectRefused(RunRanks({int8, int4}),
                 {"zinf.quantized_gradient_bits: rank 0 has 8, rank 1 has 4"});
+  // Without zero_quantized_gradients the key has no effect: not a reason to refuse a rank.
+  RankSetup unused;
+  unused.gradient_bits = 4;
+  for (const RankResult& x : RunRanks({RankSetup{}, unused})) {
+    EXPECT_TRUE(x.finish.ok()) << x.finish.ToString();
+  }
 }
 
 TEST(RankAgreement, AnotherClippingIsNamed) {

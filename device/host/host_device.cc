@@ -583,8 +583,8 @@ Status HostDevice::AddInto(float* dst, const float* src, size_t n, Stream* strea
 
 namespace {
 
-// `blocks`: the int8 side (dst of QuantizeInt8, src of DequantizeInt8), whose fp32 scales a
-// GPU reads as words: 4-byte aligned on every device.
+// `blocks`: the int8 or int4 side (dst of QuantizeInt8/Int4, src of DequantizeInt8/Int4), whose
+// fp32 scales a GPU reads as words: 4-byte aligned on every device.
 Status QuantizeArguments(const char* what, void* dst, const void* src, size_t n,
                          const void* blocks) {
   if (dst == nullptr || src == nullptr) {
@@ -592,7 +592,8 @@ Status QuantizeArguments(const char* what, void* dst, const void* src, size_t n,
                                    " values: " + (dst == nullptr ? "dst" : "src") + " is null");
   }
   if (reinterpret_cast<uintptr_t>(blocks) % 4 != 0) {
-    return Status::InvalidArgument(std::string(what) + ": the int8 blocks are not 4-byte aligned");
+    return Status::InvalidArgument(std::string(what) +
+                                   ": the int8 or int4 blocks are not 4-byte aligned");
   }
   return Status::OK();
 }

@@ -61,9 +61,9 @@ inline int QuantizedReduceHops(const ParamLayout& p, const EngineConfig& config)
   return world * blocks + part * sizeof(float) <= full ? 1 : 0;
 }
 
-// GradientScratchBytes' zero_quantized_gradients part: the int8 blocks each rank sends (world x the
-// partition's blocks; those received and the decoded sums reuse the full gradient, read by
-// then). 0 when the reduction is a plain reduce-scatter: one rank, below stage 3 (as in
+// GradientScratchBytes' zero_quantized_gradients part: the int8 (or int4) blocks each rank sends
+// (world x the partition's blocks; those received and the decoded sums reuse the full gradient,
+// read by then). 0 when the reduction is a plain reduce-scatter: one rank, below stage 3 (as in
 // DeepSpeed), the key off, or a partition under one block or whose received blocks and decoded
 // partitions would not fit the full gradient.
 inline size_t QuantizedReduceBytes(const ParamLayout& p, const EngineConfig& config) {

@@ -83,7 +83,10 @@ std::string DescribeForAgreement(const EngineConfig& c, const Layout& layout,
   o << "zero_optimization.zero_quantized_gradients: " << (c.quantized_gradients ? "true" : "false")
     << "\n";
   o << "zero_optimization.zero_hpz_partition_size: " << c.hpz_partition_size << "\n";
-  o << "zinf.quantized_gradient_bits: " << c.quantized_gradient_bits << "\n";
+  // (Only where it applies: a rank is not refused over a setting without effect.)
+  if (c.quantized_gradients) {
+    o << "zinf.quantized_gradient_bits: " << c.quantized_gradient_bits << "\n";
+  }
   o << "zinf.speculative_step: "
     << (c.speculative_step == SpeculativeStep::kOn    ? "true"
         : c.speculative_step == SpeculativeStep::kOff ? "false"
