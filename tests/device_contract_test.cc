@@ -322,13 +322,10 @@ TEST_P(DeviceContract, ConvertToBf16IsTheCpuReference) {
   for (size_t i = 0; i < in.size(); ++i) ASSERT_EQ(got[i], Fp32ToBf16(in[i])) << "input " << i;
 }
 
-// The quantized gather's encoding and decoding are the CPU functions' bytes (QuantizeParamsInt8,
-// DequantizeParamsInt8) for every dtype, on every kind of block: ordinary, zero, tiny (below
-// 127 x FLT_MIN), huge (near FLT_MAX), a NaN (with and without a payload), an inf, a failed
-// read's 0xFF bytes (decoding), several blocks and a partial one.
-TEST_P(DeviceContract, QuantizeInt8IsTheCpuFunctions) {
+// n >= 7 blocks of values for the quantization tests: ordinary blocks, then a zero, a tiny
+// (below 127 x FLT_MIN), a huge (near FLT_MAX), a NaN, a NaN with a payload and an inf block.
+std::vector<float> EveryKindOfBlock(size_t n) {
   constexpr size_t kB = kInt8StateBlock;
-  const size_t n = 7 * kB + 45;
   std::vector<float> x(n);
   for (size_t i = 0; i < n; ++i) x[i] = std::sin(0.3f * static_cast<float>(i)) * (1 + i % 9);
   for (size_t i = kB; i < 2 * kB; ++i) x[i] = 0.0f;
@@ -338,6 +335,17 @@ TEST_P(DeviceContract, QuantizeInt8IsTheCpuFunctions) {
   uint32_t payload = 0xffc12345u;
   std::memcpy(&x[5 * kB + 1], &payload, sizeof(payload));
   x[6 * kB + 100] = -std::numeric_limits<float>::infinity();
+  return x;
+}
+
+// The quantized gather's encoding and decoding are the CPU functions' bytes (QuantizeParamsInt8,
+// DequantizeParamsInt8) for every dtype, on every kind of block: ordinary, zero, tiny (below
+// 127 x FLT_MIN), huge (near FLT_MAX), a NaN (with and without a payload), an inf, a failed
+// read's 0xFF bytes (decoding), several blocks and a partial one.
+TEST_P(DeviceContract, QuantizeInt8IsTheCpuFunctions) {
+  constexpr size_t kB = kInt8StateBlock;
+  const size_t n = 7 * kB + 45;
+  std::vector<float> x = EveryKindOfBlock(n);
   for (ParamCopyType type : {ParamCopyType::kNone, ParamCopyType::kBf16, ParamCopyType::kF16}) {
     SCOPED_TRACE(ParamCopyTypeName(type));
     const size_t elem = type == ParamCopyType::kNone ? 4 : 2;
@@ -381,15 +389,7 @@ TEST_P(DeviceContract, QuantizeInt8IsTheCpuFunctions) {
 TEST_P(DeviceContract, QuantizeInt4IsTheCpuFunctions) {
   constexpr size_t kB = kInt8StateBlock;
   const size_t n = 8 * kB + 45;
-  std::vector<float> x(n);
-  for (size_t i = 0; i < n; ++i) x[i] = std::sin(0.3f * static_cast<float>(i)) * (1 + i % 9);
-  for (size_t i = kB; i < 2 * kB; ++i) x[i] = 0.0f;
-  for (size_t i = 2 * kB; i < 3 * kB; ++i) x[i] = FLT_MIN * static_cast<float>(i % 5);
-  for (size_t i = 3 * kB; i < 4 * kB; ++i) x[i] = (i % 2 ? -FLT_MAX : FLT_MAX) / (1 + i % 3);
-  x[4 * kB + 9] = std::numeric_limits<float>::quiet_NaN();
-  uint32_t payload = 0xffc12345u;
-  std::memcpy(&x[5 * kB + 1], &payload, sizeof(payload));
-  x[6 * kB + 100] = -std::numeric_limits<float>::infinity();
+  std::vector<float> x = EveryKindOfBlock(n);
   for (size_t i = 7 * kB; i < 8 * kB; ++i) x[i] = static_cast<float>(i % 15) * 0.5f - 3.5f;
   x[7 * kB] = 7.0f;
   const size_t qbytes = Int4Bytes(n);
