@@ -36,6 +36,7 @@ expect 2 "" -- "$adam" --threads 0
 expect 2 "" -- "$engine" --zero-stage 4
 expect 2 "" -- "$engine" --offload-cycles -1
 expect 2 "" -- "$engine" --quantized-gradient-bits 3
+expect 2 "" -- "$engine" --quantization-block-size 100
 expect 2 "" -- "$adam" --n 0
 expect 2 "unknown value" -- "$adam" --optimizer sgd --n 1024
 expect 2 "unknown value" -- "$adam" --state-dtype fp16 --n 1024

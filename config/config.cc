@@ -102,6 +102,7 @@ constexpr std::string_view kZinfKeys[] = {
     "optimizer_state_dtype",
     "frozen_weight_dtype",
     "quantized_gradient_bits",
+    "quantization_block_size",
     "collective_timeout_seconds",
     "speculative_step",
 };
@@ -347,6 +348,7 @@ Status ParseZinf(ObjectReader& r, EngineConfig* config, std::vector<std::string>
   ZINF_RETURN_IF_ERROR(r.ReadEnum<bool>("frozen_weight_dtype", {{"as-is", false}, {"int8", true}},
                                         &config->frozen_int8));
   ZINF_RETURN_IF_ERROR(r.ReadUint32("quantized_gradient_bits", &config->quantized_gradient_bits));
+  ZINF_RETURN_IF_ERROR(r.ReadUint32("quantization_block_size", &config->quantization_block_size));
   {
     std::optional<bool> speculative =
         config->speculative_step == SpeculativeStep::kAuto
@@ -617,6 +619,12 @@ Status ValidateZinf(const EngineConfig& c) {
     return InvalidKey("zinf.quantized_gradient_bits",
                       std::to_string(c.quantized_gradient_bits) +
                           "; zero_quantized_gradients' blocks are 8 (the default) or 4 bits");
+  }
+  if (!QuantBlockValid(c.quantization_block_size)) {
+    return InvalidKey("zinf.quantization_block_size",
+                      std::to_string(c.quantization_block_size) +
+                          "; the values per scale of the quantized collectives' blocks: a power "
+                          "of two from 64 to 1024 (default 256)");
   }
   if (!(c.collective_timeout_seconds >= 1 && c.collective_timeout_seconds <= 7 * 86400)) {
     return InvalidKey("zinf.collective_timeout_seconds",

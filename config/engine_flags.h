@@ -28,6 +28,7 @@ struct EngineFlags {
   bool quantized_weights = false;    // --quantized-weights (given: on)
   bool quantized_gradients = false;  // --quantized-gradients (given: on)
   int quantized_gradient_bits = 0;   // --quantized-gradient-bits 8 | 4 (0: as configured)
+  int quantization_block_size = 0;   // --quantization-block-size (0: as configured)
   int hpz_partition_size = 0;        // --hpz-partition-size (0: as configured)
   int optimizer_threads = -1;        // --optimizer-threads (0: every core)
   std::string io_backend;            // --io-backend io_uring | libaio | psync
@@ -101,11 +102,12 @@ inline void AddEngineFlags(CLI::App& app, EngineFlags* f) {
   app.add_flag("--quantized-weights", f->quantized_weights,
                "zero_optimization.zero_quantized_weights (ZeRO++'s qwZ): stage 3 with several "
                "ranks, the parameter all-gathers send int8 blocks with an fp32 scale per 256 "
-               "values (a quarter of fp32's bytes, about half of bf16's)");
+               "values (--quantization-block-size; a quarter of fp32's bytes, about half of "
+               "bf16's)");
   app.add_flag("--quantized-gradients", f->quantized_gradients,
                "zero_optimization.zero_quantized_gradients (ZeRO++'s qgZ): with several ranks, "
                "each gradient's reduce-scatter sends int8 (or int4: --quantized-gradient-bits) "
-               "blocks (an fp32 scale per 256 values) "
+               "blocks (an fp32 scale per 256 values: --quantization-block-size) "
                "in an all-to-all, summed in fp32 by the partition's owner (in two hops, inside "
                "the node then across, with --hpz-partition-size)");
   app.add_option("--quantized-gradient-bits", f->quantized_gradient_bits,
@@ -113,6 +115,12 @@ inline void AddEngineFlags(CLI::App& app, EngineFlags* f) {
                  "(the default) or 4 (two codes per byte: about half the bytes, each value off "
                  "by up to its block's largest magnitude / 14 instead of / 254)")
       ->check(CLI::IsMember({4, 8}));
+  app.add_option("--quantization-block-size", f->quantization_block_size,
+                 "zinf.quantization_block_size: the values sharing an fp32 scale in "
+                 "--quantized-weights' and --quantized-gradients' blocks, 64, 128, 256 (the "
+                 "default), 512 or 1024 (smaller: each value's error bounded by a smaller "
+                 "largest magnitude, more bytes of scales)")
+      ->check(CLI::IsMember({64, 128, 256, 512, 1024}));
   app.add_option("--hpz-partition-size", f->hpz_partition_size,
                  "zero_optimization.zero_hpz_partition_size (ZeRO++'s hpZ): the ranks per node; "
                  "each rank keeps a secondary shard of every gathered parameter in pinned host "
@@ -167,6 +175,9 @@ inline Status ApplyEngineFlags(const EngineFlags& f, EngineConfig* c) {
   if (f.quantized_gradients) c->quantized_gradients = true;
   if (f.quantized_gradient_bits > 0) {
     c->quantized_gradient_bits = static_cast<uint32_t>(f.quantized_gradient_bits);
+  }
+  if (f.quantization_block_size > 0) {
+    c->quantization_block_size = static_cast<uint32_t>(f.quantization_block_size);
   }
   if (f.hpz_partition_size > 0) c->hpz_partition_size = static_cast<uint32_t>(f.hpz_partition_size);
   if (f.optimizer_threads >= 0) c->optimizer_threads = f.optimizer_threads;

@@ -15,8 +15,7 @@ namespace zinf {
 
 namespace {
 
-constexpr size_t kBlock = kInt8StateBlock;
-constexpr size_t kBlockBytes = kInt8StateBlock + sizeof(float);
+constexpr size_t kBlock = kInt8StateBlock;  // the stored weights' blocks
 
 inline uint16_t ToBf16(float v) {  // as Fp32ToBf16
   uint32_t bits;
@@ -27,8 +26,8 @@ inline uint16_t ToBf16(float v) {  // as Fp32ToBf16
   return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-using EncodeFn = void (*)(const float*, size_t, int8_t*);
-using EncodeInt4Fn = void (*)(const float*, size_t, uint8_t*);
+using EncodeFn = void (*)(const float*, size_t, size_t, int8_t*);
+using EncodeInt4Fn = void (*)(const float*, size_t, size_t, uint8_t*);
 
 // The block encoder for this CPU.
 EncodeFn Encoder() {
@@ -43,20 +42,27 @@ EncodeInt4Fn Int4Encoder() {
   return fn;
 }
 
+// A block size the encoders take (the config and the devices refuse others first).
+void CheckBlock(size_t block) {
+  ZINF_CHECK_MSG(QuantBlockValid(block), "int8/int4 blocks: a block size outside QuantBlockValid");
+}
+
 }  // namespace
 
-void QuantizeGradsInt4(const float* src, size_t n, void* dst) {
+void QuantizeGradsInt4(const float* src, size_t n, void* dst, size_t block) {
+  CheckBlock(block);
   auto* out = static_cast<uint8_t*>(dst);
   const EncodeInt4Fn encode = Int4Encoder();
-  for (size_t at = 0; at < n; at += kBlock) {
-    encode(src + at, std::min(kBlock, n - at), out + at / kBlock * kInt4BlockBytes);
+  for (size_t at = 0; at < n; at += block) {
+    encode(src + at, std::min(block, n - at), block, out + Int4Bytes(at, block));
   }
 }
 
-void DequantizeGradsInt4(const void* src, size_t n, float* dst) {
+void DequantizeGradsInt4(const void* src, size_t n, float* dst, size_t block) {
+  CheckBlock(block);
   static const bool avx512 = weights_int8::Avx512Usable();
-  if (avx512) return weights_int8::DequantizeInt4Avx512(src, n, dst);
-  weights_int8::DequantizeInt4Scalar(src, n, dst);
+  if (avx512) return weights_int8::DequantizeInt4Avx512(src, n, block, dst);
+  weights_int8::DequantizeInt4Scalar(src, n, block, dst);
 }
 
 Status QuantizeWeightsInt8(const float* src, size_t n, void* dst) {
@@ -69,19 +75,20 @@ Status QuantizeWeightsInt8(const float* src, size_t n, void* dst) {
   auto* out = static_cast<uint8_t*>(dst);
   const EncodeFn encode = Encoder();
   for (size_t at = 0; at < n; at += kBlock) {
-    encode(src + at, std::min(kBlock, n - at),
-           reinterpret_cast<int8_t*>(out + at / kBlock * kBlockBytes));
+    encode(src + at, std::min(kBlock, n - at), kBlock,
+           reinterpret_cast<int8_t*>(out + Int8Bytes(at, kBlock)));
   }
   return Status::OK();
 }
 
-void QuantizeParamsInt8(const void* src, ParamCopyType type, size_t n, void* dst) {
+void QuantizeParamsInt8(const void* src, ParamCopyType type, size_t n, void* dst, size_t block) {
+  CheckBlock(block);
   auto* out = static_cast<uint8_t*>(dst);
   const EncodeFn encode = Encoder();
-  float block[kBlock];
-  for (size_t at = 0; at < n; at += kBlock) {
-    const size_t len = std::min(kBlock, n - at);
-    const float* x = block;
+  float wide[kMaxQuantBlock];
+  for (size_t at = 0; at < n; at += block) {
+    const size_t len = std::min(block, n - at);
+    const float* x = wide;
     if (type == ParamCopyType::kNone) {
       x = static_cast<const float*>(src) + at;
     } else {
@@ -89,24 +96,24 @@ void QuantizeParamsInt8(const void* src, ParamCopyType type, size_t n, void* dst
       if (type == ParamCopyType::kBf16) {
         for (size_t i = 0; i < len; ++i) {
           const uint32_t bits = uint32_t{in[i]} << 16;  // bf16 is fp32's upper half
-          std::memcpy(&block[i], &bits, sizeof(bits));
+          std::memcpy(&wide[i], &bits, sizeof(bits));
         }
       } else {
-        for (size_t i = 0; i < len; ++i) block[i] = Fp16ToFp32(in[i]);
+        for (size_t i = 0; i < len; ++i) wide[i] = Fp16ToFp32(in[i]);
       }
     }
-    encode(x, len, reinterpret_cast<int8_t*>(out + at / kBlock * kBlockBytes));
+    encode(x, len, block, reinterpret_cast<int8_t*>(out + Int8Bytes(at, block)));
   }
 }
 
-void DequantizeParamsInt8(const void* src, size_t n, ParamCopyType type, void* dst) {
+void DequantizeParamsInt8(const void* src, size_t n, ParamCopyType type, void* dst, size_t block) {
   switch (type) {
     case ParamCopyType::kNone:
-      return DequantizeWeightsInt8(src, n, static_cast<float*>(dst));
+      return DequantizeWeightsInt8(src, n, static_cast<float*>(dst), block);
     case ParamCopyType::kBf16:
-      return DequantizeWeightsInt8Bf16(src, n, static_cast<uint16_t*>(dst));
+      return DequantizeWeightsInt8Bf16(src, n, static_cast<uint16_t*>(dst), block);
     case ParamCopyType::kF16:
-      return DequantizeWeightsInt8F16(src, n, static_cast<uint16_t*>(dst));
+      return DequantizeWeightsInt8F16(src, n, static_cast<uint16_t*>(dst), block);
   }
 }
 
@@ -150,36 +157,36 @@ inline int Code(float x, double inv, double levels) {
 }  // namespace
 
 // A block holding an inf or a NaN stores zeros and a NaN scale (it decodes to NaN).
-void EncodeBlockScalar(const float* x, size_t len, int8_t* codes) {
+void EncodeBlockScalar(const float* x, size_t len, size_t block, int8_t* codes) {
   bool finite;
   const float largest = Largest(x, len, &finite);
   const BlockScale s = ScaleOf(largest, finite);
   for (size_t i = 0; i < len; ++i) {
     codes[i] = static_cast<int8_t>(finite ? Code(x[i], s.inv, 127.0) : 0);
   }
-  for (size_t i = len; i < kBlock; ++i) codes[i] = 0;
-  std::memcpy(codes + kBlock, &s.scale, sizeof(s.scale));
+  for (size_t i = len; i < block; ++i) codes[i] = 0;
+  std::memcpy(codes + block, &s.scale, sizeof(s.scale));
 }
 
-void EncodeInt4BlockScalar(const float* x, size_t len, uint8_t* out) {
+void EncodeInt4BlockScalar(const float* x, size_t len, size_t block, uint8_t* out) {
   bool finite;
   const float largest = Largest(x, len, &finite);
   const BlockScale s = ScaleOf(largest, finite, 7.0f);
-  for (size_t i = 0; i < kBlock; i += 2) {
+  for (size_t i = 0; i < block; i += 2) {
     const int lo = finite && i < len ? Code(x[i], s.inv, 7.0) : 0;
     const int hi = finite && i + 1 < len ? Code(x[i + 1], s.inv, 7.0) : 0;
     out[i / 2] = static_cast<uint8_t>((lo & 0xF) | ((hi & 0xF) << 4));
   }
-  std::memcpy(out + kBlock / 2, &s.scale, sizeof(s.scale));
+  std::memcpy(out + block / 2, &s.scale, sizeof(s.scale));
 }
 
-void DequantizeInt4Scalar(const void* src, size_t n, float* dst) {
+void DequantizeInt4Scalar(const void* src, size_t n, size_t block, float* dst) {
   const auto* in = static_cast<const uint8_t*>(src);
-  for (size_t at = 0; at < n; at += kBlock) {
-    const uint8_t* codes = in + at / kBlock * kInt4BlockBytes;
+  for (size_t at = 0; at < n; at += block) {
+    const uint8_t* codes = in + Int4Bytes(at, block);
     float scale;
-    std::memcpy(&scale, codes + kBlock / 2, sizeof(scale));
-    const size_t len = std::min(kBlock, n - at);
+    std::memcpy(&scale, codes + block / 2, sizeof(scale));
+    const size_t len = std::min(block, n - at);
     for (size_t i = 0; i < len; ++i) {
       const uint8_t b = codes[i / 2];
       // Sign-extended: the nibble moved to the top of an int8, shifted back.
@@ -189,14 +196,14 @@ void DequantizeInt4Scalar(const void* src, size_t n, float* dst) {
   }
 }
 
-void DequantizeF32Scalar(const void* src, size_t n, float* dst) {
-  ForEachBlock(src, n, [dst](const int8_t* codes, float scale, size_t at, size_t len) {
+void DequantizeF32Scalar(const void* src, size_t n, size_t block, float* dst) {
+  ForEachBlock(src, n, block, [dst](const int8_t* codes, float scale, size_t at, size_t len) {
     for (size_t i = 0; i < len; ++i) dst[at + i] = static_cast<float>(codes[i]) * scale;
   });
 }
 
-void DequantizeBf16Scalar(const void* src, size_t n, uint16_t* dst) {
-  ForEachBlock(src, n, [dst](const int8_t* codes, float scale, size_t at, size_t len) {
+void DequantizeBf16Scalar(const void* src, size_t n, size_t block, uint16_t* dst) {
+  ForEachBlock(src, n, block, [dst](const int8_t* codes, float scale, size_t at, size_t len) {
     for (size_t i = 0; i < len; ++i) dst[at + i] = ToBf16(static_cast<float>(codes[i]) * scale);
   });
 }
@@ -208,22 +215,24 @@ bool Avx512Usable() {
 
 }  // namespace weights_int8
 
-void DequantizeWeightsInt8(const void* src, size_t n, float* dst) {
+void DequantizeWeightsInt8(const void* src, size_t n, float* dst, size_t block) {
+  CheckBlock(block);
   static const bool avx512 = weights_int8::Avx512Usable();
-  if (avx512) return weights_int8::DequantizeF32Avx512(src, n, dst);
-  weights_int8::DequantizeF32Scalar(src, n, dst);
+  if (avx512) return weights_int8::DequantizeF32Avx512(src, n, block, dst);
+  weights_int8::DequantizeF32Scalar(src, n, block, dst);
 }
 
-void DequantizeWeightsInt8Bf16(const void* src, size_t n, uint16_t* dst) {
+void DequantizeWeightsInt8Bf16(const void* src, size_t n, uint16_t* dst, size_t block) {
+  CheckBlock(block);
   static const bool avx512 = weights_int8::Avx512Usable();
-  if (avx512) return weights_int8::DequantizeBf16Avx512(src, n, dst);
-  weights_int8::DequantizeBf16Scalar(src, n, dst);
+  if (avx512) return weights_int8::DequantizeBf16Avx512(src, n, block, dst);
+  weights_int8::DequantizeBf16Scalar(src, n, block, dst);
 }
 
-void DequantizeWeightsInt8F16(const void* src, size_t n, uint16_t* dst) {
+void DequantizeWeightsInt8F16(const void* src, size_t n, uint16_t* dst, size_t block) {
   // (Rare: int8 frozen weights under fp16 storage, decoded once per fetch; no SIMD variant.)
   std::vector<float> full(n);
-  DequantizeWeightsInt8(src, n, full.data());
+  DequantizeWeightsInt8(src, n, full.data(), block);
   for (size_t i = 0; i < n; ++i) dst[i] = Fp32ToFp16(full[i]);
 }
 

@@ -50,11 +50,11 @@ inline __m512i Codes16(const float* x, __m512d inv, double levels) {
 }
 
 // A full block's largest magnitude, or false when a value is not finite.
-inline bool Largest(const float* x, float* largest) {
+inline bool Largest(const float* x, size_t block, float* largest) {
   const __m512 fmax = _mm512_set1_ps(FLT_MAX);
   __m512 big = _mm512_setzero_ps();
   __mmask16 finite = 0xFFFF;
-  for (size_t i = 0; i < kInt8StateBlock; i += 16) {
+  for (size_t i = 0; i < block; i += 16) {
     const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + i));
     finite &= _mm512_cmp_ps_mask(a, fmax, _CMP_LE_OQ);  // (false for a NaN)
     big = _mm512_max_ps(a, big);
@@ -66,25 +66,27 @@ inline bool Largest(const float* x, float* largest) {
 
 }  // namespace
 
-void EncodeBlockAvx512(const float* x, size_t len, int8_t* codes) {
+void EncodeBlockAvx512(const float* x, size_t len, size_t block, int8_t* codes) {
   float largest;
-  if (len < kInt8StateBlock || !Largest(x, &largest)) return EncodeBlockScalar(x, len, codes);
+  if (len < block || !Largest(x, block, &largest)) return EncodeBlockScalar(x, len, block, codes);
   const BlockScale s = ScaleOf(largest, true);
   const __m512d inv = _mm512_set1_pd(s.inv);
-  for (size_t i = 0; i < kInt8StateBlock; i += 16) {
+  for (size_t i = 0; i < block; i += 16) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i),
                      _mm512_cvtepi32_epi8(Codes16(x + i, inv, 127.0)));
   }
-  std::memcpy(codes + kInt8StateBlock, &s.scale, sizeof(s.scale));
+  std::memcpy(codes + block, &s.scale, sizeof(s.scale));
 }
 
-void EncodeInt4BlockAvx512(const float* x, size_t len, uint8_t* out) {
+void EncodeInt4BlockAvx512(const float* x, size_t len, size_t block, uint8_t* out) {
   float largest;
-  if (len < kInt8StateBlock || !Largest(x, &largest)) return EncodeInt4BlockScalar(x, len, out);
+  if (len < block || !Largest(x, block, &largest)) {
+    return EncodeInt4BlockScalar(x, len, block, out);
+  }
   const BlockScale s = ScaleOf(largest, true, 7.0f);
   const __m512d inv = _mm512_set1_pd(s.inv);
   const __m512i low = _mm512_set1_epi64(0xF), high = _mm512_set1_epi64(0xF0);
-  for (size_t i = 0; i < kInt8StateBlock; i += 16) {
+  for (size_t i = 0; i < block; i += 16) {
     // Each 64-bit lane holds codes 2j (bits 0-31) and 2j + 1 (bits 32-63): their low nibbles
     // into one byte, 2j's low.
     const __m512i c = Codes16(x + i, inv, 7.0);
@@ -92,22 +94,22 @@ void EncodeInt4BlockAvx512(const float* x, size_t len, uint8_t* out) {
         _mm512_or_si512(_mm512_and_si512(c, low), _mm512_and_si512(_mm512_srli_epi64(c, 28), high));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i / 2), _mm512_cvtepi64_epi8(packed));
   }
-  std::memcpy(out + kInt8StateBlock / 2, &s.scale, sizeof(s.scale));
+  std::memcpy(out + block / 2, &s.scale, sizeof(s.scale));
 }
 
-void DequantizeInt4Avx512(const void* src, size_t n, float* dst) {
+void DequantizeInt4Avx512(const void* src, size_t n, size_t block, float* dst) {
   const auto* in = static_cast<const uint8_t*>(src);
   const __m512i lanes = _mm512_set1_epi64(0xFFFFFFFF);
-  for (size_t at = 0; at < n; at += kInt8StateBlock) {
-    const uint8_t* codes = in + at / kInt8StateBlock * kInt4BlockBytes;
-    if (n - at < kInt8StateBlock) {  // the last, partial block
-      DequantizeInt4Scalar(codes, n - at, dst + at);
+  for (size_t at = 0; at < n; at += block) {
+    const uint8_t* codes = in + Int4Bytes(at, block);
+    if (n - at < block) {  // the last, partial block
+      DequantizeInt4Scalar(codes, n - at, block, dst + at);
       return;
     }
     float scale;
-    std::memcpy(&scale, codes + kInt8StateBlock / 2, sizeof(scale));
+    std::memcpy(&scale, codes + block / 2, sizeof(scale));
     const __m512 sv = _mm512_set1_ps(scale);
-    for (size_t i = 0; i < kInt8StateBlock; i += 16) {
+    for (size_t i = 0; i < block; i += 16) {
       const __m512i b =
           _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i / 2)));
       // The nibbles sign-extended (shifted to the top, arithmetically back), 2j's in the
@@ -120,10 +122,10 @@ void DequantizeInt4Avx512(const void* src, size_t n, float* dst) {
   }
 }
 
-void DequantizeF32Avx512(const void* src, size_t n, float* dst) {
-  ForEachBlock(src, n, [dst](const int8_t* codes, float scale, size_t at, size_t len) {
-    if (len < kInt8StateBlock) {  // the last, partial block (its scale follows a full block)
-      DequantizeF32Scalar(codes, len, dst + at);
+void DequantizeF32Avx512(const void* src, size_t n, size_t block, float* dst) {
+  ForEachBlock(src, n, block, [=](const int8_t* codes, float scale, size_t at, size_t len) {
+    if (len < block) {  // the last, partial block (its scale follows a full block)
+      DequantizeF32Scalar(codes, len, block, dst + at);
       return;
     }
     const __m512 s = _mm512_set1_ps(scale);
@@ -131,10 +133,10 @@ void DequantizeF32Avx512(const void* src, size_t n, float* dst) {
   });
 }
 
-void DequantizeBf16Avx512(const void* src, size_t n, uint16_t* dst) {
-  ForEachBlock(src, n, [dst](const int8_t* codes, float scale, size_t at, size_t len) {
-    if (len < kInt8StateBlock) {
-      DequantizeBf16Scalar(codes, len, dst + at);
+void DequantizeBf16Avx512(const void* src, size_t n, size_t block, uint16_t* dst) {
+  ForEachBlock(src, n, block, [=](const int8_t* codes, float scale, size_t at, size_t len) {
+    if (len < block) {
+      DequantizeBf16Scalar(codes, len, block, dst + at);
       return;
     }
     const __m512 s = _mm512_set1_ps(scale);

@@ -117,6 +117,12 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Devic
     LogWarning("zinf.quantized_gradient_bits " + std::to_string(config.quantized_gradient_bits) +
                ": no effect without zero_optimization.zero_quantized_gradients");
   }
+  if (config.quantization_block_size != kInt8StateBlock && !config.quantized_weights &&
+      !config.quantized_nontrainable_weights && !config.quantized_gradients) {
+    LogWarning("zinf.quantization_block_size " + std::to_string(config.quantization_block_size) +
+               ": no effect without zero_optimization.zero_quantized_weights, "
+               "zero_quantized_nontrainable_weights or zero_quantized_gradients");
+  }
   auto impl = std::make_unique<Impl>(config, device, comm, hooks);
   ZINF_RETURN_IF_ERROR(impl->Open());
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));

@@ -782,7 +782,7 @@ TEST(ConfigTest, TheVisitorNamesEveryFieldByItsKey) {
       "nvme_capacity_bytes": "10G", "nvme_reserve_bytes": "1G", "delayed_update": true,
       "delayed_update_after": 3, "durable": true, "durable_overwrite": true, "checksums": true,
       "gradient_transfer_dtype": "bf16", "optimizer_state_dtype": "bf16",
-      "frozen_weight_dtype": "int8", "quantized_gradient_bits": 4, "optimizer_threads": 2,
+      "frozen_weight_dtype": "int8", "quantized_gradient_bits": 4, "quantization_block_size": 64, "optimizer_threads": 2,
       "speculative_step": true, "collective_timeout_seconds": 60, "host_copy_gbps": 10, "allowed_nvme_roots": ["/tmp"]}
   })";
   std::vector<std::string> warnings;
@@ -793,9 +793,9 @@ TEST(ConfigTest, TheVisitorNamesEveryFieldByItsKey) {
   const nlohmann::json tree = VisitedTree(*c, &flat);
   VisitedTree(EngineConfig{}, &defaults);
   // 6 offload_param keys, 7 offload_optimizer, 10 other zero_optimization keys, 5 aio and the
-  // backend, 5 optimizer keys (betas one), bf16 and 4 other top-level keys, 7 fp16 keys, 18
+  // backend, 5 optimizer keys (betas one), bf16 and 4 other top-level keys, 7 fp16 keys, 19
   // zinf keys.
-  EXPECT_EQ(flat.size(), 6 + 7 + 10 + 6 + 5 + 5 + 7 + 18u);
+  EXPECT_EQ(flat.size(), 6 + 7 + 10 + 6 + 5 + 5 + 7 + 19u);
   for (const auto& [key, value] : flat) {
     // (The stage has one value; fp16 and bf16 exclude each other: fp16.enabled is below.)
     if (key == "zero_optimization.stage" || key == "fp16.enabled") continue;
@@ -909,6 +909,36 @@ TEST(ConfigTest, QuantizedGradientBitsAndHpzSizesAreChecked) {
   c = ParseEngineConfig(R"({"zero_optimization": {"zero_hpz_partition_size": 0}})", nullptr);
   EXPECT_NE(c.status().message().find("give the ranks per node"), std::string::npos)
       << c.status().ToString();
+}
+
+// zinf.quantization_block_size: 256 by default, any power of two from 64 to 1024; anything
+// else refused naming the key and what it takes, from JSON and from a config built in code.
+TEST(ConfigTest, QuantizationBlockSizeIsChecked) {
+  Result<EngineConfig> c = ParseEngineConfig("{}", nullptr);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->quantization_block_size, 256u);
+  for (uint32_t good : {64u, 128u, 256u, 512u, 1024u}) {
+    c = ParseEngineConfig(R"({"zinf": {"quantization_block_size": )" + std::to_string(good) + "}}",
+                          nullptr);
+    ASSERT_TRUE(c.ok()) << good << ": " << c.status().ToString();
+    EXPECT_EQ(c->quantization_block_size, good);
+  }
+  for (const char* bad : {"0", "32", "100", "2048", "-256", "\"256\""}) {
+    c = ParseEngineConfig(std::string(R"({"zinf": {"quantization_block_size": )") + bad + "}}",
+                          nullptr);
+    ASSERT_FALSE(c.ok()) << bad;
+    EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(c.status().message().find("zinf.quantization_block_size"), std::string::npos)
+        << c.status().ToString();
+  }
+  c = ParseEngineConfig(R"({"zinf": {"quantization_block_size": 100}})", nullptr);
+  EXPECT_NE(c.status().message().find("a power of two from 64 to 1024"), std::string::npos)
+      << c.status().ToString();
+  EngineConfig built;
+  built.quantization_block_size = 48;
+  const Status v = ValidateEngineConfig(built);
+  EXPECT_EQ(v.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(v.message().find("zinf.quantization_block_size"), std::string::npos) << v.ToString();
 }
 
 }  // namespace

@@ -322,10 +322,9 @@ TEST_P(DeviceContract, ConvertToBf16IsTheCpuReference) {
   for (size_t i = 0; i < in.size(); ++i) ASSERT_EQ(got[i], Fp32ToBf16(in[i])) << "input " << i;
 }
 
-// n >= 7 blocks of values for the quantization tests: ordinary blocks, then a zero, a tiny
+// n >= 7 blocks of kB values for the quantization tests: ordinary blocks, then a zero, a tiny
 // (below 127 x FLT_MIN), a huge (near FLT_MAX), a NaN, a NaN with a payload and an inf block.
-std::vector<float> EveryKindOfBlock(size_t n) {
-  constexpr size_t kB = kInt8StateBlock;
+std::vector<float> EveryKindOfBlock(size_t n, size_t kB) {
   std::vector<float> x(n);
   for (size_t i = 0; i < n; ++i) x[i] = std::sin(0.3f * static_cast<float>(i)) * (1 + i % 9);
   for (size_t i = kB; i < 2 * kB; ++i) x[i] = 0.0f;
@@ -334,86 +333,110 @@ std::vector<float> EveryKindOfBlock(size_t n) {
   x[4 * kB + 9] = std::numeric_limits<float>::quiet_NaN();
   uint32_t payload = 0xffc12345u;
   std::memcpy(&x[5 * kB + 1], &payload, sizeof(payload));
-  x[6 * kB + 100] = -std::numeric_limits<float>::infinity();
+  x[6 * kB + kB / 2 - 3] = -std::numeric_limits<float>::infinity();
   return x;
 }
 
+// Every block size zinf.quantization_block_size takes at its ends and its default.
+constexpr size_t kQuantBlocks[] = {kMinQuantBlock, kInt8StateBlock, kMaxQuantBlock};
+
 // The quantized gather's encoding and decoding are the CPU functions' bytes (QuantizeParamsInt8,
-// DequantizeParamsInt8) for every dtype, on every kind of block: ordinary, zero, tiny (below
-// 127 x FLT_MIN), huge (near FLT_MAX), a NaN (with and without a payload), an inf, a failed
-// read's 0xFF bytes (decoding), several blocks and a partial one.
+// DequantizeParamsInt8) for every dtype and block size, on every kind of block: ordinary, zero,
+// tiny (below 127 x FLT_MIN), huge (near FLT_MAX), a NaN (with and without a payload), an inf,
+// a failed read's 0xFF bytes (decoding), several blocks and a partial one.
 TEST_P(DeviceContract, QuantizeInt8IsTheCpuFunctions) {
-  constexpr size_t kB = kInt8StateBlock;
-  const size_t n = 7 * kB + 45;
-  std::vector<float> x = EveryKindOfBlock(n);
-  for (ParamCopyType type : {ParamCopyType::kNone, ParamCopyType::kBf16, ParamCopyType::kF16}) {
-    SCOPED_TRACE(ParamCopyTypeName(type));
-    const size_t elem = type == ParamCopyType::kNone ? 4 : 2;
-    std::vector<uint8_t> src(n * elem);
-    for (size_t i = 0; i < n; ++i) {
-      if (type == ParamCopyType::kNone) {
-        std::memcpy(&src[i * 4], &x[i], 4);
-      } else {
-        const uint16_t v = Fp32ToParamCopy(type, x[i]);
-        std::memcpy(&src[i * 2], &v, 2);
+  for (size_t kB : kQuantBlocks) {
+    SCOPED_TRACE("block " + std::to_string(kB));
+    const size_t n = 7 * kB + 45;
+    std::vector<float> x = EveryKindOfBlock(n, kB);
+    for (ParamCopyType type : {ParamCopyType::kNone, ParamCopyType::kBf16, ParamCopyType::kF16}) {
+      SCOPED_TRACE(ParamCopyTypeName(type));
+      const size_t elem = type == ParamCopyType::kNone ? 4 : 2;
+      std::vector<uint8_t> src(n * elem);
+      for (size_t i = 0; i < n; ++i) {
+        if (type == ParamCopyType::kNone) {
+          std::memcpy(&src[i * 4], &x[i], 4);
+        } else {
+          const uint16_t v = Fp32ToParamCopy(type, x[i]);
+          std::memcpy(&src[i * 2], &v, 2);
+        }
       }
+      const size_t qbytes = Int8Bytes(n, kB);
+      uint8_t* dq = Buffer<uint8_t>(qbytes);
+      uint8_t* dback = Buffer<uint8_t>(src.size());
+      ASSERT_TRUE(device_->QuantizeInt8(dq, Upload(src), type, n, kB, stream_).ok());
+      ASSERT_TRUE(device_->DequantizeInt8(dback, type, dq, n, kB, stream_).ok());
+      std::vector<uint8_t> want_q(qbytes), want_back(src.size());
+      QuantizeParamsInt8(src.data(), type, n, want_q.data(), kB);
+      DequantizeParamsInt8(want_q.data(), n, type, want_back.data(), kB);
+      EXPECT_EQ(Download(dq, qbytes), want_q);
+      EXPECT_EQ(Download(dback, src.size()), want_back);
+      // A failed read's blocks (every byte 0xFF: a NaN scale with a sign and payload) decode to
+      // the CPU's NaN bits too.
+      std::vector<uint8_t> ff(qbytes, 0xFF), want_ff(src.size());
+      DequantizeParamsInt8(ff.data(), n, type, want_ff.data(), kB);
+      ASSERT_TRUE(device_->DequantizeInt8(dback, type, Upload(ff), n, kB, stream_).ok());
+      EXPECT_EQ(Download(dback, src.size()), want_ff);
     }
-    const size_t qbytes = StateBytes(StateType::kInt8, n);
-    uint8_t* dq = Buffer<uint8_t>(qbytes);
-    uint8_t* dback = Buffer<uint8_t>(src.size());
-    ASSERT_TRUE(device_->QuantizeInt8(dq, Upload(src), type, n, stream_).ok());
-    ASSERT_TRUE(device_->DequantizeInt8(dback, type, dq, n, stream_).ok());
-    std::vector<uint8_t> want_q(qbytes), want_back(src.size());
-    QuantizeParamsInt8(src.data(), type, n, want_q.data());
-    DequantizeParamsInt8(want_q.data(), n, type, want_back.data());
-    EXPECT_EQ(Download(dq, qbytes), want_q);
-    EXPECT_EQ(Download(dback, src.size()), want_back);
-    // A failed read's blocks (every byte 0xFF: a NaN scale with a sign and payload) decode to
-    // the CPU's NaN bits too.
-    std::vector<uint8_t> ff(qbytes, 0xFF), want_ff(src.size());
-    DequantizeParamsInt8(ff.data(), n, type, want_ff.data());
-    ASSERT_TRUE(device_->DequantizeInt8(dback, type, Upload(ff), n, stream_).ok());
-    EXPECT_EQ(Download(dback, src.size()), want_ff);
   }
-  // Misaligned blocks are refused at the call (a misaligned read would stop a GPU's context).
+  // Misaligned blocks are refused at the call (a misaligned read would stop a GPU's context),
+  // as are block sizes a GPU's thread block cannot encode.
   uint8_t* d = Buffer<uint8_t>(1024);
-  EXPECT_EQ(device_->QuantizeInt8(d + 1, d + 512, ParamCopyType::kNone, 4, stream_).code(),
+  const ParamCopyType f32 = ParamCopyType::kNone;
+  EXPECT_EQ(device_->QuantizeInt8(d + 1, d + 512, f32, 4, 256, stream_).code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(device_->DequantizeInt8(d + 512, ParamCopyType::kNone, d + 2, 4, stream_).code(),
+  EXPECT_EQ(device_->DequantizeInt8(d + 512, f32, d + 2, 4, 256, stream_).code(),
             StatusCode::kInvalidArgument);
+  for (size_t bad : {0, 32, 100, 2048}) {
+    EXPECT_EQ(device_->QuantizeInt8(d, d + 512, f32, 4, bad, stream_).code(),
+              StatusCode::kInvalidArgument)
+        << bad;
+    EXPECT_EQ(device_->DequantizeInt8(d + 512, f32, d, 4, bad, stream_).code(),
+              StatusCode::kInvalidArgument)
+        << bad;
+  }
 }
 
 // The int4 gradient blocks (QuantizeInt4, DequantizeInt4) are the CPU functions' bytes
-// (QuantizeGradsInt4, DequantizeGradsInt4) on the same kinds of block, ties included (a block
-// whose largest magnitude is 7: codes round(x), to even), 0xFF blocks decoding to the CPU's NaN.
+// (QuantizeGradsInt4, DequantizeGradsInt4) on the same kinds of block and block sizes, ties
+// included (a block whose largest magnitude is 7: codes round(x), to even), 0xFF blocks decoding
+// to the CPU's NaN.
 TEST_P(DeviceContract, QuantizeInt4IsTheCpuFunctions) {
-  constexpr size_t kB = kInt8StateBlock;
-  const size_t n = 8 * kB + 45;
-  std::vector<float> x = EveryKindOfBlock(n);
-  for (size_t i = 7 * kB; i < 8 * kB; ++i) x[i] = static_cast<float>(i % 15) * 0.5f - 3.5f;
-  x[7 * kB] = 7.0f;
-  const size_t qbytes = Int4Bytes(n);
-  uint8_t* dq = Buffer<uint8_t>(qbytes);
-  float* dback = Buffer<float>(n);
-  ASSERT_TRUE(device_->QuantizeInt4(dq, Upload(x), n, stream_).ok());
-  ASSERT_TRUE(device_->DequantizeInt4(dback, dq, n, stream_).ok());
-  std::vector<uint8_t> want_q(qbytes);
-  std::vector<float> want_back(n);
-  QuantizeGradsInt4(x.data(), n, want_q.data());
-  DequantizeGradsInt4(want_q.data(), n, want_back.data());
-  EXPECT_EQ(Download(dq, qbytes), want_q);
-  const std::vector<float> back = Download(dback, n);
-  EXPECT_EQ(std::memcmp(back.data(), want_back.data(), n * sizeof(float)), 0);
-  std::vector<uint8_t> ff(qbytes, 0xFF);
-  DequantizeGradsInt4(ff.data(), n, want_back.data());
-  ASSERT_TRUE(device_->DequantizeInt4(dback, Upload(ff), n, stream_).ok());
-  const std::vector<float> nan = Download(dback, n);
-  EXPECT_EQ(std::memcmp(nan.data(), want_back.data(), n * sizeof(float)), 0);
+  for (size_t kB : kQuantBlocks) {
+    SCOPED_TRACE("block " + std::to_string(kB));
+    const size_t n = 8 * kB + 45;
+    std::vector<float> x = EveryKindOfBlock(n, kB);
+    for (size_t i = 7 * kB; i < 8 * kB; ++i) x[i] = static_cast<float>(i % 15) * 0.5f - 3.5f;
+    x[7 * kB] = 7.0f;
+    const size_t qbytes = Int4Bytes(n, kB);
+    uint8_t* dq = Buffer<uint8_t>(qbytes);
+    float* dback = Buffer<float>(n);
+    ASSERT_TRUE(device_->QuantizeInt4(dq, Upload(x), n, kB, stream_).ok());
+    ASSERT_TRUE(device_->DequantizeInt4(dback, dq, n, kB, stream_).ok());
+    std::vector<uint8_t> want_q(qbytes);
+    std::vector<float> want_back(n);
+    QuantizeGradsInt4(x.data(), n, want_q.data(), kB);
+    DequantizeGradsInt4(want_q.data(), n, want_back.data(), kB);
+    EXPECT_EQ(Download(dq, qbytes), want_q);
+    const std::vector<float> back = Download(dback, n);
+    EXPECT_EQ(std::memcmp(back.data(), want_back.data(), n * sizeof(float)), 0);
+    std::vector<uint8_t> ff(qbytes, 0xFF);
+    DequantizeGradsInt4(ff.data(), n, want_back.data(), kB);
+    ASSERT_TRUE(device_->DequantizeInt4(dback, Upload(ff), n, kB, stream_).ok());
+    const std::vector<float> nan = Download(dback, n);
+    EXPECT_EQ(std::memcmp(nan.data(), want_back.data(), n * sizeof(float)), 0);
+  }
   uint8_t* d = Buffer<uint8_t>(1024);
-  EXPECT_EQ(device_->QuantizeInt4(d + 1, reinterpret_cast<float*>(d + 512), 4, stream_).code(),
+  float* f = reinterpret_cast<float*>(d + 512);
+  EXPECT_EQ(device_->QuantizeInt4(d + 1, f, 4, 256, stream_).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(device_->DequantizeInt4(f, d + 2, 4, 256, stream_).code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(device_->DequantizeInt4(reinterpret_cast<float*>(d + 512), d + 2, 4, stream_).code(),
-            StatusCode::kInvalidArgument);
+  for (size_t bad : {0, 32, 100, 2048}) {
+    EXPECT_EQ(device_->QuantizeInt4(d, f, 4, bad, stream_).code(), StatusCode::kInvalidArgument)
+        << bad;
+    EXPECT_EQ(device_->DequantizeInt4(f, d, 4, bad, stream_).code(), StatusCode::kInvalidArgument)
+        << bad;
+  }
 }
 
 // AddInto is one correctly rounded addition per element (the host's a += b); SumSquares is

@@ -491,66 +491,74 @@ TEST(FrozenInt8, EveryElementIsWithinHalfAStepOfItsBlock) {
 }
 
 // The AVX-512 decoders (what a fetch runs where the CPU has them) are the scalar ones' bits:
-// full and partial blocks, zero, tiny and NaN scales.
+// full and partial blocks, zero, tiny and NaN scales, blocks of the stored 256 values and of the
+// quantized collectives' other sizes (zinf.quantization_block_size).
 TEST(FrozenInt8, Avx512DecodesAsTheScalarCode) {
   if (!weights_int8::Avx512Usable()) GTEST_SKIP() << "no AVX-512 on this CPU";
-  const size_t n = 9 * kInt8StateBlock + 200;
-  std::vector<float> x(n);
-  for (size_t i = 0; i < n; ++i) x[i] = std::ldexp(HashUniform(0x512, 1, i), (i / 256) * 9 - 40);
-  for (size_t i = 256; i < 512; ++i) x[i] = 0;  // a zero block
-  std::vector<uint8_t> q(StateBytes(StateType::kInt8, n));
-  ASSERT_TRUE(QuantizeWeightsInt8(x.data(), n, q.data()).ok());
-  std::memset(q.data() + 4 * (kInt8StateBlock + 4), 0xFF, kInt8StateBlock + 4);  // a NaN block
-  for (size_t len : {n, size_t{kInt8StateBlock}, size_t{3 * kInt8StateBlock + 1}}) {
-    std::vector<float> a(len), b(len);
-    weights_int8::DequantizeF32Scalar(q.data(), len, a.data());
-    weights_int8::DequantizeF32Avx512(q.data(), len, b.data());
-    EXPECT_EQ(std::memcmp(a.data(), b.data(), len * sizeof(float)), 0) << len;
-    std::vector<uint16_t> c(len), d(len);
-    weights_int8::DequantizeBf16Scalar(q.data(), len, c.data());
-    weights_int8::DequantizeBf16Avx512(q.data(), len, d.data());
-    EXPECT_EQ(c, d) << len;
+  for (size_t kB : {kMinQuantBlock, kInt8StateBlock, kMaxQuantBlock}) {
+    SCOPED_TRACE("blocks of " + std::to_string(kB));
+    const size_t n = 9 * kB + 200;
+    std::vector<float> x(n);
+    for (size_t i = 0; i < n; ++i) x[i] = std::ldexp(HashUniform(0x512, 1, i), (i / kB) * 9 - 40);
+    for (size_t i = kB; i < 2 * kB; ++i) x[i] = 0;  // a zero block
+    std::vector<uint8_t> q(Int8Bytes(n, kB));
+    QuantizeParamsInt8(x.data(), ParamCopyType::kNone, n, q.data(), kB);
+    std::memset(q.data() + 4 * (kB + 4), 0xFF, kB + 4);  // a NaN block
+    for (size_t len : {n, kB, 3 * kB + 1}) {
+      std::vector<float> a(len), b(len);
+      weights_int8::DequantizeF32Scalar(q.data(), len, kB, a.data());
+      weights_int8::DequantizeF32Avx512(q.data(), len, kB, b.data());
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), len * sizeof(float)), 0) << len;
+      std::vector<uint16_t> c(len), d(len);
+      weights_int8::DequantizeBf16Scalar(q.data(), len, kB, c.data());
+      weights_int8::DequantizeBf16Avx512(q.data(), len, kB, d.data());
+      EXPECT_EQ(c, d) << len;
+    }
   }
 }
 
 // The AVX-512 block encoder (what every quantized gather, quantized gradient reduction and
 // int8 registration runs where the CPU has it) gives the scalar encoder's bytes: magnitudes
 // from 1e-38 to FLT_MAX, exact ties (nearest even), zero, tiny, inf and NaN blocks, partial
-// blocks.
+// blocks; blocks of 64, 256 and 1024 values.
 TEST(FrozenInt8, Avx512EncodesAsTheScalarCode) {
   if (!weights_int8::Avx512Usable()) GTEST_SKIP() << "no AVX-512 on this CPU";
-  constexpr size_t kB = kInt8StateBlock;
+  constexpr size_t kMax = kMaxQuantBlock;
   std::vector<std::vector<float>> blocks;
   for (int e = -126; e <= 127; e += 9) {  // random values at every scale
-    std::vector<float> x(kB);
-    for (size_t i = 0; i < kB; ++i) x[i] = std::ldexp(HashUniform(0xE2C, e + 200, i), e);
+    std::vector<float> x(kMax);
+    for (size_t i = 0; i < kMax; ++i) x[i] = std::ldexp(HashUniform(0xE2C, e + 200, i), e);
     blocks.push_back(x);
   }
-  std::vector<float> ties(kB);  // largest 127: inv is 1, so k + 0.5 are exact ties
-  for (size_t i = 0; i < kB; ++i) ties[i] = static_cast<float>(i % 64) - 31.5f;
+  std::vector<float> ties(kMax);  // largest 127: inv is 1, so k + 0.5 are exact ties
+  for (size_t i = 0; i < kMax; ++i) ties[i] = static_cast<float>(i % 64) - 31.5f;
   ties[7] = 127.0f;
   blocks.push_back(ties);
-  blocks.push_back(std::vector<float>(kB, 0.0f));
-  blocks.push_back(std::vector<float>(kB, -1e-38f));
-  std::vector<float> huge(kB, -FLT_MAX);
+  blocks.push_back(std::vector<float>(kMax, 0.0f));
+  blocks.push_back(std::vector<float>(kMax, -1e-38f));
+  std::vector<float> huge(kMax, -FLT_MAX);
   huge[3] = FLT_MAX;
   blocks.push_back(huge);
-  for (float bad : {INFINITY, -INFINITY, NAN}) {
-    std::vector<float> x = blocks[5];
-    x[kB - 1] = bad;
-    blocks.push_back(x);
+  for (size_t kB : {kMinQuantBlock, kInt8StateBlock, kMaxQuantBlock}) {
+    for (float bad : {INFINITY, -INFINITY, NAN}) {  // in the last value of a block of kB
+      std::vector<float> x = blocks[5];
+      x[kB - 1] = bad;
+      blocks.push_back(x);
+    }
   }
-  for (size_t b = 0; b < blocks.size(); ++b) {
-    for (size_t len : {kB, kB - 1, size_t{17}}) {
-      std::vector<int8_t> want(kB + 4, 1), got(kB + 4, 2);
-      weights_int8::EncodeBlockScalar(blocks[b].data(), len, want.data());
-      weights_int8::EncodeBlockAvx512(blocks[b].data(), len, got.data());
-      EXPECT_EQ(want, got) << "block " << b << ", " << len << " values";
+  for (size_t kB : {kMinQuantBlock, kInt8StateBlock, kMaxQuantBlock}) {
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      for (size_t len : {kB, kB - 1, size_t{17}}) {
+        std::vector<int8_t> want(kB + 4, 1), got(kB + 4, 2);
+        weights_int8::EncodeBlockScalar(blocks[b].data(), len, kB, want.data());
+        weights_int8::EncodeBlockAvx512(blocks[b].data(), len, kB, got.data());
+        EXPECT_EQ(want, got) << "block " << b << ", " << len << " of " << kB << " values";
+      }
     }
   }
   // The ties went to the even code: -31.5 -> -32, -30.5 -> -30, 0.5 -> 0, 1.5 -> 2.
-  std::vector<int8_t> q(kB + 4);
-  weights_int8::EncodeBlockAvx512(ties.data(), kB, q.data());
+  std::vector<int8_t> q(kInt8StateBlock + 4);
+  weights_int8::EncodeBlockAvx512(ties.data(), kInt8StateBlock, kInt8StateBlock, q.data());
   EXPECT_EQ(q[0], -32);
   EXPECT_EQ(q[1], -30);
   EXPECT_EQ(q[32], 0);

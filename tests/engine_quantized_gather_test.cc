@@ -62,49 +62,61 @@ float Decode(const std::vector<uint8_t>& bytes, ParamCopyType type, size_t i) {
   return ParamCopyToFp32(type, v);
 }
 
-// The largest value that int8 codes the block of element i from (the values as `type` holds
-// them).
-float BlockLargest(const std::vector<float>& widened, size_t i) {
-  const size_t b = i / kBlock * kBlock;
+// The largest value that int8 codes the block (of `block` values) of element i from (the values
+// as `type` holds them).
+float BlockLargest(const std::vector<float>& widened, size_t i, size_t block = kBlock) {
+  const size_t b = i / block * block;
   float m = 0;
-  for (size_t j = b; j < std::min(b + kBlock, widened.size()); ++j) {
+  for (size_t j = b; j < std::min(b + block, widened.size()); ++j) {
     m = std::max(m, std::fabs(widened[j]));
   }
   return m;
 }
 
+// Every block size zinf.quantization_block_size takes.
+constexpr size_t kBlockSizes[] = {64, 128, 256, 512, 1024};
+
 TEST(QuantizedGather, TheEncodingKeepsEveryValueWithinItsBlocksBound) {
-  for (ParamCopyType type : {ParamCopyType::kNone, ParamCopyType::kBf16, ParamCopyType::kF16}) {
-    for (size_t n : {size_t{1}, size_t{255}, size_t{256}, size_t{257}, size_t{1000}}) {
-      SCOPED_TRACE(std::string(ParamCopyTypeName(type)) + ", " + std::to_string(n) + " values");
-      std::vector<float> x(n);
-      for (size_t i = 0; i < n; ++i) {
-        // Blocks of very different magnitudes, a few outliers, exact zeros.
-        const float mag = std::ldexp(1.0f, static_cast<int>((i / kBlock) * 5 % 23) - 11);
-        x[i] = i % 41 == 0 ? 0.0f : mag * std::sin(0.37f * static_cast<float>(i) + 1.0f);
-        if (i % 97 == 5) x[i] *= 30.0f;
-      }
-      const std::vector<uint8_t> src = Encode(x, type);
-      std::vector<float> widened(n);
-      for (size_t i = 0; i < n; ++i) widened[i] = Decode(src, type, i);
-      std::vector<uint8_t> q(StateBytes(StateType::kInt8, n), 0xAB);
-      QuantizeParamsInt8(src.data(), type, n, q.data());
-      // fp32 input: the very bytes of the frozen-weight encoder (tested on its own); 16-bit
-      // input: the same as encoding the exactly widened values.
-      std::vector<uint8_t> ref(q.size(), 0xCD);
-      ASSERT_TRUE(QuantizeWeightsInt8(widened.data(), n, ref.data()).ok());
-      EXPECT_EQ(q, ref);
-      std::vector<uint8_t> back(src.size());
-      DequantizeParamsInt8(q.data(), n, type, back.data());
-      for (size_t i = 0; i < n; ++i) {
-        const float got = Decode(back, type, i);
-        // Half a step of the block's scale (largest / 127), plus the rounding into the dtype
-        // (half an ulp of the decoded value: 2^-8 relative for bf16, 2^-11 for fp16).
-        const float rel = type == ParamCopyType::kBf16  ? 1.0f / 256
-                          : type == ParamCopyType::kF16 ? 1.0f / 2048
-                                                        : 0.0f;
-        const float bound = BlockLargest(widened, i) / 254.0f * 1.0001f + std::fabs(got) * rel;
-        ASSERT_LE(std::fabs(got - widened[i]), bound) << "element " << i;
+  for (size_t block : kBlockSizes) {
+    for (ParamCopyType type : {ParamCopyType::kNone, ParamCopyType::kBf16, ParamCopyType::kF16}) {
+      for (size_t n :
+           {size_t{1}, size_t{255}, size_t{256}, size_t{257}, size_t{1000}, size_t{3000}}) {
+        SCOPED_TRACE(std::string(ParamCopyTypeName(type)) + ", " + std::to_string(n) +
+                     " values, blocks of " + std::to_string(block));
+        std::vector<float> x(n);
+        for (size_t i = 0; i < n; ++i) {
+          // Blocks of very different magnitudes, a few outliers, exact zeros.
+          const float mag = std::ldexp(1.0f, static_cast<int>((i / kBlock) * 5 % 23) - 11);
+          x[i] = i % 41 == 0 ? 0.0f : mag * std::sin(0.37f * static_cast<float>(i) + 1.0f);
+          if (i % 97 == 5) x[i] *= 30.0f;
+        }
+        const std::vector<uint8_t> src = Encode(x, type);
+        std::vector<float> widened(n);
+        for (size_t i = 0; i < n; ++i) widened[i] = Decode(src, type, i);
+        std::vector<uint8_t> q(Int8Bytes(n, block) + 1, 0xAB);
+        QuantizeParamsInt8(src.data(), type, n, q.data(), block);
+        ASSERT_EQ(q.back(), 0xAB) << "wrote past Int8Bytes(n, block)";
+        q.pop_back();
+        // fp32 input: the very bytes of the frozen-weight encoder (tested on its own); 16-bit
+        // input: the same as encoding the exactly widened values.
+        if (block == kBlock) {
+          std::vector<uint8_t> ref(q.size(), 0xCD);
+          ASSERT_TRUE(QuantizeWeightsInt8(widened.data(), n, ref.data()).ok());
+          EXPECT_EQ(q, ref);
+        }
+        std::vector<uint8_t> back(src.size());
+        DequantizeParamsInt8(q.data(), n, type, back.data(), block);
+        for (size_t i = 0; i < n; ++i) {
+          const float got = Decode(back, type, i);
+          // Half a step of the block's scale (largest / 127), plus the rounding into the dtype
+          // (half an ulp of the decoded value: 2^-8 relative for bf16, 2^-11 for fp16).
+          const float rel = type == ParamCopyType::kBf16  ? 1.0f / 256
+                            : type == ParamCopyType::kF16 ? 1.0f / 2048
+                                                          : 0.0f;
+          const float bound =
+              BlockLargest(widened, i, block) / 254.0f * 1.0001f + std::fabs(got) * rel;
+          ASSERT_LE(std::fabs(got - widened[i]), bound) << "element " << i;
+        }
       }
     }
   }
@@ -153,21 +165,24 @@ TEST(QuantizedGather, ZeroTinyHugeAndNonFiniteBlocks) {
 // two's complement, ties to even) and the scale; zero, tiny, huge and non-finite blocks; the
 // AVX-512 code's bytes and values the scalar code's.
 TEST(QuantizedGradients, Int4KeepsEveryValueWithinItsBlocksBound) {
-  for (size_t n : {size_t{1}, size_t{255}, size_t{256}, size_t{257}, size_t{1000}}) {
-    SCOPED_TRACE(std::to_string(n) + " values");
-    std::vector<float> x(n);
-    for (size_t i = 0; i < n; ++i) {
-      const float mag = std::ldexp(1.0f, static_cast<int>((i / kBlock) * 5 % 23) - 11);
-      x[i] = i % 41 == 0 ? 0.0f : mag * std::sin(0.37f * static_cast<float>(i) + 1.0f);
-      if (i % 97 == 5) x[i] *= 30.0f;
-    }
-    std::vector<uint8_t> q(Int4Bytes(n) + 1, 0xAB);
-    QuantizeGradsInt4(x.data(), n, q.data());
-    EXPECT_EQ(q.back(), 0xAB) << "wrote past Int4Bytes(n)";
-    std::vector<float> back(n);
-    DequantizeGradsInt4(q.data(), n, back.data());
-    for (size_t i = 0; i < n; ++i) {
-      ASSERT_LE(std::fabs(back[i] - x[i]), BlockLargest(x, i) / 14.0f * 1.0001f) << i;
+  for (size_t block : kBlockSizes) {
+    for (size_t n :
+         {size_t{1}, size_t{255}, size_t{256}, size_t{257}, size_t{1000}, size_t{3000}}) {
+      SCOPED_TRACE(std::to_string(n) + " values, blocks of " + std::to_string(block));
+      std::vector<float> x(n);
+      for (size_t i = 0; i < n; ++i) {
+        const float mag = std::ldexp(1.0f, static_cast<int>((i / kBlock) * 5 % 23) - 11);
+        x[i] = i % 41 == 0 ? 0.0f : mag * std::sin(0.37f * static_cast<float>(i) + 1.0f);
+        if (i % 97 == 5) x[i] *= 30.0f;
+      }
+      std::vector<uint8_t> q(Int4Bytes(n, block) + 1, 0xAB);
+      QuantizeGradsInt4(x.data(), n, q.data(), block);
+      EXPECT_EQ(q.back(), 0xAB) << "wrote past Int4Bytes(n, block)";
+      std::vector<float> back(n);
+      DequantizeGradsInt4(q.data(), n, back.data(), block);
+      for (size_t i = 0; i < n; ++i) {
+        ASSERT_LE(std::fabs(back[i] - x[i]), BlockLargest(x, i, block) / 14.0f * 1.0001f) << i;
+      }
     }
   }
   // The layout: a block whose largest magnitude is 7 has scale 1 and codes round(x).
@@ -213,24 +228,32 @@ TEST(QuantizedGradients, Int4KeepsEveryValueWithinItsBlocksBound) {
       const size_t at = b * kBlock;
       const size_t m = std::min(len, n - at);
       std::vector<uint8_t> a(kInt4BlockBytes, 1), v(kInt4BlockBytes, 2);
-      weights_int8::EncodeInt4BlockScalar(y.data() + at, m, a.data());
-      weights_int8::EncodeInt4BlockAvx512(y.data() + at, m, v.data());
+      weights_int8::EncodeInt4BlockScalar(y.data() + at, m, kBlock, a.data());
+      weights_int8::EncodeInt4BlockAvx512(y.data() + at, m, kBlock, v.data());
       EXPECT_EQ(a, v) << "block " << b << ", " << m << " values";
     }
   }
   std::vector<float> s1(n), s2(n);
-  weights_int8::DequantizeInt4Scalar(qy.data(), n, s1.data());
-  weights_int8::DequantizeInt4Avx512(qy.data(), n, s2.data());
+  weights_int8::DequantizeInt4Scalar(qy.data(), n, kBlock, s1.data());
+  weights_int8::DequantizeInt4Avx512(qy.data(), n, kBlock, s2.data());
   EXPECT_EQ(std::memcmp(s1.data(), s2.data(), n * sizeof(float)), 0);
-  std::vector<uint8_t> qs(Int4Bytes(1000)), qv(Int4Bytes(1000));  // random blocks
-  std::vector<float> r(1000);
+  // Random blocks of every size: the dispatched (AVX-512) code's bytes and values the scalar's.
+  std::vector<float> r(3000);
   for (size_t i = 0; i < r.size(); ++i) r[i] = std::ldexp(std::sin(1.3f * i), (i / 256) * 20 - 30);
-  for (size_t at = 0; at < r.size(); at += kBlock) {
-    weights_int8::EncodeInt4BlockScalar(r.data() + at, std::min(kBlock, r.size() - at),
-                                        qs.data() + at / kBlock * kInt4BlockBytes);
+  for (size_t block : kBlockSizes) {
+    SCOPED_TRACE("blocks of " + std::to_string(block));
+    std::vector<uint8_t> qs(Int4Bytes(r.size(), block)), qv(qs.size());
+    for (size_t at = 0; at < r.size(); at += block) {
+      weights_int8::EncodeInt4BlockScalar(r.data() + at, std::min(block, r.size() - at), block,
+                                          qs.data() + Int4Bytes(at, block));
+    }
+    QuantizeGradsInt4(r.data(), r.size(), qv.data(), block);
+    EXPECT_EQ(qs, qv);
+    std::vector<float> d1(r.size()), d2(r.size());
+    weights_int8::DequantizeInt4Scalar(qv.data(), r.size(), block, d1.data());
+    DequantizeGradsInt4(qv.data(), r.size(), d2.data(), block);
+    EXPECT_EQ(std::memcmp(d1.data(), d2.data(), r.size() * sizeof(float)), 0);
   }
-  QuantizeGradsInt4(r.data(), r.size(), qv.data());
-  EXPECT_EQ(qs, qv);
 }
 
 // The device's kernels are the CPU functions' bits (the host device runs them on its streams,
@@ -249,8 +272,8 @@ TEST(QuantizedGather, TheDeviceKernelsMatchTheCpuFunctions) {
     ASSERT_TRUE(dsrc.ok() && dq.ok() && dback.ok());
     Stream* s = device->ComputeStream();
     ASSERT_TRUE(device->CopyHostToDevice(*dsrc, src.data(), src.size(), s).ok());
-    ASSERT_TRUE(device->QuantizeInt8(*dq, *dsrc, type, n, s).ok());
-    ASSERT_TRUE(device->DequantizeInt8(*dback, type, *dq, n, s).ok());
+    ASSERT_TRUE(device->QuantizeInt8(*dq, *dsrc, type, n, kBlock, s).ok());
+    ASSERT_TRUE(device->DequantizeInt8(*dback, type, *dq, n, kBlock, s).ok());
     std::vector<uint8_t> q(qbytes), back(src.size());
     ASSERT_TRUE(device->CopyDeviceToHost(q.data(), *dq, qbytes, s).ok());
     ASSERT_TRUE(device->CopyDeviceToHost(back.data(), *dback, back.size(), s).ok());
@@ -273,8 +296,8 @@ TEST(QuantizedGather, TheDeviceKernelsMatchTheCpuFunctions) {
     ASSERT_TRUE(dsrc.ok() && dq.ok() && dback.ok());
     Stream* s = device->ComputeStream();
     ASSERT_TRUE(device->CopyHostToDevice(*dsrc, x.data(), n * sizeof(float), s).ok());
-    ASSERT_TRUE(device->QuantizeInt4(*dq, static_cast<const float*>(*dsrc), n, s).ok());
-    ASSERT_TRUE(device->DequantizeInt4(static_cast<float*>(*dback), *dq, n, s).ok());
+    ASSERT_TRUE(device->QuantizeInt4(*dq, static_cast<const float*>(*dsrc), n, kBlock, s).ok());
+    ASSERT_TRUE(device->DequantizeInt4(static_cast<float*>(*dback), *dq, n, kBlock, s).ok());
     std::vector<uint8_t> q(qbytes);
     std::vector<float> back(n);
     ASSERT_TRUE(device->CopyDeviceToHost(q.data(), *dq, qbytes, s).ok());
@@ -290,9 +313,10 @@ TEST(QuantizedGather, TheDeviceKernelsMatchTheCpuFunctions) {
   }
   // Argument errors are returned, not run.
   EXPECT_EQ(
-      device->QuantizeInt8(nullptr, &n, ParamCopyType::kNone, 4, device->ComputeStream()).code(),
+      device->QuantizeInt8(nullptr, &n, ParamCopyType::kNone, 4, kBlock, device->ComputeStream())
+          .code(),
       StatusCode::kInvalidArgument);
-  EXPECT_EQ(device->QuantizeInt4(nullptr, nullptr, 4, device->ComputeStream()).code(),
+  EXPECT_EQ(device->QuantizeInt4(nullptr, nullptr, 4, kBlock, device->ComputeStream()).code(),
             StatusCode::kInvalidArgument);
 }
 
@@ -382,10 +406,11 @@ enum class Kind { kTrainable, kFrozenInt8, kFrozen };
 
 // `hpz` > 1: zero_hpz_partition_size, with zero_quantized_gradients too (its groups), and the
 // parameter acquired twice (released between: fetched again), both acquisitions in `bytes`;
-// then a trainable one is acquired for training, given a gradient and stepped.
+// then a trainable one is acquired for training, given a gradient and stepped. `block`:
+// zinf.quantization_block_size.
 Acquired AcquireOnRanks(int ranks, ParamCopyType type, Tier tier, bool quantized, size_t numel,
                         const std::vector<float>& values, Kind kind = Kind::kTrainable,
-                        uint32_t hpz = 1) {
+                        uint32_t hpz = 1, uint32_t block = kBlock) {
   Acquired out;
   out.bytes.resize(ranks);
   TempDir dir;
@@ -402,6 +427,7 @@ Acquired AcquireOnRanks(int ranks, ParamCopyType type, Tier tier, bool quantized
     c.frozen_int8 = kind == Kind::kFrozenInt8;
     c.hpz_partition_size = hpz;
     c.quantized_gradients = hpz > 1;
+    c.quantization_block_size = block;
     ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(c, device, comm));
     ZINF_ASSIGN_OR_RETURN(ParamId id, RegisterW(engine.get(), numel, kind == Kind::kTrainable,
                                                 [&values](float* d, size_t n) {
@@ -471,6 +497,54 @@ TEST(QuantizedGather, EveryRankAcquiresEveryPartitionDecodedTheSame) {
       }
     }
   }
+}
+
+// zinf.quantization_block_size sets the gather's blocks: what every rank acquires is each
+// partition encoded and decoded in blocks of that size (the CPU functions' bytes), and each
+// gather moves Int8Bytes(partition, block) per rank (64: more scales than 256's, 1024: fewer).
+// An int8 frozen weight is still gathered in its stored blocks of 256.
+TEST(QuantizedGather, TheBlockSizeKeySetsTheGathersBlocks) {
+  constexpr size_t kNumel = 9 * kBlock + 37;
+  std::vector<float> values(kNumel);
+  for (size_t i = 0; i < kNumel; ++i) {
+    values[i] = 0.02f * std::sin(0.013f * static_cast<float>(i * i % 1009)) * (i % 53 ? 1 : 25);
+  }
+  for (ParamCopyType type : {ParamCopyType::kNone, ParamCopyType::kBf16}) {
+    const size_t elem = type == ParamCopyType::kNone ? 4 : 2;
+    std::vector<std::vector<uint8_t>> seen;
+    for (uint32_t block : {64u, 256u, 1024u}) {
+      for (int ranks : {2, 3}) {
+        SCOPED_TRACE(std::string(ParamCopyTypeName(type)) + ", " + std::to_string(ranks) +
+                     " ranks, blocks of " + std::to_string(block));
+        const Acquired q = AcquireOnRanks(ranks, type, Tier::kCpu, true, kNumel, values,
+                                          Kind::kTrainable, 1, block);
+        ASSERT_TRUE(q.status.ok()) << q.status.ToString();
+        const size_t part = q.partition;
+        std::vector<float> padded(values);
+        padded.resize(part * ranks, 0.0f);
+        const std::vector<uint8_t> as_dtype = Encode(padded, type);
+        std::vector<uint8_t> want(part * ranks * elem);
+        std::vector<uint8_t> blocks(Int8Bytes(part, block));
+        for (int k = 0; k < ranks; ++k) {
+          QuantizeParamsInt8(&as_dtype[k * part * elem], type, part, blocks.data(), block);
+          DequantizeParamsInt8(blocks.data(), part, type, &want[k * part * elem], block);
+        }
+        want.resize(kNumel * elem);
+        for (int r = 0; r < ranks; ++r) EXPECT_EQ(q.bytes[r], want) << "rank " << r;
+        EXPECT_EQ(std::count(q.gathers.begin(), q.gathers.end(), Int8Bytes(part, block)), 1);
+        EXPECT_EQ(std::count(q.gathers.begin(), q.gathers.end(), part * elem), 0);
+        if (ranks == 2) seen.push_back(q.bytes[0]);
+      }
+    }
+    EXPECT_NE(seen[0], seen[1]);  // (the block size did change the values)
+    EXPECT_NE(seen[1], seen[2]);
+  }
+  const Acquired f = AcquireOnRanks(2, ParamCopyType::kNone, Tier::kCpu, false, kNumel, values,
+                                    Kind::kFrozenInt8, 1, 64);
+  ASSERT_TRUE(f.status.ok()) << f.status.ToString();
+  const size_t stored = StateBytes(StateType::kInt8, f.partition);
+  EXPECT_EQ(std::count(f.gathers.begin(), f.gathers.end(), stored), 1);
+  EXPECT_EQ(std::count(f.gathers.begin(), f.gathers.end(), Int8Bytes(f.partition, 64)), 0);
 }
 
 // An int8 frozen weight (zinf.frozen_weight_dtype) on several ranks is gathered as its stored
@@ -771,37 +845,54 @@ SpikyStep StepSpiky(int ranks, const std::function<void(EngineConfig*)>& setup) 
   return out;
 }
 
-// The n values of *v through zero_quantized_gradients' blocks of `bits` (8 or 4) and back.
-void RoundTrip(std::vector<float>* v, size_t n, uint32_t bits) {
+// The n values of *v through zero_quantized_gradients' blocks of `bits` (8 or 4) and `block`
+// values, and back.
+void RoundTrip(std::vector<float>* v, size_t n, uint32_t bits, size_t block = kBlock) {
   if (bits == 4) {
-    std::vector<uint8_t> blocks(Int4Bytes(n));
-    QuantizeGradsInt4(v->data(), n, blocks.data());
-    DequantizeGradsInt4(blocks.data(), n, v->data());
+    std::vector<uint8_t> blocks(Int4Bytes(n, block));
+    QuantizeGradsInt4(v->data(), n, blocks.data(), block);
+    DequantizeGradsInt4(blocks.data(), n, v->data(), block);
     return;
   }
-  std::vector<uint8_t> blocks(StateBytes(StateType::kInt8, n));
-  QuantizeParamsInt8(v->data(), ParamCopyType::kNone, n, blocks.data());
-  DequantizeParamsInt8(blocks.data(), n, ParamCopyType::kNone, v->data());
+  std::vector<uint8_t> blocks(Int8Bytes(n, block));
+  QuantizeParamsInt8(v->data(), ParamCopyType::kNone, n, blocks.data(), block);
+  DequantizeParamsInt8(blocks.data(), n, ParamCopyType::kNone, v->data(), block);
 }
 
-// The same with int8 and with int4 blocks (zinf.quantized_gradient_bits).
+// The same with int8 and with int4 blocks (zinf.quantized_gradient_bits), and blocks of 64, 128
+// and 512 values (zinf.quantization_block_size; partitions of 592 and 896 values: partial
+// blocks at each size).
 TEST(QuantizedGather, TheQuantizedReductionIsEachRanksBlocksSummedInRankOrder) {
   constexpr size_t kNumel = kSpikyNumel;
   auto grad = SpikyGrad;
-  for (const auto& [ranks, bits] : {std::pair{2, 8u}, {3, 8u}, {2, 4u}, {3, 4u}}) {
+  struct Case {
+    int ranks;
+    uint32_t bits;
+    uint32_t block;
+  };
+  for (const Case& cs : {Case{2, 8, 256},
+                         {3, 8, 256},
+                         {2, 4, 256},
+                         {3, 4, 256},
+                         {3, 8, 64},
+                         {2, 8, 512},
+                         {3, 4, 128}}) {
+    const int ranks = cs.ranks;
+    const uint32_t bits = cs.bits;
     double norms[2] = {0, 0};
     size_t part = 0;
     for (bool quantized : {false, true}) {
       const SpikyStep run = StepSpiky(ranks, [&](EngineConfig* c) {
         c->quantized_gradients = quantized;
         c->quantized_gradient_bits = bits;
+        c->quantization_block_size = cs.block;
       });
       ASSERT_TRUE(run.status.ok()) << run.status.ToString();
       for (int r = 1; r < ranks; ++r) EXPECT_EQ(run.norms[r], run.norms[0]);
       norms[quantized] = run.norms[0];
       part = run.part;
     }
-    ASSERT_GE(part, kBlock);  // (quantized: at least a block per partition)
+    ASSERT_GE(part, cs.block);  // (quantized: at least a block per partition)
     // The references.
     std::vector<float> exact(part * ranks, 0.0f), summed(part * ranks, 0.0f);
     std::vector<float> chunk(part), decoded(part);
@@ -812,7 +903,7 @@ TEST(QuantizedGather, TheQuantizedReductionIsEachRanksBlocksSummedInRankOrder) {
           chunk[i] = at < kNumel ? grad(r, at) : 0.0f;
         }
         decoded = chunk;
-        RoundTrip(&decoded, part, bits);
+        RoundTrip(&decoded, part, bits, cs.block);
         for (size_t i = 0; i < part; ++i) {
           exact[k * part + i] = r == 0 ? chunk[i] : exact[k * part + i] + chunk[i];
           summed[k * part + i] = r == 0 ? decoded[i] : summed[k * part + i] + decoded[i];
@@ -825,14 +916,15 @@ TEST(QuantizedGather, TheQuantizedReductionIsEachRanksBlocksSummedInRankOrder) {
       return std::sqrt(s);
     };
     const double want_plain = l2(exact), want_q = l2(summed);
-    SCOPED_TRACE(std::to_string(ranks) + " ranks, int" + std::to_string(bits));
+    SCOPED_TRACE(std::to_string(ranks) + " ranks, int" + std::to_string(bits) + ", blocks of " +
+                 std::to_string(cs.block));
     // (The engine adds the squares in its own order and reports the norm through fp32 partial
     // sums: agreement to 1e-6, relative, where quantizing moves it by ~1e-3.)
     EXPECT_NEAR(norms[0], want_plain, want_plain * 1e-6);
     EXPECT_NEAR(norms[1], want_q, want_q * 1e-6);
     EXPECT_GT(std::fabs(want_q - want_plain), want_plain * 1e-4);
-    std::printf("%d ranks, int%u: norm %.9g quantized against %.9g exact\n", ranks, bits, norms[1],
-                norms[0]);
+    std::printf("%d ranks, int%u, blocks of %u: norm %.9g quantized against %.9g exact\n", ranks,
+                bits, cs.block, norms[1], norms[0]);
   }
 }
 
@@ -840,15 +932,25 @@ TEST(QuantizedGather, TheQuantizedReductionIsEachRanksBlocksSummedInRankOrder) {
 // gradient norm is that of each node's ranks' blocks decoded and summed in order, each node
 // sum encoded and decoded again, summed in node order (the CPU functions, within 1e-6), and
 // away from one hop's; the all-to-alls all went to the sub-groups.
-// The same with int8 and int4 blocks.
+// The same with int8 and int4 blocks, and blocks of 64 and 128 values (partitions of 448 and
+// 304 values).
 TEST(QuantizedGather, TwoHopsSumEachNodeThenTheNodes) {
   constexpr size_t kNumel = kSpikyNumel;
   auto grad = SpikyGrad;
   constexpr int kNode = 2;
-  for (const auto& [ranks, bits] : {std::pair{4, 8u}, {6, 8u}, {4, 4u}}) {
-    const SpikyStep run = StepSpiky(ranks, [bits = bits](EngineConfig* c) {
+  struct Case {
+    int ranks;
+    uint32_t bits;
+    uint32_t block;
+  };
+  for (const Case& cs :
+       {Case{4, 8, 256}, {6, 8, 256}, {4, 4, 256}, {4, 8, 64}, {4, 4, 128}, {6, 8, 128}}) {
+    const int ranks = cs.ranks;
+    const uint32_t bits = cs.bits;
+    const SpikyStep run = StepSpiky(ranks, [&cs](EngineConfig* c) {
       c->quantized_gradients = true;
-      c->quantized_gradient_bits = bits;
+      c->quantized_gradient_bits = cs.bits;
+      c->quantization_block_size = cs.block;
       c->hpz_partition_size = kNode;
     });
     ASSERT_TRUE(run.status.ok()) << run.status.ToString();
@@ -856,9 +958,9 @@ TEST(QuantizedGather, TwoHopsSumEachNodeThenTheNodes) {
     const double norm0 = run.norms[0];
     const size_t part = run.part;
     const std::vector<float>& master = run.master;
-    ASSERT_GE(part, kBlock);
+    ASSERT_GE(part, cs.block);
     const int nodes = ranks / kNode;
-    auto round_trip = [&](std::vector<float>* v) { RoundTrip(v, part, bits); };
+    auto round_trip = [&](std::vector<float>* v) { RoundTrip(v, part, bits, cs.block); };
     double two = 0, one = 0;
     size_t checked = 0, misplaced = 0;
     for (int q = 0; q < ranks; ++q) {  // partition q
@@ -897,7 +999,8 @@ TEST(QuantizedGather, TwoHopsSumEachNodeThenTheNodes) {
     EXPECT_EQ(misplaced, 0u) << "of " << checked;
     two = std::sqrt(two);
     one = std::sqrt(one);
-    SCOPED_TRACE(std::to_string(ranks) + " ranks, int" + std::to_string(bits));
+    SCOPED_TRACE(std::to_string(ranks) + " ranks, int" + std::to_string(bits) + ", blocks of " +
+                 std::to_string(cs.block));
     EXPECT_NEAR(norm0, two, two * 1e-6);
     EXPECT_GT(std::fabs(two - one), two * 1e-5);
     for (int r = 0; r < ranks; ++r) {
@@ -905,8 +1008,9 @@ TEST(QuantizedGather, TwoHopsSumEachNodeThenTheNodes) {
       EXPECT_EQ(run.counts[r].sub_all_to_all, 2) << "rank " << r;  // the gradient's two hops
     }
     std::printf(
-        "%d ranks in nodes of 2, int%u: norm %.9g, two hops' reference %.9g, one hop's %.9g\n",
-        ranks, bits, norm0, two, one);
+        "%d ranks in nodes of 2, int%u, blocks of %u: norm %.9g, two hops' reference %.9g, one "
+        "hop's %.9g\n",
+        ranks, bits, cs.block, norm0, two, one);
   }
 }
 

@@ -1021,6 +1021,38 @@ TEST(CheckpointFolder, LockedAgainstASecondWriterCreated0700AndNoLinkFollowed) {
             StatusCode::kInvalidArgument);
 }
 
+// The ZeRO++ settings without effect are warned about at Engine::Create, naming the key and
+// what it needs: zinf.quantization_block_size and zinf.quantized_gradient_bits with no quantized
+// collective on; with one on, not a word about them.
+TEST(EngineSemanticsTest, QuantizationKeysWithoutEffectAreWarnedAbout) {
+  TempDir dir;
+  HostDeviceOptions ho;
+  ho.memory_budget = 16 << 20;
+  std::unique_ptr<Device> device = NewHostDevice(ho);
+  auto comms = std::move(NewLocalComms({device.get()})).value();
+  auto warnings_for = [&](bool quantized) {
+    EngineConfig c = MakeConfig(Placement{}, dir.path());
+    c.quantization_block_size = 64;
+    c.quantized_gradient_bits = 4;
+    c.quantized_gradients = quantized;
+    LogCapture logs;
+    Result<std::unique_ptr<Engine>> e = Engine::Create(c, device.get(), comms[0].get());
+    EXPECT_TRUE(e.ok()) << e.status().ToString();
+    std::string all;
+    for (const std::string& w : logs.warnings()) all += w + "\n";
+    return all;
+  };
+  const std::string off = warnings_for(false);
+  EXPECT_NE(off.find("zinf.quantization_block_size 64: no effect without "
+                     "zero_optimization.zero_quantized_weights"),
+            std::string::npos)
+      << off;
+  EXPECT_NE(off.find("zinf.quantized_gradient_bits 4: no effect"), std::string::npos) << off;
+  const std::string on = warnings_for(true);
+  EXPECT_EQ(on.find("quantization_block_size"), std::string::npos) << on;
+  EXPECT_EQ(on.find("quantized_gradient_bits"), std::string::npos) << on;
+}
+
 TEST(EngineRegistration, DuplicateNamesOverflowingShapesAndBadNamesAreRefused) {
   TempDir dir;
   HostDeviceOptions ho;

@@ -112,23 +112,23 @@ class FaultyDevice : public Device {
     ZINF_RETURN_IF_ERROR(Inject(DeviceOp::kAddInto, s));
     return inner_->AddInto(dst, src, n, s);
   }
-  Status QuantizeInt8(void* dst, const void* src, ParamCopyType type, size_t n,
+  Status QuantizeInt8(void* dst, const void* src, ParamCopyType type, size_t n, size_t block,
                       Stream* s) override {
     ZINF_RETURN_IF_ERROR(Inject(DeviceOp::kQuantizeInt8, s));
-    return inner_->QuantizeInt8(dst, src, type, n, s);
+    return inner_->QuantizeInt8(dst, src, type, n, block, s);
   }
-  Status DequantizeInt8(void* dst, ParamCopyType type, const void* src, size_t n,
+  Status DequantizeInt8(void* dst, ParamCopyType type, const void* src, size_t n, size_t block,
                         Stream* s) override {
     ZINF_RETURN_IF_ERROR(Inject(DeviceOp::kDequantizeInt8, s));
-    return inner_->DequantizeInt8(dst, type, src, n, s);
+    return inner_->DequantizeInt8(dst, type, src, n, block, s);
   }
-  Status QuantizeInt4(void* dst, const float* src, size_t n, Stream* s) override {
+  Status QuantizeInt4(void* dst, const float* src, size_t n, size_t block, Stream* s) override {
     ZINF_RETURN_IF_ERROR(Inject(DeviceOp::kQuantizeInt8, s));  // (the same kind of kernel)
-    return inner_->QuantizeInt4(dst, src, n, s);
+    return inner_->QuantizeInt4(dst, src, n, block, s);
   }
-  Status DequantizeInt4(float* dst, const void* src, size_t n, Stream* s) override {
+  Status DequantizeInt4(float* dst, const void* src, size_t n, size_t block, Stream* s) override {
     ZINF_RETURN_IF_ERROR(Inject(DeviceOp::kDequantizeInt8, s));
-    return inner_->DequantizeInt4(dst, src, n, s);
+    return inner_->DequantizeInt4(dst, src, n, block, s);
   }
   Status SumSquares(const float* x, size_t n, GradStats* out_host, Stream* s) override {
     ZINF_RETURN_IF_ERROR(Inject(DeviceOp::kSumSquares, s));

@@ -30,6 +30,7 @@ struct RankSetup {
   int fp16_power = -1;               // >= 0: fp16 with this initial_scale_power
   bool quantized_gradients = false;  // zero_optimization.zero_quantized_gradients
   uint32_t gradient_bits = 8;        // zinf.quantized_gradient_bits
+  uint32_t quant_block = 256;        // zinf.quantization_block_size
 };
 
 EngineConfig Config(const RankSetup& s) {
@@ -45,6 +46,7 @@ EngineConfig Config(const RankSetup& s) {
   }
   c.quantized_gradients = s.quantized_gradients;
   c.quantized_gradient_bits = s.gradient_bits;
+  c.quantization_block_size = s.quant_block;
   c.optimizer_threads = 1;
   c.pinned_budget_bytes = 16ull << 20;
   return c;
@@ -166,6 +168,22 @@ TEST(RankAgreement, AnotherGradientCodeIsNamed) {
   // Without zero_quantized_gradients the key has no effect: not a reason to refuse a rank.
   RankSetup unused;
   unused.gradient_bits = 4;
+  for (const RankResult& x : RunRanks({RankSetup{}, unused})) {
+    EXPECT_TRUE(x.finish.ok()) << x.finish.ToString();
+  }
+}
+
+// Blocks of 64 values on one rank, 256 on another: the sizes of every quantized collective
+// would differ. (Compared only where a quantized collective is on.)
+TEST(RankAgreement, AnotherQuantizationBlockIsNamed) {
+  RankSetup b256;
+  b256.quantized_gradients = true;
+  RankSetup b64 = b256;
+  b64.quant_block = 64;
+  ExpectRefused(RunRanks({b256, b64}),
+                {"zinf.quantization_block_size: rank 0 has 256, rank 1 has 64"});
+  RankSetup unused;
+  unused.quant_block = 64;
   for (const RankResult& x : RunRanks({RankSetup{}, unused})) {
     EXPECT_TRUE(x.finish.ok()) << x.finish.ToString();
   }

@@ -550,29 +550,31 @@ Status CudaDevice::AddInto(float* dst, const float* src, size_t n, Stream* strea
 }
 
 Status CudaDevice::QuantizeInt8(void* dst, const void* src, ParamCopyType type, size_t n,
-                                Stream* stream) {
+                                size_t block, Stream* stream) {
   ZINF_RETURN_IF_ERROR(OwnStream(stream, "QuantizeInt8").status());
   ZINF_RETURN_IF_ERROR(MakeCurrent(ordinal_));
-  return cuda::QuantizeInt8(src, type, n, dst, stream);
+  return cuda::QuantizeInt8(src, type, n, block, dst, stream);
 }
 
 Status CudaDevice::DequantizeInt8(void* dst, ParamCopyType type, const void* src, size_t n,
-                                  Stream* stream) {
+                                  size_t block, Stream* stream) {
   ZINF_RETURN_IF_ERROR(OwnStream(stream, "DequantizeInt8").status());
   ZINF_RETURN_IF_ERROR(MakeCurrent(ordinal_));
-  return cuda::DequantizeInt8(src, n, type, dst, stream);
+  return cuda::DequantizeInt8(src, n, block, type, dst, stream);
 }
 
-Status CudaDevice::QuantizeInt4(void* dst, const float* src, size_t n, Stream* stream) {
+Status CudaDevice::QuantizeInt4(void* dst, const float* src, size_t n, size_t block,
+                                Stream* stream) {
   ZINF_RETURN_IF_ERROR(OwnStream(stream, "QuantizeInt4").status());
   ZINF_RETURN_IF_ERROR(MakeCurrent(ordinal_));
-  return cuda::QuantizeInt4(src, n, dst, stream);
+  return cuda::QuantizeInt4(src, n, block, dst, stream);
 }
 
-Status CudaDevice::DequantizeInt4(float* dst, const void* src, size_t n, Stream* stream) {
+Status CudaDevice::DequantizeInt4(float* dst, const void* src, size_t n, size_t block,
+                                  Stream* stream) {
   ZINF_RETURN_IF_ERROR(OwnStream(stream, "DequantizeInt4").status());
   ZINF_RETURN_IF_ERROR(MakeCurrent(ordinal_));
-  return cuda::DequantizeInt4(src, n, dst, stream);
+  return cuda::DequantizeInt4(src, n, block, dst, stream);
 }
 
 Status CudaDevice::SumSquares(const float* x, size_t n, GradStats* out_host, Stream* stream) {

@@ -24,10 +24,12 @@ Status CastBf16ToF32(const uint16_t*, float*, size_t, Stream*) { return NoCuda()
 Status CastF32ToBf16(const float*, uint16_t*, size_t, Stream*) { return NoCuda(); }
 Status Scale(float*, size_t, float, Stream*) { return NoCuda(); }
 Status Add(float*, const float*, size_t, Stream*) { return NoCuda(); }
-Status QuantizeInt8(const void*, ParamCopyType, size_t, void*, Stream*) { return NoCuda(); }
-Status DequantizeInt8(const void*, size_t, ParamCopyType, void*, Stream*) { return NoCuda(); }
-Status QuantizeInt4(const float*, size_t, void*, Stream*) { return NoCuda(); }
-Status DequantizeInt4(const void*, size_t, float*, Stream*) { return NoCuda(); }
+Status QuantizeInt8(const void*, ParamCopyType, size_t, size_t, void*, Stream*) { return NoCuda(); }
+Status DequantizeInt8(const void*, size_t, size_t, ParamCopyType, void*, Stream*) {
+  return NoCuda();
+}
+Status QuantizeInt4(const float*, size_t, size_t, void*, Stream*) { return NoCuda(); }
+Status DequantizeInt4(const void*, size_t, size_t, float*, Stream*) { return NoCuda(); }
 Status SumSquares(const float*, size_t, double*, bool*, Stream*) { return NoCuda(); }
 Status AdamStep(const OptimizerHyperParams&, const OptimizerTensors&, Stream*) { return NoCuda(); }
 Status Spin(double, uint64_t*, Stream*) { return NoCuda(); }

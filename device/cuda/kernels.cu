@@ -64,9 +64,9 @@ __global__ void CastF32ToBf16Kernel(const float* src, uint16_t* dst, size_t n) {
 
 // ---- The quantized parameter gather: ports of cpu_adam/weights_int8.cc --------------------
 
-constexpr int kQuantBlock = static_cast<int>(kInt8StateBlock);
-constexpr size_t kQuantBlockBytes = kInt8StateBlock + sizeof(float);
-static_assert(kQuantBlock == kThreads, "one thread per element of a quantization block");
+// One thread per value of a quantization block: blockDim.x is the block size (QuantBlockValid).
+constexpr int kMaxQuant = static_cast<int>(kMaxQuantBlock);
+static_assert(kMaxQuant <= 1024, "a thread block holds a quantization block");
 
 __device__ __forceinline__ float ParamToF32(const void* src, ParamCopyType type, size_t i) {
   if (type == ParamCopyType::kBf16) return Bf16ToF32(static_cast<const uint16_t*>(src)[i]);
@@ -75,16 +75,16 @@ __device__ __forceinline__ float ParamToF32(const void* src, ParamCopyType type,
 }
 
 // This thread's code of x within its thread block's quantization block (one value per
-// thread; every thread of the block calls it), and the block's scale: weights_int8.cc's
-// ScaleOf and Code with `levels` 127 (int8) or 7 (int4).
+// thread, blockDim.x a power of two; every thread of the block calls it), and the block's
+// scale: weights_int8.cc's ScaleOf and Code with `levels` 127 (int8) or 7 (int4).
 __device__ int BlockCode(float x, float levels, float* scale_out) {
-  __shared__ float largest[kThreads];
-  __shared__ int finite[kThreads];
+  __shared__ float largest[kMaxQuant];
+  __shared__ int finite[kMaxQuant];
   const float a = fabsf(x);
   largest[threadIdx.x] = a;
   finite[threadIdx.x] = a <= 3.402823466e38f;  // FLT_MAX; false for a NaN too
   __syncthreads();
-  for (int half = kThreads / 2; half > 0; half /= 2) {
+  for (int half = static_cast<int>(blockDim.x) / 2; half > 0; half /= 2) {
     if (threadIdx.x < half) {
       // (fmaxf of two non-NaN magnitudes: exact and order-free; a NaN block ignores it.)
       largest[threadIdx.x] = fmaxf(largest[threadIdx.x], largest[threadIdx.x + half]);
@@ -106,15 +106,16 @@ __device__ int BlockCode(float x, float levels, float* scale_out) {
   return static_cast<int>(q);
 }
 
-// Block b of the n values: thread t encodes element b * kQuantBlock + t (a padding code past n).
-__global__ void __launch_bounds__(kThreads)
+// Block b of the n values: thread t encodes element b * blockDim.x + t (a padding code past n).
+__global__ void __launch_bounds__(kMaxQuant)
     QuantizeInt8Kernel(const void* src, ParamCopyType type, size_t n, uint8_t* dst) {
-  const size_t i = blockIdx.x * size_t{kQuantBlock} + threadIdx.x;
+  const size_t len = blockDim.x;
+  const size_t i = blockIdx.x * len + threadIdx.x;
   float scale;
   const int q = BlockCode(i < n ? ParamToF32(src, type, i) : 0.0f, 127.0f, &scale);
-  uint8_t* block = dst + blockIdx.x * kQuantBlockBytes;
+  uint8_t* block = dst + blockIdx.x * (len + sizeof(float));
   reinterpret_cast<int8_t*>(block)[threadIdx.x] = static_cast<int8_t>(q);
-  if (threadIdx.x == 0) *reinterpret_cast<float*>(block + kQuantBlock) = scale;
+  if (threadIdx.x == 0) *reinterpret_cast<float*>(block + len) = scale;
 }
 
 // A NaN scale decoded: the CPU's multiply keeps its sign and payload, quieted; the GPU's would
@@ -124,12 +125,15 @@ __device__ __forceinline__ float DecodeCode(int code, float scale) {
                       : __fmul_rn(static_cast<float>(code), scale);
 }
 
-__global__ void DequantizeInt8Kernel(const uint8_t* src, size_t n, ParamCopyType type, void* dst) {
+// Blocks of 2^shift values (a power of two: a shift and a mask, not a 64-bit division per value).
+__global__ void DequantizeInt8Kernel(const uint8_t* src, size_t n, int shift, ParamCopyType type,
+                                     void* dst) {
+  const size_t len = size_t{1} << shift;
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
        i += size_t{gridDim.x} * blockDim.x) {
-    const uint8_t* block = src + i / kQuantBlock * kQuantBlockBytes;
-    const float scale = *reinterpret_cast<const float*>(block + kQuantBlock);
-    const float v = DecodeCode(reinterpret_cast<const int8_t*>(block)[i % kQuantBlock], scale);
+    const uint8_t* block = src + (i >> shift) * (len + sizeof(float));
+    const float scale = *reinterpret_cast<const float*>(block + len);
+    const float v = DecodeCode(reinterpret_cast<const int8_t*>(block)[i & (len - 1)], scale);
     if (type == ParamCopyType::kBf16) {
       static_cast<uint16_t*>(dst)[i] = F32ToBf16(v);
     } else if (type == ParamCopyType::kF16) {
@@ -142,27 +146,29 @@ __global__ void DequantizeInt8Kernel(const uint8_t* src, size_t n, ParamCopyType
 
 // int4 gradient blocks (QuantizeGradsInt4): the codes in shared memory, then packed two per
 // byte (element 2j in the low nibble) by the first half of the threads.
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kMaxQuant)
     QuantizeInt4Kernel(const float* src, size_t n, uint8_t* dst) {
-  __shared__ int8_t codes[kQuantBlock];
-  const size_t i = blockIdx.x * size_t{kQuantBlock} + threadIdx.x;
+  __shared__ int8_t codes[kMaxQuant];
+  const size_t len = blockDim.x;
+  const size_t i = blockIdx.x * len + threadIdx.x;
   float scale;
   codes[threadIdx.x] = static_cast<int8_t>(BlockCode(i < n ? src[i] : 0.0f, 7.0f, &scale));
   __syncthreads();
-  uint8_t* block = dst + blockIdx.x * kInt4BlockBytes;
-  if (threadIdx.x < kQuantBlock / 2) {
+  uint8_t* block = dst + blockIdx.x * (len / 2 + sizeof(float));
+  if (threadIdx.x < len / 2) {
     const int lo = codes[2 * threadIdx.x], hi = codes[2 * threadIdx.x + 1];
     block[threadIdx.x] = static_cast<uint8_t>((lo & 0xF) | ((hi & 0xF) << 4));
   }
-  if (threadIdx.x == 0) *reinterpret_cast<float*>(block + kQuantBlock / 2) = scale;
+  if (threadIdx.x == 0) *reinterpret_cast<float*>(block + len / 2) = scale;
 }
 
-__global__ void DequantizeInt4Kernel(const uint8_t* src, size_t n, float* dst) {
+__global__ void DequantizeInt4Kernel(const uint8_t* src, size_t n, int shift, float* dst) {
+  const size_t len = size_t{1} << shift;
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
        i += size_t{gridDim.x} * blockDim.x) {
-    const uint8_t* block = src + i / kQuantBlock * kInt4BlockBytes;
-    const float scale = *reinterpret_cast<const float*>(block + kQuantBlock / 2);
-    const uint8_t b = block[i % kQuantBlock / 2];
+    const uint8_t* block = src + (i >> shift) * (len / 2 + sizeof(float));
+    const float scale = *reinterpret_cast<const float*>(block + len / 2);
+    const uint8_t b = block[(i & (len - 1)) / 2];
     // Sign-extended: the nibble moved to the top of an int8, shifted back.
     const int code = i % 2 == 0 ? static_cast<int8_t>(b << 4) >> 4 : static_cast<int8_t>(b) >> 4;
     dst[i] = DecodeCode(code, scale);
@@ -360,6 +366,29 @@ Status NullArgument(const char* what, const char* name, size_t n) {
                                  " elements: " + name + " is null");
 }
 
+// The int8 or int4 side of a quantization kernel (its fp32 scales read as words) and the block
+// size (a thread per value).
+Status QuantArguments(const char* what, const void* blocks, size_t block) {
+  if (reinterpret_cast<uintptr_t>(blocks) % 4 != 0) {
+    return Status::InvalidArgument(std::string(what) +
+                                   ": the int8 or int4 blocks are not 4-byte aligned");
+  }
+  if (!QuantBlockValid(block)) {
+    return Status::InvalidArgument(std::string(what) + ": a block of " + std::to_string(block) +
+                                   " values; use a power of two from " +
+                                   std::to_string(kMinQuantBlock) + " to " +
+                                   std::to_string(kMaxQuantBlock));
+  }
+  return Status::OK();
+}
+
+// log2 of a valid block size (a power of two).
+int BlockShift(size_t block) {
+  int shift = 0;
+  while ((size_t{1} << shift) < block) ++shift;
+  return shift;
+}
+
 }  // namespace
 
 Status CastBf16ToF32(const uint16_t* src, float* dst, size_t n, Stream* stream) {
@@ -392,74 +421,69 @@ Status Add(float* dst, const float* src, size_t n, Stream* stream) {
   return Status::OK();
 }
 
-Status QuantizeInt8(const void* src, ParamCopyType type, size_t n, void* dst, Stream* stream) {
+Status QuantizeInt8(const void* src, ParamCopyType type, size_t n, size_t block, void* dst,
+                    Stream* stream) {
   ZINF_ASSIGN_OR_RETURN(CudaStream * cs, KernelStream(stream, "cuda::QuantizeInt8"));
   if (n == 0) return Status::OK();
   if (src == nullptr) return NullArgument("cuda::QuantizeInt8", "src", n);
   if (dst == nullptr) return NullArgument("cuda::QuantizeInt8", "dst", n);
-  if (reinterpret_cast<uintptr_t>(dst) % 4 != 0) {
-    return Status::InvalidArgument("cuda::QuantizeInt8: dst is not 4-byte aligned");
-  }
+  ZINF_RETURN_IF_ERROR(QuantArguments("cuda::QuantizeInt8", dst, block));
   // One thread block per quantization block; a grid's x dimension holds 2^31 - 1 of them.
-  size_t blocks = (n + kQuantBlock - 1) / kQuantBlock;
+  size_t blocks = (n + block - 1) / block;
   for (size_t first = 0; first < blocks;) {
     const size_t count = blocks - first < (size_t{1} << 30) ? blocks - first : (size_t{1} << 30);
-    const size_t at = first * kQuantBlock;
+    const size_t at = first * block;
     const size_t elem = type == ParamCopyType::kNone ? sizeof(float) : sizeof(uint16_t);
-    QuantizeInt8Kernel<<<static_cast<unsigned>(count), kThreads, 0, cs->handle()>>>(
-        static_cast<const char*>(src) + at * elem, type, n - at,
-        static_cast<uint8_t*>(dst) + first * kQuantBlockBytes);
+    QuantizeInt8Kernel<<<static_cast<unsigned>(count), static_cast<unsigned>(block), 0,
+                         cs->handle()>>>(static_cast<const char*>(src) + at * elem, type, n - at,
+                                         static_cast<uint8_t*>(dst) + Int8Bytes(at, block));
     ZINF_CUDA_CHECK(cudaGetLastError());
     first += count;
   }
   return Status::OK();
 }
 
-Status DequantizeInt8(const void* src, size_t n, ParamCopyType type, void* dst, Stream* stream) {
+Status DequantizeInt8(const void* src, size_t n, size_t block, ParamCopyType type, void* dst,
+                      Stream* stream) {
   ZINF_ASSIGN_OR_RETURN(CudaStream * cs, KernelStream(stream, "cuda::DequantizeInt8"));
   if (n == 0) return Status::OK();
   if (src == nullptr) return NullArgument("cuda::DequantizeInt8", "src", n);
   if (dst == nullptr) return NullArgument("cuda::DequantizeInt8", "dst", n);
-  if (reinterpret_cast<uintptr_t>(src) % 4 != 0) {
-    return Status::InvalidArgument("cuda::DequantizeInt8: src is not 4-byte aligned");
-  }
+  ZINF_RETURN_IF_ERROR(QuantArguments("cuda::DequantizeInt8", src, block));
   DequantizeInt8Kernel<<<BlocksFor(n), kThreads, 0, cs->handle()>>>(
-      static_cast<const uint8_t*>(src), n, type, dst);
+      static_cast<const uint8_t*>(src), n, BlockShift(block), type, dst);
   ZINF_CUDA_CHECK(cudaGetLastError());
   return Status::OK();
 }
 
-Status QuantizeInt4(const float* src, size_t n, void* dst, Stream* stream) {
+Status QuantizeInt4(const float* src, size_t n, size_t block, void* dst, Stream* stream) {
   ZINF_ASSIGN_OR_RETURN(CudaStream * cs, KernelStream(stream, "cuda::QuantizeInt4"));
   if (n == 0) return Status::OK();
   if (src == nullptr) return NullArgument("cuda::QuantizeInt4", "src", n);
   if (dst == nullptr) return NullArgument("cuda::QuantizeInt4", "dst", n);
-  if (reinterpret_cast<uintptr_t>(dst) % 4 != 0) {
-    return Status::InvalidArgument("cuda::QuantizeInt4: dst is not 4-byte aligned");
-  }
+  ZINF_RETURN_IF_ERROR(QuantArguments("cuda::QuantizeInt4", dst, block));
   // One thread block per quantization block, at most 2^30 per launch (as QuantizeInt8).
-  const size_t blocks = (n + kQuantBlock - 1) / kQuantBlock;
+  const size_t blocks = (n + block - 1) / block;
   for (size_t first = 0; first < blocks;) {
     const size_t count = blocks - first < (size_t{1} << 30) ? blocks - first : (size_t{1} << 30);
-    const size_t at = first * kQuantBlock;
-    QuantizeInt4Kernel<<<static_cast<unsigned>(count), kThreads, 0, cs->handle()>>>(
-        src + at, n - at, static_cast<uint8_t*>(dst) + first * kInt4BlockBytes);
+    const size_t at = first * block;
+    QuantizeInt4Kernel<<<static_cast<unsigned>(count), static_cast<unsigned>(block), 0,
+                         cs->handle()>>>(src + at, n - at,
+                                         static_cast<uint8_t*>(dst) + Int4Bytes(at, block));
     ZINF_CUDA_CHECK(cudaGetLastError());
     first += count;
   }
   return Status::OK();
 }
 
-Status DequantizeInt4(const void* src, size_t n, float* dst, Stream* stream) {
+Status DequantizeInt4(const void* src, size_t n, size_t block, float* dst, Stream* stream) {
   ZINF_ASSIGN_OR_RETURN(CudaStream * cs, KernelStream(stream, "cuda::DequantizeInt4"));
   if (n == 0) return Status::OK();
   if (src == nullptr) return NullArgument("cuda::DequantizeInt4", "src", n);
   if (dst == nullptr) return NullArgument("cuda::DequantizeInt4", "dst", n);
-  if (reinterpret_cast<uintptr_t>(src) % 4 != 0) {
-    return Status::InvalidArgument("cuda::DequantizeInt4: src is not 4-byte aligned");
-  }
+  ZINF_RETURN_IF_ERROR(QuantArguments("cuda::DequantizeInt4", src, block));
   DequantizeInt4Kernel<<<BlocksFor(n), kThreads, 0, cs->handle()>>>(
-      static_cast<const uint8_t*>(src), n, dst);
+      static_cast<const uint8_t*>(src), n, BlockShift(block), dst);
   ZINF_CUDA_CHECK(cudaGetLastError());
   return Status::OK();
 }

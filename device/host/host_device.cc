@@ -585,7 +585,7 @@ namespace {
 
 // `blocks`: the int8 or int4 side (dst of QuantizeInt8/Int4, src of DequantizeInt8/Int4), whose
 // fp32 scales a GPU reads as words: 4-byte aligned on every device.
-Status QuantizeArguments(const char* what, void* dst, const void* src, size_t n,
+Status QuantizeArguments(const char* what, void* dst, const void* src, size_t n, size_t block,
                          const void* blocks) {
   if (dst == nullptr || src == nullptr) {
     return Status::InvalidArgument(std::string(what) + " of " + std::to_string(n) +
@@ -595,49 +595,57 @@ Status QuantizeArguments(const char* what, void* dst, const void* src, size_t n,
     return Status::InvalidArgument(std::string(what) +
                                    ": the int8 or int4 blocks are not 4-byte aligned");
   }
+  if (!QuantBlockValid(block)) {
+    return Status::InvalidArgument(std::string(what) + ": a block of " + std::to_string(block) +
+                                   " values; use a power of two from " +
+                                   std::to_string(kMinQuantBlock) + " to " +
+                                   std::to_string(kMaxQuantBlock));
+  }
   return Status::OK();
 }
 
 }  // namespace
 
 Status HostDevice::QuantizeInt8(void* dst, const void* src, ParamCopyType type, size_t n,
-                                Stream* stream) {
+                                size_t block, Stream* stream) {
   ZINF_RETURN_IF_ERROR(OwnStream(stream, "QuantizeInt8").status());
   if (n == 0) return Status::OK();
-  ZINF_RETURN_IF_ERROR(QuantizeArguments("QuantizeInt8", dst, src, n, dst));
-  return LaunchHostTask(stream, [dst, src, type, n] {
-    QuantizeParamsInt8(src, type, n, dst);
+  ZINF_RETURN_IF_ERROR(QuantizeArguments("QuantizeInt8", dst, src, n, block, dst));
+  return LaunchHostTask(stream, [dst, src, type, n, block] {
+    QuantizeParamsInt8(src, type, n, dst, block);
     return Status::OK();
   });
 }
 
 Status HostDevice::DequantizeInt8(void* dst, ParamCopyType type, const void* src, size_t n,
-                                  Stream* stream) {
+                                  size_t block, Stream* stream) {
   ZINF_RETURN_IF_ERROR(OwnStream(stream, "DequantizeInt8").status());
   if (n == 0) return Status::OK();
-  ZINF_RETURN_IF_ERROR(QuantizeArguments("DequantizeInt8", dst, src, n, src));
-  return LaunchHostTask(stream, [dst, type, src, n] {
-    DequantizeParamsInt8(src, n, type, dst);
+  ZINF_RETURN_IF_ERROR(QuantizeArguments("DequantizeInt8", dst, src, n, block, src));
+  return LaunchHostTask(stream, [dst, type, src, n, block] {
+    DequantizeParamsInt8(src, n, type, dst, block);
     return Status::OK();
   });
 }
 
-Status HostDevice::QuantizeInt4(void* dst, const float* src, size_t n, Stream* stream) {
+Status HostDevice::QuantizeInt4(void* dst, const float* src, size_t n, size_t block,
+                                Stream* stream) {
   ZINF_RETURN_IF_ERROR(OwnStream(stream, "QuantizeInt4").status());
   if (n == 0) return Status::OK();
-  ZINF_RETURN_IF_ERROR(QuantizeArguments("QuantizeInt4", dst, src, n, dst));
-  return LaunchHostTask(stream, [dst, src, n] {
-    QuantizeGradsInt4(src, n, dst);
+  ZINF_RETURN_IF_ERROR(QuantizeArguments("QuantizeInt4", dst, src, n, block, dst));
+  return LaunchHostTask(stream, [dst, src, n, block] {
+    QuantizeGradsInt4(src, n, dst, block);
     return Status::OK();
   });
 }
 
-Status HostDevice::DequantizeInt4(float* dst, const void* src, size_t n, Stream* stream) {
+Status HostDevice::DequantizeInt4(float* dst, const void* src, size_t n, size_t block,
+                                  Stream* stream) {
   ZINF_RETURN_IF_ERROR(OwnStream(stream, "DequantizeInt4").status());
   if (n == 0) return Status::OK();
-  ZINF_RETURN_IF_ERROR(QuantizeArguments("DequantizeInt4", dst, src, n, src));
-  return LaunchHostTask(stream, [dst, src, n] {
-    DequantizeGradsInt4(src, n, dst);
+  ZINF_RETURN_IF_ERROR(QuantizeArguments("DequantizeInt4", dst, src, n, block, src));
+  return LaunchHostTask(stream, [dst, src, n, block] {
+    DequantizeGradsInt4(src, n, dst, block);
     return Status::OK();
   });
 }

@@ -145,12 +145,13 @@ class HostDevice final : public Device {
   // SelectCpuIsa picks (ZINF_CPU_ISA or the best); arguments are checked before it is queued.
   Status ConvertToBf16(uint16_t* dst, const float* src, size_t n, Stream* stream) override;
   Status AddInto(float* dst, const float* src, size_t n, Stream* stream) override;
-  Status QuantizeInt8(void* dst, const void* src, ParamCopyType type, size_t n,
+  Status QuantizeInt8(void* dst, const void* src, ParamCopyType type, size_t n, size_t block,
                       Stream* stream) override;
-  Status DequantizeInt8(void* dst, ParamCopyType type, const void* src, size_t n,
+  Status DequantizeInt8(void* dst, ParamCopyType type, const void* src, size_t n, size_t block,
                         Stream* stream) override;
-  Status QuantizeInt4(void* dst, const float* src, size_t n, Stream* stream) override;
-  Status DequantizeInt4(float* dst, const void* src, size_t n, Stream* stream) override;
+  Status QuantizeInt4(void* dst, const float* src, size_t n, size_t block, Stream* stream) override;
+  Status DequantizeInt4(float* dst, const void* src, size_t n, size_t block,
+                        Stream* stream) override;
   Status SumSquares(const float* x, size_t n, GradStats* out_host, Stream* stream) override;
   Status OptimizerStep(const OptimizerHyperParams& hp, const OptimizerTensors& t,
                        Stream* stream) override;

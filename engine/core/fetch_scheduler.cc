@@ -135,12 +135,13 @@ size_t QuantizedGatherScratch(const ParamLayout& p, const EngineConfig& c, int w
                               bool stored_int8, size_t elem_size) {
   if (world == 1 || ReplicatesParameters(c)) return 0;
   const size_t n = p.info.partition_numel;
-  const size_t blocks = StateBytes(StateType::kInt8, n);
+  // (Stored int8 goes in its stored blocks, the rest in zinf.quantization_block_size's.)
+  const size_t blocks = Int8Bytes(n, stored_int8 ? kInt8StateBlock : c.quantization_block_size);
   const size_t scratch = blocks * (static_cast<size_t>(world) + 1);
   if (stored_int8) return scratch;  // (already its blocks)
   const bool frozen = !p.info.trainable;
-  // A partition whose blocks are no smaller than it (a few dozen values: the block's padding
-  // and scale) goes as it is.
+  // A partition whose blocks are no smaller than it (the block's padding and scale: up to 65
+  // fp32 values with blocks of 256, 257 with blocks of 1024) goes as it is.
   const bool on = c.quantized_weights || (frozen && c.quantized_nontrainable_weights);
   return on && blocks < n * elem_size ? scratch : 0;
 }
@@ -387,18 +388,20 @@ Status FetchScheduler::IssueQuantizedGather(ParamId id, void* slot) {
   Resident& r = res_[id];
   const size_t n = ctx_.layout->param(id).info.partition_numel;
   const size_t part = ctx_.layout->DevicePartBytes(id);
-  const size_t blocks = StateBytes(StateType::kInt8, n);
+  const bool stored = ctx_.layout->StoredInt8(id);
+  const size_t block = stored ? kInt8StateBlock : ctx_.config->quantization_block_size;
+  const size_t blocks = Int8Bytes(n, block);
   const ParamCopyType type = StoredParamType(*ctx_.config);
   Stream* comm = ctx_.streams.comm;
   char* mine = static_cast<char*>(r.quant);
   char* all = mine + blocks;
   Status s;
-  if (!ctx_.layout->StoredInt8(id)) s = ctx_.device->QuantizeInt8(mine, slot, type, n, comm);
+  if (!stored) s = ctx_.device->QuantizeInt8(mine, slot, type, n, block, comm);
   if (s.ok()) s = ctx_.comm->AllGather(mine, all, blocks, comm);
   // Every rank's part decoded, this rank's too: every rank computes with the same values.
   char* full = static_cast<char*>(r.device_full);
   for (int k = 0; s.ok() && k < ctx_.comm->world_size(); ++k) {
-    s = ctx_.device->DequantizeInt8(full + k * part, type, all + k * blocks, n, comm);
+    s = ctx_.device->DequantizeInt8(full + k * part, type, all + k * blocks, n, block, comm);
   }
   if (s.ok()) s = ctx_.budget->FreeAfter(r.quant, QuantScratchBytes(id), comm);
   if (!s.ok()) return s;  // (the caller's FailFetch frees the scratch with the copy)

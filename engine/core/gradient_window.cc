@@ -341,19 +341,22 @@ Status GradientWindow::StageForLink(const ReduceJob& job, const float* grad, con
 }
 
 // zero_quantized_gradients' encoding of n fp32 values on the comm stream: int8, or int4 with
-// zinf.quantized_gradient_bits 4 (GradientBlockBytes(n) bytes).
+// zinf.quantized_gradient_bits 4, in blocks of zinf.quantization_block_size
+// (GradientBlockBytes(n) bytes).
 Status GradientWindow::Encode(void* dst, const float* src, size_t n) {
+  const size_t block = ctx_.config->quantization_block_size;
   if (ctx_.config->quantized_gradient_bits == 4) {
-    return ctx_.device->QuantizeInt4(dst, src, n, ctx_.streams.comm);
+    return ctx_.device->QuantizeInt4(dst, src, n, block, ctx_.streams.comm);
   }
-  return ctx_.device->QuantizeInt8(dst, src, ParamCopyType::kNone, n, ctx_.streams.comm);
+  return ctx_.device->QuantizeInt8(dst, src, ParamCopyType::kNone, n, block, ctx_.streams.comm);
 }
 
 Status GradientWindow::Decode(float* dst, const void* src, size_t n) {
+  const size_t block = ctx_.config->quantization_block_size;
   if (ctx_.config->quantized_gradient_bits == 4) {
-    return ctx_.device->DequantizeInt4(dst, src, n, ctx_.streams.comm);
+    return ctx_.device->DequantizeInt4(dst, src, n, block, ctx_.streams.comm);
   }
-  return ctx_.device->DequantizeInt8(dst, ParamCopyType::kNone, src, n, ctx_.streams.comm);
+  return ctx_.device->DequantizeInt8(dst, ParamCopyType::kNone, src, n, block, ctx_.streams.comm);
 }
 
 Status GradientWindow::ReduceScatter(const ReduceJob& job, float* full, float* mine) {
@@ -376,10 +379,11 @@ Status GradientWindow::ReduceScatter(const ReduceJob& job, float* full, float* m
   float* decoded = reinterpret_cast<float*>(recv + world * blocks);
   Device* device = ctx_.device;
   Status s;
-  if (part % kInt8StateBlock == 0) {  // every partition starts a block: one launch
+  const size_t block = ctx_.config->quantization_block_size;
+  if (part % block == 0) {  // every partition starts a block: one launch
     s = Encode(send, full, part * world);
   }
-  for (int k = 0; s.ok() && part % kInt8StateBlock != 0 && k < world; ++k) {
+  for (int k = 0; s.ok() && part % block != 0 && k < world; ++k) {
     s = Encode(send + k * blocks, full + k * part, part);
   }
   if (s.ok()) s = ctx_.comm->AllToAll(send, recv, blocks, comm);

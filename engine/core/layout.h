@@ -36,10 +36,11 @@ inline bool HpzActive(const EngineConfig& c, int world) {
          static_cast<int>(c.hpz_partition_size) < world;
 }
 
-// The bytes of zero_quantized_gradients' blocks for n values: int8 (StateBytes(kInt8, n)) or,
-// with zinf.quantized_gradient_bits 4, int4 (Int4Bytes(n)).
+// The bytes of zero_quantized_gradients' blocks for n values: int8 (Int8Bytes) or, with
+// zinf.quantized_gradient_bits 4, int4 (Int4Bytes), in blocks of zinf.quantization_block_size.
 inline size_t GradientBlockBytes(size_t n, const EngineConfig& config) {
-  return config.quantized_gradient_bits == 4 ? Int4Bytes(n) : StateBytes(StateType::kInt8, n);
+  const size_t block = config.quantization_block_size;
+  return config.quantized_gradient_bits == 4 ? Int4Bytes(n, block) : Int8Bytes(n, block);
 }
 
 // How zero_quantized_gradients reduces `p`: 0, a plain reduce-scatter; 1, one all-to-all of
@@ -49,7 +50,10 @@ inline size_t GradientBlockBytes(size_t n, const EngineConfig& config) {
 // received plus the decoded sums (one partition for one hop, world / K for two).
 inline int QuantizedReduceHops(const ParamLayout& p, const EngineConfig& config) {
   const size_t part = p.info.partition_numel;
-  if (!config.quantized_gradients || config.zero_stage < 3 || part < kInt8StateBlock) return 0;
+  if (!config.quantized_gradients || config.zero_stage < 3 ||
+      part < config.quantization_block_size) {
+    return 0;
+  }
   const size_t world = p.padded_numel / part;
   if (world < 2) return 0;
   const size_t blocks = GradientBlockBytes(part, config);

@@ -87,6 +87,9 @@ std::string DescribeForAgreement(const EngineConfig& c, const Layout& layout,
   if (c.quantized_gradients) {
     o << "zinf.quantized_gradient_bits: " << c.quantized_gradient_bits << "\n";
   }
+  if (c.quantized_weights || c.quantized_nontrainable_weights || c.quantized_gradients) {
+    o << "zinf.quantization_block_size: " << c.quantization_block_size << "\n";
+  }
   o << "zinf.speculative_step: "
     << (c.speculative_step == SpeculativeStep::kOn    ? "true"
         : c.speculative_step == SpeculativeStep::kOff ? "false"

@@ -88,8 +88,8 @@ struct EngineConfig {
   uint64_t param_persistence_threshold = 100'000;  // elements: smaller params persist
   // zero_optimization.zero_quantized_weights (ZeRO++'s qwZ): stage 3 with several ranks,
   // every parameter all-gather sends int8 codes with an fp32 scale per block of
-  // kInt8StateBlock (256) elements (zinf/cpu_adam.h QuantizeParamsInt8: 1 + 4/256 bytes per
-  // element, a quarter of fp32's and about half of bf16's), decoded into the parameter dtype on
+  // zinf.quantization_block_size (256) elements (zinf/cpu_adam.h QuantizeParamsInt8: 1 + 4/256
+  // bytes per element, a quarter of fp32's and about half of bf16's), decoded into the dtype on
   // arrival; every rank, its own partition included, computes with the decoded values (an
   // element's error at most its block's largest magnitude / 254, plus the dtype's rounding).
   // The masters and the optimizer stay exact. Ignored (with a warning) below stage 3 and
@@ -107,13 +107,20 @@ struct EngineConfig {
   // owner. A NaN or inf on any rank reaches the owner as NaN (its block decodes to NaN), so the
   // checks and clipping see it as before. Each rank's contribution is off by at most its
   // block's largest magnitude / 254 (a non-finite value makes its whole block NaN). Partitions
-  // under 256 values go as they are.
+  // under one block (zinf.quantization_block_size) go as they are.
   bool quantized_gradients = false;
   // zinf.quantized_gradient_bits 8 (default) or 4: the code of zero_quantized_gradients'
   // blocks. 4: two codes per byte (cpu_adam.h QuantizeGradsInt4; 0.5 + 4/256 bytes per value,
   // about half of int8's), each rank's contribution off by at most its block's largest
   // magnitude / 14 (int8: / 254); DeepSpeed's qgZ sends int4.
   uint32_t quantized_gradient_bits = 8;
+  // zinf.quantization_block_size: the values sharing one fp32 scale in zero_quantized_weights'
+  // and zero_quantized_gradients' blocks, a power of two from 64 to 1024 (cpu_adam.h
+  // QuantBlockValid; default 256, as the stored int8 formats). Smaller blocks bound each value's
+  // error by a smaller largest magnitude and send 4 bytes of scale per block more often (int8:
+  // 1 + 4/64 bytes per value at 64, 1 + 4/1024 at 1024). Frozen int8 weights are gathered in
+  // their stored blocks of 256 whatever it is.
+  uint32_t quantization_block_size = 256;
   // zero_optimization.zero_hpz_partition_size (ZeRO++'s hpZ): K > 1 at stage 3 with several
   // ranks (a multiple of K, each K consecutive ranks one node): after a parameter's gather
   // each rank keeps a secondary shard, the 1/K of the gathered parameter its place in the
@@ -313,6 +320,7 @@ void VisitEngineConfig(const EngineConfig& c, Visit&& visit) {
   visit("optimizer_state_dtype", StateTypeName(c.optimizer_state_type));
   visit("frozen_weight_dtype", c.frozen_int8 ? "int8" : "as-is");
   visit("quantized_gradient_bits", c.quantized_gradient_bits);
+  visit("quantization_block_size", c.quantization_block_size);
   visit("optimizer_threads", c.optimizer_threads);
   if (c.speculative_step == SpeculativeStep::kAuto) {
     visit("speculative_step", "auto");
@@ -326,7 +334,7 @@ void VisitEngineConfig(const EngineConfig& c, Visit&& visit) {
 
 #ifdef ZINF_HAS_FIELD_COUNT_CHECK
 // The fields VisitEngineConfig visits: one added without a visit fails here.
-static_assert(HasFields<EngineConfig, 38> && HasFields<OffloadConfig, 9> &&
+static_assert(HasFields<EngineConfig, 39> && HasFields<OffloadConfig, 9> &&
                   HasFields<AioConfig, 6> && HasFields<OptimizerConfig, 6> &&
                   HasFields<Fp16Config, 7>,
               "EngineConfig gained or lost a field: update VisitEngineConfig and these counts");

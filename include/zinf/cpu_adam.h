@@ -250,34 +250,55 @@ void StreamCopy(void* dst, const void* src, size_t bytes);
 // block's largest magnitude / 254); a block whose largest magnitude is below 127 x FLT_MIN
 // stores as zeros. InvalidArgument for an inf or NaN. `dst` 4-byte aligned.
 Status QuantizeWeightsInt8(const float* src, size_t n, void* dst);
-// Decodes into fp32, or into bf16 (the fp32 value rounded as Fp32ToBf16 rounds).
-void DequantizeWeightsInt8(const void* src, size_t n, float* dst);
-void DequantizeWeightsInt8Bf16(const void* src, size_t n, uint16_t* dst);
+// Decodes into fp32, or into bf16 (the fp32 value rounded as Fp32ToBf16 rounds). `block`: the
+// elements per block, kInt8StateBlock for stored weights (see QuantBlockValid).
+void DequantizeWeightsInt8(const void* src, size_t n, float* dst, size_t block = kInt8StateBlock);
+void DequantizeWeightsInt8Bf16(const void* src, size_t n, uint16_t* dst,
+                               size_t block = kInt8StateBlock);
 // Into fp16: the fp32 value rounded as Fp32ToFp16 rounds.
-void DequantizeWeightsInt8F16(const void* src, size_t n, uint16_t* dst);
+void DequantizeWeightsInt8F16(const void* src, size_t n, uint16_t* dst,
+                              size_t block = kInt8StateBlock);
+
+// The block sizes of the quantized collectives (zinf.quantization_block_size; the stored
+// formats keep kInt8StateBlock): powers of two from kMinQuantBlock to kMaxQuantBlock (a GPU
+// encodes a block with one thread per value). The functions below that take a `block` stop the
+// process (ZINF_CHECK) on any other: callers check first. Int8Bytes: the int8 layout's bytes for n
+// values in blocks of `block` (StateBytes(kInt8, n) at kInt8StateBlock).
+inline constexpr size_t kMinQuantBlock = 64;
+inline constexpr size_t kMaxQuantBlock = 1024;
+inline bool QuantBlockValid(size_t block) {
+  return block >= kMinQuantBlock && block <= kMaxQuantBlock && (block & (block - 1)) == 0;
+}
+inline size_t Int8Bytes(size_t n, size_t block) {
+  return (n + block - 1) / block * (block + sizeof(float));
+}
 
 // The quantized parameter gather (zero_quantized_weights, ZeRO++'s qwZ) in the same layout:
 // `n` parameters of `type` (kNone: fp32; kBf16 and kF16 read as their own bits) encoded as
 // QuantizeWeightsInt8 encodes fp32 (the 16-bit values widened exactly first). It never fails:
 // a block holding an inf or a NaN stores zero codes and a NaN scale, so all of it decodes to
 // NaN (a non-finite weight never comes back finite). DequantizeParamsInt8 decodes into `type`
-// (DequantizeWeightsInt8, ...Bf16 or ...F16).
-void QuantizeParamsInt8(const void* src, ParamCopyType type, size_t n, void* dst);
-void DequantizeParamsInt8(const void* src, size_t n, ParamCopyType type, void* dst);
+// (DequantizeWeightsInt8, ...Bf16 or ...F16). Blocks of `block` elements (QuantBlockValid), in
+// Int8Bytes(n, block) bytes.
+void QuantizeParamsInt8(const void* src, ParamCopyType type, size_t n, void* dst,
+                        size_t block = kInt8StateBlock);
+void DequantizeParamsInt8(const void* src, size_t n, ParamCopyType type, void* dst,
+                          size_t block = kInt8StateBlock);
 
 // Gradients as blockwise int4 (zero_quantized_gradients with zinf.quantized_gradient_bits 4):
-// per block of kInt8StateBlock fp32 values, kInt8StateBlock / 2 bytes of codes round(x /
+// per block of `block` fp32 values (default kInt8StateBlock), block / 2 bytes of codes round(x /
 // scale) (nearest even, in -7..7), two per byte (element 2i in the low nibble, 2i + 1 in the
 // high; two's complement), then the fp32 scale = the block's largest magnitude / 7. A value
 // decodes to code * scale, off by at most the block's largest magnitude / 14. As the int8
 // encoding: a block holding an inf or a NaN stores zero codes and a NaN scale (it decodes to
-// NaN), a block below 7 x FLT_MIN stores zeros; the last block is padded to full size.
+// NaN), a block below 7 x FLT_MIN stores zeros; the last block is padded to full size. Blocks
+// of `block` values (QuantBlockValid; kInt4BlockBytes at the default) in Int4Bytes(n, block).
 inline constexpr size_t kInt4BlockBytes = kInt8StateBlock / 2 + sizeof(float);
-inline size_t Int4Bytes(size_t n) {
-  return (n + kInt8StateBlock - 1) / kInt8StateBlock * kInt4BlockBytes;
+inline size_t Int4Bytes(size_t n, size_t block = kInt8StateBlock) {
+  return (n + block - 1) / block * (block / 2 + sizeof(float));
 }
-void QuantizeGradsInt4(const float* src, size_t n, void* dst);
-void DequantizeGradsInt4(const void* src, size_t n, float* dst);
+void QuantizeGradsInt4(const float* src, size_t n, void* dst, size_t block = kInt8StateBlock);
+void DequantizeGradsInt4(const void* src, size_t n, float* dst, size_t block = kInt8StateBlock);
 
 // Sum of squares of a gradient buffer (accumulated in double) and whether it holds an inf or
 // a NaN: the inputs of gradient-norm clipping and of the fp16 overflow check, in one pass.

@@ -128,13 +128,16 @@ Status Scale(float* x, size_t n, float s, Stream* stream);
 // dst[i] += src[i] (one correctly rounded addition, as on the host).
 Status Add(float* dst, const float* src, size_t n, Stream* stream);
 // The quantized parameter gather's encoding (zinf/cpu_adam.h QuantizeParamsInt8, bit for bit:
-// one thread block per quantization block, the scale's division and the codes' rounding in
-// the CPU's precision) and decoding (DequantizeParamsInt8).
-Status QuantizeInt8(const void* src, ParamCopyType type, size_t n, void* dst, Stream* stream);
-Status DequantizeInt8(const void* src, size_t n, ParamCopyType type, void* dst, Stream* stream);
+// one thread block per quantization block of `block` values (QuantBlockValid: InvalidArgument
+// otherwise), the scale's division and the codes' rounding in the CPU's precision) and
+// decoding (DequantizeParamsInt8).
+Status QuantizeInt8(const void* src, ParamCopyType type, size_t n, size_t block, void* dst,
+                    Stream* stream);
+Status DequantizeInt8(const void* src, size_t n, size_t block, ParamCopyType type, void* dst,
+                      Stream* stream);
 // The int4 gradient blocks (QuantizeGradsInt4 / DequantizeGradsInt4, bit for bit).
-Status QuantizeInt4(const float* src, size_t n, void* dst, Stream* stream);
-Status DequantizeInt4(const void* src, size_t n, float* dst, Stream* stream);
+Status QuantizeInt4(const float* src, size_t n, size_t block, void* dst, Stream* stream);
+Status DequantizeInt4(const void* src, size_t n, size_t block, float* dst, Stream* stream);
 // *out_host = sum of x[i]^2 accumulated in double, *nonfinite_host = whether any x[i] is inf
 // or NaN. Deterministic: a fixed grid (independent of the GPU) of per-thread strided sums,
 // reduced per block in a fixed tree, then the per-block sums added in block order by a second

@@ -128,23 +128,25 @@ class Device {
   // device for the sub-groups it steps).
   virtual Status AddInto(float* dst, const float* src, size_t n, Stream* stream) = 0;
   // The quantized parameter gather (zero_quantized_weights): `n` values of `type` at `src`
-  // encoded into StateBytes(kInt8, n) bytes at `dst` (cpu_adam.h's QuantizeParamsInt8: int8
-  // codes and an fp32 scale per block of kInt8StateBlock; a non-finite block decodes to NaN),
-  // and decoded back into `type`; both pointers in this device's memory (the int8 side 4-byte
-  // aligned: InvalidArgument otherwise),
+  // encoded into Int8Bytes(n, block) bytes at `dst` (cpu_adam.h's QuantizeParamsInt8: int8
+  // codes and an fp32 scale per block of `block` values, QuantBlockValid; a non-finite block
+  // decodes to NaN), and decoded back into `type`; both pointers in this device's memory (the
+  // int8 side 4-byte aligned, and `block` valid: InvalidArgument otherwise),
   // ordered on `stream`, bit-identical to the CPU functions on every device. Argument errors
   // are returned; failures while running become the stream's error.
   virtual Status QuantizeInt8(void* dst, const void* src, ParamCopyType type, size_t n,
-                              Stream* stream) = 0;
+                              size_t block, Stream* stream) = 0;
   virtual Status DequantizeInt8(void* dst, ParamCopyType type, const void* src, size_t n,
-                                Stream* stream) = 0;
+                                size_t block, Stream* stream) = 0;
   // The int4 gradient reduction (zero_quantized_gradients, zinf.quantized_gradient_bits 4):
-  // `n` fp32 values at `src` encoded into Int4Bytes(n) bytes at `dst` (cpu_adam.h's
-  // QuantizeGradsInt4: two codes per byte and an fp32 scale per block of kInt8StateBlock) and
+  // `n` fp32 values at `src` encoded into Int4Bytes(n, block) bytes at `dst` (cpu_adam.h's
+  // QuantizeGradsInt4: two codes per byte and an fp32 scale per block of `block` values) and
   // decoded back; as QuantizeInt8 otherwise (the int4 side 4-byte aligned, the CPU functions'
   // bits, argument errors returned).
-  virtual Status QuantizeInt4(void* dst, const float* src, size_t n, Stream* stream) = 0;
-  virtual Status DequantizeInt4(float* dst, const void* src, size_t n, Stream* stream) = 0;
+  virtual Status QuantizeInt4(void* dst, const float* src, size_t n, size_t block,
+                              Stream* stream) = 0;
+  virtual Status DequantizeInt4(float* dst, const void* src, size_t n, size_t block,
+                                Stream* stream) = 0;
   // The sum of squares (in double) of n fp32 values in this device's memory and whether one
   // is inf or NaN, written to *out_host once `stream` reaches this point (synchronize before
   // reading it): the clipping norm and the finite check of gradients kept on the device.

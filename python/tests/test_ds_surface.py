@@ -223,6 +223,14 @@ def test_the_zeropp_keys_reach_the_engine_config():
     with pytest.raises(zinf.ZinfError, match="quantized_gradient_bits"):
         Config(config)
     config["zinf"]["quantized_gradient_bits"] = 8
+    # The values per scale of the quantized collectives' blocks: powers of two, 64 to 1024.
+    assert Config(config).summary["quantization_block_size"] == 256
+    config["zinf"]["quantization_block_size"] = 64
+    assert Config(config).summary["quantization_block_size"] == 64
+    config["zinf"]["quantization_block_size"] = 100
+    with pytest.raises(zinf.ZinfError, match="quantization_block_size"):
+        Config(config)
+    config["zinf"]["quantization_block_size"] = 256
     config["zero_optimization"]["zero_hpz_partition_size"] = 0
     with pytest.raises(zinf.ZinfError, match="zero_hpz_partition_size"):
         Config(config)
