@@ -366,22 +366,6 @@ Status NullArgument(const char* what, const char* name, size_t n) {
                                  " elements: " + name + " is null");
 }
 
-// The int8 or int4 side of a quantization kernel (its fp32 scales read as words) and the block
-// size (a thread per value).
-Status QuantArguments(const char* what, const void* blocks, size_t block) {
-  if (reinterpret_cast<uintptr_t>(blocks) % 4 != 0) {
-    return Status::InvalidArgument(std::string(what) +
-                                   ": the int8 or int4 blocks are not 4-byte aligned");
-  }
-  if (!QuantBlockValid(block)) {
-    return Status::InvalidArgument(std::string(what) + ": a block of " + std::to_string(block) +
-                                   " values; use a power of two from " +
-                                   std::to_string(kMinQuantBlock) + " to " +
-                                   std::to_string(kMaxQuantBlock));
-  }
-  return Status::OK();
-}
-
 // log2 of a valid block size (a power of two).
 int BlockShift(size_t block) {
   int shift = 0;
@@ -427,7 +411,7 @@ Status QuantizeInt8(const void* src, ParamCopyType type, size_t n, size_t block,
   if (n == 0) return Status::OK();
   if (src == nullptr) return NullArgument("cuda::QuantizeInt8", "src", n);
   if (dst == nullptr) return NullArgument("cuda::QuantizeInt8", "dst", n);
-  ZINF_RETURN_IF_ERROR(QuantArguments("cuda::QuantizeInt8", dst, block));
+  ZINF_RETURN_IF_ERROR(CheckQuantBlocks("cuda::QuantizeInt8", dst, block));
   // One thread block per quantization block; a grid's x dimension holds 2^31 - 1 of them.
   size_t blocks = (n + block - 1) / block;
   for (size_t first = 0; first < blocks;) {
@@ -449,7 +433,7 @@ Status DequantizeInt8(const void* src, size_t n, size_t block, ParamCopyType typ
   if (n == 0) return Status::OK();
   if (src == nullptr) return NullArgument("cuda::DequantizeInt8", "src", n);
   if (dst == nullptr) return NullArgument("cuda::DequantizeInt8", "dst", n);
-  ZINF_RETURN_IF_ERROR(QuantArguments("cuda::DequantizeInt8", src, block));
+  ZINF_RETURN_IF_ERROR(CheckQuantBlocks("cuda::DequantizeInt8", src, block));
   DequantizeInt8Kernel<<<BlocksFor(n), kThreads, 0, cs->handle()>>>(
       static_cast<const uint8_t*>(src), n, BlockShift(block), type, dst);
   ZINF_CUDA_CHECK(cudaGetLastError());
@@ -461,7 +445,7 @@ Status QuantizeInt4(const float* src, size_t n, size_t block, void* dst, Stream*
   if (n == 0) return Status::OK();
   if (src == nullptr) return NullArgument("cuda::QuantizeInt4", "src", n);
   if (dst == nullptr) return NullArgument("cuda::QuantizeInt4", "dst", n);
-  ZINF_RETURN_IF_ERROR(QuantArguments("cuda::QuantizeInt4", dst, block));
+  ZINF_RETURN_IF_ERROR(CheckQuantBlocks("cuda::QuantizeInt4", dst, block));
   // One thread block per quantization block, at most 2^30 per launch (as QuantizeInt8).
   const size_t blocks = (n + block - 1) / block;
   for (size_t first = 0; first < blocks;) {
@@ -481,7 +465,7 @@ Status DequantizeInt4(const void* src, size_t n, size_t block, float* dst, Strea
   if (n == 0) return Status::OK();
   if (src == nullptr) return NullArgument("cuda::DequantizeInt4", "src", n);
   if (dst == nullptr) return NullArgument("cuda::DequantizeInt4", "dst", n);
-  ZINF_RETURN_IF_ERROR(QuantArguments("cuda::DequantizeInt4", src, block));
+  ZINF_RETURN_IF_ERROR(CheckQuantBlocks("cuda::DequantizeInt4", src, block));
   DequantizeInt4Kernel<<<BlocksFor(n), kThreads, 0, cs->handle()>>>(
       static_cast<const uint8_t*>(src), n, BlockShift(block), dst);
   ZINF_CUDA_CHECK(cudaGetLastError());

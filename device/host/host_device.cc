@@ -591,17 +591,7 @@ Status QuantizeArguments(const char* what, void* dst, const void* src, size_t n,
     return Status::InvalidArgument(std::string(what) + " of " + std::to_string(n) +
                                    " values: " + (dst == nullptr ? "dst" : "src") + " is null");
   }
-  if (reinterpret_cast<uintptr_t>(blocks) % 4 != 0) {
-    return Status::InvalidArgument(std::string(what) +
-                                   ": the int8 or int4 blocks are not 4-byte aligned");
-  }
-  if (!QuantBlockValid(block)) {
-    return Status::InvalidArgument(std::string(what) + ": a block of " + std::to_string(block) +
-                                   " values; use a power of two from " +
-                                   std::to_string(kMinQuantBlock) + " to " +
-                                   std::to_string(kMaxQuantBlock));
-  }
-  return Status::OK();
+  return CheckQuantBlocks(what, blocks, block);
 }
 
 }  // namespace

@@ -272,6 +272,21 @@ inline bool QuantBlockValid(size_t block) {
 inline size_t Int8Bytes(size_t n, size_t block) {
   return (n + block - 1) / block * (block + sizeof(float));
 }
+// What every device's quantization call checks first (InvalidArgument naming `what`): the int8
+// or int4 side, whose fp32 scales a GPU reads as words, 4-byte aligned; a valid block size.
+inline Status CheckQuantBlocks(const char* what, const void* blocks, size_t block) {
+  if (reinterpret_cast<uintptr_t>(blocks) % 4 != 0) {
+    return Status::InvalidArgument(std::string(what) +
+                                   ": the int8 or int4 blocks are not 4-byte aligned");
+  }
+  if (!QuantBlockValid(block)) {
+    return Status::InvalidArgument(std::string(what) + ": a block of " + std::to_string(block) +
+                                   " values; use a power of two from " +
+                                   std::to_string(kMinQuantBlock) + " to " +
+                                   std::to_string(kMaxQuantBlock));
+  }
+  return Status::OK();
+}
 
 // The quantized parameter gather (zero_quantized_weights, ZeRO++'s qwZ) in the same layout:
 // `n` parameters of `type` (kNone: fp32; kBf16 and kF16 read as their own bits) encoded as
