@@ -144,6 +144,15 @@ int zinf_engine_reduce_gradient(zinf_engine* engine, uint32_t id, const float* g
                              [&] { return FromStatus(engine->engine->ReduceGradient(id, grad)); });
 }
 
+int zinf_engine_reduce_gradient_of(zinf_engine* engine, uint32_t id, const float* grad,
+                                   int micro_batch) {
+  if (!Live(engine, "zinf_engine_reduce_gradient_of")) return -1;
+  if (grad == nullptr) return Fail("zinf_engine_reduce_gradient_of: grad must not be NULL");
+  return zinf::capi::Guarded("zinf_engine_reduce_gradient_of", [&] {
+    return FromStatus(engine->engine->ReduceGradient(id, grad, micro_batch));
+  });
+}
+
 int zinf_engine_step(zinf_engine* engine, zinf_step_stats* stats) {
   if (!Live(engine, "zinf_engine_step")) return -1;
   zinf::Result<zinf::StepStats> r = zinf::Status::Internal("not run");

@@ -99,6 +99,7 @@ constexpr std::string_view kZinfKeys[] = {
     "durable_overwrite",
     "delayed_update_after",
     "gradient_transfer_dtype",
+    "schedule",
     "optimizer_state_dtype",
     "frozen_weight_dtype",
     "quantized_gradient_bits",
@@ -341,6 +342,8 @@ Status ParseZinf(ObjectReader& r, EngineConfig* config, std::vector<std::string>
   ZINF_RETURN_IF_ERROR(r.ReadEnum<bool>("gradient_transfer_dtype",
                                         {{"fp32", false}, {"bf16", true}},
                                         &config->gradient_transfer_bf16));
+  ZINF_RETURN_IF_ERROR(r.ReadEnum<bool>("schedule", {{"micro-batch", false}, {"layer-major", true}},
+                                        &config->layer_major));
   ZINF_RETURN_IF_ERROR(r.ReadEnum<StateType>(
       "optimizer_state_dtype",
       {{"fp32", StateType::kF32}, {"bf16", StateType::kBf16}, {"int8", StateType::kInt8}},

@@ -183,7 +183,15 @@ Result<std::vector<void*>> Engine::Acquire(const std::vector<ParamId>& ids, Acqu
 Status Engine::Release(const std::vector<ParamId>& ids) { return impl_->Release(ids); }
 
 Status Engine::ReduceGradient(ParamId id, const float* grad) {
-  return impl_->ReduceGradient(id, grad);
+  return impl_->ReduceGradient(id, grad, -1);
+}
+
+Status Engine::ReduceGradient(ParamId id, const float* grad, int micro_batch) {
+  if (micro_batch < 0) {
+    return Status::InvalidArgument("ReduceGradient: micro-batch " + std::to_string(micro_batch) +
+                                   " is negative (0 is a window's first)");
+  }
+  return impl_->ReduceGradient(id, grad, micro_batch);
 }
 
 Result<StepStats> Engine::Step() { return impl_->Step(); }
@@ -798,7 +806,7 @@ Status Engine::Impl::Release(const std::vector<ParamId>& ids) {
   return core_->fetch->Release(ids, clock_.visible(), Rewriting());
 }
 
-Status Engine::Impl::ReduceGradient(ParamId id, const float* grad) {
+Status Engine::Impl::ReduceGradient(ParamId id, const float* grad, int micro_batch) {
   if (!broken_.ok()) return broken_;
   if (id >= layout_.num_params()) {
     return Status::InvalidArgument("ReduceGradient: unknown parameter id " + std::to_string(id));
@@ -812,24 +820,23 @@ Status Engine::Impl::ReduceGradient(ParamId id, const float* grad) {
                                       "'): the parameter is frozen (registered with trainable "
                                       "false); it takes no gradient");
   }
+  Result<bool> last = CheckMicroBatch(id, micro_batch);
+  if (!last.ok()) return last.status();
   LocalGradients* local = core_->local_grads.get();
-  if (core_->grads->reduced(id) || (local != nullptr && local->added(id))) {
-    return Status::FailedPrecondition("ReduceGradient('" + p.info.name +
-                                      "') twice in one micro-step");
-  }
-  // The optimizer step this micro-step completes (0: none); the sub-group's accumulators must
-  // be free of the previous window's step (delayed update) before this gradient goes in.
-  const int64_t ready = clock_.boundary() ? clock_.step() + 1 : 0;
+  // The optimizer step this micro-step completes (0: none) when this is the parameter's last
+  // gradient in it (a layer-major window's earlier micro-batches: summed in, not landing).
+  const int64_t ready = clock_.boundary() && *last ? clock_.step() + 1 : 0;
+  const int64_t lands = *last ? ready : GradientWindow::kNotLast;
   ZINF_RETURN_IF_ERROR(WaitStepped(p.info.sub_group));
   Status s;
   if (local != nullptr && (ready == 0 || local->holds(id))) {
-    // Stages 0 and 1: summed on this rank until the window's last micro-step, which reduces
+    // Stages 0 and 1: summed on this rank until the window's last micro-batch, which reduces
     // the sum (Step reduces those that get no gradient in it).
     s = local->Add(id, grad);
     if (s.ok() && ready != 0) s = core_->grads->Reduce(id, local->sum(id), ready);
     if (s.ok() && ready != 0) local->Clear(id);
   } else {
-    s = core_->grads->Reduce(id, grad, ready);
+    s = core_->grads->Reduce(id, grad, lands);
   }
   if (!s.ok()) {
     // Part of the gradient may be in its accumulator, and the optimizer may wait for it.
@@ -837,6 +844,48 @@ Status Engine::Impl::ReduceGradient(ParamId id, const float* grad) {
                  "; recreate it (from a checkpoint) to continue");
   }
   return Status::OK();
+}
+
+Result<bool> Engine::Impl::CheckMicroBatch(ParamId id, int micro_batch) {
+  const std::string& name = layout_.param(id).info.name;
+  const int span = clock_.span();
+  const int position = clock_.window_position();
+  if (span == 1) {
+    // The micro-batch schedule: this micro-step is the micro-batch.
+    if (micro_batch >= 0 && micro_batch != position) {
+      return Status::InvalidArgument(
+          "ReduceGradient('" + name + "', micro-batch " + std::to_string(micro_batch) +
+          "): this micro-step is micro-batch " + std::to_string(position) +
+          " of its window (zinf.schedule micro-batch: one micro-batch per Step)");
+    }
+    LocalGradients* local = core_->local_grads.get();
+    if (core_->grads->reduced(id) || (local != nullptr && local->added(id))) {
+      return Status::FailedPrecondition("ReduceGradient('" + name + "') twice in one micro-step");
+    }
+    return true;
+  }
+  if (micro_batch < 0) {
+    return Status::FailedPrecondition(
+        "ReduceGradient('" + name + "'): with zinf.schedule layer-major and " +
+        std::to_string(span) +
+        " accumulation steps each gradient names its micro-batch: ReduceGradient(id, grad, j)");
+  }
+  if (micro_batch >= span) {
+    return Status::InvalidArgument("ReduceGradient('" + name + "', micro-batch " +
+                                   std::to_string(micro_batch) + "): a window has " +
+                                   std::to_string(span) + " micro-batches (0 to " +
+                                   std::to_string(span - 1) + ")");
+  }
+  int& next = next_micro_batch_[id];
+  if (micro_batch < next) {
+    return Status::FailedPrecondition(
+        "ReduceGradient('" + name + "', micro-batch " + std::to_string(micro_batch) +
+        "): its gradient of micro-batch " + std::to_string(next - 1) +
+        " came already; with zinf.schedule layer-major each parameter's gradients come in "
+        "increasing micro-batch order, once each");
+  }
+  next = micro_batch + 1;
+  return micro_batch == span - 1;
 }
 
 // ---- Steps -----------------------------------------------------------------------------------

@@ -74,7 +74,8 @@ class Engine::Impl {
   Status SetAcquireOrder(const std::vector<ParamId>& order);
   Result<std::vector<void*>> Acquire(const std::vector<ParamId>& ids, AcquireMode mode);
   Status Release(const std::vector<ParamId>& ids);
-  Status ReduceGradient(ParamId id, const float* grad);
+  // micro_batch -1: the form without one.
+  Status ReduceGradient(ParamId id, const float* grad, int micro_batch);
   Result<StepStats> Step();
   Status PrepareCheckpointDir(const std::string& dir);
   Status RemoveCheckpoints(const std::string& dir);
@@ -162,6 +163,8 @@ class Engine::Impl {
   std::string commit_user_data_;   // SetCommitUserData's text, for the commits
 
   StepClock clock_;  // steps, micro-steps, the version read, the window's boundary
+  // zinf.schedule layer-major: each parameter's next micro-batch allowed in this window.
+  std::vector<int> next_micro_batch_;
   // fp16 (config fp16.enabled): the loss scale, updated at each boundary Step from the norm's
   // verdict (PostNormVerdict); null otherwise.
   std::unique_ptr<LossScaler> scaler_;
@@ -210,6 +213,7 @@ class Engine::Impl {
   // hands the optimizer its task at its first call (KickTask).
   void BeginMicroStep() {
     const bool boundary = clock_.PrepareMicroStep();
+    if (clock_.span() > 1) next_micro_batch_.assign(layout_.num_params(), 0);
     core_->grads->BeginMicroStep();
     if (core_->local_grads) core_->local_grads->BeginMicroStep();
     core_->board->BeginMicroStep(boundary, clock_.step());
@@ -236,6 +240,10 @@ class Engine::Impl {
     return Status::OK();
   }
   Status CheckBetweenSteps(const char* what) const;
+  // ReduceGradient's micro-batch `micro_batch` (-1: not named) of `id`, checked against the
+  // schedule (zinf.schedule) and the parameter's earlier gradients in the micro-step; true:
+  // the parameter's last gradient of the micro-step (it lands).
+  Result<bool> CheckMicroBatch(ParamId id, int micro_batch);
   // GatherMasterParameter's end: this rank's partition `mine` of `p` gathered into its whole
   // value at `out` (numel values).
   Status GatherPartition(const ParamLayout& p, const float* mine, float* out);

@@ -54,6 +54,53 @@ TEST(CApiEngine, TrainsInMemory) {
   TrainToTarget(R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.05}}})");
 }
 
+// zinf.schedule layer-major through the C API: one step per window of 2 micro-batches, each
+// gradient naming its micro-batch; the master is the same as the micro-batch schedule's (two
+// steps per window, the plain call), bit for bit.
+TEST(CApiEngine, LayerMajorWindowsTrainAsMicroBatches) {
+  float result[2][4];
+  for (int layer_major = 0; layer_major < 2; ++layer_major) {
+    const std::string config =
+        std::string(R"({"gradient_accumulation_steps": 2, "optimizer": {"type": "AdamW",
+        "params": {"lr": 0.05}}, "zinf": {"schedule": ")") +
+        (layer_major ? "layer-major" : "micro-batch") + "\"}}";
+    zinf_engine* e = nullptr;
+    ASSERT_EQ(0, zinf_engine_create(config.c_str(), &e)) << zinf_last_error();
+    const int64_t shape[] = {4};
+    const float init[] = {0, 0, 0, 0};
+    uint32_t id = 0;
+    ASSERT_EQ(0, zinf_engine_register(e, "w", shape, 1, init, &id)) << zinf_last_error();
+    zinf_step_stats st{};
+    for (int window = 0; window < 3; ++window) {
+      void* ptr = nullptr;
+      for (int j = 0; j < 2; ++j) {
+        if (!layer_major || j == 0) {
+          ASSERT_EQ(0, zinf_engine_acquire(e, &id, 1, &ptr)) << zinf_last_error();
+        }
+        const float* w = static_cast<const float*>(ptr);
+        float grad[4];
+        for (int i = 0; i < 4; ++i) grad[i] = w[i] - static_cast<float>(i + j) / 3.0f;
+        if (layer_major) {
+          ASSERT_EQ(0, zinf_engine_reduce_gradient_of(e, id, grad, j)) << zinf_last_error();
+        } else {
+          EXPECT_EQ(-1, zinf_engine_reduce_gradient_of(e, id, grad, 1 - j));  // not this one
+          ASSERT_EQ(0, zinf_engine_reduce_gradient(e, id, grad)) << zinf_last_error();
+        }
+        if (!layer_major || j == 1) {
+          ASSERT_EQ(0, zinf_engine_release(e, &id, 1));
+          ASSERT_EQ(0, zinf_engine_step(e, &st)) << zinf_last_error();
+          EXPECT_EQ(j == 1 ? 1 : 0, st.optimizer_ran);
+        }
+      }
+    }
+    EXPECT_EQ(3, st.step);
+    ASSERT_EQ(0, zinf_engine_gather_master(e, id, result[layer_major])) << zinf_last_error();
+    zinf_engine_destroy(e);
+  }
+  EXPECT_EQ(0, std::memcmp(result[0], result[1], sizeof(result[0])));
+  EXPECT_NE(result[1][1], 0.0f);
+}
+
 // An IEEE half's value (the compiler's own conversion: libzinf exports the C API alone).
 float HalfValue(uint16_t bits) {
   _Float16 h;

@@ -90,6 +90,7 @@ constexpr char kZeroInfinityConfig[] = R"json({
     "host_copy_gbps": 24.5,
     "io_backend": "libaio",
     "gradient_transfer_dtype": "bf16",
+    "schedule": "layer-major",
     "optimizer_state_dtype": "int8",
     "nvme_paths": ["/local_nvme", "/nvme2"]
   }
@@ -168,6 +169,7 @@ TEST(ConfigTest, ZeroInfinityConfigParsesEveryField) {
   EXPECT_FALSE(c.durable);
   EXPECT_TRUE(c.checksums);
   EXPECT_TRUE(c.gradient_transfer_bf16);
+  EXPECT_TRUE(c.layer_major);
   EXPECT_EQ(StateType::kInt8, c.optimizer_state_type);
   EXPECT_EQ(12, c.optimizer_threads);
   EXPECT_DOUBLE_EQ(24.5, c.host_copy_gbps);
@@ -215,6 +217,7 @@ void ExpectDefaults(const EngineConfig& c) {
   EXPECT_FALSE(c.delayed_update);
   EXPECT_FALSE(c.checksums);
   EXPECT_FALSE(c.gradient_transfer_bf16);
+  EXPECT_FALSE(c.layer_major);
   EXPECT_EQ(StateType::kF32, c.optimizer_state_type);
   EXPECT_EQ(0, c.optimizer_threads);
   EXPECT_DOUBLE_EQ(0.0, c.host_copy_gbps);
@@ -580,6 +583,8 @@ const BadConfig kBadConfigs[] = {
      "zinf.io_backend: expected one of io_uring, libaio, psync, got \"spdk\""},
     {"BadGradientTransfer", R"({"zinf": {"gradient_transfer_dtype": "fp16"}})", kInvalid,
      "zinf.gradient_transfer_dtype: expected one of fp32, bf16, got \"fp16\""},
+    {"BadSchedule", R"({"zinf": {"schedule": "layer_major"}})", kInvalid,
+     "zinf.schedule: expected one of micro-batch, layer-major, got \"layer_major\""},
     {"BadSpeculativeStep", R"({"zinf": {"speculative_step": "yes"}})", kInvalid,
      "zinf.speculative_step: expected true, false or \"auto\", got \"yes\""},
     {"BadStateDtype", R"({"zinf": {"optimizer_state_dtype": "fp8"}})", kInvalid,
@@ -781,7 +786,7 @@ TEST(ConfigTest, TheVisitorNamesEveryFieldByItsKey) {
     "zinf": {"io_backend": "psync", "device_budget_bytes": "1G", "pinned_budget_bytes": "256M",
       "nvme_capacity_bytes": "10G", "nvme_reserve_bytes": "1G", "delayed_update": true,
       "delayed_update_after": 3, "durable": true, "durable_overwrite": true, "checksums": true,
-      "gradient_transfer_dtype": "bf16", "optimizer_state_dtype": "bf16",
+      "gradient_transfer_dtype": "bf16", "schedule": "layer-major", "optimizer_state_dtype": "bf16",
       "frozen_weight_dtype": "int8", "quantized_gradient_bits": 4, "quantization_block_size": 64, "optimizer_threads": 2,
       "speculative_step": true, "collective_timeout_seconds": 60, "host_copy_gbps": 10, "allowed_nvme_roots": ["/tmp"]}
   })";
@@ -793,9 +798,9 @@ TEST(ConfigTest, TheVisitorNamesEveryFieldByItsKey) {
   const nlohmann::json tree = VisitedTree(*c, &flat);
   VisitedTree(EngineConfig{}, &defaults);
   // 6 offload_param keys, 7 offload_optimizer, 10 other zero_optimization keys, 5 aio and the
-  // backend, 5 optimizer keys (betas one), bf16 and 4 other top-level keys, 7 fp16 keys, 19
+  // backend, 5 optimizer keys (betas one), bf16 and 4 other top-level keys, 7 fp16 keys, 20
   // zinf keys.
-  EXPECT_EQ(flat.size(), 6 + 7 + 10 + 6 + 5 + 5 + 7 + 19u);
+  EXPECT_EQ(flat.size(), 6 + 7 + 10 + 6 + 5 + 5 + 7 + 20u);
   for (const auto& [key, value] : flat) {
     // (The stage has one value; fp16 and bf16 exclude each other: fp16.enabled is below.)
     if (key == "zero_optimization.stage" || key == "fp16.enabled") continue;

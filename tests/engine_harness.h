@@ -266,6 +266,29 @@ class RankTrainer {
     return Status::OK();
   }
 
+  // zinf.schedule layer-major: a whole window of micro-batches (row_begins[j], `rows` rows
+  // each) in one Step: each layer's forward for every micro-batch before the next layer's,
+  // then the backward from the top, each layer for every micro-batch with ReduceGradient(id,
+  // grad, j). `skip_after_first`: that parameter's gradient in micro-batch 0 only (-1: none).
+  // losses: one per micro-batch.
+  Status LayerMajorWindow(const std::vector<int>& row_begins, int rows, int skip_after_first,
+                          std::vector<double>* losses, StepStats* stats) {
+    gradients_reduced_ = 0;
+    Status s = LayerMajorPasses(row_begins, rows, skip_after_first, losses);
+    if (!s.ok()) {
+      for (int l : held_) (void)engine_->Release(LayerIds(l));  // safe: the first error is s
+      held_.clear();
+      (void)EndOfMicroStep();  // safe: s is the error to report
+      return s;
+    }
+    Result<StepStats> st = engine_->Step();
+    Status ended = EndOfMicroStep();
+    if (!st.ok()) return st.status().WithContext("Step");
+    ZINF_RETURN_IF_ERROR(ended);
+    *stats = *st;
+    return Status::OK();
+  }
+
   // Collective: every parameter's fp32 master, gathered.
   Status GatherAll(std::vector<std::vector<float>>* out) {
     const MlpShape& shape = Shape();
@@ -315,7 +338,8 @@ class RankTrainer {
 
   // Hands a host gradient to the engine (through device memory when the device is not the
   // host: the copy is ordered on the compute stream, which the engine's reduction follows).
-  Status Reduce(int p, const std::vector<float>& grad) {
+  // `micro_batch` >= 0: ReduceGradient's form naming it.
+  Status Reduce(int p, const std::vector<float>& grad, int micro_batch = -1) {
     if (p == skip_gradient_) return Status::OK();
     const float* src = grad.data();
     if (device_ != nullptr) {
@@ -331,8 +355,9 @@ class RankTrainer {
                                                      bytes, device_->ComputeStream()));
       src = static_cast<const float*>(grad_dev_);
     }
-    ZINF_RETURN_IF_ERROR(
-        engine_->ReduceGradient(ids_[p], src).WithContext("ReduceGradient " + ParamName(p)));
+    Status reduced = micro_batch < 0 ? engine_->ReduceGradient(ids_[p], src)
+                                     : engine_->ReduceGradient(ids_[p], src, micro_batch);
+    ZINF_RETURN_IF_ERROR(reduced.WithContext("ReduceGradient " + ParamName(p)));
     ++gradients_reduced_;
     return Status::OK();
   }
@@ -387,6 +412,43 @@ class RankTrainer {
     return Status::OK();
   }
 
+  Status LayerMajorPasses(const std::vector<int>& row_begins, int rows, int skip_after_first,
+                          std::vector<double>* losses) {
+    const MlpShape& shape = Shape();
+    const int layers = shape.layers();
+    const int k = static_cast<int>(row_begins.size());
+    window_ws_.resize(k);
+    for (int j = 0; j < k; ++j) {
+      testing::StartForward(shape, TheBatch(), row_begins[j], rows, &window_ws_[j]);
+    }
+    for (int l = 0; l < layers; ++l) {
+      Result<LayerPtrs> p = AcquireLayer(l, "forward");
+      if (!p.ok()) return p.status();
+      for (int j = 0; j < k; ++j) testing::ForwardLayer(shape, l, rows, p->w, p->b, &window_ws_[j]);
+      ZINF_RETURN_IF_ERROR(ReleaseLayer(l, "forward"));
+    }
+    losses->clear();
+    for (int j = 0; j < k; ++j) {
+      losses->push_back(testing::FinishForward(shape, TheBatch(), row_begins[j], rows, LossScale(),
+                                               &window_ws_[j]));
+    }
+    for (int l = layers - 1; l >= 0; --l) {
+      Result<LayerPtrs> p = AcquireLayer(l, "backward");
+      if (!p.ok()) return p.status();
+      for (int j = 0; j < k; ++j) {
+        dw_.assign(shape.numel(2 * l), 0.0f);
+        db_.assign(shape.numel(2 * l + 1), 0.0f);
+        testing::BackwardLayer(shape, l, rows, p->w, dw_.data(), db_.data(), &window_ws_[j]);
+        for (int q : {2 * l, 2 * l + 1}) {
+          if (j > 0 && q == skip_after_first) continue;
+          ZINF_RETURN_IF_ERROR(Reduce(q, q == 2 * l ? dw_ : db_, j));
+        }
+      }
+      ZINF_RETURN_IF_ERROR(ReleaseLayer(l, "backward"));
+    }
+    return Status::OK();
+  }
+
   Engine* engine_;
   Device* device_ = nullptr;  // set only for a device that is not the host
   int skip_gradient_ = -1;
@@ -399,6 +461,7 @@ class RankTrainer {
   std::vector<int> held_;  // layers acquired and not yet released
   int gradients_reduced_ = 0;
   MlpWorkspace ws_;
+  std::vector<MlpWorkspace> window_ws_;  // LayerMajorWindow's, one per micro-batch
   std::vector<float> dw_, db_;
 };
 
@@ -420,6 +483,10 @@ struct RunOptions {
   uint64_t pinned_budget_bytes = kPinnedBudget;
   uint64_t sub_group_size = kSubGroupSize;
   int swapped_micro_step = -1;  // this micro-step's forward acquires layer 1 before layer 0
+  // zinf.schedule layer-major: each window in one Step (RankTrainer::LayerMajorWindow); the
+  // losses and stats are the micro-batches' (each window's stats k times).
+  bool layer_major = false;
+  bool bf16_transfer = false;  // zinf.gradient_transfer_dtype bf16
   // Checkpoints: save after this many optimizer steps (-1: never) into checkpoint_dir; or load
   // from it before the first micro-step and start at micro-step first_micro.
   std::string checkpoint_dir;
@@ -524,6 +591,8 @@ inline EngineConfig MakeConfig(const RunOptions& o, const std::string& nvme_dir)
   c.quantized_gradients = o.quantized_gradients;
   c.quantized_gradient_bits = o.gradient_bits;
   c.hpz_partition_size = o.hpz;
+  c.layer_major = o.layer_major;
+  c.gradient_transfer_bf16 = o.bf16_transfer;
   return c;
 }
 
@@ -806,6 +875,31 @@ inline Status OffloadCycle(const RunOptions& o, int rank, int c, Engine* engine,
   return Status::OK();
 }
 
+// RankMain's training with RunOptions::layer_major (no checkpoints or offload cycles).
+inline Status LayerMajorRun(const RunOptions& o, int rank, Engine* engine, RankTrainer* trainer,
+                            RankOutput* out) {
+  for (int w = 0; w < o.steps; ++w) {
+    std::vector<int> row_begins;
+    for (int j = 0; j < o.grad_accum; ++j) {
+      row_begins.push_back(RowBegin(o, w * o.grad_accum + j, rank));
+    }
+    std::vector<double> losses;
+    StepStats stats;
+    ZINF_RETURN_IF_ERROR(
+        trainer->LayerMajorWindow(row_begins, RowsPerRank(o), o.first_micro_only, &losses, &stats)
+            .WithContext("window " + std::to_string(w)));
+    for (double loss : losses) {
+      out->losses.push_back(loss);
+      out->stats.push_back(stats);
+    }
+    out->micro_steps_done.store((w + 1) * o.grad_accum);
+  }
+  out->phase.store(RankOutput::kGathering);
+  Status gathered = trainer->GatherAll(&out->params);
+  out->phase.store(RankOutput::kDestroying);
+  return gathered;
+}
+
 inline Status RankMain(const RunOptions& o, int rank, Device* device, Communicator* comm,
                        const std::string& nvme_dir, RankOutput* out) {
   EngineHooks hooks;
@@ -825,6 +919,7 @@ inline Status RankMain(const RunOptions& o, int rank, Device* device, Communicat
     ZINF_RETURN_IF_ERROR(engine->LoadCheckpoint(o.checkpoint_dir).WithContext("LoadCheckpoint"));
   }
   const int micro_steps = o.steps * o.grad_accum;
+  if (o.layer_major) return LayerMajorRun(o, rank, engine.get(), &trainer, out);
   for (int m = o.first_micro; m < micro_steps; ++m) {
     double loss = 0;
     StepStats stats;

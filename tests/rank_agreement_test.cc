@@ -31,6 +31,7 @@ struct RankSetup {
   bool quantized_gradients = false;  // zero_optimization.zero_quantized_gradients
   uint32_t gradient_bits = 8;        // zinf.quantized_gradient_bits
   uint32_t quant_block = 256;        // zinf.quantization_block_size
+  bool layer_major = false;          // zinf.schedule layer-major
 };
 
 EngineConfig Config(const RankSetup& s) {
@@ -47,6 +48,7 @@ EngineConfig Config(const RankSetup& s) {
   c.quantized_gradients = s.quantized_gradients;
   c.quantized_gradient_bits = s.gradient_bits;
   c.quantization_block_size = s.quant_block;
+  c.layer_major = s.layer_major;
   c.optimizer_threads = 1;
   c.pinned_budget_bytes = 16ull << 20;
   return c;
@@ -187,6 +189,14 @@ TEST(RankAgreement, AnotherQuantizationBlockIsNamed) {
   for (const RankResult& x : RunRanks({RankSetup{}, unused})) {
     EXPECT_TRUE(x.finish.ok()) << x.finish.ToString();
   }
+}
+
+// One rank stepping per window and one per micro-batch would pair their collectives wrongly.
+TEST(RankAgreement, AnotherScheduleIsNamed) {
+  RankSetup layer;
+  layer.layer_major = true;
+  ExpectRefused(RunRanks({RankSetup{}, layer}),
+                {"zinf.schedule: rank 0 has micro-batch, rank 1 has layer-major"});
 }
 
 TEST(RankAgreement, AnotherClippingIsNamed) {

@@ -143,11 +143,14 @@ std::string GradientWindow::Unreduced(size_t gi) const {
   return std::string();
 }
 
-void GradientWindow::MarkReduced(ParamId id) {
+void GradientWindow::MarkReduced(ParamId id, int64_t ready) {
   const ParamLayout& p = ctx_.layout->param(id);
   flags_[id].seen_this_window = true;
-  flags_[id].reduced_this_micro = true;
-  reduced_this_micro_ = true;
+  // (A layer-major window's earlier micro-batches: the parameter's last gradient is to come.)
+  if (ready != kNotLast) {
+    flags_[id].reduced_this_micro = true;
+    reduced_this_micro_ = true;
+  }
   ctx_.board->MarkHasGrad(p.info.sub_group, p.index_in_group);
 }
 
@@ -264,7 +267,7 @@ Status GradientWindow::ReduceInline(const ReduceJob& job, const float* grad) {
   ZINF_RETURN_IF_ERROR(EnsureBuffer(job.gi).WithContext("gradient of '" + p.info.name + "'"));
   float* acc = Acc(id);
   const size_t bytes = numel * sizeof(float);
-  MarkReduced(id);
+  MarkReduced(id, job.ready);
   if (job.on_device) {
     ZINF_RETURN_IF_ERROR(ctx_.device->CopyDeviceToDevice(acc, grad, bytes, compute));
     if (part > numel) {
@@ -459,7 +462,7 @@ Status GradientWindow::AccumulateOnDevice(const ReduceJob& job, const void* out,
     s = ctx_.device->CopyHostToDevice(acc + n, zeros_, (part - n) * sizeof(float), grad);
   }
   if (!s.ok()) return ReleaseScratch(job, s);
-  MarkReduced(job.id);
+  MarkReduced(job.id, job.ready);
   s = LandAfterCopy(*job.p, job.scratch, job.scratch_bytes, job.ready);
   return s.ok() ? s : ReleaseScratch(job, s);
 }
@@ -472,7 +475,7 @@ Status GradientWindow::CopyToAccumulator(const ReduceJob& job, const void* out, 
     return ctx_.device->CopyDeviceToHost(acc, out, job.link_bytes, ctx_.streams.grad);
   });
   if (!s.ok()) return ReleaseScratch(job, s);
-  MarkReduced(job.id);
+  MarkReduced(job.id, job.ready);
   if (part > n) std::memset(acc + n, 0, (part - n) * sizeof(float));
   s = LandAfterCopy(*job.p, job.scratch, job.scratch_bytes, job.ready);
   return s.ok() ? s : ReleaseScratch(job, s);
@@ -508,7 +511,7 @@ Status GradientWindow::StageForAdder(const ReduceJob& job, const void* out, floa
     return ctx_.device->CopyDeviceToHost(dst, out, job.link_bytes, ctx_.streams.grad);
   });
   if (!s.ok()) return ReleaseScratch(job, s);
-  MarkReduced(job.id);
+  MarkReduced(job.id, job.ready);
   if (job.first && part > n) std::memset(acc + n, 0, (part - n) * sizeof(float));
   // Once the copy has run, the scratch goes back and the widening or sum is handed to the
   // adder thread, which lands the gradient after it.

@@ -55,8 +55,11 @@ class GradientWindow {
 
   // ---- Trainer thread ----
   // The gradient of `id` (device memory, `numel` fp32) goes into its accumulator; `ready` is
-  // the optimizer step this micro-step completes (0: not a boundary). On error the gradient
-  // may have partly landed: the caller must stop the engine.
+  // the optimizer step this micro-step completes (0: not a boundary; kNotLast: a layer-major
+  // window's gradient before the parameter's last, summed in but neither landing nor counting
+  // as reduced in the micro-step). On error the gradient may have partly landed: the caller
+  // must stop the engine.
+  static constexpr int64_t kNotLast = GroupBoard::kNotLast;
   Status Reduce(ParamId id, const float* grad, int64_t ready);
   // A micro-step starts: no gradient reduced in it yet.
   void BeginMicroStep();
@@ -127,7 +130,7 @@ class GradientWindow {
   Status EnsureBuffer(size_t gi);
   // Streaming: gives back the accumulators of a stepped sub-group.
   void ReleaseBuffer(size_t gi);
-  void MarkReduced(ParamId id);
+  void MarkReduced(ParamId id, int64_t ready);
   // Once the gradient stream has copied `p`'s gradient into its accumulator: the scratch goes
   // back and the gradient lands (a host function that only frees and lands).
   Status LandAfterCopy(const ParamLayout& p, void* scratch, size_t scratch_bytes, int64_t ready);

@@ -111,6 +111,7 @@ Status GroupBoard::Stop(int64_t drain_to) {
 }
 
 void GroupBoard::Land(size_t gi, int64_t ready) {
+  if (ready == kNotLast) return;
   MutexLock lock(&mu_);
   Group& g = groups_[gi];
   if (--g.pending == 0 && ready > 0) {

@@ -70,7 +70,10 @@ class GroupBoard {
   Status Stop(int64_t drain_to) EXCLUDES(mu_);
 
   // ---- Any thread (stream callbacks, the trainer at Step) ----
-  // One gradient of sub-group `gi` landed; `ready` > 0: the window ends with step `ready`.
+  // One gradient of sub-group `gi` landed; `ready` > 0: the window ends with step `ready`;
+  // kNotLast: a layer-major window's gradient before its parameter's last (nothing counted:
+  // each parameter lands once per micro-step).
+  static constexpr int64_t kNotLast = -1;
   void Land(size_t gi, int64_t ready) EXCLUDES(mu_);
   // The first `landed` elements of the partition of the group's parameter `index` are in its
   // accumulator, the rest still coming (its Land follows, unless the copy fails: the engine

@@ -65,6 +65,7 @@ std::string DescribeForAgreement(const EngineConfig& c, const Layout& layout,
   }
   o << "gradient_clipping: " << Num(c.gradient_clipping) << "\n";
   o << "gradient_accumulation_steps: " << c.gradient_accumulation_steps << "\n";
+  o << "zinf.schedule: " << (c.layer_major ? "layer-major" : "micro-batch") << "\n";
   o << "zero_optimization.sub_group_size: " << c.sub_group_size << "\n";
   o << "zero_optimization.stage3_param_persistence_threshold: " << c.param_persistence_threshold
     << "\n";

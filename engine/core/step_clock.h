@@ -1,4 +1,4 @@
-// Where training is, as the trainer thread sees it: optimizer steps taken, micro-steps taken,
+// Where training is, as the trainer thread sees it: optimizer steps taken, micro-batches taken,
 // the parameter version the micro-steps read, and the current micro-step's place in its
 // accumulation window. Which steps run delayed is a pure function of the configuration
 // (DelayedStep), which the optimizer thread shares. Trainer thread only; pure.
@@ -14,7 +14,9 @@ namespace zinf {
 class StepClock {
  public:
   explicit StepClock(const EngineConfig& config)
-      : config_(config), accum_(std::max(1, config.gradient_accumulation_steps)) {}
+      : config_(config),
+        accum_(std::max(1, config.gradient_accumulation_steps)),
+        span_(config.layer_major ? accum_ : 1) {}
 
   // Whether the optimizer step of window s runs delayed (zinf.delayed_update, after the first
   // zinf.delayed_update_after steps): the trainer computes window s + 1 on the parameters of
@@ -25,8 +27,12 @@ class StepClock {
   bool DelayedStep(int64_t s) const { return DelayedStep(config_, s); }
   bool delayed() const { return config_.delayed_update; }
 
-  int64_t step() const { return step_; }        // optimizer steps taken
-  int64_t micro() const { return micro_; }      // micro-steps taken
+  int64_t step() const { return step_; }    // optimizer steps taken
+  int64_t micro() const { return micro_; }  // micro-batches taken
+  // The micro-batches one Step covers: the window's (zinf.schedule layer-major), else 1.
+  int span() const { return span_; }
+  // The window position of the micro-step's first micro-batch.
+  int window_position() const { return static_cast<int>(micro_ % accum_); }
   int64_t visible() const { return visible_; }  // the parameter version micro-steps read
   bool boundary() const { return boundary_; }   // this micro-step ends a window
   bool in_micro() const { return in_micro_; }   // it has started (its first call came)
@@ -36,7 +42,7 @@ class StepClock {
   // The next micro-step is prepared (after Step, at placement): whether it ends a window. Its
   // optimizer task is due until TakeTask.
   bool PrepareMicroStep() {
-    boundary_ = (micro_ + 1) % accum_ == 0;
+    boundary_ = (micro_ + span_) % accum_ == 0;
     task_due_ = boundary_;
     return boundary_;
   }
@@ -56,7 +62,7 @@ class StepClock {
   }
   // The micro-step ended (Step returned).
   void EndMicroStep() {
-    ++micro_;
+    micro_ += span_;
     in_micro_ = false;
   }
   // The running (delayed) step's parameters are the ones read from now on.
@@ -71,6 +77,7 @@ class StepClock {
  private:
   const EngineConfig& config_;
   const int accum_;
+  const int span_;  // micro-batches per Step
   int64_t step_ = 0;
   int64_t micro_ = 0;
   int64_t visible_ = 0;

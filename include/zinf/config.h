@@ -168,6 +168,14 @@ struct EngineConfig {
   // bytes across the link, at one bf16 rounding (8 significant bits) per micro-step's
   // gradient. With several ranks the reduce-scatter sums in fp32 first.
   bool gradient_transfer_bf16 = false;
+  // zinf.schedule "layer-major" (default "micro-batch"): how the trainer orders a window's
+  // gradient_accumulation_steps micro-batches. "micro-batch": one micro-batch's forward and
+  // backward per Step (every parameter fetched once per pass per micro-batch). "layer-major":
+  // the trainer runs each layer for every micro-batch before the next layer, so the whole
+  // window is one Step and a parameter is fetched once per pass; each gradient names its
+  // micro-batch (ReduceGradient(id, grad, j), j in micro-batch order per parameter) and is
+  // summed in that order, so the result is the micro-batch schedule's, bit for bit.
+  bool layer_major = false;
   // zinf.optimizer_state_dtype "fp32" (default), "bf16" or "int8": how the optimizer states
   // (Adam's two moments, Lion's momentum, Adagrad's sum) are stored on every tier between
   // steps (zinf/cpu_adam.h StateType: bf16 nearest even; int8 blockwise, 1 + 4/256 bytes per
@@ -317,6 +325,7 @@ void VisitEngineConfig(const EngineConfig& c, Visit&& visit) {
   visit("durable_overwrite", c.durable_overwrite);
   visit("checksums", c.checksums);
   visit("gradient_transfer_dtype", c.gradient_transfer_bf16 ? "bf16" : "fp32");
+  visit("schedule", c.layer_major ? "layer-major" : "micro-batch");
   visit("optimizer_state_dtype", StateTypeName(c.optimizer_state_type));
   visit("frozen_weight_dtype", c.frozen_int8 ? "int8" : "as-is");
   visit("quantized_gradient_bits", c.quantized_gradient_bits);
@@ -334,7 +343,7 @@ void VisitEngineConfig(const EngineConfig& c, Visit&& visit) {
 
 #ifdef ZINF_HAS_FIELD_COUNT_CHECK
 // The fields VisitEngineConfig visits: one added without a visit fails here.
-static_assert(HasFields<EngineConfig, 39> && HasFields<OffloadConfig, 9> &&
+static_assert(HasFields<EngineConfig, 40> && HasFields<OffloadConfig, 9> &&
                   HasFields<AioConfig, 6> && HasFields<OptimizerConfig, 6> &&
                   HasFields<Fp16Config, 7>,
               "EngineConfig gained or lost a field: update VisitEngineConfig and these counts");

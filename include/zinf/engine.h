@@ -10,6 +10,9 @@
 //   for each layer (backward): ptrs = Acquire(...); compute grads; ReduceGradient(id, grad)
 //                              for each param; Release(...)
 //   Step()   // every micro-step; the optimizer runs after gradient_accumulation_steps
+// With zinf.schedule "layer-major" a Step covers the whole window: each layer runs for every
+// micro-batch before the next (forward up, backward down), so each parameter is acquired
+// once per pass, and its gradients go in as ReduceGradient(id, grad, j) in micro-batch order.
 // All ranks must make the same calls in the same order (the collectives are matched by
 // order). The first step's Acquire sequence is recorded and drives prefetch from then on,
 // unless SetAcquireOrder gave the order up front.
@@ -105,6 +108,14 @@ class Engine {
   // failure may leave the gradient partly landed, so it stops the engine: every later call
   // fails, naming it; recreate the engine from a checkpoint or the durable store.
   Status ReduceGradient(ParamId id, const float* grad);
+  // The gradient of micro-batch `micro_batch` (0-based, within the accumulation window).
+  // zinf.schedule "micro-batch": `micro_batch` must be the current micro-step's place in its
+  // window (a check; the same as the call above). "layer-major": one Step per window, and a
+  // parameter's gradients come in increasing micro-batch order (a micro-batch may give it
+  // none); each is summed onto the earlier ones in that order, as the micro-batch schedule
+  // sums them, and the window's last micro-batch's gradient is the one that completes the
+  // parameter for the optimizer. Out of order, repeated or out of the window: refused.
+  Status ReduceGradient(ParamId id, const float* grad, int micro_batch);
 
   // Ends a micro-step. At an accumulation boundary it runs (or finishes) the optimizer over
   // every sub-group, clipping by global norm when configured, and returns when the updated

@@ -145,6 +145,10 @@ int zinf_engine_release(zinf_engine* engine, const uint32_t* ids, size_t n);
 
 /* Hands over the full fp32 gradient of a parameter (numel values; copied before return). */
 int zinf_engine_reduce_gradient(zinf_engine* engine, uint32_t id, const float* grad);
+/* The gradient of micro-batch `micro_batch` of the accumulation window (zinf.schedule
+ * "layer-major": one step per window, each parameter's gradients in micro-batch order). */
+int zinf_engine_reduce_gradient_of(zinf_engine* engine, uint32_t id, const float* grad,
+                                   int micro_batch);
 
 /* Ends a micro-step (the optimizer runs at accumulation boundaries). `stats` may be NULL. */
 int zinf_engine_step(zinf_engine* engine, zinf_step_stats* stats);
