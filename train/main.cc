@@ -80,6 +80,16 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("--grad-accum", f.grad_accum, "micro-steps per optimizer step (default: config's)")
       ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--schedule", f.schedule,
+                 "zinf.schedule: layer-major (each block for every micro-batch of the window "
+                 "before the next, so a parameter is fetched once per pass whatever "
+                 "--grad-accum; each micro-batch's block inputs kept, blocks recomputed in the "
+                 "backward), micro-batch (one micro-batch's forward and backward at a time) or "
+                 "auto: layer-major with --grad-accum above 1 and parameters offloaded "
+                 "(--param-tier cpu or nvme) or where the config says so, else micro-batch. "
+                 "The same bits either way")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "layer-major", "micro-batch"}));
   const CLI::Validator& finite = zinf::FiniteNumber();
   app.add_option("--lr", f.lr, "learning rate (default: config's, or 1e-3)")
       ->check(finite)

@@ -7,6 +7,12 @@
 namespace zinf::train {
 namespace {
 
+// The engine's call for micro-batch `micro_batch` (-1: the form without one).
+Status Reduce(Engine* engine, ParamId id, const float* grad, int micro_batch) {
+  return micro_batch < 0 ? engine->ReduceGradient(id, grad)
+                         : engine->ReduceGradient(id, grad, micro_batch);
+}
+
 class DirectTransfer final : public ParamTransfer {
  public:
   explicit DirectTransfer(Engine* engine) : engine_(engine) {}
@@ -14,9 +20,9 @@ class DirectTransfer final : public ParamTransfer {
   Result<std::vector<void*>> Acquire(const std::vector<ParamId>& group) override {
     return engine_->Acquire(group);
   }
-  Status ReduceGradient(ParamId id, const float* grad, size_t /*numel*/) override {
+  Status ReduceGradient(ParamId id, const float* grad, size_t /*numel*/, int micro_batch) override {
     // On the GPU `grad` was produced on the compute stream, which the engine's copy follows.
-    return engine_->ReduceGradient(id, grad);
+    return Reduce(engine_, id, grad, micro_batch);
   }
 
  private:
@@ -51,14 +57,14 @@ class StagedTransfer final : public ParamTransfer {
     return raw;
   }
 
-  Status ReduceGradient(ParamId id, const float* grad, size_t numel) override {
+  Status ReduceGradient(ParamId id, const float* grad, size_t numel, int micro_batch) override {
     // The engine's copy out of device_grad_ is ordered on the compute stream before the next
     // gradient's copy into it.
     Stream* compute = device_->ComputeStream();
     ZINF_RETURN_IF_ERROR(
         device_->CopyHostToDevice(device_grad_, grad, numel * sizeof(float), compute));
     ZINF_RETURN_IF_ERROR(device_->SynchronizeStream(compute));
-    return engine_->ReduceGradient(id, static_cast<const float*>(device_grad_));
+    return Reduce(engine_, id, static_cast<const float*>(device_grad_), micro_batch);
   }
 
  private:

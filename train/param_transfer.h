@@ -29,8 +29,10 @@ class ParamTransfer {
   // and, when staged, only until the next Acquire.
   virtual Result<std::vector<void*>> Acquire(const std::vector<ParamId>& group) = 0;
   // Engine::ReduceGradient(id, ...) with the parameter's `numel` fp32 gradient values at
-  // `grad` (memory of the model's ops). `grad` may be reused as soon as this returns.
-  virtual Status ReduceGradient(ParamId id, const float* grad, size_t numel) = 0;
+  // `grad` (memory of the model's ops), of micro-batch `micro_batch` of the window
+  // (zinf.schedule layer-major; -1: the micro-step's, the form without one). `grad` may be
+  // reused as soon as this returns.
+  virtual Status ReduceGradient(ParamId id, const float* grad, size_t numel, int micro_batch) = 0;
 };
 
 // The direct transfer over `engine` (which must outlive it).

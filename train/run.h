@@ -29,8 +29,11 @@ struct Flags {
   int batch = 8;
   int seq = 0;         // 0: 128, or the model's position table when shorter
   int grad_accum = 0;  // 0: config's gradient_accumulation_steps
-  double lr = 0;       // 0: config's (or 1e-3)
-  int warmup = -1;     // -1: steps / 10, at most 100
+  // --schedule: "layer-major", "micro-batch" or "auto" (layer-major where parameters are
+  // offloaded and a window has several micro-batches, or the config says so).
+  std::string schedule = "auto";
+  double lr = 0;    // 0: config's (or 1e-3)
+  int warmup = -1;  // -1: steps / 10, at most 100
   std::string config;
   std::string device = "host";  // host | cuda
   // The engine flags (config/engine_flags.h); each not given keeps the config's. Without

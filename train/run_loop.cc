@@ -68,7 +68,9 @@ class TrainingLoop {
         tokens_(tokens_per_micro_),
         targets_(tokens_per_micro_),
         global_tokens_(world_ > 1 ? tokens_per_micro_ * world_ : 0),
-        global_targets_(global_tokens_.size()) {}
+        global_targets_(global_tokens_.size()),
+        window_tokens_(plan.config.layer_major ? tokens_.size() * accum_ : 0),
+        window_targets_(window_tokens_.size()) {}
 
   ~TrainingLoop() {
     // The loss buffer's collectives ran on the compute stream and were waited for.
@@ -119,43 +121,73 @@ class TrainingLoop {
         !s.ok()) {
       return Fail("setting the learning rate", s);
     }
+    // zinf.schedule layer-major: the window's micro-batches gathered, then one Window.
+    const bool layer_major = plan_.config.layer_major;
+    std::vector<double> losses;
     for (int micro = 0; micro < accum_; ++micro) {
-      if (world_ == 1) {
-        plan_.data.Batch(f_.seed, step * accum_ + micro, f_.batch, f_.seq, tokens_.data(),
-                         targets_.data());
-      } else {
-        // The ranks split one global micro-batch of world x --batch sequences, the one a
-        // single rank with --batch world x B draws: rank r takes rows [r B, (r + 1) B).
-        plan_.data.Batch(f_.seed, step * accum_ + micro, f_.batch * world_, f_.seq,
-                         global_tokens_.data(), global_targets_.data());
-        const size_t begin = static_cast<size_t>(rank_) * tokens_per_micro_;
-        std::copy_n(global_tokens_.begin() + begin, tokens_per_micro_, tokens_.begin());
-        std::copy_n(global_targets_.begin() + begin, tokens_per_micro_, targets_.begin());
+      FillBatch(step * accum_ + micro);
+      if (layer_major) {
+        const size_t at = static_cast<size_t>(micro) * tokens_per_micro_;
+        std::copy(tokens_.begin(), tokens_.end(), window_tokens_.begin() + at);
+        std::copy(targets_.begin(), targets_.end(), window_targets_.begin() + at);
+        continue;
       }
       StepStats st;
       // Gradients averaged over the ranks and the accumulation window.
       Result<double> l =
           trainer_->MicroStep(tokens_.data(), targets_.data(), 1.0f / (accum_ * world_), &st);
       if (!l.ok()) return Fail("step " + std::to_string(step + 1), l.status());
-      double micro_loss = *l;
+      losses.push_back(*l);
+      AddStats(st, agg);
+    }
+    if (layer_major) {
+      StepStats st;
+      Result<std::vector<double>> l = trainer_->Window(
+          window_tokens_.data(), window_targets_.data(), 1.0f / (accum_ * world_), &st);
+      if (!l.ok()) return Fail("step " + std::to_string(step + 1), l.status());
+      losses = std::move(l).value();
+      AddStats(st, agg);
+    }
+    for (double micro_loss : losses) {
       if (world_ > 1) {
         Result<double> mean = MeanOverRanks(micro_loss);
         if (!mean.ok()) return Fail("step " + std::to_string(step + 1), mean.status());
         micro_loss = *mean;
       }
       *loss += micro_loss / accum_;
-      agg->nvme_read_bytes += st.nvme_read_bytes;
-      agg->nvme_write_bytes += st.nvme_write_bytes;
-      agg->acquire_wait_seconds += st.acquire_wait_seconds;
-      agg->optimizer_wait_seconds += st.optimizer_wait_seconds;
-      agg->overlap_efficiency = st.overlap_efficiency;  // of the optimizer micro-step
-      agg->speculated_groups += st.speculated_groups;
-      agg->kept_groups += st.kept_groups;
-      agg->redone_groups += st.redone_groups;
-      agg->loss_scale = st.loss_scale;  // (after the step's last micro-step)
-      agg->skipped_steps = st.skipped_steps;
     }
     return 0;
+  }
+
+  // Micro-batch `micro` of the run into tokens_ and targets_ (with several ranks, this rank's
+  // rows of the global micro-batch).
+  void FillBatch(int64_t micro) {
+    if (world_ == 1) {
+      plan_.data.Batch(f_.seed, micro, f_.batch, f_.seq, tokens_.data(), targets_.data());
+      return;
+    }
+    // The ranks split one global micro-batch of world x --batch sequences, the one a single
+    // rank with --batch world x B draws: rank r takes rows [r B, (r + 1) B).
+    plan_.data.Batch(f_.seed, micro, f_.batch * world_, f_.seq, global_tokens_.data(),
+                     global_targets_.data());
+    const size_t begin = static_cast<size_t>(rank_) * tokens_per_micro_;
+    std::copy_n(global_tokens_.begin() + begin, tokens_per_micro_, tokens_.begin());
+    std::copy_n(global_targets_.begin() + begin, tokens_per_micro_, targets_.begin());
+  }
+
+  // A Step's figures into the optimizer step's: NVMe traffic and waits summed, the overlap of
+  // the last (the optimizer's).
+  static void AddStats(const StepStats& st, StepStats* agg) {
+    agg->nvme_read_bytes += st.nvme_read_bytes;
+    agg->nvme_write_bytes += st.nvme_write_bytes;
+    agg->acquire_wait_seconds += st.acquire_wait_seconds;
+    agg->optimizer_wait_seconds += st.optimizer_wait_seconds;
+    agg->overlap_efficiency = st.overlap_efficiency;
+    agg->speculated_groups += st.speculated_groups;
+    agg->kept_groups += st.kept_groups;
+    agg->redone_groups += st.redone_groups;
+    agg->loss_scale = st.loss_scale;  // (after the step's last micro-step)
+    agg->skipped_steps = st.skipped_steps;
   }
 
   // The mean of the ranks' losses (each its own rows' mean), so that every rank reports the
@@ -241,6 +273,8 @@ class TrainingLoop {
   std::vector<int32_t> tokens_, targets_;  // one micro-step's batch
   // With several ranks: the global micro-batch the ranks split.
   std::vector<int32_t> global_tokens_, global_targets_;
+  // zinf.schedule layer-major: the window's micro-batches, one after the other.
+  std::vector<int32_t> window_tokens_, window_targets_;
   void* loss_buf_ = nullptr;  // device memory for MeanOverRanks (freed with the loop)
 };
 
@@ -329,6 +363,14 @@ int Report(const Flags& f, const RunPlan& plan, GptTrainer* trainer, int64_t fir
       {"state_bytes_per_param", StateBytesPerParam(plan.config)},
       {"param_dtype", StoredParamName(plan.config)},
       {"zero_stage", plan.config.zero_stage},
+      {"grad_accum", std::max(1, plan.config.gradient_accumulation_steps)},
+      {"schedule", plan.config.layer_major ? "layer-major" : "micro-batch"},
+      // The block inputs and gradients a layer-major window keeps (0: micro-batch).
+      {"window_activation_bytes",
+       plan.config.layer_major
+           ? GptTrainer::WindowBytes(plan.model, f.batch, f.seq,
+                                     std::max(1, plan.config.gradient_accumulation_steps))
+           : 0},
       // fp16: the loss scale after the last step and the steps skipped for overflow.
       {"loss_scale", log.loss_scale},
       {"skipped_steps", log.skipped_steps},

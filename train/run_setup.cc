@@ -86,6 +86,12 @@ Result<EngineConfig> BuildConfig(const Flags& f) {
   }
   if (f.lr > 0) c.optimizer.lr = static_cast<float>(f.lr);
   if (f.grad_accum > 0) c.gradient_accumulation_steps = f.grad_accum;
+  if (f.schedule == "layer-major" || f.schedule == "micro-batch") {
+    c.layer_major = f.schedule == "layer-major";
+  } else if (c.gradient_accumulation_steps > 1 && c.offload_param.tier != Tier::kDevice) {
+    // auto: where parameters cross to the device, fetch them once per pass.
+    c.layer_major = true;
+  }
   if (f.delayed_update_after > 0) c.delayed_update_after = f.delayed_update_after;
   if (f.overwrite) c.durable_overwrite = true;
   if (f.durable) c.durable = true;
@@ -240,8 +246,9 @@ int OpenDevice(const Flags& f, const RunPlan& plan, Runtime* rank) {
     o.cuda_ordinal = o.group.local_rank;  // one GPU per process of a machine
     // The trainer's own device memory (activations, one layer's gradients, scratch), which the
     // engine does not plan.
-    const size_t trainer =
-        GptTrainer::DeviceBytes(plan.model, f.batch, f.seq, StoredParamBytes(plan.config) == 2);
+    const size_t trainer = GptTrainer::DeviceBytes(
+        plan.model, f.batch, f.seq, StoredParamBytes(plan.config) == 2,
+        plan.config.layer_major ? std::max(1, plan.config.gradient_accumulation_steps) : 0);
     if (trainer > (size_t{1} << 56)) {
       std::fprintf(stderr,
                    "zinf-train: the trainer's activations for --batch %d x --seq %d are larger "
@@ -275,6 +282,17 @@ void PrintBanner(const Flags& f, const RunPlan& plan) {
       UsesNvme(config) ? ("swap folder " + config.offload_optimizer.nvme_paths.front()).c_str()
                        : "no NVMe",
       f.batch, f.seq, f.steps);
+  const int accum = std::max(1, config.gradient_accumulation_steps);
+  if (config.layer_major) {
+    const double mib =
+        static_cast<double>(GptTrainer::WindowBytes(model, f.batch, f.seq, accum)) / (1 << 20);
+    std::fprintf(out,
+                 "  schedule layer-major: %d micro-batches per pass, their block inputs kept "
+                 "(%.1f MiB), blocks recomputed in the backward\n",
+                 accum, mib);
+  } else if (accum > 1) {
+    std::fprintf(out, "  schedule micro-batch: %d micro-batches, one at a time\n", accum);
+  }
   std::fflush(out);
 }
 

@@ -17,6 +17,11 @@ namespace zinf::train {
 
 namespace {
 
+// The micro-batches a layer-major window keeps (0: the micro-batch schedule).
+int WindowOf(const EngineConfig& c) {
+  return c.layer_major ? std::max(1, c.gradient_accumulation_steps) : 0;
+}
+
 // What one block saves for its backward (memory of the trainer's ModelOps).
 struct BlockActs {
   float* x = nullptr;  // input of the block (residual stream)
@@ -55,6 +60,16 @@ struct GptTrainer::Impl {
         *dfch = nullptr, *dfcg = nullptr, *tmp = nullptr;
   float *dwte = nullptr, *dwpe = nullptr;
   int32_t *tokens = nullptr, *targets = nullptr;
+  // zinf.schedule layer-major: the micro-batches of a window (0: the micro-batch schedule)
+  // and what the window keeps per micro-batch j: each block's input (wx; l = L: the final
+  // LayerNorm's), dL/dx on its way down (wdres), wte's gradient (wdwte: the head's share,
+  // then the embedding's), the tokens and targets.
+  int window = 0;
+  float *wx = nullptr, *wdres = nullptr, *wdwte = nullptr;
+  int32_t *wtokens = nullptr, *wtargets = nullptr;
+  float* X(int l, int j) const { return wx + (static_cast<size_t>(l) * window + j) * N * C; }
+  float* Dres(int j) const { return wdres + static_cast<size_t>(j) * N * C; }
+  float* Dwte(int j) const { return wdwte + static_cast<size_t>(j) * list[0].numel(); }
   std::vector<float> observed;  // host copy of a device gradient for hooks.grad_observer
 
   ParamId wte() const { return ids[0]; }
@@ -68,8 +83,9 @@ struct GptTrainer::Impl {
   }
   std::vector<ParamId> HeadIds() const { return {ids[LnfIndex()], ids[LnfIndex() + 1], wte()}; }
 
-  void SetShape(const GptConfig& model, int batch, int seq, bool half_storage) {
+  void SetShape(const GptConfig& model, int batch, int seq, bool half_storage, int window_size) {
     m = model;
+    window = window_size;
     B = batch;
     T = seq;
     N = batch * seq;
@@ -142,6 +158,14 @@ struct GptTrainer::Impl {
     ZINF_RETURN_IF_ERROR(get(&dwpe, {list[1].numel()}));
     ZINF_ASSIGN_OR_RETURN(tokens, ints(n));
     ZINF_ASSIGN_OR_RETURN(targets, ints(n));
+    if (window > 0) {
+      const size_t k = static_cast<size_t>(window);
+      ZINF_RETURN_IF_ERROR(get(&wx, {static_cast<size_t>(L) + 1, k, n, c}));
+      ZINF_RETURN_IF_ERROR(get(&wdres, {k, n, c}));
+      ZINF_RETURN_IF_ERROR(get(&wdwte, {k, list[0].numel()}));
+      ZINF_ASSIGN_OR_RETURN(wtokens, ints(k * n));
+      ZINF_ASSIGN_OR_RETURN(wtargets, ints(k * n));
+    }
     return Status::OK();
   }
 
@@ -211,7 +235,11 @@ struct GptTrainer::Impl {
   // block's parameters (zeroed by the caller), laid out like BlockParam.
   void BackwardBlock(int l, const float* const* w, float* const* g);
   Result<double> Forward(float loss_scale, bool backward);
-  Status Reduce(size_t index, float* grad) {
+  // zinf.schedule layer-major: the window's forward, layer by layer for every micro-batch,
+  // the head's forward and backward (the losses, one per micro-batch), then the backward.
+  Status WindowForward(float loss_scale, std::vector<double>* losses);
+  Status WindowBackward();
+  Status Reduce(size_t index, float* grad, int micro_batch = -1) {
     const size_t numel = list[index].numel();
     // fp16: the gradient an fp16 model computes holds fp16 values (inf where the scaled value
     // overflows fp16, which the engine's norm sees and skips the step for).
@@ -225,7 +253,7 @@ struct GptTrainer::Impl {
         hooks.grad_observer(index, grad, numel);
       }
     }
-    return transfer->ReduceGradient(ids[index], grad, numel);
+    return transfer->ReduceGradient(ids[index], grad, numel, micro_batch);
   }
 };
 
@@ -341,6 +369,95 @@ Result<double> GptTrainer::Impl::Forward(float loss_scale, bool backward) {
   return loss;
 }
 
+Status GptTrainer::Impl::WindowForward(float loss_scale, std::vector<double>* losses) {
+  const size_t nc = static_cast<size_t>(N) * C;
+  {
+    std::vector<ParamId> group = {wte(), wpe()};
+    ZINF_ASSIGN_OR_RETURN(std::vector<const float*> w, AcquireFp32(group));
+    for (int j = 0; j < window; ++j) {
+      ops->EncoderForward(X(0, j), wtokens + static_cast<size_t>(j) * N, w[0], w[1], B, T, C);
+    }
+    ZINF_RETURN_IF_ERROR(ops->status());
+    ZINF_RETURN_IF_ERROR(engine->Release(group));
+  }
+  // Each block for every micro-batch; only its input is kept (the backward recomputes the
+  // rest from it).
+  for (int l = 0; l < L; ++l) {
+    std::vector<ParamId> group = BlockIds(l);
+    ZINF_ASSIGN_OR_RETURN(std::vector<const float*> w, AcquireFp32(group, /*block=*/true));
+    for (int j = 0; j < window; ++j) {
+      ops->Copy(acts[l].x, X(l, j), nc);
+      ForwardBlock(l, w.data(), X(l + 1, j));
+    }
+    ZINF_RETURN_IF_ERROR(ops->status());
+    ZINF_RETURN_IF_ERROR(engine->Release(group));
+  }
+  // The head, forward and backward per micro-batch, as Forward does.
+  std::vector<ParamId> group = HeadIds();
+  ZINF_ASSIGN_OR_RETURN(std::vector<const float*> w, AcquireFp32(group));
+  losses->clear();
+  for (int j = 0; j < window; ++j) {
+    const float* x = X(L, j);
+    ops->LayerNormForward(lnf, lnf_mean, lnf_rstd, x, w[0], w[1], N, C);
+    ops->Linear(logits, lnf, w[2], nullptr, nullptr, N, C, V);
+    ZINF_ASSIGN_OR_RETURN(
+        double loss, ops->CrossEntropy(dlogits, logits, wtargets + static_cast<size_t>(j) * N, N, V,
+                                       static_cast<double>(loss_scale)));
+    losses->push_back(loss);
+    ops->Zero(dln, nc);
+    ops->Zero(Dwte(j), list[0].numel());
+    ops->LinearBackward(dln, Dwte(j), nullptr, dlogits, lnf, w[2], nullptr, N, C, V);
+    ops->Zero(Dres(j), nc);
+    float* glnf_w = grads;
+    float* glnf_b = grads + C;
+    ops->Zero(grads, 2 * static_cast<size_t>(C));
+    ops->LayerNormBackward(Dres(j), glnf_w, glnf_b, dln, x, w[0], lnf_mean, lnf_rstd, N, C);
+    ZINF_RETURN_IF_ERROR(ops->status());
+    ZINF_RETURN_IF_ERROR(Reduce(LnfIndex(), glnf_w, j));
+    ZINF_RETURN_IF_ERROR(Reduce(LnfIndex() + 1, glnf_b, j));
+  }
+  ZINF_RETURN_IF_ERROR(ops->status());
+  return engine->Release(group);
+}
+
+Status GptTrainer::Impl::WindowBackward() {
+  const size_t nc = static_cast<size_t>(N) * C;
+  for (int l = L - 1; l >= 0; --l) {
+    std::vector<ParamId> group = BlockIds(l);
+    ZINF_ASSIGN_OR_RETURN(std::vector<const float*> w, AcquireFp32(group, /*block=*/true));
+    float* g[kBlockParams];
+    size_t cursor = 0;
+    for (int k = 0; k < kBlockParams; ++k) {
+      g[k] = grads + cursor;
+      cursor += engine->param(group[k]).numel;
+    }
+    for (int j = 0; j < window; ++j) {
+      // The block's activations again, from its kept input (the same kernels on the same
+      // values: the forward's bits), then its backward.
+      ops->Copy(acts[l].x, X(l, j), nc);
+      ForwardBlock(l, w.data(), X(l + 1, j));
+      ops->Copy(dres, Dres(j), nc);
+      ops->Zero(grads, cursor);
+      BackwardBlock(l, w.data(), g);
+      ops->Copy(Dres(j), dres, nc);
+      ZINF_RETURN_IF_ERROR(ops->status());
+      for (int k = 0; k < kBlockParams; ++k) {
+        ZINF_RETURN_IF_ERROR(Reduce(BlockIndex(l, k), g[k], j));
+      }
+    }
+    ZINF_RETURN_IF_ERROR(engine->Release(group));
+    CrashPoint("train.backward");
+  }
+  for (int j = 0; j < window; ++j) {
+    ops->Zero(dwpe, list[1].numel());
+    ops->EncoderBackward(Dwte(j), dwpe, Dres(j), wtokens + static_cast<size_t>(j) * N, B, T, C);
+    ZINF_RETURN_IF_ERROR(ops->status());
+    ZINF_RETURN_IF_ERROR(Reduce(0, Dwte(j), j));
+    ZINF_RETURN_IF_ERROR(Reduce(1, dwpe, j));
+  }
+  return Status::OK();
+}
+
 GptTrainer::GptTrainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
   model_ = impl_->m;
   batch_ = impl_->B;
@@ -368,7 +485,7 @@ Result<std::unique_ptr<GptTrainer>> GptTrainer::Create(const GptConfig& model, i
   m.engine = engine;
   m.hooks = hooks;
   m.half_type = StoredParamType(engine->config());
-  m.SetShape(model, batch, seq, m.half_type != ParamCopyType::kNone);
+  m.SetShape(model, batch, seq, m.half_type != ParamCopyType::kNone, WindowOf(engine->config()));
   // On the CPU, up to 64 tokens the bf16 kernels beat widening + sgemm (they read each
   // weight once); beyond, sgemm's blocking wins. On the GPU, cuBLAS bf16 GEMMs always. (fp16
   // weights are widened: the GEMMs take bf16 or fp32.)
@@ -402,7 +519,8 @@ Result<std::unique_ptr<GptTrainer>> GptTrainer::Create(const GptConfig& model, i
   if (!gpu) {
     // Refused up front when the buffers exceed the machine's memory (an allocation that large
     // would fail anyway, or start swapping).
-    const size_t need = DeviceBytes(model, batch, seq, m.half) - CudaModelOpsScratchBytes(m.Dims());
+    const size_t need =
+        DeviceBytes(model, batch, seq, m.half, m.window) - CudaModelOpsScratchBytes(m.Dims());
     const long pages = sysconf(_SC_PHYS_PAGES), page_size = sysconf(_SC_PAGESIZE);
     if (pages > 0 && page_size > 0 &&
         need > static_cast<size_t>(pages) * static_cast<size_t>(page_size)) {
@@ -419,7 +537,8 @@ Result<std::unique_ptr<GptTrainer>> GptTrainer::Create(const GptConfig& model, i
   Status allocated = m.AllocateBuffers([ops](size_t n) { return ops->AllocFloats(n); },
                                        [ops](size_t n) { return ops->AllocInts(n); });
   if (!allocated.ok()) {
-    const double gib = static_cast<double>(DeviceBytes(model, batch, seq, m.half)) / (1 << 30);
+    const double gib =
+        static_cast<double>(DeviceBytes(model, batch, seq, m.half, m.window)) / (1 << 30);
     char need[64];
     std::snprintf(need, sizeof(need), "%.2f GiB", gib);
     return allocated.WithContext(
@@ -445,6 +564,10 @@ Result<std::unique_ptr<GptTrainer>> GptTrainer::Create(const GptConfig& model, i
 Result<double> GptTrainer::MicroStep(const int32_t* tokens, const int32_t* targets,
                                      float loss_scale, StepStats* stats) {
   Impl& m = *impl_;
+  if (m.window > 0) {
+    return Status::FailedPrecondition(
+        "GptTrainer::MicroStep: the engine's zinf.schedule is layer-major; call Window");
+  }
   for (int i = 0; i < m.N; ++i) {
     if (tokens[i] < 0 || tokens[i] >= m.V || targets[i] < 0 || targets[i] >= m.V) {
       return Status::InvalidArgument("token " + std::to_string(i) + " is outside the vocabulary");
@@ -460,11 +583,43 @@ Result<double> GptTrainer::MicroStep(const int32_t* tokens, const int32_t* targe
   return loss;
 }
 
-size_t GptTrainer::DeviceBytes(const GptConfig& model, int batch, int seq, bool half) {
+Result<std::vector<double>> GptTrainer::Window(const int32_t* tokens, const int32_t* targets,
+                                               float loss_scale, StepStats* stats) {
+  Impl& m = *impl_;
+  if (m.window == 0) {
+    return Status::FailedPrecondition(
+        "GptTrainer::Window: the engine's zinf.schedule is micro-batch; call MicroStep");
+  }
+  const size_t n = static_cast<size_t>(m.N) * m.window;
+  for (size_t i = 0; i < n; ++i) {
+    if (tokens[i] < 0 || tokens[i] >= m.V || targets[i] < 0 || targets[i] >= m.V) {
+      return Status::InvalidArgument("token " + std::to_string(i % m.N) + " of micro-batch " +
+                                     std::to_string(i / m.N) + " is outside the vocabulary");
+    }
+  }
+  m.ops->UploadInts(m.wtokens, tokens, n);
+  m.ops->UploadInts(m.wtargets, targets, n);
+  const float scaled = static_cast<float>(loss_scale * m.engine->loss_scale());
+  std::vector<double> losses;
+  ZINF_RETURN_IF_ERROR(m.WindowForward(scaled, &losses));
+  ZINF_RETURN_IF_ERROR(m.WindowBackward());
+  ZINF_ASSIGN_OR_RETURN(StepStats st, m.engine->Step());
+  if (stats != nullptr) *stats = st;
+  return losses;
+}
+
+size_t GptTrainer::WindowBytes(const GptConfig& model, int batch, int seq, int window) {
+  if (window <= 0) return 0;
+  const size_t with = DeviceBytes(model, batch, seq, false, window);
+  const size_t without = DeviceBytes(model, batch, seq, false, 0);
+  return with == SIZE_MAX ? SIZE_MAX : with - without;
+}
+
+size_t GptTrainer::DeviceBytes(const GptConfig& model, int batch, int seq, bool half, int window) {
   // Create refuses these shapes.
   if (batch < 1 || seq < 1 || static_cast<int64_t>(batch) * seq > INT32_MAX) return 0;
   Impl m;
-  m.SetShape(model, batch, seq, half);
+  m.SetShape(model, batch, seq, half, window);
   // Count what AllocateBuffers asks for (each allocation rounded to the CUDA pool's 256
   // bytes); the pointers handed back are never used.
   size_t bytes = 0;

@@ -45,11 +45,21 @@ class GptTrainer {
                                                     Device* device = nullptr);
   ~GptTrainer();
 
-  // One micro-step: forward, backward and Engine::Step on batch*seq tokens. The loss is
+  // One micro-step (zinf.schedule micro-batch): forward, backward and Engine::Step on
+  // batch*seq tokens. The loss is
   // scaled by `loss_scale` for the gradients (1 / accumulation steps for a mean); the
   // returned loss is the unscaled mean cross-entropy (nats per token).
   Result<double> MicroStep(const int32_t* tokens, const int32_t* targets, float loss_scale,
                            StepStats* stats);
+  // zinf.schedule layer-major: one window of the engine's gradient_accumulation_steps
+  // micro-batches (k) and its Engine::Step. tokens and targets hold k x batch x seq values,
+  // micro-batch after micro-batch. Each block runs for every micro-batch before the next
+  // (its parameters acquired once per pass), keeping each micro-batch's block inputs and
+  // recomputing a block's activations in the backward; the gradients, summed in micro-batch
+  // order by the engine, and so the parameters are MicroStep's bit for bit. Returns the k
+  // unscaled losses.
+  Result<std::vector<double>> Window(const int32_t* tokens, const int32_t* targets,
+                                     float loss_scale, StepStats* stats);
   // xxh3-64 over the fp32 master values of every parameter in registration order (gathered
   // from the engine), so two runs can be compared.
   Result<uint64_t> ParamChecksum();
@@ -59,7 +69,11 @@ class GptTrainer {
   // The device memory the trainer takes from a CUDA device's pool for this shape
   // (activations, gradients of one layer, scratch), beyond the engine's budget.
   // `half`: the engine stores 16-bit parameters (bf16 or fp16).
-  static size_t DeviceBytes(const GptConfig& model, int batch, int seq, bool half);
+  // `window`: the micro-batches a layer-major window keeps (0: the micro-batch schedule).
+  static size_t DeviceBytes(const GptConfig& model, int batch, int seq, bool half, int window = 0);
+  // Of those, what a layer-major window of `window` micro-batches keeps (block inputs, the
+  // gradient on its way down, wte's gradient, tokens): the activation bytes of the schedule.
+  static size_t WindowBytes(const GptConfig& model, int batch, int seq, int window);
 
   const GptConfig& model() const { return model_; }
   int batch() const { return batch_; }

@@ -68,6 +68,28 @@ TEST(ZinfTrainRanks, TwoRanksMatchOneRankWithTwiceTheBatch) {
   EXPECT_EQ(a.stdout_text.find("\"ranks\""), a.stdout_text.rfind("\"ranks\""));
 }
 
+// --schedule layer-major over 2 ranks (parameters on the host, 3 micro-batches per step, the
+// default there: "auto") ends on the micro-batch schedule's checksum and losses, bit for bit.
+TEST(ZinfTrainRanks, LayerMajorEndsOnTheMicroBatchSchedulesChecksum) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  nlohmann::json runs[2];
+  for (int layer_major = 0; layer_major < 2; ++layer_major) {
+    std::vector<std::string> args = Args(dir.path() + "/swap" + std::to_string(layer_major), 2, 3);
+    args.insert(args.begin(), {"--nproc", "2", "--grad-accum", "3", "--param-tier", "cpu"});
+    if (layer_major == 0) args.insert(args.begin(), {"--schedule", "micro-batch"});
+    Outcome o = Spawn(dir.path(), args, "");
+    ASSERT_EQ(o.exit_code, 0) << o.stderr_text;
+    runs[layer_major] = LastJson(o.stdout_text);
+  }
+  EXPECT_EQ(runs[0]["schedule"], "micro-batch");
+  EXPECT_EQ(runs[1]["schedule"], "layer-major");
+  EXPECT_EQ(runs[0]["window_activation_bytes"], 0);
+  EXPECT_GT(runs[1]["window_activation_bytes"].get<uint64_t>(), 0u);
+  EXPECT_EQ(runs[0]["param_checksum"], runs[1]["param_checksum"]);
+  EXPECT_EQ(runs[0]["losses"], runs[1]["losses"]);
+}
+
 TEST(ZinfTrainRanks, KilledRankEndsTheRunFast) {
   TempDir dir;
   ASSERT_TRUE(dir.ok());
