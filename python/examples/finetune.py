@@ -72,6 +72,14 @@ def parse_args():
     ap.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     ap.add_argument("--batch", type=int, default=4, help="sequences per micro-step")
     ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--schedule", choices=["auto", "layer-major", "micro-batch"],
+                    default="auto",
+                    help="zinf.schedule: layer-major runs each block for every micro-batch of "
+                    "the window before the next (engine.train_window: each parameter fetched "
+                    "once per pass whatever --grad-accum; the block inputs kept, each block run "
+                    "again in the backward); micro-batch runs one micro-batch at a time; auto "
+                    "(default): layer-major with --grad-accum above 1, parameters offloaded "
+                    "and an untied head, else micro-batch. The same bits either way")
     ap.add_argument("--steps", type=int, default=20, help="optimizer steps")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--warmup", type=int, default=5, help="linear warmup steps")
@@ -134,6 +142,13 @@ def parse_args():
         ap.error("--lr, --warmup and --clip must be finite and >= 0")
     if args.resume and not args.checkpoint_dir:
         ap.error("--resume needs --checkpoint-dir")
+    if args.schedule == "auto":
+        stackable = not args.hf.get("tie", False)
+        args.schedule = ("layer-major" if args.grad_accum > 1 and args.param_tier != "device"
+                         and stackable else "micro-batch")
+    elif args.schedule == "layer-major" and args.hf.get("tie", False):
+        ap.error("--schedule layer-major: %s ties the head to the embedding; tied models train "
+                 "on the micro-batch schedule" % args.hf_path)
     args.lora_targets = [t for t in args.lora_targets.split(",") if t]
     if args.lora is not None:
         if args.lora < 1:
@@ -192,6 +207,7 @@ def make_config(args):
     cfg["gradient_clipping"] = args.clip
     cfg["bf16"] = {"enabled": not args.fp32}
     z = cfg.setdefault("zinf", {})
+    z["schedule"] = args.schedule
     if args.pinned_budget is not None:
         z.setdefault("pinned_budget_bytes", args.pinned_budget)
     if args.device_budget:
@@ -307,14 +323,24 @@ def main():
         engine.set_lr(lr)
         t = time.time()
         loss_sum, read, written, eff = 0.0, 0, 0, []
-        for micro in range(args.grad_accum):
-            x, y = (z.to(device) for z in data.get(step, micro, engine.rank))
-            loss = engine(x, y)
-            if init_seconds is None:
-                init_seconds = time.time() - t0
-            engine.backward(loss)
-            stats = engine.step()
-            loss_sum += loss.item() / args.grad_accum
+        runs = []  # (the micro-batches' losses, the engine's statistics) per engine.step()
+        batches = [tuple(z.to(device) for z in data.get(step, micro, engine.rank))
+                   for micro in range(args.grad_accum)]
+        if args.schedule == "layer-major":
+            micro_losses = engine.train_window(batches, *model.stack())
+            runs.append((micro_losses, engine.step()))
+        else:
+            for x, y in batches:
+                loss = engine(x, y)
+                if init_seconds is None:
+                    init_seconds = time.time() - t0
+                engine.backward(loss)
+                runs.append(([loss], engine.step()))
+        if init_seconds is None:
+            init_seconds = time.time() - t0
+        for micro_losses, stats in runs:
+            for loss in micro_losses:
+                loss_sum += loss.item() / args.grad_accum
             read += stats["nvme_read_bytes"]
             written += stats["nvme_write_bytes"]
             eff.append(stats["overlap_efficiency"])
@@ -348,6 +374,8 @@ def main():
         "frozen_weight_dtype": cfg["zinf"].get("frozen_weight_dtype", "as-is"),
         "pinned_budget_bytes": engine.config.summary["pinned_budget_bytes"],
         "world_size": engine.world_size,
+        "grad_accum": args.grad_accum,
+        "schedule": args.schedule,
         "steps": len(losses),
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,

@@ -203,6 +203,8 @@ void BindEngine(py::module_& m) {
       .def("views", &PyEngine::Views)
       .def("pending_releases", &PyEngine::PendingReleases)
       .def("reduce_gradient", &PyEngine::ReduceGradient, py::arg("id"), py::arg("grad_ptr"))
+      .def("reduce_gradient_of", &PyEngine::ReduceGradientOf, py::arg("id"), py::arg("grad_ptr"),
+           py::arg("micro_batch"))
       .def("step", &PyEngine::Step)
       .def("save_checkpoint", &PyEngine::SaveCheckpoint, py::arg("dir"), py::arg("user_data"))
       .def("load_checkpoint", &PyEngine::LoadCheckpoint, py::arg("dir"))
@@ -266,9 +268,12 @@ void BindEngine(py::module_& m) {
       .def_property_readonly("loss_scale", [](PyEngine& e) { return e.engine().loss_scale(); })
       .def_property_readonly("skipped_steps",
                              [](PyEngine& e) { return e.engine().skipped_steps(); })
-      .def_property_readonly("gradient_accumulation_steps", [](PyEngine& e) {
-        return e.engine().config().gradient_accumulation_steps;
-      });
+      .def_property_readonly(
+          "gradient_accumulation_steps",
+          [](PyEngine& e) { return e.engine().config().gradient_accumulation_steps; })
+      // zinf.schedule "layer-major": one step per window (ZinfEngine.train_window).
+      .def_property_readonly("layer_major",
+                             [](PyEngine& e) { return e.engine().config().layer_major; });
 }
 
 }  // namespace

@@ -219,6 +219,14 @@ void PyEngine::ReduceGradient(ParamId id, uintptr_t grad) {
   WithoutGil([&] { return engine().ReduceGradient(id, reinterpret_cast<const float*>(grad)); });
 }
 
+void PyEngine::ReduceGradientOf(ParamId id, uintptr_t grad, int micro_batch) {
+  CheckUsable();
+  if (grad == 0) Throw(Status::InvalidArgument("reduce_gradient_of: null gradient"));
+  WithoutGil([&] {
+    return engine().ReduceGradient(id, reinterpret_cast<const float*>(grad), micro_batch);
+  });
+}
+
 py::dict PyEngine::Step() {
   CheckUsable();
   Drain();

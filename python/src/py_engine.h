@@ -79,6 +79,8 @@ class PyEngine {
   std::map<ParamId, int64_t> PendingReleases() const { return core_->views.Owed(); }
 
   void ReduceGradient(ParamId id, uintptr_t grad);
+  // The gradient of micro-batch `micro_batch` of the window (zinf.schedule layer-major).
+  void ReduceGradientOf(ParamId id, uintptr_t grad, int micro_batch);
   py::dict Step();
   void SaveCheckpoint(const std::string& dir, const std::string& user_data);
   py::bytes LoadCheckpoint(const std::string& dir);

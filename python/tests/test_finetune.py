@@ -98,3 +98,23 @@ def test_under_a_launcher_rank_zero_reports_once(scratch):
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert len(lines) == 1 and lines[0]["world_size"] == 2 and lines[0]["steps"] == 2
     assert out.count("finetune: Llama") == 1
+
+
+def test_layer_major_over_two_ranks_trains_the_micro_batch_schedules_losses(scratch):
+    """--grad-accum 3 with LoRA under a launcher: the default schedule (auto: layer-major, the
+    parameters offloaded) gives the micro-batch schedule's losses, bit for bit."""
+    summaries = {}
+    for schedule in ("auto", "micro-batch"):
+        out, _ = run([sys.executable, "-m", "zinf.launch", "--nproc_per_node", "2", SCRIPT,
+                      "--steps", "3", "--seq", "16", "--batch", "1", "--grad-accum", "3",
+                      "--param-tier", "cpu", "--optimizer-tier", "cpu", "--layers", "2",
+                      "--dim", "32", "--heads", "4", "--lora", "4", "--lr", "3e-3",
+                      "--device", "cpu", "--schedule", schedule,
+                      "--nvme", os.path.join(scratch, schedule)], scratch)
+        lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert len(lines) == 1
+        summaries[schedule] = lines[0]
+    assert summaries["auto"]["schedule"] == "layer-major"
+    assert summaries["micro-batch"]["schedule"] == "micro-batch"
+    assert summaries["auto"]["losses"] == summaries["micro-batch"]["losses"]
+    assert summaries["auto"]["losses"][-1] != summaries["auto"]["losses"][0]

@@ -47,7 +47,7 @@ import weakref
 
 import torch
 
-from . import _autograd, _checkpoint
+from . import _autograd, _checkpoint, _layer_major
 from ._access import ParamAccess
 from ._calls import set_base_data
 from ._context import EngineContext
@@ -85,7 +85,8 @@ class ZinfEngine:
         self.world_size = core.world_size
         self.local_rank = 0
         self._registry = ParamRegistry()
-        self._micro = MicroStep(max(1, core.gradient_accumulation_steps))
+        gas = max(1, core.gradient_accumulation_steps)
+        self._micro = MicroStep(gas, gas if core.layer_major else 1)
         self._residency = Residency(self, self._registry, self._micro)
         hyper = hyper or {}
         self._groups = GroupSync({"betas": tuple(hyper.get("betas", (0.9, 0.999))),
@@ -200,6 +201,13 @@ class ZinfEngine:
         ranks, as DeepSpeed's); with fp16, multiplied by the loss scale (the engine divides the
         gradients by it). One backward per micro-step."""
         self._enter("engine.backward")
+        if self._micro.span > 1:
+            raise error("FailedPrecondition",
+                        "engine.backward with zinf.schedule \"layer-major\" and %d accumulation "
+                        "steps: the window's micro-batches go through engine.train_window("
+                        "micro_batches, embed, blocks, head) (one call and one engine.step() per "
+                        "window); or set zinf.schedule \"micro-batch\" to call backward and step "
+                        "per micro-batch (nothing was run)" % self._gas)
         self._between_steps("engine.backward")
         self._sync_lr()
         self._micro.losses.append(loss.detach())
@@ -218,6 +226,19 @@ class ZinfEngine:
             self._micro.in_backward = False
         self._residency.end_backward()
         self._micro.backwards += 1
+
+    def train_window(self, micro_batches, embed, blocks, head):
+        """zinf.schedule "layer-major": the forward and backward of a whole accumulation window
+        (then call engine.step() once), each block run for every micro-batch before the next, so
+        each parameter is fetched once per pass whatever gradient_accumulation_steps is.
+        `micro_batches`: gradient_accumulation_steps (inputs, targets) pairs. The model must be a
+        stack: `embed(inputs)` -> hidden states, `blocks` (modules, hidden -> hidden, in order),
+        `head(hidden, targets)` -> the scalar loss (zinf.models.Llama.stack() gives the three).
+        Each micro-batch's block inputs are kept; each block is run again in the backward to
+        get its activations. The gradients are summed in micro-batch order, so the parameters
+        are those of engine(...), engine.backward and engine.step() per micro-batch, bit for
+        bit. Returns the micro-batches' losses (detached)."""
+        return _layer_major.train_window(self, micro_batches, embed, blocks, head)
 
     # ---- Steps --------------------------------------------------------------------------------
 

@@ -15,9 +15,14 @@ from ._errors import error
 class MicroStep:
     """The counters of the current micro-step and accumulation window (one per engine)."""
 
-    def __init__(self, gas):
+    def __init__(self, gas, span=1):
         self.gas = gas
-        self.index = 0  # micro-steps ended (engine.step() calls, or restored from a checkpoint)
+        # Micro-batches one engine.step() ends: the window's with zinf.schedule layer-major
+        # (engine.train_window), else 1.
+        self.span = span
+        # Inside engine.train_window's backward: the micro-batch whose gradients come now.
+        self.window_mb = None
+        self.index = 0  # micro-batches ended (by engine.step(), or restored from a checkpoint)
         self.started = False  # a training forward or a gradient since the last step
         self.reduced = []  # the parameters whose gradient reached the engine in this micro-step
         self.backwards = 0  # engine.backward calls completed in this micro-step
@@ -27,7 +32,7 @@ class MicroStep:
 
     def is_boundary(self):
         """Whether the next step() ends an accumulation window (runs the optimizer)."""
-        return (self.index + 1) % self.gas == 0
+        return (self.index + self.span) % self.gas == 0
 
     def gradient_reduced(self, p):
         p.reduce_gradient()
@@ -41,7 +46,7 @@ class MicroStep:
     def ended(self, optimizer_ran, applied=True):
         """engine.step() ended the micro-step (and the window when the optimizer ran;
         `applied`: its update was not skipped, as fp16 skips one whose gradients overflowed)."""
-        self.index += 1
+        self.index += self.span
         self.started = False
         self._clear_gradients()
         self.backwards = 0

@@ -214,7 +214,8 @@ class ModuleHooks:
         if grad.shape != p.shape:
             raise ZinfError("parameter '%s': gradient of shape %s for a parameter of shape %s"
                             % (p.names[0], tuple(grad.shape), tuple(p.shape)))
-        if p.grad_state is GradState.REDUCED:
+        mb = self._micro.window_mb  # engine.train_window: the micro-batch (zinf checks its order)
+        if p.grad_state is GradState.REDUCED and mb is None:
             raise self._micro.second_gradient(p)
         e = self._ctx
         if e.dtype is torch.float16 and not self._micro.in_backward:
@@ -228,8 +229,12 @@ class ModuleHooks:
         if g.dtype != torch.float32 or g.device != e.device or not g.is_contiguous():
             g = g.to(device=e.device, dtype=torch.float32).contiguous()
         self._micro.started = True
-        e.core.reduce_gradient(p.id, g.data_ptr())
-        self._micro.gradient_reduced(p)
+        if mb is None:
+            e.core.reduce_gradient(p.id, g.data_ptr())
+        else:
+            e.core.reduce_gradient_of(p.id, g.data_ptr(), mb)
+        if p.grad_state is GradState.PENDING:
+            self._micro.gradient_reduced(p)
         self._residency.flush()
 
     def check_no_stray_grads(self):

@@ -97,6 +97,19 @@ class LlamaBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class LlamaHead(nn.Module):
+    """Llama's final norm, head and loss: the last stage of Llama.stack()."""
+
+    def __init__(self, norm, lm_head):
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, x, targets):
+        logits = self.lm_head(self.norm(x))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 class Llama(nn.Module):
     """RMSNorm, rotary embeddings, SwiGLU, grouped-query attention (HF names); the head untied
     unless tie_embeddings (then lm_head.weight is embed_tokens.weight, one parameter).
@@ -113,6 +126,18 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         if tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def stack(self):
+        """The model as a stack for zinf.schedule "layer-major" (ZinfEngine.train_window):
+        (embed, blocks, head) with embed(ids) -> hidden, the blocks in order, and
+        head(hidden, targets) -> the loss forward(ids, targets) gives. A tied head (one weight
+        with two uses per micro-batch) is refused: train it on the micro-batch schedule."""
+        if self.lm_head.weight is self.embed_tokens.weight:
+            raise ValueError("Llama.stack(): the head is tied to the embedding (one parameter "
+                             "used at both ends of the stack); zinf's layer-major schedule "
+                             "needs each parameter in one stage: use the micro-batch schedule")
+
+        return self.embed_tokens, list(self.layers), LlamaHead(self.norm, self.lm_head)
 
     def forward(self, ids, targets=None):
         x = self.embed_tokens(ids)
