@@ -20,7 +20,10 @@ for k in $ks; do
   for schedule in $order; do
     rm -rf "$swap"
     echo "layer_major.sh: K=$k, $schedule" >&2
-    line=$("$bin" "$@" --steps "$steps" --grad-accum "$k" --schedule "$schedule" --json | tail -1)
+    if ! line=$("$bin" "$@" --steps "$steps" --grad-accum "$k" --schedule "$schedule" --json | tail -1); then
+      echo "layer_major.sh: K=$k, $schedule failed (its error above); going on" >&2
+      continue
+    fi
     /usr/bin/python3 - "$line" "$k" "$schedule" "$steps" "$*" <<'PY'
 import json, sys
 r = json.loads(sys.argv[1])

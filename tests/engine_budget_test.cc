@@ -73,30 +73,6 @@ TEST(EngineTest, BudgetTooSmallForTheLargestLayerFailsAtRegistration) {
   EXPECT_NE(failure.message().find("budget"), std::string::npos) << failure.ToString();
 }
 
-// Whether the model registers (FinishRegistration succeeds) under the options' budgets.
-Status RegisterOnly(const RunOptions& o, const std::string& nvme_dir) {
-  std::unique_ptr<Device> device = NewTestHostDevice();
-  auto comms = NewLocalComms({device.get()});
-  if (!comms.ok()) return comms.status();
-  Result<std::unique_ptr<Engine>> engine =
-      Engine::Create(MakeConfig(o, nvme_dir), device.get(), (*comms)[0].get());
-  if (!engine.ok()) return engine.status();
-  RankTrainer trainer(engine->get(), device.get());
-  ZINF_RETURN_IF_ERROR(trainer.Register());
-  return (*engine)->FinishRegistration();
-}
-
-// The smallest pinned budget (to 4 KiB) under which the model registers.
-uint64_t SmallestPinnedBudget(RunOptions o, const std::string& nvme_dir) {
-  uint64_t lo = 4096, hi = kPinnedBudget;  // registers at hi, not at lo
-  EXPECT_TRUE(RegisterOnly(o, nvme_dir).ok());
-  while (hi - lo > 4096) {
-    o.pinned_budget_bytes = (lo + hi) / 2 / 4096 * 4096;
-    (RegisterOnly(o, nvme_dir).ok() ? hi : lo) = o.pinned_budget_bytes;
-  }
-  return hi;
-}
-
 TEST(EngineTest, StreamingGradientAccumulatorsNeedTwoSubGroupsNotAllGradients) {
   // Without accumulation and clipping, a sub-group holds pinned gradient memory only from its
   // first gradient until it is stepped. Small sub-groups make the difference visible: the

@@ -875,6 +875,30 @@ inline Status OffloadCycle(const RunOptions& o, int rank, int c, Engine* engine,
   return Status::OK();
 }
 
+// Whether the model registers (FinishRegistration succeeds) under the options' budgets.
+inline Status RegisterOnly(const RunOptions& o, const std::string& nvme_dir) {
+  std::unique_ptr<Device> device = NewTestHostDevice();
+  auto comms = NewLocalComms({device.get()});
+  if (!comms.ok()) return comms.status();
+  Result<std::unique_ptr<Engine>> engine =
+      Engine::Create(MakeConfig(o, nvme_dir), device.get(), (*comms)[0].get());
+  if (!engine.ok()) return engine.status();
+  RankTrainer trainer(engine->get(), device.get());
+  ZINF_RETURN_IF_ERROR(trainer.Register());
+  return (*engine)->FinishRegistration();
+}
+
+// The smallest pinned budget (to 4 KiB) under which the model registers.
+inline uint64_t SmallestPinnedBudget(RunOptions o, const std::string& nvme_dir) {
+  uint64_t lo = 4096, hi = kPinnedBudget;  // registers at hi, not at lo
+  EXPECT_TRUE(RegisterOnly(o, nvme_dir).ok());
+  while (hi - lo > 4096) {
+    o.pinned_budget_bytes = (lo + hi) / 2 / 4096 * 4096;
+    (RegisterOnly(o, nvme_dir).ok() ? hi : lo) = o.pinned_budget_bytes;
+  }
+  return hi;
+}
+
 // RankMain's training with RunOptions::layer_major (no checkpoints or offload cycles).
 inline Status LayerMajorRun(const RunOptions& o, int rank, Engine* engine, RankTrainer* trainer,
                             RankOutput* out) {
@@ -1373,9 +1397,11 @@ inline void ExpectHealthyRun(const RunOptions& o, const RunResult& r) {
     uint64_t nvme_traffic = 0;
     for (size_t m = 0; m < stats.size(); ++m) {
       SCOPED_TRACE("rank " + std::to_string(rank) + " micro-step " + std::to_string(m));
-      const bool boundary = (m + 1) % o.grad_accum == 0;
+      // (Layer-major: each micro-batch carries its window's Step, which ends the window.)
+      const bool boundary = o.layer_major || (m + 1) % o.grad_accum == 0;
       EXPECT_EQ(stats[m].optimizer_ran, boundary);
-      EXPECT_EQ(stats[m].step, static_cast<int64_t>((m + 1) / o.grad_accum));
+      EXPECT_EQ(stats[m].step, static_cast<int64_t>(o.layer_major ? m / o.grad_accum + 1
+                                                                  : (m + 1) / o.grad_accum));
       EXPECT_LE(stats[m].peak_device_bytes, device_budget);
       EXPECT_LE(stats[m].peak_pinned_bytes, o.pinned_budget_bytes);
       nvme_traffic += stats[m].nvme_read_bytes + stats[m].nvme_write_bytes;

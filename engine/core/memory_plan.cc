@@ -113,8 +113,10 @@ uint64_t StagingBytes(const Layout& layout, const EngineConfig& config, uint64_t
 // (SharePinnedSpare), so backward can run ahead of the optimizer.
 void PlanGradientAccumulators(const EngineConfig& config, const GroupTotals& groups,
                               PinnedPlan* plan) {
-  plan->stream_grads = config.gradient_accumulation_steps <= 1 && !WaitsForGlobalNorm(config) &&
-                       groups.max_group_grads > 0;
+  // (A layer-major window is one micro-step: each sub-group's gradients of every micro-batch
+  // arrive before it is stepped, as with one micro-batch.)
+  plan->stream_grads = (config.gradient_accumulation_steps <= 1 || config.layer_major) &&
+                       !WaitsForGlobalNorm(config) && groups.max_group_grads > 0;
   plan->grad_block_bytes = groups.max_group_grads;
   plan->grads_min = plan->stream_grads
                         ? std::min<uint64_t>(groups.host_groups, 2) * groups.max_group_grads
