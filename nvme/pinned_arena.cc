@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <vector>
@@ -96,7 +97,53 @@ Result<std::unique_ptr<PinnedArena>> PinnedArena::Create(const PinnedArenaOption
     // Fault every page in now, not in the middle of a training step.
     for (size_t off = 0; off < bytes; off += 4096) static_cast<char*>(arena->base_)[off] = 0;
   }
+  if (options.huge_pages) arena->EnsureHugePages();
   return arena;
+}
+
+void PinnedArena::EnsureHugePages() {
+  Result<size_t> huge = HugePageBytes();
+  if (!huge.ok() || *huge >= capacity_) return;  // (no smaps: nothing to learn or do)
+  // The fault path fell back to 4 KiB pages for part of it (THP off for this process, or no
+  // free 2 MiB page at the time): collapse them synchronously (Linux 6.1), where it can.
+  constexpr int kCollapse = 25;                             // MADV_COLLAPSE
+  static_cast<void>(madvise(base_, capacity_, kCollapse));  // (checked below by its effect)
+  huge = HugePageBytes();
+  if (!huge.ok() || *huge * 10 >= capacity_ * 9) return;
+  std::string mode = "unknown";
+  if (FILE* f = std::fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r")) {
+    char line[128] = {0};
+    if (std::fgets(line, sizeof(line), f) != nullptr) mode = line;
+    std::fclose(f);
+    while (!mode.empty() && (mode.back() == '\n' || mode.back() == ' ')) mode.pop_back();
+  }
+  LogWarning("pinned arena: only " + FormatBytes(*huge) + " of " + FormatBytes(capacity_) +
+             " is on 2 MiB huge pages (transparent_hugepage/enabled: " + mode +
+             "): I/O of 1 MiB and more from 4 KiB pages is split into more requests (slower "
+             "writes). Set transparent_hugepage to madvise or always, or free memory so that "
+             "2 MiB pages are available");
+}
+
+Result<size_t> PinnedArena::HugePageBytes() const {
+  FILE* f = std::fopen("/proc/self/smaps", "r");
+  if (f == nullptr) return ErrnoToStatus(errno, "pinned arena: /proc/self/smaps");
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(base_), hi = lo + capacity_;
+  size_t total = 0, overlap = 0;
+  char line[512];
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    unsigned long begin = 0, end = 0, kb = 0;
+    if (std::sscanf(line, "%lx-%lx ", &begin, &end) == 2 && std::strchr(line, ':') != nullptr &&
+        std::strchr(line, '-') < std::strchr(line, ' ')) {
+      // A mapping's first line: how much of it lies in the arena.
+      const uintptr_t b = std::max<uintptr_t>(begin, lo), e = std::min<uintptr_t>(end, hi);
+      overlap = e > b ? e - b : 0;
+    } else if (overlap > 0 && std::sscanf(line, "AnonHugePages: %lu kB", &kb) == 1) {
+      // (A mapping that extends past the arena counts at most its part inside.)
+      total += std::min<size_t>(static_cast<size_t>(kb) << 10, overlap);
+    }
+  }
+  std::fclose(f);
+  return total;
 }
 
 PinnedArena::~PinnedArena() {

@@ -171,10 +171,11 @@ TEST(LayerMajor, StreamsTheGradientAccumulators) {
   const uint64_t b_layer = SmallestPinnedBudget(layer, nvme_dir.path());
   size_t grad_bytes = 0;
   for (int p = 0; p < Shape().num_params(); ++p) grad_bytes += Shape().numel(p) * sizeof(float);
-  std::printf("  smallest pinned budget: 1 micro-batch %llu, 4 micro-batch-major %llu, 4 "
-              "layer-major %llu; gradients %zu bytes\n",
-              static_cast<unsigned long long>(b_one), static_cast<unsigned long long>(b_micro),
-              static_cast<unsigned long long>(b_layer), grad_bytes);
+  std::printf(
+      "  smallest pinned budget: 1 micro-batch %llu, 4 micro-batch-major %llu, 4 "
+      "layer-major %llu; gradients %zu bytes\n",
+      static_cast<unsigned long long>(b_one), static_cast<unsigned long long>(b_micro),
+      static_cast<unsigned long long>(b_layer), grad_bytes);
   EXPECT_EQ(b_layer, b_one);
   EXPECT_GE(b_micro, b_layer + grad_bytes - 2 * (40 << 10));  // as the budget test's bound
 

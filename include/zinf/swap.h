@@ -79,11 +79,20 @@ class PinnedArena {
   bool released() const { return released_; }
   // Bytes of the arena resident in memory now (mincore).
   Result<size_t> ResidentBytes() const;
+  // Bytes of the arena backed by 2 MiB transparent huge pages now (AnonHugePages of its
+  // mappings in /proc/self/smaps). A 1 MiB request from 4 KiB pages is 256 segments, which the
+  // block layer splits; from a huge page it is one. Create asks for them (MADV_HUGEPAGE, then
+  // MADV_COLLAPSE where the fault path left 4 KiB pages) and warns, with the numbers, when
+  // under 90 % are.
+  Result<size_t> HugePageBytes() const;
 
  private:
   friend class PinnedBuffer;
   PinnedArena() = default;
   void Free(void* data, size_t capacity);
+  // With huge_pages: backs the arena with 2 MiB pages where the kernel can (MADV_COLLAPSE),
+  // warning when under 90 % are.
+  void EnsureHugePages();
 
   struct State;
   void* base_ = nullptr;
