@@ -40,7 +40,8 @@ set title "NVMe bytes read per optimizer step against accumulation steps"
 set xlabel "accumulation steps K (micro-batches per optimizer step)"
 set ylabel "GB read per optimizer step"
 set logscale x 2
-set key top left
+set logscale y 10
+set key right center
 set grid
 plot $plots
 GP
