@@ -60,11 +60,16 @@ def main():
     # every rank; "fill-rank0" fills it on rank 0 only; "load-rank0" loads a state dict on
     # rank 0 only; "read-rank0" reads a weight on rank 0 only (issue 38's hostile cases).
     ap.add_argument("--diverge", default="")
+    # zinf.schedule layer-major: each step one engine.train_window over the MLP as a stack
+    # (--diverge window-rank0: rank 0 passes one micro-batch more at step 1).
+    ap.add_argument("--layer-major", action="store_true")
     args = ap.parse_args()
     model, x, y = model_and_data()
     cfg = make_config(param=args.param, states=args.states, nvme=args.nvme, lr=1e-2,
                       gas=args.gas, clip=args.clip,
                       collective_timeout_seconds=args.timeout)
+    if args.layer_major:
+        cfg["zinf"]["schedule"] = "layer-major"
     if torch.cuda.is_available():
         cfg["zinf"]["device_budget_bytes"] = "256M"
     engine = zinf.initialize(model, cfg)
@@ -75,11 +80,26 @@ def main():
     rows = x.shape[0] // (world * args.gas)
     losses, grad_norms = [], []
     for step in range(args.steps):
-        if step == 1 and args.diverge:
+        if step == 1 and args.diverge and not args.layer_major:
             diverge(engine, model, rank, args.diverge)
         if step == args.kill_at and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         total = 0.0
+        if args.layer_major:
+            mbs = [(x[(m * world + rank) * rows:][:rows], y[(m * world + rank) * rows:][:rows])
+                   for m in range(args.gas)]
+            if step == 1 and args.diverge == "window-rank0" and rank == 0:
+                mbs.append(mbs[0])
+
+            def head(h, t):
+                return torch.nn.functional.mse_loss(model[4](h), t)
+
+            blocks = [model[1], model[2], model[3]]
+            total = sum(l.item() for l in engine.train_window(mbs, model[0], blocks, head))
+            stats = engine.step()
+            losses.append(total)
+            grad_norms.append(None)
+            continue
         for m in range(args.gas):
             begin = (m * world + rank) * rows
             loss = torch.nn.functional.mse_loss(engine(x[begin:begin + rows]),

@@ -327,3 +327,20 @@ def test_writes_and_reads_on_some_ranks_only_are_refused_on_every_rank(scratch, 
         assert p.returncode == 1, (r, p.returncode, outs[r][-3000:])  # an error, not a signal
         assert names in outs[r], (r, outs[r][-3000:])
     assert time.time() - start < 150  # not the 300 s collective timeout
+
+
+def test_a_window_of_another_shape_on_one_rank_is_refused_on_every_rank(scratch):
+    """engine.train_window with one micro-batch more on rank 0: the ranks compare the window's
+    shape before anything else, so both fail at once naming both (before, rank 0 raised alone
+    and rank 1 was left in the window's first comparison)."""
+    port = free_port()
+    start = time.time()
+    procs = [_start_rank(r, 2, port, scratch,
+                         args=("--layer-major", "--gas", "2", "--diverge", "window-rank0",
+                               "--steps", "3")) for r in range(2)]
+    outs = [_finish(p) for p in procs]
+    for r, p in enumerate(procs):
+        assert p.returncode == 1, (r, p.returncode, outs[r][-3000:])
+        assert "rank 0 has engine.train_window of 3 micro-batches through 3 blocks, rank 1 " \
+               "has engine.train_window of 2 micro-batches" in outs[r], (r, outs[r][-3000:])
+    assert time.time() - start < 150  # not the 300 s collective timeout

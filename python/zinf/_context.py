@@ -35,6 +35,9 @@ class EngineContext:
         self.groups = groups  # _optim.GroupSync: the optimizer groups the core has
         self.closed = False
         self.gathered = 0  # GatheredParameters blocks open (_ds/gathered.py)
+        # Inside engine.train_window: the ranks compared the whole window once, so its stage
+        # calls skip the per-forward comparison (2 x layers x micro-batches collectives).
+        self.in_window = False
         # The engine's hand-over of its optimizer's groups (groups.sync with the optimizer the
         # engine holds now; a weak method: the context never keeps the engine alive).
         self._sync_lr = sync_lr

@@ -131,10 +131,14 @@ def _head(engine, micro_batches, head, xs):
 def train_window(engine, micro_batches, embed, blocks, head):
     engine._enter("engine.train_window")
     blocks = list(blocks)
+    # (The ranks compare the window's shape first: one rank refused alone would leave the
+    # others waiting in the window's collectives.)
+    engine._between_steps("engine.train_window of %d micro-batches through %d blocks"
+                          % (len(micro_batches), len(blocks)))
     _check(engine, micro_batches, blocks)
-    engine._between_steps("engine.train_window")
     engine._sync_lr()
     k = len(micro_batches)
+    engine._ctx.in_window = True
     try:
         with torch.enable_grad():
             kept, xs = _forward(engine, micro_batches, embed, blocks)
@@ -158,5 +162,7 @@ def train_window(engine, micro_batches, embed, blocks, head):
     except BaseException:
         engine._residency.unwind()
         raise
+    finally:
+        engine._ctx.in_window = False
     engine._micro.backwards += 1
     return losses

@@ -141,7 +141,8 @@ class ModuleHooks:
                             "a forward of the model inside GatheredParameters: the gathered "
                             "parameters are ordinary tensors until the block ends; run the "
                             "forward after it")
-            e.between_steps("a forward of the model")
+            if not e.in_window:
+                e.between_steps("a forward of the model")
             res.flush()
             self._check_parameters(e)
             res.traced = torch.is_grad_enabled() and model.training
