@@ -251,19 +251,7 @@ class RankTrainer {
   // error, naming the call.
   Status MicroStep(int row_begin, int rows, bool swap_first_two, double* loss, StepStats* stats) {
     gradients_reduced_ = 0;
-    Status s = ForwardBackward(row_begin, rows, swap_first_two, loss);
-    if (!s.ok()) {
-      for (int l : held_) (void)engine_->Release(LayerIds(l));  // safe: the first error is s
-      held_.clear();
-      (void)EndOfMicroStep();  // safe: s is the error to report
-      return s;
-    }
-    Result<StepStats> st = engine_->Step();
-    Status ended = EndOfMicroStep();
-    if (!st.ok()) return st.status().WithContext("Step");
-    ZINF_RETURN_IF_ERROR(ended);
-    *stats = *st;
-    return Status::OK();
+    return StepAfter(ForwardBackward(row_begin, rows, swap_first_two, loss), stats);
   }
 
   // zinf.schedule layer-major: a whole window of micro-batches (row_begins[j], `rows` rows
@@ -274,7 +262,12 @@ class RankTrainer {
   Status LayerMajorWindow(const std::vector<int>& row_begins, int rows, int skip_after_first,
                           std::vector<double>* losses, StepStats* stats) {
     gradients_reduced_ = 0;
-    Status s = LayerMajorPasses(row_begins, rows, skip_after_first, losses);
+    return StepAfter(LayerMajorPasses(row_begins, rows, skip_after_first, losses), stats);
+  }
+
+  // The end of a micro-step whose passes returned `s`: on failure, releases what is held and
+  // returns s; else Engine::Step into *stats.
+  Status StepAfter(const Status& s, StepStats* stats) {
     if (!s.ok()) {
       for (int l : held_) (void)engine_->Release(LayerIds(l));  // safe: the first error is s
       held_.clear();
